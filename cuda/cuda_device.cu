@@ -1,0 +1,30 @@
+// cuda_device.cu: runtime checks for a usable CUDA device (driver present, device count).
+#include <cuda_runtime.h>
+#include "cuda_device.h"
+
+namespace kdtree {
+
+bool cuda_device_usable(std::string* why) {
+  int n = 0;
+  cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess) {
+    if (why) *why = std::string("CUDA runtime: ") + cudaGetErrorString(err);
+    cudaGetLastError();  // clear the sticky-free error state
+    return false;
+  }
+  if (n == 0) {
+    if (why) *why = "no CUDA device found";
+    return false;
+  }
+  if (why) *why = "";
+  return true;
+}
+
+std::string cuda_device_name() {
+  if (!cuda_device_usable(nullptr)) return "";
+  cudaDeviceProp p;
+  if (cudaGetDeviceProperties(&p, 0) != cudaSuccess) return "";
+  return std::string(p.name) + " (sm_" + std::to_string(p.major * 10 + p.minor) + ")";
+}
+
+}  // namespace kdtree

@@ -1,0 +1,1 @@
+"""Native ops (placeholder until the tree area lands)."""

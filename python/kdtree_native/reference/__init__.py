@@ -1,0 +1,1 @@
+"""NumPy references (the oracle) for every algorithm of kdtree-native: plain and slow."""
