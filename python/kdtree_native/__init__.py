@@ -38,6 +38,7 @@ def cuda_available():
 from .kdtr import save_kdtr, load_kdtr  # noqa: E402
 from . import reference  # noqa: E402
 from . import ops  # noqa: E402
+from .engine import Engine  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -47,4 +48,5 @@ __all__ = [
     "load_kdtr",
     "reference",
     "ops",
+    "Engine",
 ]
