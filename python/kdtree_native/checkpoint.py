@@ -1,0 +1,281 @@
+"""HF checkpoint loading: safetensors (single file or sharded) -> {HF name: float32 ndarray}.
+
+Where it sits: `Engine.from_pretrained` and `kn.reference` call `load_weights(dir, cfg)`.
+No torch needed: the safetensors header (8-byte little-endian length + JSON) is parsed here and
+each file is memory-mapped once. F32 tensors come back as zero-copy read-only views of the
+map; BF16 / F16 are converted to float32 once (BF16 exactly, by a 16-bit shift; F16 exactly,
+by numpy). Every tensor is read at most once.
+
+Names are the HF hub layout (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`, ...), see
+`expected_weight_shapes`. The MTP layers stored after the main ones
+(`model.layers.{num_hidden_layers}.*` and up) are ignored, as HF does. Missing, unexpected or
+mis-shaped tensors are reported together in one ValueError; a damaged file (truncated, bad
+JSON header, offsets outside the file) raises ValueError naming the file and the problem.
+"""
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import re
+import struct
+from typing import Callable, Optional
+
+import numpy as np
+
+from .config import ModelConfig
+
+__all__ = ["expected_weight_shapes", "load_weights", "read_safetensors_header", "SafetensorsFile"]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+# safetensors dtype -> (numpy dtype of the stored bytes, bytes per element)
+_ST_DTYPES = {
+    "F64": (np.dtype("<f8"), 8),
+    "F32": (np.dtype("<f4"), 4),
+    "F16": (np.dtype("<f2"), 2),
+    "BF16": (np.dtype("<u2"), 2),   # raw bits; widened to f32 below
+    "I64": (np.dtype("<i8"), 8),
+    "I32": (np.dtype("<i4"), 4),
+    "I16": (np.dtype("<i2"), 2),
+    "I8": (np.dtype("i1"), 1),
+    "U8": (np.dtype("u1"), 1),
+    "BOOL": (np.dtype("?"), 1),
+}
+_FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+_MAX_HEADER = 100 * 1024 * 1024   # safetensors' own limit on the JSON header
+
+
+def expected_weight_shapes(cfg: ModelConfig) -> dict:
+    """Every tensor the forward reads: {HF hub name (without cfg.weight_prefix): shape}."""
+    h = cfg.hidden_size
+    H = cfg.num_attention_heads
+    shapes = {"model.embed_tokens.weight": (cfg.vocab_size, h), "model.norm.weight": (h,)}
+    if not cfg.tie_word_embeddings:
+        shapes["lm_head.weight"] = (cfg.vocab_size, h)
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        a = p + "self_attn."
+        if cfg.q_lora_rank:
+            shapes[a + "q_a_proj.weight"] = (cfg.q_lora_rank, h)
+            shapes[a + "q_a_layernorm.weight"] = (cfg.q_lora_rank,)
+            shapes[a + "q_b_proj.weight"] = (H * cfg.qk_head_dim, cfg.q_lora_rank)
+        else:
+            shapes[a + "q_proj.weight"] = (H * cfg.qk_head_dim, h)
+        shapes[a + "kv_a_proj_with_mqa.weight"] = (cfg.kv_lora_rank + cfg.qk_rope_head_dim, h)
+        shapes[a + "kv_a_layernorm.weight"] = (cfg.kv_lora_rank,)
+        shapes[a + "kv_b_proj.weight"] = (H * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank)
+        shapes[a + "o_proj.weight"] = (h, H * cfg.v_head_dim)
+        m = p + "mlp."
+        if cfg.is_moe_layer(i):
+            shapes[m + "gate.weight"] = (cfg.n_routed_experts, h)
+            shapes[m + "gate.e_score_correction_bias"] = (cfg.n_routed_experts,)
+            inter = cfg.moe_intermediate_size
+            for e in range(cfg.n_routed_experts):
+                x = f"{m}experts.{e}."
+                shapes[x + "gate_proj.weight"] = (inter, h)
+                shapes[x + "up_proj.weight"] = (inter, h)
+                shapes[x + "down_proj.weight"] = (h, inter)
+            if cfg.n_shared_experts:
+                si = inter * cfg.n_shared_experts
+                shapes[m + "shared_experts.gate_proj.weight"] = (si, h)
+                shapes[m + "shared_experts.up_proj.weight"] = (si, h)
+                shapes[m + "shared_experts.down_proj.weight"] = (h, si)
+        else:
+            shapes[m + "gate_proj.weight"] = (cfg.intermediate_size, h)
+            shapes[m + "up_proj.weight"] = (cfg.intermediate_size, h)
+            shapes[m + "down_proj.weight"] = (h, cfg.intermediate_size)
+    return shapes
+
+
+# ---- safetensors files ------------------------------------------------------------------
+
+def read_safetensors_header(path: str, file_size: Optional[int] = None) -> tuple[dict, int]:
+    """(tensor entries {name: {dtype, shape, data_offsets}}, payload start) of one file,
+    checked: every entry's dtype known, shape non-negative ints, offsets inside the file and
+    equal to shape * element size."""
+    if file_size is None:
+        file_size = os.path.getsize(path)
+    if file_size < 8:
+        raise ValueError(f"{path}: truncated safetensors file ({file_size} bytes, no header length)")
+    with open(path, "rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        if n > _MAX_HEADER:
+            raise ValueError(f"{path}: bad safetensors header: claims a {n}-byte JSON header")
+        if 8 + n > file_size:
+            raise ValueError(f"{path}: truncated safetensors file: header of {n} bytes but the file has {file_size}")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: bad safetensors header: not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: bad safetensors header: not a JSON object")
+    header.pop("__metadata__", None)
+    start = 8 + n
+    payload = file_size - start
+    for name, e in header.items():
+        if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= set(e):
+            raise ValueError(f"{path}: bad safetensors header: entry {name!r} lacks dtype/shape/data_offsets")
+        if e["dtype"] not in _ST_DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {e['dtype']!r}")
+        shape, offs = e["shape"], e["data_offsets"]
+        if (not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
+            raise ValueError(f"{path}: bad safetensors header: tensor {name!r} has shape {shape!r}")
+        if (not isinstance(offs, list) or len(offs) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)):
+            raise ValueError(f"{path}: bad safetensors header: tensor {name!r} has data_offsets {offs!r}")
+        begin, end = offs
+        if not 0 <= begin <= end:
+            raise ValueError(f"{path}: bad safetensors header: tensor {name!r} has data_offsets {offs}")
+        if end > payload:
+            raise ValueError(f"{path}: truncated or corrupt: tensor {name!r} ends at byte {start + end} "
+                             f"but the file has {file_size} bytes")
+        count = 1
+        for s in shape:
+            count *= s
+        if count * _ST_DTYPES[e["dtype"]][1] != end - begin:
+            raise ValueError(f"{path}: bad safetensors header: tensor {name!r} of shape {shape} {e['dtype']} "
+                             f"needs {count * _ST_DTYPES[e['dtype']][1]} bytes, offsets give {end - begin}")
+    return header, start
+
+
+class SafetensorsFile:
+    """One memory-mapped safetensors file. `raw(name)` is a zero-copy view of its bytes."""
+
+    def __init__(self, path: str):
+        self.path = path
+        size = os.path.getsize(path)
+        self.header, self.start = read_safetensors_header(path, size)
+        self._map = None
+        if size > 0:
+            with open(path, "rb") as f:
+                self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        self._buf = np.frombuffer(self._map, dtype=np.uint8) if self._map is not None else np.zeros(0, np.uint8)
+
+    def names(self):
+        return self.header.keys()
+
+    def dtype(self, name: str) -> str:
+        return self.header[name]["dtype"]
+
+    def shape(self, name: str) -> tuple:
+        return tuple(self.header[name]["shape"])
+
+    def raw(self, name: str) -> np.ndarray:
+        e = self.header[name]
+        begin, end = e["data_offsets"]
+        np_dtype, _ = _ST_DTYPES[e["dtype"]]
+        data = self._buf[self.start + begin:self.start + end]
+        return data.view(np_dtype).reshape(e["shape"])   # read-only (ACCESS_READ)
+
+
+def _to_float(raw: np.ndarray, st_dtype: str, dtype) -> np.ndarray:
+    dtype = np.dtype(dtype)
+    if st_dtype == "BF16":
+        wide = (raw.astype(np.uint32) << 16).view(np.float32)   # exact
+        return wide if dtype == np.float32 else wide.astype(dtype)
+    if raw.dtype == dtype:
+        return raw                                              # zero-copy view of the map
+    return raw.astype(dtype)
+
+
+def _checkpoint_files(model_dir: str) -> tuple[list, Optional[dict]]:
+    """(file paths, weight_map from the index or None)."""
+    index = os.path.join(model_dir, INDEX_FILE)
+    single = os.path.join(model_dir, SINGLE_FILE)
+    if os.path.isfile(index):
+        try:
+            with open(index, "r", encoding="utf-8") as f:
+                weight_map = json.load(f)["weight_map"]
+            if not isinstance(weight_map, dict):
+                raise TypeError("weight_map is not an object")
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise ValueError(f"{index}: bad index file ({e})") from None
+        files = sorted(set(weight_map.values()))
+        for fn in files:
+            if not isinstance(fn, str) or os.path.basename(fn) != fn:
+                raise ValueError(f"{index}: bad shard file name {fn!r}")
+            if not os.path.isfile(os.path.join(model_dir, fn)):
+                raise ValueError(f"{index}: shard {fn!r} is missing from {model_dir}")
+        return [os.path.join(model_dir, fn) for fn in files], weight_map
+    if os.path.isfile(single):
+        return [single], None
+    raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
+
+
+def load_weights(model_dir, cfg: ModelConfig, dtype=np.float32,
+                 progress: Optional[Callable[[int, int], None]] = None) -> dict:
+    """Load every tensor of `expected_weight_shapes(cfg)` as `dtype` (float32 by default).
+
+    progress(done, total), if given, is called after each tensor. The MTP layers
+    (model.layers.{num_hidden_layers}+) and, for Kimi K2.5, tensors outside the text model's
+    `cfg.weight_prefix` (vision tower, projector) are skipped without being read.
+    """
+    model_dir = os.fspath(model_dir)
+    dtype = np.dtype(dtype)
+    if dtype.kind != "f":
+        raise ValueError(f"load_weights: dtype must be a float type, got {dtype}")
+    expected = expected_weight_shapes(cfg)
+    prefix = cfg.weight_prefix
+    files, weight_map = _checkpoint_files(model_dir)
+
+    opened = [SafetensorsFile(p) for p in files]
+    where = {}                        # name (without prefix) -> SafetensorsFile
+    unexpected, mismatched = [], []
+    layer_re = re.compile(r"^model\.layers\.(\d+)\.")
+    for st in opened:
+        for full in st.names():
+            if weight_map is not None and weight_map.get(full) not in (None, os.path.basename(st.path)):
+                continue              # the index says this name lives in another shard
+            if prefix:
+                if not full.startswith(prefix):
+                    continue          # K2.5: vision tower / projector
+                name = full[len(prefix):]
+            else:
+                name = full
+            m = layer_re.match(name)
+            if m and int(m.group(1)) >= cfg.num_hidden_layers:
+                continue              # MTP layer(s): ignored as HF does
+            if name not in expected:
+                if cfg.tie_word_embeddings and name == "lm_head.weight":
+                    continue          # tied: HF uses the embedding
+                if (cfg.n_shared_experts == 0 and ".mlp.shared_experts." in name
+                        and 0 in st.shape(full)):
+                    continue          # HF saves zero-sized shared experts when n_shared_experts == 0
+                unexpected.append(f"{full} {list(st.shape(full))}")
+                continue
+            if name in where:
+                unexpected.append(f"{full} (duplicate, also in {os.path.basename(where[name][0].path)})")
+                continue
+            where[name] = (st, full)
+    missing = sorted(n for n in expected if n not in where)
+    for name, (st, full) in where.items():
+        if st.shape(full) != tuple(expected[name]):
+            mismatched.append(f"{full}: shape {list(st.shape(full))}, expected {list(expected[name])}")
+        elif st.dtype(full) not in _FLOAT_DTYPES:
+            mismatched.append(f"{full}: dtype {st.dtype(full)} is not a float type")
+    if missing or unexpected or mismatched:
+        lines = [f"checkpoint {model_dir} does not match the config:"]
+        if missing:
+            lines.append(f"  missing ({len(missing)}): " + ", ".join(prefix + n for n in missing[:50])
+                         + (" ..." if len(missing) > 50 else ""))
+        if unexpected:
+            lines.append(f"  unexpected ({len(unexpected)}): " + ", ".join(sorted(unexpected)[:50])
+                         + (" ..." if len(unexpected) > 50 else ""))
+        if mismatched:
+            lines.append(f"  mis-shaped ({len(mismatched)}): " + "; ".join(sorted(mismatched)[:50])
+                         + (" ..." if len(mismatched) > 50 else ""))
+        raise ValueError("\n".join(lines))
+
+    out = {}
+    total = len(expected)
+    for k, name in enumerate(expected):      # each tensor read exactly once
+        st, full = where[name]
+        out[name] = _to_float(st.raw(full), st.dtype(full), dtype)
+        if progress is not None:
+            progress(k + 1, total)
+    return out
