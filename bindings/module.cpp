@@ -14,6 +14,7 @@ void bind_tree(py::module_& m);
 void bind_model(py::module_& m);
 void bind_engine(py::module_& m);
 void bind_cuda(py::module_& m);
+void bind_cuda_model(py::module_& m);
 
 PYBIND11_MODULE(_native, m) {
   m.doc() = "kdtree-native native core (C++ host library + optional CUDA backend)";
@@ -59,4 +60,5 @@ PYBIND11_MODULE(_native, m) {
   bind_model(m);
   bind_engine(m);
   bind_cuda(m);
+  bind_cuda_model(m);
 }
