@@ -1,4 +1,722 @@
-// bind_cuda.cpp: Python bindings for the cuda area (placeholder until that area lands).
+// bind_cuda.cpp: Python bindings of the DDTree CUDA kernels (cuda/kernels.h) as
+// kdtree_native._native.cuda_*. Compiled in every build; without the CUDA backend
+// (KDTREE_HAVE_CUDA undefined) it binds nothing and kdtree_native._cuda_ops reports that.
+//
+// Two kinds of entry points:
+//  * numpy in / numpy out (cuda_tree_build, cuda_verify_attention, ...): validate everything,
+//    copy to the device, run, copy back; device outputs are poisoned first (0xFF bytes: -1 for
+//    ints, NaN for floats) so unwritten elements show. Used by kdtree_native._cuda_ops + tests.
+//  * device pointers (cuda_*_ptr): integer addresses of device buffers (torch/cupy tensors,
+//    the GPU engine), a stream handle; only shape arguments are checked. They return at once.
+//  * timing helpers (cuda_time_*): run a kernel many times on device-resident inputs and return
+//    per-launch CUDA-event times in milliseconds (benchmarks/bench_cuda_*.py).
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
 namespace py = pybind11;
-void bind_cuda(py::module_& m) { (void)m; }
+
+#ifdef KDTREE_HAVE_CUDA
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "kernels.h"
+
+namespace {
+
+namespace kc = kdtree::cuda;
+
+void check_cuda(cudaError_t e, const char* what) {
+  if (e == cudaErrorInvalidValue) {
+    cudaGetLastError();
+    throw kdtree::Error(std::string(what) + ": invalid arguments (cudaErrorInvalidValue)");
+  }
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    throw kdtree::RuntimeFailure(std::string(what) + ": " + cudaGetErrorString(e));
+  }
+}
+
+// A device buffer (RAII).
+struct DevBuf {
+  void* p = nullptr;
+  size_t bytes = 0;
+  DevBuf() = default;
+  explicit DevBuf(size_t n) : bytes(n) {
+    if (n) check_cuda(cudaMalloc(&p, n), "cudaMalloc");
+  }
+  DevBuf(const DevBuf&) = delete;
+  DevBuf& operator=(const DevBuf&) = delete;
+  DevBuf(DevBuf&& o) noexcept : p(o.p), bytes(o.bytes) { o.p = nullptr; o.bytes = 0; }
+  DevBuf& operator=(DevBuf&& o) noexcept {
+    if (this != &o) {
+      if (p) cudaFree(p);
+      p = o.p; bytes = o.bytes; o.p = nullptr; o.bytes = 0;
+    }
+    return *this;
+  }
+  ~DevBuf() {
+    if (p) cudaFree(p);
+  }
+  template <typename T>
+  T* as() const { return static_cast<T*>(p); }
+  void upload(const void* src, size_t n) {
+    if (n) check_cuda(cudaMemcpy(p, src, n, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+  }
+  void download(void* dst, size_t n) const {
+    if (n) check_cuda(cudaMemcpy(dst, p, n, cudaMemcpyDeviceToHost), "cudaMemcpy D2H");
+  }
+  void poison() {
+    if (bytes) check_cuda(cudaMemset(p, 0xFF, bytes), "cudaMemset");
+  }
+};
+
+void require_device() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess || n == 0) {
+    cudaGetLastError();
+    throw kdtree::RuntimeFailure("no usable CUDA device");
+  }
+}
+
+template <typename T>
+py::array_t<T, py::array::c_style> as_c(const py::handle& obj, const char* name, int ndim) {
+  if (!py::isinstance<py::array>(obj))
+    throw kdtree::Error(std::string(name) + " must be a numpy array");
+  py::array arr = py::reinterpret_borrow<py::array>(obj);
+  if (!arr.dtype().is(py::dtype::of<T>()))
+    throw kdtree::Error(std::string(name) + " must have dtype " + std::string(py::str(py::dtype::of<T>())) +
+                        ", got " + std::string(py::str(arr.dtype())));
+  if (arr.ndim() != ndim)
+    throw kdtree::Error(std::string(name) + " must be " + std::to_string(ndim) + "-D, got " +
+                        std::to_string(arr.ndim()) + "-D");
+  return py::array_t<T, py::array::c_style | py::array::forcecast>::ensure(arr);
+}
+
+template <typename T>
+py::array_t<T> to_numpy(const DevBuf& b, std::vector<py::ssize_t> shape) {
+  py::array_t<T> out(shape);
+  b.download(out.mutable_data(), (size_t)out.size() * sizeof(T));
+  return out;
+}
+
+float median_of(std::vector<float> v) {
+  if (v.empty()) return 0.f;
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Times `launch` iters times (after warmup), one event pair per launch.
+template <class F>
+std::vector<float> time_launches(F launch, int iters, int warmup) {
+  for (int i = 0; i < warmup; ++i) check_cuda(launch(), "warmup launch");
+  check_cuda(cudaDeviceSynchronize(), "sync");
+  std::vector<cudaEvent_t> ev(iters + 1);
+  for (auto& e : ev) check_cuda(cudaEventCreate(&e), "cudaEventCreate");
+  check_cuda(cudaEventRecord(ev[0], 0), "record");
+  for (int i = 0; i < iters; ++i) {
+    check_cuda(launch(), "timed launch");
+    check_cuda(cudaEventRecord(ev[i + 1], 0), "record");
+  }
+  check_cuda(cudaEventSynchronize(ev[iters]), "sync");
+  std::vector<float> ms(iters);
+  for (int i = 0; i < iters; ++i) check_cuda(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]), "elapsed");
+  for (auto& e : ev) cudaEventDestroy(e);
+  return ms;
+}
+
+// ---------------------------------------------------------------- tree build
+struct TreeDev {
+  int B, W;
+  DevBuf tokens, depths, parents, positions, vis, n, path;
+  explicit TreeDev(int budget)
+      : B(budget), W(kc::tree_vis_words(budget)),
+        tokens(sizeof(int32_t) * std::max(budget, 1)), depths(sizeof(int32_t) * std::max(budget, 1)),
+        parents(sizeof(int32_t) * (budget + 1)), positions(sizeof(int32_t) * (budget + 1)),
+        vis(sizeof(uint64_t) * (size_t)(budget + 1) * kc::tree_vis_words(budget)), n(4), path(4) {}
+  void poison() {
+    tokens.poison(); depths.poison(); parents.poison(); positions.poison(); vis.poison(); n.poison(); path.poison();
+  }
+  void fill(kc::TreeBuildParams& p) {
+    p.tokens = tokens.as<int32_t>();
+    p.depths = depths.as<int32_t>();
+    p.parents = parents.as<int32_t>();
+    p.positions = positions.as<int32_t>();
+    p.visibility = vis.as<uint64_t>();
+    p.n_nodes = n.as<int32_t>();
+    p.path_taken = path.as<int32_t>();
+  }
+  py::dict result() const {
+    py::dict d;
+    int32_t nn = -1, pt = -1;
+    n.download(&nn, 4);
+    path.download(&pt, 4);
+    d["n"] = nn;
+    d["path"] = pt;
+    d["tokens"] = to_numpy<int32_t>(tokens, {B});
+    d["depths"] = to_numpy<int32_t>(depths, {B});
+    d["parents"] = to_numpy<int32_t>(parents, {B + 1});
+    d["positions"] = to_numpy<int32_t>(positions, {B + 1});
+    d["visibility"] = to_numpy<uint64_t>(vis, {B + 1, W});
+    return d;
+  }
+};
+
+void check_budget_depth(int64_t budget, int64_t D) {
+  if (budget < 0 || budget > kc::kTreeMaxBudget)
+    throw kdtree::Error("budget must be in [0, " + std::to_string(kc::kTreeMaxBudget) + "] on the GPU, got " +
+                        std::to_string(budget));
+  if (D > kc::kTreeMaxDepth)
+    throw kdtree::Error("depth D=" + std::to_string(D) + " exceeds the GPU limit " + std::to_string(kc::kTreeMaxDepth));
+}
+
+py::dict tree_build_np(const py::object& lp_o, const py::object& ids_o, int64_t budget, int64_t cache_len,
+                       bool force_fallback) {
+  require_device();
+  auto lp = as_c<float>(lp_o, "logprobs", 2);
+  auto ids = as_c<int32_t>(ids_o, "token_ids", 2);
+  const int64_t D = lp.shape(0), K = lp.shape(1);
+  if (ids.shape(0) != D || ids.shape(1) != K) throw kdtree::Error("token_ids shape must equal logprobs shape");
+  check_budget_depth(budget, D);
+  if (K < 1) throw kdtree::Error("K must be >= 1");
+  if (cache_len < 0 || cache_len > INT32_MAX - 64) throw kdtree::Error("cache_len out of range");
+  DevBuf dlp(sizeof(float) * D * K), dids(sizeof(int32_t) * D * K);
+  dlp.upload(lp.data(), sizeof(float) * D * K);
+  dids.upload(ids.data(), sizeof(int32_t) * D * K);
+  TreeDev out((int)budget);
+  out.poison();
+  kc::TreeBuildParams p{};
+  p.logprobs = dlp.as<float>();
+  p.token_ids = dids.as<int32_t>();
+  p.D = (int)D;
+  p.K = (int)K;
+  p.ld = (int)K;
+  p.budget = (int)budget;
+  p.cache_len = (int)cache_len;
+  p.force_fallback = force_fallback ? 1 : 0;
+  out.fill(p);
+  {
+    py::gil_scoped_release nogil;
+    check_cuda(kc::tree_build(p, 0), "tree_build");
+    check_cuda(cudaDeviceSynchronize(), "tree_build (kernel)");
+  }
+  return out.result();
+}
+
+py::dict tree_from_logits_np(const py::object& x_o, int64_t budget, int64_t top_k, int64_t cache_len) {
+  require_device();
+  auto x = as_c<float>(x_o, "logits", 2);
+  const int64_t D = x.shape(0), V = x.shape(1);
+  check_budget_depth(budget, D);
+  if (D < 1 || V < 1 || V > kc::kTopkMaxV) throw kdtree::Error("logits shape out of range");
+  if (top_k < 1 || std::min<int64_t>(top_k, V) > kc::kTopkMaxK)
+    throw kdtree::Error("top_k must be in [1, 1024] (after clamping to V)");
+  DevBuf dx(sizeof(float) * D * V);
+  dx.upload(x.data(), sizeof(float) * D * V);
+  DevBuf ws(kc::tree_from_logits_workspace_bytes((int)D, (int)V, (int)top_k));
+  TreeDev out((int)budget);
+  out.poison();
+  kc::TreeFromLogitsParams p{};
+  p.logits = dx.as<float>();
+  p.D = (int)D;
+  p.V = (int)V;
+  p.ld = (int)V;
+  p.top_k = (int)top_k;
+  p.tree.budget = (int)budget;
+  p.tree.cache_len = (int)cache_len;
+  out.fill(p.tree);
+  p.workspace = ws.p;
+  {
+    py::gil_scoped_release nogil;
+    check_cuda(kc::tree_build_from_logits(p, 0), "tree_build_from_logits");
+    check_cuda(cudaDeviceSynchronize(), "tree_build_from_logits (kernel)");
+  }
+  return out.result();
+}
+
+py::tuple topk_np(const py::object& x_o, int64_t k) {
+  require_device();
+  auto x = as_c<float>(x_o, "logits", 2);
+  const int64_t D = x.shape(0), V = x.shape(1);
+  if (D < 1 || D > kc::kTreeMaxDepth || V < 1 || V > kc::kTopkMaxV) throw kdtree::Error("logits shape out of range");
+  if (k < 1 || k > V || k > kc::kTopkMaxK) throw kdtree::Error("k must be in [1, min(V, 1024)]");
+  DevBuf dx(sizeof(float) * D * V), dlp(sizeof(float) * D * k), dids(sizeof(int32_t) * D * k);
+  DevBuf ws(kc::topk_workspace_bytes((int)D, (int)V, (int)k));
+  dx.upload(x.data(), sizeof(float) * D * V);
+  dlp.poison();
+  dids.poison();
+  kc::TopkParams p{};
+  p.logits = dx.as<float>();
+  p.D = (int)D;
+  p.V = (int)V;
+  p.ld = (int)V;
+  p.k = (int)k;
+  p.logprobs = dlp.as<float>();
+  p.ids = dids.as<int32_t>();
+  p.workspace = ws.p;
+  {
+    py::gil_scoped_release nogil;
+    check_cuda(kc::topk_logsoftmax(p, 0), "topk_logsoftmax");
+    check_cuda(cudaDeviceSynchronize(), "topk_logsoftmax (kernel)");
+  }
+  return py::make_tuple(to_numpy<float>(dlp, {D, k}), to_numpy<int32_t>(dids, {D, k}));
+}
+
+// ---------------------------------------------------------------- accept / compaction
+struct AcceptDev {
+  int n;
+  DevBuf tokens, parents, choice, nn, path, count, bonus;
+  AcceptDev(const py::object& tok_o, const py::object& par_o, const py::object& ch_o)
+      : n(0), tokens(4 * 1025), parents(4 * 1025), choice(4 * 1025), nn(4), path(4 * 1025), count(4), bonus(4) {
+    auto tok = as_c<int32_t>(tok_o, "tokens", 1);
+    auto par = as_c<int32_t>(par_o, "parents", 1);
+    auto ch = as_c<int32_t>(ch_o, "choice", 1);
+    n = (int)tok.shape(0);
+    if (n > 1024) throw kdtree::Error("the GPU accept walk supports n <= 1024 nodes");
+    if (par.shape(0) != n + 1 || ch.shape(0) != n + 1) throw kdtree::Error("parents and choice must be [n+1]");
+    const int32_t* pp = par.data();
+    if (pp[0] != -1) throw kdtree::Error("parents[0] must be -1");
+    for (int i = 1; i <= n; ++i)
+      if (pp[i] < 0 || pp[i] >= i) throw kdtree::Error("parents[" + std::to_string(i) + "] must be in [0, i)");
+    tokens.upload(tok.data(), 4 * n);
+    parents.upload(pp, 4 * (n + 1));
+    choice.upload(ch.data(), 4 * (n + 1));
+    nn.upload(&n, 4);
+    path.poison();
+    count.poison();
+    bonus.poison();
+  }
+  kc::TreeAcceptParams params() const {
+    kc::TreeAcceptParams a{};
+    a.tokens = tokens.as<int32_t>();
+    a.parents = parents.as<int32_t>();
+    a.choice = choice.as<int32_t>();
+    a.n_nodes = nn.as<int32_t>();
+    a.n_max = n;
+    a.path = path.as<int32_t>();
+    a.count = count.as<int32_t>();
+    a.bonus = bonus.as<int32_t>();
+    return a;
+  }
+  py::tuple result() const {
+    int32_t m = 0, b = 0;
+    count.download(&m, 4);
+    bonus.download(&b, 4);
+    if (m < 1 || m > n + 1) throw kdtree::RuntimeFailure("tree_accept returned a bad count");
+    py::array_t<int32_t> p(m);
+    path.download(p.mutable_data(), 4 * m);
+    return py::make_tuple(p, (int)b);
+  }
+};
+
+py::tuple tree_accept_np(const py::object& tok, const py::object& par, const py::object& ch) {
+  require_device();
+  AcceptDev a(tok, par, ch);
+  {
+    py::gil_scoped_release nogil;
+    check_cuda(kc::tree_accept(a.params(), 0), "tree_accept");
+    check_cuda(cudaDeviceSynchronize(), "tree_accept (kernel)");
+  }
+  return a.result();
+}
+
+// cache: float32 [layers, S, row]; path int32 [m]. Returns the compacted copy.
+py::array_t<float> kv_compact_np(const py::object& cache_o, int64_t cache_len, const py::object& path_o) {
+  require_device();
+  auto cache = as_c<float>(cache_o, "cache", 3);
+  auto path = as_c<int32_t>(path_o, "path", 1);
+  const int64_t layers = cache.shape(0), S = cache.shape(1), row = cache.shape(2);
+  const int64_t m = path.shape(0);
+  if (m < 1 || m > 1025) throw kdtree::Error("path must have 1..1025 entries");
+  const int32_t* pp = path.data();
+  if (pp[0] != 0) throw kdtree::Error("path[0] must be 0");
+  for (int64_t j = 1; j < m; ++j)
+    if (pp[j] <= pp[j - 1]) throw kdtree::Error("path must be strictly increasing");
+  if (cache_len < 0 || cache_len + pp[m - 1] >= S) throw kdtree::Error("path reaches past the cache");
+  DevBuf dc(sizeof(float) * layers * S * row), dp(4 * m), dm(4);
+  dc.upload(cache.data(), dc.bytes);
+  dp.upload(pp, 4 * m);
+  int32_t mm = (int32_t)m;
+  dm.upload(&mm, 4);
+  kc::KvCompactParams p{};
+  p.cache = dc.p;
+  p.num_layers = (int)layers;
+  p.layer_stride = (long long)S * row * 4;
+  p.row_stride = (long long)row * 4;
+  p.row_bytes = (int)(row * 4);
+  p.cache_len = (int)cache_len;
+  p.path = dp.as<int32_t>();
+  p.count = dm.as<int32_t>();
+  {
+    py::gil_scoped_release nogil;
+    check_cuda(kc::kv_compact(p, 0), "kv_compact");
+    check_cuda(cudaDeviceSynchronize(), "kv_compact (kernel)");
+  }
+  return to_numpy<float>(dc, {layers, S, row});
+}
+
+py::tuple tree_accept_compact_np(const py::object& tok, const py::object& par, const py::object& ch,
+                                 const py::object& cache_o, int64_t cache_len) {
+  require_device();
+  AcceptDev a(tok, par, ch);
+  auto cache = as_c<float>(cache_o, "cache", 3);
+  const int64_t layers = cache.shape(0), S = cache.shape(1), row = cache.shape(2);
+  if (cache_len < 0 || cache_len + a.n >= S) throw kdtree::Error("the verify window reaches past the cache");
+  DevBuf dc(sizeof(float) * layers * S * row);
+  dc.upload(cache.data(), dc.bytes);
+  kc::KvCompactParams p{};
+  p.cache = dc.p;
+  p.num_layers = (int)layers;
+  p.layer_stride = (long long)S * row * 4;
+  p.row_stride = (long long)row * 4;
+  p.row_bytes = (int)(row * 4);
+  p.cache_len = (int)cache_len;
+  kc::TreeAcceptParams ap = a.params();
+  p.path = ap.path;
+  p.count = ap.count;
+  {
+    py::gil_scoped_release nogil;
+    check_cuda(kc::tree_accept_compact(ap, p, 0), "tree_accept_compact");
+    check_cuda(cudaDeviceSynchronize(), "tree_accept_compact (kernel)");
+  }
+  py::tuple r = a.result();
+  return py::make_tuple(r[0], r[1], to_numpy<float>(dc, {layers, S, row}));
+}
+
+// ---------------------------------------------------------------- verify attention
+struct AttnDev {
+  DevBuf ql, qr, kv, vis, out, ws;
+  kc::VerifyAttentionParams p{};
+  AttnDev(const py::object& ql_o, const py::object& qr_o, const py::object& kv_o, const py::object& vis_o,
+          double scale, bool force_naive, int force_splits) {
+    auto a = as_c<float>(ql_o, "q_latent", 3);
+    auto b = as_c<float>(qr_o, "q_rope", 3);
+    auto c = as_c<float>(kv_o, "kv", 2);
+    auto v = as_c<uint64_t>(vis_o, "visibility", 2);
+    const int64_t T = a.shape(0), H = a.shape(1), C = a.shape(2), R = b.shape(2);
+    if (b.shape(0) != T || b.shape(1) != H) throw kdtree::Error("q_rope must be [T, H, R] like q_latent");
+    if (c.shape(1) != C + R) throw kdtree::Error("kv must be [L+T, C+R]");
+    const int64_t N = c.shape(0);
+    if (N < T) throw kdtree::Error("kv must have at least T rows");
+    if (v.shape(0) != T || v.shape(1) < (T + 63) / 64) throw kdtree::Error("visibility must be uint64 [T, >= ceil(T/64)]");
+    if (T < 1 || H < 1 || C < 1 || C > 2048) throw kdtree::Error("bad attention shapes");
+    ql = DevBuf(sizeof(float) * a.size());
+    qr = DevBuf(sizeof(float) * b.size());
+    kv = DevBuf(sizeof(float) * c.size());
+    vis = DevBuf(sizeof(uint64_t) * v.size());
+    out = DevBuf(sizeof(float) * T * H * C);
+    ql.upload(a.data(), ql.bytes);
+    qr.upload(b.data(), qr.bytes);
+    kv.upload(c.data(), kv.bytes);
+    vis.upload(v.data(), vis.bytes);
+    out.poison();
+    p.q_latent = ql.as<float>();
+    p.q_rope = qr.as<float>();
+    p.kv = kv.as<float>();
+    p.kv_stride = (int)(C + R);
+    p.visibility = vis.as<uint64_t>();
+    p.vis_stride = (int)v.shape(1);
+    p.T = (int)T;
+    p.H = (int)H;
+    p.C = (int)C;
+    p.R = (int)R;
+    p.L = (int)(N - T);
+    p.scale = (float)scale;
+    p.out = out.as<float>();
+    p.force_naive = force_naive ? 1 : 0;
+    p.force_splits = force_splits;
+    ws = DevBuf(kc::verify_attention_workspace_bytes(p));
+    p.workspace = ws.p;
+  }
+};
+
+py::array_t<float> verify_attention_np(const py::object& ql, const py::object& qr, const py::object& kv,
+                                       const py::object& vis, double scale, bool force_naive, int force_splits) {
+  require_device();
+  AttnDev d(ql, qr, kv, vis, scale, force_naive, force_splits);
+  {
+    py::gil_scoped_release nogil;
+    check_cuda(kc::verify_attention(d.p, 0), "verify_attention");
+    check_cuda(cudaDeviceSynchronize(), "verify_attention (kernel)");
+  }
+  return to_numpy<float>(d.out, {d.p.T, d.p.H, d.p.C});
+}
+
+// ---------------------------------------------------------------- timing helpers
+py::dict time_tree_build(const py::object& lp_o, const py::object& ids_o, int64_t budget, int iters, int warmup) {
+  require_device();
+  auto lp = as_c<float>(lp_o, "logprobs", 2);
+  auto ids = as_c<int32_t>(ids_o, "token_ids", 2);
+  const int64_t D = lp.shape(0), K = lp.shape(1);
+  check_budget_depth(budget, D);
+  DevBuf dlp(sizeof(float) * D * K), dids(sizeof(int32_t) * D * K);
+  dlp.upload(lp.data(), dlp.bytes);
+  dids.upload(ids.data(), dids.bytes);
+  TreeDev out((int)budget);
+  kc::TreeBuildParams p{};
+  p.logprobs = dlp.as<float>();
+  p.token_ids = dids.as<int32_t>();
+  p.D = (int)D;
+  p.K = (int)K;
+  p.ld = (int)K;
+  p.budget = (int)budget;
+  out.fill(p);
+  auto ms = time_launches([&] { return kc::tree_build(p, 0); }, iters, warmup);
+  py::dict d = out.result();
+  d["ms"] = ms;
+  d["median_ms"] = median_of(ms);
+  return d;
+}
+
+py::dict time_tree_from_logits(const py::object& x_o, int64_t budget, int64_t top_k, int iters, int warmup) {
+  require_device();
+  auto x = as_c<float>(x_o, "logits", 2);
+  const int64_t D = x.shape(0), V = x.shape(1);
+  check_budget_depth(budget, D);
+  DevBuf dx(sizeof(float) * D * V);
+  dx.upload(x.data(), dx.bytes);
+  DevBuf ws(kc::tree_from_logits_workspace_bytes((int)D, (int)V, (int)top_k));
+  TreeDev out((int)budget);
+  kc::TreeFromLogitsParams p{};
+  p.logits = dx.as<float>();
+  p.D = (int)D;
+  p.V = (int)V;
+  p.ld = (int)V;
+  p.top_k = (int)top_k;
+  p.tree.budget = (int)budget;
+  out.fill(p.tree);
+  p.workspace = ws.p;
+  auto ms = time_launches([&] { return kc::tree_build_from_logits(p, 0); }, iters, warmup);
+  // top-k alone, for the split
+  int k = (int)std::min<int64_t>(top_k, V);
+  DevBuf dlp(sizeof(float) * D * k), dids(4 * D * k), ws2(kc::topk_workspace_bytes((int)D, (int)V, k));
+  kc::TopkParams t{};
+  t.logits = dx.as<float>();
+  t.D = (int)D;
+  t.V = (int)V;
+  t.ld = (int)V;
+  t.k = k;
+  t.logprobs = dlp.as<float>();
+  t.ids = dids.as<int32_t>();
+  t.workspace = ws2.p;
+  auto ms_topk = time_launches([&] { return kc::topk_logsoftmax(t, 0); }, iters, warmup);
+  py::dict d = out.result();
+  d["ms"] = ms;
+  d["median_ms"] = median_of(ms);
+  d["topk_median_ms"] = median_of(ms_topk);
+  return d;
+}
+
+py::dict time_verify_attention(const py::object& ql, const py::object& qr, const py::object& kv,
+                               const py::object& vis, double scale, int iters, int warmup, bool force_naive) {
+  require_device();
+  AttnDev d(ql, qr, kv, vis, scale, force_naive, 0);
+  auto ms = time_launches([&] { return kc::verify_attention(d.p, 0); }, iters, warmup);
+  py::dict r;
+  r["ms"] = ms;
+  r["median_ms"] = median_of(ms);
+  r["fast_path"] = kc::verify_attention_fast_path(d.p);
+  r["out"] = to_numpy<float>(d.out, {d.p.T, d.p.H, d.p.C});
+  return r;
+}
+
+// accept + compaction over `layers` caches [S, row] float32 (device-only random data).
+py::dict time_accept_compact(const py::object& tok, const py::object& par, const py::object& ch, int layers,
+                             int64_t S, int row, int64_t cache_len, int iters, int warmup) {
+  require_device();
+  AcceptDev a(tok, par, ch);
+  if (cache_len + a.n >= S) throw kdtree::Error("window past the cache");
+  DevBuf dc(sizeof(float) * layers * S * row);
+  check_cuda(cudaMemset(dc.p, 0, dc.bytes), "memset");
+  kc::KvCompactParams p{};
+  p.cache = dc.p;
+  p.num_layers = layers;
+  p.layer_stride = (long long)S * row * 4;
+  p.row_stride = (long long)row * 4;
+  p.row_bytes = row * 4;
+  p.cache_len = (int)cache_len;
+  kc::TreeAcceptParams ap = a.params();
+  p.path = ap.path;
+  p.count = ap.count;
+  auto two = time_launches(
+      [&] {
+        cudaError_t e = kc::tree_accept(ap, 0);
+        if (e != cudaSuccess) return e;
+        return kc::kv_compact(p, 0);
+      },
+      iters, warmup);
+  auto fused = time_launches([&] { return kc::tree_accept_compact(ap, p, 0); }, iters, warmup);
+  // the same two launches replayed from a CUDA graph (how the engine runs a round)
+  cudaStream_t s;
+  check_cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  check_cuda(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "capture");
+  check_cuda(kc::tree_accept(ap, s), "capture accept");
+  check_cuda(kc::kv_compact(p, s), "capture compact");
+  check_cuda(cudaStreamEndCapture(s, &g), "end capture");
+  check_cuda(cudaGraphInstantiate(&ge, g, 0), "instantiate");
+  std::vector<float> graph_ms;
+  {
+    for (int i = 0; i < warmup; ++i) check_cuda(cudaGraphLaunch(ge, s), "graph");
+    check_cuda(cudaStreamSynchronize(s), "sync");
+    std::vector<cudaEvent_t> ev(iters + 1);
+    for (auto& e : ev) check_cuda(cudaEventCreate(&e), "event");
+    check_cuda(cudaEventRecord(ev[0], s), "record");
+    for (int i = 0; i < iters; ++i) {
+      check_cuda(cudaGraphLaunch(ge, s), "graph");
+      check_cuda(cudaEventRecord(ev[i + 1], s), "record");
+    }
+    check_cuda(cudaEventSynchronize(ev[iters]), "sync");
+    graph_ms.resize(iters);
+    for (int i = 0; i < iters; ++i) check_cuda(cudaEventElapsedTime(&graph_ms[i], ev[i], ev[i + 1]), "elapsed");
+    for (auto& e : ev) cudaEventDestroy(e);
+  }
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  cudaStreamDestroy(s);
+  py::dict r;
+  r["two_launch_median_ms"] = median_of(two);
+  r["fused_median_ms"] = median_of(fused);
+  r["graph_median_ms"] = median_of(graph_ms);
+  r["path"] = a.result()[0];
+  return r;
+}
+
+uintptr_t as_ptr(uintptr_t x) { return x; }
+
+}  // namespace
+
+void bind_cuda(py::module_& m) {
+  m.attr("cuda_kernels_compiled") = true;
+  m.def("cuda_tree_build", &tree_build_np, py::arg("logprobs"), py::arg("token_ids"), py::arg("budget"),
+        py::arg("cache_len") = 0, py::arg("force_fallback") = false,
+        "GPU tree build from float32 [D,K] log-probs and int32 ids; returns a dict of full-size "
+        "outputs (tokens [B], depths [B], parents [B+1], positions [B+1], visibility uint64 [B+1,W]), "
+        "n and path (0 = parallel exact path, 1 = sequential fallback).");
+  m.def("cuda_tree_build_from_logits", &tree_from_logits_np, py::arg("logits"), py::arg("budget"),
+        py::arg("top_k"), py::arg("cache_len") = 0, "GPU top-k + log-softmax + tree build from logits [D,V].");
+  m.def("cuda_topk_logsoftmax", &topk_np, py::arg("logits"), py::arg("k"),
+        "GPU top-k of float32 logits [D,V] as log-probs: (logprobs f32 [D,k], ids int32 [D,k]).");
+  m.def("cuda_tree_accept", &tree_accept_np, py::arg("tokens"), py::arg("parents"), py::arg("choice"),
+        "GPU accept walk: (path int32 [m], bonus).");
+  m.def("cuda_kv_compact", &kv_compact_np, py::arg("cache"), py::arg("cache_len"), py::arg("path"),
+        "GPU KV compaction of float32 caches [layers, S, row] (returns the compacted copy).");
+  m.def("cuda_tree_accept_compact", &tree_accept_compact_np, py::arg("tokens"), py::arg("parents"),
+        py::arg("choice"), py::arg("cache"), py::arg("cache_len"),
+        "Fused GPU accept + compaction: (path, bonus, compacted cache copy).");
+  m.def("cuda_verify_attention", &verify_attention_np, py::arg("q_latent"), py::arg("q_rope"), py::arg("kv"),
+        py::arg("visibility"), py::arg("scale"), py::arg("force_naive") = false, py::arg("force_splits") = 0,
+        "GPU MLA verify attention (FP32): out_latent float32 [T,H,C].");
+  m.def("cuda_time_tree_build", &time_tree_build, py::arg("logprobs"), py::arg("token_ids"), py::arg("budget"),
+        py::arg("iters") = 200, py::arg("warmup") = 20);
+  m.def("cuda_time_tree_build_from_logits", &time_tree_from_logits, py::arg("logits"), py::arg("budget"),
+        py::arg("top_k"), py::arg("iters") = 100, py::arg("warmup") = 10);
+  m.def("cuda_time_verify_attention", &time_verify_attention, py::arg("q_latent"), py::arg("q_rope"), py::arg("kv"),
+        py::arg("visibility"), py::arg("scale"), py::arg("iters") = 20, py::arg("warmup") = 3,
+        py::arg("force_naive") = false);
+  m.def("cuda_time_accept_compact", &time_accept_compact, py::arg("tokens"), py::arg("parents"), py::arg("choice"),
+        py::arg("layers"), py::arg("slots"), py::arg("row"), py::arg("cache_len"), py::arg("iters") = 200,
+        py::arg("warmup") = 20);
+
+  // ---- device-pointer entry points (integer addresses; stream = cudaStream_t as an integer)
+  m.def(
+      "cuda_tree_build_ptr",
+      [](uintptr_t lp, uintptr_t ids, int D, int K, int ld, int budget, int cache_len, uintptr_t tokens,
+         uintptr_t depths, uintptr_t parents, uintptr_t positions, uintptr_t vis, uintptr_t n_nodes,
+         uintptr_t stream) {
+        kc::TreeBuildParams p{};
+        p.logprobs = (const float*)lp;
+        p.token_ids = (const int32_t*)ids;
+        p.D = D; p.K = K; p.ld = ld; p.budget = budget; p.cache_len = cache_len;
+        p.tokens = (int32_t*)tokens; p.depths = (int32_t*)depths; p.parents = (int32_t*)parents;
+        p.positions = (int32_t*)positions; p.visibility = (uint64_t*)vis; p.n_nodes = (int32_t*)n_nodes;
+        check_cuda(kc::tree_build(p, (cudaStream_t)stream), "tree_build");
+      },
+      py::arg("logprobs"), py::arg("token_ids"), py::arg("D"), py::arg("K"), py::arg("ld"), py::arg("budget"),
+      py::arg("cache_len"), py::arg("tokens"), py::arg("depths"), py::arg("parents"), py::arg("positions"),
+      py::arg("visibility"), py::arg("n_nodes"), py::arg("stream") = 0);
+  m.def("cuda_tree_from_logits_workspace_bytes", &kc::tree_from_logits_workspace_bytes);
+  m.def(
+      "cuda_tree_build_from_logits_ptr",
+      [](uintptr_t logits, int D, int V, int ld, int top_k, int budget, int cache_len, uintptr_t tokens,
+         uintptr_t depths, uintptr_t parents, uintptr_t positions, uintptr_t vis, uintptr_t n_nodes,
+         uintptr_t workspace, uintptr_t stream) {
+        kc::TreeFromLogitsParams p{};
+        p.logits = (const float*)logits;
+        p.D = D; p.V = V; p.ld = ld; p.top_k = top_k;
+        p.tree.budget = budget; p.tree.cache_len = cache_len;
+        p.tree.tokens = (int32_t*)tokens; p.tree.depths = (int32_t*)depths; p.tree.parents = (int32_t*)parents;
+        p.tree.positions = (int32_t*)positions; p.tree.visibility = (uint64_t*)vis; p.tree.n_nodes = (int32_t*)n_nodes;
+        p.workspace = (void*)workspace;
+        check_cuda(kc::tree_build_from_logits(p, (cudaStream_t)stream), "tree_build_from_logits");
+      },
+      py::arg("logits"), py::arg("D"), py::arg("V"), py::arg("ld"), py::arg("top_k"), py::arg("budget"),
+      py::arg("cache_len"), py::arg("tokens"), py::arg("depths"), py::arg("parents"), py::arg("positions"),
+      py::arg("visibility"), py::arg("n_nodes"), py::arg("workspace"), py::arg("stream") = 0);
+  m.def(
+      "cuda_tree_accept_ptr",
+      [](uintptr_t tokens, uintptr_t parents, uintptr_t choice, uintptr_t n_nodes, int n_max, uintptr_t path,
+         uintptr_t count, uintptr_t bonus, uintptr_t stream) {
+        kc::TreeAcceptParams a{};
+        a.tokens = (const int32_t*)tokens; a.parents = (const int32_t*)parents; a.choice = (const int32_t*)choice;
+        a.n_nodes = (const int32_t*)n_nodes; a.n_max = n_max;
+        a.path = (int32_t*)path; a.count = (int32_t*)count; a.bonus = (int32_t*)bonus;
+        check_cuda(kc::tree_accept(a, (cudaStream_t)stream), "tree_accept");
+      },
+      py::arg("tokens"), py::arg("parents"), py::arg("choice"), py::arg("n_nodes"), py::arg("n_max"),
+      py::arg("path"), py::arg("count"), py::arg("bonus"), py::arg("stream") = 0);
+  m.def(
+      "cuda_kv_compact_ptr",
+      [](uintptr_t cache, int num_layers, long long layer_stride, long long row_stride, int row_bytes,
+         int cache_len, uintptr_t path, uintptr_t count, uintptr_t stream) {
+        kc::KvCompactParams p{};
+        p.cache = (void*)cache; p.num_layers = num_layers; p.layer_stride = layer_stride;
+        p.row_stride = row_stride; p.row_bytes = row_bytes; p.cache_len = cache_len;
+        p.path = (const int32_t*)path; p.count = (const int32_t*)count;
+        check_cuda(kc::kv_compact(p, (cudaStream_t)stream), "kv_compact");
+      },
+      py::arg("cache"), py::arg("num_layers"), py::arg("layer_stride"), py::arg("row_stride"),
+      py::arg("row_bytes"), py::arg("cache_len"), py::arg("path"), py::arg("count"), py::arg("stream") = 0);
+  m.def(
+      "cuda_verify_attention_ptr",
+      [](uintptr_t q_latent, uintptr_t q_rope, uintptr_t kv, int kv_stride, uintptr_t vis, int vis_stride, int T,
+         int H, int C, int R, int L, double scale, uintptr_t out, uintptr_t workspace, uintptr_t stream) {
+        kc::VerifyAttentionParams p{};
+        p.q_latent = (const float*)q_latent; p.q_rope = (const float*)q_rope; p.kv = (const float*)kv;
+        p.kv_stride = kv_stride; p.visibility = (const uint64_t*)vis; p.vis_stride = vis_stride;
+        p.T = T; p.H = H; p.C = C; p.R = R; p.L = L; p.scale = (float)scale; p.out = (float*)out;
+        p.workspace = (void*)workspace;
+        check_cuda(kc::verify_attention(p, (cudaStream_t)stream), "verify_attention");
+      },
+      py::arg("q_latent"), py::arg("q_rope"), py::arg("kv"), py::arg("kv_stride"), py::arg("visibility"),
+      py::arg("vis_stride"), py::arg("T"), py::arg("H"), py::arg("C"), py::arg("R"), py::arg("L"), py::arg("scale"),
+      py::arg("out"), py::arg("workspace"), py::arg("stream") = 0);
+  m.def(
+      "cuda_verify_attention_workspace_bytes",
+      [](int T, int H, int C, int R, int L, int kv_stride) {
+        kc::VerifyAttentionParams p{};
+        // alignment-independent query: assume aligned buffers
+        static float dummy[4] __attribute__((aligned(16)));
+        static uint64_t vdummy[1];
+        p.q_latent = p.q_rope = p.kv = dummy;
+        p.out = dummy;
+        p.visibility = vdummy;
+        p.kv_stride = kv_stride; p.vis_stride = (T + 63) / 64;
+        p.T = T; p.H = H; p.C = C; p.R = R; p.L = L;
+        return kc::verify_attention_workspace_bytes(p);
+      },
+      py::arg("T"), py::arg("H"), py::arg("C"), py::arg("R"), py::arg("L"), py::arg("kv_stride"));
+  (void)as_ptr;
+}
+
+#else  // no CUDA backend in this build
+
+void bind_cuda(py::module_& m) { m.attr("cuda_kernels_compiled") = false; }
+
+#endif

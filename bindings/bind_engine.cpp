@@ -1,4 +1,285 @@
-// bind_engine.cpp: Python bindings for the engine area (placeholder until that area lands).
+// bind_engine.cpp: Python bindings for the engine loop (cpp/engine): _native.ToyTarget (a test
+// target), _native.Generator (the prefill / AR / DDTree loop over a ToyTarget or a model).
+// The GIL is released while the loop runs and taken back only to call the Python drafter and
+// the progress callback. A Python exception raised by either is carried through the C++ loop
+// and re-raised unchanged (same object, same traceback); malformed drafter output raises
+// ValueError naming the problem. The public face is python/kdtree_native/generation.py.
+#include <pybind11/functional.h>
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <atomic>
+#include <cmath>
+#include <exception>
+#include <memory>
+#include <string>
+
+#include "common.h"
+#include "engine/engine.h"
+#include "engine/model_target.h"
+#include "engine/toy_target.h"
+#include "model/cpu_model.h"
+#include "model/model.h"
+
 namespace py = pybind11;
-void bind_engine(py::module_& m) { (void)m; }
+using namespace kdtree;
+
+namespace {
+
+// Thrown through the C++ loop when a Python callback raised; the Python error itself is kept
+// aside and re-raised once the GIL is held again.
+struct CallbackAborted : std::exception {
+  const char* what() const noexcept override { return "Python callback raised"; }
+};
+
+std::string type_name(const py::handle& h) { return py::str(py::type::of(h).attr("__name__")); }
+
+std::string shape_str(const py::array& a) {
+  std::string s = "(";
+  for (py::ssize_t i = 0; i < a.ndim(); ++i) s += (i ? ", " : "") + std::to_string(a.shape(i));
+  return s + (a.ndim() == 1 ? ",)" : ")");
+}
+
+py::array as_ndarray(const py::handle& h, const char* what) {
+  if (!py::isinstance<py::array>(h))
+    throw Error(std::string("drafter ") + what + " must be a numpy array, got " + type_name(h));
+  return py::reinterpret_borrow<py::array>(h);
+}
+
+// Python drafter result -> DraftOutput (shapes and dtypes here; values are checked by the engine).
+void parse_draft(const py::object& r, int64_t vocab, DraftOutput& out) {
+  out.clear();
+  if (r.is_none()) return;  // no draft this round
+  if (py::isinstance<py::tuple>(r) || py::isinstance<py::list>(r)) {
+    py::sequence seq = py::reinterpret_borrow<py::sequence>(r);
+    if (py::len(seq) != 2)
+      throw Error("drafter must return (logprobs [d,k], token_ids [d,k]) or logits [d,V]; got a sequence of length " +
+                  std::to_string(py::len(seq)));
+    py::array lp = as_ndarray(seq[0], "logprobs");
+    py::array ids = as_ndarray(seq[1], "token_ids");
+    if (lp.dtype().kind() != 'f' || lp.itemsize() != 4)
+      throw Error("drafter logprobs must be float32, got " + std::string(py::str(lp.dtype())));
+    if (ids.dtype().kind() != 'i' && ids.dtype().kind() != 'u')
+      throw Error("drafter token_ids must be an integer array, got " + std::string(py::str(ids.dtype())));
+    if (lp.ndim() != 2 || ids.ndim() != 2)
+      throw Error("drafter logprobs and token_ids must be 2-D [d, k], got shapes " + shape_str(lp) + " and " +
+                  shape_str(ids));
+    if (lp.shape(0) != ids.shape(0) || lp.shape(1) != ids.shape(1))
+      throw Error("drafter logprobs and token_ids shapes differ: " + shape_str(lp) + " vs " + shape_str(ids));
+    out.d = lp.shape(0);
+    out.k = lp.shape(1);
+    if (out.d == 0) { out.k = 0; return; }
+    auto lpc = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(lp);
+    auto idc = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(ids);
+    if (!lpc || !idc) throw Error("drafter output could not be read as float32 / int64 arrays");
+    const int64_t n = out.d * out.k;
+    out.values.assign(lpc.data(), lpc.data() + n);
+    out.ids.resize(static_cast<size_t>(n));
+    const int64_t* p = idc.data();
+    for (int64_t i = 0; i < n; ++i) {
+      if (p[i] < 0 || p[i] >= vocab)
+        throw Error("drafter token id " + std::to_string(p[i]) + " outside the vocab [0, " + std::to_string(vocab) +
+                    ") (row " + std::to_string(i / out.k) + ", column " + std::to_string(i % out.k) + ")");
+      out.ids[i] = static_cast<int32_t>(p[i]);
+    }
+    return;
+  }
+  if (py::isinstance<py::array>(r)) {
+    py::array lg = py::reinterpret_borrow<py::array>(r);
+    if (lg.dtype().kind() != 'f' || lg.itemsize() != 4)
+      throw Error("drafter logits must be float32, got " + std::string(py::str(lg.dtype())));
+    if (lg.ndim() != 2) throw Error("drafter logits must be 2-D [d, V], got shape " + shape_str(lg));
+    out.is_logits = true;
+    out.d = lg.shape(0);
+    out.k = lg.shape(1);
+    if (out.d == 0) { out.k = 0; out.is_logits = false; return; }
+    auto c = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(lg);
+    out.values.assign(c.data(), c.data() + out.d * out.k);
+    return;
+  }
+  throw Error("drafter must return (logprobs [d,k], token_ids [d,k]) or logits [d,V], got " + type_name(r));
+}
+
+// A Generator together with the target it drives (a ToyTarget or an adapted model).
+struct PyGenerator {
+  std::unique_ptr<ModelTarget> adapter;  // set when driving a TargetModel
+  Target* target = nullptr;
+  std::unique_ptr<Generator> gen;
+  std::atomic<bool> busy{false};
+};
+
+py::dict run_generate(py::object self, py::array_t<int64_t, py::array::c_style | py::array::forcecast> prompt,
+                      int64_t max_new_tokens, py::object drafter, int64_t tree_budget, int64_t depth, int64_t top_k,
+                      double temperature, double top_p, int64_t target_top_k, uint64_t seed,
+                      std::vector<int64_t> stop_tokens, py::object progress, int64_t prefill_chunk) {
+  PyGenerator& g = self.cast<PyGenerator&>();
+  if (prompt.ndim() != 1) throw Error("prompt_ids must be 1-D, got " + std::to_string(prompt.ndim()) + " dims");
+  const int64_t V = g.target->vocab_size();
+  std::vector<int32_t> ids(static_cast<size_t>(prompt.shape(0)));
+  for (int64_t i = 0; i < prompt.shape(0); ++i) {
+    const int64_t t = prompt.data()[i];
+    if (t < 0 || t >= V)
+      throw Error("prompt token " + std::to_string(t) + " at index " + std::to_string(i) + " outside the vocab [0, " +
+                  std::to_string(V) + ")");
+    ids[i] = static_cast<int32_t>(t);
+  }
+  GenerateParams p;
+  p.max_new_tokens = max_new_tokens;
+  p.tree_budget = tree_budget;
+  p.depth = depth;
+  p.top_k = top_k;
+  p.sampling.temperature = static_cast<float>(temperature);
+  p.sampling.top_p = static_cast<float>(top_p);
+  p.sampling.top_k = target_top_k;
+  p.sampling.seed = seed;
+  p.prefill_chunk = prefill_chunk;
+  for (int64_t t : stop_tokens) {
+    if (t < 0 || t >= V) throw Error("stop token " + std::to_string(t) + " outside the vocab [0, " + std::to_string(V) + ")");
+    p.stop_tokens.push_back(static_cast<int32_t>(t));
+  }
+  if (!drafter.is_none() && !PyCallable_Check(drafter.ptr()))
+    throw Error("drafter must be callable (or None), got " + type_name(drafter));
+  if (!progress.is_none() && !PyCallable_Check(progress.ptr()))
+    throw Error("progress must be callable (or None), got " + type_name(progress));
+
+  std::exception_ptr py_error;  // a Python exception raised inside a callback
+  DraftFn draft_fn;
+  if (!drafter.is_none()) {
+    draft_fn = [&](const int32_t* ctx, int64_t n, int64_t d, int64_t k, DraftOutput& out) {
+      py::gil_scoped_acquire gil;
+      try {
+        // Zero-copy, read-only view of the engine's token buffer; `self` keeps it alive.
+        py::array_t<int32_t> view({static_cast<py::ssize_t>(n)}, {static_cast<py::ssize_t>(sizeof(int32_t))}, ctx, self);
+        view.attr("flags").attr("writeable") = false;
+        py::object r = drafter(view, d, k);
+        parse_draft(r, V, out);
+      } catch (py::error_already_set&) {
+        py_error = std::current_exception();
+        throw CallbackAborted();
+      }
+    };
+  }
+  ProgressFn progress_fn;
+  if (!progress.is_none()) {
+    progress_fn = [&](const int32_t* toks, int64_t n, int64_t done, int64_t total) {
+      py::gil_scoped_acquire gil;
+      try {
+        py::array_t<int32_t> a(static_cast<py::ssize_t>(n));
+        std::copy(toks, toks + n, a.mutable_data());
+        progress(a, done, total);
+      } catch (py::error_already_set&) {
+        py_error = std::current_exception();
+        throw CallbackAborted();
+      }
+    };
+  }
+
+  bool expected = false;
+  if (!g.busy.compare_exchange_strong(expected, true)) throw RuntimeFailure("this Generator is already running");
+  GenerateResult res;
+  std::exception_ptr native_error;
+  {
+    py::gil_scoped_release nogil;
+    try {
+      res = g.gen->generate(ids.data(), static_cast<int64_t>(ids.size()), p, draft_fn, progress_fn);
+    } catch (...) {
+      native_error = std::current_exception();
+    }
+  }
+  g.busy = false;
+  if (py_error) std::rethrow_exception(py_error);
+  if (native_error) std::rethrow_exception(native_error);
+
+  auto to_np = [](const std::vector<int32_t>& v) {
+    py::array_t<int32_t> a(static_cast<py::ssize_t>(v.size()));
+    std::copy(v.begin(), v.end(), a.mutable_data());
+    return a;
+  };
+  py::dict out, secs;
+  out["tokens"] = to_np(res.tokens);
+  out["acceptance_lengths"] = to_np(res.acceptance_lengths);
+  out["tree_sizes"] = to_np(res.tree_sizes);
+  out["draft_depths"] = to_np(res.draft_depths);
+  out["stopped"] = res.stopped;
+  secs["prefill"] = res.seconds.prefill;
+  secs["draft"] = res.seconds.draft;
+  secs["tree_build"] = res.seconds.tree_build;
+  secs["verify"] = res.seconds.verify;
+  secs["accept_commit"] = res.seconds.accept_commit;
+  secs["total"] = res.seconds.total;
+  out["seconds"] = secs;
+  return out;
+}
+
+std::unique_ptr<PyGenerator> make_generator(py::object target) {
+  auto g = std::make_unique<PyGenerator>();
+  if (py::isinstance<ToyTarget>(target)) {
+    g->target = &target.cast<ToyTarget&>();
+  } else {
+    TargetModel* m = nullptr;
+    if (py::isinstance<CpuModel>(target)) m = &target.cast<CpuModel&>();
+    if (m == nullptr)
+      throw Error("Generator: target must be a ToyTarget or a native model (CpuModel), got " + type_name(target));
+    g->adapter = std::make_unique<ModelTarget>(*m);
+    g->target = g->adapter.get();
+  }
+  g->gen = std::make_unique<Generator>(*g->target);
+  return g;
+}
+
+}  // namespace
+
+void bind_engine(py::module_& m) {
+  py::class_<ToyTarget>(m, "ToyTarget",
+                        "Deterministic test target (cpp/engine/toy_target.h): a real cache of (token, position) "
+                        "whose logits depend on every visible entry.")
+      .def(py::init<int64_t, int64_t, uint64_t, float>(), py::arg("vocab_size"), py::arg("max_seq_len"),
+           py::arg("seed") = 0, py::arg("scale") = 3.0f)
+      .def_property_readonly("vocab_size", &ToyTarget::vocab_size)
+      .def_property_readonly("max_seq_len", &ToyTarget::max_seq_len)
+      .def_property_readonly("cache_len", &ToyTarget::cache_len)
+      .def_property_readonly("forward_calls", &ToyTarget::forward_calls)
+      .def_property_readonly("forward_tokens", &ToyTarget::forward_tokens)
+      .def(
+          "forward",
+          [](ToyTarget& t, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens,
+             py::array_t<int32_t, py::array::c_style | py::array::forcecast> positions, py::object visibility) {
+            const int64_t T = tokens.size();
+            if (tokens.ndim() != 1 || positions.ndim() != 1 || positions.size() != T)
+              throw Error("forward: tokens and positions must be 1-D of the same length");
+            std::vector<uint8_t> vis(static_cast<size_t>(T * T), 0);
+            if (visibility.is_none()) {
+              for (int64_t i = 0; i < T; ++i)
+                for (int64_t j = 0; j <= i; ++j) vis[i * T + j] = 1;
+            } else {
+              auto v = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>::ensure(visibility);
+              if (!v || v.ndim() != 2 || v.shape(0) != T || v.shape(1) != T)
+                throw Error("forward: visibility must be [T, T]");
+              std::copy(v.data(), v.data() + T * T, vis.begin());
+            }
+            py::array_t<float> logits({T, t.vocab_size()});
+            t.forward(tokens.data(), positions.data(), vis.data(), T, logits.mutable_data());
+            return logits;
+          },
+          py::arg("tokens"), py::arg("positions"), py::arg("visibility") = py::none(),
+          "logits [T, V]; writes T pending cache entries (visibility None = causal)")
+      .def(
+          "commit",
+          [](ToyTarget& t, py::array_t<int32_t, py::array::c_style | py::array::forcecast> keep) {
+            t.commit(keep.data(), keep.size());
+          },
+          py::arg("keep"))
+      .def("reset", &ToyTarget::reset);
+
+  py::class_<PyGenerator>(m, "Generator",
+                          "The prefill / AR / DDTree loop (cpp/engine/engine.h) over a ToyTarget or a native model.")
+      .def(py::init(&make_generator), py::arg("target"), py::keep_alive<1, 2>())
+      .def_property_readonly("vocab_size", [](PyGenerator& g) { return g.target->vocab_size(); })
+      .def_property_readonly("max_seq_len", [](PyGenerator& g) { return g.target->max_seq_len(); })
+      .def("generate", &run_generate, py::arg("prompt_ids"), py::arg("max_new_tokens"), py::arg("drafter") = py::none(),
+           py::arg("tree_budget") = 64, py::arg("depth") = 15, py::arg("top_k") = 0, py::arg("temperature") = 0.0,
+           py::arg("top_p") = 1.0, py::arg("target_top_k") = 0, py::arg("seed") = 0,
+           py::arg("stop_token_ids") = std::vector<int64_t>{}, py::arg("progress") = py::none(),
+           py::arg("prefill_chunk") = 512);
+}

@@ -1,4 +1,271 @@
-// bind_model.cpp: Python bindings for the model area (placeholder until that area lands).
+// bind_model.cpp: Python bindings of the target model (cpp/model): _native.CpuModel, plus the
+// SGEMM test hook _native.sgemm. Validates every input (dtype, shape, ranges) with a
+// ValueError naming the problem before native memory is touched, and releases the GIL while
+// the model computes.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <limits>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "model/config.h"
+#include "model/cpu_model.h"
+#include "model/sgemm.h"
+
 namespace py = pybind11;
-void bind_model(py::module_& m) { (void)m; }
+using kdtree::Error;
+
+namespace {
+
+py::object dict_get(const py::dict& d, const char* key) {
+  if (!d.contains(key)) throw Error(std::string("model config dict: missing key '") + key + "'");
+  return d[key];
+}
+
+int64_t get_int(const py::dict& d, const char* key) {
+  py::object v = dict_get(d, key);
+  if (py::isinstance<py::bool_>(v) || !py::hasattr(v, "__index__"))
+    throw Error(std::string("model config dict: '") + key + "' must be an integer");
+  return py::int_(v.attr("__index__")()).cast<int64_t>();
+}
+
+double get_float(const py::dict& d, const char* key) {
+  py::object v = dict_get(d, key);
+  if (py::isinstance<py::bool_>(v)) throw Error(std::string("model config dict: '") + key + "' must be a number");
+  try {
+    return py::float_(v).cast<double>();
+  } catch (const py::error_already_set&) {
+    throw Error(std::string("model config dict: '") + key + "' must be a number");
+  }
+}
+
+bool get_bool(const py::dict& d, const char* key) {
+  py::object v = dict_get(d, key);
+  if (!py::isinstance<py::bool_>(v) && !py::isinstance<py::int_>(v))
+    throw Error(std::string("model config dict: '") + key + "' must be a bool");
+  return v.cast<bool>();
+}
+
+kdtree::ModelConfig config_from_dict(const py::dict& d) {
+  kdtree::ModelConfig c;
+  c.vocab_size = get_int(d, "vocab_size");
+  c.hidden_size = get_int(d, "hidden_size");
+  c.intermediate_size = get_int(d, "intermediate_size");
+  c.moe_intermediate_size = get_int(d, "moe_intermediate_size");
+  c.num_hidden_layers = get_int(d, "num_hidden_layers");
+  c.num_attention_heads = get_int(d, "num_attention_heads");
+  c.n_routed_experts = get_int(d, "n_routed_experts");
+  c.n_shared_experts = get_int(d, "n_shared_experts");
+  c.num_experts_per_tok = get_int(d, "num_experts_per_tok");
+  c.n_group = get_int(d, "n_group");
+  c.topk_group = get_int(d, "topk_group");
+  c.first_k_dense_replace = get_int(d, "first_k_dense_replace");
+  c.q_lora_rank = get_int(d, "q_lora_rank");
+  c.kv_lora_rank = get_int(d, "kv_lora_rank");
+  c.qk_nope_head_dim = get_int(d, "qk_nope_head_dim");
+  c.qk_rope_head_dim = get_int(d, "qk_rope_head_dim");
+  c.v_head_dim = get_int(d, "v_head_dim");
+  c.norm_topk_prob = get_bool(d, "norm_topk_prob");
+  c.rope_interleave = get_bool(d, "rope_interleave");
+  c.tie_word_embeddings = get_bool(d, "tie_word_embeddings");
+  c.routed_scaling_factor = get_float(d, "routed_scaling_factor");
+  c.rms_norm_eps = get_float(d, "rms_norm_eps");
+  if (d.contains("latent_norm_eps")) c.latent_norm_eps = get_float(d, "latent_norm_eps");
+  c.softmax_scale = get_float(d, "softmax_scale");
+  c.rope_attention_factor = get_float(d, "rope_attention_factor");
+  py::object inv = dict_get(d, "rope_inv_freq");
+  py::array_t<float, py::array::c_style | py::array::forcecast> a;
+  try {
+    a = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(inv);
+  } catch (const py::error_already_set&) {
+  }
+  if (!a || a.ndim() != 1) throw Error("model config dict: 'rope_inv_freq' must be a 1-D sequence of floats");
+  c.rope_inv_freq.assign(a.data(), a.data() + a.shape(0));
+  c.validate();
+  return c;
+}
+
+std::string dtype_str(const py::array& a) { return py::str(a.dtype()).cast<std::string>(); }
+
+// A 1-D integer array-like -> int32 values, each checked to lie in [lo, hi).
+std::vector<int32_t> int_vector(const py::object& obj, const char* what, int64_t lo, int64_t hi) {
+  py::array a = py::array::ensure(obj);
+  if (!a) throw Error(std::string(what) + ": expected an integer array");
+  if (a.ndim() == 0) a = a.attr("reshape")(1);
+  if (a.ndim() != 1) throw Error(std::string(what) + ": expected a 1-D array, got " + std::to_string(a.ndim()) + "-D");
+  if (a.size() == 0) return {};  // an empty list has NumPy's default dtype (float64)
+  const char kind = a.dtype().kind();
+  if (kind != 'i' && kind != 'u') throw Error(std::string(what) + ": expected an integer dtype, got " + dtype_str(a));
+  auto v = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(a);
+  if (kind == 'u' && a.dtype().itemsize() == 8) {  // uint64 above int64 range would wrap
+    auto u = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>::ensure(a);
+    for (py::ssize_t i = 0; i < u.shape(0); ++i)
+      if (u.data()[i] > (uint64_t)std::numeric_limits<int64_t>::max())
+        throw Error(std::string(what) + ": value out of range at index " + std::to_string(i));
+  }
+  std::vector<int32_t> out((size_t)v.shape(0));
+  for (py::ssize_t i = 0; i < v.shape(0); ++i) {
+    const int64_t x = v.data()[i];
+    if (x < lo || x >= hi)
+      throw Error(std::string(what) + "[" + std::to_string(i) + "] = " + std::to_string(x) + " is outside [" +
+                  std::to_string(lo) + ", " + std::to_string(hi) + ")");
+    out[(size_t)i] = (int32_t)x;
+  }
+  return out;
+}
+
+// The model plus the lock-free parts the binding needs.
+using Model = kdtree::CpuModel;
+
+py::array_t<float> model_forward(Model& m, const py::object& tokens_obj, const py::object& positions_obj,
+                                 const py::object& vis_obj) {
+  if (!m.finalized()) throw Error("forward: the model is not finalized (set every weight, then finalize())");
+  const int64_t V = m.config().vocab_size;
+  std::vector<int32_t> tokens = int_vector(tokens_obj, "tokens", 0, V);
+  const int64_t T = (int64_t)tokens.size();
+  if (T == 0) throw Error("tokens: empty (need at least one token)");
+  std::vector<int32_t> positions = int_vector(positions_obj, "positions", 0, std::numeric_limits<int32_t>::max());
+  if ((int64_t)positions.size() != T)
+    throw Error("positions: length " + std::to_string(positions.size()) + " != number of tokens " + std::to_string(T));
+  if (m.cache_len() + T > m.max_seq_len())
+    throw Error("forward: cache_len (" + std::to_string(m.cache_len()) + ") + tokens (" + std::to_string(T) +
+                ") exceeds max_seq_len (" + std::to_string(m.max_seq_len()) + ")");
+  std::vector<uint8_t> vis;
+  if (!vis_obj.is_none()) {
+    py::array a = py::array::ensure(vis_obj);
+    if (!a) throw Error("visibility: expected a bool/uint8 array");
+    const char kind = a.dtype().kind();
+    if (!(kind == 'b' || (kind == 'u' && a.dtype().itemsize() == 1)))
+      throw Error("visibility: expected dtype bool or uint8, got " + dtype_str(a));
+    if (a.ndim() != 2 || a.shape(0) != T || a.shape(1) != T)
+      throw Error("visibility: expected shape (" + std::to_string(T) + ", " + std::to_string(T) + "), got " +
+                  py::str(a.attr("shape")).cast<std::string>());
+    auto u = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>::ensure(a.attr("view")("uint8"));
+    vis.assign(u.data(), u.data() + T * T);
+  }
+  py::array_t<float> out({(py::ssize_t)T, (py::ssize_t)V});
+  float* o = out.mutable_data();
+  {
+    py::gil_scoped_release nogil;
+    m.forward(tokens.data(), positions.data(), vis.empty() ? nullptr : vis.data(), T, o);
+  }
+  return out;
+}
+
+py::array_t<float> sgemm_py(const py::array& a_obj, const py::array& b_obj, bool trans_b, float alpha, float beta,
+                            const py::object& c_obj, bool portable) {
+  auto chk = [](const py::array& x, const char* what) {
+    if (x.dtype().kind() != 'f' || x.dtype().itemsize() != 4)
+      throw Error(std::string("sgemm: ") + what + " must be float32, got " + dtype_str(x));
+    if (x.ndim() != 2) throw Error(std::string("sgemm: ") + what + " must be 2-D");
+    return py::array_t<float, py::array::c_style>::ensure(x);
+  };
+  auto A = chk(a_obj, "a");
+  auto B = chk(b_obj, "b");
+  const int64_t M = A.shape(0), K = A.shape(1);
+  const int64_t N = trans_b ? B.shape(0) : B.shape(1);
+  const int64_t KB = trans_b ? B.shape(1) : B.shape(0);
+  if (KB != K) throw Error("sgemm: inner dimensions differ");
+  py::array_t<float> C({(py::ssize_t)M, (py::ssize_t)N});
+  if (!c_obj.is_none()) {
+    auto c0 = chk(c_obj.cast<py::array>(), "c");
+    if (c0.shape(0) != M || c0.shape(1) != N) throw Error("sgemm: c has the wrong shape");
+    std::memcpy(C.mutable_data(), c0.data(), (size_t)(M * N) * sizeof(float));
+  } else if (beta != 0.f) {
+    throw Error("sgemm: beta != 0 needs c");
+  } else {
+    std::fill(C.mutable_data(), C.mutable_data() + M * N, std::numeric_limits<float>::quiet_NaN());  // poison
+  }
+  const float* pa = A.data();
+  const float* pb = B.data();
+  float* pc = C.mutable_data();
+  {
+    py::gil_scoped_release nogil;
+    if (portable) kdtree::sgemm_portable(trans_b, M, N, K, alpha, pa, K, pb, trans_b ? K : N, beta, pc, N);
+    else kdtree::sgemm(trans_b, M, N, K, alpha, pa, K, pb, trans_b ? K : N, beta, pc, N);
+  }
+  return C;
+}
+
+}  // namespace
+
+void bind_model(py::module_& m) {
+  m.def("sgemm_backend", []() { return std::string(kdtree::sgemm_backend()); },
+        "Which SGEMM the CPU model uses now: 'cblas' or 'portable'.");
+  m.def("sgemm_force_portable", &kdtree::sgemm_force_portable, py::arg("on"),
+        "Process-wide: make the CPU model use the portable SGEMM even when CBLAS is built in (tests).");
+  m.def("sgemm", &sgemm_py, py::arg("a"), py::arg("b"), py::arg("trans_b") = false, py::arg("alpha") = 1.0f,
+        py::arg("beta") = 0.0f, py::arg("c") = py::none(), py::arg("portable") = false,
+        "Test hook: alpha * a @ (b.T if trans_b else b) + beta * c with the CPU model's SGEMM "
+        "(portable=True forces the portable kernel). float32 2-D arrays.");
+  m.def(
+      "model_weight_specs",
+      [](const py::dict& cfg) {
+        std::vector<std::pair<std::string, std::vector<int64_t>>> out;
+        for (auto& s : kdtree::model_weight_specs(config_from_dict(cfg))) out.emplace_back(s.name, s.shape);
+        return out;
+      },
+      py::arg("config"), "[(HF name, shape)] of every tensor the native model needs for this config.");
+
+  py::class_<Model>(m, "CpuModel",
+                    "The CPU target model (DeepSeek-V3 / Kimi-K2, FP32). CpuModel(config_dict, max_seq_len) with "
+                    "config_dict = ModelConfig.to_native().")
+      .def(py::init([](const py::dict& cfg, int64_t max_seq_len) {
+             kdtree::ModelConfig c = config_from_dict(cfg);
+             return new Model(c, max_seq_len);
+           }),
+           py::arg("config"), py::arg("max_seq_len"))
+      .def(
+          "set_weight",
+          [](Model& self, const std::string& name, const py::object& obj) {
+            py::array arr = py::array::ensure(obj);
+            if (!arr) throw Error("set_weight: '" + name + "' is not an array");
+            if (arr.dtype().kind() != 'f' || arr.dtype().itemsize() != 4)
+              throw Error("set_weight: '" + name + "' must be float32, got " + dtype_str(arr));
+            auto a = py::array_t<float, py::array::c_style>::ensure(arr);
+            if (!a) throw Error("set_weight: '" + name + "' could not be made contiguous");
+            std::vector<int64_t> shape(a.shape(), a.shape() + a.ndim());
+            const float* p = a.data();
+            py::gil_scoped_release nogil;
+            self.set_weight(name, p, shape);
+          },
+          py::arg("name"), py::arg("array"))
+      .def("missing_weights", &Model::missing_weights)
+      .def("finalize", &Model::finalize, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("finalized", &Model::finalized)
+      .def("forward", &model_forward, py::arg("tokens"), py::arg("positions"), py::arg("visibility") = py::none(),
+           "Logits float32 [T, V] of T new tokens at `positions` against the cache; visibility bool/uint8 "
+           "[T, T] (None = causal). The new entries stay pending until commit().")
+      .def(
+          "commit",
+          [](Model& self, const py::object& keep_obj) {
+            std::vector<int32_t> keep = int_vector(keep_obj, "keep", 0, std::max<int64_t>(self.pending_len(), 1));
+            if ((int64_t)keep.size() > self.pending_len())
+              throw Error("commit: keeping " + std::to_string(keep.size()) + " entries but only " +
+                          std::to_string(self.pending_len()) + " are pending");
+            py::gil_scoped_release nogil;
+            self.commit(keep.data(), (int64_t)keep.size());
+          },
+          py::arg("keep"), "Keep pending entries keep[j] (strictly increasing) packed after the context.")
+      .def("reset", &Model::reset)
+      .def_property_readonly("cache_len", &Model::cache_len)
+      .def_property_readonly("pending_len", &Model::pending_len)
+      .def_property_readonly("max_seq_len", &Model::max_seq_len)
+      .def_property_readonly("device", [](const Model& self) { return std::string(self.device()); })
+      .def_property_readonly("memory_bytes", &Model::memory_bytes)
+      .def(
+          "read_cache",
+          [](const Model& self, int64_t layer, int64_t begin, int64_t n) {
+            const int64_t CR = self.config().kv_lora_rank + self.config().qk_rope_head_dim;
+            if (n < 0) throw Error("read_cache: negative count");
+            py::array_t<float> out({(py::ssize_t)n, (py::ssize_t)CR});
+            self.read_cache(layer, begin, n, out.mutable_data());
+            return out;
+          },
+          py::arg("layer"), py::arg("begin"), py::arg("n"),
+          "Latent cache rows [begin, begin+n) of a layer: float32 [n, kv_lora_rank + qk_rope_head_dim].");
+}

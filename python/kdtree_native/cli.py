@@ -1,7 +1,15 @@
-"""The ``kdtree-native`` command line."""
+"""The ``kdtree-native`` command line (also ``python -m kdtree_native``).
+
+    kdtree-native info                       what this build contains
+    kdtree-native generate MODEL_DIR ...     generate from a checkpoint (streams the output)
+    kdtree-native demo                       AR vs DDTree on the embedded default model
+"""
 import argparse
 import json
 import sys
+import time
+
+import numpy as np
 
 
 def _cmd_info(args):
@@ -14,12 +22,262 @@ def _cmd_info(args):
     return 0
 
 
+# ---- shared helpers ---------------------------------------------------------------------------
+
+def _load_tokenizer(model_dir):
+    """HF `tokenizers` Tokenizer from MODEL_DIR/tokenizer.json, or None."""
+    import os
+
+    path = os.path.join(model_dir, "tokenizer.json") if model_dir else None
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        from tokenizers import Tokenizer
+    except ImportError:
+        print("note: tokenizer.json found but the `tokenizers` package is missing; use --ids", file=sys.stderr)
+        return None
+    return Tokenizer.from_file(path)
+
+
+def _parse_ids(text):
+    try:
+        return [int(x) for x in text.replace(",", " ").split()]
+    except ValueError:
+        raise SystemExit(f"--ids must be integers separated by commas or spaces, got {text!r}")
+
+
+class _Streamer:
+    """progress callback: prints new tokens (text when a tokenizer is known) as they come, or a
+    progress indicator (`quiet`) on stderr."""
+
+    def __init__(self, tokenizer=None, stream=True, label=""):
+        self.tok, self.stream, self.label = tokenizer, stream, label
+        self.ids, self.printed, self.t0, self.last = [], "", time.perf_counter(), 0.0
+
+    def __call__(self, new_tokens, done, total):
+        self.ids.extend(int(t) for t in new_tokens)
+        if self.stream:
+            if self.tok is not None:
+                text = self.tok.decode(self.ids)
+                if text.startswith(self.printed):
+                    sys.stdout.write(text[len(self.printed):])
+                    self.printed = text
+            else:
+                sys.stdout.write("".join(f" {t}" for t in new_tokens))
+            sys.stdout.flush()
+        else:
+            now = time.perf_counter()
+            if now - self.last > 0.2 or done == total:
+                self.last = now
+                rate = done / max(now - self.t0, 1e-9)
+                sys.stderr.write(f"\r  {self.label}{done}/{total} tokens ({rate:.1f} tok/s)   ")
+                if done == total:
+                    sys.stderr.write("\n")
+                sys.stderr.flush()
+
+    def finish(self):
+        if not self.stream and self.ids:
+            sys.stderr.write("\n")
+
+
+def _make_drafter(name, engine, args, prompt, n):
+    from . import drafters
+    from .generation import generate
+
+    if name in (None, "none", "ar"):
+        return None
+    if name == "ngram":
+        return drafters.NgramDrafter()
+    if name == "model":
+        if not getattr(args, "draft_model", None):
+            raise SystemExit("--drafter model needs --draft-model DIR")
+        from .engine import Engine
+
+        draft_engine = Engine.from_pretrained(args.draft_model, device=args.device, max_seq_len=args.max_seq_len)
+        return drafters.ModelDrafter(draft_engine)
+    if name.startswith("oracle"):
+        noise = float(name.split(":", 1)[1]) if ":" in name else 0.0
+        ref = generate(engine, prompt, n, temperature=0.0).tokens  # the answer, from AR
+        return drafters.OracleDrafter(ref, noise=noise, seed=0, vocab_size=engine.vocab_size)
+    raise SystemExit(f"unknown drafter {name!r} (none, ngram, model, oracle[:noise])")
+
+
+def _stats_line(res):
+    s = res.stats
+    sec = s["seconds"]
+    return (f"[{s['num_tokens']} tokens in {sec['total']:.3f} s = {s['tokens_per_second']:.1f} tok/s | rounds "
+            f"{s['rounds']} | mean acceptance {s['mean_acceptance_length']:.2f} | draft {sec['draft']:.3f} s, "
+            f"tree {sec['tree_build']:.3f} s, verify {sec['verify']:.3f} s, accept/commit "
+            f"{sec['accept_commit']:.3f} s, prefill {sec['prefill']:.3f} s]")
+
+
+# ---- generate ---------------------------------------------------------------------------------
+
+def _cmd_generate(args):
+    from .engine import Engine
+    from .generation import generate
+
+    tok = _load_tokenizer(args.model_dir)
+    if args.ids is not None:
+        prompt = _parse_ids(args.ids)
+    elif args.prompt is not None:
+        if tok is None:
+            raise SystemExit("--prompt needs MODEL_DIR/tokenizer.json (and the `tokenizers` package); use --ids")
+        prompt = tok.encode(args.prompt).ids
+    else:
+        raise SystemExit("give a prompt: --prompt TEXT (with tokenizer.json) or --ids 1,2,3")
+    eng = Engine.from_pretrained(args.model_dir, device=args.device, max_seq_len=args.max_seq_len)
+    drafter = _make_drafter(args.drafter, eng, args, prompt, args.max_new_tokens)
+    stream = _Streamer(tok, stream=not args.no_stream)
+    stops = list(args.stop or [])
+    if args.eos and getattr(eng.config, "eos_token_id", None) is not None:
+        eos = eng.config.eos_token_id
+        stops += list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+    res = generate(eng, prompt, args.max_new_tokens, drafter=drafter, tree_budget=args.budget, depth=args.depth,
+                   top_k=args.top_k, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                   stop_token_ids=stops, progress=stream)
+    if not args.no_stream:
+        sys.stdout.write("\n")
+    elif tok is not None:
+        print(tok.decode(res.tokens.tolist()))
+    else:
+        print(" ".join(str(t) for t in res.tokens))
+    if args.json:
+        print(json.dumps({"tokens": res.tokens.tolist(), "acceptance_lengths": res.acceptance_lengths.tolist(),
+                          "stats": res.stats}))
+    print(_stats_line(res), file=sys.stderr)
+    return 0
+
+
+# ---- demo -------------------------------------------------------------------------------------
+
+def _random_engine(seed, max_seq_len, vocab=2048, layers=3, hidden=384):
+    """A small random DeepSeek-V3-shaped model built in memory (the demo's fallback)."""
+    from . import _native
+    from .config import config_from_dict
+    from .engine import Engine
+
+    cfg = config_from_dict(dict(
+        model_type="deepseek_v3", vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+        moe_intermediate_size=hidden // 2, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, q_lora_rank=64, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=16,
+        v_head_dim=16, norm_topk_prob=True, routed_scaling_factor=2.5, rms_norm_eps=1e-6, rope_theta=10000.0,
+        max_position_embeddings=4096, tie_word_embeddings=False, bos_token_id=0, eos_token_id=1))
+    rng = np.random.default_rng(seed)
+    weights = {}
+    for name, shape in _native.model_weight_specs(cfg.to_native()):
+        if name.endswith("norm.weight"):
+            w = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif name.endswith("e_score_correction_bias"):
+            w = 0.1 * rng.standard_normal(shape)
+        elif name == "model.embed_tokens.weight":
+            w = rng.standard_normal(shape)
+        else:
+            w = rng.standard_normal(shape) / np.sqrt(shape[-1]) * (3.0 if name == "lm_head.weight" else 1.0)
+        weights[name] = w.astype(np.float32)
+    return Engine.from_weights(cfg, weights, device="cpu", max_seq_len=max_seq_len)
+
+
+def _demo_models(args):
+    """(target engine, draft engine or None, tokenizer or None, description)."""
+    from .engine import Engine
+
+    target_dir = draft_dir = None
+    try:
+        from . import models
+
+        target_dir = models.default_model_dir()
+        draft_dir = models.default_draft_dir()
+    except Exception as e:  # the embedded model is not shipped in this build (yet)
+        why = f"{type(e).__name__}: {e}"
+    if target_dir:
+        eng = Engine.from_pretrained(target_dir, device="cpu", max_seq_len=args.max_seq_len)
+        draft = Engine.from_pretrained(draft_dir, device="cpu", max_seq_len=args.max_seq_len) if draft_dir else None
+        return eng, draft, _load_tokenizer(target_dir), f"embedded default model ({target_dir})"
+    print(f"note: the embedded default model is not available ({why}); running on a small random model "
+          f"instead (its text is noise, its speed-up is real)", file=sys.stderr)
+    return (_random_engine(1, args.max_seq_len), _random_engine(2, args.max_seq_len, layers=1, hidden=128), None,
+            "random 3-layer DeepSeek-V3-shaped model (hidden 384, vocab 2048), random 1-layer drafter")
+
+
+DEMO_PROMPT = ("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. "
+               "Once upon a time, there was a little")
+
+
+def _cmd_demo(args):
+    from .drafters import ModelDrafter, NgramDrafter, OracleDrafter
+    from .generation import generate
+
+    eng, draft_eng, tok, what = _demo_models(args)
+    print(f"model: {what}")
+    prompt = tok.encode(args.prompt or DEMO_PROMPT).ids if tok else [int(x) for x in
+                                                                        np.random.default_rng(0).integers(2, 2048, 24)]
+    n = args.max_new_tokens
+    rows = []
+
+    def run(label, drafter, budget):
+        stream = _Streamer(None, stream=False, label=f"{label:<22}")
+        res = generate(eng, prompt, n, drafter=drafter, tree_budget=budget, depth=args.depth, progress=stream)
+        rows.append((label, res))
+        return res
+
+    ar = run("AR (no drafter)", None, 0)
+    run(f"DDTree n-gram B={args.budget}", NgramDrafter(), args.budget)
+    if draft_eng is not None:
+        run(f"DDTree model B={args.budget}", ModelDrafter(draft_eng), args.budget)
+    run(f"DDTree oracle B={args.budget}", OracleDrafter(ar.tokens, vocab_size=eng.vocab_size), args.budget)
+    if tok is not None:
+        print("\n" + (args.prompt or DEMO_PROMPT) + tok.decode(ar.tokens.tolist()) + "\n")
+    base = ar.stats["tokens_per_second"]
+    print(f"{'mode':<24}{'tokens':>7}{'seconds':>9}{'tok/s':>9}{'speedup':>9}{'mean acc':>10}  same as AR")
+    for label, res in rows:
+        s = res.stats
+        same = np.array_equal(res.tokens, ar.tokens)
+        print(f"{label:<24}{s['num_tokens']:>7}{s['seconds']['total']:>9.3f}{s['tokens_per_second']:>9.1f}"
+              f"{s['tokens_per_second'] / base if base else 0:>8.2f}x{s['mean_acceptance_length']:>10.2f}  "
+              f"{'yes' if same else 'NO'}")
+        if not same:
+            print("error: DDTree output differs from AR", file=sys.stderr)
+            return 1
+    print("(oracle = a drafter that knows the AR answer: the ceiling for this budget/depth)")
+    return 0
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(prog="kdtree-native", description="DDTree speculative decoding engine")
     sub = p.add_subparsers(dest="cmd")
     sub.add_parser("info", help="print what this build contains")
+
+    g = sub.add_parser("generate", help="generate from an HF checkpoint directory")
+    g.add_argument("model_dir")
+    g.add_argument("--prompt", help="prompt text (needs MODEL_DIR/tokenizer.json)")
+    g.add_argument("--ids", help="prompt token ids, e.g. 1,2,3")
+    g.add_argument("-n", "--max-new-tokens", type=int, default=64)
+    g.add_argument("--drafter", default="ngram", help="none | ngram | model | oracle[:noise] (default ngram)")
+    g.add_argument("--draft-model", help="checkpoint dir of the drafter model (--drafter model)")
+    g.add_argument("--budget", type=int, default=64, help="tree nodes per round (0 = AR)")
+    g.add_argument("--depth", type=int, default=15)
+    g.add_argument("--top-k", type=int, default=None, help="drafter candidates per depth (default: budget)")
+    g.add_argument("-t", "--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", type=int, nargs="*", help="stop token ids")
+    g.add_argument("--eos", action="store_true", help="also stop at the config's eos_token_id")
+    g.add_argument("--max-seq-len", type=int, default=4096)
+    g.add_argument("--device", default="cpu")
+    g.add_argument("--no-stream", action="store_true", help="print the output at the end, with a progress line")
+    g.add_argument("--json", action="store_true", help="also print tokens and stats as JSON")
+
+    d = sub.add_parser("demo", help="AR vs DDTree side by side on the embedded default model")
+    d.add_argument("-n", "--max-new-tokens", type=int, default=128)
+    d.add_argument("--budget", type=int, default=32)
+    d.add_argument("--depth", type=int, default=8)
+    d.add_argument("--prompt", default=None)
+    d.add_argument("--max-seq-len", type=int, default=1024)
+
     args = p.parse_args(argv)
     if args.cmd is None:
         p.print_help()
         return 0
-    return {"info": _cmd_info}[args.cmd](args)
+    return {"info": _cmd_info, "generate": _cmd_generate, "demo": _cmd_demo}[args.cmd](args)

@@ -1,6 +1,180 @@
-"""kn.Engine (placeholder until the model area lands)."""
+"""kn.Engine: the target model loaded from an HF checkpoint directory, on a native backend.
+
+Where it sits: the public entry point (docs/DESIGN.md section 5). `Engine.from_pretrained`
+parses config.json (config.py), memory-maps the safetensors (checkpoint.py), uploads every
+tensor into the native model (`_native.CpuModel`, cpp/model/) one at a time, dropping the
+Python copy as soon as it is uploaded, and finalizes it. docs/MODEL.md describes the model.
+
+    eng = kn.Engine.from_pretrained(model_dir, device="cpu", max_seq_len=4096)
+    logits = eng.prefill(prompt_ids)                # float32 [len, vocab]; resets the cache
+    # low level (the engine loop, tests): any T new tokens against the cache
+    logits = eng.forward(tokens, positions, visibility=None)   # None = causal; pending
+    eng.commit(keep)                                 # keep pending entries, packed
+    eng.reset(); eng.cache_len
+"""
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, Optional, Union
+
+import numpy as np
+
+from . import _native
+from .checkpoint import load_weights
+from .config import ModelConfig, load_config
+
+__all__ = ["Engine"]
+
+_DEVICES = ("auto", "cpu", "cuda")
+
+
+def _progress_printer(done: int, total: int) -> None:
+    if done == total or done % max(1, total // 20) == 0:
+        print(f"\rloading weights: {done}/{total}", end="\n" if done == total else "", file=sys.stderr, flush=True)
+
+
+def _resolve_device(device: str) -> str:
+    if not isinstance(device, str) or device not in _DEVICES:
+        raise ValueError(f"device must be one of {list(_DEVICES)}, got {device!r}")
+    if device == "cuda":
+        if not hasattr(_native, "CudaModel"):
+            raise NotImplementedError(
+                "device='cuda': the CUDA target model is not implemented yet; use device='cpu' (or 'auto')")
+        ok, why = _native.cuda_available()
+        if not ok:
+            raise RuntimeError(f"device='cuda' requested but no CUDA device can be used: {why}")
+        return "cuda"
+    if device == "auto":
+        if hasattr(_native, "CudaModel") and _native.cuda_available()[0]:
+            return "cuda"
+        return "cpu"
+    return "cpu"
 
 
 class Engine:
-    def __init__(self, *a, **k):
-        raise NotImplementedError("Engine not implemented yet")
+    """The target model on one device, with its latent KV cache.
+
+    Attributes: `device` ("cpu" / "cuda"), `config` (the parsed ModelConfig), `max_seq_len`,
+    `model` (the native model object), `model_dir`.
+    """
+
+    def __init__(self, model, config: ModelConfig, device: str, max_seq_len: int, model_dir: Optional[str] = None):
+        self.model = model
+        self.config = config
+        self.device = device
+        self.max_seq_len = int(max_seq_len)
+        self.model_dir = model_dir
+
+    # ---- loading ------------------------------------------------------------------------
+    @classmethod
+    def from_pretrained(cls, model_dir, device: str = "auto", max_seq_len: int = 4096,
+                        progress: Union[None, bool, Callable[[int, int], None]] = None) -> "Engine":
+        """Load an HF DeepSeek-V3 / Kimi-K2 checkpoint directory (config.json +
+        model.safetensors or shards with model.safetensors.index.json; F32/BF16/F16).
+
+        device: "cpu", "cuda" (NotImplementedError until the CUDA model exists) or "auto"
+        (CUDA when available, else CPU). max_seq_len: the KV cache capacity in tokens.
+        progress: None, True (print to stderr) or a callable(done, total) per tensor.
+        Raises FileNotFoundError / ValueError naming the problem for a bad directory, config
+        or checkpoint.
+        """
+        model_dir = os.fspath(model_dir)
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer)) or max_seq_len <= 0:
+            raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
+        if progress is True:
+            progress = _progress_printer
+        elif progress is False:
+            progress = None
+        elif progress is not None and not callable(progress):
+            raise ValueError("progress must be None, True/False or a callable(done, total)")
+        device = _resolve_device(device)
+        if not os.path.isdir(model_dir):
+            raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
+        cfg = load_config(model_dir)
+        weights = load_weights(model_dir, cfg, progress=progress)
+        eng = cls._build(cfg, weights, device, int(max_seq_len))
+        eng.model_dir = model_dir
+        return eng
+
+    @classmethod
+    def from_weights(cls, config: ModelConfig, weights: dict, device: str = "cpu", max_seq_len: int = 4096) -> "Engine":
+        """An engine from a parsed config and {HF name: array} (any float dtype; converted to
+        float32). The dict is left intact. For tests and tools that make weights in memory."""
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer)) or max_seq_len <= 0:
+            raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
+        return cls._build(config, dict(weights), _resolve_device(device), int(max_seq_len))
+
+    @classmethod
+    def _build(cls, cfg: ModelConfig, weights: dict, device: str, max_seq_len: int) -> "Engine":
+        if device != "cpu":  # pragma: no cover - no CUDA model yet
+            raise NotImplementedError(f"device {device!r}: no native model for it yet")
+        model = _native.CpuModel(cfg.to_native(), max_seq_len)
+        missing = [n for n, _ in _native.model_weight_specs(cfg.to_native()) if n not in weights]
+        if missing:
+            raise ValueError(f"{len(missing)} weight tensor(s) missing: " + ", ".join(missing[:20])
+                             + (" ..." if len(missing) > 20 else ""))
+        # Upload one tensor at a time and drop the Python side right away (F32 tensors are
+        # views of the mmap'd file, BF16/F16 ones were widened to float32 by load_weights).
+        for name in list(weights):
+            arr = weights.pop(name)
+            model.set_weight(name, np.ascontiguousarray(arr, dtype=np.float32))
+            del arr
+        model.finalize()
+        return cls(model, cfg, device, max_seq_len)
+
+    # ---- the one entry point --------------------------------------------------------------
+    def forward(self, tokens, positions, visibility=None) -> np.ndarray:
+        """Logits float32 [T, V] of T new tokens at `positions` (RoPE positions, usually
+        cache_len + depth) against the committed cache. visibility bool/uint8 [T, T]: row i =
+        which of the new tokens token i sees (None = causal). The T new cache entries stay
+        pending until `commit`; another forward replaces them."""
+        return self.model.forward(tokens, positions, visibility)
+
+    def commit(self, keep) -> None:
+        """Keep pending entries `keep` (indices into the last forward's tokens, strictly
+        increasing), packed right after the committed context; cache_len grows by len(keep)."""
+        self.model.commit(np.asarray(keep).reshape(-1))
+
+    def reset(self) -> None:
+        """Empty the cache."""
+        self.model.reset()
+
+    @property
+    def cache_len(self) -> int:
+        return self.model.cache_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.config.vocab_size
+
+    # ---- conveniences ---------------------------------------------------------------------
+    def prefill(self, prompt_ids) -> np.ndarray:
+        """Reset the cache, run the prompt causally and commit it: logits float32 [len, vocab]."""
+        ids = np.asarray(prompt_ids)
+        if ids.ndim != 1:
+            raise ValueError(f"prefill: prompt_ids must be 1-D, got shape {ids.shape}")
+        if ids.size == 0:
+            raise ValueError("prefill: empty prompt")
+        if ids.dtype.kind not in "iu":
+            raise ValueError(f"prefill: prompt_ids must be integers, got dtype {ids.dtype}")
+        if ids.size > self.max_seq_len:
+            raise ValueError(f"prefill: prompt of {ids.size} tokens exceeds max_seq_len ({self.max_seq_len})")
+        self.model.reset()
+        T = ids.size
+        logits = self.model.forward(ids, np.arange(T, dtype=np.int32), None)
+        self.model.commit(np.arange(T, dtype=np.int32))
+        return logits
+
+    def decode(self, token: int) -> np.ndarray:
+        """One token at position cache_len, committed: logits float32 [vocab]."""
+        pos = self.model.cache_len
+        logits = self.model.forward(np.asarray([token]), np.asarray([pos], dtype=np.int32), None)
+        self.model.commit(np.zeros(1, dtype=np.int32))
+        return logits[0]
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"Engine(device={self.device!r}, model_type={c.model_type!r}, layers={c.num_hidden_layers}, "
+                f"hidden={c.hidden_size}, vocab={c.vocab_size}, max_seq_len={self.max_seq_len}, "
+                f"cache_len={self.cache_len})")

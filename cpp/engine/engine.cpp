@@ -1,0 +1,230 @@
+// engine.cpp: see engine.h.
+#include "engine/engine.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <string>
+
+#include "common.h"
+
+namespace kdtree {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+std::string s(int64_t v) { return std::to_string(v); }
+}  // namespace
+
+void check_draft_output(const DraftOutput& out, int64_t depth, int64_t top_k, int64_t vocab) {
+  KD_CHECK(out.d >= 0, "drafter output: negative number of rows");
+  KD_CHECK(out.d <= depth, "drafter output has d=" + s(out.d) + " rows but depth is " + s(depth) + " (need d <= depth)");
+  if (out.d == 0) return;
+  if (out.is_logits) {
+    KD_CHECK(out.k == vocab, "drafter logits must have vocab_size=" + s(vocab) + " columns, got " + s(out.k));
+    KD_CHECK(static_cast<int64_t>(out.values.size()) == out.d * out.k, "drafter logits: size does not match [d, V]");
+    for (int64_t r = 0; r < out.d; ++r) {
+      bool any_finite = false;
+      for (int64_t j = 0; j < out.k; ++j) {
+        const float x = out.values[r * out.k + j];
+        KD_CHECK(!std::isnan(x), "drafter logits contain NaN (row " + s(r) + ")");
+        KD_CHECK(!(std::isinf(x) && x > 0), "drafter logits contain +inf (row " + s(r) + ")");
+        any_finite = any_finite || std::isfinite(x);
+      }
+      KD_CHECK(any_finite, "drafter logits: row " + s(r) + " has no finite value");
+    }
+    return;
+  }
+  KD_CHECK(out.k >= 1, "drafter output has d=" + s(out.d) + " rows but k=0 columns");
+  KD_CHECK(out.k <= top_k, "drafter output has k=" + s(out.k) + " columns but top_k is " + s(top_k) + " (need k <= top_k)");
+  KD_CHECK(static_cast<int64_t>(out.values.size()) == out.d * out.k && static_cast<int64_t>(out.ids.size()) == out.d * out.k,
+           "drafter output: logprobs and token_ids must both have shape [d, k]");
+  for (int64_t r = 0; r < out.d; ++r) {
+    for (int64_t j = 0; j < out.k; ++j) {
+      const float x = out.values[r * out.k + j];
+      const int32_t id = out.ids[r * out.k + j];
+      KD_CHECK(!std::isnan(x), "drafter logprobs contain NaN (row " + s(r) + ", column " + s(j) + ")");
+      KD_CHECK(!(std::isinf(x) && x > 0), "drafter logprobs contain +inf (row " + s(r) + ", column " + s(j) + ")");
+      KD_CHECK(id >= 0 && id < vocab, "drafter token id " + s(id) + " outside the vocab [0, " + s(vocab) + ") (row " +
+                                          s(r) + ", column " + s(j) + ")");
+      KD_CHECK(j == 0 || out.values[r * out.k + j - 1] >= x,
+               "drafter logprobs row " + s(r) + " is not sorted in descending order (column " + s(j) + ")");
+    }
+  }
+}
+
+Generator::Generator(Target& target) : target_(target) {
+  const int64_t cap = target.max_seq_len();
+  KD_CHECK(cap >= 1, "target max_seq_len must be >= 1");
+  buf_.assign(static_cast<size_t>(cap), 0);
+}
+
+GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const GenerateParams& p, const DraftFn& drafter,
+                                   const ProgressFn& progress) {
+  const auto t_start = Clock::now();
+  const int64_t V = target_.vocab_size();
+  const int64_t cap = target_.max_seq_len();
+  KD_CHECK(static_cast<int64_t>(buf_.size()) == cap, "target max_seq_len changed after the Generator was made");
+  KD_CHECK(P >= 1, "the prompt must have at least one token");
+  KD_CHECK(p.max_new_tokens >= 0, "max_new_tokens must be >= 0");
+  KD_CHECK(p.tree_budget >= 0, "tree_budget must be >= 0");
+  KD_CHECK(p.depth >= 1 && p.depth <= kTreeMaxDepth, "depth must be in [1, " + s(kTreeMaxDepth) + "], got " + s(p.depth));
+  KD_CHECK(p.tree_budget <= kTreeMaxBudget, "tree_budget must be <= " + s(kTreeMaxBudget) + ", got " + s(p.tree_budget));
+  KD_CHECK(p.top_k >= 0, "top_k must be >= 1 (or 0/None for min(tree_budget, vocab))");
+  KD_CHECK(p.prefill_chunk >= 1, "prefill_chunk must be >= 1");
+  KD_CHECK(P + p.max_new_tokens <= cap, "prompt (" + s(P) + " tokens) + max_new_tokens (" + s(p.max_new_tokens) +
+                                            ") exceeds max_seq_len (" + s(cap) + ")");
+  for (int64_t i = 0; i < P; ++i)
+    KD_CHECK(prompt[i] >= 0 && prompt[i] < V,
+             "prompt token " + s(prompt[i]) + " at index " + s(i) + " outside the vocab [0, " + s(V) + ")");
+  for (int32_t t : p.stop_tokens)
+    KD_CHECK(t >= 0 && t < V, "stop token " + s(t) + " outside the vocab [0, " + s(V) + ")");
+  Sampler sampler(p.sampling);
+
+  GenerateResult res;
+  std::copy(prompt, prompt + P, buf_.begin());
+  n_ = P;
+  target_.reset();
+  if (p.max_new_tokens == 0) {
+    res.seconds.total = since(t_start);
+    return res;
+  }
+  auto is_stop = [&](int32_t t) {
+    for (int32_t x : p.stop_tokens)
+      if (x == t) return true;
+    return false;
+  };
+
+  // ---- prefill (in chunks: causal inside a chunk, earlier chunks committed)
+  std::vector<float> logits;
+  std::vector<int32_t> pos, keep;
+  std::vector<uint8_t> vis;
+  {
+    const auto t0 = Clock::now();
+    int32_t first = 0;
+    for (int64_t c0 = 0; c0 < P; c0 += p.prefill_chunk) {
+      const int64_t T = std::min(p.prefill_chunk, P - c0);
+      pos.resize(T);
+      keep.resize(T);
+      vis.assign(static_cast<size_t>(T * T), 0);
+      for (int64_t i = 0; i < T; ++i) {
+        pos[i] = static_cast<int32_t>(c0 + i);
+        keep[i] = static_cast<int32_t>(i);
+        for (int64_t j = 0; j <= i; ++j) vis[i * T + j] = 1;
+      }
+      logits.resize(static_cast<size_t>(T * V));
+      target_.forward(prompt + c0, pos.data(), vis.data(), T, logits.data());
+      target_.commit(keep.data(), T);
+      if (c0 + T == P) first = sampler.choose(logits.data() + (T - 1) * V, V, P);
+    }
+    buf_[n_++] = first;
+    res.tokens.push_back(first);
+    res.seconds.prefill = since(t0);
+    res.stopped = is_stop(first);
+    if (progress) progress(&buf_[n_ - 1], 1, 1, p.max_new_tokens);
+  }
+
+  // ---- rounds
+  DraftOutput draft;
+  Tree tree;
+  TreeBuildWorkspace ws;
+  std::vector<float> topk_lp;
+  std::vector<int32_t> topk_ids, tree_tok, path;
+  std::vector<int64_t> choice;
+  const int64_t K = p.top_k > 0 ? p.top_k : std::min<int64_t>(std::max<int64_t>(p.tree_budget, 1), V);
+  while (!res.stopped && static_cast<int64_t>(res.tokens.size()) < p.max_new_tokens) {
+    const int64_t L = target_.cache_len();
+    KD_CHECK(L == n_ - 1, "engine invariant: cache length " + s(L) + " != committed tokens - 1 (" + s(n_ - 1) + ")");
+    const int64_t remaining = p.max_new_tokens - static_cast<int64_t>(res.tokens.size());
+    const int64_t depth_r = std::min(p.depth, remaining - 1);     // deeper nodes could never be emitted
+    const int64_t budget_r = std::min(p.tree_budget, cap - L - 1);  // the window must fit in the cache
+    const int64_t k_r = std::min(std::min(K, std::max<int64_t>(budget_r, 1)), V);
+
+    // draft + tree build
+    tree.n = 0;
+    tree.tokens.clear();
+    tree.depths.clear();
+    tree.parents.assign(1, -1);
+    int64_t d_got = 0;
+    if (drafter && depth_r > 0 && budget_r > 0) {
+      draft.clear();
+      auto t0 = Clock::now();
+      drafter(buf_.data(), n_, depth_r, k_r, draft);
+      res.seconds.draft += since(t0);
+      t0 = Clock::now();
+      check_draft_output(draft, depth_r, k_r, V);
+      d_got = draft.d;
+      if (draft.d > 0) {
+        const float* lp = draft.values.data();
+        const int32_t* ids = draft.ids.data();
+        int64_t k = draft.k;
+        if (draft.is_logits) {
+          topk_lp.resize(static_cast<size_t>(draft.d * k_r));
+          topk_ids.resize(static_cast<size_t>(draft.d * k_r));
+          k = topk_logsoftmax(draft.values.data(), draft.d, V, k_r, topk_lp.data(), topk_ids.data());
+          lp = topk_lp.data();
+          ids = topk_ids.data();
+        }
+        // Candidates with log-prob -inf are never verified: the best-first order pops every
+        // finite-score prefix before any -inf one, and there are sum_j prod_{d<=j} f_d finite
+        // prefixes (f_d = finite entries of row d, a leading run since rows are sorted).
+        int64_t finite_prefixes = 0, prod = 1;
+        for (int64_t r = 0; r < draft.d && finite_prefixes < budget_r; ++r) {
+          int64_t f = 0;
+          while (f < k && std::isfinite(lp[r * k + f])) ++f;
+          prod = std::min<int64_t>(prod * f, budget_r);
+          if (prod == 0) break;
+          finite_prefixes += prod;
+        }
+        tree_build(lp, ids, draft.d, k, std::min(budget_r, finite_prefixes), &tree, &ws);
+      }
+      res.seconds.tree_build += since(t0);
+    }
+
+    // verify: one forward over root + nodes, ancestor-only visibility
+    auto t0 = Clock::now();
+    const int64_t n = tree.n, T = n + 1;
+    tree_tok.resize(T);
+    pos.resize(T);
+    tree_tok[0] = buf_[n_ - 1];
+    for (int64_t i = 1; i < T; ++i) tree_tok[i] = tree.tokens[i - 1];
+    tree_positions(tree.depths.data(), n, L, pos.data());
+    vis.assign(static_cast<size_t>(T * T), 0);
+    for (int64_t i = 0; i < T; ++i)  // walk up the parents: node i sees itself and its ancestors
+      for (int64_t a = i; a >= 0; a = tree.parents[a]) vis[i * T + a] = 1;
+    logits.resize(static_cast<size_t>(T * V));
+    target_.forward(tree_tok.data(), pos.data(), vis.data(), T, logits.data());
+    choice.resize(T);
+    for (int64_t i = 0; i < T; ++i) choice[i] = sampler.choose(logits.data() + i * V, V, pos[i] + 1);
+    res.seconds.verify += since(t0);
+
+    // accept + commit + emit
+    t0 = Clock::now();
+    path.resize(T);
+    int64_t bonus64 = 0;
+    const int64_t m = tree_accept(tree.parents.data(), tree.tokens.data(), n, choice.data(), path.data(), &bonus64);
+    path.resize(m);
+    const int32_t bonus = static_cast<int32_t>(bonus64);
+    target_.commit(path.data(), m);
+    const int64_t n0 = n_;
+    for (int64_t j = 1; j <= m; ++j) {
+      const int32_t tok = j < m ? tree.tokens[path[j] - 1] : bonus;
+      buf_[n_++] = tok;
+      res.tokens.push_back(tok);
+      if (is_stop(tok)) {
+        res.stopped = true;
+        break;
+      }
+      if (static_cast<int64_t>(res.tokens.size()) == p.max_new_tokens) break;
+    }
+    res.acceptance_lengths.push_back(static_cast<int32_t>(n_ - n0));
+    res.tree_sizes.push_back(static_cast<int32_t>(n));
+    res.draft_depths.push_back(static_cast<int32_t>(d_got));
+    res.seconds.accept_commit += since(t0);
+    if (progress) progress(&buf_[n0], n_ - n0, static_cast<int64_t>(res.tokens.size()), p.max_new_tokens);
+  }
+  res.seconds.total = since(t_start);
+  return res;
+}
+
+}  // namespace kdtree

@@ -1,0 +1,509 @@
+// cpu_model.cpp: CPU forward of the DeepSeek-V3 / Kimi-K2 target model (see cpu_model.h and
+// docs/MODEL.md). Every projection over the T new tokens is one SGEMM (sgemm.h); the small
+// row-wise ops are in ops.h. Attention runs in the latent space with weight absorption:
+//
+//   q_lat[t,h,:]  = q_nope[t,h,:] @ W_UK[h]              [T,H,C]   (W_UK[h]: [Dn,C])
+//   scores        = [q_lat | q_rope] @ cache[0:S]^T * sc  [T*H, S]  (one GEMM over all heads:
+//                                                                   the cache row is shared)
+//   o_lat         = softmax(mask(scores)) @ cache[0:S, 0:C]  [T*H, C]
+//   o[t,h,:]      = o_lat[t,h,:] @ W_UV[h]^T              [T,H,Dv]  (W_UV[h]: [Dv,C])
+//   out           = o @ o_proj^T                          [T,Dm]
+//
+// which equals HF's expand-then-attend (k_nope = latent @ W_UK^T, v = latent @ W_UV^T) up to
+// float rounding, without ever materialising per-head K/V.
+#include "model/cpu_model.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "common.h"
+#include "model/ops.h"
+#include "model/sgemm.h"
+
+#ifdef _OPENMP
+#include <omp.h>
+#define KD_PRAGMA(x) _Pragma(#x)
+#else
+#define KD_PRAGMA(x)
+#endif
+
+// Parallel row loop when there is enough work to pay for waking the OpenMP team.
+#define KD_PARALLEL_FOR_IF(cond) KD_PRAGMA(omp parallel for schedule(static) if (cond))
+
+namespace kdtree {
+
+namespace {
+constexpr int64_t kScoresBudget = 1 << 22;  // floats of attention scores per chunk (16 MiB)
+constexpr int64_t kParallelWork = 1 << 18;  // elements below which row loops stay serial
+const float kNegInf = -std::numeric_limits<float>::infinity();
+
+template <class V>
+void grow(V& v, int64_t n) {
+  if ((int64_t)v.size() < n) v.resize((size_t)n);
+}
+}  // namespace
+
+CpuModel::CpuModel(const ModelConfig& cfg, int64_t max_seq_len) : cfg_(cfg), max_seq_len_(max_seq_len) {
+  cfg_.validate();
+  if (max_seq_len <= 0) throw Error("CpuModel: max_seq_len must be > 0, got " + std::to_string(max_seq_len));
+  const ModelConfig& c = cfg_;
+  const int64_t Dm = c.hidden_size, H = c.num_attention_heads, C = c.kv_lora_rank, R = c.qk_rope_head_dim;
+  const int64_t Dn = c.qk_nope_head_dim, Dv = c.v_head_dim;
+  if ((double)max_seq_len * (double)(C + R) * (double)c.num_hidden_layers > 4e10)
+    throw Error("CpuModel: max_seq_len " + std::to_string(max_seq_len) + " needs a latent cache of more than 160 GB");
+
+  // Allocate every tensor and register where each HF name lands.
+  embed_.assign((size_t)(c.vocab_size * Dm), 0.f);
+  final_ln_.assign((size_t)Dm, 0.f);
+  if (!c.tie_word_embeddings) lm_head_.assign((size_t)(c.vocab_size * Dm), 0.f);
+  layers_.resize((size_t)c.num_hidden_layers);
+  std::unordered_map<std::string, float*> where;
+  where["model.embed_tokens.weight"] = embed_.data();
+  where["model.norm.weight"] = final_ln_.data();
+  if (!c.tie_word_embeddings) where["lm_head.weight"] = lm_head_.data();
+  for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
+    Layer& ly = layers_[(size_t)l];
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    auto reg = [&](std::vector<float>& v, int64_t n, const std::string& name) {
+      v.assign((size_t)n, 0.f);
+      where[p + name] = v.data();
+    };
+    reg(ly.input_ln, Dm, "input_layernorm.weight");
+    reg(ly.post_ln, Dm, "post_attention_layernorm.weight");
+    if (c.q_lora_rank > 0) {
+      reg(ly.q_a, c.q_lora_rank * Dm, "self_attn.q_a_proj.weight");
+      reg(ly.q_a_ln, c.q_lora_rank, "self_attn.q_a_layernorm.weight");
+      reg(ly.q_b, H * c.qk_head_dim() * c.q_lora_rank, "self_attn.q_b_proj.weight");
+    } else {
+      reg(ly.q_proj, H * c.qk_head_dim() * Dm, "self_attn.q_proj.weight");
+    }
+    reg(ly.kv_a, (C + R) * Dm, "self_attn.kv_a_proj_with_mqa.weight");
+    reg(ly.kv_a_ln, C, "self_attn.kv_a_layernorm.weight");
+    ly.w_uk.assign((size_t)(H * Dn * C), 0.f);
+    ly.w_uv.assign((size_t)(H * Dv * C), 0.f);
+    reg(ly.o_proj, Dm * H * Dv, "self_attn.o_proj.weight");
+    ly.moe = c.is_moe_layer(l);
+    if (!ly.moe) {
+      const int64_t I = c.intermediate_size;
+      ly.mlp_gate_up.assign((size_t)(2 * I * Dm), 0.f);
+      where[p + "mlp.gate_proj.weight"] = ly.mlp_gate_up.data();
+      where[p + "mlp.up_proj.weight"] = ly.mlp_gate_up.data() + I * Dm;
+      reg(ly.mlp_down, Dm * I, "mlp.down_proj.weight");
+    } else {
+      const int64_t E = c.n_routed_experts, Ie = c.moe_intermediate_size;
+      reg(ly.router, E * Dm, "mlp.gate.weight");
+      reg(ly.router_bias, E, "mlp.gate.e_score_correction_bias");
+      ly.experts_gate_up.assign((size_t)(E * 2 * Ie * Dm), 0.f);
+      ly.experts_down.assign((size_t)(E * Dm * Ie), 0.f);
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string q = p + "mlp.experts." + std::to_string(e) + ".";
+        float* gu = ly.experts_gate_up.data() + e * 2 * Ie * Dm;
+        where[q + "gate_proj.weight"] = gu;
+        where[q + "up_proj.weight"] = gu + Ie * Dm;
+        where[q + "down_proj.weight"] = ly.experts_down.data() + e * Dm * Ie;
+      }
+      if (c.n_shared_experts > 0) {
+        const int64_t Is = Ie * c.n_shared_experts;
+        ly.shared_gate_up.assign((size_t)(2 * Is * Dm), 0.f);
+        where[p + "mlp.shared_experts.gate_proj.weight"] = ly.shared_gate_up.data();
+        where[p + "mlp.shared_experts.up_proj.weight"] = ly.shared_gate_up.data() + Is * Dm;
+        reg(ly.shared_down, Dm * Is, "mlp.shared_experts.down_proj.weight");
+      }
+    }
+    ly.cache.assign((size_t)(max_seq_len * (C + R)), 0.f);
+  }
+  for (const WeightSpec& s : model_weight_specs(c)) {
+    Slot slot;
+    slot.shape = s.shape;
+    auto it = where.find(s.name);
+    if (it != where.end()) {
+      slot.dst = it->second;
+    } else if (s.name.find("self_attn.kv_b_proj.weight") != std::string::npos) {
+      slot.kind = kKvB;
+      slot.layer = std::stoll(s.name.substr(13));  // after "model.layers."
+    } else {
+      throw RuntimeFailure("CpuModel: internal error, no storage for " + s.name);
+    }
+    slots_.emplace(s.name, std::move(slot));
+    slot_order_.push_back(s.name);
+  }
+  lm_head_ptr_ = c.tie_word_embeddings ? embed_.data() : lm_head_.data();
+}
+
+void CpuModel::set_weight(const std::string& name, const float* data, const std::vector<int64_t>& shape) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = slots_.find(name);
+  if (it == slots_.end()) {
+    std::string hint;
+    if (name == "lm_head.weight" && cfg_.tie_word_embeddings) hint = " (tie_word_embeddings: the embedding is used)";
+    throw Error("set_weight: unexpected tensor '" + name + "' for this config" + hint);
+  }
+  Slot& s = it->second;
+  if (shape != s.shape)
+    throw Error("set_weight: '" + name + "' has shape " + shape_str(shape) + ", the config needs " +
+                shape_str(s.shape));
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  if (n > 0 && data == nullptr) throw Error("set_weight: null data for '" + name + "'");
+  if (s.kind == kCopy) {
+    std::memcpy(s.dst, data, (size_t)n * sizeof(float));
+  } else {
+    // kv_b_proj [H*(Dn+Dv), C]: per head h, rows [0, Dn) are W_UK[h] (latent -> k_nope) and
+    // rows [Dn, Dn+Dv) are W_UV[h] (latent -> v). Stored split: w_uk [H, Dn, C], w_uv [H, Dv, C].
+    Layer& ly = layers_[(size_t)s.layer];
+    const int64_t H = cfg_.num_attention_heads, C = cfg_.kv_lora_rank;
+    const int64_t Dn = cfg_.qk_nope_head_dim, Dv = cfg_.v_head_dim;
+    for (int64_t h = 0; h < H; ++h) {
+      const float* src = data + h * (Dn + Dv) * C;
+      std::memcpy(ly.w_uk.data() + h * Dn * C, src, (size_t)(Dn * C) * sizeof(float));
+      std::memcpy(ly.w_uv.data() + h * Dv * C, src + Dn * C, (size_t)(Dv * C) * sizeof(float));
+    }
+  }
+  s.set = true;
+  finalized_ = false;
+}
+
+std::vector<std::string> CpuModel::missing_weights() const {
+  std::vector<std::string> m;
+  for (const std::string& n : slot_order_)
+    if (!slots_.at(n).set) m.push_back(n);
+  return m;
+}
+
+void CpuModel::finalize() {
+  std::vector<std::string> missing = missing_weights();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!missing.empty()) {
+    std::string msg = "finalize: " + std::to_string(missing.size()) + " weight tensor(s) missing: ";
+    for (size_t i = 0; i < missing.size() && i < 12; ++i) msg += (i ? ", " : "") + missing[i];
+    if (missing.size() > 12) msg += ", ...";
+    throw Error(msg);
+  }
+  // The absorbed matrices W_UK / W_UV were split from kv_b_proj as it arrived (set_weight);
+  // nothing else is derived on the CPU. The cache starts empty.
+  finalized_ = true;
+  cache_len_ = 0;
+  pending_ = 0;
+}
+
+void CpuModel::reset() {
+  std::lock_guard<std::mutex> lock(mu_);
+  cache_len_ = 0;
+  pending_ = 0;
+}
+
+void CpuModel::ensure_workspace(int64_t T) {
+  const ModelConfig& c = cfg_;
+  const int64_t Dm = c.hidden_size, H = c.num_attention_heads, C = c.kv_lora_rank, R = c.qk_rope_head_dim;
+  if (scores_.empty()) {
+    // Room for one query token against the whole cache, or kScoresBudget, whichever is larger.
+    scores_.resize((size_t)std::max<int64_t>(H * max_seq_len_, std::min<int64_t>(kScoresBudget, H * max_seq_len_ * max_seq_len_)));
+  }
+  if (T <= ws_T_) return;
+  const int64_t I = std::max({c.first_k_dense_replace > 0 ? c.intermediate_size : 0, c.moe_intermediate_size,
+                              c.moe_intermediate_size * std::max<int64_t>(c.n_shared_experts, 0)});
+  const int64_t E = c.n_routed_experts, K = c.num_experts_per_tok, G = std::max<int64_t>(c.n_group, 1);
+  grow(x_, T * Dm);
+  grow(hn_, T * Dm);
+  grow(qa_, T * c.q_lora_rank);
+  grow(q_, T * H * c.qk_head_dim());
+  grow(kv_, T * (C + R));
+  grow(qfull_, T * H * (C + R));
+  grow(cs_, T * R);
+  grow(olat_, T * H * C);
+  grow(ov_, T * H * c.v_head_dim);
+  grow(mlp_out_, T * Dm);
+  grow(gu_, T * 2 * I);
+  grow(act_, T * I);
+  grow(xe_, T * Dm);
+  grow(ye_, T * Dm);
+  if (E > 0) {
+    grow(router_logits_, T * E);
+    grow(biased_, T * E);
+    grow(group_score_, T * G);
+    grow(group_sel_, T * G);
+    grow(topk_idx_, T * K);
+    grow(topk_w_, T * K);
+    grow(expert_count_, E + 1);
+    grow(expert_tok_, T * K);
+    grow(expert_w_, T * K);
+  }
+  ws_T_ = T;
+}
+
+void CpuModel::forward(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
+                       float* logits_out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_forward_args(*this, tokens, positions, T);
+  ensure_workspace(T);
+  const ModelConfig& c = cfg_;
+  const int64_t Dm = c.hidden_size;
+  pending_ = 0;  // the previous uncommitted window is overwritten
+
+  float* x = x_.data();
+  for (int64_t t = 0; t < T; ++t)
+    std::memcpy(x + t * Dm, embed_.data() + (int64_t)tokens[t] * Dm, (size_t)Dm * sizeof(float));
+
+  for (Layer& ly : layers_) {
+    KD_PARALLEL_FOR_IF(T * Dm >= kParallelWork)
+    for (int64_t t = 0; t < T; ++t) rmsnorm_row(x + t * Dm, ly.input_ln.data(), Dm, c.rms_norm_eps, hn_.data() + t * Dm);
+    attention(ly, positions, visibility, T);  // x += attn(hn)
+    KD_PARALLEL_FOR_IF(T * Dm >= kParallelWork)
+    for (int64_t t = 0; t < T; ++t) rmsnorm_row(x + t * Dm, ly.post_ln.data(), Dm, c.rms_norm_eps, hn_.data() + t * Dm);
+    if (ly.moe) moe_mlp(ly, T);
+    else dense_mlp(ly, T);
+    const float* o = mlp_out_.data();
+    KD_PARALLEL_FOR_IF(T * Dm >= kParallelWork)
+    for (int64_t i = 0; i < T * Dm; ++i) x[i] += o[i];
+  }
+  KD_PARALLEL_FOR_IF(T * Dm >= kParallelWork)
+  for (int64_t t = 0; t < T; ++t) rmsnorm_row(x + t * Dm, final_ln_.data(), Dm, c.rms_norm_eps, hn_.data() + t * Dm);
+  sgemm(true, T, c.vocab_size, Dm, 1.f, hn_.data(), Dm, lm_head_ptr_, Dm, 0.f, logits_out, c.vocab_size);
+  pending_ = T;
+}
+
+void CpuModel::attention(Layer& ly, const int32_t* positions, const uint8_t* vis, int64_t T) {
+  const ModelConfig& c = cfg_;
+  const int64_t Dm = c.hidden_size, H = c.num_attention_heads, C = c.kv_lora_rank, R = c.qk_rope_head_dim;
+  const int64_t Dn = c.qk_nope_head_dim, Dv = c.v_head_dim, Dqk = c.qk_head_dim(), CR = C + R, half = R / 2;
+  const int64_t L = cache_len_, S = L + T;
+  const float* hn = hn_.data();
+  float* q = q_.data();
+  float* kv = kv_.data();
+  float* qf = qfull_.data();
+  float* cs = cs_.data();
+  float* cache = ly.cache.data();
+
+  // Projections over all T tokens.
+  if (c.q_lora_rank > 0) {
+    const int64_t qr = c.q_lora_rank;
+    sgemm(true, T, qr, Dm, 1.f, hn, Dm, ly.q_a.data(), Dm, 0.f, qa_.data(), qr);
+    for (int64_t t = 0; t < T; ++t) rmsnorm_row(qa_.data() + t * qr, ly.q_a_ln.data(), qr, c.latent_norm_eps, qa_.data() + t * qr);
+    sgemm(true, T, H * Dqk, qr, 1.f, qa_.data(), qr, ly.q_b.data(), qr, 0.f, q, H * Dqk);
+  } else {
+    sgemm(true, T, H * Dqk, Dm, 1.f, hn, Dm, ly.q_proj.data(), Dm, 0.f, q, H * Dqk);
+  }
+  sgemm(true, T, CR, Dm, 1.f, hn, Dm, ly.kv_a.data(), Dm, 0.f, kv, CR);
+
+  // RoPE tables, the new cache rows (normed latent | roped k_rope) and the roped query parts.
+  KD_PARALLEL_FOR_IF(T * H * R >= kParallelWork)
+  for (int64_t t = 0; t < T; ++t) {
+    float* cst = cs + t * R;
+    rope_cos_sin(positions[t], c.rope_inv_freq.data(), half, c.rope_attention_factor, cst);
+    float* row = cache + (L + t) * CR;
+    rmsnorm_row(kv + t * CR, ly.kv_a_ln.data(), C, c.latent_norm_eps, row);
+    rope_row(kv + t * CR + C, cst, half, c.rope_interleave, row + C);
+    for (int64_t h = 0; h < H; ++h)
+      rope_row(q + t * H * Dqk + h * Dqk + Dn, cst, half, c.rope_interleave, qf + (t * H + h) * CR + C);
+  }
+  // Absorption: q_lat[:, h, :] = q_nope[:, h, :] @ W_UK[h]  ([T,Dn] @ [Dn,C]).
+  for (int64_t h = 0; h < H; ++h)
+    sgemm(false, T, C, Dn, 1.f, q + h * Dqk, H * Dqk, ly.w_uk.data() + h * Dn * C, C, 0.f, qf + h * CR, H * CR);
+
+  // Scores over [committed cache | visible new tokens], in query chunks bounded by kScoresBudget.
+  const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(T, (int64_t)scores_.size() / (H * S)));
+  const float scale = (float)c.softmax_scale;
+  for (int64_t t0 = 0; t0 < T; t0 += chunk) {
+    const int64_t tc = std::min(chunk, T - t0);
+    int64_t jmax = -1;  // last new token any query of the chunk sees
+    for (int64_t t = t0; t < t0 + tc; ++t) {
+      if (!vis) { jmax = std::max(jmax, t); continue; }
+      for (int64_t j = T - 1; j > jmax; --j)
+        if (vis[t * T + j]) { jmax = j; break; }
+    }
+    const int64_t Sc = L + jmax + 1;
+    float* olat = olat_.data() + t0 * H * C;
+    if (Sc == 0) {  // nothing visible at all: attention output 0
+      std::fill(olat, olat + tc * H * C, 0.f);
+      continue;
+    }
+    float* sc = scores_.data();
+    sgemm(true, tc * H, Sc, CR, scale, qf + t0 * H * CR, CR, cache, CR, 0.f, sc, Sc);
+    KD_PARALLEL_FOR_IF(tc * H * Sc >= kParallelWork)
+    for (int64_t r = 0; r < tc * H; ++r) {
+      const int64_t t = t0 + r / H;
+      float* s = sc + r * Sc;
+      for (int64_t j = 0; j < Sc - L; ++j) {
+        const bool see = vis ? vis[t * T + j] != 0 : j <= t;
+        if (!see) s[L + j] = kNegInf;
+      }
+      softmax_row(s, Sc);
+    }
+    sgemm(false, tc * H, C, Sc, 1.f, sc, Sc, cache, CR, 0.f, olat, C);
+  }
+  // Values: o[:, h, :] = o_lat[:, h, :] @ W_UV[h]^T, then o_proj; x += out.
+  for (int64_t h = 0; h < H; ++h)
+    sgemm(true, T, Dv, C, 1.f, olat_.data() + h * C, H * C, ly.w_uv.data() + h * Dv * C, C, 0.f,
+          ov_.data() + h * Dv, H * Dv);
+  float* out = mlp_out_.data();
+  sgemm(true, T, Dm, H * Dv, 1.f, ov_.data(), H * Dv, ly.o_proj.data(), H * Dv, 0.f, out, Dm);
+  float* x = x_.data();
+  KD_PARALLEL_FOR_IF(T * Dm >= kParallelWork)
+  for (int64_t i = 0; i < T * Dm; ++i) x[i] += out[i];
+}
+
+void CpuModel::swiglu_mlp(const float* x, int64_t n, const float* gate_up, const float* down, int64_t I, float* y) {
+  const int64_t Dm = cfg_.hidden_size;
+  float* gu = gu_.data();
+  float* act = act_.data();
+  sgemm(true, n, 2 * I, Dm, 1.f, x, Dm, gate_up, Dm, 0.f, gu, 2 * I);
+  KD_PARALLEL_FOR_IF(n * I >= kParallelWork)
+  for (int64_t r = 0; r < n; ++r) swiglu_row(gu + r * 2 * I, I, act + r * I);
+  sgemm(true, n, Dm, I, 1.f, act, I, down, I, 0.f, y, Dm);
+}
+
+void CpuModel::dense_mlp(const Layer& ly, int64_t T) {
+  swiglu_mlp(hn_.data(), T, ly.mlp_gate_up.data(), ly.mlp_down.data(), cfg_.intermediate_size, mlp_out_.data());
+}
+
+// Router, exactly as HF DeepseekV3TopkRouter: sigmoid scores; selection on scores + bias with
+// group-limited top-k (group score = sum of its top-2 biased scores; experts outside the
+// topk_group best groups are excluded); weights = unbiased scores of the chosen experts,
+// normalised (+1e-20) when norm_topk_prob, times routed_scaling_factor. Ties: lower index first.
+void CpuModel::route(const Layer& ly, int64_t T) {
+  const ModelConfig& c = cfg_;
+  const int64_t Dm = c.hidden_size, E = c.n_routed_experts, K = c.num_experts_per_tok;
+  const int64_t G = c.n_group, per = E / G, TG = c.topk_group;
+  float* logits = router_logits_.data();
+  sgemm(true, T, E, Dm, 1.f, hn_.data(), Dm, ly.router.data(), Dm, 0.f, logits, E);
+  const float* bias = ly.router_bias.data();
+  const float rsf = (float)c.routed_scaling_factor;
+  KD_PARALLEL_FOR_IF(T * E >= kParallelWork)
+  for (int64_t t = 0; t < T; ++t) {
+    float* s = logits + t * E;  // becomes the sigmoid scores
+    float* b = biased_.data() + t * E;
+    float* gs = group_score_.data() + t * G;
+    uint8_t* gsel = group_sel_.data() + t * G;
+    for (int64_t e = 0; e < E; ++e) {
+      s[e] = 1.f / (1.f + std::exp(-s[e]));
+      b[e] = s[e] + bias[e];
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      const float* bg = b + g * per;
+      int64_t i1 = 0;
+      for (int64_t i = 1; i < per; ++i)
+        if (bg[i] > bg[i1]) i1 = i;
+      int64_t i2 = (i1 == 0) ? 1 : 0;
+      for (int64_t i = 0; i < per; ++i)
+        if (i != i1 && bg[i] > bg[i2]) i2 = i;
+      gs[g] = bg[i1] + bg[i2];
+      gsel[g] = 0;
+    }
+    for (int64_t k = 0; k < TG; ++k) {
+      int64_t best = -1;
+      for (int64_t g = 0; g < G; ++g)
+        if (!gsel[g] && (best < 0 || gs[g] > gs[best])) best = g;
+      gsel[best] = 1;
+    }
+    int32_t* idx = topk_idx_.data() + t * K;
+    float* w = topk_w_.data() + t * K;
+    float sum = 0.f;
+    for (int64_t k = 0; k < K; ++k) {
+      int64_t best = -1;
+      for (int64_t e = 0; e < E; ++e) {
+        if (!gsel[e / per]) continue;  // outside the chosen groups (HF: masked to -inf)
+        bool taken = false;
+        for (int64_t j = 0; j < k; ++j) taken |= (idx[j] == e);
+        if (taken) continue;
+        if (best < 0 || b[e] > b[best]) best = e;
+      }
+      idx[k] = (int32_t)best;
+      w[k] = s[best];
+      sum += s[best];
+    }
+    if (c.norm_topk_prob) {
+      const float den = sum + 1e-20f;
+      for (int64_t k = 0; k < K; ++k) w[k] /= den;
+    }
+    for (int64_t k = 0; k < K; ++k) w[k] *= rsf;
+  }
+}
+
+void CpuModel::moe_mlp(const Layer& ly, int64_t T) {
+  const ModelConfig& c = cfg_;
+  const int64_t Dm = c.hidden_size, E = c.n_routed_experts, K = c.num_experts_per_tok, Ie = c.moe_intermediate_size;
+  route(ly, T);
+  // Group the (token, expert) assignments by expert: counting sort, tokens ascending per expert.
+  int32_t* off = expert_count_.data();
+  std::fill(off, off + E + 1, 0);
+  for (int64_t i = 0; i < T * K; ++i) ++off[topk_idx_[i] + 1];
+  for (int64_t e = 0; e < E; ++e) off[e + 1] += off[e];
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t k = 0; k < K; ++k) {
+      const int32_t e = topk_idx_[t * K + k];
+      // slot: off[e] counts up while filling, restored below
+      expert_tok_[off[e]] = (int32_t)t;
+      expert_w_[off[e]] = topk_w_[t * K + k];
+      ++off[e];
+    }
+  for (int64_t e = E; e > 0; --e) off[e] = off[e - 1];
+  off[0] = 0;
+
+  // Routed experts, ascending expert index (HF's index_add order), each one GEMM over its tokens.
+  float* out = mlp_out_.data();
+  std::fill(out, out + T * Dm, 0.f);
+  for (int64_t e = 0; e < E; ++e) {
+    const int64_t n = off[e + 1] - off[e];
+    if (n == 0) continue;
+    const int32_t* toks = expert_tok_.data() + off[e];
+    const float* ws = expert_w_.data() + off[e];
+    for (int64_t r = 0; r < n; ++r)
+      std::memcpy(xe_.data() + r * Dm, hn_.data() + (int64_t)toks[r] * Dm, (size_t)Dm * sizeof(float));
+    swiglu_mlp(xe_.data(), n, ly.experts_gate_up.data() + e * 2 * Ie * Dm, ly.experts_down.data() + e * Dm * Ie, Ie,
+               ye_.data());
+    for (int64_t r = 0; r < n; ++r) {
+      float* o = out + (int64_t)toks[r] * Dm;
+      const float* y = ye_.data() + r * Dm;
+      const float wr = ws[r];
+      for (int64_t i = 0; i < Dm; ++i) o[i] += y[i] * wr;
+    }
+  }
+  if (c.n_shared_experts > 0) {
+    swiglu_mlp(hn_.data(), T, ly.shared_gate_up.data(), ly.shared_down.data(), Ie * c.n_shared_experts, ye_.data());
+    const float* y = ye_.data();
+    KD_PARALLEL_FOR_IF(T * Dm >= kParallelWork)
+    for (int64_t i = 0; i < T * Dm; ++i) out[i] += y[i];
+  }
+}
+
+void CpuModel::commit(const int32_t* keep, int64_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_commit_args(*this, keep, n);
+  const int64_t CR = cfg_.kv_lora_rank + cfg_.qk_rope_head_dim, L = cache_len_;
+  for (Layer& ly : layers_) {
+    float* cache = ly.cache.data();
+    for (int64_t j = 0; j < n; ++j)  // keep[j] >= j: copying forward never clobbers a later source
+      if (keep[j] != j) std::memcpy(cache + (L + j) * CR, cache + (L + keep[j]) * CR, (size_t)CR * sizeof(float));
+  }
+  cache_len_ += n;
+  pending_ = 0;
+}
+
+void CpuModel::read_cache(int64_t layer, int64_t begin, int64_t n, float* out) const {
+  if (layer < 0 || layer >= cfg_.num_hidden_layers) throw Error("read_cache: layer out of range");
+  if (begin < 0 || n < 0 || begin + n > cache_len_ + pending_)
+    throw Error("read_cache: rows [" + std::to_string(begin) + ", " + std::to_string(begin + n) +
+                ") outside the filled cache [0, " + std::to_string(cache_len_ + pending_) + ")");
+  const int64_t CR = cfg_.kv_lora_rank + cfg_.qk_rope_head_dim;
+  std::memcpy(out, layers_[(size_t)layer].cache.data() + begin * CR, (size_t)(n * CR) * sizeof(float));
+}
+
+int64_t CpuModel::memory_bytes() const {
+  size_t n = embed_.size() + final_ln_.size() + lm_head_.size();
+  for (const Layer& ly : layers_) {
+    for (const std::vector<float>* v :
+         {&ly.input_ln, &ly.post_ln, &ly.q_a, &ly.q_a_ln, &ly.q_b, &ly.q_proj, &ly.kv_a, &ly.kv_a_ln, &ly.w_uk, &ly.w_uv,
+          &ly.o_proj, &ly.mlp_gate_up, &ly.mlp_down, &ly.router, &ly.router_bias, &ly.experts_gate_up,
+          &ly.experts_down, &ly.shared_gate_up, &ly.shared_down, &ly.cache})
+      n += v->size();
+  }
+  for (const std::vector<float>* v : {&x_, &hn_, &qa_, &q_, &kv_, &qfull_, &cs_, &scores_, &olat_, &ov_, &mlp_out_,
+                                      &gu_, &act_, &xe_, &ye_, &router_logits_, &topk_w_, &expert_w_, &biased_,
+                                      &group_score_})
+    n += v->size();
+  return (int64_t)(n * sizeof(float));
+}
+
+}  // namespace kdtree

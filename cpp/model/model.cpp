@@ -1,0 +1,39 @@
+// model.cpp: argument checks shared by every TargetModel backend.
+#include "model/model.h"
+
+#include "common.h"
+
+namespace kdtree {
+
+void check_forward_args(const TargetModel& m, const int32_t* tokens, const int32_t* positions, int64_t T) {
+  if (!m.finalized()) throw Error("model: forward() before finalize() (weights not complete)");
+  if (T <= 0) throw Error("forward: need at least one token, got T = " + std::to_string(T));
+  if (m.cache_len() + T > m.max_seq_len())
+    throw Error("forward: cache_len (" + std::to_string(m.cache_len()) + ") + T (" + std::to_string(T) +
+                ") exceeds max_seq_len (" + std::to_string(m.max_seq_len()) + ")");
+  const int64_t V = m.config().vocab_size;
+  for (int64_t t = 0; t < T; ++t) {
+    if (tokens[t] < 0 || tokens[t] >= V)
+      throw Error("forward: token id " + std::to_string(tokens[t]) + " at index " + std::to_string(t) +
+                  " is outside [0, vocab_size=" + std::to_string(V) + ")");
+    if (positions[t] < 0)
+      throw Error("forward: position " + std::to_string(positions[t]) + " at index " + std::to_string(t) +
+                  " is negative");
+  }
+}
+
+void check_commit_args(const TargetModel& m, const int32_t* keep, int64_t n) {
+  const int64_t P = m.pending_len();
+  if (n < 0) throw Error("commit: negative count");
+  if (n > P)
+    throw Error("commit: keeping " + std::to_string(n) + " entries but only " + std::to_string(P) +
+                " are pending (run forward() first)");
+  for (int64_t j = 0; j < n; ++j) {
+    if (keep[j] < 0 || keep[j] >= P)
+      throw Error("commit: keep[" + std::to_string(j) + "] = " + std::to_string(keep[j]) + " is outside [0, " +
+                  std::to_string(P) + ")");
+    if (j > 0 && keep[j] <= keep[j - 1]) throw Error("commit: keep indices must be strictly increasing");
+  }
+}
+
+}  // namespace kdtree

@@ -1,0 +1,55 @@
+// model.h: the target-model interface every backend implements (CPU here; a CUDA model later),
+// written once against by the engine loop (cpp/engine) and the bindings.
+//
+// One entry point runs any set of T new tokens against the latent KV cache:
+//   prefill = causal visibility, then commit all T;  decode = T = 1;  verify = the tree mask.
+// forward() writes the T new cache entries as *pending* slots [cache_len, cache_len + T) and
+// returns logits [T, V]; commit(keep, n) keeps pending entries keep[0..n) (indices into the T
+// pending tokens, strictly increasing), packs them right after the committed context and
+// advances cache_len by n; the rest are dropped. A forward without a commit is simply
+// overwritten by the next forward.
+//
+// Legend: T = new tokens, V = vocab, L = committed cache length.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+
+namespace kdtree {
+
+class TargetModel {
+ public:
+  virtual ~TargetModel() = default;
+
+  virtual const ModelConfig& config() const = 0;
+  virtual int64_t max_seq_len() const = 0;
+  virtual const char* device() const = 0;  // "cpu" / "cuda"
+
+  // --- weights: one tensor at a time by HF name, then finalize() once.
+  // data: float32 row-major with exactly the shape model_weight_specs() gives for `name`.
+  virtual void set_weight(const std::string& name, const float* data, const std::vector<int64_t>& shape) = 0;
+  virtual std::vector<std::string> missing_weights() const = 0;
+  // Checks completeness (Error listing the missing names) and precomputes derived tensors
+  // (the absorbed per-head W_UK / W_UV from kv_b_proj). Also resets the cache.
+  virtual void finalize() = 0;
+  virtual bool finalized() const = 0;
+
+  // --- forward
+  // tokens [T] in [0, V); positions [T] >= 0 (RoPE positions); visibility [T, T] row-major
+  // (nonzero = row token sees column token; nullptr = causal); the committed cache is always
+  // visible. logits_out [T, V]. Throws Error when cache_len + T > max_seq_len.
+  virtual void forward(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
+                       float* logits_out) = 0;
+  virtual void commit(const int32_t* keep, int64_t n) = 0;
+  virtual void reset() = 0;
+  virtual int64_t cache_len() const = 0;
+  virtual int64_t pending_len() const = 0;  // T of the last forward not yet committed, else 0
+};
+
+// Input checks shared by the backends (throw Error naming the problem).
+void check_forward_args(const TargetModel& m, const int32_t* tokens, const int32_t* positions, int64_t T);
+void check_commit_args(const TargetModel& m, const int32_t* keep, int64_t n);
+
+}  // namespace kdtree

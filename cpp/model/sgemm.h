@@ -1,0 +1,32 @@
+// sgemm.h: the one single-precision GEMM every CPU projection goes through.
+//
+//   C[M,N] = alpha * A[M,K] @ op(B) + beta * C        (row-major, leading dimensions in floats)
+//   op(B) = B^T with B stored [N,K] when trans_b (the nn.Linear layout: y = x @ W^T),
+//   op(B) = B   with B stored [K,N] otherwise.
+//
+// sgemm() uses CBLAS when the build found one (KDTREE_HAVE_CBLAS: OpenBLAS on Linux) and the
+// portable kernel otherwise; sgemm_portable() is always the portable kernel (tested against a
+// plain triple loop and against CBLAS in tests/cpp/test_cpu_model.cpp and in pytest via
+// _native.sgemm_selftest). With beta == 0, C is not read (it may hold garbage or NaN).
+#pragma once
+#include <cstdint>
+
+namespace kdtree {
+
+void sgemm(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+           const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+
+// Cache-blocked portable kernel: packed 6x16 micro-tiles (GCC/Clang vector extensions; on x86-64 Linux
+// with GCC an AVX2+FMA clone is picked at load time when the CPU has it), a direct
+// dot/axpy path for small M (decode), OpenMP over columns when available.
+void sgemm_portable(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+                    const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+
+// Which implementation sgemm() uses now: "cblas" or "portable".
+const char* sgemm_backend();
+
+// Make sgemm() use the portable kernel even when CBLAS is built in (process-wide; for tests
+// and benchmarks that exercise the fallback through the whole model).
+void sgemm_force_portable(bool on);
+
+}  // namespace kdtree

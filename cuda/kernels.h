@@ -1,0 +1,132 @@
+// kernels.h: the DDTree CUDA kernels' public launcher API (no Python, no pybind11 here).
+//
+// Where it sits: implemented in cuda/tree_kernels.cu (tree build, accept, KV compaction),
+// cuda/topk.cu (top-k + log-softmax of drafter logits) and cuda/verify_attention.cu (MLA
+// tree-verify attention); called by bindings/bind_cuda.cpp and, later, the GPU engine.
+// Every launcher takes device pointers + a Params struct + a cudaStream_t, launches
+// asynchronously, and returns cudaSuccess or the launch/validation error
+// (cudaErrorInvalidValue for bad arguments; it never synchronises).
+//
+// Legend: D = draft depth rows (<= 16), K = top-k per depth, V = vocabulary, B = node budget
+// (<= 1024), n = nodes built (n <= B; node 0 is the root), W = (B+64)/64 visibility words per
+// row, T = tree rows in a verify call (1 + n), H = heads, C = kv_lora_rank, R = rope dim,
+// L = committed cache length. Semantics: docs/tree_contract.md; performance: docs/CUDA.md.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace kdtree {
+namespace cuda {
+
+constexpr int kTreeMaxDepth = 16;
+constexpr int kTreeMaxBudget = 1024;
+constexpr int kTopkMaxK = 1024;
+constexpr int kTopkMaxV = 16 * 32768;
+inline int tree_vis_words(int budget) { return (budget + 64) / 64; }
+
+// ---------------------------------------------------------------- tree build
+struct TreeBuildParams {
+  const float* logprobs;    // [D, ld] rows sorted descending; first K columns used
+  const int32_t* token_ids; // [D, ld]
+  int D;                    // 1..16 (D = 0 gives the empty tree)
+  int K;                    // >= 1
+  int ld;                   // row stride in elements (>= K)
+  int budget;               // B, 0..1024
+  int cache_len;            // positions = cache_len + depth
+  int32_t* tokens;          // [B]      token of node i+1 (-1 past n)
+  int32_t* depths;          // [B]      depth of node i+1 (0 past n)
+  int32_t* parents;         // [B+1]    parents[0] = -1, node index of each node's parent
+  int32_t* positions;       // [B+1]    cache_len + depth (-1 past n)
+  uint64_t* visibility;     // [B+1, W] bit j%64 of word j/64 of row i: node i sees node j
+  int32_t* n_nodes;         // [1]      n
+  int32_t* path_taken;      // [1]      0 = parallel exact path, 1 = sequential fallback; may be null
+  int force_fallback;       // testing only: 1 = always take the sequential fallback
+};
+cudaError_t tree_build(const TreeBuildParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------- top-k + log-softmax
+struct TopkParams {
+  const float* logits;      // [D, ld] drafter logits (no NaN / +inf; no all -inf row)
+  int D;                    // 1..16
+  int V;                    // vocabulary, 1..kTopkMaxV
+  int ld;                   // row stride in elements (>= V)
+  int k;                    // 1..min(V, 1024)
+  float* logprobs;          // [D, k] descending; = logit - float32(logsumexp(row))
+  int32_t* ids;             // [D, k] token ids; equal logits: lower id first
+  void* workspace;          // topk_workspace_bytes(D, V, k) bytes of device memory
+};
+size_t topk_workspace_bytes(int D, int V, int k);
+cudaError_t topk_logsoftmax(const TopkParams& p, cudaStream_t stream);
+
+// tree_build from logits [D, V]: top-k (k = top_k) + log-softmax + tree build, all on the
+// device. `tree` carries the outputs, budget and cache_len; its logprobs/token_ids/K/ld are
+// ignored (filled from the workspace).
+struct TreeFromLogitsParams {
+  const float* logits;      // [D, ld]
+  int D, V, ld;
+  int top_k;                // 1..1024 (clamped to V)
+  TreeBuildParams tree;
+  void* workspace;          // tree_from_logits_workspace_bytes(D, V, top_k) bytes
+};
+size_t tree_from_logits_workspace_bytes(int D, int V, int top_k);
+cudaError_t tree_build_from_logits(const TreeFromLogitsParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------- tree accept
+struct TreeAcceptParams {
+  const int32_t* tokens;    // [n_max]   token of node i+1
+  const int32_t* parents;   // [n_max+1] parents[0] = -1, 0 <= parents[i] < i
+  const int32_t* choice;    // [n_max+1] the target's choice at every node
+  const int32_t* n_nodes;   // [1] n (device memory, <= n_max)
+  int n_max;                // capacity of the arrays above, <= 1024
+  int32_t* path;            // [n_max+1] accepted node indices (first *count valid)
+  int32_t* count;           // [1] m >= 1 (path[0] = 0)
+  int32_t* bonus;           // [1] choice at the last accepted node
+};
+cudaError_t tree_accept(const TreeAcceptParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------- KV compaction
+// For every layer l: slot cache_len + j <- slot cache_len + path[j], j < *count, in place
+// (path increasing, path[0] = 0), all layers in one launch. Byte-based, any dtype.
+struct KvCompactParams {
+  void* cache;                // layer l, slot s at cache + l*layer_stride + s*row_stride (bytes)
+  int num_layers;
+  long long layer_stride;     // bytes between layers
+  long long row_stride;       // bytes between slots
+  int row_bytes;              // bytes moved per slot (<= row_stride)
+  int cache_len;              // L: the verify window started at slot L
+  const int32_t* path;        // [>= *count] device
+  const int32_t* count;       // [1] device
+};
+cudaError_t kv_compact(const KvCompactParams& p, cudaStream_t stream);
+
+// Fused accept + compaction (one launch): every block repeats the tiny accept walk, block 0
+// writes path/count/bonus, block l compacts layer l.
+cudaError_t tree_accept_compact(const TreeAcceptParams& a, const KvCompactParams& c,
+                                cudaStream_t stream);
+
+// ---------------------------------------------------------------- MLA tree-verify attention
+// FP32, exact softmax with running max, FP32 accumulation. Row i (tree node i) x head h sees
+// the L committed cache rows and tree row j iff bit j of visibility row i is set.
+struct VerifyAttentionParams {
+  const float* q_latent;        // [T, H, C] queries after absorption (q_nope @ W_UK)
+  const float* q_rope;          // [T, H, R] roped query part
+  const float* kv;              // [L+T, kv_stride] row = normed latent [C] then roped key [R]
+  int kv_stride;                // elements between cache rows (>= C+R)
+  const uint64_t* visibility;   // [T, vis_stride] bit j%64 of word j/64 of row i: i sees tree row j
+  int vis_stride;               // words per visibility row (>= ceil(T/64))
+  int T, H, C, R, L;
+  float scale;                  // softmax scale
+  float* out;                   // [T, H, C] out_latent (a row that sees nothing gets 0)
+  void* workspace;              // verify_attention_workspace_bytes(...) bytes (may be 0 bytes)
+  int force_naive;              // testing: 1 = the simple reference kernel
+  int force_splits;             // testing: > 0 forces the number of key splits of the fast kernel
+};
+size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p);
+// True when the fast kernel handles these shapes (C = 512, R = 64, T <= 2048, aligned rows).
+bool verify_attention_fast_path(const VerifyAttentionParams& p);
+cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace kdtree

@@ -1,0 +1,186 @@
+// cuda_model.h: the GPU backend of the target model (DeepSeek-V3 / Kimi-K2, HF
+// DeepseekV3ForCausalLM semantics, FP32), the same TargetModel interface as the CPU model
+// (cpp/model/model.h) so that the engine drives either. docs/CUDA_MODEL.md describes it.
+//
+// Weights are uploaded once (set_weight, one tensor at a time by HF name); the latent cache
+// [layers, max_seq_len, C+R] and every workspace are allocated once at construction, sized
+// from max_seq_len and max_tokens (the most tokens one forward step computes: a prefill chunk
+// or 1 + the largest tree budget); forward() allocates nothing. Dense projections are cuBLAS
+// SGEMMs (FP32; TF32 only when asked for), the attention is verify_attention (cuda/kernels.h)
+// over the latent cache, and the MoE runs routing, grouping and the expert GEMMs on the device
+// with no host work per token (cuda/model/model_kernels.h).
+//
+// Two ways in:
+//  * host path (TargetModel): tokens / positions / uint8 visibility from host memory, logits
+//    copied back to host memory; a causal forward longer than max_tokens runs in chunks.
+//  * device path (the GPU round): forward_device() with device pointers (visibility as the
+//    bitmask tree_build writes), logits left on the device, nothing synchronised;
+//    commit_device() compacts on the device from a device keep list and count, and
+//    set_committed() tells the host the new length once it has read the count back.
+//
+// Legend: T = new tokens, L = committed cache length, Dm = hidden, H = heads, C = kv_lora_rank,
+// R = qk_rope_head_dim, E = routed experts, K = experts per token, V = vocab.
+#pragma once
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "model/model.h"
+
+namespace kdtree {
+
+struct CudaModelOptions {
+  int64_t max_tokens = 0;        // most tokens per forward step; 0 = min(max_seq_len, 1025)
+  int device = 0;                // CUDA device ordinal
+  bool allow_tf32 = false;       // cuBLAS TF32 tensor-op math for the dense GEMMs (off: exact FP32)
+  bool attention_naive = false;  // force verify_attention's simple reference kernel (testing)
+};
+
+class CudaModel : public TargetModel {
+ public:
+  // Throws Error for a bad config / sizes, RuntimeFailure when there is no usable device, no
+  // cuBLAS, or not enough device memory (the message gives the sizes asked for).
+  CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaModelOptions& opt = CudaModelOptions());
+  ~CudaModel() override;
+  CudaModel(const CudaModel&) = delete;
+  CudaModel& operator=(const CudaModel&) = delete;
+
+  const ModelConfig& config() const override { return cfg_; }
+  int64_t max_seq_len() const override { return max_seq_len_; }
+  const char* device() const override { return "cuda"; }
+
+  void set_weight(const std::string& name, const float* data, const std::vector<int64_t>& shape) override;
+  std::vector<std::string> missing_weights() const override;
+  void finalize() override;
+  bool finalized() const override { return finalized_; }
+
+  void forward(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
+               float* logits_out) override;
+  void commit(const int32_t* keep, int64_t n) override;
+  void reset() override;
+  int64_t cache_len() const override { return cache_len_; }
+  int64_t pending_len() const override { return pending_; }
+
+  // ---- device path (all pointers device memory; work queued on stream(), not synchronised)
+  // tokens_d [T], positions_d [T], vis_bits_d [T, vis_stride] uint64 (bit j of row i: new token
+  // i sees new token j; nullptr = causal), logits_d [T, V]. T <= max_tokens.
+  void forward_device(const int32_t* tokens_d, const int32_t* positions_d, const uint64_t* vis_bits_d,
+                      int64_t vis_stride, int64_t T, float* logits_d);
+  // Pending entries keep_d[0 .. *count_d) (strictly increasing) packed after the context, on
+  // the device; the host length is unchanged until set_committed(n) with n = *count_d.
+  void commit_device(const int32_t* keep_d, const int32_t* count_d);
+  void set_committed(int64_t n);
+  void* stream() const { return stream_; }  // cudaStream_t
+  void synchronize();
+
+  // ---- inspection
+  int64_t max_tokens() const { return max_tokens_; }
+  // Copy n cache rows [begin, begin + n) of `layer` into out [n, C + R] (host).
+  void read_cache(int64_t layer, int64_t begin, int64_t n, float* out);
+  // Routed-expert token counts of the last forward, [MoE layers, E] (host), for the benchmark's
+  // "experts touched" and bytes-read accounting.
+  std::vector<int32_t> last_expert_counts();
+  int64_t memory_bytes() const { return weight_bytes_ + cache_bytes_ + workspace_bytes_; }
+  int64_t weight_bytes() const { return weight_bytes_; }
+  int64_t cache_bytes() const { return cache_bytes_; }
+  int64_t workspace_bytes() const { return workspace_bytes_; }
+  std::string device_name() const { return device_name_; }
+  std::string cublas_path() const;
+
+ private:
+  struct Layer {
+    float *input_ln = nullptr, *post_ln = nullptr;       // [Dm]
+    float* qkv_a = nullptr;    // [qr + C + R, Dm]: q_a_proj rows then kv_a_proj_with_mqa rows (qr = 0: kv only)
+    float* q_a_ln = nullptr;   // [qr]
+    float* q_b = nullptr;      // [H*Dqk, qr], or q_proj [H*Dqk, Dm] when q_lora_rank == 0
+    float* kv_a_ln = nullptr;  // [C]
+    float *w_uk = nullptr, *w_uv = nullptr;              // [H, Dn, C], [H, Dv, C] (from kv_b_proj)
+    float* o_proj = nullptr;   // [Dm, H*Dv]
+    bool moe = false;
+    float *mlp_gate_up = nullptr, *mlp_down = nullptr;   // dense: [2I, Dm], [Dm, I]
+    float *router = nullptr, *router_bias = nullptr;     // [E, Dm], [E]
+    float *experts_gate_up = nullptr, *experts_down = nullptr;  // [E, 2Ie, Dm], [E, Dm, Ie]
+    float *shared_gate_up = nullptr, *shared_down = nullptr;    // [2Is, Dm], [Dm, Is]
+    float* cache = nullptr;    // [max_seq_len, C+R]
+    int moe_index = -1;        // index among MoE layers
+  };
+  struct Slot {
+    float* dst = nullptr;
+    std::vector<int64_t> shape;
+    int kind = 0;  // kCopy, or kKvB (split into w_uk / w_uv)
+    int64_t layer = -1;
+    bool set = false;
+  };
+  static constexpr int kCopy = 0, kKvB = 1;
+
+  void check_cuda(int err, const char* what) const;
+  void check_cublas(int status, const char* what) const;
+  // out[T, N] (ldo) = alpha * in[T, Kd] (ldi) @ w[N, Kd]^T + beta * out
+  void gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, const float* w, float* out,
+               int64_t ldo, float beta = 0.f);
+  // The forward over T <= max_tokens tokens already on the device (d_tokens_/d_positions_ or
+  // the caller's), cache rows written from row0 = committed + chunk offset.
+  void run_step(const int32_t* tokens_d, const int32_t* positions_d, const uint64_t* vis_d, int64_t vis_stride,
+                int64_t T, int64_t row0, float* logits_d);
+  void attention(Layer& ly, const int32_t* positions_d, const uint64_t* vis_d, int64_t vis_stride, int64_t T,
+                 int64_t row0);
+  void dense_mlp(const Layer& ly, int64_t T);
+  void moe_mlp(const Layer& ly, int64_t T);
+  void launch_compact(const int32_t* keep_d, const int32_t* count_d);
+
+  ModelConfig cfg_;
+  int64_t max_seq_len_ = 0, max_tokens_ = 0;
+  CudaModelOptions opt_;
+  std::string device_name_;
+  void* stream_ = nullptr;          // cudaStream_t
+  void* cublas_ = nullptr;          // cublasHandle_t
+  std::mutex mu_;
+
+  // one allocation each: weights, cache, workspace; pinned host staging
+  void* weights_mem_ = nullptr;
+  void* cache_mem_ = nullptr;
+  void* work_mem_ = nullptr;
+  void* host_mem_ = nullptr;
+  int64_t weight_bytes_ = 0, cache_bytes_ = 0, workspace_bytes_ = 0, host_bytes_ = 0;
+
+  std::vector<Layer> layers_;
+  float *embed_ = nullptr, *final_ln_ = nullptr, *lm_head_ = nullptr, *inv_freq_ = nullptr;
+  std::unordered_map<std::string, Slot> slots_;
+  std::vector<std::string> slot_order_;
+  bool finalized_ = false;
+  int64_t cache_len_ = 0, pending_ = 0;
+  int64_t n_moe_layers_ = 0;
+
+  // workspaces (device), sized for max_tokens_ = Tm
+  float *x_ = nullptr, *hn_ = nullptr;     // [Tm, Dm]
+  float* qkv_a_out_ = nullptr;             // [Tm, qr + C + R]
+  float* q_ = nullptr;                     // [Tm, H*Dqk]
+  float *q_lat_ = nullptr, *q_rope_ = nullptr, *o_lat_ = nullptr;  // [Tm, H, C], [Tm, H, R], [Tm, H, C]
+  float* ov_ = nullptr;                    // [Tm, H*Dv]
+  float *gu_ = nullptr, *act_ = nullptr;   // dense / shared / tiled-expert [rows, 2I], [rows, I]
+  float *ye_ = nullptr, *ys_ = nullptr;    // [Tm*K, Dm] expert outputs by slot, [Tm, Dm] shared
+  float* router_logits_ = nullptr;         // [Tm, E]
+  int32_t* topk_idx_ = nullptr;            // [Tm, K]
+  float* topk_w_ = nullptr;                // [Tm, K]
+  int32_t* expert_counts_ = nullptr;       // [MoE layers, E]
+  int32_t* offsets_ = nullptr;             // [E + 1]
+  int32_t *slot_token_ = nullptr, *slot_of_ = nullptr;  // [Tm*K]
+  int32_t *tile_expert_ = nullptr, *tile_row0_ = nullptr, *num_tiles_ = nullptr;
+  int64_t max_tiles_ = 0;
+  float* logits_ = nullptr;                // [Tm, V] (host path)
+  int32_t *d_tokens_ = nullptr, *d_positions_ = nullptr, *d_keep_ = nullptr, *d_count_ = nullptr;
+  uint64_t *d_vis_ = nullptr, *d_causal_ = nullptr;  // [Tm, Wm]
+  int64_t vis_words_ = 0;                  // Wm = ceil(Tm / 64)
+  void* attn_ws_ = nullptr;
+  int64_t attn_ws_bytes_ = 0;
+  void* cublas_ws_ = nullptr;
+  int64_t cublas_ws_bytes_ = 0;
+  // pinned host staging
+  int32_t *h_tokens_ = nullptr, *h_positions_ = nullptr, *h_keep_ = nullptr;
+  uint64_t* h_vis_ = nullptr;
+};
+
+}  // namespace kdtree

@@ -1,0 +1,173 @@
+// model_kernels.h: the small CUDA kernels of the GPU target model (cuda/model/cuda_model.cpp):
+// embedding gather, RMSNorm, the MLA preparation step (latent norm + RoPE + cache write), SwiGLU,
+// MoE routing with HF DeepseekV3 semantics, expert grouping (device-side count / scan /
+// stable placement, no host work), the grouped expert GEMMs, the MoE combine, and cache
+// compaction. The GEMMs over dense weights go through cuBLAS (cuda_model.cpp); the attention
+// is verify_attention (cuda/kernels.h). FP32 throughout; each op mirrors its CPU twin in
+// cpp/model/ops.cpp / cpu_model.cpp (same formulas, same order of the sequential reductions).
+//
+// Every launcher takes device pointers + a Params struct + a cudaStream_t, launches
+// asynchronously and returns the launch error (cudaErrorInvalidValue for bad sizes).
+//
+// Legend: T = new tokens, Dm = hidden, H = heads, C = kv_lora_rank, R = rope dim, Dn/Dv = nope /
+// value head dims, Dqk = Dn + R, E = routed experts, K = experts per token, G = expert groups,
+// A = T*K (token, expert) assignments, N/Kd = GEMM output / reduction dims.
+#pragma once
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace kdtree {
+namespace cuda {
+
+// ---------------------------------------------------------------- embedding
+struct EmbedParams {
+  const int32_t* tokens;   // [T]
+  const float* table;      // [V, Dm]
+  int T, V, Dm;
+  float* out;              // [T, Dm]; a token outside [0, V) gives a row of NaN
+};
+cudaError_t embed(const EmbedParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------- RMSNorm
+// y[t] = w * (x[t] * rsqrt(mean(x[t]^2) + eps)), the sum of squares in double (as the CPU).
+struct RmsNormParams {
+  const float* x;          // [T, ldx]
+  const float* w;          // [D]
+  int T, D, ldx, ldy;
+  double eps;
+  float* y;                // [T, ldy]; may alias x (same ld)
+};
+cudaError_t rmsnorm(const RmsNormParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------- MLA preparation
+// Per token t: cos/sin of positions[t] (angle rounded to float, cos/sin in double, times
+// attention_factor); cache[row0 + t] = [kv_norm_w * rmsnorm(kv[t, :C]) | rope(kv[t, C:C+R])];
+// q_rope[t, h] = rope(q[t, h, Dn:Dn+R]). RoPE input layout: interleaved pairs or NeoX halves;
+// output layout: halves (HF's for both).
+struct MlaPrepParams {
+  const float* q;          // [T, ldq] per head h: [nope (Dn) | rope (R)] at h * Dqk
+  int ldq;
+  const float* kv;         // [T, ldkv] [latent (C) | k_rope (R)]
+  int ldkv;
+  const float* kv_norm_w;  // [C]
+  const float* inv_freq;   // [R/2]
+  const int32_t* positions;// [T]
+  int T, H, Dn, C, R;
+  double eps;              // latent norm eps
+  float attention_factor;
+  int interleaved;         // 1 = rope_interleave (pairs), 0 = NeoX halves
+  float* cache;            // [>= row0 + T, ldc] this layer's latent cache
+  int ldc;
+  long long row0;          // first cache row written (committed length + chunk offset)
+  float* q_rope;           // [T, H, R]
+};
+cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------- SwiGLU
+// out[r, i] = silu(gu[r, i]) * gu[r, I + i]; rows r < *n_rows when n_rows (device) is given,
+// else r < rows.
+struct SwigluParams {
+  const float* gu;         // [rows, 2I]
+  int rows, I;
+  const int32_t* n_rows;   // [1] device row count, or nullptr
+  float* out;              // [rows, I]
+};
+cudaError_t swiglu(const SwigluParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------- MoE routing
+// HF DeepseekV3TopkRouter on router logits: s = sigmoid(logits); b = s + bias (selection only);
+// group score = sum of the top-2 b of each group; the topk_group best groups are kept (others
+// excluded, HF masks them to -inf); top-K experts by b among the kept groups (ties: lower
+// index); weights = s of the chosen, divided by (sum + 1e-20) when norm_topk_prob, times
+// routed_scaling_factor. One warp per token.
+struct RouteParams {
+  const float* logits;     // [T, E]
+  const float* bias;       // [E] e_score_correction_bias
+  int T, E, K, G, topk_group;
+  int norm_topk_prob;
+  float routed_scaling_factor;
+  int32_t* topk_idx;       // [T, K] in selection order
+  float* topk_w;           // [T, K]
+};
+cudaError_t moe_route(const RouteParams& p, cudaStream_t stream);
+
+// Group the A = T*K assignments by expert, deterministically: slots [offsets[e], offsets[e+1])
+// hold expert e's assignments in ascending assignment order (token-major). Also writes the
+// tile schedule of the grouped GEMMs: tiles of `tile_rows` slots of one expert, in expert order.
+struct MoeGroupParams {
+  const int32_t* topk_idx; // [T, K] (A = T * K)
+  int T, K, E, tile_rows;
+  int32_t* counts;         // [E]
+  int32_t* offsets;        // [E + 1]
+  int32_t* slot_token;     // [A] token of each slot
+  int32_t* slot_of;        // [A] slot of each assignment
+  int32_t* tile_expert;    // [max_tiles] expert of tile i
+  int32_t* tile_row0;      // [max_tiles] first slot of tile i
+  int32_t* num_tiles;      // [1]
+};
+// Upper bound of the tiles the schedule can hold (what tile_expert/tile_row0 must fit).
+inline int moe_max_tiles(int A, int E, int tile_rows) {
+  return (A + tile_rows - 1) / tile_rows + (A < E ? A : E);
+}
+cudaError_t moe_group(const MoeGroupParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------- grouped expert GEMM
+// For every scheduled tile (expert e, slots s in [row0, min(row0 + tile_rows, offsets[e+1]))):
+//   y[s, n] = sum_k x[xrow(s), k] * w[e, n, k]       (y = x @ w_e^T)
+// xrow(s) = slot_token[s] when x_row is given (gather), else s. With swiglu = 1 the weight holds
+// gate rows [0, N) then up rows [N, 2N) of each expert and y[s, n] = silu(gate) * up.
+struct ExpertGemmParams {
+  const float* x;          // [*, ldx]
+  int ldx;
+  const int32_t* x_row;    // [A] source row of x per slot, or nullptr (row = slot)
+  const float* w;          // [E, (swiglu ? 2N : N), Kd] row-major
+  int N, Kd;
+  int swiglu;
+  const int32_t* offsets;  // [E + 1]
+  const int32_t* tile_expert, *tile_row0, *num_tiles;  // from moe_group
+  int tile_rows;           // must equal MoeGroupParams::tile_rows
+  int max_tiles;           // grid bound (moe_max_tiles)
+  float* y;                // [A, ldy]
+  int ldy;
+};
+// Two kernels: a GEMV-style one for tiles of <= kExpertSkinnyRows slots (weights streamed once
+// per tile; decode and small verify steps) and a shared-memory tiled SGEMM for tiles of
+// kExpertTileRows slots (prefill, large trees; no fused SwiGLU).
+constexpr int kExpertSkinnyRows = 8;
+constexpr int kExpertTileRows = 64;
+cudaError_t expert_gemm(const ExpertGemmParams& p, cudaStream_t stream);
+
+// out[t] (+)= sum over the token's experts, in ascending expert index, of w * y[slot] (then
+// + shared[t] when given); accumulate = 1 adds into out (the residual stream).
+struct MoeCombineParams {
+  const float* y;          // [A, Dm] expert outputs by slot
+  const int32_t* topk_idx; // [T, K]
+  const float* topk_w;     // [T, K]
+  const int32_t* slot_of;  // [T * K]
+  const float* shared;     // [T, Dm] shared-expert output, or nullptr
+  int T, K, Dm;
+  float* out;              // [T, Dm]
+  int accumulate;
+};
+cudaError_t moe_combine(const MoeCombineParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------- cache compaction
+// For every layer: row L + j <- row L + keep[j], j < *count (keep strictly increasing, so
+// keep[j] >= j); chunked read-all-then-write, safe in place. One block per layer.
+struct CompactParams {
+  float* cache;            // layer l row s at cache + l * layer_stride + s * ld
+  int num_layers;
+  long long layer_stride;  // floats
+  int ld, row_len;         // floats between rows, floats moved per row
+  long long L;
+  const int32_t* keep;     // [*count] device
+  const int32_t* count;    // [1] device
+};
+cudaError_t cache_compact(const CompactParams& p, cudaStream_t stream);
+
+// Causal visibility bitmask: row i has bits j <= i set, [T, W] words.
+cudaError_t causal_bits(uint64_t* bits, int T, int W, cudaStream_t stream);
+
+}  // namespace cuda
+}  // namespace kdtree

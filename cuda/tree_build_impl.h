@@ -1,0 +1,592 @@
+// tree_build_impl.h: the DDTree best-first tree build as ONE thread block's algorithm.
+//
+// Where it sits: included by cuda/tree_kernels.cu (GPU, one block of up to 1024 threads) and
+// also compilable as plain host C++ (a "Ctx" that runs the block's threads on the CPU with a
+// barrier), so the parallel logic can be checked without a GPU. No CUDA-only constructs here
+// except behind KD_HD / __CUDA_ARCH__; the Ctx supplies thread id, barrier, atomics and scan.
+//
+// Semantics: docs/tree_contract.md, bit for bit (the NumPy heap in reference/tree.py).
+// Legend: D = depth rows, K = top-k, B = budget, Keff = min(K, B) (a rank >= B is never
+// popped: it needs B earlier pops of its own siblings), n = nodes built (n <= B).
+//
+// Two paths, one block, one launch:
+//  * PARALLEL EXACT PATH. When every score the heap can form is an exact float64 sum of the
+//    float32 inputs (checked up front: the inputs' exponent span leaves room for D+1 terms in
+//    53 bits), when every row is sorted descending and lp[d][0] <= 0 for d >= 1, the heap's
+//    keys are monotone (a pushed candidate never beats the node that pushed it) and the pop
+//    order equals the order of the top-B prefixes by (score desc, rank tuple asc). We find
+//    that set level by level with a score threshold (a 2048-bucket histogram of the scores of
+//    all prefixes materialised so far; a prefix in a bucket past the one holding the B-th is
+//    out), bound each parent's children by a staircase argument (child rank r of a parent
+//    that i_lb same-level nodes beat, with c_lt nodes of any level before it, has at least
+//    c_lt + 1 + r + i_lb*(r+1) better prefixes), and finally rank the survivors by bucket
+//    (counting sort) plus exact comparisons inside a bucket. Within a level, nodes are stored
+//    in lexicographic order of their rank tuples, so the tie-break needs no tuples.
+//  * SEQUENTIAL FALLBACK (thread 0): the reference heap verbatim (same float64 operation
+//    order, NaN ranked like -inf, rank-tuple ties). Taken when the checks above fail or the
+//    candidate store would overflow; slow (about 1 ms at B = 1024) but exact for any input.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+
+#ifndef KD_HD
+#ifdef __CUDACC__
+#define KD_HD __host__ __device__
+#else
+#define KD_HD
+#endif
+#endif
+
+namespace kdtree {
+namespace treeimpl {
+
+constexpr int kMaxDepth = 16;      // D limit of the CUDA tree build
+constexpr int kMaxBudget = 1024;   // B limit of the CUDA tree build (one block)
+constexpr int kNB = 2048;          // score buckets
+constexpr int kBottom = kNB - 1;   // bucket of -inf (and NaN) scores
+constexpr uint16_t kRoot = 0xFFFF; // parent id of a depth-1 node in the candidate store
+
+// Arguments of one build. Pointers are device pointers on the GPU, host pointers in emulation.
+struct TreeArgs {
+  const float* lp;        // [D, ld] log-probs, rows sorted descending (first K used)
+  const int32_t* ids;     // [D, ld] token ids
+  int D, K, ld, B;        // depth rows, top-k, row stride (elements), budget
+  int cache_len;          // positions = cache_len + depth
+  int32_t* tokens;        // [B]      token of node i+1 (-1 past n)
+  int32_t* depths;        // [B]      depth of node i+1 (0 past n)
+  int32_t* parents;       // [B+1]    parents[0] = -1 (and -1 past n)
+  int32_t* positions;     // [B+1]    cache_len + depth (-1 past n)
+  uint64_t* visibility;   // [B+1, W] W = (B+64)/64; bit j%64 of word j/64 of row i: i sees j
+  int32_t* n_out;         // [1]      n
+  int32_t* path_out;      // [1]      0 = parallel exact path, 1 = sequential fallback (may be null)
+  int force_fallback;     // testing: 1 = take the sequential path
+};
+
+KD_HD inline int vis_words(int B) { return (B + 64) / 64; }
+
+// Shared-memory layout (bytes), the same on host and device.
+struct TreeLayout {
+  int cap, keff;
+  size_t o_sc, o_par, o_rk, o_bk, o_dp, o_lpc, o_hist, o_hpre, o_lhist, o_phist, o_cnt, o_ord,
+      o_nid, o_odp, o_ork, o_opar, o_misc, o_scan, total;
+};
+
+KD_HD inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
+
+KD_HD inline TreeLayout make_tree_layout(int B, int D, int K) {
+  TreeLayout L;
+  L.keff = K < B ? K : B;
+  if (L.keff < 1) L.keff = 1;
+  int cap = 4 * B + 512;
+  if (cap > 6144) cap = 6144;
+  L.cap = cap;
+  size_t o = 0;
+  L.o_sc = o;    o = align_up(o + sizeof(double) * cap, 16);
+  L.o_par = o;   o = align_up(o + sizeof(uint16_t) * cap, 16);
+  L.o_rk = o;    o = align_up(o + sizeof(uint16_t) * cap, 16);
+  L.o_bk = o;    o = align_up(o + sizeof(uint16_t) * cap, 16);
+  L.o_dp = o;    o = align_up(o + sizeof(uint8_t) * cap, 16);
+  L.o_lpc = o;   o = align_up(o + sizeof(float) * (size_t)(D > 0 ? D : 1) * L.keff, 16);
+  L.o_hist = o;  o = align_up(o + sizeof(int) * kNB, 16);
+  L.o_hpre = o;  o = align_up(o + sizeof(int) * kNB, 16);
+  L.o_lhist = o; o = align_up(o + sizeof(int) * kNB, 16);
+  L.o_phist = o; o = align_up(o + sizeof(int) * kNB, 16);
+  L.o_cnt = o;   o = align_up(o + sizeof(int) * (cap + 1), 16);
+  L.o_ord = o;   o = align_up(o + sizeof(uint16_t) * cap, 16);
+  L.o_nid = o;   o = align_up(o + sizeof(uint16_t) * cap, 16);
+  L.o_odp = o;   o = align_up(o + sizeof(uint8_t) * (B + 1), 16);
+  L.o_ork = o;   o = align_up(o + sizeof(uint16_t) * (B + 1), 16);
+  L.o_opar = o;  o = align_up(o + sizeof(int16_t) * (B + 1), 16);
+  L.o_misc = o;  o = align_up(o + sizeof(int) * 64, 16);
+  L.o_scan = o;  o = align_up(o + sizeof(int) * 64, 16);
+  L.total = o;
+  return L;
+}
+
+// Fallback heap storage, aliased onto the candidate store (sc .. dp), which is large enough:
+// heap (B+1) x (8+2+2+1) bytes plus rank tuples (B+1) x 16 x 2 bytes <= cap x 15 bytes.
+struct FallbackLayout {
+  size_t o_hsc, o_hpar, o_hrk, o_hdp, o_tup;
+};
+KD_HD inline FallbackLayout make_fallback_layout(int B) {
+  FallbackLayout F;
+  size_t o = 0;
+  F.o_hsc = o;  o = align_up(o + sizeof(double) * (B + 1), 16);
+  F.o_hpar = o; o = align_up(o + sizeof(int16_t) * (B + 1), 16);
+  F.o_hrk = o;  o = align_up(o + sizeof(uint16_t) * (B + 1), 16);
+  F.o_hdp = o;  o = align_up(o + sizeof(uint8_t) * (B + 1), 16);
+  F.o_tup = o;
+  return F;
+}
+
+// ---------------------------------------------------------------- small portable helpers
+KD_HD inline uint32_t f2u(float f) {
+#ifdef __CUDA_ARCH__
+  return __float_as_uint(f);
+#else
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+#endif
+}
+KD_HD inline int ctz32(uint32_t x) {  // x != 0
+#ifdef __CUDA_ARCH__
+  return __ffs((int)x) - 1;
+#else
+  return __builtin_ctz(x);
+#endif
+}
+KD_HD inline int clz32(uint32_t x) {  // x != 0
+#ifdef __CUDA_ARCH__
+  return __clz((int)x);
+#else
+  return __builtin_clz(x);
+#endif
+}
+KD_HD inline bool is_nan_f(float x) { return x != x; }
+KD_HD inline bool is_nan_d(double x) { return x != x; }
+KD_HD inline float neg_inf_f() { return -__builtin_huge_valf(); }
+KD_HD inline double neg_inf_d() { return -__builtin_huge_val(); }
+KD_HD inline double pos_inf_d() { return __builtin_huge_val(); }
+
+// Score bucket: nondecreasing in (smax - s), i.e. a better score never lands in a later bucket.
+// 64 buckets per binade of delta in [2^-23, 2^9); clamped at both ends; -inf -> kBottom.
+KD_HD inline int bucket_of(double smax, double s) {
+  if (s == neg_inf_d()) return kBottom;
+  double delta = smax - s;
+  if (!(delta > 0.0)) return 0;
+  uint32_t bits = f2u((float)delta);
+  int idx = (int)(bits >> 17) - ((127 - 23) << 6) + 1;
+  if (idx < 1) idx = 1;
+  if (idx > kNB - 2) idx = kNB - 2;
+  return idx;
+}
+
+// misc[] slots in shared memory
+enum {
+  M_FAIL = 0, M_MAXE = 1, M_MINQ = 2, M_USED = 3, M_BT = 4, M_N = 5, M_BT2 = 6, M_T = 7,
+  M_FB = 8,   // [kMaxDepth] first bottom (-inf/NaN) rank per row (Keff if none)
+  M_LS = 28,  // [kMaxDepth + 2] level start offsets in the candidate store
+};
+
+// ---------------------------------------------------------------- the block algorithm
+template <class Ctx>
+struct TreeBlock {
+  Ctx& ctx;
+  const TreeArgs& a;
+  TreeLayout L;
+  unsigned char* sm;
+  int tid, nt, B, D, keff, cap;
+  double* sc; uint16_t* par; uint16_t* rk; uint16_t* bk; uint8_t* dp; float* lpc;
+  int* hist; int* hpre; int* lhist; int* phist; int* cnt; uint16_t* ord; uint16_t* nid;
+  uint8_t* odp; uint16_t* ork; int16_t* opar; int* misc; int* scan_tmp;
+  double smax;
+
+  KD_HD TreeBlock(Ctx& c, const TreeArgs& args, unsigned char* smem) : ctx(c), a(args), sm(smem) {
+    tid = ctx.tid();
+    nt = ctx.nthreads();
+    B = a.B;
+    D = a.D;
+    L = make_tree_layout(B, D, a.K);
+    keff = L.keff;
+    cap = L.cap;
+    sc = (double*)(sm + L.o_sc);
+    par = (uint16_t*)(sm + L.o_par);
+    rk = (uint16_t*)(sm + L.o_rk);
+    bk = (uint16_t*)(sm + L.o_bk);
+    dp = (uint8_t*)(sm + L.o_dp);
+    lpc = (float*)(sm + L.o_lpc);
+    hist = (int*)(sm + L.o_hist);
+    hpre = (int*)(sm + L.o_hpre);
+    lhist = (int*)(sm + L.o_lhist);
+    phist = (int*)(sm + L.o_phist);
+    cnt = (int*)(sm + L.o_cnt);
+    ord = (uint16_t*)(sm + L.o_ord);
+    nid = (uint16_t*)(sm + L.o_nid);
+    odp = (uint8_t*)(sm + L.o_odp);
+    ork = (uint16_t*)(sm + L.o_ork);
+    opar = (int16_t*)(sm + L.o_opar);
+    misc = (int*)(sm + L.o_misc);
+    scan_tmp = (int*)(sm + L.o_scan);
+    smax = 0.0;
+  }
+
+  // exclusive prefix of hist into hpre; misc[slot] = bucket holding the B-th (kBottom if < B)
+  KD_HD void threshold_from(const int* h, int* pre, int slot) {
+    for (int i = tid; i < kNB; i += nt) pre[i] = h[i];
+    if (tid == 0) misc[slot] = kBottom;
+    ctx.sync();
+    ctx.exclusive_scan(pre, kNB, scan_tmp);  // ends with a barrier
+    for (int b = tid; b < kNB; b += nt)
+      if (pre[b] < B && pre[b] + h[b] >= B) misc[slot] = b;  // unique writer
+    ctx.sync();
+  }
+
+  // Number of children (ranks 0..c-1) of parent p at level d that can still be in the tree.
+  KD_HD int count_children(int p, int d, int bt) const {
+    int b = bk[p];
+    if (b > bt) return 0;
+    int avail = B - 1 - hpre[b];  // better prefixes than (p, r) number >= hpre[b] + 1 + r + ...
+    if (avail <= 0) return 0;
+    int fb = misc[M_FB + d - 1];  // children r >= fb have score -inf
+    if (b == kBottom) return avail < keff ? avail : keff;  // a -inf parent: only siblings bound it
+    int ilb = lhist[b];                                   // same-level nodes strictly better
+    int capf = avail / (1 + ilb);
+    if (capf > fb) capf = fb;
+    int c;
+    if (capf < fb || fb >= keff) {
+      c = capf;
+    } else {  // every finite child allowed; -inf children only bounded by their siblings
+      c = avail < keff ? avail : keff;
+    }
+    if (bt == kBottom) return c;
+    const float* row = lpc + (size_t)(d - 1) * keff;
+    double s = sc[p];
+    int lo = 0, hi = c;
+    while (lo < hi) {
+      int mid = (lo + hi) >> 1;
+      if (bucket_of(smax, s + (double)row[mid]) <= bt) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+  }
+
+  // Position j of the parent owning item t: the last j with off[j] <= t (off has np+1 entries).
+  KD_HD static int owner(const int* off, int np, int t) {
+    int lo = 0, hi = np;  // off[0] = 0 <= t < off[np]
+    while (hi - lo > 1) {
+      int mid = (lo + hi) >> 1;
+      if (off[mid] <= t) lo = mid; else hi = mid;
+    }
+    return lo;
+  }
+
+  KD_HD bool lex_less(int x, int y) const {  // rank tuple of x < rank tuple of y (x != y)
+    int dx = dp[x], dy = dp[y];
+    if (dx == dy) return x < y;
+    if (dx < dy) {
+      int yy = y;
+      for (int k = dy; k > dx; --k) yy = par[yy];
+      if (yy == x) return true;
+      return x < yy;
+    }
+    int xx = x;
+    for (int k = dx; k > dy; --k) xx = par[xx];
+    if (xx == y) return false;
+    return xx < y;
+  }
+
+  KD_HD bool key_less(int x, int y) const {  // x pops before y
+    double sx = sc[x], sy = sc[y];
+    if (sx != sy) return sx > sy;
+    return lex_less(x, y);
+  }
+
+  // Returns n >= 0, or -1 when the parallel path cannot be used (then nothing is output yet).
+  KD_HD int parallel_build() {
+    // ---- phase 0: canonical inputs and the exactness / monotonicity checks
+    if (tid == 0) {
+      misc[M_FAIL] = 0;
+      misc[M_MAXE] = -100000;
+      misc[M_MINQ] = 100000;
+      for (int d = 0; d < kMaxDepth; ++d) misc[M_FB + d] = keff;
+    }
+    for (int i = tid; i < kNB; i += nt) { hist[i] = 0; lhist[i] = 0; }
+    ctx.sync();
+    const int nin = D * keff;
+    for (int idx = tid; idx < nin; idx += nt) {
+      int d = idx / keff, r = idx - d * keff;
+      float x = a.lp[(size_t)d * a.ld + r];
+      if (is_nan_f(x) || x == neg_inf_f()) ctx.atomic_min(&misc[M_FB + d], r);
+    }
+    ctx.sync();
+    for (int idx = tid; idx < nin; idx += nt) {
+      int d = idx / keff, r = idx - d * keff;
+      float x = a.lp[(size_t)d * a.ld + r];
+      if (r >= misc[M_FB + d]) { lpc[idx] = neg_inf_f(); continue; }
+      lpc[idx] = x;
+      bool bad = (x == -neg_inf_f());                                 // +inf
+      if (r > 0 && x > a.lp[(size_t)d * a.ld + r - 1]) bad = true;     // not sorted
+      if (d > 0 && r == 0 && x > 0.0f) bad = true;                    // child would beat parent
+      if (bad) ctx.atomic_max(&misc[M_FAIL], 1);
+      uint32_t bits = f2u(x) & 0x7FFFFFFFu;
+      if (bits != 0 && bits < 0x7F800000u) {
+        int e = (int)(bits >> 23);
+        uint32_t m = bits & 0x7FFFFFu;
+        int qe, me;
+        if (e == 0) { qe = -149 + ctz32(m); me = -149 + (31 - clz32(m)); }
+        else { qe = (e - 150) + ctz32(m | 0x800000u); me = e - 127; }
+        ctx.atomic_max(&misc[M_MAXE], me);
+        ctx.atomic_min(&misc[M_MINQ], qe);
+      }
+    }
+    ctx.sync();
+    {
+      // exact float64 sums: every intermediate has <= D+1 terms of magnitude < 2^(maxe+1),
+      // all multiples of 2^minq: exact when (maxe + 1 + ceil(log2(D+1))) - minq <= 53.
+      int lg = 0;
+      while ((1 << lg) < D + 1) ++lg;
+      bool inexact = misc[M_MAXE] > -100000 && misc[M_MAXE] + 1 + lg - misc[M_MINQ] > 53;
+      if (misc[M_FAIL] || inexact || misc[M_FB + 0] == 0) return -1;  // lp[0][0] = -inf too
+    }
+    smax = (double)lpc[0];
+
+    // ---- level 1: every rank < Keff (rank r has r better siblings, r < B)
+    for (int r = tid; r < keff; r += nt) {
+      double s = (double)lpc[r];
+      int b = bucket_of(smax, s);
+      sc[r] = s; par[r] = kRoot; rk[r] = (uint16_t)r; dp[r] = 1; bk[r] = (uint16_t)b;
+      ctx.atomic_add(&hist[b], 1);
+      ctx.atomic_add(&lhist[b], 1);
+    }
+    if (tid == 0) { misc[M_USED] = keff; misc[M_LS + 1] = 0; misc[M_LS + 2] = keff; }
+    ctx.sync();
+    threshold_from(hist, hpre, M_BT);
+    ctx.exclusive_scan(lhist, kNB, scan_tmp);
+
+    // ---- levels 2..D
+    for (int d = 2; d <= D; ++d) {
+      const int p0 = misc[M_LS + d - 1], p1 = misc[M_LS + d], np = p1 - p0;
+      const int used = misc[M_USED];
+      int bt = misc[M_BT];
+      for (int j = tid; j < np; j += nt) cnt[j] = count_children(p0 + j, d, bt);
+      ctx.sync();
+      int T = ctx.exclusive_scan(cnt, np, scan_tmp);
+      if (tid == 0) cnt[np] = T;
+      ctx.sync();
+      if (T == 0) break;
+      const float* row = lpc + (size_t)(d - 1) * keff;
+      if (T > B || used + T > cap) {
+        // probe: count every allowed child into a copy of the histogram, take the tighter
+        // threshold (the B-th over materialised + probed prefixes), recount.
+        for (int i = tid; i < kNB; i += nt) phist[i] = hist[i];
+        ctx.sync();
+        for (int t = tid; t < T; t += nt) {
+          int j = owner(cnt, np, t);
+          int p = p0 + j, r = t - cnt[j];
+          ctx.atomic_add(&phist[bucket_of(smax, sc[p] + (double)row[r])], 1);
+        }
+        ctx.sync();
+        threshold_from(phist, lhist, M_BT2);  // lhist is free until materialisation
+        const int bt2 = misc[M_BT2];
+        for (int j = tid; j < np; j += nt) {  // new counts into nid (free until the end)
+          int c = cnt[j + 1] - cnt[j];
+          if (bt2 != kBottom) {
+            const double s = sc[p0 + j];
+            int lo = 0, hi = c;
+            while (lo < hi) {
+              int mid = (lo + hi) >> 1;
+              if (bucket_of(smax, s + (double)row[mid]) <= bt2) lo = mid + 1; else hi = mid;
+            }
+            c = lo;
+          }
+          nid[j] = (uint16_t)c;
+        }
+        ctx.sync();
+        for (int j = tid; j < np; j += nt) cnt[j] = nid[j];
+        ctx.sync();
+        T = ctx.exclusive_scan(cnt, np, scan_tmp);
+        if (tid == 0) cnt[np] = T;
+        ctx.sync();
+        if (used + T > cap) return -1;  // candidate store overflow: exact fallback
+        if (T == 0) break;
+      }
+      // materialise level d (lhist restarts as this level's histogram)
+      for (int i = tid; i < kNB; i += nt) lhist[i] = 0;
+      ctx.sync();
+      for (int t = tid; t < T; t += nt) {
+        int j = owner(cnt, np, t);
+        int p = p0 + j, r = t - cnt[j], x = used + t;
+        double s = sc[p] + (double)row[r];
+        int b = bucket_of(smax, s);
+        sc[x] = s; par[x] = (uint16_t)p; rk[x] = (uint16_t)r; dp[x] = (uint8_t)d; bk[x] = (uint16_t)b;
+        ctx.atomic_add(&hist[b], 1);
+        ctx.atomic_add(&lhist[b], 1);
+      }
+      ctx.sync();
+      if (tid == 0) { misc[M_USED] = used + T; misc[M_LS + d + 1] = used + T; }
+      threshold_from(hist, hpre, M_BT);  // begins with work + barrier, so M_USED is visible
+      ctx.exclusive_scan(lhist, kNB, scan_tmp);
+    }
+
+    // ---- final ranking: counting sort by bucket, exact comparisons inside a bucket
+    const int used = misc[M_USED];
+    const int bt = misc[M_BT];
+    int total_in = hpre[bt] + hist[bt];
+    const int n = total_in < B ? total_in : B;
+    for (int i = tid; i < kNB; i += nt) lhist[i] = 0;  // cursors
+    ctx.sync();
+    for (int x = tid; x < used; x += nt) {
+      int b = bk[x];
+      if (b <= bt) ord[hpre[b] + ctx.atomic_add(&lhist[b], 1)] = (uint16_t)x;
+    }
+    ctx.sync();
+    for (int x = tid; x < used; x += nt) {
+      int b = bk[x];
+      if (b > bt) continue;
+      int s0 = hpre[b], cb = hist[b];
+      int rank = s0;
+      for (int k = s0; k < s0 + cb; ++k) {
+        int y = ord[k];
+        if (y != x && key_less(y, x)) ++rank;
+      }
+      if (rank < n) {
+        odp[rank] = dp[x];
+        ork[rank] = rk[x];
+        opar[rank] = (int16_t)x;  // store id for now; parent index below
+        nid[x] = (uint16_t)(rank + 1);
+      }
+    }
+    ctx.sync();
+    for (int i = tid; i < n; i += nt) {
+      int x = opar[i];
+      int p = par[x];
+      opar[i] = (int16_t)(p == kRoot ? 0 : nid[p]);
+    }
+    ctx.sync();
+    return n;
+  }
+
+  // ---------------------------------------------------------------- sequential fallback
+  KD_HD int sequential_build() {
+    FallbackLayout F = make_fallback_layout(B);
+    unsigned char* base = sm + L.o_sc;
+    double* hsc = (double*)(base + F.o_hsc);
+    int16_t* hpar = (int16_t*)(base + F.o_hpar);
+    uint16_t* hrk = (uint16_t*)(base + F.o_hrk);
+    uint8_t* hdp = (uint8_t*)(base + F.o_hdp);
+    uint16_t* tup = (uint16_t*)(base + F.o_tup);  // [B+1][kMaxDepth] rank tuple of each node
+    if (tid == 0) {
+      const float* lp = a.lp;
+      const int ld = a.ld;
+      int size = 0, npop = 0;
+      // heap order: i before j when i pops first
+      auto before = [&](int i, int j) -> bool {
+        double si = hsc[i], sj = hsc[j];
+        if (is_nan_d(si)) si = neg_inf_d();
+        if (is_nan_d(sj)) sj = neg_inf_d();
+        if (si != sj) return si > sj;
+        int di = hdp[i], dj = hdp[j];
+        const uint16_t* ti = tup + (size_t)hpar[i] * kMaxDepth;
+        const uint16_t* tj = tup + (size_t)hpar[j] * kMaxDepth;
+        int m = di < dj ? di : dj;
+        for (int k = 0; k < m; ++k) {
+          int vi = k < di - 1 ? ti[k] : hrk[i];
+          int vj = k < dj - 1 ? tj[k] : hrk[j];
+          if (vi != vj) return vi < vj;
+        }
+        return di < dj;
+      };
+      auto swap_e = [&](int i, int j) {
+        double ts = hsc[i]; hsc[i] = hsc[j]; hsc[j] = ts;
+        int16_t tp = hpar[i]; hpar[i] = hpar[j]; hpar[j] = tp;
+        uint16_t tr = hrk[i]; hrk[i] = hrk[j]; hrk[j] = tr;
+        uint8_t td = hdp[i]; hdp[i] = hdp[j]; hdp[j] = td;
+      };
+      auto push = [&](double s, int p, int r, int d) {
+        int i = size++;
+        hsc[i] = s; hpar[i] = (int16_t)p; hrk[i] = (uint16_t)r; hdp[i] = (uint8_t)d;
+        while (i > 0) {
+          int q = (i - 1) >> 1;
+          if (!before(i, q)) break;
+          swap_e(i, q);
+          i = q;
+        }
+      };
+      push((double)lp[0], 0, 0, 1);
+      while (size > 0 && npop < B) {
+        double s = hsc[0];
+        int p = hpar[0], r = hrk[0], d = hdp[0];
+        --size;
+        if (size > 0) {
+          swap_e(0, size);
+          int i = 0;
+          for (;;) {
+            int l = 2 * i + 1, rr = l + 1, m = i;
+            if (l < size && before(l, m)) m = l;
+            if (rr < size && before(rr, m)) m = rr;
+            if (m == i) break;
+            swap_e(i, m);
+            i = m;
+          }
+        }
+        int node = ++npop;
+        odp[node - 1] = (uint8_t)d;
+        ork[node - 1] = (uint16_t)r;
+        opar[node - 1] = (int16_t)p;
+        uint16_t* tn = tup + (size_t)node * kMaxDepth;
+        const uint16_t* tp = tup + (size_t)p * kMaxDepth;
+        for (int k = 0; k < d - 1; ++k) tn[k] = tp[k];
+        tn[d - 1] = (uint16_t)r;
+        if (r + 1 < keff) {
+          double s2 = s - (double)lp[(size_t)(d - 1) * ld + r];
+          s2 = s2 + (double)lp[(size_t)(d - 1) * ld + r + 1];
+          push(s2, p, r + 1, d);
+        }
+        if (d < D) push(s + (double)lp[(size_t)d * ld], node, 0, d + 1);
+      }
+      misc[M_N] = npop;
+    }
+    ctx.sync();
+    return misc[M_N];
+  }
+
+  // ---------------------------------------------------------------- outputs
+  KD_HD void write_outputs(int n, int path) {
+    const int W = vis_words(B);
+    for (int i = tid; i < B; i += nt) {
+      if (i < n) {
+        int d = odp[i];
+        a.tokens[i] = a.ids[(size_t)(d - 1) * a.ld + ork[i]];
+        a.depths[i] = d;
+        a.parents[i + 1] = opar[i];
+        a.positions[i + 1] = a.cache_len + d;
+      } else {
+        a.tokens[i] = -1;
+        a.depths[i] = 0;
+        a.parents[i + 1] = -1;
+        a.positions[i + 1] = -1;
+      }
+    }
+    if (tid == 0) {
+      a.parents[0] = -1;
+      a.positions[0] = a.cache_len;
+      a.n_out[0] = n;
+      if (a.path_out) a.path_out[0] = path;
+    }
+    const int words = (B + 1) * W;
+    for (int idx = tid; idx < words; idx += nt) {
+      int i = idx / W, w = idx - i * W;
+      uint64_t v = 0;
+      if (i <= n) {
+        int x = i;
+        for (;;) {
+          int xw = x >> 6;
+          if (xw < w) break;
+          if (xw == w) v |= (uint64_t)1 << (x & 63);
+          if (x == 0) break;
+          x = opar[x - 1];
+        }
+      }
+      a.visibility[idx] = v;
+    }
+  }
+
+  KD_HD void run() {
+    int n = 0, path = 0;
+    if (B > 0 && D > 0 && a.K > 0) {
+      int r = a.force_fallback ? -1 : parallel_build();
+      if (r < 0) {
+        path = 1;
+        ctx.sync();  // everyone is done with the candidate store before the heap reuses it
+        n = sequential_build();
+      } else {
+        n = r;
+      }
+    }
+    write_outputs(n, path);
+  }
+};
+
+}  // namespace treeimpl
+}  // namespace kdtree

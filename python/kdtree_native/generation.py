@@ -1,0 +1,186 @@
+"""Generation: the Python face of the native loop (cpp/engine/engine.h, bindings/bind_engine.cpp).
+
+``generate(engine, prompt_ids, max_new_tokens, drafter=None, ...)`` runs prefill, then plain
+autoregressive decoding (``drafter=None`` or ``tree_budget=0``) or DDTree speculative decoding
+with a drafter (see ``kdtree_native.drafters`` for the protocol and the built-in ones), and
+returns a ``GenerationResult``. The whole loop runs in C++ with the GIL released; Python is
+entered only to call the drafter and the ``progress`` callback.
+
+Lossless by construction: at temperature 0 the output equals greedy AR decoding token for
+token; at temperature > 0 each tree node's choice is a sample from the target's filtered
+softmax(logits / T), and the sample for the token at sequence index i uses a uniform that
+depends only on (seed, i), so DDTree and AR with the same seed emit the same tokens.
+
+Statistics follow vLLM's definitions: an acceptance length counts the bonus token (a round that
+accepts no draft token has length 1); the per-position acceptance rate at position i is the
+fraction of drafted rounds whose accepted draft prefix reaches depth i.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional, Sequence
+
+import numpy as np
+
+from . import _native
+
+
+@dataclass
+class GenerationResult:
+    tokens: np.ndarray              # int32 [n] generated tokens only
+    acceptance_lengths: np.ndarray  # int32 [rounds] tokens emitted per round, bonus included
+    stats: dict = field(default_factory=dict)
+
+    @property
+    def stopped(self) -> bool:
+        return bool(self.stats.get("stopped", False))
+
+
+# One native Generator (it owns the committed-token buffer drafters see) per target.
+_GENERATORS: "dict[int, tuple[Any, Any]]" = {}
+_MAX_CACHED = 16
+
+
+def native_target(engine):
+    """The native object the loop drives: a ``_native.ToyTarget`` / ``_native.CpuModel`` given
+    directly, or the one held by a ``kn.Engine``."""
+    if isinstance(engine, (_native.ToyTarget,)) or type(engine).__name__ == "CpuModel":
+        return engine
+    for name in ("native_model", "_native_model", "_model", "model", "_target", "target"):
+        obj = getattr(engine, name, None)
+        if obj is not None and (isinstance(obj, _native.ToyTarget) or type(obj).__name__ == "CpuModel"):
+            return obj
+    raise TypeError(f"generate: expected a kn.Engine (or a native target), got {type(engine).__name__}")
+
+
+def generator_for(engine):
+    """The (cached) native Generator of an engine or native target."""
+    target = native_target(engine)
+    hit = _GENERATORS.get(id(target))
+    if hit is not None and hit[0] is target:
+        return hit[1]
+    gen = _native.Generator(target)
+    if len(_GENERATORS) >= _MAX_CACHED:
+        _GENERATORS.pop(next(iter(_GENERATORS)))
+    _GENERATORS[id(target)] = (target, gen)
+    return gen
+
+
+def as_draft_fn(drafter) -> Optional[Callable]:
+    """Normalise the drafter protocol: None, an object with ``.draft(context, depth, top_k)``,
+    or a callable ``drafter(context, depth, top_k)``."""
+    if drafter is None:
+        return None
+    draft = getattr(drafter, "draft", None)
+    if callable(draft):
+        return draft
+    if callable(drafter):
+        return drafter
+    raise TypeError(
+        f"drafter must be None, a callable drafter(context, depth, top_k) or an object with .draft(...); "
+        f"got {type(drafter).__name__}")
+
+
+def _int_arg(value, name, lo=0):
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
+    value = int(value)
+    if value < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {value}")
+    return value
+
+
+def _prompt_array(prompt_ids):
+    arr = np.asarray(prompt_ids)
+    if arr.ndim != 1:
+        raise ValueError(f"prompt_ids must be a 1-D sequence of token ids, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise ValueError(f"prompt_ids must be integers, got dtype {arr.dtype}")
+    if arr.size == 0:
+        raise ValueError("prompt_ids must contain at least one token")
+    return arr.astype(np.int64, copy=False)
+
+
+def compute_stats(raw: dict, depth: int, drafted: bool, seed: int, temperature: float) -> dict:
+    """Stats dict (vLLM definitions) from the native result."""
+    acc = np.asarray(raw["acceptance_lengths"], dtype=np.int64)
+    sizes = np.asarray(raw["tree_sizes"], dtype=np.int64)
+    secs = dict(raw["seconds"])
+    n = int(len(raw["tokens"]))
+    rounds = int(acc.size)
+    accepted = acc - 1  # draft tokens accepted per round (the bonus excluded)
+    drafted_rounds = sizes > 0
+    n_drafted = int(drafted_rounds.sum())
+    per_pos = []
+    if drafted:
+        for i in range(1, depth + 1):
+            per_pos.append(float((accepted[drafted_rounds] >= i).sum() / n_drafted) if n_drafted else 0.0)
+    hist = np.bincount(acc, minlength=depth + 2)[1:depth + 2] if rounds else np.zeros(depth + 1, np.int64)
+    total = float(secs.get("total", 0.0))
+    decode = total - float(secs.get("prefill", 0.0))
+    return {
+        "num_tokens": n,
+        "rounds": rounds,
+        "mean_acceptance_length": float(acc.mean()) if rounds else 0.0,
+        "per_position_acceptance_rate": per_pos,
+        "acceptance_histogram": [int(x) for x in hist],  # [i] = rounds with acceptance length i+1
+        "num_draft_tokens": int(sizes.sum()),             # tree nodes verified (root excluded)
+        "num_accepted_tokens": int(accepted.sum()),
+        "draft_acceptance_rate": float(accepted.sum() / sizes.sum()) if sizes.sum() else 0.0,
+        "seconds": {k: float(secs.get(k, 0.0)) for k in ("prefill", "draft", "tree_build", "verify",
+                                                         "accept_commit", "total")},
+        "tokens_per_second": n / total if total > 0 else 0.0,
+        "decode_tokens_per_second": (n - 1) / decode if decode > 0 and n > 1 else 0.0,
+        "stopped": bool(raw["stopped"]),
+        "seed": seed,
+        "temperature": temperature,
+    }
+
+
+def generate(engine, prompt_ids, max_new_tokens: int, drafter=None, tree_budget: int = 64, depth: int = 15,
+             top_k: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
+             seed: Optional[int] = None, stop_token_ids: Sequence[int] = (), progress=None,
+             target_top_k: Optional[int] = None, prefill_chunk: int = 512) -> GenerationResult:
+    """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
+
+    engine          a ``kn.Engine`` (or a native target: ``_native.CpuModel`` / ``_native.ToyTarget``)
+    drafter         None (plain AR) or a drafter (``kdtree_native.drafters``: a callable
+                    ``drafter(context, depth, top_k)`` or an object with ``.draft``)
+    tree_budget     B, tree nodes verified per round besides the root (0 = AR)
+    depth           D, how many future positions the drafter is asked for
+    top_k           K, candidates per depth the drafter may return (None = min(B, vocab))
+    temperature     0 = greedy; > 0 samples from softmax(logits / temperature)
+    top_p, target_top_k
+                    nucleus / top-k filtering of the *target* distribution (T > 0), identical in
+                    AR and DDTree
+    seed            sampling seed (None = a fresh random one, reported in stats["seed"])
+    stop_token_ids  generation stops after the first of these (it is included in the output)
+    progress        optional callback ``progress(new_tokens: int32 array, generated, max_new_tokens)``
+                    called after the first token and after each round (streaming)
+    """
+    prompt = _prompt_array(prompt_ids)
+    max_new_tokens = _int_arg(max_new_tokens, "max_new_tokens")
+    tree_budget = _int_arg(tree_budget, "tree_budget")
+    depth = _int_arg(depth, "depth", 1)
+    top_k = 0 if top_k is None else _int_arg(top_k, "top_k", 1)
+    target_top_k = 0 if target_top_k is None else _int_arg(target_top_k, "target_top_k", 1)
+    temperature = float(temperature)
+    if not np.isfinite(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    top_p = float(top_p)
+    if not (0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if seed is None:
+        seed = int.from_bytes(os.urandom(8), "little") >> 1
+    seed = _int_arg(seed, "seed") & 0xFFFFFFFFFFFFFFFF
+    stops = [_int_arg(t, "stop token id") for t in np.asarray(stop_token_ids, dtype=np.int64).reshape(-1)]
+    if progress is not None and not callable(progress):
+        raise TypeError(f"progress must be callable, got {type(progress).__name__}")
+    fn = as_draft_fn(drafter)
+    gen = generator_for(engine)
+    raw = gen.generate(prompt, max_new_tokens, drafter=fn, tree_budget=tree_budget, depth=depth, top_k=top_k,
+                       temperature=temperature, top_p=top_p, target_top_k=target_top_k, seed=seed,
+                       stop_token_ids=stops, progress=progress, prefill_chunk=prefill_chunk)
+    stats = compute_stats(raw, depth, fn is not None and tree_budget > 0, seed, temperature)
+    return GenerationResult(tokens=raw["tokens"], acceptance_lengths=raw["acceptance_lengths"], stats=stats)

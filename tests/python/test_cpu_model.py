@@ -1,0 +1,405 @@
+"""The C++ CPU target model (cpp/model/) through kn.Engine / _native.CpuModel:
+
+* HF parity on every PARITY_CONFIG: prefill logits vs HF eager fp32 (1e-4 of the logits'
+  scale) and 24 greedy tokens by incremental decode (T=1 forward + commit) == HF's (marked hf,
+  skipped without torch / transformers);
+* the NumPy reference (float64) on prefill, decode, tree verify and the latent cache itself
+  (1e-5 relative; no torch needed);
+* tree consistency: verify logits of every node of a random tree == decoding its root-to-node
+  path one token at a time; after commit(path) the cache and the next decode equal plain AR;
+* both SGEMM paths (CBLAS when built, the portable kernel always) against NumPy;
+* input validation: every bad argument is a ValueError naming the problem.
+"""
+import threading
+
+import numpy as np
+import pytest
+
+import kdtree_native as kn
+from kdtree_native import _native
+from kdtree_native.checkpoint import expected_weight_shapes
+from kdtree_native.config import config_from_dict
+from kdtree_native.reference import ReferenceModel
+
+from hf_models import PARITY_CONFIGS, cached_checkpoint, config_dict, hf_greedy, hf_logits, random_weights
+
+NAMES = list(PARITY_CONFIGS)
+
+
+def rel_to_scale(a, b):
+    """max |a - b| relative to the logits' scale (max |b|)."""
+    return float(np.abs(np.asarray(a, np.float64) - b).max() / np.abs(b).max())
+
+
+def prompt(vocab, n, seed):
+    return np.random.default_rng(seed).integers(0, vocab, n)
+
+
+_ENGINES = {}
+
+
+def numpy_engine(name, seed=0, max_seq_len=256):
+    """(engine, reference model, cfg) on the same random weights (no torch)."""
+    key = (name, seed, max_seq_len)
+    if key not in _ENGINES:
+        cfg = config_from_dict(config_dict(name))
+        w = random_weights(cfg, seed)
+        _ENGINES[key] = (kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=max_seq_len),
+                         ReferenceModel(cfg, w), cfg)
+    eng, ref, cfg = _ENGINES[key]
+    eng.reset()
+    ref.reset()
+    return eng, ref, cfg
+
+
+def random_tree(n, seed, max_children=3):
+    """parents [n] (parents[0] = -1, parent < child), depths [n], ancestor-only visibility."""
+    rng = np.random.default_rng(seed)
+    parents = np.full(n, -1, dtype=np.int64)
+    children = np.zeros(n, dtype=np.int64)
+    for i in range(1, n):
+        while True:
+            p = int(rng.integers(0, i))
+            if children[p] < max_children:
+                break
+        parents[i] = p
+        children[p] += 1
+    depths = np.zeros(n, dtype=np.int64)
+    vis = np.zeros((n, n), dtype=bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            vis[i, j] = True
+            j = parents[j]
+        depths[i] = 0 if parents[i] < 0 else depths[parents[i]] + 1
+    return parents, depths, vis
+
+
+def path_to(parents, i):
+    path = []
+    while i >= 0:
+        path.append(i)
+        i = parents[i]
+    return path[::-1]
+
+
+def greedy_incremental(eng, ids, n):
+    """Prefill, then n greedy tokens by T=1 forwards + commit."""
+    logits = eng.prefill(ids)
+    out = []
+    nxt = int(np.argmax(logits[-1]))
+    for _ in range(n):
+        out.append(nxt)
+        pos = eng.cache_len
+        lg = eng.forward(np.array([nxt]), np.array([pos]))
+        eng.commit([0])
+        nxt = int(np.argmax(lg[0]))
+    return np.array(out)
+
+
+# ---- weights / config plumbing ------------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_weight_specs_match_checkpoint_loader(name):
+    cfg = config_from_dict(config_dict(name))
+    native = {n: tuple(s) for n, s in _native.model_weight_specs(cfg.to_native())}
+    assert native == {n: tuple(s) for n, s in expected_weight_shapes(cfg).items()}
+
+
+# ---- HF parity ------------------------------------------------------------------------------
+
+@pytest.mark.hf
+@pytest.mark.parametrize("name", NAMES)
+def test_prefill_logits_match_hf(name):
+    path = cached_checkpoint(name)
+    eng = kn.Engine.from_pretrained(path, device="cpu", max_seq_len=128)
+    assert eng.device == "cpu" and eng.config.vocab_size == config_dict(name)["vocab_size"]
+    ids = prompt(eng.config.vocab_size, 37, seed=len(name))
+    logits = eng.prefill(ids)
+    assert logits.dtype == np.float32 and logits.shape == (37, eng.config.vocab_size)
+    assert eng.cache_len == 37
+    hf = hf_logits(path, ids)
+    assert rel_to_scale(logits, hf) < 1e-4
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_24_matches_hf(name):
+    path = cached_checkpoint(name)
+    eng = kn.Engine.from_pretrained(path, device="cpu", max_seq_len=64)
+    ids = prompt(eng.config.vocab_size, 9, seed=100 + len(name))
+    ours = greedy_incremental(eng, ids, 24)
+    theirs = hf_greedy(path, ids, 24)
+    assert ours.tolist() == theirs.tolist(), f"{int((ours == theirs).sum())}/24 tokens agree"
+    assert eng.cache_len == 9 + 24
+
+
+# ---- NumPy reference ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_prefill_decode_match_reference(name):
+    eng, ref, cfg = numpy_engine(name)
+    ids = prompt(cfg.vocab_size, 23, seed=1)
+    assert rel_to_scale(eng.prefill(ids), ref.forward(ids)) < 1e-5
+    for k, tok in enumerate(prompt(cfg.vocab_size, 5, seed=2)):
+        pos = 23 + k
+        ours = eng.forward([tok], [pos])
+        eng.commit([0])
+        assert rel_to_scale(ours, ref.forward([tok], [pos])) < 1e-5
+    # The latent cache itself: normed latent + roped k_rope per token, every layer.
+    C = cfg.kv_lora_rank
+    for layer in range(cfg.num_hidden_layers):
+        rows = eng.model.read_cache(layer, 0, eng.cache_len)
+        np.testing.assert_allclose(rows[:, :C], ref.kv_latent[layer], rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(rows[:, C:], ref.k_rope[layer], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["ds3_base", "neox_yarn_groups", "no_q_lora", "kimi_like"])
+def test_tree_verify_and_compaction_match_reference(name):
+    eng, ref, cfg = numpy_engine(name)
+    ids = prompt(cfg.vocab_size, 11, seed=3)
+    eng.prefill(ids)
+    ref.forward(ids)
+    parents, depths, vis = random_tree(17, seed=4)
+    toks = prompt(cfg.vocab_size, 17, seed=5)
+    pos = 11 + depths
+    assert rel_to_scale(eng.forward(toks, pos, vis), ref.forward(toks, pos, vis)) < 1e-5
+    keep = path_to(parents, 16)
+    eng.commit(keep)
+    ref.compact(keep)
+    assert eng.cache_len == ref.cache_len == 11 + len(keep)
+    nxt = [int(toks[0])]
+    p = [eng.cache_len]
+    assert rel_to_scale(eng.forward(nxt, p), ref.forward(nxt, p)) < 1e-5
+
+
+# ---- tree consistency -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", NAMES)
+def test_tree_nodes_equal_sequential_decode(name):
+    eng, _, cfg = numpy_engine(name)
+    V = cfg.vocab_size
+    ids = prompt(V, 10, seed=6)
+    n = 21
+    parents, depths, vis = random_tree(n, seed=7 + len(name))
+    toks = prompt(V, n, seed=8)
+    eng.prefill(ids)
+    L = eng.cache_len
+    tree_logits = eng.forward(toks, L + depths, vis)
+    assert eng.cache_len == L and eng.model.pending_len == n
+    for i in range(n):
+        path = path_to(parents, i)
+        eng.prefill(ids)
+        for t in toks[path]:
+            last = eng.decode(int(t))
+        assert rel_to_scale(tree_logits[i], last) < 1e-5, f"node {i} (depth {depths[i]})"
+
+    # Compaction: keep a root-to-leaf path; the cache and the next decode == plain AR.
+    leaf = int(np.argmax(depths))
+    path = path_to(parents, leaf)
+    eng.prefill(ids)
+    eng.forward(toks, L + depths, vis)
+    eng.commit(path)
+    assert eng.cache_len == L + len(path)
+    after_tree = eng.decode(int(toks[0]))
+    cache_tree = [eng.model.read_cache(l, 0, eng.cache_len) for l in range(cfg.num_hidden_layers)]
+    ar = eng.prefill(np.concatenate([ids, toks[path], toks[:1]]))
+    assert rel_to_scale(after_tree, ar[-1]) < 1e-5
+    for l in range(cfg.num_hidden_layers):
+        np.testing.assert_allclose(cache_tree[l], eng.model.read_cache(l, 0, eng.cache_len), rtol=1e-5, atol=1e-5)
+
+
+def test_uncommitted_forward_is_overwritten_and_uint8_mask_equals_bool():
+    eng, _, cfg = numpy_engine("ds3_base")
+    ids = prompt(cfg.vocab_size, 8, seed=9)
+    eng.prefill(ids)
+    parents, depths, vis = random_tree(9, seed=10)
+    toks = prompt(cfg.vocab_size, 9, seed=11)
+    a = eng.forward(toks, 8 + depths, vis)
+    eng.forward(prompt(cfg.vocab_size, 5, seed=12), 8 + np.arange(5))     # dropped window
+    b = eng.forward(toks, 8 + depths, vis.astype(np.uint8))
+    np.testing.assert_array_equal(a, b)
+    eng.commit([])                     # keep nothing: cache unchanged
+    assert eng.cache_len == 8
+    # a causal visibility matrix == visibility None
+    c = eng.forward(toks, 8 + np.arange(9), np.tril(np.ones((9, 9), bool)))
+    d = eng.forward(toks, 8 + np.arange(9), None)
+    np.testing.assert_array_equal(c, d)
+
+
+def test_long_prefill_chunks_attention():
+    """A prompt long enough that attention runs in several query chunks equals decode."""
+    cfg = config_from_dict(config_dict(dict(num_attention_heads=16, num_key_value_heads=16)))
+    w = random_weights(cfg, 0)
+    eng = kn.Engine.from_weights(cfg, w, max_seq_len=700)
+    ids = prompt(cfg.vocab_size, 600, seed=13)
+    full = eng.prefill(ids)
+    eng.prefill(ids[:-3])
+    for k in range(3):
+        last = eng.decode(int(ids[597 + k]))
+        assert rel_to_scale(last, full[597 + k]) < 1e-5
+
+
+# ---- SGEMM ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("portable", [False, True])
+@pytest.mark.parametrize("trans_b", [False, True])
+@pytest.mark.parametrize("mnk", [(1, 1, 1), (1, 257, 63), (3, 17, 5), (4, 33, 300), (5, 16, 16),
+                                 (17, 63, 257), (130, 70, 513), (257, 31, 1)])
+def test_sgemm_matches_numpy(portable, trans_b, mnk):
+    M, N, K = mnk
+    rng = np.random.default_rng(M * 1000 + N * 10 + K)
+    a = rng.standard_normal((M, K)).astype(np.float32)
+    b = rng.standard_normal((N, K) if trans_b else (K, N)).astype(np.float32)
+    c = rng.standard_normal((M, N)).astype(np.float32)
+    bb = b.T if trans_b else b
+    want = a.astype(np.float64) @ bb.astype(np.float64)
+    got = _native.sgemm(a, b, trans_b=trans_b, portable=portable)
+    tol = 1e-5 * np.sqrt(K) * max(1.0, np.abs(want).max())
+    assert np.abs(got - want).max() < tol
+    got = _native.sgemm(a, b, trans_b=trans_b, alpha=0.5, beta=-2.0, c=c, portable=portable)
+    assert np.abs(got - (0.5 * want - 2.0 * c)).max() < tol * 2
+
+
+def test_sgemm_backend_reported():
+    assert _native.sgemm_backend() in ("cblas", "portable")
+    assert kn.build_info()["cpu_blas"].startswith(_native.sgemm_backend())
+
+
+# ---- validation -----------------------------------------------------------------------------
+
+def test_forward_validation_errors():
+    eng, _, cfg = numpy_engine("ds3_base", max_seq_len=32)
+    m, V = eng.model, cfg.vocab_size
+    with pytest.raises(ValueError, match="token id|tokens"):
+        m.forward([V], [0])
+    with pytest.raises(ValueError, match="tokens"):
+        m.forward([-1], [0])
+    with pytest.raises(ValueError, match="integer dtype"):
+        m.forward(np.array([1.0]), [0])
+    with pytest.raises(ValueError, match="empty"):
+        m.forward(np.array([], np.int64), np.array([], np.int64))
+    with pytest.raises(ValueError, match="positions"):
+        m.forward([1], [-1])
+    with pytest.raises(ValueError, match="positions: length"):
+        m.forward([1, 2], [0])
+    with pytest.raises(ValueError, match="1-D"):
+        m.forward(np.ones((2, 2), np.int64), [0, 1])
+    with pytest.raises(ValueError, match="visibility: expected shape"):
+        m.forward([1, 2], [0, 1], np.ones((3, 3), bool))
+    with pytest.raises(ValueError, match="visibility: expected dtype"):
+        m.forward([1, 2], [0, 1], np.ones((2, 2), np.float32))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        m.forward(np.zeros(33, np.int64), np.arange(33))
+    eng.prefill(np.zeros(30, np.int64))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        eng.forward(np.zeros(3, np.int64), 30 + np.arange(3))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        eng.prefill(np.zeros(33, np.int64))
+    assert eng.cache_len == 30        # a refused call leaves the cache alone
+    eng.forward([1, 2], [30, 31])     # exactly full is fine
+    eng.commit([0, 1])
+    assert eng.cache_len == 32
+    with pytest.raises(ValueError, match="max_seq_len"):
+        eng.decode(1)
+
+
+def test_commit_validation_errors():
+    eng, _, cfg = numpy_engine("ds3_base", max_seq_len=32)
+    eng.prefill([1, 2, 3])
+    with pytest.raises(ValueError, match="pending"):
+        eng.commit([0])               # nothing pending after prefill's commit
+    eng.forward([4, 5, 6], [3, 4, 5])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        eng.commit([1, 1])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        eng.commit([2, 0])
+    with pytest.raises(ValueError, match="keep"):
+        eng.commit([3])
+    with pytest.raises(ValueError, match="keep"):
+        eng.commit([-1])
+    with pytest.raises(ValueError, match="integer"):
+        eng.commit(np.array([0.0]))
+    assert eng.cache_len == 3
+    eng.commit([0, 2])
+    assert eng.cache_len == 5
+
+
+def test_weight_and_config_validation_errors():
+    cfg = config_from_dict(config_dict("ds3_base"))
+    w = random_weights(cfg, 0)
+    m = _native.CpuModel(cfg.to_native(), 16)
+    with pytest.raises(ValueError, match="not finalized"):
+        m.forward([1], [0])
+    with pytest.raises(ValueError, match="float32"):
+        m.set_weight("model.norm.weight", w["model.norm.weight"])          # float64
+    with pytest.raises(ValueError, match=r"shape \[47\].*\[48\]"):
+        m.set_weight("model.norm.weight", np.ones(47, np.float32))
+    with pytest.raises(ValueError, match="unexpected tensor"):
+        m.set_weight("model.layers.9.mlp.gate.weight", np.ones((8, 48), np.float32))
+    for name, arr in w.items():
+        if name != "model.layers.1.mlp.experts.3.up_proj.weight":
+            m.set_weight(name, arr.astype(np.float32))
+    with pytest.raises(ValueError, match=r"missing: model\.layers\.1\.mlp\.experts\.3\.up_proj\.weight"):
+        m.finalize()
+    assert m.missing_weights() == ["model.layers.1.mlp.experts.3.up_proj.weight"]
+    # non-contiguous float32 input is accepted (copied)
+    big = np.asfortranarray(w["model.layers.1.mlp.experts.3.up_proj.weight"].astype(np.float32))
+    m.set_weight("model.layers.1.mlp.experts.3.up_proj.weight", big)
+    m.finalize()
+    assert m.finalized and m.missing_weights() == []
+    with pytest.raises(ValueError, match="max_seq_len"):
+        _native.CpuModel(cfg.to_native(), 0)
+    bad = cfg.to_native()
+    del bad["softmax_scale"]
+    with pytest.raises(ValueError, match="softmax_scale"):
+        _native.CpuModel(bad, 16)
+    bad = cfg.to_native()
+    bad["rope_inv_freq"] = bad["rope_inv_freq"][:-1]
+    with pytest.raises(ValueError, match="rope_inv_freq"):
+        _native.CpuModel(bad, 16)
+    bad = cfg.to_native()
+    bad["hidden_size"] = 1.5
+    with pytest.raises(ValueError, match="hidden_size"):
+        _native.CpuModel(bad, 16)
+
+
+def test_forward_releases_the_gil():
+    """Two threads each run forwards on their own model; the GIL is released while the native
+    code computes (the Python thread keeps running)."""
+    cfg = config_from_dict(config_dict(dict(num_attention_heads=8, num_key_value_heads=8)))
+    w = random_weights(cfg, 0)
+    engines = [kn.Engine.from_weights(cfg, w, max_seq_len=600) for _ in range(2)]
+    ids = prompt(cfg.vocab_size, 512, seed=14)
+    results = [None, None]
+    ticks = []
+
+    def work(k):
+        results[k] = engines[k].prefill(ids)
+
+    threads = [threading.Thread(target=work, args=(k,)) for k in range(2)]
+    for t in threads:
+        t.start()
+    while any(t.is_alive() for t in threads):
+        ticks.append(1)
+        threads[0].join(0.001)
+    for t in threads:
+        t.join()
+    np.testing.assert_array_equal(results[0], results[1])
+    assert len(ticks) > 1
+
+
+@pytest.mark.parametrize("name", ["ds3_base", "neox_many_groups"])
+def test_portable_sgemm_through_the_model(name):
+    """The whole forward on the portable SGEMM (forced even in a CBLAS build) == reference."""
+    eng, ref, cfg = numpy_engine(name)
+    ids = prompt(cfg.vocab_size, 19, seed=15)
+    parents, depths, vis = random_tree(9, seed=16)
+    toks = prompt(cfg.vocab_size, 9, seed=17)
+    _native.sgemm_force_portable(True)
+    try:
+        assert _native.sgemm_backend() == "portable"
+        assert rel_to_scale(eng.prefill(ids), ref.forward(ids)) < 1e-5
+        assert rel_to_scale(eng.forward(toks, 19 + depths, vis), ref.forward(toks, 19 + depths, vis)) < 1e-5
+    finally:
+        _native.sgemm_force_portable(False)

@@ -1,0 +1,430 @@
+"""The generation loop (cpp/engine, bindings/bind_engine.cpp, kdtree_native.generation):
+losslessness at T=0 (DDTree == AR token for token for good, noisy, n-gram, model and adversarial
+drafters over budgets x depths, on the toy target and on random HF checkpoints), exact
+max_new_tokens / stop tokens / max_seq_len, the zero-copy context view, drafter errors, GIL
+release, stats. Shared helpers live here too (test_drafters.py / test_sampling.py import them).
+"""
+import os
+import threading
+import time
+import traceback
+
+import numpy as np
+import pytest
+
+import kdtree_native as kn
+from kdtree_native import _native
+from kdtree_native.drafters import ModelDrafter, NgramDrafter, OracleDrafter
+from kdtree_native.generation import generate
+
+BUDGETS = (0, 1, 16, 64, 256)
+DEPTHS = (1, 4, 15)
+
+
+# ---- helpers (also used by test_drafters.py and test_sampling.py) ---------------------------
+
+def toy(vocab=64, max_seq_len=512, seed=0, scale=3.0):
+    return _native.ToyTarget(vocab, max_seq_len, seed, scale)
+
+
+def load_model(path, max_seq_len=256):
+    """A native target for an HF checkpoint dir: kn.Engine.from_pretrained when it exists, else
+    a CpuModel filled straight from the safetensors."""
+    try:
+        return kn.Engine.from_pretrained(path, device="cpu", max_seq_len=max_seq_len)
+    except (NotImplementedError, AttributeError, TypeError):
+        pass
+    from kdtree_native.checkpoint import load_weights
+    from kdtree_native.config import load_config
+
+    cfg = load_config(path)
+    m = _native.CpuModel(cfg.to_native(), max_seq_len)
+    for name, arr in load_weights(path, cfg).items():
+        m.set_weight(name, np.ascontiguousarray(arr, dtype=np.float32))
+    m.finalize()
+    return m
+
+
+class AllWrongDrafter:
+    """Every candidate is a token the target will not pick (relative to the AR reference)."""
+
+    def __init__(self, reference, vocab, prompt_len):
+        self.ref, self.V, self.P = np.asarray(reference), vocab, prompt_len
+
+    def __call__(self, ctx, depth, top_k):
+        g = len(ctx) - self.P
+        d = min(depth, len(self.ref) - g)
+        if d <= 0:
+            return None
+        k = min(top_k, self.V - 1)
+        ids = np.array([[(int(self.ref[g + j]) + 1 + r) % self.V for r in range(k)] for j in range(d)], np.int32)
+        return np.tile(-np.arange(k, dtype=np.float32), (d, 1)), ids
+
+
+def duplicate_drafter(ctx, depth, top_k):
+    """Duplicate token ids at every depth (several children with the same token)."""
+    t = int(ctx[-1]) % 32
+    ids = np.full((depth, top_k), t, np.int32)
+    ids[:, ::2] = (t * 7 + 3) % 32
+    return np.tile(-np.arange(top_k, dtype=np.float32) * 0.5, (depth, 1)), ids
+
+
+def neginf_drafter(ctx, depth, top_k):
+    """-inf log-probs everywhere but the first column."""
+    lp = np.full((depth, top_k), -np.inf, np.float32)
+    lp[:, 0] = -1.0
+    ids = (np.arange(depth * top_k).reshape(depth, top_k) + int(ctx[-1])) % 32
+    return lp, ids.astype(np.int32)
+
+
+def all_neginf_drafter(ctx, depth, top_k):
+    return np.full((depth, top_k), -np.inf, np.float32), np.zeros((depth, top_k), np.int32)
+
+
+def short(inner):
+    """Wraps a drafter to return fewer rows than asked (d < depth)."""
+    def f(ctx, depth, top_k):
+        r = inner(ctx, depth, top_k)
+        if r is None:
+            return None
+        lp, ids = r
+        d = max(1, lp.shape[0] // 2)
+        return lp[:d], ids[:d]
+    return f
+
+
+def random_logits_drafter(vocab, seed=0):
+    rng = np.random.default_rng(seed)
+    return lambda ctx, depth, top_k: rng.standard_normal((depth, vocab)).astype(np.float32)
+
+
+def drafter_zoo(ref, vocab, prompt_len, draft_target):
+    """name -> fresh drafter; `ref` = the AR tokens for the prompt."""
+    return {
+        "oracle": lambda: OracleDrafter(ref, 0.0, seed=1, vocab_size=vocab),
+        "oracle_0.3": lambda: OracleDrafter(ref, 0.3, seed=2, vocab_size=vocab),
+        "oracle_0.9": lambda: OracleDrafter(ref, 0.9, seed=3, vocab_size=vocab),
+        "ngram": lambda: NgramDrafter(),
+        "model": lambda: ModelDrafter(draft_target),
+        "all_wrong": lambda: AllWrongDrafter(ref, vocab, prompt_len),
+        "duplicates": lambda: duplicate_drafter,
+        "neginf": lambda: neginf_drafter,
+        "all_neginf": lambda: all_neginf_drafter,
+        "short": lambda: short(OracleDrafter(ref, 0.0, seed=4, vocab_size=vocab)),
+        "logits": lambda: random_logits_drafter(vocab, 5),
+    }
+
+
+def check_stats(res, depth):
+    s = res.stats
+    acc = res.acceptance_lengths
+    assert res.tokens.dtype == np.int32 and acc.dtype == np.int32
+    assert s["rounds"] == len(acc)
+    if len(res.tokens):
+        assert 1 + int(acc.sum()) == len(res.tokens)  # the prefill token + every round's emission
+    assert (acc >= 1).all() and (acc <= depth + 1).all()
+    assert sum(s["acceptance_histogram"]) == s["rounds"]
+    rates = s["per_position_acceptance_rate"]
+    assert all(0 <= r <= 1 for r in rates) and all(a >= b for a, b in zip(rates, rates[1:]))
+    assert all(v >= 0 for v in s["seconds"].values())
+    if s["rounds"]:
+        assert s["mean_acceptance_length"] == pytest.approx(float(acc.mean()))
+
+
+# ---- toy target ------------------------------------------------------------------------------
+
+PROMPT = np.array([5, 9, 2, 7, 5, 9, 2, 11, 3], dtype=np.int64)
+
+
+@pytest.fixture(scope="module")
+def toy_setup():
+    V = 48
+    tgt = toy(V, 512, seed=7)
+    drf = toy(V, 512, seed=8)  # another "model" for ModelDrafter
+    ar = generate(tgt, PROMPT, 60)
+    return tgt, drf, V, ar.tokens
+
+
+def test_toy_target_sees_mask_and_compaction():
+    """The toy's logits really depend on the visibility and on what commit kept."""
+    t = toy(32, 64, seed=1)
+    t.forward(np.array([1, 2, 3], np.int32), np.arange(3, dtype=np.int32), None)
+    t.commit(np.arange(3, dtype=np.int32))
+    toks, pos = np.array([4, 5, 6], np.int32), np.array([3, 4, 4], np.int32)
+    chain = np.array([[1, 0, 0], [1, 1, 0], [1, 0, 1]], bool)
+    a = t.forward(toks, pos, chain)
+    b = t.forward(toks, pos, np.array([[1, 0, 0], [1, 1, 0], [1, 1, 1]], bool))  # node 2 wrongly sees 1
+    assert np.array_equal(a[:2], b[:2]) and not np.array_equal(a[2], b[2])
+    t.commit(np.array([0, 2], np.int32))  # keep root + node 2
+    c = t.forward(np.array([9], np.int32), np.array([5], np.int32), None)
+    t2 = toy(32, 64, seed=1)
+    t2.forward(np.array([1, 2, 3, 4, 6], np.int32), np.array([0, 1, 2, 3, 4], np.int32), None)
+    t2.commit(np.arange(5, dtype=np.int32))
+    assert np.array_equal(c, t2.forward(np.array([9], np.int32), np.array([5], np.int32), None))
+    t3 = toy(32, 64, seed=1)  # a wrong compaction (node 1 kept) gives different logits
+    t3.forward(np.array([1, 2, 3, 4, 5], np.int32), np.array([0, 1, 2, 3, 4], np.int32), None)
+    t3.commit(np.arange(5, dtype=np.int32))
+    assert not np.array_equal(c, t3.forward(np.array([9], np.int32), np.array([5], np.int32), None))
+
+
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_lossless_toy(toy_setup, budget, depth):
+    tgt, drf, V, ref = toy_setup
+    for name, make in drafter_zoo(ref, V, len(PROMPT), drf).items():
+        res = generate(tgt, PROMPT, len(ref), drafter=make(), tree_budget=budget, depth=depth)
+        assert np.array_equal(res.tokens, ref), (name, budget, depth)
+        check_stats(res, depth)
+        if budget == 0:
+            assert (res.acceptance_lengths == 1).all()
+
+
+@pytest.mark.parametrize("depth", DEPTHS)
+@pytest.mark.parametrize("budget", (16, 64, 256))
+def test_perfect_oracle_accepts_everything(toy_setup, budget, depth):
+    tgt, _, V, ref = toy_setup
+    rounds = 3
+    n = 1 + rounds * (depth + 1)
+    res = generate(tgt, PROMPT, n, drafter=OracleDrafter(ref, vocab_size=V), tree_budget=budget, depth=depth)
+    assert np.array_equal(res.tokens, ref[:n])
+    assert res.stats["rounds"] == rounds
+    assert res.stats["mean_acceptance_length"] == 1 + depth
+    assert res.stats["per_position_acceptance_rate"] == [1.0] * depth
+    assert res.stats["acceptance_histogram"][-1] == rounds
+
+
+def test_max_new_tokens_exact_and_edges(toy_setup):
+    tgt, _, V, ref = toy_setup
+    o = lambda: OracleDrafter(ref, vocab_size=V)  # noqa: E731
+    for n in (0, 1, 2, 3, 7, 16, 17, 33):
+        res = generate(tgt, PROMPT, n, drafter=o(), tree_budget=64, depth=15)
+        assert np.array_equal(res.tokens, ref[:n]), n
+        check_stats(res, 15)
+    assert generate(tgt, PROMPT, 0).stats["rounds"] == 0
+    assert generate(tgt, PROMPT, 1).stats["rounds"] == 0
+    res = generate(tgt, PROMPT[:1], 5)  # one-token prompt
+    assert len(res.tokens) == 5
+
+
+def test_stop_tokens_inside_an_accepted_path(toy_setup):
+    tgt, _, V, ref = toy_setup
+    stop = int(ref[9])
+    first = int(np.flatnonzero(ref == stop)[0])
+    res = generate(tgt, PROMPT, 60, drafter=OracleDrafter(ref, vocab_size=V), tree_budget=64, depth=15,
+                   stop_token_ids=[stop, V - 1 if V - 1 not in ref[:first] else stop])
+    assert np.array_equal(res.tokens, ref[:first + 1]) and res.stopped
+    check_stats(res, 15)
+    ar = generate(tgt, PROMPT, 60, stop_token_ids=[stop])
+    assert np.array_equal(ar.tokens, res.tokens)
+    first_tok = int(ref[0])  # the prefill token itself can stop generation
+    assert np.array_equal(generate(tgt, PROMPT, 60, stop_token_ids=[first_tok]).tokens, ref[:1])
+
+
+def test_max_seq_len_check_and_tree_shrink():
+    V = 40
+    tgt = toy(V, 32, seed=3)
+    P = np.arange(1, 11)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        generate(tgt, P, 23)
+    ar = generate(tgt, P, 22)  # fills the cache exactly: the tree must shrink to fit
+    assert len(ar.tokens) == 22
+    for budget in (16, 64, 256):
+        res = generate(tgt, P, 22, drafter=OracleDrafter(ar.tokens, 0.3, vocab_size=V), tree_budget=budget, depth=15)
+        assert np.array_equal(res.tokens, ar.tokens)
+        res = generate(tgt, P, 22, drafter=NgramDrafter(), tree_budget=budget, depth=15)
+        assert np.array_equal(res.tokens, ar.tokens)
+
+
+def test_bad_arguments_raise_and_engine_stays_usable(toy_setup):
+    tgt, _, V, ref = toy_setup
+    with pytest.raises(ValueError, match="at least one"):
+        generate(tgt, [], 4)
+    with pytest.raises(ValueError, match="outside the vocab"):
+        generate(tgt, [1, V + 3], 4)
+    with pytest.raises(ValueError, match="integers"):
+        generate(tgt, [1.5, 2.0], 4)
+    with pytest.raises(ValueError, match="temperature"):
+        generate(tgt, PROMPT, 4, temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        generate(tgt, PROMPT, 4, top_p=0.0)
+    with pytest.raises(ValueError, match="depth"):
+        generate(tgt, PROMPT, 4, drafter=NgramDrafter(), depth=0)
+    with pytest.raises(ValueError, match="depth"):
+        generate(tgt, PROMPT, 4, drafter=NgramDrafter(), depth=65)
+    with pytest.raises(ValueError, match="stop token"):
+        generate(tgt, PROMPT, 4, stop_token_ids=[V])
+    with pytest.raises(TypeError, match="drafter"):
+        generate(tgt, PROMPT, 4, drafter=42)
+    with pytest.raises(TypeError):
+        generate(object(), PROMPT, 4)
+    assert np.array_equal(generate(tgt, PROMPT, len(ref)).tokens, ref)
+
+
+class Boom(RuntimeError):
+    pass
+
+
+def test_drafter_exception_propagates_unchanged(toy_setup):
+    tgt, _, V, ref = toy_setup
+    calls = []
+
+    def bad(ctx, depth, top_k):
+        calls.append(1)
+        if len(calls) == 3:
+            raise Boom("drafter exploded on purpose")
+        return OracleDrafter(ref, vocab_size=V, prompt_len=len(PROMPT)).draft(ctx, depth, top_k)
+
+    with pytest.raises(Boom, match="exploded on purpose") as ei:
+        generate(tgt, PROMPT, 40, drafter=bad, tree_budget=16, depth=4)
+    tb = "".join(traceback.format_exception(ei.type, ei.value, ei.tb))
+    assert "in bad" in tb  # the drafter's own frame is in the traceback
+    res = generate(tgt, PROMPT, len(ref), drafter=OracleDrafter(ref, vocab_size=V), tree_budget=16, depth=4)
+    assert np.array_equal(res.tokens, ref)
+
+    def bad_progress(new, done, total):
+        raise KeyError("progress failed")
+
+    with pytest.raises(KeyError, match="progress failed"):
+        generate(tgt, PROMPT, 10, progress=bad_progress)
+    assert np.array_equal(generate(tgt, PROMPT, len(ref)).tokens, ref)
+
+
+def _ok(ctx, depth, top_k):
+    return np.zeros((depth, 1), np.float32), np.zeros((depth, 1), np.int32)
+
+
+BAD_OUTPUTS = {
+    "float64 logprobs": (lambda d, k, V: (np.zeros((d, 1)), np.zeros((d, 1), np.int32)), "float32"),
+    "float token ids": (lambda d, k, V: (np.zeros((d, 1), np.float32), np.zeros((d, 1))), "integer"),
+    "1-D arrays": (lambda d, k, V: (np.zeros(d, np.float32), np.zeros(d, np.int32)), "2-D"),
+    "shape mismatch": (lambda d, k, V: (np.zeros((d, 1), np.float32), np.zeros((d, 2), np.int32)), "shapes differ"),
+    "NaN": (lambda d, k, V: (np.full((d, 1), np.nan, np.float32), np.zeros((d, 1), np.int32)), "NaN"),
+    "+inf": (lambda d, k, V: (np.full((d, 1), np.inf, np.float32), np.zeros((d, 1), np.int32)), r"\+inf"),
+    "id >= vocab": (lambda d, k, V: (np.zeros((d, 1), np.float32), np.full((d, 1), V, np.int32)), "outside the vocab"),
+    "negative id": (lambda d, k, V: (np.zeros((d, 1), np.float32), np.full((d, 1), -1, np.int64)), "outside the vocab"),
+    "unsorted": (lambda d, k, V: (np.array([[-2.0, -1.0]] * d, np.float32), np.zeros((d, 2), np.int32)), "sorted"),
+    "d > depth": (lambda d, k, V: (np.zeros((d + 1, 1), np.float32), np.zeros((d + 1, 1), np.int32)), "d <= depth"),
+    "k > top_k": (lambda d, k, V: (np.zeros((d, k + 1), np.float32), np.zeros((d, k + 1), np.int32)), "k <= top_k"),
+    "wrong type": (lambda d, k, V: "tokens please", "must return"),
+    "triple": (lambda d, k, V: (1, 2, 3), "length 3"),
+    "list not array": (lambda d, k, V: ([[0.0]], [[1]]), "numpy array"),
+    "logits wrong V": (lambda d, k, V: np.zeros((d, V + 1), np.float32), "vocab_size"),
+    "logits float64": (lambda d, k, V: np.zeros((d, V)), "float32"),
+    "logits NaN": (lambda d, k, V: np.full((d, V), np.nan, np.float32), "NaN"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_OUTPUTS))
+def test_bad_drafter_output_raises_valueerror(toy_setup, case):
+    tgt, _, V, ref = toy_setup
+    make, pattern = BAD_OUTPUTS[case]
+    with pytest.raises(ValueError, match=pattern):
+        generate(tgt, PROMPT, 20, drafter=lambda ctx, depth, top_k: make(depth, top_k, V), tree_budget=8, depth=4,
+                 top_k=4)
+    assert np.array_equal(generate(tgt, PROMPT, 20, drafter=_ok, tree_budget=8, depth=4).tokens, ref[:20])
+
+
+def test_context_is_a_zero_copy_readonly_view(toy_setup):
+    tgt, _, V, ref = toy_setup
+    seen = []
+
+    def spy(ctx, depth, top_k):
+        assert isinstance(ctx, np.ndarray) and ctx.dtype == np.int32 and ctx.ndim == 1
+        assert not ctx.flags.writeable and not ctx.flags.owndata
+        with pytest.raises(ValueError):
+            ctx[0] = 1
+        full = np.concatenate([PROMPT, ref])
+        assert np.array_equal(ctx, full[:len(ctx)])
+        seen.append((ctx.__array_interface__["data"][0], len(ctx)))
+        return OracleDrafter(ref, 0.3, seed=len(seen), vocab_size=V, prompt_len=len(PROMPT)).draft(ctx, depth, top_k)
+
+    res = generate(tgt, PROMPT, 40, drafter=spy, tree_budget=16, depth=4)
+    assert np.array_equal(res.tokens, ref[:40])
+    assert len(seen) > 3
+    assert len({addr for addr, _ in seen}) == 1  # the same buffer every round, not a fresh copy
+    assert seen[0][1] == len(PROMPT) + 1  # prompt + the first (root) token
+
+
+def test_object_drafter_and_progress_streaming(toy_setup):
+    tgt, _, V, ref = toy_setup
+    chunks, counts = [], []
+
+    def progress(new, done, total):
+        chunks.append(np.array(new))
+        counts.append((done, total))
+
+    res = generate(tgt, PROMPT, 50, drafter=OracleDrafter(ref, 0.3, vocab_size=V), tree_budget=32, depth=6,
+                   progress=progress)
+    assert np.array_equal(np.concatenate(chunks), res.tokens)
+    assert counts[-1] == (50, 50) and len(counts) == res.stats["rounds"] + 1
+    check_stats(res, 6)
+    assert res.stats["mean_acceptance_length"] > 1.5
+
+
+def test_gil_released_during_native_work():
+    tgt = toy(20000, 4096, seed=2)
+    done = threading.Event()
+    out = {}
+
+    def work():
+        out["res"] = generate(tgt, [1, 2, 3], 600)
+        done.set()
+
+    th = threading.Thread(target=work)
+    counter = 0
+    t0 = time.perf_counter()
+    th.start()
+    while not done.is_set():
+        counter += 1
+    th.join()
+    elapsed = time.perf_counter() - t0
+    assert len(out["res"].tokens) == 600
+    # With the GIL held by the native loop this thread could not count at all meanwhile.
+    assert elapsed > 0.02 and counter > 1000, (elapsed, counter)
+
+
+# ---- random HF checkpoints (the real CPU model) ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def hf_setup():
+    try:
+        from hf_models import cached_checkpoint
+        if not hasattr(_native, "CpuModel"):
+            pytest.skip("native CpuModel not built")
+        tgt_dir = cached_checkpoint("ds3_base", seed=11)
+        drf_dir = cached_checkpoint("tied_nonorm", seed=12)
+    except ImportError as e:
+        pytest.skip(f"needs torch + transformers: {e}")
+    tgt = load_model(tgt_dir, 128)
+    drf = load_model(drf_dir, 128)
+    prompt = np.array([3, 17, 42, 99, 3, 17, 42, 8, 150, 3], dtype=np.int64)
+    ar = generate(tgt, prompt, 28)
+    return tgt, drf, prompt, ar.tokens
+
+
+@pytest.mark.hf
+@pytest.mark.parametrize("budget", BUDGETS)
+@pytest.mark.parametrize("depth", DEPTHS)
+def test_lossless_hf(hf_setup, budget, depth):
+    tgt, drf, prompt, ref = hf_setup
+    V = 160
+    for name, make in drafter_zoo(ref, V, len(prompt), drf).items():
+        res = generate(tgt, prompt, len(ref), drafter=make(), tree_budget=budget, depth=depth)
+        assert np.array_equal(res.tokens, ref), (name, budget, depth)
+        check_stats(res, depth)
+
+
+@pytest.mark.hf
+def test_hf_ar_matches_transformers_greedy(hf_setup):
+    tgt, _, prompt, ref = hf_setup
+    from hf_models import cached_checkpoint, hf_greedy
+
+    want = np.asarray(hf_greedy(cached_checkpoint("ds3_base", seed=11), prompt, 12)).reshape(-1)[-12:]
+    assert np.array_equal(ref[:12], want)
+
+
+@pytest.mark.hf
+def test_hf_perfect_oracle(hf_setup):
+    tgt, _, prompt, ref = hf_setup
+    res = generate(tgt, prompt, 1 + 3 * 5, drafter=OracleDrafter(ref, vocab_size=160), tree_budget=16, depth=4)
+    assert np.array_equal(res.tokens, ref[:16]) and res.stats["mean_acceptance_length"] == 5.0
