@@ -39,6 +39,8 @@ from .kdtr import save_kdtr, load_kdtr  # noqa: E402
 from . import reference  # noqa: E402
 from . import ops  # noqa: E402
 from .engine import Engine  # noqa: E402
+from .models import default_model_dir, default_draft_dir  # noqa: E402
+from . import drafters  # noqa: E402
 
 __all__ = [
     "__version__",
@@ -49,4 +51,7 @@ __all__ = [
     "reference",
     "ops",
     "Engine",
+    "default_model_dir",
+    "default_draft_dir",
+    "drafters",
 ]

@@ -4,6 +4,7 @@ Held-out sample loss is the definition the test suite checks (tests/python/test_
 for every file of ``heldout_sample.json``, tokenize its text with ``<|bos|>`` prepended (the
 tokenizer's default), run the model in float32 (weights as stored, upcast), and average the
 next-token cross-entropy over all predicted tokens of all files (a token-weighted mean).
+The test suite checks the cheaper ``test_subset_loss`` (first 64 tokens of each file, one batch).
 
 Usage::
 
@@ -19,6 +20,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DATA = ROOT / "python" / "kdtree_native" / "data" / "default"
+TEST_TOKENS = 64
 PROMPTS = ["def fibonacci(n):", "class Stack:", "import os\n\n\ndef read_config(path):"]
 
 
@@ -53,6 +55,18 @@ def sample_loss(model, ids_list):
     return tot / n, n, preds
 
 
+def test_subset_loss(model, tok, sample, n_tokens: int = TEST_TOKENS):
+    """The number tests/python/test_default_model.py checks: one [files, n_tokens] batch made of the
+    first n_tokens tokens (<|bos|> included) of every sample file; mean next-token CE, float32."""
+    import torch
+    import torch.nn.functional as F
+
+    x = torch.tensor([tok(f["text"])["input_ids"][:n_tokens] for f in sample])
+    with torch.no_grad():
+        logits = model(input_ids=x, use_cache=False).logits[:, :-1].float()
+    return float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1)))
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--target", default=str(DATA / "target"))
@@ -77,6 +91,9 @@ def main(argv=None):
         loss, n, preds[name] = sample_loss(model, ids)
         res[name] = {"heldout_sample_loss": round(loss, 4), "tokens": n, "seconds": round(time.perf_counter() - t0, 2)}
         print(f"{name}: held-out sample loss {loss:.4f} over {n} tokens ({res[name]['seconds']} s)", flush=True)
+        sub = test_subset_loss(model, tok, sample)
+        res[name]["test_subset_loss"] = round(sub, 4)
+        print(f"{name}: test-subset loss ({len(sample)} x {TEST_TOKENS} tokens) {sub:.4f}", flush=True)
         for p in PROMPTS:
             x = tok(p, return_tensors="pt")
             with torch.no_grad():

@@ -18,13 +18,18 @@ Step count: ``--steps N`` fixes it. Without it, ``--time-budget S`` measures a f
 evaluation first, then sets ``N`` so that training (evaluations included) takes about ``S`` seconds;
 the model is rebuilt from the seed after that probe so the run equals a ``--steps N`` run.
 
+Distillation (how the shipped draft was made): ``--teacher DIR`` loads a finished checkpoint of the
+same vocabulary (frozen, bf16 on GPU) and trains on ``kd_alpha * CE + (1 - kd_alpha) * KL(teacher ||
+student)`` (``--kd-alpha`` 0.5); held-out evaluations then also report the top-1 agreement of the
+student with the teacher.
+
 Outputs in ``--out``: ``save_pretrained`` files in bf16 (``config.json``, ``generation_config.json``,
 ``model.safetensors``), the tokenizer files, and ``train_log.json`` (loss curves and run facts).
 
 Usage::
 
-    python tools/train/train.py --which target --out /tmp/models/target --time-budget 270
-    python tools/train/train.py --which draft  --out /tmp/models/draft  --time-budget 110
+    python tools/train/train.py --which target --out /tmp/models/target --steps 2013
+    python tools/train/train.py --which draft  --out /tmp/models/draft  --steps 2500 --teacher /tmp/models/target
     # CPU smoke test:  --steps 3 --batch 2 --ctx 64 --eval-every 2 --max-eval-windows 2 --device cpu
 """
 from __future__ import annotations
@@ -358,9 +363,9 @@ def main(argv=None):
             ref = fresh("eager")
             l0 = loss_fn(ref, x[:4], y[:4])
             del ref
-            if not abs(float(l1.detach()) - float(l0)) < 2e-2:
-                raise RuntimeError(f"{impl} loss {float(l1):.5f} != eager {float(l0):.5f}")
-            log(f"[{args.which}] experts '{impl}' matches eager on a probe batch ({float(l1.detach()):.5f} vs {float(l0):.5f})")
+            if not abs(float(l1.detach()) - float(l0.detach())) < 2e-2:
+                raise RuntimeError(f"{impl} loss {float(l1.detach()):.5f} != eager {float(l0.detach()):.5f}")
+            log(f"[{args.which}] experts '{impl}' matches eager on a probe batch ({float(l1.detach()):.5f} vs {float(l0.detach()):.5f})")
         except Exception as e:  # noqa: BLE001
             log(f"[{args.which}] experts '{impl}' unusable ({type(e).__name__}: {e}); using eager")
             impl = "eager"
