@@ -24,7 +24,6 @@ inline double stored_score(double score) { return std::isnan(score) ? kNegInf : 
 // so this is a strict total order and any correct heap pops the same sequence.
 struct CandidateOrder {
   const int32_t* rank_paths;  // [(B+1) * D] row i = rank tuple of tree node i
-  const int32_t* parents;     // [B+1]
   const int32_t* depths;      // [B+1] depth of tree node i (root: 0)
   int64_t D;
 
@@ -139,7 +138,7 @@ void tree_build(const float* logprobs, const int32_t* token_ids, int64_t D, int6
   out->parents.resize(budget + 1);
   out->parents[0] = -1;
   int32_t* depths = ws->node_depths.data();  // [B+1] node depths, root included
-  const CandidateOrder ord{ws->rank_paths.data(), out->parents.data(), depths, width};
+  const CandidateOrder ord{ws->rank_paths.data(), depths, width};
 
   int64_t n = 0;
   if (budget > 0 && D > 0) heap_push(ws->heap, TreeCandidate{stored_score(logprobs[0]), 0, 0}, ord);

@@ -47,7 +47,7 @@ struct TreeCandidate {
 
 // Scratch memory of tree_build, reusable across calls so a round allocates nothing.
 struct TreeBuildWorkspace {
-  std::vector<TreeCandidate> heap;  // [<= B+1] binary heap, best candidate first
+  std::vector<TreeCandidate> heap;  // [<= B+1] 4-ary heap, best candidate first
   std::vector<int32_t> rank_paths;  // [(B+1) * D] rank tuple of every tree node (row = node)
   std::vector<int32_t> node_depths; // [B+1] depth of every tree node (root: 0)
 };
