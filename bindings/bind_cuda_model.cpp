@@ -1,4 +1,346 @@
-// bind_cuda_model.cpp: Python bindings for the GPU model (placeholder until that area lands).
+// bind_cuda_model.cpp: Python bindings of the GPU target model (cuda/model/cuda_model.h) as
+// _native.CudaModel, with the same methods as _native.CpuModel (set_weight / finalize /
+// forward / commit / reset / cache_len ...) plus a device-pointer path for the GPU round
+// (forward_ptr / commit_ptr / set_committed: integer addresses of device buffers, e.g. torch
+// CUDA tensors' data_ptr()). Also _native.cublas_probe() -> (ok, path or error). Validates
+// every input with a ValueError naming the problem and releases the GIL while the model runs.
+// Without the CUDA backend or without cuBLAS headers at build time, CudaModel is not bound.
+#include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <string>
+
 namespace py = pybind11;
-void bind_cuda_model(py::module_& m) { (void)m; }
+
+#if defined(KDTREE_HAVE_CUDA) && defined(KDTREE_HAVE_CUBLAS)
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <initializer_list>
+#include <limits>
+#include <vector>
+
+#include "common.h"
+#include "model/config.h"
+#include "model/cublas_loader.h"
+#include "model/cuda_model.h"
+
+using kdtree::Error;
+
+namespace {
+
+// ---- the config dict (ModelConfig.to_native()); same keys as bind_model.cpp reads
+py::object need(const py::dict& d, const char* key) {
+  if (!d.contains(key)) throw Error(std::string("model config dict: missing key '") + key + "'");
+  return d[key];
+}
+int64_t as_int(const py::dict& d, const char* key) {
+  py::object v = need(d, key);
+  if (py::isinstance<py::bool_>(v) || !py::hasattr(v, "__index__"))
+    throw Error(std::string("model config dict: '") + key + "' must be an integer");
+  return py::int_(v.attr("__index__")()).cast<int64_t>();
+}
+double as_float(const py::dict& d, const char* key) {
+  py::object v = need(d, key);
+  if (py::isinstance<py::bool_>(v)) throw Error(std::string("model config dict: '") + key + "' must be a number");
+  try {
+    return py::float_(v).cast<double>();
+  } catch (const py::error_already_set&) {
+    throw Error(std::string("model config dict: '") + key + "' must be a number");
+  }
+}
+bool as_bool(const py::dict& d, const char* key) {
+  py::object v = need(d, key);
+  if (!py::isinstance<py::bool_>(v) && !py::isinstance<py::int_>(v))
+    throw Error(std::string("model config dict: '") + key + "' must be a bool");
+  return v.cast<bool>();
+}
+
+kdtree::ModelConfig parse_config(const py::dict& d) {
+  kdtree::ModelConfig c;
+  c.vocab_size = as_int(d, "vocab_size");
+  c.hidden_size = as_int(d, "hidden_size");
+  c.intermediate_size = as_int(d, "intermediate_size");
+  c.moe_intermediate_size = as_int(d, "moe_intermediate_size");
+  c.num_hidden_layers = as_int(d, "num_hidden_layers");
+  c.num_attention_heads = as_int(d, "num_attention_heads");
+  c.n_routed_experts = as_int(d, "n_routed_experts");
+  c.n_shared_experts = as_int(d, "n_shared_experts");
+  c.num_experts_per_tok = as_int(d, "num_experts_per_tok");
+  c.n_group = as_int(d, "n_group");
+  c.topk_group = as_int(d, "topk_group");
+  c.first_k_dense_replace = as_int(d, "first_k_dense_replace");
+  c.q_lora_rank = as_int(d, "q_lora_rank");
+  c.kv_lora_rank = as_int(d, "kv_lora_rank");
+  c.qk_nope_head_dim = as_int(d, "qk_nope_head_dim");
+  c.qk_rope_head_dim = as_int(d, "qk_rope_head_dim");
+  c.v_head_dim = as_int(d, "v_head_dim");
+  c.norm_topk_prob = as_bool(d, "norm_topk_prob");
+  c.rope_interleave = as_bool(d, "rope_interleave");
+  c.tie_word_embeddings = as_bool(d, "tie_word_embeddings");
+  c.routed_scaling_factor = as_float(d, "routed_scaling_factor");
+  c.rms_norm_eps = as_float(d, "rms_norm_eps");
+  if (d.contains("latent_norm_eps")) c.latent_norm_eps = as_float(d, "latent_norm_eps");
+  c.softmax_scale = as_float(d, "softmax_scale");
+  c.rope_attention_factor = as_float(d, "rope_attention_factor");
+  py::array_t<float, py::array::c_style | py::array::forcecast> inv;
+  try {
+    inv = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(need(d, "rope_inv_freq"));
+  } catch (const py::error_already_set&) {
+  }
+  if (!inv || inv.ndim() != 1) throw Error("model config dict: 'rope_inv_freq' must be a 1-D sequence of floats");
+  c.rope_inv_freq.assign(inv.data(), inv.data() + inv.shape(0));
+  c.validate();
+  return c;
+}
+
+std::string dtype_of(const py::array& a) { return py::str(a.dtype()).cast<std::string>(); }
+
+// 1-D integer array-like -> int32 values in [lo, hi).
+std::vector<int32_t> ints(const py::object& obj, const char* what, int64_t lo, int64_t hi) {
+  py::array a = py::array::ensure(obj);
+  if (!a) throw Error(std::string(what) + ": expected an integer array");
+  if (a.ndim() == 0) a = a.attr("reshape")(1);
+  if (a.ndim() != 1) throw Error(std::string(what) + ": expected a 1-D array, got " + std::to_string(a.ndim()) + "-D");
+  if (a.size() == 0) return {};
+  const char kind = a.dtype().kind();
+  if (kind != 'i' && kind != 'u') throw Error(std::string(what) + ": expected an integer dtype, got " + dtype_of(a));
+  if (kind == 'u' && a.dtype().itemsize() == 8) {
+    auto u = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>::ensure(a);
+    for (py::ssize_t i = 0; i < u.shape(0); ++i)
+      if (u.data()[i] > (uint64_t)std::numeric_limits<int64_t>::max())
+        throw Error(std::string(what) + ": value out of range at index " + std::to_string(i));
+  }
+  auto v = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(a);
+  std::vector<int32_t> out((size_t)v.shape(0));
+  for (py::ssize_t i = 0; i < v.shape(0); ++i) {
+    const int64_t x = v.data()[i];
+    if (x < lo || x >= hi)
+      throw Error(std::string(what) + "[" + std::to_string(i) + "] = " + std::to_string(x) + " is outside [" +
+                  std::to_string(lo) + ", " + std::to_string(hi) + ")");
+    out[(size_t)i] = (int32_t)x;
+  }
+  return out;
+}
+
+// An integer device address; ValueError when it is 0, misaligned or not device memory.
+template <class P>
+P* device_ptr(uintptr_t addr, const char* what, bool allow_null = false) {
+  if (addr == 0) {
+    if (allow_null) return nullptr;
+    throw Error(std::string(what) + ": null pointer");
+  }
+  if (addr % alignof(P) != 0) throw Error(std::string(what) + ": pointer not aligned to " + std::to_string(alignof(P)) + " bytes");
+  cudaPointerAttributes at;
+  if (cudaPointerGetAttributes(&at, reinterpret_cast<void*>(addr)) != cudaSuccess) {
+    cudaGetLastError();
+    throw Error(std::string(what) + ": not a CUDA pointer");
+  }
+  if (at.type != cudaMemoryTypeDevice && at.type != cudaMemoryTypeManaged)
+    throw Error(std::string(what) + ": expected device memory (got host or unregistered memory)");
+  return reinterpret_cast<P*>(addr);
+}
+
+using Model = kdtree::CudaModel;
+
+py::array_t<float> forward_py(Model& m, const py::object& tokens_obj, const py::object& positions_obj,
+                              const py::object& vis_obj) {
+  if (!m.finalized()) throw Error("forward: the model is not finalized (set every weight, then finalize())");
+  const int64_t V = m.config().vocab_size;
+  std::vector<int32_t> tokens = ints(tokens_obj, "tokens", 0, V);
+  const int64_t T = (int64_t)tokens.size();
+  if (T == 0) throw Error("tokens: empty (need at least one token)");
+  std::vector<int32_t> positions = ints(positions_obj, "positions", 0, std::numeric_limits<int32_t>::max());
+  if ((int64_t)positions.size() != T)
+    throw Error("positions: length " + std::to_string(positions.size()) + " != number of tokens " + std::to_string(T));
+  if (m.cache_len() + T > m.max_seq_len())
+    throw Error("forward: cache_len (" + std::to_string(m.cache_len()) + ") + tokens (" + std::to_string(T) +
+                ") exceeds max_seq_len (" + std::to_string(m.max_seq_len()) + ")");
+  std::vector<uint8_t> vis;
+  if (!vis_obj.is_none()) {
+    py::array a = py::array::ensure(vis_obj);
+    if (!a) throw Error("visibility: expected a bool/uint8 array");
+    const char kind = a.dtype().kind();
+    if (!(kind == 'b' || (kind == 'u' && a.dtype().itemsize() == 1)))
+      throw Error("visibility: expected dtype bool or uint8, got " + dtype_of(a));
+    if (a.ndim() != 2 || a.shape(0) != T || a.shape(1) != T)
+      throw Error("visibility: expected shape (" + std::to_string(T) + ", " + std::to_string(T) + "), got " +
+                  py::str(a.attr("shape")).cast<std::string>());
+    auto u = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>::ensure(a.attr("view")("uint8"));
+    vis.assign(u.data(), u.data() + T * T);
+  }
+  py::array_t<float> out({(py::ssize_t)T, (py::ssize_t)V});
+  float* o = out.mutable_data();
+  {
+    py::gil_scoped_release nogil;
+    m.forward(tokens.data(), positions.data(), vis.empty() ? nullptr : vis.data(), T, o);
+  }
+  return out;
+}
+
+int parse_choice(const std::string& v, const char* what, std::initializer_list<const char*> names) {
+  int i = 0;
+  std::string all;
+  for (const char* n : names) {
+    if (v == n) return i;
+    all += (i ? ", " : "") + std::string("'") + n + "'";
+    ++i;
+  }
+  throw Error(std::string(what) + " must be one of " + all + ", got '" + v + "'");
+}
+
+}  // namespace
+
+void bind_cuda_model(py::module_& m) {
+  m.def(
+      "cublas_probe",
+      []() {
+        std::string info;
+        const bool ok = kdtree::cuda::cublas_probe(&info);
+        return py::make_tuple(ok, info);
+      },
+      "(ok, path or error): whether cuBLAS loads at run time (dlopen), and from where.");
+
+  py::class_<Model>(m, "CudaModel",
+                    "The GPU target model (DeepSeek-V3 / Kimi-K2, FP32, cuBLAS). CudaModel(config_dict, max_seq_len, "
+                    "max_tokens=0, device=0, math='default', attention_naive=False, expert_kernel='auto') with "
+                    "config_dict = ModelConfig.to_native(); the same methods as CpuModel.")
+      .def(py::init([](const py::dict& cfg, int64_t max_seq_len, int64_t max_tokens, int device, const std::string& math,
+                       bool attention_naive, const std::string& expert_kernel) {
+             kdtree::ModelConfig c = parse_config(cfg);
+             kdtree::CudaModelOptions o;
+             o.max_tokens = max_tokens;
+             o.device = device;
+             o.math = parse_choice(math, "math", {"default", "pedantic", "tf32"});
+             o.attention_naive = attention_naive;
+             o.expert_kernel = parse_choice(expert_kernel, "expert_kernel", {"auto", "skinny", "tiled"});
+             py::gil_scoped_release nogil;
+             return new Model(c, max_seq_len, o);
+           }),
+           py::arg("config"), py::arg("max_seq_len"), py::arg("max_tokens") = 0, py::arg("device") = 0,
+           py::arg("math") = "default", py::arg("attention_naive") = false, py::arg("expert_kernel") = "auto")
+      .def(
+          "set_weight",
+          [](Model& self, const std::string& name, const py::object& obj) {
+            py::array arr = py::array::ensure(obj);
+            if (!arr) throw Error("set_weight: '" + name + "' is not an array");
+            if (arr.dtype().kind() != 'f' || arr.dtype().itemsize() != 4)
+              throw Error("set_weight: '" + name + "' must be float32, got " + dtype_of(arr));
+            auto a = py::array_t<float, py::array::c_style>::ensure(arr);
+            if (!a) throw Error("set_weight: '" + name + "' could not be made contiguous");
+            std::vector<int64_t> shape(a.shape(), a.shape() + a.ndim());
+            const float* p = a.data();
+            py::gil_scoped_release nogil;
+            self.set_weight(name, p, shape);
+          },
+          py::arg("name"), py::arg("array"))
+      .def("missing_weights", &Model::missing_weights)
+      .def("finalize", &Model::finalize, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("finalized", &Model::finalized)
+      .def("forward", &forward_py, py::arg("tokens"), py::arg("positions"), py::arg("visibility") = py::none(),
+           "Logits float32 [T, V] of T new tokens at `positions` against the cache; visibility bool/uint8 "
+           "[T, T] (None = causal, run in chunks of max_tokens when longer). Entries stay pending until commit().")
+      .def(
+          "commit",
+          [](Model& self, const py::object& keep_obj) {
+            std::vector<int32_t> keep = ints(keep_obj, "keep", 0, std::max<int64_t>(self.pending_len(), 1));
+            if ((int64_t)keep.size() > self.pending_len())
+              throw Error("commit: keeping " + std::to_string(keep.size()) + " entries but only " +
+                          std::to_string(self.pending_len()) + " are pending");
+            py::gil_scoped_release nogil;
+            self.commit(keep.data(), (int64_t)keep.size());
+          },
+          py::arg("keep"), "Keep pending entries keep[j] (strictly increasing) packed after the context.")
+      .def("reset", &Model::reset)
+      .def_property_readonly("cache_len", &Model::cache_len)
+      .def_property_readonly("pending_len", &Model::pending_len)
+      .def_property_readonly("max_seq_len", &Model::max_seq_len)
+      .def_property_readonly("max_tokens", &Model::max_tokens)
+      .def_property_readonly("device", [](const Model& self) { return std::string(self.device()); })
+      .def_property_readonly("device_name", &Model::device_name)
+      .def_property_readonly("cublas_library", &Model::cublas_path)
+      .def_property_readonly("memory_bytes", &Model::memory_bytes)
+      .def_property_readonly("weight_bytes", &Model::weight_bytes)
+      .def_property_readonly("cache_bytes", &Model::cache_bytes)
+      .def_property_readonly("workspace_bytes", &Model::workspace_bytes)
+      .def(
+          "read_cache",
+          [](Model& self, int64_t layer, int64_t begin, int64_t n) {
+            const int64_t CR = self.config().kv_lora_rank + self.config().qk_rope_head_dim;
+            if (n < 0) throw Error("read_cache: negative count");
+            py::array_t<float> out({(py::ssize_t)n, (py::ssize_t)CR});
+            float* o = out.mutable_data();
+            py::gil_scoped_release nogil;
+            self.read_cache(layer, begin, n, o);
+            return out;
+          },
+          py::arg("layer"), py::arg("begin"), py::arg("n"),
+          "Latent cache rows [begin, begin+n) of a layer: float32 [n, kv_lora_rank + qk_rope_head_dim].")
+      .def(
+          "last_expert_counts",
+          [](Model& self) {
+            std::vector<int32_t> c;
+            {
+              py::gil_scoped_release nogil;
+              c = self.last_expert_counts();
+            }
+            const int64_t E = self.config().n_routed_experts;
+            const int64_t rows = E > 0 ? (int64_t)c.size() / E : 0;
+            py::array_t<int32_t> out({(py::ssize_t)rows, (py::ssize_t)(rows ? E : 0)});
+            if (!c.empty()) std::memcpy(out.mutable_data(), c.data(), c.size() * sizeof(int32_t));
+            return out;
+          },
+          "Tokens routed to each expert in the last forward, int32 [MoE layers, n_routed_experts] (the last "
+          "chunk of a chunked forward).")
+      .def(
+          "forward_ptr",
+          [](Model& self, uintptr_t tokens, uintptr_t positions, uintptr_t vis, int64_t vis_stride, int64_t T,
+             uintptr_t logits, bool sync) {
+            const int32_t* tk = device_ptr<const int32_t>(tokens, "tokens_ptr");
+            const int32_t* ps = device_ptr<const int32_t>(positions, "positions_ptr");
+            const uint64_t* vb = device_ptr<const uint64_t>(vis, "vis_ptr", true);
+            float* lg = device_ptr<float>(logits, "logits_ptr");
+            py::gil_scoped_release nogil;
+            self.forward_device(tk, ps, vb, vis_stride, T, lg);
+            if (sync) self.synchronize();
+          },
+          py::arg("tokens_ptr"), py::arg("positions_ptr"), py::arg("vis_ptr"), py::arg("vis_stride"), py::arg("T"),
+          py::arg("logits_ptr"), py::arg("sync") = true,
+          "Device path: int32 tokens [T], int32 positions [T], uint64 visibility bitmask [T, vis_stride] "
+          "(vis_ptr 0 = causal), float32 logits [T, V], all device addresses; runs on the model's stream "
+          "(`stream`), synchronised only when sync=True. T <= max_tokens.")
+      .def(
+          "commit_ptr",
+          [](Model& self, uintptr_t keep, uintptr_t count) {
+            const int32_t* k = device_ptr<const int32_t>(keep, "keep_ptr");
+            const int32_t* c = device_ptr<const int32_t>(count, "count_ptr");
+            py::gil_scoped_release nogil;
+            self.commit_device(k, c);
+          },
+          py::arg("keep_ptr"), py::arg("count_ptr"),
+          "Device path: compact pending entries keep[0..*count) after the context (queued on `stream`); "
+          "then call set_committed(count) once the count is known on the host.")
+      .def("set_committed", &Model::set_committed, py::arg("n"))
+      .def("synchronize", &Model::synchronize, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("stream", [](const Model& self) { return reinterpret_cast<uintptr_t>(self.stream()); },
+                             "The model's cudaStream_t as an integer (torch.cuda.ExternalStream(ptr)).");
+}
+
+#else  // no CUDA backend or no cuBLAS headers
+
+void bind_cuda_model(py::module_& m) {
+  m.def(
+      "cublas_probe",
+      []() {
+#ifdef KDTREE_HAVE_CUDA
+        return py::make_tuple(false, std::string("built without cuBLAS headers"));
+#else
+        return py::make_tuple(false, std::string("built without CUDA"));
+#endif
+      },
+      "(ok, path or error): whether cuBLAS loads at run time; False in this build.");
+}
+
+#endif

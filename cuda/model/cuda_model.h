@@ -35,8 +35,11 @@ namespace kdtree {
 struct CudaModelOptions {
   int64_t max_tokens = 0;        // most tokens per forward step; 0 = min(max_seq_len, 1025)
   int device = 0;                // CUDA device ordinal
-  bool allow_tf32 = false;       // cuBLAS TF32 tensor-op math for the dense GEMMs (off: exact FP32)
+  int math = 0;                  // cuBLAS math: kMathDefault (FP32), kMathPedantic, kMathTf32 (opt-in)
   bool attention_naive = false;  // force verify_attention's simple reference kernel (testing)
+  int expert_kernel = 0;         // kExpertAuto, kExpertSkinny (GEMV-style), kExpertTiled (testing/benchmarks)
+  static constexpr int kMathDefault = 0, kMathPedantic = 1, kMathTf32 = 2;
+  static constexpr int kExpertAuto = 0, kExpertSkinny = 1, kExpertTiled = 2;
 };
 
 class CudaModel : public TargetModel {

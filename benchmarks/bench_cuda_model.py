@@ -1,0 +1,394 @@
+"""GPU target model (FP32, cuBLAS) on the issue's "mini-kimi" checkpoint, vs HF transformers on
+the same GPU in the same run, with the physical limit beside each step.
+
+Checkpoint: a random DeepseekV3ForCausalLM saved by HF transformers (vocab 32000, hidden 1024,
+intermediate 2816, moe_intermediate 256, 8 layers, 16 heads, 64 routed experts top-8 + 1 shared,
+n_group 1, first_k_dense_replace 1, q_lora_rank 384, kv_lora_rank 512, qk_nope 128, qk_rope 64,
+v_head 128, YaRN as Kimi-K2; 483M parameters).
+
+Steps timed (wall clock around the call, synchronised; median of --reps after warm-up):
+  prefill 512 tokens; AR decode step at context 512; verify of 1+B tree tokens (a real
+  best-first DDTree tree, ancestor mask) at B in {16, 64, 256}, contexts 512 and 4096.
+  "ours" uses the device path (logits stay on the GPU: forward_ptr); "ours+D2H" the host path
+  (numpy logits). HF: the same token counts through DynamicCache (cropped back after each step;
+  HF gets a causal mask for the verify tokens, which costs the same).
+Physical limit per step = max(bytes / measured copy bandwidth, FLOPs / FP32 peak) where bytes =
+  the weights the step must read (routed experts: only those the step's tokens route to, read
+  back from the model) + the latent cache read once + embeddings, and FLOPs = 2 x params used
+  per token x T + absorbed attention (2 (C+R) + 2 C per head per visible key).
+Also AR and DDTree tokens/s with OracleDrafter (noise 0, 0.3, 0.6) through a host-side round
+(Python: drafter -> kn.ops.tree_build (CPU) -> forward_ptr -> torch argmax -> tree_accept ->
+commit), and that round's overhead (round - verify forward - drafter).
+
+    python benchmarks/bench_cuda_model.py [--reps 20] [--json out.json] [--ckpt DIR] [--quick]
+"""
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+
+import numpy as np
+
+import kdtree_native as kn
+from kdtree_native import _native
+from kdtree_native.checkpoint import load_weights
+from kdtree_native.config import load_config
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python"))
+
+MINI_KIMI = dict(
+    vocab_size=32000, hidden_size=1024, intermediate_size=2816, moe_intermediate_size=256, num_hidden_layers=8,
+    num_attention_heads=16, num_key_value_heads=16, n_routed_experts=64, n_shared_experts=1, num_experts_per_tok=8,
+    n_group=1, topk_group=1, first_k_dense_replace=1, q_lora_rank=384, kv_lora_rank=512, qk_nope_head_dim=128,
+    qk_rope_head_dim=64, v_head_dim=128, routed_scaling_factor=2.827, rope_theta=50000.0, rope_interleave=True,
+    max_position_embeddings=131072, tie_word_embeddings=False,
+    rope_scaling={"type": "yarn", "factor": 32.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                  "original_max_position_embeddings": 4096, "beta_fast": 1.0, "beta_slow": 1.0},
+)
+
+
+def median_time(fn, sync, reps, warmup=3):
+    for _ in range(warmup):
+        fn()
+    sync()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def real_tree(B, seed):
+    """A best-first DDTree tree of B nodes from random drafter logits: (tokens [1+B] incl. the
+    root, depths [1+B], visibility bool [1+B, 1+B])."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((15, 4096)).astype(np.float32) * 3
+    x[:, :8] += (rng.uniform(0, 8, (15, 1)) * np.linspace(1, 0, 8)).astype(np.float32)
+    lp, ids = kn.reference.topk_logsoftmax(x, B)
+    tree = kn.ops.tree_build(lp, ids, B, device="cpu")
+    toks = np.concatenate([[1], np.asarray(tree.tokens)]).astype(np.int32)
+    depths = np.concatenate([[0], np.asarray(tree.depths)]).astype(np.int32)
+    return toks, depths, tree.visibility
+
+
+def vis_bits(vis):
+    T = vis.shape[0]
+    W = (T + 63) // 64
+    padded = np.zeros((T, W * 64), dtype=bool)
+    padded[:, :T] = vis
+    return np.packbits(padded, axis=1, bitorder="little").view("<u8").reshape(T, W)
+
+
+class Costs:
+    """Bytes and FLOPs of one step of the mini-kimi model (FP32)."""
+
+    def __init__(self, cfg):
+        c = cfg
+        self.c = c
+        Dm, H = c.hidden_size, c.num_attention_heads
+        C, R, Dn, Dv = c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim
+        qr = c.q_lora_rank or 0
+        Dqk = Dn + R
+        attn = (qr + C + R) * Dm + (H * Dqk * qr if qr else H * Dqk * Dm) + H * (Dn + Dv) * C + Dm * H * Dv
+        attn += 2 * Dm + qr + C
+        self.attn = attn                                    # params per layer
+        self.dense = 3 * c.intermediate_size * Dm
+        self.expert = 3 * c.moe_intermediate_size * Dm
+        self.shared = 3 * c.moe_intermediate_size * c.n_shared_experts * Dm
+        self.router = c.n_routed_experts * Dm + c.n_routed_experts
+        self.n_dense = c.first_k_dense_replace
+        self.n_moe = c.num_hidden_layers - c.first_k_dense_replace
+        self.lm_head = c.vocab_size * Dm
+
+    def bytes(self, T, L, experts_touched):
+        c = self.c
+        p = c.num_hidden_layers * self.attn + self.n_dense * self.dense
+        p += self.n_moe * (self.router + self.shared) + int(experts_touched) * self.expert + self.lm_head
+        p += T * c.hidden_size                                                      # embedding rows
+        cache = c.num_hidden_layers * (L + T) * (c.kv_lora_rank + c.qk_rope_head_dim)
+        return 4 * (p + cache)
+
+    def flops(self, T, L, visible_keys=None):
+        c = self.c
+        per_tok = c.num_hidden_layers * self.attn + self.n_dense * self.dense
+        per_tok += self.n_moe * (self.router + self.shared + c.num_experts_per_tok * self.expert) + self.lm_head
+        keys = visible_keys if visible_keys is not None else T * L + T * (T + 1) / 2
+        attn = c.num_hidden_layers * c.num_attention_heads * keys * (2 * (c.kv_lora_rank + c.qk_rope_head_dim) +
+                                                                     2 * c.kv_lora_rank)
+        return 2.0 * per_tok * T + attn
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--ckpt", default="/tmp/kn_mini_kimi")
+    ap.add_argument("--quick", action="store_true", help="fewer cases (context 512 only, no HF 4096)")
+    ap.add_argument("--no-hf", action="store_true")
+    args = ap.parse_args()
+    import torch
+
+    if not (kn.cuda_available() and hasattr(_native, "CudaModel") and torch.cuda.is_available()):
+        raise SystemExit("needs a CUDA device, the GPU model and torch with CUDA")
+    dev = torch.device("cuda")
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    sync = torch.cuda.synchronize
+    out = {"device": torch.cuda.get_device_name(0), "rows": [], "notes": []}
+
+    # ---- ceilings measured in this run
+    n = 1 << 29                                       # 2 GiB of float32
+    a = torch.empty(n, device=dev)
+    b = torch.empty_like(a)
+    t = median_time(lambda: b.copy_(a), sync, 10)
+    bw = 2 * 4 * n / t
+    del a, b
+    m = torch.randn(8192, 8192, device=dev)
+    t = median_time(lambda: m @ m, sync, 5, warmup=2)
+    peak = 2 * 8192 ** 3 / t
+    del m
+    torch.cuda.empty_cache()
+    out.update(copy_bandwidth=bw, fp32_matmul_peak=peak)
+    print(f"device {out['device']}: copy bandwidth {bw / 1e12:.2f} TB/s, torch FP32 matmul {peak / 1e12:.1f} TFLOP/s")
+
+    # ---- checkpoint
+    if not os.path.isfile(os.path.join(args.ckpt, "config.json")):
+        from hf_models import make_checkpoint
+        t0 = time.time()
+        make_checkpoint(args.ckpt, MINI_KIMI, seed=0)
+        print(f"made the mini-kimi checkpoint in {time.time() - t0:.1f} s")
+    cfg = load_config(args.ckpt)
+    costs = Costs(cfg)
+    max_ctx = 512 if args.quick else 4096
+    t0 = time.time()
+    model = _native.CudaModel(cfg.to_native(), max_ctx + 512)
+    for name, arr in load_weights(args.ckpt, cfg).items():
+        model.set_weight(name, np.ascontiguousarray(arr, dtype=np.float32))
+    model.finalize()
+    print(f"CudaModel: {model.device_name}, weights {model.weight_bytes / 2**20:.0f} MiB, cache "
+          f"{model.cache_bytes / 2**20:.0f} MiB, workspaces {model.workspace_bytes / 2**20:.0f} MiB; "
+          f"loaded in {time.time() - t0:.1f} s; cuBLAS {model.cublas_library}")
+    V = cfg.vocab_size
+    rng = np.random.default_rng(0)
+    ctx_ids = rng.integers(0, V, max_ctx).astype(np.int32)
+
+    logits_buf = torch.empty((1025, V), device=dev)
+
+    def ours_step(T, L, toks, pos, vis):
+        """(time, experts touched) of one forward of T tokens at context L, device path."""
+        if model.cache_len != L:
+            model.reset()
+            if L:
+                model.forward(ctx_ids[:L], np.arange(L), None)
+                model.commit(np.arange(L))
+        t_tok = torch.as_tensor(toks, device=dev)
+        t_pos = torch.as_tensor(pos, device=dev)
+        t_vis = torch.as_tensor(vis_bits(vis).view(np.int64), device=dev) if vis is not None else None
+        sync()
+        vp = t_vis.data_ptr() if t_vis is not None else 0
+        vs = t_vis.shape[1] if t_vis is not None else 0
+        fn = lambda: model.forward_ptr(t_tok.data_ptr(), t_pos.data_ptr(), vp, vs, T, logits_buf.data_ptr())
+        t = median_time(fn, sync, args.reps)
+        touched = int((model.last_expert_counts() > 0).sum())
+        th = median_time(lambda: model.forward(toks, pos, vis), sync, max(3, args.reps // 4), warmup=1)
+        return t, th, touched
+
+    # ---- HF
+    hf = None
+    if not args.no_hf:
+        try:
+            import transformers
+
+            kw = dict(dtype=torch.float32)
+            try:
+                hf = transformers.DeepseekV3ForCausalLM.from_pretrained(args.ckpt, attn_implementation="sdpa", **kw)
+                out["hf_attn"] = "sdpa"
+            except Exception:
+                hf = transformers.DeepseekV3ForCausalLM.from_pretrained(args.ckpt, attn_implementation="eager", **kw)
+                out["hf_attn"] = "eager"
+            hf = hf.to(dev).eval()
+            out["transformers"] = transformers.__version__
+        except Exception as e:  # pragma: no cover - depends on the machine
+            out["notes"].append(f"HF unavailable: {e!r}")
+            hf = None
+
+    hf_cache = {}
+
+    def hf_step(T, L, toks):
+        from transformers import DynamicCache
+
+        with torch.no_grad():
+            ids = torch.as_tensor(toks, device=dev)[None].long()
+            if L == 0:
+                return median_time(lambda: hf(ids, use_cache=False), sync, max(5, args.reps // 2), warmup=2)
+            if L not in hf_cache:
+                hf_cache.clear()
+                try:
+                    pkv = DynamicCache(config=hf.config)
+                except TypeError:
+                    pkv = DynamicCache()
+                if L:
+                    hf(torch.as_tensor(ctx_ids[:L], device=dev)[None].long(), past_key_values=pkv, use_cache=True)
+                hf_cache[L] = pkv
+            pkv = hf_cache[L]
+            pos = torch.arange(L, L + T, device=dev)[None]
+
+            def fn():
+                hf(ids, past_key_values=pkv, position_ids=pos, use_cache=True)
+                pkv.crop(L)
+            return median_time(fn, sync, max(5, args.reps // 2), warmup=2)
+
+    cases = [("prefill 512", 512, 0, None)]
+    cases.append(("AR decode", 1, 512, None))
+    for L in ([512] if args.quick else [512, 4096]):
+        for B in (16, 64, 256):
+            cases.append((f"verify B={B}", B + 1, L, B))
+    for label, T, L, B in cases:
+        try:
+            if B is None:
+                toks = (ctx_ids[:T] if L == 0 else rng.integers(0, V, T)).astype(np.int32)
+                pos = (L + np.arange(T)).astype(np.int32)
+                vis = None
+                keys = None
+            else:
+                toks, depths, vis = real_tree(B, seed=B)
+                pos = (L + depths).astype(np.int32)
+                keys = float(T * L + vis.sum())
+            t, th, touched = ours_step(T, L, toks, pos, vis)
+            nbytes = costs.bytes(T, L, touched)
+            fl = costs.flops(T, L, keys)
+            t_bw, t_fl = nbytes / bw, fl / peak
+            limit = max(t_bw, t_fl)
+            row = dict(step=label, T=T, context=L, ours_ms=t * 1e3, ours_host_ms=th * 1e3, experts_touched=touched,
+                       bytes=nbytes, flops=fl, limit_bw_ms=t_bw * 1e3, limit_flops_ms=t_fl * 1e3,
+                       x_limit=t / limit)
+            if hf is not None:
+                try:
+                    row["hf_ms"] = hf_step(T, L, toks) * 1e3
+                    row["hf_over_ours"] = row["hf_ms"] / row["ours_ms"]
+                except Exception as e:  # pragma: no cover
+                    row["hf_error"] = repr(e)
+            out["rows"].append(row)
+            hf_s = f"{row['hf_ms']:8.2f} ms ({row['hf_over_ours']:5.1f}x)" if "hf_ms" in row else "      -"
+            print(f"{label:14s} ctx {L:5d} T {T:4d}: ours {t * 1e3:8.3f} ms (host path {th * 1e3:8.3f}), "
+                  f"limit {limit * 1e3:7.3f} ms [bytes {nbytes / 2**20:7.1f} MiB -> {t_bw * 1e3:.3f} ms, "
+                  f"{fl / 1e9:7.1f} GFLOP -> {t_fl * 1e3:.3f} ms] = {t / limit:5.1f}x limit, "
+                  f"experts {touched:3d}/{costs.n_moe * cfg.n_routed_experts}; HF {hf_s}", flush=True)
+        except Exception:
+            traceback.print_exc()
+
+    # ---- AR and DDTree tokens/s (host-side round in Python). torch works on the model's own
+    # stream here, so its copies / argmax and our forwards are ordered without extra syncs.
+    try:
+        stream_ctx = torch.cuda.stream(torch.cuda.ExternalStream(model.stream))
+        stream_ctx.__enter__()
+        n_new = 64 if args.quick else 128
+        prompt_ids = ctx_ids[:64]
+        t_tok = torch.zeros(1025, dtype=torch.int32, device=dev)
+        t_pos = torch.zeros(1025, dtype=torch.int32, device=dev)
+        t_vis = torch.zeros(1025 * 17, dtype=torch.int64, device=dev)
+
+        def run_ar():
+            model.reset()
+            lg = model.forward(prompt_ids, np.arange(len(prompt_ids)), None)
+            model.commit(np.arange(len(prompt_ids)))
+            nxt = int(np.argmax(lg[-1]))
+            toks = []
+            for _ in range(n_new):
+                toks.append(nxt)
+                t_tok[:1] = nxt
+                t_pos[:1] = model.cache_len
+                model.forward_ptr(t_tok.data_ptr(), t_pos.data_ptr(), 0, 0, 1, logits_buf.data_ptr(), False)
+                nxt = int(torch.argmax(logits_buf[0]))    # same stream: ordered, and syncs
+                model.commit([0])
+            return toks
+
+        ref = run_ar()
+        sync()
+        t0 = time.perf_counter()
+        ref2 = run_ar()
+        sync()
+        t_ar = time.perf_counter() - t0
+        assert ref2 == ref, "AR is not deterministic"
+        out["ar_tok_s"] = n_new / t_ar
+        print(f"AR: {n_new / t_ar:.1f} tok/s (prefill 64 included)")
+        from kdtree_native.drafters import OracleDrafter
+
+        for noise in (0.0, 0.3, 0.6):
+            drafter = OracleDrafter(ref, noise=noise, seed=1, vocab_size=V)
+            budget, depth, top_k = 64, 15, 8
+            model.reset()
+            lg = model.forward(prompt_ids, np.arange(len(prompt_ids)), None)
+            model.commit(np.arange(len(prompt_ids)))
+            bonus = int(np.argmax(lg[-1]))
+            gen, accs, t_draft, t_verify, t_round = [], [], 0.0, 0.0, 0.0
+            committed = list(prompt_ids)
+            sync()
+            t_all = time.perf_counter()
+            while len(gen) < n_new:
+                r0 = time.perf_counter()
+                ctx = np.asarray(committed + [bonus], dtype=np.int32)
+                d0 = time.perf_counter()
+                dr = drafter(ctx, depth, top_k)
+                t_draft += time.perf_counter() - d0
+                if dr is None:
+                    toks_np, depths_np = np.asarray([bonus], np.int32), np.zeros(1, np.int32)
+                    vis = np.ones((1, 1), bool)
+                    tree = None
+                else:
+                    tree = kn.ops.tree_build(dr[0], dr[1], budget, device="cpu")
+                    toks_np = np.concatenate([[bonus], tree.tokens]).astype(np.int32)
+                    depths_np = np.concatenate([[0], tree.depths]).astype(np.int32)
+                    vis = tree.visibility
+                T = len(toks_np)
+                L = model.cache_len
+                bits = vis_bits(vis)
+                t_tok[:T] = torch.as_tensor(toks_np)
+                t_pos[:T] = torch.as_tensor(L + depths_np)
+                t_vis[: bits.size] = torch.as_tensor(bits.reshape(-1).view(np.int64))
+                v0 = time.perf_counter()
+                model.forward_ptr(t_tok.data_ptr(), t_pos.data_ptr(), t_vis.data_ptr(), bits.shape[1], T,
+                                  logits_buf.data_ptr(), False)
+                model.synchronize()
+                t_verify += time.perf_counter() - v0
+                choice = torch.argmax(logits_buf[:T], dim=1).to(torch.int32).cpu().numpy()
+                if tree is None:
+                    path, nb = [0], int(choice[0])
+                else:
+                    path, nb = kn.ops.tree_accept(tree, choice, device="cpu")
+                path = [int(p) for p in path]
+                model.commit(np.asarray(path, np.int32))
+                acc = [int(toks_np[p]) for p in path]
+                gen.extend(acc)
+                committed.extend(acc)
+                bonus = int(nb)
+                accs.append(len(path))
+                t_round += time.perf_counter() - r0
+            t_all = time.perf_counter() - t_all
+            gen = gen[:n_new]
+            ok = gen == ref
+            mal = float(np.mean(accs))
+            overhead = (t_round - t_verify - t_draft) / len(accs)
+            out.setdefault("ddtree", []).append(dict(noise=noise, tok_s=n_new / t_all, rounds=len(accs),
+                                                     mean_acceptance_length=mal, equals_ar=ok,
+                                                     round_overhead_us=overhead * 1e6,
+                                                     verify_ms_per_round=t_verify / len(accs) * 1e3,
+                                                     speedup_over_ar=(n_new / t_all) / out["ar_tok_s"]))
+            print(f"DDTree oracle noise {noise}: {n_new / t_all:.1f} tok/s ({(n_new / t_all) / out['ar_tok_s']:.2f}x AR),"
+                  f" mean acceptance {mal:.2f}, rounds {len(accs)}, verify {t_verify / len(accs) * 1e3:.2f} ms/round,"
+                  f" host round overhead {overhead * 1e6:.0f} us, output == AR: {ok}", flush=True)
+        stream_ctx.__exit__(None, None, None)
+    except Exception:
+        traceback.print_exc()
+
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

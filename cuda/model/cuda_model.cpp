@@ -1,0 +1,785 @@
+// cuda_model.cpp: the GPU forward of the DeepSeek-V3 / Kimi-K2 target model (see cuda_model.h
+// and docs/CUDA_MODEL.md). One step over T <= max_tokens new tokens, all on one stream:
+//
+//   x = embed(tokens)                                            embed kernel
+//   per layer:  hn = rmsnorm(x)                                  rmsnorm kernel
+//     [qa | kv] = hn @ [q_a_proj; kv_a_proj]^T                    one SGEMM (fused weights)
+//     q = rmsnorm(qa) @ q_b_proj^T   (or hn @ q_proj^T)           rmsnorm + SGEMM
+//     cache[L+t] = [norm(latent) | rope(k_rope)], q_rope = rope   mla_prep kernel
+//     q_lat[:, h] = q_nope[:, h] @ W_UK[h]                        strided-batched SGEMM over h
+//     o_lat = softmax(mask([q_lat|q_rope] . cache^T)) . cache     verify_attention (cuda/kernels.h)
+//     x += (o_lat[:, h] @ W_UV[h]^T) @ o_proj^T                   strided-batched SGEMM + SGEMM (beta 1)
+//     hn = rmsnorm(x)
+//     dense:  x += down(silu(gate(hn)) * up(hn))                 SGEMM, swiglu, SGEMM (beta 1)
+//     MoE:    router SGEMM -> moe_route -> moe_group (device sort) -> expert GEMMs (grouped, by
+//             device tile schedule) -> shared expert (SGEMMs) -> moe_combine (x +=)
+//   logits = rmsnorm(x) @ lm_head^T                              rmsnorm + SGEMM
+#include "model/cuda_model.h"
+
+#ifdef KDTREE_HAVE_CUBLAS
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "common.h"
+#include "kernels.h"
+#include "model/cublas_api.h"
+#include "model/model_kernels.h"
+
+namespace kdtree {
+
+namespace {
+
+constexpr int64_t kAlignBytes = 256;
+constexpr int64_t kCublasWorkspace = 32ll << 20;
+
+int64_t align_up(int64_t n) { return (n + kAlignBytes - 1) / kAlignBytes * kAlignBytes; }
+
+std::string mib(int64_t bytes) {
+  char b[64];
+  snprintf(b, sizeof b, "%.1f MiB", (double)bytes / (1024.0 * 1024.0));
+  return b;
+}
+
+// Lays out many buffers in one allocation: add() records (where to store the pointer, bytes),
+// commit() assigns the pointers once the base is known.
+struct Arena {
+  struct Item {
+    void** where;
+    int64_t offset;
+  };
+  std::vector<Item> items;
+  int64_t bytes = 0;
+  template <class P>
+  void add(P** where, int64_t count) {
+    items.push_back({reinterpret_cast<void**>(where), bytes});
+    bytes += align_up(std::max<int64_t>(count, 1) * (int64_t)sizeof(P));
+  }
+  void commit(void* base) {
+    for (const Item& it : items) *it.where = static_cast<char*>(base) + it.offset;
+  }
+};
+
+struct DeviceGuard {
+  int prev = -1;
+  explicit DeviceGuard(int dev) {
+    if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
+    if (prev != dev) cudaSetDevice(dev);
+  }
+  ~DeviceGuard() {
+    int cur = -1;
+    if (prev >= 0 && cudaGetDevice(&cur) == cudaSuccess && cur != prev) cudaSetDevice(prev);
+  }
+};
+
+cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+cublasHandle_t as_handle(void* h) { return static_cast<cublasHandle_t>(h); }
+
+}  // namespace
+
+void CudaModel::check_cuda(int err, const char* what) const {
+  if (err == cudaSuccess) return;
+  const cudaError_t e = static_cast<cudaError_t>(err);
+  if (e == cudaErrorInvalidValue)
+    throw RuntimeFailure(std::string("CudaModel: ") + what + " rejected its arguments (cudaErrorInvalidValue)");
+  throw RuntimeFailure(std::string("CudaModel: ") + what + " failed: " + cudaGetErrorName(e) + " (" +
+                       cudaGetErrorString(e) + ")");
+}
+
+void CudaModel::check_cublas(int status, const char* what) const {
+  if (status == CUBLAS_STATUS_SUCCESS) return;
+  const cuda::CublasApi& api = cuda::cublas_api();
+  throw RuntimeFailure(std::string("CudaModel: cuBLAS ") + what + " failed: " +
+                       api.status_string(static_cast<cublasStatus_t>(status)));
+}
+
+std::string CudaModel::cublas_path() const { return cuda::cublas_api().path; }
+
+CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaModelOptions& opt)
+    : cfg_(cfg), max_seq_len_(max_seq_len), opt_(opt) {
+  cfg_.validate();
+  const ModelConfig& c = cfg_;
+  if (max_seq_len <= 0) throw Error("CudaModel: max_seq_len must be > 0, got " + std::to_string(max_seq_len));
+  if (max_seq_len > (1ll << 30)) throw Error("CudaModel: max_seq_len " + std::to_string(max_seq_len) + " is too large");
+  if (opt.max_tokens < 0) throw Error("CudaModel: max_tokens must be >= 0 (0 = default)");
+  max_tokens_ = opt.max_tokens > 0 ? std::min<int64_t>(opt.max_tokens, max_seq_len) : std::min<int64_t>(max_seq_len, 1025);
+  if (max_tokens_ > (1 << 20)) throw Error("CudaModel: max_tokens must be <= 2^20");
+  if (opt.math < 0 || opt.math > 2) throw Error("CudaModel: math must be 0 (default), 1 (pedantic) or 2 (tf32)");
+  if (opt.expert_kernel < 0 || opt.expert_kernel > 2)
+    throw Error("CudaModel: expert_kernel must be 0 (auto), 1 (skinny) or 2 (tiled)");
+  const int64_t Dm = c.hidden_size, H = c.num_attention_heads, C = c.kv_lora_rank, R = c.qk_rope_head_dim;
+  const int64_t Dn = c.qk_nope_head_dim, Dv = c.v_head_dim, Dqk = c.qk_head_dim(), CR = C + R;
+  const int64_t qr = c.q_lora_rank, V = c.vocab_size, Tm = max_tokens_;
+  const int64_t nL = c.num_hidden_layers;
+  const bool any_moe = c.first_k_dense_replace < nL, any_dense = c.first_k_dense_replace > 0;
+  const int64_t E = any_moe ? c.n_routed_experts : 0, K = any_moe ? c.num_experts_per_tok : 0;
+  const int64_t Ie = c.moe_intermediate_size, Is = Ie * std::max<int64_t>(c.n_shared_experts, 0);
+  if (any_moe && E > 1024) throw Error("CudaModel: at most 1024 routed experts are supported, got " + std::to_string(E));
+  if (any_moe && K > 64) throw Error("CudaModel: at most 64 experts per token are supported, got " + std::to_string(K));
+  if (C > 2048) throw Error("CudaModel: kv_lora_rank > 2048 is not supported by verify_attention");
+  for (int64_t v : {Dm, V, H * Dqk, qr + CR, H * C, Tm * K, Tm * std::max<int64_t>(E, 1)})
+    if (v >= (1ll << 31)) throw Error("CudaModel: a dimension exceeds the 32-bit range of the kernels");
+
+  // ---- device, stream, cuBLAS
+  std::string why;
+  int ndev = 0;
+  cudaError_t ce = cudaGetDeviceCount(&ndev);
+  if (ce != cudaSuccess || ndev == 0) {
+    cudaGetLastError();
+    throw RuntimeFailure(std::string("CudaModel: no usable CUDA device (") +
+                         (ce != cudaSuccess ? cudaGetErrorString(ce) : "no CUDA device found") + ")");
+  }
+  if (opt.device < 0 || opt.device >= ndev)
+    throw Error("CudaModel: device " + std::to_string(opt.device) + " out of range (" + std::to_string(ndev) +
+                " device(s))");
+  DeviceGuard guard(opt.device);
+  cudaDeviceProp prop;
+  check_cuda(cudaGetDeviceProperties(&prop, opt.device), "cudaGetDeviceProperties");
+  device_name_ = std::string(prop.name) + " (sm_" + std::to_string(prop.major * 10 + prop.minor) + ")";
+  const cuda::CublasApi& api = cuda::cublas_api();  // throws naming the paths tried
+  cudaStream_t stream;
+  check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+  stream_ = stream;
+
+  // ---- weights (one arena), in the order of model_weight_specs
+  Arena w;
+  w.add(&embed_, V * Dm);
+  w.add(&final_ln_, Dm);
+  if (!c.tie_word_embeddings) w.add(&lm_head_, V * Dm);
+  w.add(&inv_freq_, R / 2);
+  layers_.resize((size_t)nL);
+  for (int64_t l = 0; l < nL; ++l) {
+    Layer& ly = layers_[(size_t)l];
+    w.add(&ly.input_ln, Dm);
+    w.add(&ly.post_ln, Dm);
+    w.add(&ly.qkv_a, (qr + CR) * Dm);
+    if (qr > 0) {
+      w.add(&ly.q_a_ln, qr);
+      w.add(&ly.q_b, H * Dqk * qr);
+    } else {
+      w.add(&ly.q_b, H * Dqk * Dm);
+    }
+    w.add(&ly.kv_a_ln, C);
+    w.add(&ly.w_uk, H * Dn * C);
+    w.add(&ly.w_uv, H * Dv * C);
+    w.add(&ly.o_proj, Dm * H * Dv);
+    ly.moe = c.is_moe_layer(l);
+    if (!ly.moe) {
+      w.add(&ly.mlp_gate_up, 2 * c.intermediate_size * Dm);
+      w.add(&ly.mlp_down, Dm * c.intermediate_size);
+    } else {
+      ly.moe_index = (int)n_moe_layers_++;
+      w.add(&ly.router, E * Dm);
+      w.add(&ly.router_bias, E);
+      w.add(&ly.experts_gate_up, E * 2 * Ie * Dm);
+      w.add(&ly.experts_down, E * Dm * Ie);
+      if (Is > 0) {
+        w.add(&ly.shared_gate_up, 2 * Is * Dm);
+        w.add(&ly.shared_down, Dm * Is);
+      }
+    }
+  }
+  weight_bytes_ = w.bytes;
+  cache_bytes_ = nL * max_seq_len * CR * (int64_t)sizeof(float);
+
+  // ---- workspaces (one arena), sized for Tm tokens
+  Arena ws;
+  const int64_t A = Tm * K;
+  vis_words_ = (Tm + 63) / 64;
+  int64_t gu_rows_cols = 0;  // floats of gu: max over dense, shared and tiled-expert uses
+  if (any_dense) gu_rows_cols = std::max(gu_rows_cols, Tm * 2 * c.intermediate_size);
+  if (any_moe) gu_rows_cols = std::max({gu_rows_cols, Tm * 2 * Is, A * 2 * Ie});
+  ws.add(&x_, Tm * Dm);
+  ws.add(&hn_, Tm * Dm);
+  ws.add(&qkv_a_out_, Tm * (qr + CR));
+  ws.add(&q_, Tm * H * Dqk);
+  ws.add(&q_lat_, Tm * H * C);
+  ws.add(&q_rope_, Tm * H * R);
+  ws.add(&o_lat_, Tm * H * C);
+  ws.add(&ov_, Tm * H * Dv);
+  ws.add(&gu_, gu_rows_cols);
+  ws.add(&act_, gu_rows_cols / 2);
+  if (any_moe) {
+    max_tiles_ = cuda::moe_max_tiles((int)A, (int)E, cuda::kExpertSkinnyRows);
+    ws.add(&ye_, A * Dm);
+    if (Is > 0) ws.add(&ys_, Tm * Dm);
+    ws.add(&router_logits_, Tm * E);
+    ws.add(&topk_idx_, A);
+    ws.add(&topk_w_, A);
+    ws.add(&expert_counts_, n_moe_layers_ * E);
+    ws.add(&offsets_, E + 1);
+    ws.add(&slot_token_, A);
+    ws.add(&slot_of_, A);
+    ws.add(&tile_expert_, max_tiles_);
+    ws.add(&tile_row0_, max_tiles_);
+    ws.add(&num_tiles_, 1);
+  }
+  ws.add(&logits_, Tm * V);
+  ws.add(&d_tokens_, Tm);
+  ws.add(&d_positions_, Tm);
+  ws.add(&d_keep_, max_seq_len + 1);
+  ws.add(&d_vis_, Tm * vis_words_);
+  ws.add(&d_causal_, Tm * vis_words_);
+  {
+    // verify_attention's split-K workspace: the largest over every T <= Tm at the longest
+    // context it can meet (its split count grows with L).
+    cuda::VerifyAttentionParams vp{};
+    vp.q_latent = vp.q_rope = vp.kv = vp.out = reinterpret_cast<float*>(kAlignBytes);
+    vp.visibility = reinterpret_cast<const uint64_t*>(kAlignBytes);
+    vp.kv_stride = (int)CR;
+    vp.H = (int)H;
+    vp.C = (int)C;
+    vp.R = (int)R;
+    vp.scale = 1.f;
+    vp.force_naive = opt.attention_naive ? 1 : 0;
+    size_t mx = 0;
+    for (int64_t T = 1; T <= Tm; ++T) {
+      vp.T = (int)T;
+      vp.vis_stride = (int)vis_words_;
+      vp.L = (int)(max_seq_len - T);
+      mx = std::max(mx, cuda::verify_attention_workspace_bytes(vp));
+    }
+    attn_ws_bytes_ = (int64_t)mx;
+  }
+  ws.add(reinterpret_cast<char**>(&attn_ws_), attn_ws_bytes_);
+  cublas_ws_bytes_ = kCublasWorkspace;
+  ws.add(reinterpret_cast<char**>(&cublas_ws_), cublas_ws_bytes_);
+  workspace_bytes_ = ws.bytes;
+
+  // ---- allocate: a clear error with the sizes when the device has too little memory
+  auto oom = [&](const char* what, int64_t bytes, cudaError_t err) {
+    cudaGetLastError();
+    size_t fr = 0, tot = 0;
+    cudaMemGetInfo(&fr, &tot);
+    cudaGetLastError();
+    std::string msg = std::string("CudaModel: cannot allocate the ") + what + " (" + mib(bytes) + ") on " +
+                      device_name_ + ": " + cudaGetErrorString(err) + ". Asked for weights " + mib(weight_bytes_) +
+                      " + latent cache " + mib(cache_bytes_) + " (max_seq_len " + std::to_string(max_seq_len) +
+                      ") + workspaces " + mib(workspace_bytes_) + " (max_tokens " + std::to_string(Tm) +
+                      "); the device has " + mib((int64_t)fr) + " free of " + mib((int64_t)tot) +
+                      ". Lower max_seq_len or max_tokens.";
+    throw RuntimeFailure(msg);
+  };
+  // From here on a throw must release what was taken: the destructor does not run.
+  try {
+    cudaError_t e;
+    if ((e = cudaMalloc(&weights_mem_, (size_t)weight_bytes_)) != cudaSuccess) oom("weights", weight_bytes_, e);
+    w.commit(weights_mem_);
+    if ((e = cudaMalloc(&cache_mem_, (size_t)std::max<int64_t>(cache_bytes_, 1))) != cudaSuccess)
+      oom("latent cache", cache_bytes_, e);
+    for (int64_t l = 0; l < nL; ++l) layers_[(size_t)l].cache = static_cast<float*>(cache_mem_) + l * max_seq_len * CR;
+    if ((e = cudaMalloc(&work_mem_, (size_t)workspace_bytes_)) != cudaSuccess) oom("workspaces", workspace_bytes_, e);
+    ws.commit(work_mem_);
+    if (attn_ws_bytes_ == 0) attn_ws_ = nullptr;
+    d_count_ = d_keep_ + max_seq_len;
+
+    Arena hs;
+    hs.add(&h_tokens_, Tm);
+    hs.add(&h_positions_, Tm);
+    hs.add(&h_keep_, max_seq_len + 1);
+    hs.add(&h_vis_, Tm * vis_words_);
+    host_bytes_ = hs.bytes;
+    if ((e = cudaHostAlloc(&host_mem_, (size_t)host_bytes_, cudaHostAllocDefault)) != cudaSuccess)
+      oom("pinned host staging", host_bytes_, e);
+    hs.commit(host_mem_);
+
+    // Zero everything once (unset weights read as 0, never as garbage), the RoPE table, the
+    // causal mask for any T <= Tm.
+    check_cuda(cudaMemsetAsync(weights_mem_, 0, (size_t)weight_bytes_, stream), "cudaMemset(weights)");
+    check_cuda(cudaMemsetAsync(cache_mem_, 0, (size_t)std::max<int64_t>(cache_bytes_, 1), stream), "cudaMemset(cache)");
+    check_cuda(cudaMemsetAsync(work_mem_, 0, (size_t)workspace_bytes_, stream), "cudaMemset(workspace)");
+    check_cuda(cudaMemcpyAsync(inv_freq_, c.rope_inv_freq.data(), c.rope_inv_freq.size() * sizeof(float),
+                               cudaMemcpyHostToDevice, stream),
+               "upload rope_inv_freq");
+    check_cuda(cuda::causal_bits(d_causal_, (int)Tm, (int)vis_words_, stream), "causal_bits");
+
+    cublasHandle_t h = nullptr;
+    check_cublas(api.create(&h), "create");
+    cublas_ = h;
+    check_cublas(api.set_stream(h, stream), "set_stream");
+    const cublasMath_t mode = opt.math == CudaModelOptions::kMathTf32       ? CUBLAS_TF32_TENSOR_OP_MATH
+                              : opt.math == CudaModelOptions::kMathPedantic ? CUBLAS_PEDANTIC_MATH
+                                                                           : CUBLAS_DEFAULT_MATH;
+    check_cublas(api.set_math_mode(h, mode), "set_math_mode");
+    check_cublas(api.set_workspace(h, cublas_ws_, (size_t)cublas_ws_bytes_), "set_workspace");
+    check_cuda(cudaStreamSynchronize(stream), "initialisation");
+  } catch (...) {
+    if (cublas_) api.destroy(as_handle(cublas_));
+    if (host_mem_) cudaFreeHost(host_mem_);
+    if (work_mem_) cudaFree(work_mem_);
+    if (cache_mem_) cudaFree(cache_mem_);
+    if (weights_mem_) cudaFree(weights_mem_);
+    cudaStreamDestroy(stream);
+    throw;
+  }
+
+  // ---- HF name -> where it lands
+  std::unordered_map<std::string, float*> where;
+  where["model.embed_tokens.weight"] = embed_;
+  where["model.norm.weight"] = final_ln_;
+  if (!c.tie_word_embeddings) where["lm_head.weight"] = lm_head_;
+  for (int64_t l = 0; l < nL; ++l) {
+    Layer& ly = layers_[(size_t)l];
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    where[p + "input_layernorm.weight"] = ly.input_ln;
+    where[p + "post_attention_layernorm.weight"] = ly.post_ln;
+    if (qr > 0) {
+      where[p + "self_attn.q_a_proj.weight"] = ly.qkv_a;
+      where[p + "self_attn.q_a_layernorm.weight"] = ly.q_a_ln;
+      where[p + "self_attn.q_b_proj.weight"] = ly.q_b;
+    } else {
+      where[p + "self_attn.q_proj.weight"] = ly.q_b;
+    }
+    where[p + "self_attn.kv_a_proj_with_mqa.weight"] = ly.qkv_a + qr * Dm;
+    where[p + "self_attn.kv_a_layernorm.weight"] = ly.kv_a_ln;
+    where[p + "self_attn.o_proj.weight"] = ly.o_proj;
+    if (!ly.moe) {
+      const int64_t I = c.intermediate_size;
+      where[p + "mlp.gate_proj.weight"] = ly.mlp_gate_up;
+      where[p + "mlp.up_proj.weight"] = ly.mlp_gate_up + I * Dm;
+      where[p + "mlp.down_proj.weight"] = ly.mlp_down;
+    } else {
+      where[p + "mlp.gate.weight"] = ly.router;
+      where[p + "mlp.gate.e_score_correction_bias"] = ly.router_bias;
+      for (int64_t e = 0; e < E; ++e) {
+        const std::string q = p + "mlp.experts." + std::to_string(e) + ".";
+        float* gu = ly.experts_gate_up + e * 2 * Ie * Dm;
+        where[q + "gate_proj.weight"] = gu;
+        where[q + "up_proj.weight"] = gu + Ie * Dm;
+        where[q + "down_proj.weight"] = ly.experts_down + e * Dm * Ie;
+      }
+      if (Is > 0) {
+        where[p + "mlp.shared_experts.gate_proj.weight"] = ly.shared_gate_up;
+        where[p + "mlp.shared_experts.up_proj.weight"] = ly.shared_gate_up + Is * Dm;
+        where[p + "mlp.shared_experts.down_proj.weight"] = ly.shared_down;
+      }
+    }
+  }
+  for (const WeightSpec& s : model_weight_specs(c)) {
+    Slot slot;
+    slot.shape = s.shape;
+    auto it = where.find(s.name);
+    if (it != where.end()) {
+      slot.dst = it->second;
+    } else if (s.name.find("self_attn.kv_b_proj.weight") != std::string::npos) {
+      slot.kind = kKvB;
+      slot.layer = std::stoll(s.name.substr(13));  // after "model.layers."
+    } else {
+      throw RuntimeFailure("CudaModel: internal error, no storage for " + s.name);
+    }
+    slots_.emplace(s.name, std::move(slot));
+    slot_order_.push_back(s.name);
+  }
+}
+
+CudaModel::~CudaModel() {
+  DeviceGuard guard(opt_.device);
+  if (stream_) cudaStreamSynchronize(as_stream(stream_));
+  if (cublas_) {
+    std::string info;
+    if (cuda::cublas_probe(&info)) cuda::cublas_api().destroy(as_handle(cublas_));
+  }
+  if (host_mem_) cudaFreeHost(host_mem_);
+  if (work_mem_) cudaFree(work_mem_);
+  if (cache_mem_) cudaFree(cache_mem_);
+  if (weights_mem_) cudaFree(weights_mem_);
+  if (stream_) cudaStreamDestroy(as_stream(stream_));
+  cudaGetLastError();
+}
+
+// ---------------------------------------------------------------- weights
+void CudaModel::set_weight(const std::string& name, const float* data, const std::vector<int64_t>& shape) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = slots_.find(name);
+  if (it == slots_.end()) {
+    std::string hint;
+    if (name == "lm_head.weight" && cfg_.tie_word_embeddings) hint = " (tie_word_embeddings: the embedding is used)";
+    throw Error("set_weight: unexpected tensor '" + name + "' for this config" + hint);
+  }
+  Slot& s = it->second;
+  if (shape != s.shape)
+    throw Error("set_weight: '" + name + "' has shape " + shape_str(shape) + ", the config needs " +
+                shape_str(s.shape));
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  if (n > 0 && data == nullptr) throw Error("set_weight: null data for '" + name + "'");
+  DeviceGuard guard(opt_.device);
+  if (s.kind == kCopy) {
+    check_cuda(cudaMemcpy(s.dst, data, (size_t)n * sizeof(float), cudaMemcpyHostToDevice), "set_weight upload");
+  } else {
+    // kv_b_proj [H*(Dn+Dv), C]: per head h, rows [0, Dn) are W_UK[h], rows [Dn, Dn+Dv) W_UV[h].
+    const Layer& ly = layers_[(size_t)s.layer];
+    const int64_t H = cfg_.num_attention_heads, C = cfg_.kv_lora_rank;
+    const int64_t Dn = cfg_.qk_nope_head_dim, Dv = cfg_.v_head_dim;
+    std::vector<float> uk((size_t)(H * Dn * C)), uv((size_t)(H * Dv * C));
+    for (int64_t h = 0; h < H; ++h) {
+      const float* src = data + h * (Dn + Dv) * C;
+      std::memcpy(uk.data() + h * Dn * C, src, (size_t)(Dn * C) * sizeof(float));
+      std::memcpy(uv.data() + h * Dv * C, src + Dn * C, (size_t)(Dv * C) * sizeof(float));
+    }
+    if (!uk.empty()) check_cuda(cudaMemcpy(ly.w_uk, uk.data(), uk.size() * sizeof(float), cudaMemcpyHostToDevice), "set_weight upload");
+    check_cuda(cudaMemcpy(ly.w_uv, uv.data(), uv.size() * sizeof(float), cudaMemcpyHostToDevice), "set_weight upload");
+  }
+  s.set = true;
+  finalized_ = false;
+}
+
+std::vector<std::string> CudaModel::missing_weights() const {
+  std::vector<std::string> m;
+  for (const std::string& n : slot_order_)
+    if (!slots_.at(n).set) m.push_back(n);
+  return m;
+}
+
+void CudaModel::finalize() {
+  std::vector<std::string> missing = missing_weights();
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!missing.empty()) {
+    std::string msg = "finalize: " + std::to_string(missing.size()) + " weight tensor(s) missing: ";
+    for (size_t i = 0; i < missing.size() && i < 12; ++i) msg += (i ? ", " : "") + missing[i];
+    if (missing.size() > 12) msg += ", ...";
+    throw Error(msg);
+  }
+  DeviceGuard guard(opt_.device);
+  check_cuda(cudaStreamSynchronize(as_stream(stream_)), "finalize");
+  finalized_ = true;
+  cache_len_ = 0;
+  pending_ = 0;
+}
+
+void CudaModel::reset() {
+  std::lock_guard<std::mutex> lock(mu_);
+  cache_len_ = 0;
+  pending_ = 0;
+}
+
+// ---------------------------------------------------------------- building blocks
+void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, const float* w, float* out,
+                        int64_t ldo, float beta) {
+  const cuda::CublasApi& api = cuda::cublas_api();
+  const float alpha = 1.f;
+  check_cublas(api.sgemm(as_handle(cublas_), CUBLAS_OP_T, CUBLAS_OP_N, (int)N, (int)T, (int)Kd, &alpha, w, (int)Kd, in,
+                         (int)ldi, &beta, out, (int)ldo),
+               "sgemm");
+}
+
+void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, const uint64_t* vis_d,
+                         int64_t vis_stride, int64_t T, int64_t row0, float* logits_d) {
+  const ModelConfig& c = cfg_;
+  const int64_t Dm = c.hidden_size;
+  cudaStream_t st = as_stream(stream_);
+  cuda::EmbedParams ep{tokens_d, embed_, (int)T, (int)c.vocab_size, (int)Dm, x_};
+  check_cuda(cuda::embed(ep, st), "embed");
+  for (Layer& ly : layers_) {
+    cuda::RmsNormParams np{x_, ly.input_ln, (int)T, (int)Dm, (int)Dm, (int)Dm, c.rms_norm_eps, hn_};
+    check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
+    attention(ly, positions_d, vis_d, vis_stride, T, row0);
+    np.w = ly.post_ln;
+    check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
+    if (ly.moe) moe_mlp(ly, T);
+    else dense_mlp(ly, T);
+  }
+  cuda::RmsNormParams np{x_, final_ln_, (int)T, (int)Dm, (int)Dm, (int)Dm, c.rms_norm_eps, hn_};
+  check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
+  gemm_nt(T, c.vocab_size, Dm, hn_, Dm, c.tie_word_embeddings ? embed_ : lm_head_, logits_d, c.vocab_size);
+}
+
+void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t* vis_d, int64_t vis_stride, int64_t T,
+                          int64_t row0) {
+  const ModelConfig& c = cfg_;
+  const int64_t Dm = c.hidden_size, H = c.num_attention_heads, C = c.kv_lora_rank, R = c.qk_rope_head_dim;
+  const int64_t Dn = c.qk_nope_head_dim, Dv = c.v_head_dim, Dqk = c.qk_head_dim(), CR = C + R;
+  const int64_t qr = c.q_lora_rank, lda = qr + CR;
+  cudaStream_t st = as_stream(stream_);
+  const cuda::CublasApi& api = cuda::cublas_api();
+
+  // [qa | kv] in one GEMM, then q.
+  gemm_nt(T, lda, Dm, hn_, Dm, ly.qkv_a, qkv_a_out_, lda);
+  if (qr > 0) {
+    cuda::RmsNormParams np{qkv_a_out_, ly.q_a_ln, (int)T, (int)qr, (int)lda, (int)lda, c.latent_norm_eps, qkv_a_out_};
+    check_cuda(cuda::rmsnorm(np, st), "rmsnorm(q_a)");
+    gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk);
+  } else {
+    gemm_nt(T, H * Dqk, Dm, hn_, Dm, ly.q_b, q_, H * Dqk);
+  }
+  // Cache rows (normed latent | roped key) and roped queries.
+  cuda::MlaPrepParams mp{};
+  mp.q = q_;
+  mp.ldq = (int)(H * Dqk);
+  mp.kv = qkv_a_out_ + qr;
+  mp.ldkv = (int)lda;
+  mp.kv_norm_w = ly.kv_a_ln;
+  mp.inv_freq = inv_freq_;
+  mp.positions = positions_d;
+  mp.T = (int)T;
+  mp.H = (int)H;
+  mp.Dn = (int)Dn;
+  mp.C = (int)C;
+  mp.R = (int)R;
+  mp.eps = c.latent_norm_eps;
+  mp.attention_factor = (float)c.rope_attention_factor;
+  mp.interleaved = c.rope_interleave ? 1 : 0;
+  mp.cache = ly.cache;
+  mp.ldc = (int)CR;
+  mp.row0 = row0;
+  mp.q_rope = q_rope_;
+  check_cuda(cuda::mla_prep(mp, st), "mla_prep");
+  // Absorption: q_lat[t, h, :] = q_nope[t, h, :] @ W_UK[h]   (col-major: [C x T] = W_UK[h]^T-view x q_h).
+  const float one = 1.f, zero = 0.f;
+  if (Dn > 0) {
+    check_cublas(api.sgemm_strided_batched(as_handle(cublas_), CUBLAS_OP_N, CUBLAS_OP_N, (int)C, (int)T, (int)Dn, &one,
+                                           ly.w_uk, (int)C, Dn * C, q_, (int)(H * Dqk), Dqk, &zero, q_lat_,
+                                           (int)(H * C), C, (int)H),
+                 "sgemm_strided_batched(absorb W_UK)");
+  } else {
+    check_cuda(cudaMemsetAsync(q_lat_, 0, (size_t)(T * H * C) * sizeof(float), st), "cudaMemset(q_lat)");
+  }
+  // Attention over the latent cache rows [0, row0) (all visible) and the T new rows (mask).
+  cuda::VerifyAttentionParams vp{};
+  vp.q_latent = q_lat_;
+  vp.q_rope = q_rope_;
+  vp.kv = ly.cache;
+  vp.kv_stride = (int)CR;
+  vp.visibility = vis_d;
+  vp.vis_stride = (int)vis_stride;
+  vp.T = (int)T;
+  vp.H = (int)H;
+  vp.C = (int)C;
+  vp.R = (int)R;
+  vp.L = (int)row0;
+  vp.scale = (float)c.softmax_scale;
+  vp.out = o_lat_;
+  vp.workspace = attn_ws_;
+  vp.force_naive = opt_.attention_naive ? 1 : 0;
+  if ((int64_t)cuda::verify_attention_workspace_bytes(vp) > attn_ws_bytes_)
+    throw RuntimeFailure("CudaModel: internal error, verify_attention needs more workspace than was sized");
+  check_cuda(cuda::verify_attention(vp, st), "verify_attention");
+  // Values: ov[t, h, :] = o_lat[t, h, :] @ W_UV[h]^T, then x += ov @ o_proj^T.
+  check_cublas(api.sgemm_strided_batched(as_handle(cublas_), CUBLAS_OP_T, CUBLAS_OP_N, (int)Dv, (int)T, (int)C, &one,
+                                         ly.w_uv, (int)C, Dv * C, o_lat_, (int)(H * C), C, &zero, ov_, (int)(H * Dv),
+                                         Dv, (int)H),
+               "sgemm_strided_batched(W_UV)");
+  gemm_nt(T, Dm, H * Dv, ov_, H * Dv, ly.o_proj, x_, Dm, 1.f);
+}
+
+void CudaModel::dense_mlp(const Layer& ly, int64_t T) {
+  const int64_t Dm = cfg_.hidden_size, I = cfg_.intermediate_size;
+  gemm_nt(T, 2 * I, Dm, hn_, Dm, ly.mlp_gate_up, gu_, 2 * I);
+  cuda::SwigluParams sp{gu_, (int)T, (int)I, nullptr, act_};
+  check_cuda(cuda::swiglu(sp, as_stream(stream_)), "swiglu");
+  gemm_nt(T, Dm, I, act_, I, ly.mlp_down, x_, Dm, 1.f);
+}
+
+void CudaModel::moe_mlp(const Layer& ly, int64_t T) {
+  const ModelConfig& c = cfg_;
+  const int64_t Dm = c.hidden_size, E = c.n_routed_experts, K = c.num_experts_per_tok, Ie = c.moe_intermediate_size;
+  const int64_t Is = Ie * c.n_shared_experts, A = T * K;
+  cudaStream_t st = as_stream(stream_);
+
+  gemm_nt(T, E, Dm, hn_, Dm, ly.router, router_logits_, E);
+  cuda::RouteParams rp{router_logits_, ly.router_bias, (int)T, (int)E, (int)K, (int)c.n_group, (int)c.topk_group,
+                       c.norm_topk_prob ? 1 : 0, (float)c.routed_scaling_factor, topk_idx_, topk_w_};
+  check_cuda(cuda::moe_route(rp, st), "moe_route");
+
+  // GEMV-style tiles while experts get few rows on average (decode, small trees), SGEMM tiles
+  // beyond (prefill, large trees).
+  bool skinny = A <= 16 * E;
+  if (opt_.expert_kernel == CudaModelOptions::kExpertSkinny) skinny = true;
+  if (opt_.expert_kernel == CudaModelOptions::kExpertTiled) skinny = false;
+  const int tile_rows = skinny ? cuda::kExpertSkinnyRows : cuda::kExpertTileRows;
+  cuda::MoeGroupParams gp{topk_idx_, (int)T, (int)K, (int)E, tile_rows, expert_counts_ + ly.moe_index * E, offsets_,
+                          slot_token_, slot_of_, tile_expert_, tile_row0_, num_tiles_};
+  check_cuda(cuda::moe_group(gp, st), "moe_group");
+
+  cuda::ExpertGemmParams xp{};
+  xp.offsets = offsets_;
+  xp.tile_expert = tile_expert_;
+  xp.tile_row0 = tile_row0_;
+  xp.num_tiles = num_tiles_;
+  xp.tile_rows = tile_rows;
+  xp.max_tiles = cuda::moe_max_tiles((int)A, (int)E, tile_rows);
+  // gate/up: act[slot] = silu(hn[tok] @ Wg_e^T) * (hn[tok] @ Wu_e^T)
+  xp.x = hn_;
+  xp.ldx = (int)Dm;
+  xp.x_row = slot_token_;
+  xp.w = ly.experts_gate_up;
+  xp.Kd = (int)Dm;
+  if (skinny) {
+    xp.N = (int)Ie;
+    xp.swiglu = 1;
+    xp.y = act_;
+    xp.ldy = (int)Ie;
+    check_cuda(cuda::expert_gemm(xp, st), "expert_gemm(gate_up)");
+  } else {
+    xp.N = (int)(2 * Ie);
+    xp.swiglu = 0;
+    xp.y = gu_;
+    xp.ldy = (int)(2 * Ie);
+    check_cuda(cuda::expert_gemm(xp, st), "expert_gemm(gate_up)");
+    cuda::SwigluParams sp{gu_, (int)A, (int)Ie, nullptr, act_};
+    check_cuda(cuda::swiglu(sp, st), "swiglu(experts)");
+  }
+  // down: ye[slot] = act[slot] @ Wd_e^T
+  xp.x = act_;
+  xp.ldx = (int)Ie;
+  xp.x_row = nullptr;
+  xp.w = ly.experts_down;
+  xp.N = (int)Dm;
+  xp.Kd = (int)Ie;
+  xp.swiglu = 0;
+  xp.y = ye_;
+  xp.ldy = (int)Dm;
+  check_cuda(cuda::expert_gemm(xp, st), "expert_gemm(down)");
+
+  if (Is > 0) {  // after the routed experts: gu_/act_ are reused
+    gemm_nt(T, 2 * Is, Dm, hn_, Dm, ly.shared_gate_up, gu_, 2 * Is);
+    cuda::SwigluParams sp{gu_, (int)T, (int)Is, nullptr, act_};
+    check_cuda(cuda::swiglu(sp, st), "swiglu(shared)");
+    gemm_nt(T, Dm, Is, act_, Is, ly.shared_down, ys_, Dm);
+  }
+  cuda::MoeCombineParams cp{ye_, topk_idx_, topk_w_, slot_of_, Is > 0 ? ys_ : nullptr, (int)T, (int)K, (int)Dm, x_, 1};
+  check_cuda(cuda::moe_combine(cp, st), "moe_combine");
+}
+
+// ---------------------------------------------------------------- forward / commit
+void CudaModel::forward(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
+                        float* logits_out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_forward_args(*this, tokens, positions, T);
+  if (visibility && T > max_tokens_)
+    throw Error("forward: " + std::to_string(T) + " tokens with an explicit visibility exceed max_tokens (" +
+                std::to_string(max_tokens_) + "); only causal forwards (visibility None) run in chunks");
+  DeviceGuard guard(opt_.device);
+  cudaStream_t st = as_stream(stream_);
+  const int64_t V = cfg_.vocab_size, W = vis_words_;
+  for (int64_t c0 = 0; c0 < T; c0 += max_tokens_) {
+    const int64_t Tc = std::min(max_tokens_, T - c0);
+    std::memcpy(h_tokens_, tokens + c0, (size_t)Tc * sizeof(int32_t));
+    std::memcpy(h_positions_, positions + c0, (size_t)Tc * sizeof(int32_t));
+    check_cuda(cudaMemcpyAsync(d_tokens_, h_tokens_, (size_t)Tc * sizeof(int32_t), cudaMemcpyHostToDevice, st), "upload tokens");
+    check_cuda(cudaMemcpyAsync(d_positions_, h_positions_, (size_t)Tc * sizeof(int32_t), cudaMemcpyHostToDevice, st),
+               "upload positions");
+    const uint64_t* vis_d = d_causal_;
+    if (visibility) {  // uint8 [T, T] -> bitmask [T, W]
+      for (int64_t i = 0; i < Tc; ++i) {
+        uint64_t* row = h_vis_ + i * W;
+        const uint8_t* src = visibility + i * T;
+        for (int64_t w = 0; w < W; ++w) {
+          uint64_t m = 0;
+          const int64_t j1 = std::min<int64_t>(T, (w + 1) * 64);
+          for (int64_t j = w * 64; j < j1; ++j)
+            if (src[j]) m |= 1ull << (j - w * 64);
+          row[w] = m;
+        }
+      }
+      check_cuda(cudaMemcpyAsync(d_vis_, h_vis_, (size_t)(Tc * W) * sizeof(uint64_t), cudaMemcpyHostToDevice, st),
+                 "upload visibility");
+      vis_d = d_vis_;
+    }
+    run_step(d_tokens_, d_positions_, vis_d, W, Tc, cache_len_ + c0, logits_);
+    check_cuda(cudaMemcpyAsync(logits_out + c0 * V, logits_, (size_t)(Tc * V) * sizeof(float), cudaMemcpyDeviceToHost, st),
+               "download logits");
+    check_cuda(cudaStreamSynchronize(st), "forward");  // also frees the pinned staging for the next chunk
+  }
+  pending_ = T;
+}
+
+void CudaModel::forward_device(const int32_t* tokens_d, const int32_t* positions_d, const uint64_t* vis_bits_d,
+                               int64_t vis_stride, int64_t T, float* logits_d) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!finalized_) throw Error("model: forward() before finalize() (weights not complete)");
+  if (T <= 0 || T > max_tokens_)
+    throw Error("forward_device: T = " + std::to_string(T) + " outside [1, max_tokens = " + std::to_string(max_tokens_) + "]");
+  if (cache_len_ + T > max_seq_len_)
+    throw Error("forward_device: cache_len (" + std::to_string(cache_len_) + ") + T (" + std::to_string(T) +
+                ") exceeds max_seq_len (" + std::to_string(max_seq_len_) + ")");
+  if (!tokens_d || !positions_d || !logits_d) throw Error("forward_device: null device pointer");
+  if (vis_bits_d && vis_stride < (T + 63) / 64)
+    throw Error("forward_device: vis_stride " + std::to_string(vis_stride) + " < ceil(T/64) = " + std::to_string((T + 63) / 64));
+  DeviceGuard guard(opt_.device);
+  if (vis_bits_d) run_step(tokens_d, positions_d, vis_bits_d, vis_stride, T, cache_len_, logits_d);
+  else run_step(tokens_d, positions_d, d_causal_, vis_words_, T, cache_len_, logits_d);
+  pending_ = T;
+}
+
+void CudaModel::launch_compact(const int32_t* keep_d, const int32_t* count_d) {
+  const int64_t CR = cfg_.kv_lora_rank + cfg_.qk_rope_head_dim;
+  cuda::CompactParams cp{static_cast<float*>(cache_mem_), (int)cfg_.num_hidden_layers, max_seq_len_ * CR, (int)CR,
+                         (int)CR, cache_len_, keep_d, count_d};
+  check_cuda(cuda::cache_compact(cp, as_stream(stream_)), "cache_compact");
+}
+
+void CudaModel::commit(const int32_t* keep, int64_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_commit_args(*this, keep, n);
+  bool identity = true;
+  for (int64_t j = 0; j < n && identity; ++j) identity = keep[j] == j;
+  if (!identity) {
+    DeviceGuard guard(opt_.device);
+    cudaStream_t st = as_stream(stream_);
+    std::memcpy(h_keep_, keep, (size_t)n * sizeof(int32_t));
+    h_keep_[max_seq_len_] = (int32_t)n;
+    check_cuda(cudaMemcpyAsync(d_keep_, h_keep_, (size_t)n * sizeof(int32_t), cudaMemcpyHostToDevice, st), "upload keep");
+    check_cuda(cudaMemcpyAsync(d_count_, h_keep_ + max_seq_len_, sizeof(int32_t), cudaMemcpyHostToDevice, st),
+               "upload count");
+    launch_compact(d_keep_, d_count_);
+    check_cuda(cudaStreamSynchronize(st), "commit");
+  }
+  cache_len_ += n;
+  pending_ = 0;
+}
+
+void CudaModel::commit_device(const int32_t* keep_d, const int32_t* count_d) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!keep_d || !count_d) throw Error("commit_device: null device pointer");
+  if (pending_ == 0) throw Error("commit_device: nothing pending (run forward first)");
+  DeviceGuard guard(opt_.device);
+  launch_compact(keep_d, count_d);
+}
+
+void CudaModel::set_committed(int64_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (n < 0 || n > pending_)
+    throw Error("set_committed: " + std::to_string(n) + " outside [0, pending = " + std::to_string(pending_) + "]");
+  cache_len_ += n;
+  pending_ = 0;
+}
+
+void CudaModel::synchronize() {
+  std::lock_guard<std::mutex> lock(mu_);
+  DeviceGuard guard(opt_.device);
+  check_cuda(cudaStreamSynchronize(as_stream(stream_)), "synchronize");
+}
+
+void CudaModel::read_cache(int64_t layer, int64_t begin, int64_t n, float* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (layer < 0 || layer >= cfg_.num_hidden_layers) throw Error("read_cache: layer out of range");
+  if (begin < 0 || n < 0 || begin + n > cache_len_ + pending_)
+    throw Error("read_cache: rows [" + std::to_string(begin) + ", " + std::to_string(begin + n) +
+                ") outside the filled cache [0, " + std::to_string(cache_len_ + pending_) + ")");
+  const int64_t CR = cfg_.kv_lora_rank + cfg_.qk_rope_head_dim;
+  DeviceGuard guard(opt_.device);
+  check_cuda(cudaStreamSynchronize(as_stream(stream_)), "read_cache");
+  if (n > 0)
+    check_cuda(cudaMemcpy(out, layers_[(size_t)layer].cache + begin * CR, (size_t)(n * CR) * sizeof(float),
+                          cudaMemcpyDeviceToHost),
+               "read_cache");
+}
+
+std::vector<int32_t> CudaModel::last_expert_counts() {
+  std::lock_guard<std::mutex> lock(mu_);
+  const int64_t E = n_moe_layers_ > 0 ? cfg_.n_routed_experts : 0;
+  std::vector<int32_t> out((size_t)(n_moe_layers_ * E));
+  if (out.empty()) return out;
+  DeviceGuard guard(opt_.device);
+  check_cuda(cudaStreamSynchronize(as_stream(stream_)), "last_expert_counts");
+  check_cuda(cudaMemcpy(out.data(), expert_counts_, out.size() * sizeof(int32_t), cudaMemcpyDeviceToHost),
+             "last_expert_counts");
+  return out;
+}
+
+}  // namespace kdtree
+
+#endif  // KDTREE_HAVE_CUBLAS

@@ -1,0 +1,491 @@
+"""The GPU target model (cuda/model/, _native.CudaModel) against the CPU backend and HF.
+
+On a CUDA device (marker cuda; skipped without one):
+* CUDA vs CPU logits within 1e-4 of the logits' scale on every PARITY_CONFIG: prefill, decode,
+  tree verify, commit (the latent cache itself too), greedy decode token for token;
+* both expert kernels (GEMV-style and tiled) and both attention kernels of verify_attention (the
+  fast C=512/R=64 one, with key splits, and the simple one), on a config with C=512, R=64;
+* tree consistency on the GPU: every node's verify logits == decoding its path;
+* chunked causal prefill (max_tokens smaller than the prompt), general commit lists;
+* the device-pointer path (forward_ptr / commit_ptr with torch CUDA tensors) == the host path;
+* out-of-memory at construction is a RuntimeError with the sizes; input validation;
+* HF parity on the GPU (marker hf too): prefill logits and 24 greedy tokens.
+Everywhere (no device needed): the module imports, cuBLAS is probed at run time, constructing
+the model without a device is a clear RuntimeError and a bad config a ValueError.
+"""
+import numpy as np
+import pytest
+
+import kdtree_native as kn
+from kdtree_native import _native
+from kdtree_native.checkpoint import load_weights
+from kdtree_native.config import config_from_dict, load_config
+
+from hf_models import PARITY_CONFIGS, cached_checkpoint, config_dict, hf_greedy, hf_logits, random_weights
+
+NAMES = list(PARITY_CONFIGS)
+HAS_MODEL = hasattr(_native, "CudaModel")
+DEVICE_OK = HAS_MODEL and bool(_native.cuda_available()[0])
+needs_device = pytest.mark.skipif(not DEVICE_OK, reason="no CUDA device (or the GPU model is not built)")
+
+# C = 512, R = 64: the shapes of verify_attention's fast kernel (DeepSeek-V3 / K2 latent sizes).
+MLA512 = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, num_attention_heads=4,
+              num_key_value_heads=4, hidden_size=64, q_lora_rank=48, vocab_size=300, max_position_embeddings=2048)
+
+# Sizes that are not multiples of 4 or 32: the scalar (non-float4) paths of the expert kernels,
+# partial warps in the row kernels.
+ODD = dict(hidden_size=42, moe_intermediate_size=21, intermediate_size=37, q_lora_rank=20, kv_lora_rank=18,
+           qk_nope_head_dim=6, qk_rope_head_dim=6, v_head_dim=7, vocab_size=157, n_routed_experts=6, n_group=3,
+           topk_group=2, num_experts_per_tok=3)
+EXTRA = {"odd_sizes": ODD, "mla512": MLA512}
+
+
+def spec(name):
+    """A PARITY_CONFIGS name, or one of EXTRA (overrides of the base config)."""
+    return EXTRA.get(name, name)
+
+
+TOL = 1e-4
+
+
+def rel_to_scale(a, b):
+    """max |a - b| relative to the logits' scale (max |b|); NaN anywhere fails."""
+    a = np.asarray(a, np.float64)
+    b = np.asarray(b, np.float64)
+    assert a.shape == b.shape
+    assert np.isfinite(a).all() and np.isfinite(b).all()
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def prompt(vocab, n, seed):
+    return np.random.default_rng(seed).integers(0, vocab, n)
+
+
+def random_tree(n, seed, max_children=3):
+    """parents [n] (parents[0] = -1), depths [n], ancestor-only visibility bool [n, n]."""
+    rng = np.random.default_rng(seed)
+    parents = np.full(n, -1, dtype=np.int64)
+    children = np.zeros(n, dtype=np.int64)
+    for i in range(1, n):
+        while True:
+            p = int(rng.integers(0, i))
+            if children[p] < max_children:
+                break
+        parents[i] = p
+        children[p] += 1
+    depths = np.zeros(n, dtype=np.int64)
+    vis = np.zeros((n, n), dtype=bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            vis[i, j] = True
+            j = parents[j]
+        depths[i] = 0 if parents[i] < 0 else depths[parents[i]] + 1
+    return parents, depths, vis
+
+
+def path_to(parents, i):
+    path = []
+    while i >= 0:
+        path.append(i)
+        i = parents[i]
+    return path[::-1]
+
+
+def vis_bits(vis):
+    """bool [T, T] -> uint64 [T, ceil(T/64)]: bit j % 64 of word j // 64 of row i = vis[i, j]."""
+    T = vis.shape[0]
+    W = (T + 63) // 64
+    padded = np.zeros((T, W * 64), dtype=bool)
+    padded[:, :T] = vis
+    return np.packbits(padded, axis=1, bitorder="little").view("<u8").reshape(T, W)
+
+
+def load(model, weights):
+    for name, arr in weights.items():
+        model.set_weight(name, np.ascontiguousarray(arr, dtype=np.float32))
+    model.finalize()
+    return model
+
+
+_PAIRS = {}
+
+
+def pair(name_or_overrides, seed=0, max_seq_len=256, **opts):
+    """(cpu model, cuda model, cfg) on the same random float32 weights, caches reset."""
+    key = (repr(name_or_overrides), seed, max_seq_len, tuple(sorted(opts.items())))
+    if key not in _PAIRS:
+        cfg = config_from_dict(config_dict(name_or_overrides))
+        w = {k: v.astype(np.float32) for k, v in random_weights(cfg, seed).items()}
+        cpu = load(_native.CpuModel(cfg.to_native(), max_seq_len), w)
+        gpu = load(_native.CudaModel(cfg.to_native(), max_seq_len, **opts), w)
+        _PAIRS[key] = (cpu, gpu, cfg)
+    cpu, gpu, cfg = _PAIRS[key]
+    cpu.reset()
+    gpu.reset()
+    return cpu, gpu, cfg
+
+
+def both(cpu, gpu, tokens, positions, vis=None):
+    return cpu.forward(tokens, positions, vis), gpu.forward(tokens, positions, vis)
+
+
+def prefill(m, ids):
+    m.reset()
+    lg = m.forward(ids, np.arange(len(ids)), None)
+    m.commit(np.arange(len(ids)))
+    return lg
+
+
+def decode(m, tok):
+    lg = m.forward([tok], [m.cache_len], None)
+    m.commit([0])
+    return lg[0]
+
+
+def assert_same_cache(cpu, gpu, cfg, n=None):
+    n = cpu.cache_len if n is None else n
+    assert gpu.cache_len == cpu.cache_len
+    for layer in range(cfg.num_hidden_layers):
+        a, b = gpu.read_cache(layer, 0, n), cpu.read_cache(layer, 0, n)
+        assert np.isfinite(a).all()
+        assert np.abs(a - b).max() <= TOL * max(1.0, np.abs(b).max()), f"layer {layer}"
+
+
+# ---- everywhere: import, cuBLAS probe, errors without a device -----------------------------
+
+def test_module_imports_and_probes_cublas():
+    ok, info = _native.cublas_probe()
+    assert isinstance(ok, bool) and isinstance(info, str) and info
+    built = kn.build_info()
+    assert HAS_MODEL == bool(built["cuda"] and built["cublas"])
+    if ok:
+        assert "libcublas" in info
+    else:
+        assert "libcublas" in info or "built without" in info   # the paths tried, or why
+
+
+@pytest.mark.skipif(not HAS_MODEL, reason="GPU model not built")
+def test_bad_config_is_value_error_before_any_device_work():
+    cfg = config_from_dict(config_dict("ds3_base")).to_native()
+    bad = dict(cfg)
+    del bad["softmax_scale"]
+    with pytest.raises(ValueError, match="softmax_scale"):
+        _native.CudaModel(bad, 16)
+    bad = dict(cfg, rope_inv_freq=cfg["rope_inv_freq"][:-1])
+    with pytest.raises(ValueError, match="rope_inv_freq"):
+        _native.CudaModel(bad, 16)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        _native.CudaModel(cfg, 0)
+    with pytest.raises(ValueError, match="math"):
+        _native.CudaModel(cfg, 16, math="fast")
+    with pytest.raises(ValueError, match="expert_kernel"):
+        _native.CudaModel(cfg, 16, expert_kernel="magic")
+
+
+@pytest.mark.skipif(not HAS_MODEL or DEVICE_OK, reason="needs a build with the GPU model and no usable device")
+def test_no_device_is_a_clear_runtime_error():
+    cfg = config_from_dict(config_dict("ds3_base")).to_native()
+    with pytest.raises(RuntimeError, match="CUDA device|cuBLAS"):
+        _native.CudaModel(cfg, 16)
+
+
+# ---- CUDA vs CPU ----------------------------------------------------------------------------
+
+@pytest.mark.cuda
+@needs_device
+@pytest.mark.parametrize("name", NAMES + list(EXTRA))
+def test_prefill_decode_match_cpu(name):
+    cpu, gpu, cfg = pair(spec(name))
+    assert gpu.device == "cuda" and "libcublas" in gpu.cublas_library
+    ids = prompt(cfg.vocab_size, 23, seed=1)
+    a, b = prefill(cpu, ids), prefill(gpu, ids)
+    assert b.dtype == np.float32 and b.shape == (23, cfg.vocab_size)
+    assert rel_to_scale(b, a) < TOL
+    for k, tok in enumerate(prompt(cfg.vocab_size, 5, seed=2)):
+        assert rel_to_scale(decode(gpu, int(tok)), decode(cpu, int(tok))) < TOL, f"decode step {k}"
+    assert_same_cache(cpu, gpu, cfg)
+
+
+@pytest.mark.cuda
+@needs_device
+@pytest.mark.parametrize("name", NAMES + list(EXTRA))
+def test_tree_verify_and_commit_match_cpu(name):
+    cpu, gpu, cfg = pair(spec(name))
+    ids = prompt(cfg.vocab_size, 11, seed=3)
+    prefill(cpu, ids)
+    prefill(gpu, ids)
+    parents, depths, vis = random_tree(17, seed=4 + len(name))
+    toks = prompt(cfg.vocab_size, 17, seed=5)
+    a, b = both(cpu, gpu, toks, 11 + depths, vis)
+    assert rel_to_scale(b, a) < TOL
+    keep = path_to(parents, int(np.argmax(depths)))
+    cpu.commit(keep)
+    gpu.commit(keep)
+    assert gpu.cache_len == 11 + len(keep) and gpu.pending_len == 0
+    assert_same_cache(cpu, gpu, cfg)
+    tok = int(toks[0])
+    assert rel_to_scale(decode(gpu, tok), decode(cpu, tok)) < TOL
+
+
+@pytest.mark.cuda
+@needs_device
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_identical_to_cpu(name):
+    cpu, gpu, cfg = pair(name)
+    ids = prompt(cfg.vocab_size, 9, seed=100 + len(name))
+    out = []
+    for m in (cpu, gpu):
+        nxt = int(np.argmax(prefill(m, ids)[-1]))
+        toks = []
+        for _ in range(24):
+            toks.append(nxt)
+            nxt = int(np.argmax(decode(m, nxt)))
+        out.append(toks)
+    assert out[1] == out[0]
+
+
+@pytest.mark.cuda
+@needs_device
+@pytest.mark.parametrize("name", ["ds3_base", "neox_yarn_groups", "no_q_lora"])
+def test_tree_nodes_equal_sequential_decode_on_gpu(name):
+    _, gpu, cfg = pair(name)
+    ids = prompt(cfg.vocab_size, 10, seed=6)
+    n = 21
+    parents, depths, vis = random_tree(n, seed=7)
+    toks = prompt(cfg.vocab_size, n, seed=8)
+    prefill(gpu, ids)
+    tree = gpu.forward(toks, 10 + depths, vis)
+    for i in range(n):
+        prefill(gpu, ids)
+        for t in toks[path_to(parents, i)]:
+            last = decode(gpu, int(t))
+        assert rel_to_scale(tree[i], last) < TOL, f"node {i}"
+
+
+@pytest.mark.cuda
+@needs_device
+@pytest.mark.parametrize("expert_kernel", ["skinny", "tiled", "auto"])
+@pytest.mark.parametrize("name", ["ds3_base", "neox_many_groups", "kimi_like", "odd_sizes"])
+def test_expert_kernels_match_cpu(name, expert_kernel):
+    """Both grouped expert GEMMs, with several tiles per expert (T*K >> E)."""
+    cpu, gpu, cfg = pair(spec(name), max_seq_len=400, expert_kernel=expert_kernel)
+    for T, seed in ((1, 20), (37, 21), (300, 22)):
+        cpu.reset()
+        gpu.reset()
+        ids = prompt(cfg.vocab_size, T, seed=seed)
+        a, b = both(cpu, gpu, ids, np.arange(T))
+        assert rel_to_scale(b, a) < TOL, f"T={T}"
+    counts = gpu.last_expert_counts()
+    n_moe = cfg.num_hidden_layers - cfg.first_k_dense_replace
+    assert counts.shape == (n_moe, cfg.n_routed_experts)
+    assert (counts.sum(axis=1) == 300 * cfg.num_experts_per_tok).all()
+
+
+@pytest.mark.cuda
+@needs_device
+@pytest.mark.parametrize("naive", [False, True])
+def test_mla512_fast_and_simple_attention_match_cpu(naive):
+    """C=512, R=64: verify_attention's fast kernel (with key splits at long context) or its
+    simple kernel; prefill, decode at L=300, a tree of 65 nodes, commit."""
+    cpu, gpu, cfg = pair(MLA512, max_seq_len=512, attention_naive=naive)
+    ids = prompt(cfg.vocab_size, 300, seed=30)
+    assert rel_to_scale(prefill(gpu, ids), prefill(cpu, ids)) < TOL
+    for tok in prompt(cfg.vocab_size, 3, seed=31):
+        assert rel_to_scale(decode(gpu, int(tok)), decode(cpu, int(tok))) < TOL
+    parents, depths, vis = random_tree(65, seed=32)
+    toks = prompt(cfg.vocab_size, 65, seed=33)
+    a, b = both(cpu, gpu, toks, cpu.cache_len + depths, vis)
+    assert rel_to_scale(b, a) < TOL
+    keep = path_to(parents, int(np.argmax(depths)))
+    cpu.commit(keep)
+    gpu.commit(keep)
+    assert_same_cache(cpu, gpu, cfg)
+
+
+@pytest.mark.cuda
+@needs_device
+def test_chunked_causal_prefill_and_general_commit():
+    cpu, gpu, cfg = pair("ds3_base", max_seq_len=128, max_tokens=16)
+    assert gpu.max_tokens == 16
+    ids = prompt(cfg.vocab_size, 45, seed=40)
+    assert rel_to_scale(prefill(gpu, ids), prefill(cpu, ids)) < TOL   # 3 chunks
+    assert_same_cache(cpu, gpu, cfg)
+    parents, depths, vis = random_tree(17, seed=41)
+    with pytest.raises(ValueError, match="max_tokens"):
+        gpu.forward(prompt(cfg.vocab_size, 17, seed=42), 45 + depths, vis)
+    assert gpu.cache_len == 45
+    # a commit list that does not start at 0 (moves every kept row)
+    toks = prompt(cfg.vocab_size, 9, seed=43)
+    a, b = both(cpu, gpu, toks, 45 + np.arange(9))
+    assert rel_to_scale(b, a) < TOL
+    cpu.commit([2, 5, 8])
+    gpu.commit([2, 5, 8])
+    assert_same_cache(cpu, gpu, cfg)
+    gpu.forward([1], [48])
+    gpu.commit([])                      # keep nothing
+    assert gpu.cache_len == 48
+
+
+@pytest.mark.cuda
+@needs_device
+def test_uncommitted_forward_is_overwritten():
+    _, gpu, cfg = pair("ds3_base")
+    prefill(gpu, prompt(cfg.vocab_size, 8, seed=50))
+    parents, depths, vis = random_tree(9, seed=51)
+    toks = prompt(cfg.vocab_size, 9, seed=52)
+    a = gpu.forward(toks, 8 + depths, vis)
+    gpu.forward(prompt(cfg.vocab_size, 5, seed=53), 8 + np.arange(5))
+    b = gpu.forward(toks, 8 + depths, vis.astype(np.uint8))
+    np.testing.assert_array_equal(a, b)        # deterministic, and the dropped window is gone
+    c = gpu.forward(toks, 8 + np.arange(9), np.tril(np.ones((9, 9), bool)))
+    d = gpu.forward(toks, 8 + np.arange(9), None)
+    np.testing.assert_array_equal(c, d)
+
+
+@pytest.mark.cuda
+@needs_device
+def test_device_pointer_path_equals_host_path():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch without CUDA")
+    _, gpu, cfg = pair("kimi_like")
+    V = cfg.vocab_size
+    ids = prompt(V, 12, seed=60)
+    prefill(gpu, ids)
+    parents, depths, vis = random_tree(33, seed=61)        # 33 nodes: the bitmask needs 1 word
+    toks = prompt(V, 33, seed=62)
+    pos = 12 + depths
+    host = gpu.forward(toks, pos, vis)
+    dev = torch.device("cuda")
+    t_tok = torch.as_tensor(toks.astype(np.int32), device=dev)
+    t_pos = torch.as_tensor(pos.astype(np.int32), device=dev)
+    t_vis = torch.as_tensor(vis_bits(vis).view(np.int64), device=dev)
+    t_out = torch.full((33, V), float("nan"), device=dev)
+    torch.cuda.synchronize()
+    gpu.forward_ptr(t_tok.data_ptr(), t_pos.data_ptr(), t_vis.data_ptr(), t_vis.shape[1], 33, t_out.data_ptr())
+    np.testing.assert_array_equal(t_out.cpu().numpy(), host)
+    keep = path_to(parents, int(np.argmax(depths)))
+    t_keep = torch.as_tensor(np.asarray(keep, np.int32), device=dev)
+    t_cnt = torch.as_tensor(np.asarray([len(keep)], np.int32), device=dev)
+    torch.cuda.synchronize()
+    gpu.commit_ptr(t_keep.data_ptr(), t_cnt.data_ptr())
+    gpu.set_committed(len(keep))
+    gpu.synchronize()
+    rows = [gpu.read_cache(l, 0, gpu.cache_len) for l in range(cfg.num_hidden_layers)]
+    # the same through the host path
+    prefill(gpu, ids)
+    gpu.forward(toks, pos, vis)
+    gpu.commit(keep)
+    for l in range(cfg.num_hidden_layers):
+        np.testing.assert_array_equal(rows[l], gpu.read_cache(l, 0, gpu.cache_len))
+    # causal device forward (vis_ptr 0) == host causal forward
+    t_out2 = torch.empty((5, V), device=dev)
+    t5 = torch.as_tensor(toks[:5].astype(np.int32), device=dev)
+    p5 = torch.as_tensor((gpu.cache_len + np.arange(5)).astype(np.int32), device=dev)
+    torch.cuda.synchronize()
+    gpu.forward_ptr(t5.data_ptr(), p5.data_ptr(), 0, 0, 5, t_out2.data_ptr())
+    np.testing.assert_array_equal(t_out2.cpu().numpy(), gpu.forward(toks[:5], gpu.cache_len + np.arange(5)))
+    with pytest.raises(ValueError, match="device memory|CUDA pointer"):
+        host_buf = np.zeros(5, np.int32)
+        gpu.forward_ptr(host_buf.ctypes.data, p5.data_ptr(), 0, 0, 5, t_out2.data_ptr())
+    with pytest.raises(ValueError, match="max_tokens"):
+        gpu.forward_ptr(t5.data_ptr(), p5.data_ptr(), 0, 0, gpu.max_tokens + 1, t_out2.data_ptr())
+
+
+@pytest.mark.cuda
+@needs_device
+def test_out_of_memory_at_construction_names_the_sizes():
+    cfg = config_from_dict(config_dict(MLA512)).to_native()
+    # 2 layers x 2^29 rows x 576 floats = 2.4 TB of latent cache
+    with pytest.raises(RuntimeError, match=r"(?s)latent cache.*MiB.*max_seq_len"):
+        _native.CudaModel(cfg, 1 << 29, max_tokens=64)
+    m = _native.CudaModel(cfg, 64)          # the device is still usable afterwards
+    assert m.memory_bytes == m.weight_bytes + m.cache_bytes + m.workspace_bytes > 0
+
+
+@pytest.mark.cuda
+@needs_device
+def test_validation_errors():
+    cpu, gpu, cfg = pair("ds3_base", max_seq_len=32)
+    V = cfg.vocab_size
+    with pytest.raises(ValueError, match="tokens"):
+        gpu.forward([V], [0])
+    with pytest.raises(ValueError, match="positions"):
+        gpu.forward([1], [-1])
+    with pytest.raises(ValueError, match="visibility: expected shape"):
+        gpu.forward([1, 2], [0, 1], np.ones((3, 3), bool))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        gpu.forward(np.zeros(33, np.int64), np.arange(33))
+    gpu.forward([4, 5, 6], [0, 1, 2])
+    with pytest.raises(ValueError, match="strictly increasing"):
+        gpu.commit([1, 1])
+    with pytest.raises(ValueError, match="keep"):
+        gpu.commit([3])
+    gpu.commit([0, 2])
+    assert gpu.cache_len == 2
+    with pytest.raises(ValueError, match="pending"):
+        gpu.commit([0])
+    with pytest.raises(ValueError, match="read_cache"):
+        gpu.read_cache(0, 0, 3)
+    fresh = _native.CudaModel(cfg.to_native(), 16)
+    with pytest.raises(ValueError, match="not finalized"):
+        fresh.forward([1], [0])
+    with pytest.raises(ValueError, match="float32"):
+        fresh.set_weight("model.norm.weight", np.ones(48))
+    with pytest.raises(ValueError, match="unexpected tensor"):
+        fresh.set_weight("model.layers.9.mlp.gate.weight", np.ones((8, 48), np.float32))
+    with pytest.raises(ValueError, match="missing"):
+        fresh.finalize()
+
+
+# ---- HF parity on the GPU -------------------------------------------------------------------
+
+def _gpu_from_checkpoint(path, max_seq_len):
+    cfg = load_config(path)
+    return load(_native.CudaModel(cfg.to_native(), max_seq_len), load_weights(path, cfg)), cfg
+
+
+@pytest.mark.cuda
+@pytest.mark.hf
+@needs_device
+@pytest.mark.parametrize("name", NAMES)
+def test_prefill_logits_match_hf_on_gpu(name):
+    path = cached_checkpoint(name)
+    gpu, cfg = _gpu_from_checkpoint(path, 128)
+    ids = prompt(cfg.vocab_size, 37, seed=len(name))
+    assert rel_to_scale(prefill(gpu, ids), hf_logits(path, ids)) < TOL
+
+
+@pytest.mark.cuda
+@pytest.mark.hf
+@needs_device
+@pytest.mark.parametrize("name", NAMES)
+def test_greedy_24_matches_hf_on_gpu(name):
+    path = cached_checkpoint(name)
+    gpu, cfg = _gpu_from_checkpoint(path, 64)
+    ids = prompt(cfg.vocab_size, 9, seed=100 + len(name))
+    nxt = int(np.argmax(prefill(gpu, ids)[-1]))
+    ours = []
+    for _ in range(24):
+        ours.append(nxt)
+        nxt = int(np.argmax(decode(gpu, nxt)))
+    theirs = hf_greedy(path, ids, 24)
+    assert ours == theirs.tolist(), f"{int((np.array(ours) == theirs).sum())}/24 tokens agree"
+
+
+@pytest.mark.cuda
+@needs_device
+def test_engine_on_cuda_equals_cpu(tmp_path):
+    """kn.Engine(device="cuda") builds the GPU model (when engine.py wires it) == device="cpu"."""
+    cfg = config_from_dict(config_dict("kimi_like"))
+    w = {k: v.astype(np.float32) for k, v in random_weights(cfg, 3).items()}
+    try:
+        eng = kn.Engine.from_weights(cfg, w, device="cuda", max_seq_len=64)
+    except NotImplementedError as e:
+        pytest.skip(f"Engine has no CUDA path yet: {e}")
+    assert eng.device == "cuda" and eng.model.device == "cuda"
+    ref = kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=64)
+    ids = prompt(cfg.vocab_size, 20, seed=70)
+    assert rel_to_scale(eng.prefill(ids), ref.prefill(ids)) < TOL
+    assert rel_to_scale(eng.decode(5), ref.decode(5)) < TOL
