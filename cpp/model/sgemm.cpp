@@ -21,8 +21,12 @@
 #endif
 
 // Function multiversioning: an AVX2+FMA clone and a baseline one, chosen at load time.
-#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
-#define KD_CLONES __attribute__((target_clones("arch=haswell", "default")))
+// ("arch=x86-64-v3" is a feature-level check: AVX2 + FMA on any vendor; "arch=haswell" would
+// test for that exact Intel core.)
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12 && defined(__x86_64__) && defined(__linux__)
+#define KD_CLONES __attribute__((target_clones("arch=x86-64-v3", "default")))
+#elif defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && defined(__linux__)
+#define KD_CLONES __attribute__((target_clones("avx2", "default")))
 #else
 #define KD_CLONES
 #endif

@@ -73,7 +73,8 @@ class Engine:
         """Load an HF DeepSeek-V3 / Kimi-K2 checkpoint directory (config.json +
         model.safetensors or shards with model.safetensors.index.json; F32/BF16/F16).
 
-        device: "cpu", "cuda" (NotImplementedError until the CUDA model exists) or "auto"
+        device: "cpu", "cuda" (the CUDA model when it is built in and a device is usable:
+        NotImplementedError without a CUDA model, RuntimeError without a device) or "auto"
         (CUDA when available, else CPU). max_seq_len: the KV cache capacity in tokens.
         progress: None, True (print to stderr) or a callable(done, total) per tensor.
         Raises FileNotFoundError / ValueError naming the problem for a bad directory, config
@@ -107,9 +108,10 @@ class Engine:
 
     @classmethod
     def _build(cls, cfg: ModelConfig, weights: dict, device: str, max_seq_len: int) -> "Engine":
-        if device != "cpu":  # pragma: no cover - no CUDA model yet
-            raise NotImplementedError(f"device {device!r}: no native model for it yet")
-        model = _native.CpuModel(cfg.to_native(), max_seq_len)
+        if device == "cuda":
+            model = _native.CudaModel(cfg.to_native(), max_seq_len)
+        else:
+            model = _native.CpuModel(cfg.to_native(), max_seq_len)
         missing = [n for n, _ in _native.model_weight_specs(cfg.to_native()) if n not in weights]
         if missing:
             raise ValueError(f"{len(missing)} weight tensor(s) missing: " + ", ".join(missing[:20])

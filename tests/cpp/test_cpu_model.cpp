@@ -1,0 +1,225 @@
+// test_cpu_model.cpp: the CPU target model (cpp/model/) against golden data written by
+// tests/golden/golden_model.py (NumPy reference logits of tiny random models), replaying
+// prefill -> tree verify -> commit(path) -> decode; plus the SGEMM paths (portable kernel vs a
+// double-precision triple loop, and vs CBLAS when built) and the model's argument checks.
+#include <algorithm>
+#include <cmath>
+#include <cstdio>
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "check.h"
+#include "kdtr.h"
+#include "model/cpu_model.h"
+#include "model/sgemm.h"
+
+using kdtree::KdtrFile;
+
+namespace {
+
+int64_t cfg_int(const KdtrFile& f, const std::string& key) { return f.at("cfg." + key).as<int64_t>()[0]; }
+double cfg_f64(const KdtrFile& f, const std::string& key) { return f.at("cfg." + key).as<double>()[0]; }
+
+kdtree::ModelConfig config_of(const KdtrFile& f) {
+  kdtree::ModelConfig c;
+  c.vocab_size = cfg_int(f, "vocab_size");
+  c.hidden_size = cfg_int(f, "hidden_size");
+  c.intermediate_size = cfg_int(f, "intermediate_size");
+  c.moe_intermediate_size = cfg_int(f, "moe_intermediate_size");
+  c.num_hidden_layers = cfg_int(f, "num_hidden_layers");
+  c.num_attention_heads = cfg_int(f, "num_attention_heads");
+  c.n_routed_experts = cfg_int(f, "n_routed_experts");
+  c.n_shared_experts = cfg_int(f, "n_shared_experts");
+  c.num_experts_per_tok = cfg_int(f, "num_experts_per_tok");
+  c.n_group = cfg_int(f, "n_group");
+  c.topk_group = cfg_int(f, "topk_group");
+  c.first_k_dense_replace = cfg_int(f, "first_k_dense_replace");
+  c.q_lora_rank = cfg_int(f, "q_lora_rank");
+  c.kv_lora_rank = cfg_int(f, "kv_lora_rank");
+  c.qk_nope_head_dim = cfg_int(f, "qk_nope_head_dim");
+  c.qk_rope_head_dim = cfg_int(f, "qk_rope_head_dim");
+  c.v_head_dim = cfg_int(f, "v_head_dim");
+  c.norm_topk_prob = cfg_int(f, "norm_topk_prob") != 0;
+  c.rope_interleave = cfg_int(f, "rope_interleave") != 0;
+  c.tie_word_embeddings = cfg_int(f, "tie_word_embeddings") != 0;
+  c.routed_scaling_factor = cfg_f64(f, "routed_scaling_factor");
+  c.rms_norm_eps = cfg_f64(f, "rms_norm_eps");
+  c.latent_norm_eps = cfg_f64(f, "latent_norm_eps");
+  c.softmax_scale = cfg_f64(f, "softmax_scale");
+  c.rope_attention_factor = cfg_f64(f, "rope_attention_factor");
+  const kdtree::KdtrTensor& inv = f.at("cfg.rope_inv_freq");
+  c.rope_inv_freq.assign(inv.as<float>(), inv.as<float>() + inv.numel());
+  return c;
+}
+
+// max |got - want| / max |want|
+double rel_err(const std::vector<float>& got, const kdtree::KdtrTensor& want) {
+  const float* w = want.as<float>();
+  double err = 0, scale = 0;
+  for (int64_t i = 0; i < want.numel(); ++i) {
+    err = std::max(err, std::fabs((double)got[(size_t)i] - w[i]));
+    scale = std::max(scale, std::fabs((double)w[i]));
+    if (std::isnan(got[(size_t)i])) return INFINITY;
+  }
+  return err / scale;
+}
+
+void golden_model(const std::string& name) {
+  KdtrFile f = KdtrFile::open(kdtest::golden_path("model_" + name + ".kdtr"));
+  kdtree::ModelConfig cfg = config_of(f);
+  const int64_t V = cfg.vocab_size;
+  kdtree::CpuModel m(cfg, 64);
+  int set = 0;
+  for (const kdtree::KdtrTensor& t : f.tensors()) {
+    if (t.name.rfind("w.", 0) != 0) continue;
+    m.set_weight(t.name.substr(2), t.as<float>(), t.shape);
+    ++set;
+  }
+  CHECK(set == (int)kdtree::model_weight_specs(cfg).size());
+  CHECK(m.missing_weights().empty());
+  m.finalize();
+
+  // 1. prefill (causal), commit all
+  const kdtree::KdtrTensor& pt = f.at("prefill.tokens");
+  const int64_t P = pt.numel();
+  std::vector<int32_t> pos(P), all(P);
+  for (int64_t i = 0; i < P; ++i) pos[i] = all[i] = (int32_t)i;
+  std::vector<float> logits(P * V, NAN);
+  m.forward(pt.as<int32_t>(), pos.data(), nullptr, P, logits.data());
+  const double e1 = rel_err(logits, f.at("prefill.logits"));
+  std::printf("%s prefill: rel err %.3g\n", name.c_str(), e1);
+  CHECK(e1 < 1e-4);
+  m.commit(all.data(), P);
+  CHECK(m.cache_len() == P);
+
+  // 2. tree verify, commit the path
+  const kdtree::KdtrTensor& tt = f.at("tree.tokens");
+  const int64_t n = tt.numel();
+  std::vector<float> tl(n * V, NAN);
+  m.forward(tt.as<int32_t>(), f.at("tree.positions").as<int32_t>(), f.at("tree.visibility").as<uint8_t>(), n,
+            tl.data());
+  const double e2 = rel_err(tl, f.at("tree.logits"));
+  std::printf("%s tree verify: rel err %.3g\n", name.c_str(), e2);
+  CHECK(e2 < 1e-4);
+  CHECK(m.cache_len() == P && m.pending_len() == n);
+  const kdtree::KdtrTensor& keep = f.at("tree.keep");
+  m.commit(keep.as<int32_t>(), keep.numel());
+  CHECK(m.cache_len() == P + keep.numel());
+
+  // 3. decode after compaction
+  std::vector<float> dl(V, NAN);
+  const int32_t dpos = (int32_t)m.cache_len();
+  m.forward(f.at("decode.token").as<int32_t>(), &dpos, nullptr, 1, dl.data());
+  const double e3 = rel_err(dl, f.at("decode.logits"));
+  std::printf("%s decode after commit: rel err %.3g\n", name.c_str(), e3);
+  CHECK(e3 < 1e-4);
+
+  // Argument checks: overflow, bad tokens / positions, bad keep.
+  std::vector<int32_t> big(64, 1), bigpos(64, 0);
+  std::vector<float> out(64 * V);
+  CHECK_THROWS(m.forward(big.data(), bigpos.data(), nullptr, 64, out.data()));
+  int32_t bad_tok = (int32_t)V, zero = 0, neg = -1;
+  CHECK_THROWS(m.forward(&bad_tok, &zero, nullptr, 1, out.data()));
+  CHECK_THROWS(m.forward(&zero, &neg, nullptr, 1, out.data()));
+  m.forward(&zero, &dpos, nullptr, 1, out.data());
+  int32_t twice[2] = {0, 0};
+  CHECK_THROWS(m.commit(twice, 2));
+  int32_t past = 1;
+  CHECK_THROWS(m.commit(&past, 1));
+  CHECK_THROWS(m.set_weight("model.norm.weight", out.data(), {cfg.hidden_size + 1}));
+  CHECK_THROWS(m.set_weight("no.such.weight", out.data(), {1}));
+  m.reset();
+  CHECK(m.cache_len() == 0 && m.pending_len() == 0);
+}
+
+// C = alpha * A @ op(B) + beta * C in double, the oracle for both SGEMM paths.
+void naive(bool tb, int64_t M, int64_t N, int64_t K, float alpha, const std::vector<float>& A,
+           const std::vector<float>& B, float beta, std::vector<double>& C) {
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      double s = 0;
+      for (int64_t k = 0; k < K; ++k) s += (double)A[i * K + k] * (tb ? B[j * K + k] : B[k * N + j]);
+      C[i * N + j] = alpha * s + beta * C[i * N + j];
+    }
+}
+
+void sgemm_paths() {
+  std::mt19937 rng(7);
+  std::normal_distribution<float> nd;
+  const int64_t sizes[][3] = {{1, 1, 1}, {1, 300, 70}, {3, 17, 5}, {4, 65, 33}, {5, 16, 256},
+                              {7, 33, 257}, {64, 48, 96}, {200, 130, 300}, {385, 17, 9}};
+  for (const auto& s : sizes) {
+    const int64_t M = s[0], N = s[1], K = s[2];
+    for (int tb = 0; tb < 2; ++tb) {
+      std::vector<float> A(M * K), B(N * K), C0(M * N);
+      for (float& x : A) x = nd(rng);
+      for (float& x : B) x = nd(rng);
+      for (float& x : C0) x = nd(rng);
+      for (int variant = 0; variant < 2; ++variant) {
+        const float alpha = variant ? 0.75f : 1.f, beta = variant ? -0.5f : 0.f;
+        std::vector<double> want(C0.begin(), C0.end());
+        naive(tb, M, N, K, alpha, A, B, beta, want);
+        for (int path = 0; path < 2; ++path) {
+          std::vector<float> C = C0;
+          if (beta == 0.f) std::fill(C.begin(), C.end(), NAN);  // beta == 0 must not read C
+          if (path == 0)
+            kdtree::sgemm_portable(tb, M, N, K, alpha, A.data(), K, B.data(), tb ? K : N, beta, C.data(), N);
+          else
+            kdtree::sgemm(tb, M, N, K, alpha, A.data(), K, B.data(), tb ? K : N, beta, C.data(), N);
+          double err = 0;
+          for (int64_t i = 0; i < M * N; ++i) err = std::max(err, std::fabs(C[i] - want[i]));
+          if (std::isnan(err) || err > 1e-4 * std::sqrt((double)K) * 4) {
+            std::fprintf(stderr, "sgemm %s M=%lld N=%lld K=%lld tb=%d variant=%d: err %g\n",
+                         path ? kdtree::sgemm_backend() : "portable", (long long)M, (long long)N, (long long)K, tb,
+                         variant, err);
+            CHECK(false);
+          } else {
+            CHECK(true);
+          }
+        }
+      }
+    }
+  }
+  // Strided operands (lda/ldb/ldc larger than the row), as the attention calls use them.
+  const int64_t M = 9, N = 21, K = 35, ld = 50;
+  std::vector<float> A(M * ld), B(N * ld), C(M * ld, 0.f), Cp(M * ld, 0.f);
+  for (float& x : A) x = nd(rng);
+  for (float& x : B) x = nd(rng);
+  kdtree::sgemm(true, M, N, K, 1.f, A.data(), ld, B.data(), ld, 0.f, C.data(), ld);
+  kdtree::sgemm_portable(true, M, N, K, 1.f, A.data(), ld, B.data(), ld, 0.f, Cp.data(), ld);
+  double err = 0;
+  for (int64_t i = 0; i < M; ++i)
+    for (int64_t j = 0; j < N; ++j) {
+      double s = 0;
+      for (int64_t k = 0; k < K; ++k) s += (double)A[i * ld + k] * B[j * ld + k];
+      err = std::max(err, std::max(std::fabs(C[i * ld + j] - s), std::fabs(Cp[i * ld + j] - s)));
+    }
+  CHECK(err < 1e-4);
+  CHECK(C[N] == 0.f && Cp[N] == 0.f);  // the padding past N is untouched
+}
+
+void config_checks() {
+  kdtree::ModelConfig c;
+  CHECK_THROWS(c.validate());  // all zero
+  CHECK_THROWS(kdtree::CpuModel(c, 16));
+}
+
+}  // namespace
+
+int main() {
+  sgemm_paths();
+  config_checks();
+  std::ifstream list(kdtest::golden_path("model_configs.txt"));
+  std::string name;
+  int n = 0;
+  while (std::getline(list, name))
+    if (!name.empty()) {
+      golden_model(name);
+      ++n;
+    }
+  CHECK(n >= 2);
+  std::printf("sgemm backend: %s\n", kdtree::sgemm_backend());
+  TEST_MAIN_END();
+}

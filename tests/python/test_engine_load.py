@@ -1,0 +1,194 @@
+"""kn.Engine.from_pretrained on checkpoint directories written here with a tiny safetensors
+writer (no torch): good ones (F32, BF16, sharded) load and match the in-memory engine; bad
+ones (missing / unexpected / mis-shaped tensor, truncated file, bad JSON header, unsupported
+or broken config, wrong arguments) raise clear exceptions."""
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+
+import kdtree_native as kn
+from kdtree_native.config import config_from_dict
+
+from hf_models import config_dict, random_weights
+
+NAME = "ds3_base"
+
+
+def write_safetensors(path, tensors, dtype="F32"):
+    header, blobs, off = {}, [], 0
+    for name, arr in tensors.items():
+        a = np.ascontiguousarray(arr, dtype=np.float32)
+        raw = (a.view(np.uint32) >> 16).astype("<u2") if dtype == "BF16" else a.astype("<f4")
+        b = raw.tobytes()
+        header[name] = {"dtype": dtype, "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+def make_dir(root, name=NAME, weights=None, cfg_overrides=None, dtype="F32", shards=1, seed=0):
+    d = config_dict(name)
+    d.update(cfg_overrides or {})
+    cfg = config_from_dict(config_dict(name))
+    w = random_weights(cfg, seed) if weights is None else weights
+    os.makedirs(root, exist_ok=True)
+    with open(os.path.join(root, "config.json"), "w") as f:
+        json.dump(d, f)
+    if shards == 1:
+        write_safetensors(os.path.join(root, "model.safetensors"), w, dtype)
+    else:
+        names = list(w)
+        weight_map = {}
+        for s in range(shards):
+            fn = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+            part = {n: w[n] for n in names[s::shards]}
+            write_safetensors(os.path.join(root, fn), part, dtype)
+            weight_map.update({n: fn for n in part})
+        with open(os.path.join(root, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {}, "weight_map": weight_map}, f)
+    return root, cfg, w
+
+
+def test_good_checkpoint_loads_and_matches_in_memory_engine(tmp_path):
+    root, cfg, w = make_dir(str(tmp_path / "ok"))
+    seen = []
+    eng = kn.Engine.from_pretrained(root, device="cpu", max_seq_len=64, progress=lambda d, t: seen.append((d, t)))
+    assert eng.device == "cpu" and eng.max_seq_len == 64 and eng.config.hidden_size == cfg.hidden_size
+    assert seen and seen[-1][0] == seen[-1][1] == len(w)
+    ids = np.arange(11) * 7 % cfg.vocab_size
+    logits = eng.prefill(ids)
+    assert logits.dtype == np.float32 and logits.shape == (11, cfg.vocab_size)
+    assert np.isfinite(logits).all() and eng.cache_len == 11
+    ref = kn.Engine.from_weights(cfg, w, max_seq_len=64).prefill(ids)
+    np.testing.assert_array_equal(logits, ref)
+    assert "cache_len=11" in repr(eng)
+    auto = kn.Engine.from_pretrained(root, device="auto", max_seq_len=64)
+    assert auto.device in ("cpu", "cuda")
+
+
+def test_bf16_and_sharded_checkpoints(tmp_path):
+    cfg = config_from_dict(config_dict(NAME))
+    w = random_weights(cfg, 1)
+    ids = np.arange(9) * 5 % cfg.vocab_size
+    root, _, _ = make_dir(str(tmp_path / "bf16"), weights=w, dtype="BF16")
+    bf = kn.Engine.from_pretrained(root, device="cpu", max_seq_len=32).prefill(ids)
+    w_bf = {n: ((np.asarray(a, np.float32).view(np.uint32) >> 16) << 16).view(np.float32) for n, a in w.items()}
+    np.testing.assert_array_equal(bf, kn.Engine.from_weights(cfg, w_bf, max_seq_len=32).prefill(ids))
+    root, _, _ = make_dir(str(tmp_path / "sharded"), weights=w, shards=3)
+    sh = kn.Engine.from_pretrained(root, device="cpu", max_seq_len=32).prefill(ids)
+    np.testing.assert_array_equal(sh, kn.Engine.from_weights(cfg, w, max_seq_len=32).prefill(ids))
+
+
+def test_missing_tensor(tmp_path):
+    cfg = config_from_dict(config_dict(NAME))
+    w = random_weights(cfg, 0)
+    del w["model.layers.1.mlp.experts.5.down_proj.weight"]
+    root, _, _ = make_dir(str(tmp_path / "m"), weights=w)
+    with pytest.raises(ValueError, match=r"missing.*model\.layers\.1\.mlp\.experts\.5\.down_proj\.weight"):
+        kn.Engine.from_pretrained(root, device="cpu", max_seq_len=32)
+    with pytest.raises(ValueError, match=r"missing.*experts\.5\.down_proj"):
+        kn.Engine.from_weights(cfg, w, max_seq_len=32)
+
+
+def test_wrong_shape_and_unexpected_tensor(tmp_path):
+    cfg = config_from_dict(config_dict(NAME))
+    w = random_weights(cfg, 0)
+    w["model.layers.0.self_attn.kv_b_proj.weight"] = w["model.layers.0.self_attn.kv_b_proj.weight"][:-1]
+    root, _, _ = make_dir(str(tmp_path / "s"), weights=w)
+    with pytest.raises(ValueError, match=r"kv_b_proj\.weight.*shape"):
+        kn.Engine.from_pretrained(root, device="cpu", max_seq_len=32)
+    with pytest.raises(ValueError, match=r"kv_b_proj\.weight.*shape"):
+        kn.Engine.from_weights(cfg, w, max_seq_len=32)
+    w = random_weights(cfg, 0)
+    w["model.layers.0.mlp.experts.0.up_proj.weight"] = np.zeros((24, 48))
+    root, _, _ = make_dir(str(tmp_path / "u"), weights=w)
+    with pytest.raises(ValueError, match=r"unexpected.*model\.layers\.0\.mlp\.experts\.0\.up_proj\.weight"):
+        kn.Engine.from_pretrained(root, device="cpu", max_seq_len=32)
+
+
+def test_truncated_safetensors(tmp_path):
+    root, _, _ = make_dir(str(tmp_path / "t"))
+    path = os.path.join(root, "model.safetensors")
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(size - 100)
+    with pytest.raises(ValueError, match="truncated"):
+        kn.Engine.from_pretrained(root, device="cpu", max_seq_len=32)
+    with open(path, "r+b") as f:
+        f.truncate(5)
+    with pytest.raises(ValueError, match="truncated"):
+        kn.Engine.from_pretrained(root, device="cpu", max_seq_len=32)
+
+
+def test_bad_json_header(tmp_path):
+    root, _, _ = make_dir(str(tmp_path / "j"))
+    path = os.path.join(root, "model.safetensors")
+    with open(path, "r+b") as f:
+        f.seek(8)
+        f.write(b"{not json")
+    with pytest.raises(ValueError, match="JSON"):
+        kn.Engine.from_pretrained(root, device="cpu", max_seq_len=32)
+    with open(path, "r+b") as f:
+        f.write(struct.pack("<Q", 1 << 40))   # absurd header length
+    with pytest.raises(ValueError, match="header"):
+        kn.Engine.from_pretrained(root, device="cpu", max_seq_len=32)
+
+
+@pytest.mark.parametrize("overrides, field", [
+    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope"),
+    ({"quantization_config": {"quant_method": "compressed-tensors"}}, "quantization_config"),
+    ({"model_type": "llama"}, "model_type"),
+    ({"hidden_act": "gelu"}, "hidden_act"),
+    ({"n_group": 3}, "n_group"),
+    ({"hidden_size": "big"}, "hidden_size"),
+])
+def test_unsupported_config(tmp_path, overrides, field):
+    root, _, _ = make_dir(str(tmp_path / "c"), cfg_overrides=overrides)
+    with pytest.raises(ValueError, match=field):
+        kn.Engine.from_pretrained(root, device="cpu", max_seq_len=32)
+
+
+def test_missing_or_broken_files(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        kn.Engine.from_pretrained(str(tmp_path / "nope"), device="cpu")
+    root, _, _ = make_dir(str(tmp_path / "x"))
+    os.remove(os.path.join(root, "model.safetensors"))
+    with pytest.raises(FileNotFoundError, match="safetensors"):
+        kn.Engine.from_pretrained(root, device="cpu", max_seq_len=32)
+    with open(os.path.join(root, "config.json"), "w") as f:
+        f.write("{broken")
+    with pytest.raises(ValueError, match="JSON"):
+        kn.Engine.from_pretrained(root, device="cpu", max_seq_len=32)
+    os.remove(os.path.join(root, "config.json"))
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        kn.Engine.from_pretrained(root, device="cpu", max_seq_len=32)
+
+
+def test_bad_arguments(tmp_path):
+    root, cfg, _ = make_dir(str(tmp_path / "a"))
+    for bad in (0, -5, 2.5, "4096", True):
+        with pytest.raises(ValueError, match="max_seq_len"):
+            kn.Engine.from_pretrained(root, device="cpu", max_seq_len=bad)
+    with pytest.raises(ValueError, match="device"):
+        kn.Engine.from_pretrained(root, device="tpu")
+    if not (hasattr(kn._native, "CudaModel") and kn.cuda_available()):
+        with pytest.raises((NotImplementedError, RuntimeError), match="cuda|CUDA"):
+            kn.Engine.from_pretrained(root, device="cuda")
+    eng = kn.Engine.from_pretrained(root, device="cpu", max_seq_len=16)
+    with pytest.raises(ValueError, match="empty"):
+        eng.prefill([])
+    with pytest.raises(ValueError, match="1-D"):
+        eng.prefill(np.zeros((2, 2), np.int64))
+    with pytest.raises(ValueError, match="integers"):
+        eng.prefill(np.zeros(3, np.float32))
+    with pytest.raises(ValueError, match="max_seq_len"):
+        eng.prefill(np.zeros(17, np.int64))
+    with pytest.raises(ValueError, match="vocab|outside"):
+        eng.prefill([cfg.vocab_size])
+    assert eng.prefill([1, 2, 3]).shape == (3, cfg.vocab_size)
