@@ -21,6 +21,9 @@
 #include "engine/toy_target.h"
 #include "model/cpu_model.h"
 #include "model/model.h"
+#if defined(KDTREE_HAVE_CUDA) && defined(KDTREE_HAVE_CUBLAS)
+#include "model/cuda_model.h"
+#endif
 
 namespace py = pybind11;
 using namespace kdtree;
@@ -219,8 +222,11 @@ std::unique_ptr<PyGenerator> make_generator(py::object target) {
   } else {
     TargetModel* m = nullptr;
     if (py::isinstance<CpuModel>(target)) m = &target.cast<CpuModel&>();
+#if defined(KDTREE_HAVE_CUDA) && defined(KDTREE_HAVE_CUBLAS)
+    if (m == nullptr && py::isinstance<CudaModel>(target)) m = &target.cast<CudaModel&>();
+#endif
     if (m == nullptr)
-      throw Error("Generator: target must be a ToyTarget or a native model (CpuModel), got " + type_name(target));
+      throw Error("Generator: target must be a ToyTarget or a native model (CpuModel or CudaModel), got " + type_name(target));
     g->adapter = std::make_unique<ModelTarget>(*m);
     g->target = g->adapter.get();
   }

@@ -175,6 +175,19 @@ class Engine:
         self.model.commit(np.zeros(1, dtype=np.int32))
         return logits[0]
 
+    # ---- generation -------------------------------------------------------------------------
+    def generate(self, prompt_ids, max_new_tokens: int, drafter=None, tree_budget: int = 64, depth: int = 15,
+                 top_k=None, temperature: float = 0.0, seed=None, stop_token_ids=(), **kwargs):
+        """Prefill ``prompt_ids`` and generate up to ``max_new_tokens`` tokens: plain AR when
+        ``drafter`` is None, DDTree speculative decoding otherwise (lossless). Returns a
+        ``GenerationResult`` (``tokens``, ``acceptance_lengths``, ``stats``). Other keyword
+        arguments (``top_p``, ``target_top_k``, ``progress``, ``prefill_chunk``) are those of
+        ``kdtree_native.generation.generate``."""
+        from .generation import generate
+
+        return generate(self, prompt_ids, max_new_tokens, drafter=drafter, tree_budget=tree_budget, depth=depth,
+                        top_k=top_k, temperature=temperature, seed=seed, stop_token_ids=stop_token_ids, **kwargs)
+
     def __repr__(self) -> str:
         c = self.config
         return (f"Engine(device={self.device!r}, model_type={c.model_type!r}, layers={c.num_hidden_layers}, "

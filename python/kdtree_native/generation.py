@@ -42,14 +42,17 @@ _GENERATORS: "dict[int, tuple[Any, Any]]" = {}
 _MAX_CACHED = 16
 
 
+_MODEL_TYPES = ("CpuModel", "CudaModel")
+
+
 def native_target(engine):
     """The native object the loop drives: a ``_native.ToyTarget`` / ``_native.CpuModel`` given
     directly, or the one held by a ``kn.Engine``."""
-    if isinstance(engine, (_native.ToyTarget,)) or type(engine).__name__ == "CpuModel":
+    if isinstance(engine, (_native.ToyTarget,)) or type(engine).__name__ in _MODEL_TYPES:
         return engine
     for name in ("native_model", "_native_model", "_model", "model", "_target", "target"):
         obj = getattr(engine, name, None)
-        if obj is not None and (isinstance(obj, _native.ToyTarget) or type(obj).__name__ == "CpuModel"):
+        if obj is not None and (isinstance(obj, _native.ToyTarget) or type(obj).__name__ in _MODEL_TYPES):
             return obj
     raise TypeError(f"generate: expected a kn.Engine (or a native target), got {type(engine).__name__}")
 
