@@ -111,7 +111,74 @@ float median_of(std::vector<float> v) {
   return v[v.size() / 2];
 }
 
-// Times `launch` iters times (after warmup), one event pair per launch.
+// Times `launch(stream)`: (1) `iters` launches on one stream, an event pair around each
+// (includes launch gaps when the host is slower than the GPU); (2) CUDA-graph replay of
+// kGraphOps back-to-back launches, per-op time = graph time / kGraphOps (the GPU time an
+// engine round that replays a graph sees). The SMs are kept busy for 150 ms first so their
+// clocks leave the idle state. Returns {stream ms per launch, graph ms per op}.
+constexpr int kGraphOps = 10;
+struct Timing {
+  std::vector<float> stream, graph;
+};
+template <class F>
+Timing time_op(F launch, int iters, int warmup) {
+  Timing out;
+  cudaStream_t s;
+  check_cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
+  int sms = 132;
+  cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0);
+  check_cuda(kc::gpu_spin(150.0, 2 * sms, s), "spin");
+  for (int i = 0; i < warmup; ++i) check_cuda(launch(s), "warmup launch");
+  check_cuda(cudaStreamSynchronize(s), "sync");
+  std::vector<cudaEvent_t> ev(iters + 1);
+  for (auto& e : ev) check_cuda(cudaEventCreate(&e), "cudaEventCreate");
+  check_cuda(cudaEventRecord(ev[0], s), "record");
+  for (int i = 0; i < iters; ++i) {
+    check_cuda(launch(s), "timed launch");
+    check_cuda(cudaEventRecord(ev[i + 1], s), "record");
+  }
+  check_cuda(cudaEventSynchronize(ev[iters]), "sync");
+  out.stream.resize(iters);
+  for (int i = 0; i < iters; ++i) check_cuda(cudaEventElapsedTime(&out.stream[i], ev[i], ev[i + 1]), "elapsed");
+  // graph replay
+  cudaGraph_t g;
+  cudaGraphExec_t ge;
+  check_cuda(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "capture");
+  for (int i = 0; i < kGraphOps; ++i) {
+    cudaError_t e = launch(s);
+    if (e != cudaSuccess) {
+      cudaGraph_t dummy;
+      cudaStreamEndCapture(s, &dummy);
+      check_cuda(e, "captured launch");
+    }
+  }
+  check_cuda(cudaStreamEndCapture(s, &g), "end capture");
+  check_cuda(cudaGraphInstantiate(&ge, g, 0), "instantiate");
+  const int reps = std::max(5, iters / kGraphOps);
+  for (int i = 0; i < 3; ++i) check_cuda(cudaGraphLaunch(ge, s), "graph");
+  check_cuda(kc::gpu_spin(20.0, 2 * sms, s), "spin");
+  std::vector<cudaEvent_t> gv(reps + 1);
+  for (auto& e : gv) check_cuda(cudaEventCreate(&e), "cudaEventCreate");
+  check_cuda(cudaEventRecord(gv[0], s), "record");
+  for (int i = 0; i < reps; ++i) {
+    check_cuda(cudaGraphLaunch(ge, s), "graph");
+    check_cuda(cudaEventRecord(gv[i + 1], s), "record");
+  }
+  check_cuda(cudaEventSynchronize(gv[reps]), "sync");
+  out.graph.resize(reps);
+  for (int i = 0; i < reps; ++i) {
+    check_cuda(cudaEventElapsedTime(&out.graph[i], gv[i], gv[i + 1]), "elapsed");
+    out.graph[i] /= kGraphOps;
+  }
+  for (auto& e : ev) cudaEventDestroy(e);
+  for (auto& e : gv) cudaEventDestroy(e);
+  cudaGraphExecDestroy(ge);
+  cudaGraphDestroy(g);
+  cudaStreamDestroy(s);
+  return out;
+}
+
+// Stream-only timing (for copies), one event pair per launch on the legacy stream.
 template <class F>
 std::vector<float> time_launches(F launch, int iters, int warmup) {
   for (int i = 0; i < warmup; ++i) check_cuda(launch(), "warmup launch");
@@ -128,6 +195,13 @@ std::vector<float> time_launches(F launch, int iters, int warmup) {
   for (int i = 0; i < iters; ++i) check_cuda(cudaEventElapsedTime(&ms[i], ev[i], ev[i + 1]), "elapsed");
   for (auto& e : ev) cudaEventDestroy(e);
   return ms;
+}
+
+void put_timing(py::dict& d, const std::string& prefix, const Timing& t) {
+  d[py::str(prefix + "stream_ms")] = t.stream;
+  d[py::str(prefix + "graph_ms")] = t.graph;
+  d[py::str(prefix + "median_ms")] = median_of(t.stream);
+  d[py::str(prefix + "graph_median_ms")] = median_of(t.graph);
 }
 
 // ---------------------------------------------------------------- tree build
@@ -466,10 +540,9 @@ py::dict time_tree_build(const py::object& lp_o, const py::object& ids_o, int64_
   p.ld = (int)K;
   p.budget = (int)budget;
   out.fill(p);
-  auto ms = time_launches([&] { return kc::tree_build(p, 0); }, iters, warmup);
+  Timing t = time_op([&](cudaStream_t s) { return kc::tree_build(p, s); }, iters, warmup);
   py::dict d = out.result();
-  d["ms"] = ms;
-  d["median_ms"] = median_of(ms);
+  put_timing(d, "", t);
   return d;
 }
 
@@ -491,7 +564,7 @@ py::dict time_tree_from_logits(const py::object& x_o, int64_t budget, int64_t to
   p.tree.budget = (int)budget;
   out.fill(p.tree);
   p.workspace = ws.p;
-  auto ms = time_launches([&] { return kc::tree_build_from_logits(p, 0); }, iters, warmup);
+  Timing tl = time_op([&](cudaStream_t s) { return kc::tree_build_from_logits(p, s); }, iters, warmup);
   // top-k alone, for the split
   int k = (int)std::min<int64_t>(top_k, V);
   DevBuf dlp(sizeof(float) * D * k), dids(4 * D * k), ws2(kc::topk_workspace_bytes((int)D, (int)V, k));
@@ -504,11 +577,10 @@ py::dict time_tree_from_logits(const py::object& x_o, int64_t budget, int64_t to
   t.logprobs = dlp.as<float>();
   t.ids = dids.as<int32_t>();
   t.workspace = ws2.p;
-  auto ms_topk = time_launches([&] { return kc::topk_logsoftmax(t, 0); }, iters, warmup);
+  Timing tk = time_op([&](cudaStream_t s) { return kc::topk_logsoftmax(t, s); }, iters, warmup);
   py::dict d = out.result();
-  d["ms"] = ms;
-  d["median_ms"] = median_of(ms);
-  d["topk_median_ms"] = median_of(ms_topk);
+  put_timing(d, "", tl);
+  put_timing(d, "topk_", tk);
   return d;
 }
 
@@ -516,10 +588,9 @@ py::dict time_verify_attention(const py::object& ql, const py::object& qr, const
                                const py::object& vis, double scale, int iters, int warmup, bool force_naive) {
   require_device();
   AttnDev d(ql, qr, kv, vis, scale, force_naive, 0);
-  auto ms = time_launches([&] { return kc::verify_attention(d.p, 0); }, iters, warmup);
+  Timing t = time_op([&](cudaStream_t s) { return kc::verify_attention(d.p, s); }, iters, warmup);
   py::dict r;
-  r["ms"] = ms;
-  r["median_ms"] = median_of(ms);
+  put_timing(r, "", t);
   r["fast_path"] = kc::verify_attention_fast_path(d.p);
   r["out"] = to_numpy<float>(d.out, {d.p.T, d.p.H, d.p.C});
   return r;
@@ -543,49 +614,55 @@ py::dict time_accept_compact(const py::object& tok, const py::object& par, const
   kc::TreeAcceptParams ap = a.params();
   p.path = ap.path;
   p.count = ap.count;
-  auto two = time_launches(
-      [&] {
-        cudaError_t e = kc::tree_accept(ap, 0);
+  Timing two = time_op(
+      [&](cudaStream_t s) {
+        cudaError_t e = kc::tree_accept(ap, s);
         if (e != cudaSuccess) return e;
-        return kc::kv_compact(p, 0);
+        return kc::kv_compact(p, s);
       },
       iters, warmup);
-  auto fused = time_launches([&] { return kc::tree_accept_compact(ap, p, 0); }, iters, warmup);
-  // the same two launches replayed from a CUDA graph (how the engine runs a round)
-  cudaStream_t s;
-  check_cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
-  cudaGraph_t g;
-  cudaGraphExec_t ge;
-  check_cuda(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "capture");
-  check_cuda(kc::tree_accept(ap, s), "capture accept");
-  check_cuda(kc::kv_compact(p, s), "capture compact");
-  check_cuda(cudaStreamEndCapture(s, &g), "end capture");
-  check_cuda(cudaGraphInstantiate(&ge, g, 0), "instantiate");
-  std::vector<float> graph_ms;
-  {
-    for (int i = 0; i < warmup; ++i) check_cuda(cudaGraphLaunch(ge, s), "graph");
-    check_cuda(cudaStreamSynchronize(s), "sync");
-    std::vector<cudaEvent_t> ev(iters + 1);
-    for (auto& e : ev) check_cuda(cudaEventCreate(&e), "event");
-    check_cuda(cudaEventRecord(ev[0], s), "record");
-    for (int i = 0; i < iters; ++i) {
-      check_cuda(cudaGraphLaunch(ge, s), "graph");
-      check_cuda(cudaEventRecord(ev[i + 1], s), "record");
-    }
-    check_cuda(cudaEventSynchronize(ev[iters]), "sync");
-    graph_ms.resize(iters);
-    for (int i = 0; i < iters; ++i) check_cuda(cudaEventElapsedTime(&graph_ms[i], ev[i], ev[i + 1]), "elapsed");
-    for (auto& e : ev) cudaEventDestroy(e);
-  }
-  cudaGraphExecDestroy(ge);
-  cudaGraphDestroy(g);
-  cudaStreamDestroy(s);
+  Timing fused = time_op([&](cudaStream_t s) { return kc::tree_accept_compact(ap, p, s); }, iters, warmup);
   py::dict r;
-  r["two_launch_median_ms"] = median_of(two);
-  r["fused_median_ms"] = median_of(fused);
-  r["graph_median_ms"] = median_of(graph_ms);
+  put_timing(r, "two_", two);
+  put_timing(r, "fused_", fused);
   r["path"] = a.result()[0];
   return r;
+}
+
+// Device facts for rooflines: SMs, peak SM clock, and FP32 peak = SMs x 128 lanes x 2 x clock.
+py::dict device_props() {
+  require_device();
+  int dev = 0, sms = 0, clk = 0, mclk = 0, bus = 0, l2 = 0, major = 0, minor = 0;
+  check_cuda(cudaGetDevice(&dev), "cudaGetDevice");
+  check_cuda(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), "attr");
+  check_cuda(cudaDeviceGetAttribute(&clk, cudaDevAttrClockRate, dev), "attr");
+  check_cuda(cudaDeviceGetAttribute(&mclk, cudaDevAttrMemoryClockRate, dev), "attr");
+  check_cuda(cudaDeviceGetAttribute(&bus, cudaDevAttrGlobalMemoryBusWidth, dev), "attr");
+  check_cuda(cudaDeviceGetAttribute(&l2, cudaDevAttrL2CacheSize, dev), "attr");
+  check_cuda(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev), "attr");
+  check_cuda(cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, dev), "attr");
+  cudaDeviceProp prop;
+  check_cuda(cudaGetDeviceProperties(&prop, dev), "props");
+  py::dict d;
+  d["name"] = std::string(prop.name);
+  d["sm"] = major * 10 + minor;
+  d["sms"] = sms;
+  d["sm_clock_khz"] = clk;
+  d["mem_clock_khz"] = mclk;
+  d["bus_width_bits"] = bus;
+  d["l2_bytes"] = l2;
+  d["fp32_cores_per_sm"] = 128;
+  d["fp32_peak_flops"] = (double)sms * 128.0 * 2.0 * (double)clk * 1e3;
+  return d;
+}
+
+// Device-to-device copy bandwidth in bytes/s, counting bytes read + written (median of iters).
+double copy_bandwidth(int64_t nbytes, int iters) {
+  require_device();
+  DevBuf a((size_t)nbytes), b((size_t)nbytes);
+  check_cuda(cudaMemset(a.p, 1, nbytes), "memset");
+  auto ms = time_launches([&] { return cudaMemcpyAsync(b.p, a.p, nbytes, cudaMemcpyDeviceToDevice, 0); }, iters, 3);
+  return 2.0 * (double)nbytes / (median_of(ms) * 1e-3);
 }
 
 uintptr_t as_ptr(uintptr_t x) { return x; }
@@ -613,6 +690,9 @@ void bind_cuda(py::module_& m) {
   m.def("cuda_verify_attention", &verify_attention_np, py::arg("q_latent"), py::arg("q_rope"), py::arg("kv"),
         py::arg("visibility"), py::arg("scale"), py::arg("force_naive") = false, py::arg("force_splits") = 0,
         "GPU MLA verify attention (FP32): out_latent float32 [T,H,C].");
+  m.def("cuda_device_props", &device_props, "Device name, SMs, peak SM clock and FP32 CUDA-core peak FLOP/s.");
+  m.def("cuda_copy_bandwidth", &copy_bandwidth, py::arg("nbytes") = (int64_t)1 << 31, py::arg("iters") = 20,
+        "Measured device-to-device copy bandwidth, bytes/s (read + write counted).");
   m.def("cuda_time_tree_build", &time_tree_build, py::arg("logprobs"), py::arg("token_ids"), py::arg("budget"),
         py::arg("iters") = 200, py::arg("warmup") = 20);
   m.def("cuda_time_tree_build_from_logits", &time_tree_from_logits, py::arg("logits"), py::arg("budget"),

@@ -128,5 +128,10 @@ size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p);
 bool verify_attention_fast_path(const VerifyAttentionParams& p);
 cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream);
 
+// ---------------------------------------------------------------- benchmark helper
+// Keeps `blocks` blocks busy for `milliseconds` (spinning on the global timer) so the SM clocks
+// leave their idle state before a timed region.
+cudaError_t gpu_spin(double milliseconds, int blocks, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace kdtree

@@ -1,15 +1,21 @@
-// topk.cu: top-k + log-softmax of drafter logits [D, V] on the device (V up to 512K).
+// topk.cu: top-k + log-softmax of drafter logits [D, V] on the device (V up to 512K, k <= 1024).
 //
-// Two launches. topk_partial: grid (chunks, D), each block takes a chunk of one row into
-// shared memory as order-preserving uint32 keys, writes the chunk's (max, sum exp(x - max))
-// in float64, and selects the chunk's top min(k, chunk) by (logit desc, id asc) with a 3-pass
-// radix select (11/11/10 bits, warp-aggregated shared atomics), ties resolved by a second
-// radix select on the ids. topk_merge: one block per row selects the row's top k from the
-// chunk candidates the same way, sorts them (bitonic on 64-bit (key, ~id)), and writes
-// logprob = logit - float32(max + log(sum)) as the NumPy reference does (float64 sum).
+// Two launches.
+//  topk_stats (grid chunks x D): a block loads a chunk of a row into shared memory as
+//    order-preserving uint32 keys, writes the chunk's max and sum exp(x - max) (float64, so the
+//    log-sum-exp rounds to the same float32 as the NumPy reference's float64 sum), and the max
+//    key of each of the row's NG groups of gs consecutive logits (NG >= 8k, a power of 2).
+//  topk_select (one block per row): the k-th largest group max g is a lower bound of the row's
+//    k-th largest logit (k groups reach g), so the top k are among the logits >= g: typically
+//    ~1.5k candidates. A radix select (11/11/10 bits, warp-aggregated shared atomics) finds the
+//    k-th key among them, ties at it are resolved by a second radix select on the ids (lower id
+//    first), the k winners are sorted (bitonic on 64-bit (key, ~id)) and written as
+//    logprob = logit - float32(max + log(sum)). If more than kCap logits pass the filter (long
+//    runs of equal or sorted logits), the same select runs over the whole row in global memory.
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "kernels.h"
 
@@ -17,11 +23,11 @@ namespace kdtree {
 namespace cuda {
 namespace {
 
-constexpr int kChunkTarget = 20480;
-constexpr int kMaxChunk = 32768;
-constexpr int kMaxChunks = 16;
-constexpr int kPartialThreads = 512;
-constexpr int kMergeThreads = 1024;
+constexpr int kStatsThreads = 512;
+constexpr int kSelectThreads = 512;
+constexpr int kMaxChunks = 8;
+constexpr int kCap = 8192;          // candidate store of the select kernel
+constexpr int kMaxGroups = 16384;
 
 __device__ __forceinline__ uint32_t float_key(float x) {
   if (x == 0.0f) x = 0.0f;  // -0 and +0 tie (as in the reference's stable argsort)
@@ -33,29 +39,58 @@ __device__ __forceinline__ float key_float(uint32_t k) {
   return __uint_as_float(u);
 }
 
+// exp(t) for t <= 0 in float64, ~1e-14 relative (Taylor degree 11 after reduction by ln 2);
+// 0 below -708. Cheaper than the libdevice exp; the sum it feeds only needs ~1e-12.
+__device__ __forceinline__ double exp_nonpos(double t) {
+  if (t < -708.0) return 0.0;
+  const double kd = rint(t * 1.4426950408889634);
+  double r = fma(-kd, 6.93147180369123816490e-01, t);
+  r = fma(-kd, 1.90821492927058770002e-10, r);
+  double q = 2.5052108385441720e-08;         // 1/11!
+  q = fma(q, r, 2.7557319223985893e-07);     // 1/10!
+  q = fma(q, r, 2.7557319223985888e-06);     // 1/9!
+  q = fma(q, r, 2.4801587301587302e-05);     // 1/8!
+  q = fma(q, r, 1.9841269841269841e-04);     // 1/7!
+  q = fma(q, r, 1.3888888888888889e-03);     // 1/6!
+  q = fma(q, r, 8.3333333333333332e-03);     // 1/5!
+  q = fma(q, r, 4.1666666666666664e-02);     // 1/4!
+  q = fma(q, r, 1.6666666666666666e-01);     // 1/3!
+  q = fma(q, r, 0.5);
+  q = fma(q, r, 1.0);
+  q = fma(q, r, 1.0);
+  return q * __longlong_as_double((long long)((int)kd + 1023) << 52);
+}
+
 struct Plan {
-  int nchunk, chunk;
+  int NG;      // groups per row (power of 2)
+  int gs;      // logits per group
+  int nchunk;  // blocks per row in topk_stats
+  int gpc;     // groups per chunk
+  int chunk;   // logits per chunk = gpc * gs
 };
-inline Plan make_plan(int V) {
+inline Plan make_plan(int V, int k) {
   Plan p;
-  p.nchunk = (V + kChunkTarget - 1) / kChunkTarget;
-  if (p.nchunk < 1) p.nchunk = 1;
-  if (p.nchunk > kMaxChunks) p.nchunk = kMaxChunks;
-  p.chunk = (V + p.nchunk - 1) / p.nchunk;
+  int ng = 1024;
+  while (ng < 8 * k && ng < kMaxGroups) ng <<= 1;
+  p.NG = ng;
+  p.gs = (V + ng - 1) / ng;
+  if (p.gs < 1) p.gs = 1;
+  p.nchunk = kMaxChunks;
+  while ((p.NG / p.nchunk) * p.gs > 40960 && p.nchunk < p.NG) p.nchunk <<= 1;
+  p.gpc = p.NG / p.nchunk;
+  p.chunk = p.gpc * p.gs;
   return p;
 }
 
-// Workspace: per (row, chunk) partial max (float64), sum (float64), candidate keys and ids.
 struct WsLayout {
-  size_t o_max, o_sum, o_key, o_id, total;
+  size_t o_max, o_sum, o_gmax, total;
 };
-inline WsLayout ws_layout(int D, int nchunk, int k) {
+inline WsLayout ws_layout(int D, const Plan& p) {
   WsLayout w;
-  size_t o = 0, n = (size_t)D * nchunk;
-  w.o_max = o; o += (n * 8 + 255) / 256 * 256;
-  w.o_sum = o; o += (n * 8 + 255) / 256 * 256;
-  w.o_key = o; o += (n * k * 4 + 255) / 256 * 256;
-  w.o_id = o;  o += (n * k * 4 + 255) / 256 * 256;
+  size_t o = 0, n = (size_t)D * p.nchunk;
+  w.o_max = o;  o += (n * 8 + 255) / 256 * 256;
+  w.o_sum = o;  o += (n * 8 + 255) / 256 * 256;
+  w.o_gmax = o; o += ((size_t)D * p.NG * 4 + 255) / 256 * 256;
   w.total = o;
   return w;
 }
@@ -73,24 +108,29 @@ __device__ double block_sum_d(double v, double* red) {
   return s;
 }
 template <int NT>
-__device__ float block_max_f(float v, float* red) {
-  for (int off = 16; off > 0; off >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, off));
+__device__ uint32_t block_max_u(uint32_t v, uint32_t* red) {
+  for (int off = 16; off > 0; off >>= 1) v = max(v, __shfl_xor_sync(0xffffffffu, v, off));
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   __syncthreads();
   if (lane == 0) red[warp] = v;
   __syncthreads();
-  float m = red[0];
-  for (int w = 1; w < NT / 32; ++w) m = fmaxf(m, red[w]);
+  uint32_t m = red[0];
+  for (int w = 1; w < NT / 32; ++w) m = max(m, red[w]);
   return m;
 }
 
-// In-place exclusive scan over h[0..n) (n a multiple of NT); returns the total; barrier at end.
+// In-place exclusive scan of h[0..2048); barrier at the end.
 template <int NT>
-__device__ int block_scan_excl(int* h, int n, int* tmp) {
+__device__ void scan2048(int* h, int* tmp) {
+  constexpr int per = 2048 / NT;
   const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
-  const int per = n / NT, b = t * per;
+  int v[per];
   int s = 0;
-  for (int i = 0; i < per; ++i) s += h[b + i];
+#pragma unroll
+  for (int i = 0; i < per; ++i) {
+    v[i] = h[t * per + i];
+    s += v[i];
+  }
   int x = s;
   for (int off = 1; off < 32; off <<= 1) {
     int y = __shfl_up_sync(0xffffffffu, x, off);
@@ -98,60 +138,54 @@ __device__ int block_scan_excl(int* h, int n, int* tmp) {
   }
   if (lane == 31) tmp[warp] = x;
   __syncthreads();
-  if (warp == 0) {
-    int v = lane < NT / 32 ? tmp[lane] : 0;
-    for (int off = 1; off < 32; off <<= 1) {
-      int y = __shfl_up_sync(0xffffffffu, v, off);
-      if (lane >= off) v += y;
-    }
-    tmp[lane] = v;
+  int wsum = lane < NT / 32 ? tmp[lane] : 0;  // every warp scans the warp totals itself
+  int wx = wsum;
+  for (int off = 1; off < 32; off <<= 1) {
+    int y = __shfl_up_sync(0xffffffffu, wx, off);
+    if (lane >= off) wx += y;
   }
-  __syncthreads();
-  int run = (warp ? tmp[warp - 1] : 0) + x - s;
-  int total = tmp[NT / 32 - 1];
+  const int warp_excl = __shfl_sync(0xffffffffu, wx - wsum, warp);
+  int run = warp_excl + x - s;
+#pragma unroll
   for (int i = 0; i < per; ++i) {
-    int v = h[b + i];
-    h[b + i] = run;
-    run += v;
+    h[t * per + i] = run;
+    run += v[i];
   }
   __syncthreads();
-  return total;
 }
 
-// Radix select: among items i < n with valid(i), the `need`-th largest key (1-based) by
-// key(i). Returns the threshold key; *need_eq = how many items equal to it belong to the
-// top `need` (the rest of the top are the items strictly greater). Needs hist[2048], tmp[40],
-// misc[4] in shared memory. All threads must call it.
+// Radix select: among items i < n with keyfn(i, &key) true, the `need`-th largest key
+// (1-based). Returns it; *need_eq = how many items equal to it belong to the top `need`.
+// Shared: hist[2048], tmp[32], misc[4]. All threads call it; n uniform.
 template <int NT, class KeyFn>
 __device__ uint32_t radix_select(int n, int need, KeyFn keyfn, int* hist, int* tmp, int* misc,
                                  int* need_eq) {
   uint32_t prefix = 0, mask = 0;
   const int lane = threadIdx.x & 31;
-  const int shifts[3] = {21, 10, 0};
-  const int nbits[3] = {11, 11, 10};
+#pragma unroll 1
   for (int pass = 0; pass < 3; ++pass) {
-    const int sh = shifts[pass], nb = 1 << nbits[pass];
+    const int sh = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
+    const int nb = pass == 2 ? 1024 : 2048;
     for (int i = threadIdx.x; i < 2048; i += NT) hist[i] = 0;
+    if (threadIdx.x == 0) misc[0] = -1;
     __syncthreads();
     for (int base = 0; base < n; base += NT) {
-      int i = base + threadIdx.x;
+      const int i = base + threadIdx.x;
       uint32_t key = 0;
       bool ok = false;
       if (i < n) ok = keyfn(i, &key);
       ok = ok && ((key & mask) == prefix);
-      // reversed digit so that bin 0 holds the largest keys
-      int dig = ok ? (nb - 1 - (int)((key >> sh) & (uint32_t)(nb - 1))) : -1;
-      unsigned grp = __match_any_sync(0xffffffffu, dig);
+      // reversed digit: bin 0 holds the largest keys
+      const int dig = ok ? (nb - 1 - (int)((key >> sh) & (uint32_t)(nb - 1))) : -1;
+      const unsigned grp = __match_any_sync(0xffffffffu, dig);
       if (ok && lane == __ffs(grp) - 1) atomicAdd(&hist[dig], __popc(grp));
     }
     __syncthreads();
-    if (threadIdx.x == 0) misc[0] = -1;
-    block_scan_excl<NT>(hist, 2048, tmp);  // bins >= nb are zero
-    // the bin where the running count crosses `need`: excl < need <= excl + count
+    // crossing bin b: excl(b) < need <= excl(b) + count(b); count(b) = excl(b+1) - excl(b)
+    scan2048<NT>(hist, tmp);
     for (int b = threadIdx.x; b < nb; b += NT) {
-      int excl = hist[b];
-      int incl = (b + 1 < 2048) ? hist[b + 1] : 0x7fffffff;
-      if (b + 1 == nb) incl = excl + 0x7fffffff / 2;  // last bin: anything left
+      const int excl = hist[b];
+      const int incl = b + 1 < nb ? hist[b + 1] : 0x7fffffff;
       if (excl < need && need <= incl) {
         misc[0] = b;
         misc[1] = excl;
@@ -160,8 +194,7 @@ __device__ uint32_t radix_select(int n, int need, KeyFn keyfn, int* hist, int* t
     __syncthreads();
     const int b = misc[0];
     need -= misc[1];
-    const uint32_t dig = (uint32_t)(nb - 1 - b);
-    prefix |= dig << sh;
+    prefix |= (uint32_t)(nb - 1 - b) << sh;
     mask |= (uint32_t)(nb - 1) << sh;
     __syncthreads();
   }
@@ -169,234 +202,224 @@ __device__ uint32_t radix_select(int n, int need, KeyFn keyfn, int* hist, int* t
   return prefix;
 }
 
-// ---------------------------------------------------------------- kernels
-__global__ void __launch_bounds__(kPartialThreads) topk_partial_kernel(TopkParams p, Plan plan,
-                                                                       WsLayout wl) {
+// ---------------------------------------------------------------- kernel 1: stats + group maxima
+__global__ void __launch_bounds__(kStatsThreads) topk_stats_kernel(TopkParams p, Plan pl, WsLayout wl) {
   extern __shared__ __align__(16) unsigned char sm[];
-  uint32_t* keys = (uint32_t*)sm;                    // [chunk]
-  int* hist = (int*)(sm + (size_t)plan.chunk * 4);   // [2048]
-  int* tmp = hist + 2048;                            // [40]
-  int* misc = tmp + 40;                              // [8]
-  double* red = (double*)(misc + 8);                 // [32]
+  uint32_t* keys = (uint32_t*)sm;                                      // [chunk]
+  double* red = (double*)(sm + ((size_t)pl.chunk * 4 + 15) / 16 * 16); // [32]
   const int row = blockIdx.y, ch = blockIdx.x;
-  const int c0 = ch * plan.chunk;
-  int n = p.V - c0;
-  if (n > plan.chunk) n = plan.chunk;
+  const long long c0 = (long long)ch * pl.chunk;
+  int n = (int)((long long)p.V - c0);
+  if (n > pl.chunk) n = pl.chunk;
   if (n < 0) n = 0;
   const float* x = p.logits + (size_t)row * p.ld + c0;
-  float mx = -__int_as_float(0x7f800000);
-  for (int i = threadIdx.x; i < n; i += kPartialThreads) {
-    float v = x[i];
-    keys[i] = float_key(v);
-    mx = fmaxf(mx, v);
+  uint32_t mk = 0;
+  for (int i = threadIdx.x; i < n; i += kStatsThreads) {
+    const uint32_t k = float_key(x[i]);
+    keys[i] = k;
+    mk = max(mk, k);
   }
-  mx = block_max_f<kPartialThreads>(mx, (float*)red);
+  mk = block_max_u<kStatsThreads>(mk, (uint32_t*)red);
+  const double mx = (double)key_float(mk);
   double s = 0.0;
-  if (mx != -__int_as_float(0x7f800000)) {
-    for (int i = threadIdx.x; i < n; i += kPartialThreads) s += exp((double)key_float(keys[i]) - (double)mx);
+  if (n > 0 && mk > float_key(-__int_as_float(0x7f800000))) {
+    for (int i = threadIdx.x; i < n; i += kStatsThreads) s += exp_nonpos((double)key_float(keys[i]) - mx);
   }
-  s = block_sum_d<kPartialThreads>(s, red);
-  const size_t slot = (size_t)row * plan.nchunk + ch;
+  s = block_sum_d<kStatsThreads>(s, red);
   unsigned char* ws = (unsigned char*)p.workspace;
+  const size_t slot = (size_t)row * pl.nchunk + ch;
   if (threadIdx.x == 0) {
-    ((double*)(ws + wl.o_max))[slot] = (double)mx;
+    ((double*)(ws + wl.o_max))[slot] = n > 0 ? mx : -__longlong_as_double(0x7ff0000000000000LL);
     ((double*)(ws + wl.o_sum))[slot] = s;
-    misc[4] = 0;
   }
-  const int kk = p.k < n ? p.k : n;
-  uint32_t* ck = (uint32_t*)(ws + wl.o_key) + slot * p.k;
-  int32_t* ci = (int32_t*)(ws + wl.o_id) + slot * p.k;
-  __syncthreads();
-  if (kk == n) {  // the whole chunk is a candidate
-    for (int i = threadIdx.x; i < n; i += kPartialThreads) {
-      ck[i] = keys[i];
-      ci[i] = c0 + i;
-    }
-    return;
-  }
-  int need_eq = 0;
-  const uint32_t thr = radix_select<kPartialThreads>(
-      n, kk, [&](int i, uint32_t* k) { *k = keys[i]; return true; }, hist, tmp, misc, &need_eq);
-  // ties at thr: keep the need_eq lowest ids (largest ~index)
-  int cnt_eq = 0;
-  for (int i = threadIdx.x; i < n; i += kPartialThreads) cnt_eq += keys[i] == thr;
-  __syncthreads();
-  if (threadIdx.x == 0) misc[5] = 0;
-  __syncthreads();
-  atomicAdd(&misc[5], cnt_eq);
-  __syncthreads();
-  const int total_eq = misc[5];
-  uint32_t thr2 = 0;
-  bool all_eq = total_eq == need_eq;
-  if (!all_eq) {
-    int ne2 = 0;
-    thr2 = radix_select<kPartialThreads>(
-        n, need_eq,
-        [&](int i, uint32_t* k) {
-          *k = ~(uint32_t)i;
-          return keys[i] == thr;
-        },
-        hist, tmp, misc, &ne2);
-  }
-  for (int i = threadIdx.x; i < n; i += kPartialThreads) {
-    uint32_t k = keys[i];
-    bool take = k > thr || (k == thr && (all_eq || ~(uint32_t)i >= thr2));
-    if (take) {
-      int o = atomicAdd(&misc[4], 1);
-      ck[o] = k;
-      ci[o] = c0 + i;
-    }
+  // group maxima: one warp per group, lanes over the group's logits
+  uint32_t* gmax = (uint32_t*)(ws + wl.o_gmax) + (size_t)row * pl.NG + (size_t)ch * pl.gpc;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int g = warp; g < pl.gpc; g += kStatsThreads / 32) {
+    const int b = g * pl.gs;
+    uint32_t m = 0;
+    for (int i = b + lane; i < b + pl.gs && i < n; i += 32) m = max(m, keys[i]);
+    for (int off = 16; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
+    if (lane == 0) gmax[g] = m;  // 0 (below every key) for an empty group
   }
 }
 
-__global__ void __launch_bounds__(kMergeThreads) topk_merge_kernel(TopkParams p, Plan plan,
-                                                                   WsLayout wl) {
-  extern __shared__ __align__(16) unsigned char sm[];
-  const int row = blockIdx.x;
-  // candidate counts per chunk are deterministic: min(k, chunk size)
-  int ncand = 0;
-  for (int ch = 0; ch < plan.nchunk; ++ch) {
-    int n = p.V - ch * plan.chunk;
-    if (n > plan.chunk) n = plan.chunk;
-    if (n < 0) n = 0;
-    ncand += p.k < n ? p.k : n;
-  }
-  uint32_t* ckey = (uint32_t*)sm;                                  // [ncand]
-  int32_t* cid = (int32_t*)(sm + (size_t)ncand * 4);               // [ncand]
-  unsigned long long* sortv = (unsigned long long*)(sm + (size_t)ncand * 8);  // [1024]
-  int* hist = (int*)(sortv + 1024);                                // [2048]
-  int* tmp = hist + 2048;                                          // [40]
-  int* misc = tmp + 40;                                            // [8]
-  double* red = (double*)(misc + 8);                               // [32]
-  unsigned char* ws = (unsigned char*)p.workspace;
-  {
-    int off = 0;
-    for (int ch = 0; ch < plan.nchunk; ++ch) {
-      int n = p.V - ch * plan.chunk;
-      if (n > plan.chunk) n = plan.chunk;
-      if (n < 0) n = 0;
-      int kk = p.k < n ? p.k : n;
-      const size_t slot = (size_t)row * plan.nchunk + ch;
-      const uint32_t* ck = (const uint32_t*)(ws + wl.o_key) + slot * p.k;
-      const int32_t* ci = (const int32_t*)(ws + wl.o_id) + slot * p.k;
-      for (int i = threadIdx.x; i < kk; i += kMergeThreads) {
-        ckey[off + i] = ck[i];
-        cid[off + i] = ci[i];
-      }
-      off += kk;
-    }
-  }
-  // log-sum-exp from the partials (float64), rounded to float32 like the reference
-  double m = -1.0 / 0.0;
-  for (int ch = 0; ch < plan.nchunk; ++ch) {
-    double v = ((const double*)(ws + wl.o_max))[(size_t)row * plan.nchunk + ch];
-    if (v > m) m = v;
-  }
-  double ssum = 0.0;
-  for (int ch = 0; ch < plan.nchunk; ++ch) {
-    const size_t slot = (size_t)row * plan.nchunk + ch;
-    double mc = ((const double*)(ws + wl.o_max))[slot];
-    double sc = ((const double*)(ws + wl.o_sum))[slot];
-    if (sc > 0.0) ssum += sc * exp(mc - m);
-  }
-  const float lse = (float)(m + log(ssum));
-  if (threadIdx.x == 0) misc[4] = 0;
-  __syncthreads();
+// ---------------------------------------------------------------- kernel 2: select + sort
+struct SelectSmem {
+  int* hist;      // [2048]
+  int* tmp;       // [32]
+  int* misc;      // [8]
+  uint32_t* gk;   // [NG]
+  uint32_t* ck;   // [kCap]
+  int32_t* ci;    // [kCap]
+  unsigned long long* sortv;  // [1024]
+};
+
+template <class KeyFn, class IdFn>
+__device__ void select_write(const TopkParams& p, int row, int n, KeyFn keyfn, IdFn idfn, float lse,
+                             const SelectSmem& s) {
   const int k = p.k;
   int need_eq = k;
   uint32_t thr = 0, thr2 = 0;
   bool all_eq = true;
-  if (k < ncand) {
-    thr = radix_select<kMergeThreads>(
-        ncand, k, [&](int i, uint32_t* kk) { *kk = ckey[i]; return true; }, hist, tmp, misc,
-        &need_eq);
+  if (k < n) {
+    thr = radix_select<kSelectThreads>(n, k, keyfn, s.hist, s.tmp, s.misc, &need_eq);
     int ce = 0;
-    for (int i = threadIdx.x; i < ncand; i += kMergeThreads) ce += ckey[i] == thr;
+    for (int i = threadIdx.x; i < n; i += kSelectThreads) {
+      uint32_t kk;
+      if (keyfn(i, &kk) && kk == thr) ++ce;
+    }
+    if (threadIdx.x == 0) s.misc[5] = 0;
     __syncthreads();
-    if (threadIdx.x == 0) misc[5] = 0;
+    atomicAdd(&s.misc[5], ce);
     __syncthreads();
-    atomicAdd(&misc[5], ce);
-    __syncthreads();
-    all_eq = misc[5] == need_eq;
+    all_eq = s.misc[5] == need_eq;
     if (!all_eq) {
       int ne2 = 0;
-      thr2 = radix_select<kMergeThreads>(
-          ncand, need_eq,
+      thr2 = radix_select<kSelectThreads>(
+          n, need_eq,
           [&](int i, uint32_t* kk) {
-            *kk = ~(uint32_t)cid[i];
-            return ckey[i] == thr;
+            uint32_t v;
+            if (!keyfn(i, &v) || v != thr) return false;
+            *kk = ~(uint32_t)idfn(i);
+            return true;
           },
-          hist, tmp, misc, &ne2);
+          s.hist, s.tmp, s.misc, &ne2);
     }
   }
-  // gather the k winners as 64-bit sort values (key, ~id): descending = key desc, id asc
   int P = 1;
   while (P < k) P <<= 1;
-  for (int i = threadIdx.x; i < P; i += kMergeThreads) sortv[i] = 0ull;
+  for (int i = threadIdx.x; i < P; i += kSelectThreads) s.sortv[i] = 0ull;
+  if (threadIdx.x == 0) s.misc[4] = 0;
   __syncthreads();
-  for (int i = threadIdx.x; i < ncand; i += kMergeThreads) {
-    uint32_t kk = ckey[i];
-    bool take = (k >= ncand) || kk > thr || (kk == thr && (all_eq || ~(uint32_t)cid[i] >= thr2));
+  for (int i = threadIdx.x; i < n; i += kSelectThreads) {
+    uint32_t kk;
+    if (!keyfn(i, &kk)) continue;
+    const int32_t id = idfn(i);
+    const bool take = (k >= n) || kk > thr || (kk == thr && (all_eq || ~(uint32_t)id >= thr2));
     if (take) {
-      int o = atomicAdd(&misc[4], 1);
-      sortv[o] = ((unsigned long long)kk << 32) | (unsigned long long)(~(uint32_t)cid[i]);
+      const int o = atomicAdd(&s.misc[4], 1);
+      if (o < P) s.sortv[o] = ((unsigned long long)kk << 32) | (unsigned long long)(~(uint32_t)id);
     }
   }
   __syncthreads();
-  // bitonic sort, descending
   for (int size = 2; size <= P; size <<= 1) {
     for (int stride = size >> 1; stride > 0; stride >>= 1) {
-      for (int i = threadIdx.x; i < P; i += kMergeThreads) {
-        int j = i ^ stride;
+      for (int i = threadIdx.x; i < P; i += kSelectThreads) {
+        const int j = i ^ stride;
         if (j > i) {
-          unsigned long long a = sortv[i], b = sortv[j];
-          bool desc = (i & size) == 0;
+          const unsigned long long a = s.sortv[i], b = s.sortv[j];
+          const bool desc = (i & size) == 0;
           if (desc ? (a < b) : (a > b)) {
-            sortv[i] = b;
-            sortv[j] = a;
+            s.sortv[i] = b;
+            s.sortv[j] = a;
           }
         }
       }
       __syncthreads();
     }
   }
-  for (int i = threadIdx.x; i < k; i += kMergeThreads) {
-    unsigned long long v = sortv[i];
-    float xv = key_float((uint32_t)(v >> 32));
-    p.logprobs[(size_t)row * k + i] = xv - lse;
+  for (int i = threadIdx.x; i < k; i += kSelectThreads) {
+    const unsigned long long v = s.sortv[i];
+    p.logprobs[(size_t)row * k + i] = key_float((uint32_t)(v >> 32)) - lse;
     p.ids[(size_t)row * k + i] = (int32_t)(~(uint32_t)(v & 0xffffffffull));
   }
 }
 
-size_t partial_smem(const Plan& pl) { return (size_t)pl.chunk * 4 + (2048 + 40 + 8) * 4 + 32 * 8; }
-size_t merge_smem(const Plan& pl, int k) {
-  return (size_t)pl.nchunk * k * 8 + 1024 * 8 + (2048 + 40 + 8) * 4 + 32 * 8;
+__global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(TopkParams p, Plan pl, WsLayout wl) {
+  extern __shared__ __align__(16) unsigned char sm[];
+  SelectSmem s;
+  s.sortv = (unsigned long long*)sm;                  // [1024]
+  s.ck = (uint32_t*)(s.sortv + 1024);                 // [kCap]
+  s.ci = (int32_t*)(s.ck + kCap);                     // [kCap]
+  s.gk = (uint32_t*)(s.ci + kCap);                    // [NG]
+  s.hist = (int*)(s.gk + pl.NG);                      // [2048]
+  s.tmp = s.hist + 2048;                              // [32]
+  s.misc = s.tmp + 32;                                // [8]
+  const int row = blockIdx.x;
+  const unsigned char* ws = (const unsigned char*)p.workspace;
+  // log-sum-exp from the chunk partials (float64), rounded to float32 like the reference
+  double m = -__longlong_as_double(0x7ff0000000000000LL);
+  for (int c = 0; c < pl.nchunk; ++c) m = fmax(m, ((const double*)(ws + wl.o_max))[(size_t)row * pl.nchunk + c]);
+  double ssum = 0.0;
+  for (int c = 0; c < pl.nchunk; ++c) {
+    const size_t slot = (size_t)row * pl.nchunk + c;
+    const double sc = ((const double*)(ws + wl.o_sum))[slot];
+    if (sc > 0.0) ssum += sc * exp(((const double*)(ws + wl.o_max))[slot] - m);
+  }
+  const float lse = (float)(m + log(ssum));
+  // k-th largest group max
+  const uint32_t* gsrc = (const uint32_t*)(ws + wl.o_gmax) + (size_t)row * pl.NG;
+  for (int g = threadIdx.x; g < pl.NG; g += kSelectThreads) s.gk[g] = gsrc[g];
+  if (threadIdx.x == 0) s.misc[6] = 0;
+  __syncthreads();
+  int ne = 0;
+  const uint32_t g = radix_select<kSelectThreads>(
+      pl.NG, p.k, [&](int i, uint32_t* kk) { *kk = s.gk[i]; return true; }, s.hist, s.tmp, s.misc, &ne);
+  // candidates: logits with key >= g
+  const float* x = p.logits + (size_t)row * p.ld;
+  for (int i = threadIdx.x; i < p.V; i += kSelectThreads) {
+    const uint32_t kk = float_key(x[i]);
+    if (kk >= g) {
+      const int o = atomicAdd(&s.misc[6], 1);
+      if (o < kCap) {
+        s.ck[o] = kk;
+        s.ci[o] = i;
+      }
+    }
+  }
+  __syncthreads();
+  const int nc = s.misc[6];
+  __syncthreads();
+  if (nc <= kCap) {
+    select_write(
+        p, row, nc, [&](int i, uint32_t* kk) { *kk = s.ck[i]; return true; },
+        [&](int i) { return s.ci[i]; }, lse, s);
+  } else {  // too many ties / a sorted row: select over the whole row in global memory
+    select_write(
+        p, row, p.V, [&](int i, uint32_t* kk) { *kk = float_key(x[i]); return true; },
+        [&](int i) { return (int32_t)i; }, lse, s);
+  }
+}
+
+size_t stats_smem(const Plan& pl) { return ((size_t)pl.chunk * 4 + 15) / 16 * 16 + 32 * 8; }
+size_t select_smem(const Plan& pl) { return 1024 * 8 + (size_t)kCap * 8 + (size_t)pl.NG * 4 + (2048 + 32 + 8) * 4; }
+
+template <class K>
+cudaError_t ensure_smem(K kernel, size_t bytes, size_t* done) {
+  if (bytes <= *done) return cudaSuccess;
+  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)bytes);
+  if (e == cudaSuccess) *done = bytes;
+  return e;
 }
 
 }  // namespace
 
 size_t topk_workspace_bytes(int D, int V, int k) {
   if (D < 1 || V < 1 || k < 1) return 0;
-  Plan pl = make_plan(V);
-  return ws_layout(D, pl.nchunk, k).total;
+  return ws_layout(D, make_plan(V, k)).total;
 }
 
 cudaError_t topk_logsoftmax(const TopkParams& p, cudaStream_t stream) {
   if (!p.logits || !p.logprobs || !p.ids || !p.workspace || p.D < 1 || p.D > kTreeMaxDepth ||
       p.V < 1 || p.V > kTopkMaxV || p.ld < p.V || p.k < 1 || p.k > p.V || p.k > kTopkMaxK)
     return cudaErrorInvalidValue;
-  Plan pl = make_plan(p.V);
-  if (pl.chunk > kMaxChunk) return cudaErrorInvalidValue;
-  WsLayout wl = ws_layout(p.D, pl.nchunk, p.k);
-  size_t s1 = partial_smem(pl), s2 = merge_smem(pl, p.k);
-  cudaError_t e = cudaFuncSetAttribute(topk_partial_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)s1);
+  const Plan pl = make_plan(p.V, p.k);
+  const WsLayout wl = ws_layout(p.D, pl);
+  static size_t done1 = 48 * 1024, done2 = 48 * 1024;
+  cudaError_t e = ensure_smem(topk_stats_kernel, stats_smem(pl), &done1);
   if (e != cudaSuccess) return e;
-  e = cudaFuncSetAttribute(topk_merge_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)s2);
+  e = ensure_smem(topk_select_kernel, select_smem(pl), &done2);
   if (e != cudaSuccess) return e;
-  topk_partial_kernel<<<dim3(pl.nchunk, p.D), kPartialThreads, s1, stream>>>(p, pl, wl);
+  topk_stats_kernel<<<dim3(pl.nchunk, p.D), kStatsThreads, stats_smem(pl), stream>>>(p, pl, wl);
   e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  topk_merge_kernel<<<p.D, kMergeThreads, s2, stream>>>(p, pl, wl);
+  static const bool stats_only = [] {  // benchmark knob: time the first kernel alone
+    const char* v = std::getenv("KDTREE_TOPK_STATS_ONLY");
+    return v && v[0] == '1';
+  }();
+  if (stats_only) return cudaSuccess;
+  topk_select_kernel<<<p.D, kSelectThreads, select_smem(pl), stream>>>(p, pl, wl);
   return cudaGetLastError();
 }
 

@@ -68,7 +68,7 @@ KD_HD inline int vis_words(int B) { return (B + 64) / 64; }
 // Shared-memory layout (bytes), the same on host and device.
 struct TreeLayout {
   int cap, keff;
-  size_t o_sc, o_par, o_rk, o_bk, o_dp, o_lpc, o_hist, o_hpre, o_lhist, o_phist, o_cnt, o_ord,
+  size_t o_sc, o_par, o_rk, o_bk, o_dp, o_lpc, o_hist, o_hpre, o_lhist, o_lhist2, o_phist, o_cnt, o_ord,
       o_nid, o_odp, o_ork, o_opar, o_misc, o_scan, total;
 };
 
@@ -91,6 +91,7 @@ KD_HD inline TreeLayout make_tree_layout(int B, int D, int K) {
   L.o_hist = o;  o = align_up(o + sizeof(int) * kNB, 16);
   L.o_hpre = o;  o = align_up(o + sizeof(int) * kNB, 16);
   L.o_lhist = o; o = align_up(o + sizeof(int) * kNB, 16);
+  L.o_lhist2 = o; o = align_up(o + sizeof(int) * kNB, 16);
   L.o_phist = o; o = align_up(o + sizeof(int) * kNB, 16);
   L.o_cnt = o;   o = align_up(o + sizeof(int) * (cap + 1), 16);
   L.o_ord = o;   o = align_up(o + sizeof(uint16_t) * cap, 16);
@@ -168,6 +169,7 @@ enum {
   M_FAIL = 0, M_MAXE = 1, M_MINQ = 2, M_USED = 3, M_BT = 4, M_N = 5, M_BT2 = 6, M_T = 7,
   M_FB = 8,   // [kMaxDepth] first bottom (-inf/NaN) rank per row (Keff if none)
   M_LS = 28,  // [kMaxDepth + 2] level start offsets in the candidate store
+  M_NTAU = 48,  // members of the threshold bucket collected for the exact threshold
 };
 
 // ---------------------------------------------------------------- the block algorithm
@@ -179,9 +181,10 @@ struct TreeBlock {
   unsigned char* sm;
   int tid, nt, B, D, keff, cap;
   double* sc; uint16_t* par; uint16_t* rk; uint16_t* bk; uint8_t* dp; float* lpc;
-  int* hist; int* hpre; int* lhist; int* phist; int* cnt; uint16_t* ord; uint16_t* nid;
+  int* hist; int* hpre; int* lhist; int* lhist2; int* phist; int* cnt; uint16_t* ord; uint16_t* nid;
   uint8_t* odp; uint16_t* ork; int16_t* opar; int* misc; int* scan_tmp;
   double smax;
+  double tau;  // exact score of the B-th best prefix materialised so far (-inf until B exist)
 
   KD_HD TreeBlock(Ctx& c, const TreeArgs& args, unsigned char* smem) : ctx(c), a(args), sm(smem) {
     tid = ctx.tid();
@@ -200,6 +203,7 @@ struct TreeBlock {
     hist = (int*)(sm + L.o_hist);
     hpre = (int*)(sm + L.o_hpre);
     lhist = (int*)(sm + L.o_lhist);
+    lhist2 = (int*)(sm + L.o_lhist2);
     phist = (int*)(sm + L.o_phist);
     cnt = (int*)(sm + L.o_cnt);
     ord = (uint16_t*)(sm + L.o_ord);
@@ -210,28 +214,57 @@ struct TreeBlock {
     misc = (int*)(sm + L.o_misc);
     scan_tmp = (int*)(sm + L.o_scan);
     smax = 0.0;
+    tau = neg_inf_d();
   }
 
-  // exclusive prefix of hist into hpre; misc[slot] = bucket holding the B-th (kBottom if < B)
-  KD_HD void threshold_from(const int* h, int* pre, int slot) {
-    for (int i = tid; i < kNB; i += nt) pre[i] = h[i];
-    if (tid == 0) misc[slot] = kBottom;
-    ctx.sync();
-    ctx.exclusive_scan(pre, kNB, scan_tmp);  // ends with a barrier
+  // misc[slot] = the bucket holding the B-th prefix (kBottom if fewer than B), given counts h
+  // and their exclusive prefix pre. misc[slot] must have been set to kBottom before the last
+  // barrier; ends with a barrier.
+  KD_HD void crossing(const int* h, const int* pre, int slot) {
     for (int b = tid; b < kNB; b += nt)
       if (pre[b] < B && pre[b] + h[b] >= B) misc[slot] = b;  // unique writer
     ctx.sync();
   }
 
+  // tau = the exact score of the B-th best materialised prefix: the need-th best score inside
+  // bucket bt (need = B - prefixes in better buckets). Skipped (tau unchanged) when the bucket
+  // holds more than 96 members (the pairwise ranking below is O(members) per thread).
+  // Scratch: phist as doubles. Ends with a barrier.
+  KD_HD void exact_threshold(int used) {
+    const int bt = misc[M_BT];
+    if (bt == kBottom || hist[bt] > 96) return;  // uniform: misc/hist read after a barrier
+    double* mem = (double*)phist;
+    const int cb = hist[bt], need = B - hpre[bt];
+    for (int x = tid; x < used; x += nt)
+      if (bk[x] == bt) mem[ctx.atomic_add(&misc[M_NTAU], 1)] = sc[x];
+    ctx.sync();
+    for (int k = tid; k < cb; k += nt) {
+      const double v = mem[k];
+      int gt = 0, eq_before = 0, eq = 0;
+      for (int j = 0; j < cb; ++j) {
+        const double w = mem[j];
+        gt += w > v;
+        eq += w == v;
+        eq_before += (w == v) && j < k;
+      }
+      if (gt < need && need <= gt + eq && eq_before == 0) misc_tau_store(v);  // one writer
+    }
+    ctx.sync();
+    tau = misc_tau_load();
+    if (tid == 0) misc[M_NTAU] = 0;
+  }
+  KD_HD void misc_tau_store(double v) { std::memcpy(&misc[M_NTAU + 2], &v, sizeof(double)); }
+  KD_HD double misc_tau_load() const { double v; std::memcpy(&v, &misc[M_NTAU + 2], sizeof(double)); return v; }
+
   // Number of children (ranks 0..c-1) of parent p at level d that can still be in the tree.
-  KD_HD int count_children(int p, int d, int bt) const {
+  KD_HD int count_children(int p, int d, int bt, const int* lpre) const {
     int b = bk[p];
     if (b > bt) return 0;
     int avail = B - 1 - hpre[b];  // better prefixes than (p, r) number >= hpre[b] + 1 + r + ...
     if (avail <= 0) return 0;
     int fb = misc[M_FB + d - 1];  // children r >= fb have score -inf
     if (b == kBottom) return avail < keff ? avail : keff;  // a -inf parent: only siblings bound it
-    int ilb = lhist[b];                                   // same-level nodes strictly better
+    int ilb = lpre[b];                                    // same-level nodes strictly better
     int capf = avail / (1 + ilb);
     if (capf > fb) capf = fb;
     int c;
@@ -242,11 +275,13 @@ struct TreeBlock {
     }
     if (bt == kBottom) return c;
     const float* row = lpc + (size_t)(d - 1) * keff;
-    double s = sc[p];
+    const double s = sc[p];
+    if (s < tau) return 0;
     int lo = 0, hi = c;
-    while (lo < hi) {
-      int mid = (lo + hi) >> 1;
-      if (bucket_of(smax, s + (double)row[mid]) <= bt) lo = mid + 1; else hi = mid;
+    while (lo < hi) {  // children keep a bucket <= bt and a score >= tau (ties stay)
+      const int mid = (lo + hi) >> 1;
+      const double cs = s + (double)row[mid];
+      if (cs >= tau && bucket_of(smax, cs) <= bt) lo = mid + 1; else hi = mid;
     }
     return lo;
   }
@@ -284,35 +319,36 @@ struct TreeBlock {
 
   // Returns n >= 0, or -1 when the parallel path cannot be used (then nothing is output yet).
   KD_HD int parallel_build() {
-    // ---- phase 0: canonical inputs and the exactness / monotonicity checks
+    // ---- phase 0: one pass over the inputs: the exactness / monotonicity / sortedness checks
+    // (rows must be finite-descending then -inf; NaN, +inf, a finite after -inf, or
+    // lp[d][0] > 0 for d >= 1 send us to the fallback), first -inf rank per row, exponents.
     if (tid == 0) {
       misc[M_FAIL] = 0;
       misc[M_MAXE] = -100000;
       misc[M_MINQ] = 100000;
       for (int d = 0; d < kMaxDepth; ++d) misc[M_FB + d] = keff;
+      misc[M_BT] = kBottom;
+      misc[M_USED] = keff;
+      misc[M_LS + 1] = 0;
+      misc[M_LS + 2] = keff;
+      misc[M_NTAU] = 0;
     }
-    for (int i = tid; i < kNB; i += nt) { hist[i] = 0; lhist[i] = 0; }
+    for (int i = tid; i < kNB; i += nt) { hist[i] = 0; lhist[i] = 0; lhist2[i] = 0; }
     ctx.sync();
     const int nin = D * keff;
     for (int idx = tid; idx < nin; idx += nt) {
-      int d = idx / keff, r = idx - d * keff;
-      float x = a.lp[(size_t)d * a.ld + r];
-      if (is_nan_f(x) || x == neg_inf_f()) ctx.atomic_min(&misc[M_FB + d], r);
-    }
-    ctx.sync();
-    for (int idx = tid; idx < nin; idx += nt) {
-      int d = idx / keff, r = idx - d * keff;
-      float x = a.lp[(size_t)d * a.ld + r];
-      if (r >= misc[M_FB + d]) { lpc[idx] = neg_inf_f(); continue; }
+      const int d = idx / keff, r = idx - d * keff;
+      const float x = a.lp[(size_t)d * a.ld + r];
       lpc[idx] = x;
-      bool bad = (x == -neg_inf_f());                                 // +inf
-      if (r > 0 && x > a.lp[(size_t)d * a.ld + r - 1]) bad = true;     // not sorted
+      bool bad = is_nan_f(x) || x == -neg_inf_f();                    // NaN, +inf
+      if (r > 0 && !(x <= a.lp[(size_t)d * a.ld + r - 1])) bad = true; // not sorted (or NaN before)
       if (d > 0 && r == 0 && x > 0.0f) bad = true;                    // child would beat parent
+      if (x == neg_inf_f()) ctx.atomic_min(&misc[M_FB + d], r);
       if (bad) ctx.atomic_max(&misc[M_FAIL], 1);
-      uint32_t bits = f2u(x) & 0x7FFFFFFFu;
+      const uint32_t bits = f2u(x) & 0x7FFFFFFFu;
       if (bits != 0 && bits < 0x7F800000u) {
-        int e = (int)(bits >> 23);
-        uint32_t m = bits & 0x7FFFFFu;
+        const int e = (int)(bits >> 23);
+        const uint32_t m = bits & 0x7FFFFFu;
         int qe, me;
         if (e == 0) { qe = -149 + ctz32(m); me = -149 + (31 - clz32(m)); }
         else { qe = (e - 150) + ctz32(m | 0x800000u); me = e - 127; }
@@ -326,56 +362,59 @@ struct TreeBlock {
       // all multiples of 2^minq: exact when (maxe + 1 + ceil(log2(D+1))) - minq <= 53.
       int lg = 0;
       while ((1 << lg) < D + 1) ++lg;
-      bool inexact = misc[M_MAXE] > -100000 && misc[M_MAXE] + 1 + lg - misc[M_MINQ] > 53;
+      const bool inexact = misc[M_MAXE] > -100000 && misc[M_MAXE] + 1 + lg - misc[M_MINQ] > 53;
       if (misc[M_FAIL] || inexact || misc[M_FB + 0] == 0) return -1;  // lp[0][0] = -inf too
     }
     smax = (double)lpc[0];
 
     // ---- level 1: every rank < Keff (rank r has r better siblings, r < B)
+    int* lh_par = lhist;   // exclusive prefix of the parent level's histogram
+    int* lh_new = lhist2;  // histogram of the level being built
     for (int r = tid; r < keff; r += nt) {
-      double s = (double)lpc[r];
-      int b = bucket_of(smax, s);
+      const double s = (double)lpc[r];
+      const int b = bucket_of(smax, s);
       sc[r] = s; par[r] = kRoot; rk[r] = (uint16_t)r; dp[r] = 1; bk[r] = (uint16_t)b;
       ctx.atomic_add(&hist[b], 1);
-      ctx.atomic_add(&lhist[b], 1);
+      ctx.atomic_add(&lh_par[b], 1);
     }
-    if (tid == 0) { misc[M_USED] = keff; misc[M_LS + 1] = 0; misc[M_LS + 2] = keff; }
     ctx.sync();
-    threshold_from(hist, hpre, M_BT);
-    ctx.exclusive_scan(lhist, kNB, scan_tmp);
+    ctx.scan2(hist, hpre, lh_par, lh_par, kNB, scan_tmp);
+    crossing(hist, hpre, M_BT);
+    exact_threshold(keff);
 
-    // ---- levels 2..D
+    // ---- levels 2..D (7 barriers per level on the common path)
     for (int d = 2; d <= D; ++d) {
       const int p0 = misc[M_LS + d - 1], p1 = misc[M_LS + d], np = p1 - p0;
       const int used = misc[M_USED];
-      int bt = misc[M_BT];
-      for (int j = tid; j < np; j += nt) cnt[j] = count_children(p0 + j, d, bt);
+      const int bt = misc[M_BT];
+      for (int j = tid; j < np; j += nt) cnt[j] = count_children(p0 + j, d, bt, lh_par);
+      for (int i = tid; i < kNB; i += nt) lh_new[i] = 0;
       ctx.sync();
-      int T = ctx.exclusive_scan(cnt, np, scan_tmp);
-      if (tid == 0) cnt[np] = T;
-      ctx.sync();
+      int T = ctx.scan2(cnt, cnt, nullptr, nullptr, np, scan_tmp);
       if (T == 0) break;
       const float* row = lpc + (size_t)(d - 1) * keff;
       if (T > B || used + T > cap) {
         // probe: count every allowed child into a copy of the histogram, take the tighter
         // threshold (the B-th over materialised + probed prefixes), recount.
         for (int i = tid; i < kNB; i += nt) phist[i] = hist[i];
+        if (tid == 0) misc[M_BT2] = kBottom;
         ctx.sync();
         for (int t = tid; t < T; t += nt) {
-          int j = owner(cnt, np, t);
-          int p = p0 + j, r = t - cnt[j];
+          const int j = owner(cnt, np, t);
+          const int p = p0 + j, r = t - cnt[j];
           ctx.atomic_add(&phist[bucket_of(smax, sc[p] + (double)row[r])], 1);
         }
         ctx.sync();
-        threshold_from(phist, lhist, M_BT2);  // lhist is free until materialisation
+        ctx.scan2(phist, lh_par, nullptr, nullptr, kNB, scan_tmp);  // lh_par is free now
+        crossing(phist, lh_par, M_BT2);
         const int bt2 = misc[M_BT2];
         for (int j = tid; j < np; j += nt) {  // new counts into nid (free until the end)
-          int c = cnt[j + 1] - cnt[j];
+          int c = (j + 1 < np ? cnt[j + 1] : T) - cnt[j];
           if (bt2 != kBottom) {
             const double s = sc[p0 + j];
             int lo = 0, hi = c;
             while (lo < hi) {
-              int mid = (lo + hi) >> 1;
+              const int mid = (lo + hi) >> 1;
               if (bucket_of(smax, s + (double)row[mid]) <= bt2) lo = mid + 1; else hi = mid;
             }
             c = lo;
@@ -385,28 +424,30 @@ struct TreeBlock {
         ctx.sync();
         for (int j = tid; j < np; j += nt) cnt[j] = nid[j];
         ctx.sync();
-        T = ctx.exclusive_scan(cnt, np, scan_tmp);
-        if (tid == 0) cnt[np] = T;
-        ctx.sync();
+        T = ctx.scan2(cnt, cnt, nullptr, nullptr, np, scan_tmp);
         if (used + T > cap) return -1;  // candidate store overflow: exact fallback
         if (T == 0) break;
       }
-      // materialise level d (lhist restarts as this level's histogram)
-      for (int i = tid; i < kNB; i += nt) lhist[i] = 0;
-      ctx.sync();
+      // materialise level d
       for (int t = tid; t < T; t += nt) {
-        int j = owner(cnt, np, t);
-        int p = p0 + j, r = t - cnt[j], x = used + t;
-        double s = sc[p] + (double)row[r];
-        int b = bucket_of(smax, s);
+        const int j = owner(cnt, np, t);
+        const int p = p0 + j, r = t - cnt[j], x = used + t;
+        const double s = sc[p] + (double)row[r];
+        const int b = bucket_of(smax, s);
         sc[x] = s; par[x] = (uint16_t)p; rk[x] = (uint16_t)r; dp[x] = (uint8_t)d; bk[x] = (uint16_t)b;
         ctx.atomic_add(&hist[b], 1);
-        ctx.atomic_add(&lhist[b], 1);
+        ctx.atomic_add(&lh_new[b], 1);
+      }
+      if (tid == 0) {
+        misc[M_USED] = used + T;
+        misc[M_LS + d + 1] = used + T;
+        misc[M_BT] = kBottom;
       }
       ctx.sync();
-      if (tid == 0) { misc[M_USED] = used + T; misc[M_LS + d + 1] = used + T; }
-      threshold_from(hist, hpre, M_BT);  // begins with work + barrier, so M_USED is visible
-      ctx.exclusive_scan(lhist, kNB, scan_tmp);
+      ctx.scan2(hist, hpre, lh_new, lh_new, kNB, scan_tmp);
+      crossing(hist, hpre, M_BT);
+      exact_threshold(used + T);
+      int* t2 = lh_par; lh_par = lh_new; lh_new = t2;
     }
 
     // ---- final ranking: counting sort by bucket, exact comparisons inside a bucket

@@ -2,6 +2,8 @@
 // see tree_build_impl.h), tree accept walk, and KV compaction, plus tree_build_from_logits.
 #include <cuda_runtime.h>
 
+#include <cstdio>
+
 #include "kernels.h"
 #include "tree_build_impl.h"
 
@@ -19,41 +21,51 @@ struct GpuCtx {
   __device__ int atomic_add(int* p, int v) const { return atomicAdd(p, v); }
   __device__ void atomic_min(int* p, int v) const { atomicMin(p, v); }
   __device__ void atomic_max(int* p, int v) const { atomicMax(p, v); }
-  // In-place exclusive scan of arr[0..n); returns the total to every thread; ends with a
-  // barrier. Each thread scans a contiguous segment; warp shuffles + one pass over warp sums.
-  // tmp: >= 33 ints of shared memory.
-  __device__ int exclusive_scan(int* arr, int n, int* tmp) const {
+  // Exclusive scans of a_in[0..n) into a_out and, if b_in, of b_in into b_out (in place
+  // allowed); returns the total of a to every thread. Two barriers, the last at the end. Each
+  // thread scans a contiguous segment; warp shuffles; every warp scans the warp totals itself.
+  // tmp: >= 64 ints of shared memory.
+  __device__ int scan2(const int* a_in, int* a_out, const int* b_in, int* b_out, int n, int* tmp) const {
     const int t = (int)threadIdx.x, nt = (int)blockDim.x;
     const int lane = t & 31, warp = t >> 5, nwarps = (nt + 31) >> 5;
     const int per = (n + nt - 1) / nt;
     const int b = t * per < n ? t * per : n;
     const int e = b + per < n ? b + per : n;
-    int s = 0;
-    for (int i = b; i < e; ++i) s += arr[i];
-    int x = s;
+    int sa = 0, sb = 0;
+    for (int i = b; i < e; ++i) {
+      sa += a_in[i];
+      if (b_in) sb += b_in[i];
+    }
+    int xa = sa, xb = sb;
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1) {
-      int y = __shfl_up_sync(0xffffffffu, x, off);
-      if (lane >= off) x += y;
+      const int ya = __shfl_up_sync(0xffffffffu, xa, off);
+      const int yb = __shfl_up_sync(0xffffffffu, xb, off);
+      if (lane >= off) { xa += ya; xb += yb; }
     }
-    if (lane == 31) tmp[warp] = x;
+    if (lane == 31) { tmp[warp] = xa; tmp[32 + warp] = xb; }
     __syncthreads();
-    if (warp == 0) {
-      int v = lane < nwarps ? tmp[lane] : 0;
+    const int wa0 = lane < nwarps ? tmp[lane] : 0, wb0 = lane < nwarps ? tmp[32 + lane] : 0;
+    int wa = wa0, wb = wb0;
 #pragma unroll
-      for (int off = 1; off < 32; off <<= 1) {
-        int y = __shfl_up_sync(0xffffffffu, v, off);
-        if (lane >= off) v += y;
-      }
-      tmp[lane] = v;  // inclusive warp totals
+    for (int off = 1; off < 32; off <<= 1) {
+      const int ya = __shfl_up_sync(0xffffffffu, wa, off);
+      const int yb = __shfl_up_sync(0xffffffffu, wb, off);
+      if (lane >= off) { wa += ya; wb += yb; }
     }
-    __syncthreads();
-    int run = (warp ? tmp[warp - 1] : 0) + x - s;
-    const int total = tmp[nwarps - 1];
+    const int total = __shfl_sync(0xffffffffu, wa, nwarps - 1);
+    const int ea = __shfl_sync(0xffffffffu, wa - wa0, warp);
+    const int eb = __shfl_sync(0xffffffffu, wb - wb0, warp);
+    int ra = ea + xa - sa, rb = eb + xb - sb;
     for (int i = b; i < e; ++i) {
-      int v = arr[i];
-      arr[i] = run;
-      run += v;
+      const int va = a_in[i];
+      a_out[i] = ra;
+      ra += va;
+      if (b_in) {
+        const int vb = b_in[i];
+        b_out[i] = rb;
+        rb += vb;
+      }
     }
     __syncthreads();
     return total;
@@ -67,7 +79,7 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(TreeArgs a) {
   blk.run();
 }
 
-int tree_threads(int B) { return B >= 512 ? 1024 : (B >= 128 ? 512 : 256); }
+int tree_threads(int B) { return B > 512 ? 1024 : (B > 256 ? 512 : (B > 64 ? 256 : 128)); }
 
 // ---------------------------------------------------------------- accept + compaction
 // best[p] = the highest-index child c of p with tokens[c-1] == choice[p]; walk from 0.
@@ -183,6 +195,18 @@ __global__ void tree_accept_compact_kernel(TreeAcceptParams a, KvCompactParams c
   compact_dispatch(c, (int)blockIdx.x, path_s, m);
 }
 
+__global__ void spin_kernel(unsigned long long ns) {
+  unsigned long long t0, t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
+  float x = (float)threadIdx.x;
+  do {
+#pragma unroll
+    for (int i = 0; i < 64; ++i) x = fmaf(x, 0.999f, 0.5f);
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  } while (t - t0 < ns);
+  if (x == 12345.f) printf("%f\n", x);
+}
+
 bool compact_ok(const KvCompactParams& c) {
   return c.num_layers >= 0 && c.row_bytes > 0 && c.row_stride >= c.row_bytes && c.cache_len >= 0 &&
          (c.num_layers == 0 || (c.cache && c.path && c.count)) &&
@@ -221,10 +245,13 @@ cudaError_t tree_build(const TreeBuildParams& p, cudaStream_t stream) {
   a.path_out = p.path_taken;
   a.force_fallback = p.force_fallback;
   treeimpl::TreeLayout L = treeimpl::make_tree_layout(p.budget, p.D, a.K);
-  size_t smem = L.total;
-  cudaError_t e = cudaFuncSetAttribute(tree_build_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       (int)smem);
-  if (e != cudaSuccess) return e;
+  const size_t smem = L.total;
+  static size_t smem_set = 48 * 1024;  // the dynamic shared memory limit already granted
+  if (smem > smem_set) {
+    cudaError_t e = cudaFuncSetAttribute(tree_build_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+    if (e != cudaSuccess) return e;
+    smem_set = smem;
+  }
   tree_build_kernel<<<1, tree_threads(p.budget), smem, stream>>>(a);
   return cudaGetLastError();
 }
@@ -264,6 +291,12 @@ cudaError_t tree_build_from_logits(const TreeFromLogitsParams& p, cudaStream_t s
   b.K = k;
   b.ld = k;
   return tree_build(b, stream);
+}
+
+cudaError_t gpu_spin(double milliseconds, int blocks, cudaStream_t stream) {
+  if (milliseconds <= 0 || blocks <= 0) return cudaSuccess;
+  spin_kernel<<<blocks, 256, 0, stream>>>((unsigned long long)(milliseconds * 1e6));
+  return cudaGetLastError();
 }
 
 cudaError_t tree_accept(const TreeAcceptParams& p, cudaStream_t stream) {

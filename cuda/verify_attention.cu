@@ -24,15 +24,16 @@ namespace kdtree {
 namespace cuda {
 namespace {
 
-constexpr int BM = 64, BN = 128, DK = 32, VK = 16, NT = 256;
-constexpr int C_ = 512, R_ = 64, DQ = C_ + R_, NDC = DQ / DK;
-constexpr int QS = DK + 4;   // shared row stride of Q/K chunks (conflict-free 16-byte reads)
+constexpr int BM = 64, BN = 128, VK = 16, NT = 256;
+constexpr int C_ = 512, R_ = 64, DQ = C_ + R_;
 constexpr int PS = BN + 8;   // shared row stride of the P tile
 constexpr int VS = C_ + 4;   // shared row stride of V chunks
 constexpr int kMaxTreeRows = 2048;
 constexpr float kLog2e = 1.4426950408889634f;
 
+template <int DK>
 struct __align__(16) Smem {
+  static constexpr int QS = DK + 4;  // shared row stride of Q/K chunks (conflict-free 16-byte reads)
   float q[2][BM][QS];
   float k[2][BN][QS];
   float v[2][VK][VS];
@@ -64,7 +65,8 @@ struct Tiles {
 };
 
 // cache row of key kk (0..BN-1) of tile index `it` (0-based within this block's sequence)
-__device__ __forceinline__ int tile_key_row(const VerifyAttentionParams& p, const Smem& s,
+template <class S>
+__device__ __forceinline__ int tile_key_row(const VerifyAttentionParams& p, const S& s,
                                             const Tiles& t, int it, int kk) {
   int nc = t.te - t.tb;
   if (it < nc) {
@@ -75,22 +77,23 @@ __device__ __forceinline__ int tile_key_row(const VerifyAttentionParams& p, cons
   return idx < s.ntree ? p.L + s.tlist[idx] : -1;
 }
 
-__device__ __forceinline__ void issue_qk(const VerifyAttentionParams& p, Smem& s, int m0, int M,
+template <int DK>
+__device__ __forceinline__ void issue_qk(const VerifyAttentionParams& p, Smem<DK>& s, int m0, int M,
                                          int c, int buf) {
   const int tid = threadIdx.x;
 #pragma unroll
-  for (int r2 = 0; r2 < (BM * 8) / NT; ++r2) {
+  for (int r2 = 0; r2 < (BM * (DK / 4)) / NT; ++r2) {
     int idx = tid + r2 * NT;
-    int r = idx >> 3, f = idx & 7, g = m0 + r, d = c * DK + f * 4;
+    int r = idx / (DK / 4), f = idx % (DK / 4), g = m0 + r, d = c * DK + f * 4;
     bool ok = g < M;
     const float* src = p.q_latent;
     if (ok) src = d < C_ ? p.q_latent + (size_t)g * C_ + d : p.q_rope + (size_t)g * R_ + (d - C_);
     cp_async16(&s.q[buf][r][f * 4], src, ok);
   }
 #pragma unroll
-  for (int r2 = 0; r2 < (BN * 8) / NT; ++r2) {
+  for (int r2 = 0; r2 < (BN * (DK / 4)) / NT; ++r2) {
     int idx = tid + r2 * NT;
-    int kk = idx >> 3, f = idx & 7;
+    int kk = idx / (DK / 4), f = idx % (DK / 4);
     int row = s.keyrow[kk];
     bool ok = row >= 0;
     const float* src = ok ? p.kv + (size_t)row * p.kv_stride + c * DK + f * 4 : p.kv;
@@ -98,7 +101,8 @@ __device__ __forceinline__ void issue_qk(const VerifyAttentionParams& p, Smem& s
   }
 }
 
-__device__ __forceinline__ void issue_v(const VerifyAttentionParams& p, Smem& s, int vc, int buf) {
+template <class S>
+__device__ __forceinline__ void issue_v(const VerifyAttentionParams& p, S& s, int vc, int buf) {
   const int tid = threadIdx.x;
 #pragma unroll
   for (int r2 = 0; r2 < (VK * (C_ / 4)) / NT; ++r2) {
@@ -112,9 +116,11 @@ __device__ __forceinline__ void issue_v(const VerifyAttentionParams& p, Smem& s,
 }
 
 // out_partial layout when split: ws_o [splits][M][C], ws_ml [splits][M][2] (max in log2 units, sum)
+template <int DK>
 __global__ void __launch_bounds__(NT, 1) mla_verify_fast_kernel(VerifyAttentionParams p) {
+  constexpr int NDC = DQ / DK;
   extern __shared__ __align__(16) unsigned char smraw[];
-  Smem& s = *reinterpret_cast<Smem*>(smraw);
+  Smem<DK>& s = *reinterpret_cast<Smem<DK>*>(smraw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int M = p.T * p.H;
   const int m0 = blockIdx.x * BM;
@@ -459,17 +465,33 @@ int num_sms() {
   return n;
 }
 
+// Key splits: minimise (waves of blocks) x (tiles on a block's critical path). The committed
+// tiles go tps per split; the last split also takes the tree tiles (about one), so a split
+// count that leaves the last split short of committed tiles hides the tree tile. Ties -> fewer.
+// Only when the row blocks alone leave SMs idle, and at most ~2 waves of blocks.
 int choose_splits(const VerifyAttentionParams& p) {
   const int M = p.T * p.H;
   const int rb = (M + BM - 1) / BM;
   const int nLt = (p.L + BN - 1) / BN;
-  if (p.force_splits > 0) return p.force_splits < (nLt > 0 ? nLt : 1) ? p.force_splits : (nLt > 0 ? nLt : 1);
+  if (nLt <= 1) return 1;
+  if (p.force_splits > 0) return p.force_splits < nLt ? p.force_splits : nLt;
   const int sms = num_sms();
-  if (rb >= sms || nLt <= 1) return 1;
-  int s = sms / rb;
-  if (s > nLt) s = nLt;
-  if (s < 1) s = 1;
-  return s;
+  if (rb >= sms) return 1;  // the row blocks alone fill the GPU: no split/combine traffic
+  const int smax = (2 * sms + rb - 1) / rb;
+  double best = 1e30;
+  int best_s = 1;
+  for (int s = 1; s <= nLt + 1 && s <= smax && s <= 64; ++s) {
+    const int tps = (nLt + s - 1) / s;
+    const int last = nLt - (s - 1) * tps > 0 ? nLt - (s - 1) * tps : 0;
+    const int path = tps > last + 1 ? tps : last + 1;
+    const int waves = (rb * s + sms - 1) / sms;
+    const double cost = (double)waves * path + (s > 1 ? 0.25 : 0.0);
+    if (cost < best - 1e-9) {
+      best = cost;
+      best_s = s;
+    }
+  }
+  return best_s;
 }
 
 bool basic_ok(const VerifyAttentionParams& p) {
@@ -503,11 +525,21 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
   }
   const int splits = choose_splits(p);
   if (splits > 1 && !p.workspace) return cudaErrorInvalidValue;
-  const size_t smem = sizeof(Smem);
-  cudaError_t e = cudaFuncSetAttribute(mla_verify_fast_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
-  if (e != cudaSuccess) return e;
+  // DK = 32-wide d-chunks: measured on the H200 a little faster than 64 (which spills a few
+  // registers), so it is the only instantiation.
+  static bool smem_set = false;
+  cudaError_t e;
   dim3 grid((M + BM - 1) / BM, splits);
-  mla_verify_fast_kernel<<<grid, NT, smem, stream>>>(p);
+  if (!smem_set) {
+    e = cudaFuncSetAttribute(mla_verify_fast_kernel<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sizeof(Smem<32>));
+    if (e != cudaSuccess) {  // a GPU with less shared memory per block: the plain kernel
+      cudaGetLastError();
+      mla_verify_naive_kernel<<<M, kNaiveThreads, 0, stream>>>(p);
+      return cudaGetLastError();
+    }
+    smem_set = true;
+  }
+  mla_verify_fast_kernel<32><<<grid, NT, sizeof(Smem<32>), stream>>>(p);
   e = cudaGetLastError();
   if (e != cudaSuccess || splits == 1) return e;
   mla_verify_combine_kernel<<<M, C_ / 4, 0, stream>>>(p, splits);

@@ -1,0 +1,118 @@
+"""GPU DDTree tree build: kernel time vs the official Python implementation and our CPU twin.
+
+Times (CUDA events around each launch, median of --iters launches on device-resident inputs):
+  * tree_build from [15, K] log-probs + ids (K = B, as the official code takes top-k = budget),
+  * tree_build_from_logits from [15, 163840] float32 logits (Kimi's vocabulary), top-k included,
+  * the CPU twin (kn.ops device="cpu" native call, no validation) on the same [15, K] inputs.
+Anchors (official implementation on an H200, GPU top-k + copy + Python heap + visibility):
+B=16 0.49 ms, 64 0.71 ms, 256 1.69 ms, 512 3.28 ms, 1024 6.60 ms (docs/BENCHMARKS.md).
+Goals: <= 15 us at B=256 and <= 40 us at B=1024 from [15,K]; <= 60 us at B=256 from logits.
+
+Inputs ("peaked", the table): per depth a Zipf-like drafter distribution, logit of the r-th
+most likely token = -s*log(r) + N(0, 0.5^2), s ~ U(1.3, 2.3) per depth, ids shuffled: top-1
+probabilities 0.3..0.7, trees 8..12 deep at B = 1024 (the regime where DDTree pays). A "flat"
+row set (N(0, 3^2) logits: shallow, bushy trees) is measured and printed too.
+
+GPU times: "graph" = per op in a CUDA graph replaying 10 back-to-back ops (pure GPU time, as a
+captured engine round sees it); "stream" = one launch + event pair per op (adds launch gaps).
+
+    python benchmarks/bench_cuda_tree_build.py [--iters 200] [--json out.json] [--quick]
+"""
+import argparse
+import json
+import time
+
+import numpy as np
+
+import kdtree_native as kn
+
+ANCHOR_MS = {16: 0.49, 64: 0.71, 256: 1.69, 512: 3.28, 1024: 6.60}
+GOAL_US = {("lp", 256): 15.0, ("lp", 1024): 40.0, ("logits", 256): 60.0}
+
+
+def drafter_logits(seed, kind="peaked", D=15, V=163840):
+    rng = np.random.default_rng(seed)
+    if kind == "flat":
+        return rng.standard_normal((D, V), dtype=np.float32) * 3.0
+    ranks = np.log(np.arange(1, V + 1, dtype=np.float64))
+    rows = []
+    for _ in range(D):
+        s = rng.uniform(1.3, 2.3)
+        row = -s * ranks + rng.standard_normal(V) * 0.5
+        rows.append(row[rng.permutation(V)])
+    return np.asarray(rows, dtype=np.float32)
+
+
+def cpu_twin_ms(lp, ids, budget, reps):
+    fn = kn._native.tree_build_cpu
+    fn(lp, ids, budget)
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn(lp, ids, budget)
+        ts.append((time.perf_counter() - t0) * 1e3)
+    return float(np.median(ts))
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    if not kn.cuda_available():
+        raise SystemExit("no CUDA device")
+    N = kn._native
+    props = N.cuda_device_props()
+    budgets = [16, 64, 256, 512, 1024]
+    iters = 30 if args.quick else args.iters
+    tables = {}
+    for kind in ("peaked", "flat"):
+        logits = drafter_logits(0, kind)
+        lp_all, ids_all = kn.reference.topk_logsoftmax(logits, max(budgets))
+        rows = []
+        for B in budgets:
+            lp, ids = np.ascontiguousarray(lp_all[:, :B]), np.ascontiguousarray(ids_all[:, :B])
+            r = N.cuda_time_tree_build(lp, ids, B, iters=iters, warmup=10)
+            ref = kn.ops.tree_build(lp, ids, B, device="cpu")
+            assert int(r["n"]) == ref.n and np.array_equal(r["parents"][: ref.n + 1], ref.parents), "GPU != CPU twin"
+            rl = N.cuda_time_tree_build_from_logits(logits, B, B, iters=max(10, iters // 2), warmup=5)
+            assert int(rl["n"]) == ref.n and np.array_equal(rl["parents"][: ref.n + 1], ref.parents), "logits path != CPU twin"
+            cpu = cpu_twin_ms(lp, ids, B, 20 if args.quick else 100)
+            row = dict(budget=B, depth=15, K=B, path=int(r["path"]),
+                       gpu_lp_us=r["graph_median_ms"] * 1e3, gpu_lp_stream_us=r["median_ms"] * 1e3,
+                       gpu_logits_us=rl["graph_median_ms"] * 1e3, gpu_logits_stream_us=rl["median_ms"] * 1e3,
+                       gpu_topk_us=rl["topk_graph_median_ms"] * 1e3, cpu_twin_us=cpu * 1e3,
+                       official_us=ANCHOR_MS[B] * 1e3,
+                       nodes_per_depth=np.bincount(ref.depths, minlength=16)[1:].tolist(),
+                       max_depth=int(ref.depths.max()) if ref.n else 0)
+            row["speedup_vs_official_lp"] = row["official_us"] / row["gpu_lp_us"]
+            row["speedup_vs_official_logits"] = row["official_us"] / row["gpu_logits_us"]
+            row["speedup_vs_cpu_twin"] = row["cpu_twin_us"] / row["gpu_lp_us"]
+            rows.append(row)
+        tables[kind] = rows
+    for kind, rows in tables.items():
+        print(f"## GPU tree build, {kind} drafter ({props['name']}), depth 15, K = B; GPU = graph-replay median "
+              f"(stream launch+event median in brackets)")
+        print("| B | GPU [15,K] us | path | GPU from [15,163840] logits us (top-k) | CPU twin us | official us | x official ([15,K] / logits) | x CPU twin | tree depth |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in rows:
+            print(f"| {r['budget']} | {r['gpu_lp_us']:.1f} ({r['gpu_lp_stream_us']:.1f}) | "
+                  f"{'parallel' if r['path'] == 0 else 'fallback'} | {r['gpu_logits_us']:.1f} ({r['gpu_topk_us']:.1f}) | "
+                  f"{r['cpu_twin_us']:.1f} | {r['official_us']:.0f} | {r['speedup_vs_official_lp']:.0f}x / "
+                  f"{r['speedup_vs_official_logits']:.0f}x | {r['speedup_vs_cpu_twin']:.1f}x | {r['max_depth']} |")
+    goals = []
+    for kind, rows in tables.items():
+        for (what, B), us in GOAL_US.items():
+            r = next(x for x in rows if x["budget"] == B)
+            got = r["gpu_lp_us"] if what == "lp" else r["gpu_logits_us"]
+            goals.append(dict(dist=kind, what=f"B={B} from {'[15,K]' if what == 'lp' else '[15,163840] logits'}",
+                              goal_us=us, got_us=got, met=bool(got <= us)))
+            print(f"goal ({kind}) B={B} {what}: <= {us} us, got {got:.1f} us -> {'MET' if got <= us else 'NOT MET'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=props, tables=tables, goals=goals), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,313 @@
+"""CUDA kernels (kn.ops device="cuda", kdtree_native._cuda_ops) against the CPU twin and the
+NumPy reference. Skipped as a whole without a usable CUDA device.
+
+Integer outputs (tree nodes, parents, visibility, accept paths, compaction) must be equal bit
+for bit; verify attention (FP32) within 1e-5 relative of a float64 evaluation. Every device
+output buffer is poisoned (0xFF bytes) before the kernel runs, and the full-size buffers are
+checked here, so an element the kernel forgets to write shows up.
+"""
+import numpy as np
+import pytest
+
+import kdtree_native as kn
+
+if not kn.cuda_available():
+    pytest.skip("no usable CUDA device", allow_module_level=True)
+
+import tree_cases as tc  # noqa: E402
+from kdtree_native import _cuda_ops as cu  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+R = kn.reference
+N = kn._native
+
+
+def assert_same_tree(a, b, what=""):
+    for field in ("tokens", "depths", "parents", "visibility"):
+        x, y = getattr(a, field), getattr(b, field)
+        assert x.dtype == y.dtype, (what, field, x.dtype, y.dtype)
+        assert x.shape == y.shape and np.array_equal(x, y), (what, field)
+
+
+def check_raw(raw, tree, budget, cache_len):
+    """The full-size device outputs: valid part equals `tree`, padding has its fill value."""
+    n = raw["n"]
+    assert n == tree.n
+    W = (budget + 64) // 64
+    assert np.array_equal(raw["tokens"][:n], tree.tokens) and (raw["tokens"][n:] == -1).all()
+    assert np.array_equal(raw["depths"][:n], tree.depths) and (raw["depths"][n:] == 0).all()
+    assert np.array_equal(raw["parents"][: n + 1], tree.parents) and (raw["parents"][n + 1:] == -1).all()
+    pos = raw["positions"]
+    assert pos[0] == cache_len and np.array_equal(pos[1: n + 1], cache_len + tree.depths)
+    assert (pos[n + 1:] == -1).all()
+    vis = raw["visibility"]
+    assert vis.shape == (budget + 1, W)
+    assert np.array_equal(cu.unpack_visibility(vis, n), tree.visibility)
+    assert (vis[n + 1:] == 0).all()
+    full = np.unpackbits(vis[: n + 1].astype("<u8").view(np.uint8), axis=1, bitorder="little")
+    assert not full[:, n + 1:].any()  # no bits past column n
+
+
+# ----------------------------------------------------------------------------- tree build
+def test_tree_build_equals_cpu_twin_on_random_cases():
+    paths = {0: 0, 1: 0}
+    for i, (cid, lp, ids, budget) in enumerate(tc.case_grid(n_small=3000, n_large=120, seed=77)):
+        cpu = kn.ops.tree_build(lp, ids, budget, device="cpu")
+        gpu = kn.ops.tree_build(lp, ids, budget, device="cuda")
+        assert_same_tree(cpu, gpu, cid)
+        if budget > 0:
+            paths[cu.last_path()] += 1
+        if i % 10 == 0:  # the NumPy oracle too, and the raw poisoned buffers
+            assert_same_tree(R.tree_build(lp, ids, budget), gpu, cid)
+            if budget > 0:
+                raw = N.cuda_tree_build(lp, ids, budget, 5 + i, False)
+                check_raw(raw, gpu, budget, 5 + i)
+    # both paths must have been exercised substantially
+    assert paths[0] > 1000 and paths[1] > 100, paths
+
+
+def test_tree_build_fallback_path_equals_cpu_twin():
+    for i, (cid, lp, ids, budget) in enumerate(tc.case_grid(n_small=600, n_large=20, seed=78)):
+        if budget == 0:
+            continue
+        raw = N.cuda_tree_build(lp, ids, budget, 0, True)
+        assert raw["path"] == 1
+        cpu = kn.ops.tree_build(lp, ids, budget, device="cpu")
+        check_raw(raw, cpu, budget, 0)
+
+
+def realistic_case(seed, budget, depth=15, k=None, sharp=None):
+    rng = np.random.default_rng(seed)
+    k = budget if k is None else k
+    V = max(k + 8, 2048)
+    sharp = rng.uniform(1.0, 4.0) if sharp is None else sharp
+    logits = rng.standard_normal((depth, V)) * sharp
+    logits[:, :8] += rng.uniform(0, 8, (depth, 1)) * np.linspace(1, 0, 8)  # peaky heads
+    logits = logits.astype(np.float32)
+    return R.topk_logsoftmax(logits, k)
+
+
+@pytest.mark.parametrize("budget", [16, 64, 256, 512, 1024])
+def test_tree_build_realistic_takes_parallel_path(budget):
+    for seed in range(6):
+        lp, ids = realistic_case(seed, budget, k=budget if seed % 2 == 0 else min(budget, 32))
+        raw = N.cuda_tree_build(lp, ids, budget, 100, False)
+        cpu = kn.ops.tree_build(lp, ids, budget, device="cpu")
+        check_raw(raw, cpu, budget, 100)
+        assert raw["path"] == 0, (budget, seed)
+
+
+def test_tree_build_corners():
+    lp = np.zeros((1, 1), np.float32)
+    ids = np.array([[7]], np.int32)
+    for budget in (0, 1, 2):
+        assert_same_tree(R.tree_build(lp, ids, budget), kn.ops.tree_build(lp, ids, budget, device="cuda"))
+    # all -inf beyond the first column, K > budget, depth 16 chain
+    lp = np.full((16, 40), -np.inf, np.float32)
+    lp[:, 0] = -0.25
+    ids = np.arange(16 * 40, dtype=np.int32).reshape(16, 40)
+    for budget in (1, 15, 16, 17, 300, 1024):
+        assert_same_tree(R.tree_build(lp, ids, budget), kn.ops.tree_build(lp, ids, budget, device="cuda"))
+    # every entry equal to 0: the whole tree is one big tie
+    lp = np.zeros((16, 64), np.float32)
+    ids = np.arange(16 * 64, dtype=np.int32).reshape(16, 64)
+    for budget in (63, 64, 65, 1024):
+        assert_same_tree(kn.ops.tree_build(lp, ids, budget), kn.ops.tree_build(lp, ids, budget, device="cuda"))
+
+
+def test_tree_build_limits():
+    lp = np.zeros((17, 2), np.float32)
+    ids = np.zeros((17, 2), np.int32)
+    with pytest.raises(ValueError):
+        cu.tree_build(lp, ids, 4)
+    with pytest.raises(ValueError):
+        cu.tree_build(lp[:2], ids[:2], 1025)
+
+
+# ----------------------------------------------------------------------------- top-k + from logits
+def logits_cases():
+    rng = np.random.default_rng(5)
+    yield "small", rng.standard_normal((3, 10)).astype(np.float32) * 3, 4
+    yield "k=V", rng.standard_normal((2, 7)).astype(np.float32), 7
+    yield "V=1", rng.standard_normal((4, 1)).astype(np.float32), 1
+    yield "ints", rng.integers(-3, 3, (5, 300)).astype(np.float32), 50      # massive ties
+    yield "equal", np.full((2, 5000), 1.5, np.float32), 1000                # all equal: ids order
+    x = rng.standard_normal((4, 3000)).astype(np.float32)
+    x[:, 100:2000] = -np.inf
+    yield "neginf", x, 1024
+    z = rng.standard_normal((3, 40000)).astype(np.float32)
+    z[:, ::7] = 0.0
+    z[:, 1::7] = -0.0
+    yield "zeros", z, 300                                                  # -0 ties +0
+    yield "chunks", rng.standard_normal((16, 100003)).astype(np.float32) * 4, 777
+    yield "kimi", (rng.standard_normal((15, 163840)) * 3).astype(np.float32), 1024
+    yield "kimi-k16", (rng.standard_normal((15, 163840)) * 3).astype(np.float32), 16
+
+
+@pytest.mark.parametrize("name,logits,k", list(logits_cases()), ids=lambda v: v if isinstance(v, str) else "")
+def test_topk_logsoftmax_matches_reference(name, logits, k):
+    lp_r, ids_r = R.topk_logsoftmax(logits, k)
+    lp_g, ids_g = kn.ops.topk_logsoftmax(logits, k, device="cuda")
+    assert ids_g.dtype == np.int32 and lp_g.dtype == np.float32
+    assert np.array_equal(ids_r, ids_g), name
+    # log-sum-exp is a float64 sum in both; the summation order differs, so allow 1 ulp
+    diff = np.abs(lp_g.astype(np.float64) - lp_r.astype(np.float64))
+    ulp = np.spacing(np.abs(lp_r)).astype(np.float64)
+    assert (diff <= ulp).all(), (name, float(np.max(diff / np.maximum(ulp, 1e-30))))
+
+
+@pytest.mark.parametrize("budget,top_k", [(1, None), (16, None), (64, 8), (256, None), (1024, None), (300, 1024)])
+def test_tree_build_from_logits_equals_tree_of_its_topk(budget, top_k):
+    rng = np.random.default_rng(budget)
+    for V in (50, 20000):
+        logits = (rng.standard_normal((15, V)) * rng.uniform(1, 4)).astype(np.float32)
+        gpu = kn.ops.tree_build_from_logits(logits, budget, top_k=top_k, device="cuda")
+        k = min(budget if top_k is None else top_k, V)
+        lp, ids = kn.ops.topk_logsoftmax(logits, k, device="cuda")
+        assert_same_tree(kn.ops.tree_build(lp, ids, budget, device="cpu"), gpu)
+        lp_r, ids_r = R.topk_logsoftmax(logits, k)
+        if np.array_equal(lp_r, lp) and np.array_equal(ids_r, ids):
+            assert_same_tree(R.tree_build_from_logits(logits, budget, top_k), gpu)
+
+
+# ----------------------------------------------------------------------------- accept + compaction
+def test_tree_accept_equals_cpu_twin():
+    rng = np.random.default_rng(3)
+    for cid, lp, ids, budget in tc.case_grid(n_small=1500, n_large=40, seed=79):
+        tree = kn.ops.tree_build(lp, ids, budget, device="cpu")
+        for choice in (tc.random_choice(rng, tree, 0.5), tc.random_choice(rng, tree, 1.0), tc.deepest_choice(tree)):
+            p_c, b_c = kn.ops.tree_accept(tree, choice, device="cpu")
+            p_g, b_g = kn.ops.tree_accept(tree, choice, device="cuda")
+            assert p_g.dtype == np.int32 and np.array_equal(p_c, p_g) and b_c == b_g, cid
+
+
+@pytest.mark.parametrize("row", [576, 3, 1, 144])
+def test_kv_compact_equals_reference(row):
+    rng = np.random.default_rng(row)
+    for trial in range(40):
+        layers = int(rng.integers(1, 5))
+        L = int(rng.integers(0, 50))
+        n = int(rng.integers(0, 300))
+        S = L + n + 1 + int(rng.integers(0, 5))
+        cache = rng.standard_normal((layers, S, row)).astype(np.float32)
+        m = int(rng.integers(1, min(n + 1, 17) + 1))
+        path = np.concatenate([[0], np.sort(rng.choice(np.arange(1, n + 1), m - 1, replace=False))]).astype(np.int32)
+        want = cache.copy()
+        for layer in range(layers):
+            R.kv_compact(want[layer], path, L)
+        got = cu.kv_compact(cache, path, L)
+        assert np.array_equal(got, want), (row, trial)
+
+
+def test_fused_accept_compact():
+    rng = np.random.default_rng(11)
+    for cid, lp, ids, budget in tc.case_grid(n_small=200, n_large=10, seed=80):
+        tree = kn.ops.tree_build(lp, ids, budget, device="cpu")
+        choice = tc.random_choice(rng, tree, 0.9)
+        L = int(rng.integers(0, 30))
+        cache = rng.standard_normal((3, L + tree.n + 2, 20)).astype(np.float32)
+        path, bonus, got = cu.accept_compact(tree, choice, cache, L)
+        p_r, b_r = R.tree_accept(tree, choice)
+        assert np.array_equal(path, p_r) and bonus == b_r, cid
+        want = cache.copy()
+        for layer in range(3):
+            R.kv_compact(want[layer], p_r, L)
+        assert np.array_equal(got, want), cid
+
+
+# ----------------------------------------------------------------------------- verify attention
+def random_tree_visibility(rng, T):
+    parents = np.array([-1] + [int(rng.integers(0, i)) for i in range(1, T)], np.int32)
+    return R.tree_visibility(parents)
+
+
+def ref64(ql, qr, kvl, kr, vis, scale):
+    """float64 absorbed MLA attention (the reference's math, through BLAS, row-chunked)."""
+    T, H, C = ql.shape
+    L = kvl.shape[0] - T
+    k = np.concatenate([kvl, kr], axis=1).astype(np.float64)
+    q = np.concatenate([ql, qr], axis=2).astype(np.float64).reshape(T * H, -1)
+    mask = np.ones((T, L + T), bool)
+    mask[:, L:] = vis
+    out = np.empty((T * H, C))
+    step = max(1, 2 ** 25 // max(1, L + T))
+    for a in range(0, T * H, step):
+        s = (q[a: a + step] @ k.T) * scale
+        rows = np.arange(a, min(a + step, T * H)) // H
+        s = np.where(mask[rows], s, -np.inf)
+        s -= s.max(axis=1, keepdims=True)
+        p = np.exp(s)
+        p /= p.sum(axis=1, keepdims=True)
+        out[a: a + step] = p @ k[:, :C]
+    return out.reshape(T, H, C)
+
+
+def attn_case(seed, L, H, B, C=512, R_=64, tree=True):
+    rng = np.random.default_rng(seed)
+    T = B + 1
+    ql = rng.standard_normal((T, H, C)).astype(np.float32)
+    qr = rng.standard_normal((T, H, R_)).astype(np.float32)
+    kvl = rng.standard_normal((L + T, C)).astype(np.float32)
+    kr = rng.standard_normal((L + T, R_)).astype(np.float32)
+    if tree:
+        vis = random_tree_visibility(rng, T)
+    else:
+        vis = rng.random((T, T)) < 0.3
+        np.fill_diagonal(vis, True)
+    scale = float(1.0 / np.sqrt(192.0))
+    return ql, qr, kvl, kr, vis, scale
+
+
+def rel_err(out, ref):
+    return float(np.linalg.norm(out.astype(np.float64) - ref) / max(np.linalg.norm(ref), 1e-300))
+
+
+ATTN_SIZES = [(L, H, B) for i, (L, B) in enumerate([(L, B) for L in (0, 1, 17, 257, 4099) for B in (0, 1, 17, 63, 256, 1024)])
+              for H in ((1, 3, 16, 128)[i % 4], (1, 3, 16, 128)[(i + 2) % 4])]
+
+
+@pytest.mark.parametrize("L,H,B", ATTN_SIZES)
+def test_verify_attention_awkward_sizes(L, H, B):
+    if L * H * (B + 1) > 4099 * 16 * 257 and not (L == 4099 and H == 128 and B == 1024):
+        H = min(H, 16)  # keep the float64 oracle affordable; one full-size case remains
+    ql, qr, kvl, kr, vis, scale = attn_case(L * 1000 + H * 10 + B, L, H, B)
+    out = cu.verify_attention(ql, qr, kvl, kr, vis, scale)
+    assert out.shape == ql.shape and out.dtype == np.float32
+    assert np.isfinite(out).all()
+    ref = ref64(ql, qr, kvl, kr, vis, scale)
+    assert rel_err(out, ref) < 1e-5, (L, H, B, rel_err(out, ref))
+    if (B + 1) * H * (L + B + 1) <= 2_000_000:  # the project's oracle itself on the small ones
+        ref2 = R.verify_attention(ql, qr, kvl, kr, vis, scale)
+        assert rel_err(out, ref2) < 1e-5
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3, 7])
+def test_verify_attention_splits_and_naive(splits):
+    ql, qr, kvl, kr, vis, scale = attn_case(9, 1000, 3, 40, tree=False)
+    ref = ref64(ql, qr, kvl, kr, vis, scale)
+    out = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_splits=splits)
+    assert rel_err(out, ref) < 1e-5
+    naive = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_naive=True)
+    assert rel_err(naive, ref) < 1e-5
+
+
+@pytest.mark.parametrize("C,R_", [(32, 16), (512, 32), (100, 0 + 8)])
+def test_verify_attention_other_shapes_use_plain_kernel(C, R_):
+    ql, qr, kvl, kr, vis, scale = attn_case(4, 70, 5, 30, C=C, R_=R_)
+    out = cu.verify_attention(ql, qr, kvl, kr, vis, scale)
+    assert rel_err(out, ref64(ql, qr, kvl, kr, vis, scale)) < 1e-5
+
+
+def test_verify_attention_matches_reference_api_on_a_tree():
+    lp, ids = realistic_case(1, 64)
+    tree = kn.ops.tree_build(lp, ids, 64, device="cuda")
+    T = tree.n + 1
+    rng = np.random.default_rng(2)
+    H, L = 8, 300
+    ql = rng.standard_normal((T, H, 512)).astype(np.float32)
+    qr = rng.standard_normal((T, H, 64)).astype(np.float32)
+    kvl = rng.standard_normal((L + T, 512)).astype(np.float32)
+    kr = rng.standard_normal((L + T, 64)).astype(np.float32)
+    ref = R.verify_attention(ql, qr, kvl, kr, tree.visibility, 0.1)
+    out = cu.verify_attention(ql, qr, kvl, kr, tree.visibility, 0.1)
+    assert rel_err(out, ref) < 1e-5
