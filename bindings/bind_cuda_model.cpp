@@ -253,6 +253,8 @@ void bind_cuda_model(py::module_& m) {
             self.commit(keep.data(), (int64_t)keep.size());
           },
           py::arg("keep"), "Keep pending entries keep[j] (strictly increasing) packed after the context.")
+      .def("truncate", &Model::truncate, py::arg("n"),
+           "Keep only the first n committed cache entries (0 <= n <= cache_len) and drop the pending ones.")
       .def("reset", &Model::reset)
       .def_property_readonly("cache_len", &Model::cache_len)
       .def_property_readonly("pending_len", &Model::pending_len)

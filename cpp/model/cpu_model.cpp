@@ -20,6 +20,7 @@
 
 #include "common.h"
 #include "model/ops.h"
+#include "model/parallel.h"
 #include "model/sgemm.h"
 
 #ifdef _OPENMP
@@ -217,8 +218,8 @@ void CpuModel::ensure_workspace(int64_t T) {
   grow(mlp_out_, T * Dm);
   grow(gu_, T * 2 * I);
   grow(act_, T * I);
-  grow(xe_, T * Dm);
-  grow(ye_, T * Dm);
+  grow(xe_, T * std::max<int64_t>(K, 1) * Dm);
+  grow(ye_, T * std::max<int64_t>(K, 1) * Dm);
   if (E > 0) {
     grow(router_logits_, T * E);
     grow(biased_, T * E);
@@ -229,6 +230,9 @@ void CpuModel::ensure_workspace(int64_t T) {
     grow(expert_count_, E + 1);
     grow(expert_tok_, T * K);
     grow(expert_w_, T * K);
+    grow(expert_active_, E);
+    grow(egu_, T * K * 2 * c.moe_intermediate_size);
+    grow(eact_, T * K * c.moe_intermediate_size);
   }
   ws_T_ = T;
 }
@@ -344,10 +348,9 @@ void CpuModel::attention(Layer& ly, const int32_t* positions, const uint8_t* vis
   for (int64_t i = 0; i < T * Dm; ++i) x[i] += out[i];
 }
 
-void CpuModel::swiglu_mlp(const float* x, int64_t n, const float* gate_up, const float* down, int64_t I, float* y) {
+void CpuModel::swiglu_mlp(const float* x, int64_t n, const float* gate_up, const float* down, int64_t I, float* y,
+                          float* gu, float* act) {
   const int64_t Dm = cfg_.hidden_size;
-  float* gu = gu_.data();
-  float* act = act_.data();
   sgemm(true, n, 2 * I, Dm, 1.f, x, Dm, gate_up, Dm, 0.f, gu, 2 * I);
   KD_PARALLEL_FOR_IF(n * I >= kParallelWork)
   for (int64_t r = 0; r < n; ++r) swiglu_row(gu + r * 2 * I, I, act + r * I);
@@ -355,7 +358,8 @@ void CpuModel::swiglu_mlp(const float* x, int64_t n, const float* gate_up, const
 }
 
 void CpuModel::dense_mlp(const Layer& ly, int64_t T) {
-  swiglu_mlp(hn_.data(), T, ly.mlp_gate_up.data(), ly.mlp_down.data(), cfg_.intermediate_size, mlp_out_.data());
+  swiglu_mlp(hn_.data(), T, ly.mlp_gate_up.data(), ly.mlp_down.data(), cfg_.intermediate_size, mlp_out_.data(),
+             gu_.data(), act_.data());
 }
 
 // Router, exactly as HF DeepseekV3TopkRouter: sigmoid scores; selection on scores + bias with
@@ -441,27 +445,36 @@ void CpuModel::moe_mlp(const Layer& ly, int64_t T) {
   for (int64_t e = E; e > 0; --e) off[e] = off[e - 1];
   off[0] = 0;
 
-  // Routed experts, ascending expert index (HF's index_add order), each one GEMM over its tokens.
+  // Every assignment's input row, grouped by expert: xe_[j] = hn[expert_tok_[j]].
+  const int64_t A = T * K;
+  for (int64_t j = 0; j < A; ++j)
+    std::memcpy(xe_.data() + j * Dm, hn_.data() + (int64_t)expert_tok_[j] * Dm, (size_t)Dm * sizeof(float));
+  // Routed experts: one fused SwiGLU (two GEMMs) over each expert's rows, in that expert's own rows
+  // of the expert workspaces. Independent of each other, so they are shared out whole among the
+  // pool's threads (parallel.h: one hand-off per layer instead of two per expert; a GEMM inside a
+  // shared-out expert runs on its thread alone). The arithmetic of every row is the same either way.
+  int32_t* active = expert_active_.data();
+  int64_t n_active = 0;
+  for (int64_t e = 0; e < E; ++e)
+    if (off[e + 1] > off[e]) active[n_active++] = (int32_t)e;
+  auto run_expert = [&](int64_t i) {
+    const int64_t e = active[i], r0 = off[e], n = off[e + 1] - off[e];
+    swiglu_mlp(xe_.data() + r0 * Dm, n, ly.experts_gate_up.data() + e * 2 * Ie * Dm, ly.experts_down.data() + e * Dm * Ie,
+               Ie, ye_.data() + r0 * Dm, egu_.data() + r0 * 2 * Ie, eact_.data() + r0 * Ie);
+  };
+  parallel_chunks(n_active, run_expert);
+  // Weighted sum into each token's row, in ascending expert order (HF's index_add order).
   float* out = mlp_out_.data();
   std::fill(out, out + T * Dm, 0.f);
-  for (int64_t e = 0; e < E; ++e) {
-    const int64_t n = off[e + 1] - off[e];
-    if (n == 0) continue;
-    const int32_t* toks = expert_tok_.data() + off[e];
-    const float* ws = expert_w_.data() + off[e];
-    for (int64_t r = 0; r < n; ++r)
-      std::memcpy(xe_.data() + r * Dm, hn_.data() + (int64_t)toks[r] * Dm, (size_t)Dm * sizeof(float));
-    swiglu_mlp(xe_.data(), n, ly.experts_gate_up.data() + e * 2 * Ie * Dm, ly.experts_down.data() + e * Dm * Ie, Ie,
-               ye_.data());
-    for (int64_t r = 0; r < n; ++r) {
-      float* o = out + (int64_t)toks[r] * Dm;
-      const float* y = ye_.data() + r * Dm;
-      const float wr = ws[r];
-      for (int64_t i = 0; i < Dm; ++i) o[i] += y[i] * wr;
-    }
+  for (int64_t j = 0; j < A; ++j) {
+    float* o = out + (int64_t)expert_tok_[j] * Dm;
+    const float* y = ye_.data() + j * Dm;
+    const float wr = expert_w_[j];
+    for (int64_t i = 0; i < Dm; ++i) o[i] += y[i] * wr;
   }
   if (c.n_shared_experts > 0) {
-    swiglu_mlp(hn_.data(), T, ly.shared_gate_up.data(), ly.shared_down.data(), Ie * c.n_shared_experts, ye_.data());
+    swiglu_mlp(hn_.data(), T, ly.shared_gate_up.data(), ly.shared_down.data(), Ie * c.n_shared_experts, ye_.data(),
+               gu_.data(), act_.data());
     const float* y = ye_.data();
     KD_PARALLEL_FOR_IF(T * Dm >= kParallelWork)
     for (int64_t i = 0; i < T * Dm; ++i) out[i] += y[i];
@@ -478,6 +491,13 @@ void CpuModel::commit(const int32_t* keep, int64_t n) {
       if (keep[j] != j) std::memcpy(cache + (L + j) * CR, cache + (L + keep[j]) * CR, (size_t)CR * sizeof(float));
   }
   cache_len_ += n;
+  pending_ = 0;
+}
+
+void CpuModel::truncate(int64_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_truncate_args(*this, n);
+  cache_len_ = n;  // rows past n are simply overwritten by later forwards
   pending_ = 0;
 }
 
@@ -500,7 +520,7 @@ int64_t CpuModel::memory_bytes() const {
       n += v->size();
   }
   for (const std::vector<float>* v : {&x_, &hn_, &qa_, &q_, &kv_, &qfull_, &cs_, &scores_, &olat_, &ov_, &mlp_out_,
-                                      &gu_, &act_, &xe_, &ye_, &router_logits_, &topk_w_, &expert_w_, &biased_,
+                                      &gu_, &act_, &xe_, &ye_, &egu_, &eact_, &router_logits_, &topk_w_, &expert_w_, &biased_,
                                       &group_score_})
     n += v->size();
   return (int64_t)(n * sizeof(float));

@@ -32,6 +32,7 @@ class CpuModel : public TargetModel {
   void forward(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
                float* logits_out) override;
   void commit(const int32_t* keep, int64_t n) override;
+  void truncate(int64_t n) override;
   void reset() override;
   int64_t cache_len() const override { return cache_len_; }
   int64_t pending_len() const override { return pending_; }
@@ -72,7 +73,9 @@ class CpuModel : public TargetModel {
   void attention(Layer& ly, const int32_t* positions, const uint8_t* vis, int64_t T);
   void dense_mlp(const Layer& ly, int64_t T);
   void moe_mlp(const Layer& ly, int64_t T);
-  void swiglu_mlp(const float* x, int64_t n, const float* gate_up, const float* down, int64_t I, float* y);
+  // y[n, Dm] = down(silu(gate(x)) * up(x)); gu [n, 2I] and act [n, I] are its scratch rows.
+  void swiglu_mlp(const float* x, int64_t n, const float* gate_up, const float* down, int64_t I, float* y, float* gu,
+                  float* act);
 
   ModelConfig cfg_;
   int64_t max_seq_len_;
@@ -95,8 +98,10 @@ class CpuModel : public TargetModel {
   std::vector<float> olat_;            // [T, H, C] attention output in latent space
   std::vector<float> ov_;              // [T, H*Dv]
   std::vector<float> mlp_out_;         // [T, Dm]
-  std::vector<float> gu_, act_;        // [T*, 2I], [T*, I] (rows: T for dense/shared, per-expert tokens)
-  std::vector<float> xe_, ye_;         // [T, Dm] gathered expert input / output
+  std::vector<float> gu_, act_;        // [T, 2I], [T, I] dense / shared-expert SwiGLU scratch
+  std::vector<float> xe_, ye_;         // [T*k, Dm] expert inputs / outputs, rows grouped by expert
+  std::vector<float> egu_, eact_;      // [T*k, 2Ie], [T*k, Ie] routed-expert SwiGLU scratch
+  std::vector<int32_t> expert_active_; // [E] experts with at least one token
   std::vector<float> router_logits_;   // [T, E]
   std::vector<int32_t> topk_idx_;      // [T, k]
   std::vector<float> topk_w_;          // [T, k]

@@ -36,4 +36,10 @@ void check_commit_args(const TargetModel& m, const int32_t* keep, int64_t n) {
   }
 }
 
+void check_truncate_args(const TargetModel& m, int64_t n) {
+  if (n < 0 || n > m.cache_len())
+    throw Error("truncate: length " + std::to_string(n) + " outside [0, cache_len = " + std::to_string(m.cache_len()) +
+                "]");
+}
+
 }  // namespace kdtree

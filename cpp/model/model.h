@@ -7,7 +7,8 @@
 // returns logits [T, V]; commit(keep, n) keeps pending entries keep[0..n) (indices into the T
 // pending tokens, strictly increasing), packs them right after the committed context and
 // advances cache_len by n; the rest are dropped. A forward without a commit is simply
-// overwritten by the next forward.
+// overwritten by the next forward. truncate(n) rolls the committed cache back to its first n
+// entries (a drafter's speculative chain, a rejected continuation) without recomputing them.
 //
 // Legend: T = new tokens, V = vocab, L = committed cache length.
 #pragma once
@@ -43,6 +44,9 @@ class TargetModel {
   virtual void forward(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
                        float* logits_out) = 0;
   virtual void commit(const int32_t* keep, int64_t n) = 0;
+  // Keep only the first n committed entries (0 <= n <= cache_len; Error otherwise) and drop any
+  // pending window: cache_len = n, the next forward writes at slot n. O(1), nothing is moved.
+  virtual void truncate(int64_t n) = 0;
   virtual void reset() = 0;
   virtual int64_t cache_len() const = 0;
   virtual int64_t pending_len() const = 0;  // T of the last forward not yet committed, else 0
@@ -51,5 +55,6 @@ class TargetModel {
 // Input checks shared by the backends (throw Error naming the problem).
 void check_forward_args(const TargetModel& m, const int32_t* tokens, const int32_t* positions, int64_t T);
 void check_commit_args(const TargetModel& m, const int32_t* keep, int64_t n);
+void check_truncate_args(const TargetModel& m, int64_t n);
 
 }  // namespace kdtree

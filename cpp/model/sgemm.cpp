@@ -8,8 +8,11 @@
 // saves, so rows are computed directly: dot products (B^T) or axpy sweeps (B).
 #include "model/sgemm.h"
 
+#include "model/parallel.h"
+
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -18,6 +21,9 @@
 #endif
 #ifdef _OPENMP
 #include <omp.h>
+#endif
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#include <immintrin.h>
 #endif
 
 // Function multiversioning: an AVX2+FMA clone and a baseline one, chosen at load time.
@@ -224,6 +230,183 @@ void small_m(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const f
   }
 }
 
+// ---- Skinny GEMMs (few rows: decode, tree verify, per-expert blocks), AVX2+FMA ----------------
+//
+// With M up to a few dozen rows, a packing GEMM (OpenBLAS, or the portable kernel above) spends
+// most of its time copying the weight matrix into its packed layout (OpenBLAS 0.3.21: M = 2 costs
+// 5x M = 1's sgemv), plus a per-call overhead that adds up over the ~250 GEMMs of a forward. These
+// kernels read the operands where they are, once:
+//
+// * trans_b (B = a weight [N, K], the nn.Linear case): a 3-row x 4-column tile of dot products,
+//   12 eight-float accumulators over K, reduced with horizontal adds at the end; the 4 weight
+//   rows are streamed once per 3 activation rows (activations stay in L1/L2).
+// * B not transposed ([K, N]): a 6-row x 16-column outer-product tile straight on B's rows.
+//
+// Compiled for AVX2+FMA through function attributes and chosen at run time (cpu_supports), so the
+// library itself stays baseline x86-64; elsewhere sgemm() falls back to CBLAS / portable.
+#if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
+#define KD_SKINNY 1
+#define KD_AVX2 __attribute__((target("avx2,fma")))
+#define KD_AVX2_INLINE __attribute__((target("avx2,fma"), always_inline)) inline
+
+KD_AVX2_INLINE void put(float* c, float v, float alpha, float beta) {
+  v *= alpha;
+  *c = (beta == 0.f) ? v : beta * *c + v;
+}
+
+KD_AVX2_INLINE float hsum(__m256 a) {
+  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+// [sum(a0), sum(a1), sum(a2), sum(a3)]
+KD_AVX2_INLINE __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+}
+
+// C[MB, NB] (+)= A[MB, K] . B[NB, K]^T. With PF, the k range [pk0, pk1) of the same NB weight
+// rows `pf` rows further on is prefetched (64-byte lines), so later blocks arrive while this one
+// computes.
+template <int MB, int NB, bool PF>
+KD_AVX2_INLINE void tile_tb(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float alpha,
+                            float beta, float* C, int64_t ldc, int64_t pf, int64_t pk0, int64_t pk1) {
+  __m256 acc[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    __m256 b[NB];
+    for (int j = 0; j < NB; ++j) b[j] = _mm256_loadu_ps(B + j * ldb + k);
+    if constexpr (PF) {
+      if ((k & 15) == 0 && k >= pk0 && k < pk1)
+        for (int j = 0; j < NB; ++j) _mm_prefetch((const char*)(B + (pf + j) * ldb + k), _MM_HINT_T0);
+    }
+    for (int i = 0; i < MB; ++i) {
+      const __m256 a = _mm256_loadu_ps(A + i * lda + k);
+      for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_fmadd_ps(a, b[j], acc[i][j]);
+    }
+  }
+  float tail[MB][NB];
+  for (int i = 0; i < MB; ++i)
+    for (int j = 0; j < NB; ++j) tail[i][j] = 0.f;
+  for (; k < K; ++k)
+    for (int i = 0; i < MB; ++i)
+      for (int j = 0; j < NB; ++j) tail[i][j] += A[i * lda + k] * B[j * ldb + k];
+  for (int i = 0; i < MB; ++i) {
+    float s[NB];
+    if constexpr (NB % 4 == 0) {
+      for (int j = 0; j < NB; j += 4) _mm_storeu_ps(s + j, hsum4(acc[i][j], acc[i][j + 1], acc[i][j + 2], acc[i][j + 3]));
+    } else {
+      for (int j = 0; j < NB; ++j) s[j] = hsum(acc[i][j]);
+    }
+    for (int j = 0; j < NB; ++j) put(C + i * ldc + j, s[j] + tail[i][j], alpha, beta);
+  }
+}
+
+// Software prefetch of the weights pays off for few rows, where the kernel waits on memory. With
+// more rows the core is busy anyway and lines prefetched that far ahead only evict A from L1
+// (measured on Zen 3: slower from ~24 rows on), so the hardware prefetchers are left alone there.
+constexpr int64_t kPrefetchMaxM = 20;
+
+// All M rows against NB weight rows: 3-row tiles, then 2 or 1. When prefetching, each tile issues
+// an equal share of the prefetches for the block `pf` rows on, so they are spread out in time.
+template <int NB>
+KD_AVX2_INLINE void rows_tb(int64_t M, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
+                            float alpha, float beta, float* C, int64_t ldc, int64_t pf) {
+  const int64_t ntiles = (M + 2) / 3;
+  int64_t m = 0, t = 0;
+  if (pf > 0) {
+    auto share = [&](int64_t i) { return i >= ntiles ? K : ((K * i / ntiles) & ~int64_t(15)); };
+    for (; m + 3 <= M; m += 3, ++t)
+      tile_tb<3, NB, true>(K, A + m * lda, lda, B, ldb, alpha, beta, C + m * ldc, ldc, pf, share(t), share(t + 1));
+    if (M - m == 2)
+      tile_tb<2, NB, true>(K, A + m * lda, lda, B, ldb, alpha, beta, C + m * ldc, ldc, pf, share(t), share(t + 1));
+    else if (M - m == 1)
+      tile_tb<1, NB, true>(K, A + m * lda, lda, B, ldb, alpha, beta, C + m * ldc, ldc, pf, share(t), share(t + 1));
+    return;
+  }
+  for (; m + 3 <= M; m += 3) tile_tb<3, NB, false>(K, A + m * lda, lda, B, ldb, alpha, beta, C + m * ldc, ldc, 0, 0, 0);
+  if (M - m == 2) tile_tb<2, NB, false>(K, A + m * lda, lda, B, ldb, alpha, beta, C + m * ldc, ldc, 0, 0, 0);
+  else if (M - m == 1) tile_tb<1, NB, false>(K, A + m * lda, lda, B, ldb, alpha, beta, C + m * ldc, ldc, 0, 0, 0);
+}
+
+// Columns [n0, n1) of C = alpha * A @ B^T + beta * C.
+KD_AVX2 void skinny_tb(int64_t M, int64_t n0, int64_t n1, int64_t K, float alpha, const float* A, int64_t lda,
+                       const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  // Prefetch distance: ~8 KB of weights ahead, in whole rows (at least one 8-row block).
+  const int64_t pf = M > kPrefetchMaxM ? 0 : std::min<int64_t>(64, std::max<int64_t>(8, 2048 / std::max<int64_t>(ldb, 1)));
+  int64_t n = n0;
+  if (M == 1)  // one row (decode): 8 weight rows per pass, 8 independent accumulators
+    for (; n + 8 <= n1; n += 8) tile_tb<1, 8, true>(K, A, lda, B + n * ldb, ldb, alpha, beta, C + n, ldc, pf, 0, K);
+  for (; n + 4 <= n1; n += 4) rows_tb<4>(M, K, A, lda, B + n * ldb, ldb, alpha, beta, C + n, ldc, pf);
+  for (; n < n1; ++n) rows_tb<1>(M, K, A, lda, B + n * ldb, ldb, alpha, beta, C + n, ldc, 0);
+}
+
+// C[MB, 16] (+)= A[MB, K] @ B[K, 0:16] (B rows of stride ldb). Separate accumulator arrays per
+// half: with one [MB][2] array GCC kept a copy on the stack, stored every iteration.
+template <int MB>
+KD_AVX2_INLINE void tile_nn(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float alpha,
+                            float beta, float* C, int64_t ldc) {
+  __m256 acc0[MB], acc1[MB];
+  for (int i = 0; i < MB; ++i) {
+    acc0[i] = _mm256_setzero_ps();
+    acc1[i] = _mm256_setzero_ps();
+  }
+  for (int64_t k = 0; k < K; ++k) {
+    const __m256 b0 = _mm256_loadu_ps(B + k * ldb), b1 = _mm256_loadu_ps(B + k * ldb + 8);
+    for (int i = 0; i < MB; ++i) {
+      const __m256 a = _mm256_broadcast_ss(A + i * lda + k);
+      acc0[i] = _mm256_fmadd_ps(a, b0, acc0[i]);
+      acc1[i] = _mm256_fmadd_ps(a, b1, acc1[i]);
+    }
+  }
+  const __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta);
+  for (int i = 0; i < MB; ++i) {
+    float* c = C + i * ldc;
+    __m256 r0 = _mm256_mul_ps(va, acc0[i]), r1 = _mm256_mul_ps(va, acc1[i]);
+    if (beta != 0.f) {
+      r0 = _mm256_fmadd_ps(vb, _mm256_loadu_ps(c), r0);
+      r1 = _mm256_fmadd_ps(vb, _mm256_loadu_ps(c + 8), r1);
+    }
+    _mm256_storeu_ps(c, r0);
+    _mm256_storeu_ps(c + 8, r1);
+  }
+}
+
+KD_AVX2 void skinny_nn(int64_t M, int64_t n0, int64_t n1, int64_t K, float alpha, const float* A, int64_t lda,
+                       const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  int64_t n = n0;
+  for (; n + 16 <= n1; n += 16) {
+    int64_t m = 0;
+    for (; m + 6 <= M; m += 6) tile_nn<6>(K, A + m * lda, lda, B + n, ldb, alpha, beta, C + m * ldc + n, ldc);
+    switch (M - m) {
+      case 5: tile_nn<5>(K, A + m * lda, lda, B + n, ldb, alpha, beta, C + m * ldc + n, ldc); break;
+      case 4: tile_nn<4>(K, A + m * lda, lda, B + n, ldb, alpha, beta, C + m * ldc + n, ldc); break;
+      case 3: tile_nn<3>(K, A + m * lda, lda, B + n, ldb, alpha, beta, C + m * ldc + n, ldc); break;
+      case 2: tile_nn<2>(K, A + m * lda, lda, B + n, ldb, alpha, beta, C + m * ldc + n, ldc); break;
+      case 1: tile_nn<1>(K, A + m * lda, lda, B + n, ldb, alpha, beta, C + m * ldc + n, ldc); break;
+      default: break;
+    }
+  }
+  for (; n < n1; ++n)  // leftover columns (N % 16): plain loops
+    for (int64_t m = 0; m < M; ++m) {
+      float s = 0.f;
+      for (int64_t k = 0; k < K; ++k) s += A[m * lda + k] * B[k * ldb + n];
+      put(C + m * ldc + n, s, alpha, beta);
+    }
+}
+
+bool cpu_has_avx2_fma() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return ok;
+}
+#endif  // KD_SKINNY
+
 }  // namespace
 
 void sgemm_portable(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
@@ -278,14 +461,70 @@ void sgemm_portable(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, 
   }
 }
 
+namespace {
+#ifdef KD_SKINNY
+// Which GEMMs take the skinny kernels: up to 128 rows always (every projection of a decode step
+// or of a tree verify of up to 128 tokens), up to kSkinnyMaxM rows when B is small enough to stay
+// in L2 (attention over the cache: H rows per token). Larger ones (prefill projections) go to
+// CBLAS / the portable kernel, whose packing and threads pay off there. Threads: column chunks
+// through the work-sharing pool of parallel.h, never an OpenMP team or OpenBLAS's threads (these
+// calls take 10-300 us; a barrier waiting for a descheduled thread costs more on a shared machine).
+// KDTREE_SKINNY_MAX_M overrides kSkinnyMaxM (0 = never skinny: the CBLAS / portable paths
+// alone, for A/B measurements); read once.
+const int64_t kSkinnyMaxM = [] {
+  const char* v = std::getenv("KDTREE_SKINNY_MAX_M");
+  return (v && *v) ? (int64_t)std::atoll(v) : (int64_t)1024;
+}();
+constexpr int64_t kSkinnyAlwaysM = 128;
+constexpr int64_t kParallelB = 1 << 15;     // floats of B (128 KiB): ~15 us to stream from DRAM
+constexpr int64_t kParallelWork = 1 << 20;  // multiply-adds: ~20 us of compute
+constexpr int64_t kSkinnyMaxB = 1 << 18;  // floats of B (1 MiB) above which many rows go to BLAS
+
+bool sgemm_skinny(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+                  const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (kSkinnyMaxM <= 0 || K <= 0 || !cpu_has_avx2_fma()) return false;
+  if (M > std::min(kSkinnyAlwaysM, kSkinnyMaxM) && (M > kSkinnyMaxM || N * K > kSkinnyMaxB)) return false;
+  auto cols = [&](int64_t n0, int64_t n1) {
+    if (!trans_b) {
+      skinny_nn(M, n0, n1, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    } else if (M <= kSkinnyAlwaysM) {  // weights: B streamed once
+      skinny_tb(M, n0, n1, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    } else {  // many rows (attention scores: H per token): 48-row chunks keep A's chunk in L2
+      for (int64_t m0 = 0; m0 < M; m0 += 48)
+        skinny_tb(std::min<int64_t>(48, M - m0), n0, n1, K, alpha, A + m0 * lda, lda, B, ldb, beta, C + m0 * ldc,
+                  ldc);
+    }
+  };
+  // Column chunks shared with the pool's helpers (parallel.h) when the call is worth it: at least
+  // kParallelB floats of B (streaming them is the cost of a decode GEMM) or kParallelWork MACs.
+  const int64_t step = trans_b ? 8 : 16;
+  const int nt = (N * K >= kParallelB || M * N * K >= kParallelWork) ? parallel_threads() : 1;
+  const int64_t chunks = std::min<int64_t>(4 * nt, N / (2 * step));
+  if (nt <= 1 || chunks <= 1) {
+    cols(0, N);
+    return true;
+  }
+  auto chunk = [&](int64_t i) {
+    const int64_t c = (N + step - 1) / step;  // whole steps per chunk, the last one takes the rest
+    cols(std::min(N, c * i / chunks * step), std::min(N, c * (i + 1) / chunks * step));
+  };
+  parallel_chunks(chunks, chunk);
+  return true;
+}
+#endif
+}  // namespace
+
 void sgemm(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
            const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-#ifdef KDTREE_HAVE_CBLAS
   if (g_force_portable.load(std::memory_order_relaxed)) {
     sgemm_portable(trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
     return;
   }
   if (M <= 0 || N <= 0) return;
+#ifdef KD_SKINNY
+  if (alpha != 0.f && sgemm_skinny(trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc)) return;
+#endif
+#ifdef KDTREE_HAVE_CBLAS
   if (K <= 0) {
     scale_c(M, N, beta, C, ldc);
     return;

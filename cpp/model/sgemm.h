@@ -4,7 +4,8 @@
 //   op(B) = B^T with B stored [N,K] when trans_b (the nn.Linear layout: y = x @ W^T),
 //   op(B) = B   with B stored [K,N] otherwise.
 //
-// sgemm() uses CBLAS when the build found one (KDTREE_HAVE_CBLAS: OpenBLAS on Linux) and the
+// sgemm() uses the skinny AVX2 kernels for few rows (decode, tree verify, experts; threaded through
+// parallel.h), else CBLAS when the build found one (KDTREE_HAVE_CBLAS: OpenBLAS on Linux) and the
 // portable kernel otherwise; sgemm_portable() is always the portable kernel (tested against a
 // plain triple loop and against CBLAS in tests/cpp/test_cpu_model.cpp and in pytest via
 // _native.sgemm_selftest). With beta == 0, C is not read (it may hold garbage or NaN).

@@ -731,6 +731,13 @@ void CudaModel::commit(const int32_t* keep, int64_t n) {
   pending_ = 0;
 }
 
+void CudaModel::truncate(int64_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_truncate_args(*this, n);
+  cache_len_ = n;  // a host-side length: later forwards overwrite the device rows past n
+  pending_ = 0;
+}
+
 void CudaModel::commit_device(const int32_t* keep_d, const int32_t* count_d) {
   std::lock_guard<std::mutex> lock(mu_);
   if (!keep_d || !count_d) throw Error("commit_device: null device pointer");

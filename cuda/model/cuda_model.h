@@ -63,6 +63,7 @@ class CudaModel : public TargetModel {
   void forward(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
                float* logits_out) override;
   void commit(const int32_t* keep, int64_t n) override;
+  void truncate(int64_t n) override;
   void reset() override;
   int64_t cache_len() const override { return cache_len_; }
   int64_t pending_len() const override { return pending_; }

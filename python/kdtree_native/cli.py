@@ -47,8 +47,8 @@ def _parse_ids(text):
 
 
 class _Streamer:
-    """progress callback: prints new tokens (text when a tokenizer is known) as they come, or a
-    progress indicator (`quiet`) on stderr."""
+    """progress callback: prints new tokens (text when a tokenizer is known) as they come, or
+    (stream=False) a progress indicator on stderr, only when stderr is a terminal (\r updates)."""
 
     def __init__(self, tokenizer=None, stream=True, label=""):
         self.tok, self.stream, self.label = tokenizer, stream, label
@@ -65,7 +65,7 @@ class _Streamer:
             else:
                 sys.stdout.write("".join(f" {t}" for t in new_tokens))
             sys.stdout.flush()
-        else:
+        elif sys.stderr.isatty():
             now = time.perf_counter()
             if now - self.last > 0.2 or done == total:
                 self.last = now
@@ -76,7 +76,7 @@ class _Streamer:
                 sys.stderr.flush()
 
     def finish(self):
-        if not self.stream and self.ids:
+        if not self.stream and self.ids and sys.stderr.isatty():
             sys.stderr.write("\n")
 
 
@@ -94,7 +94,7 @@ def _make_drafter(name, engine, args, prompt, n):
         from .engine import Engine
 
         draft_engine = Engine.from_pretrained(args.draft_model, device=args.device, max_seq_len=args.max_seq_len)
-        return drafters.ModelDrafter(draft_engine)
+        return drafters.ModelDrafter(draft_engine, min_chain_prob=DEMO_MODEL_MIN_CHAIN_PROB)
     if name.startswith("oracle"):
         noise = float(name.split(":", 1)[1]) if ":" in name else 0.0
         ref = generate(engine, prompt, n, temperature=0.0).tokens  # the answer, from AR
@@ -201,46 +201,88 @@ def _demo_models(args):
             "random 3-layer DeepSeek-V3-shaped model (hidden 384, vocab 2048), random 1-layer drafter")
 
 
-DEMO_PROMPT = ("The quick brown fox jumps over the lazy dog. The quick brown fox jumps over the lazy dog. "
-               "Once upon a time, there was a little")
+# The demo's prompt: Python code, as the embedded model was trained on the standard library; it ends
+# on a visible character (docs/TRAINING.md: a trailing newline or indentation derails the model).
+DEMO_PROMPT = ('class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n'
+               '        self.items = []\n\n    def push(self, item):\n        self.items.append(item)')
+
+# Default tree budget / depth per drafter: the best CPU tokens/s of the sweep over budgets
+# {4, 8, 16, 32, 64} x depths {4, 6, 8, 15} on held-out prompts (benchmarks/bench_cpu_engine.py,
+# results in docs/BENCHMARKS.md). The model drafter also stops its chain early once the product of
+# its top-1 probabilities falls below DEMO_MODEL_MIN_CHAIN_PROB.
+DEMO_NGRAM = (8, 15)
+DEMO_MODEL = (8, 8)
+DEMO_MODEL_MIN_CHAIN_PROB = 0.1
 
 
 def _cmd_demo(args):
     from .drafters import ModelDrafter, NgramDrafter, OracleDrafter
     from .generation import generate
 
+    t0 = time.perf_counter()
     eng, draft_eng, tok, what = _demo_models(args)
-    print(f"model: {what}")
-    prompt = tok.encode(args.prompt or DEMO_PROMPT).ids if tok else [int(x) for x in
-                                                                        np.random.default_rng(0).integers(2, 2048, 24)]
+    print(f"model: {what} (loaded in {time.perf_counter() - t0:.1f} s)")
+    text = args.prompt if args.prompt is not None else DEMO_PROMPT
+    prompt = tok.encode(text).ids if tok else [int(x) for x in np.random.default_rng(0).integers(2, 2048, 24)]
     n = args.max_new_tokens
-    rows = []
+    tty = sys.stdout.isatty()
 
-    def run(label, drafter, budget):
-        stream = _Streamer(None, stream=False, label=f"{label:<22}")
-        res = generate(eng, prompt, n, drafter=drafter, tree_budget=budget, depth=args.depth, progress=stream)
-        rows.append((label, res))
-        return res
-
-    ar = run("AR (no drafter)", None, 0)
-    run(f"DDTree n-gram B={args.budget}", NgramDrafter(), args.budget)
-    if draft_eng is not None:
-        run(f"DDTree model B={args.budget}", ModelDrafter(draft_eng), args.budget)
-    run(f"DDTree oracle B={args.budget}", OracleDrafter(ar.tokens, vocab_size=eng.vocab_size), args.budget)
+    # The text, once: an AR run streamed as it is generated (untimed: it is also the warm-up).
+    print("-" * 72)
     if tok is not None:
-        print("\n" + (args.prompt or DEMO_PROMPT) + tok.decode(ar.tokens.tolist()) + "\n")
-    base = ar.stats["tokens_per_second"]
-    print(f"{'mode':<24}{'tokens':>7}{'seconds':>9}{'tok/s':>9}{'speedup':>9}{'mean acc':>10}  same as AR")
-    for label, res in rows:
-        s = res.stats
-        same = np.array_equal(res.tokens, ar.tokens)
-        print(f"{label:<24}{s['num_tokens']:>7}{s['seconds']['total']:>9.3f}{s['tokens_per_second']:>9.1f}"
-              f"{s['tokens_per_second'] / base if base else 0:>8.2f}x{s['mean_acceptance_length']:>10.2f}  "
-              f"{'yes' if same else 'NO'}")
-        if not same:
-            print("error: DDTree output differs from AR", file=sys.stderr)
-            return 1
-    print("(oracle = a drafter that knows the AR answer: the ceiling for this budget/depth)")
+        sys.stdout.write(text)
+    else:
+        sys.stdout.write("prompt ids:" + "".join(f" {t}" for t in prompt) + "\ngenerated ids:")
+    sys.stdout.flush()
+    streamer = _Streamer(tok, stream=True)
+    ref = generate(eng, prompt, n, progress=streamer)
+    print("\n" + "-" * 72)
+
+    def setting(default):
+        return (args.budget if args.budget is not None else default[0],
+                args.depth if args.depth is not None else default[1])
+
+    nb, nd = setting(DEMO_NGRAM)
+    mb, md = setting(DEMO_MODEL)
+    modes = [("AR (no drafter)", lambda: None, 0, 1)]
+    modes.append(("DDTree n-gram", NgramDrafter, nb, nd))
+    if draft_eng is not None:
+        modes.append(("DDTree model", lambda: ModelDrafter(draft_eng, min_chain_prob=DEMO_MODEL_MIN_CHAIN_PROB), mb, md))
+    modes.append(("oracle (ceiling)", lambda: OracleDrafter(ref.tokens, vocab_size=eng.vocab_size), nb, nd))
+
+    # Timed runs: the modes interleaved, --repeats times (load changes hit every mode alike);
+    # tokens/s of each whole generate call (prefill included), median over the repeats.
+    runs = {label: [] for label, *_ in modes}
+    for rep in range(args.repeats):
+        for label, make, budget, depth in modes:
+            progress = None
+            if tty:
+                def progress(new_tokens, done, total, label=label, rep=rep):
+                    sys.stdout.write(f"\r  timing {label} ({rep + 1}/{args.repeats}): {done}/{total} tokens   ")
+                    sys.stdout.flush()
+            runs[label].append(generate(eng, prompt, n, drafter=make(), tree_budget=budget, depth=depth,
+                                        progress=progress))
+    if tty:
+        sys.stdout.write("\r" + " " * 60 + "\r")
+
+    def tps(label):
+        return float(np.median([r.stats["tokens_per_second"] for r in runs[label]]))
+
+    base = tps(modes[0][0])
+    print(f"{n} new tokens, greedy; tokens/s = median of {args.repeats} whole generate calls (prefill included)")
+    print(f"{'mode':<18}{'budget':>7}{'depth':>6}{'tok/s':>9}{'speedup':>9}{'mean acc':>10}  same as AR")
+    ok = True
+    for label, _, budget, depth in modes:
+        res = runs[label][-1]
+        same = all(np.array_equal(r.tokens, ref.tokens) for r in runs[label])
+        ok &= same
+        bd = (f"{budget:>7}{depth:>6}") if budget else f"{'-':>7}{'-':>6}"
+        print(f"{label:<18}{bd}{tps(label):>9.1f}{tps(label) / base if base else 0:>8.2f}x"
+              f"{res.stats['mean_acceptance_length']:>10.2f}  {'yes' if same else 'NO'}")
+    print("(oracle: a drafter that knows the AR answer, with the n-gram row's budget/depth: the ceiling there)")
+    if not ok:
+        print("error: DDTree output differs from AR", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -271,9 +313,12 @@ def main(argv=None):
 
     d = sub.add_parser("demo", help="AR vs DDTree side by side on the embedded default model")
     d.add_argument("-n", "--max-new-tokens", type=int, default=128)
-    d.add_argument("--budget", type=int, default=32)
-    d.add_argument("--depth", type=int, default=8)
-    d.add_argument("--prompt", default=None)
+    d.add_argument("--budget", type=int, default=None,
+                   help=f"tree budget of every drafter (default: n-gram {DEMO_NGRAM[0]}, model {DEMO_MODEL[0]})")
+    d.add_argument("--depth", type=int, default=None,
+                   help=f"draft depth of every drafter (default: n-gram {DEMO_NGRAM[1]}, model {DEMO_MODEL[1]})")
+    d.add_argument("--prompt", default=None, help="prompt text (default: a few lines of a Python class)")
+    d.add_argument("--repeats", type=int, default=3, help="timed runs per mode (median)")
     d.add_argument("--max-seq-len", type=int, default=1024)
 
     args = p.parse_args(argv)

@@ -169,45 +169,102 @@ def _lowlevel(engine):
 class ModelDrafter:
     """A smaller model (another ``kn.Engine``, or any native target) as the drafter: each round it
     decodes its own greedy chain for ``depth`` steps and returns every step's logits (the engine
-    takes the top-k log-probs). It keeps its own cache across rounds: only committed context
-    tokens are ever committed to it (the speculative chain stays pending and is overwritten), so
-    after each round its cache is exactly the target's accepted context, and it forwards only the
-    tokens accepted since the last round. A context that does not extend its cache (a new
-    generation) resets it."""
+    takes the top-k log-probs natively).
 
-    def __init__(self, engine, prefill_chunk: int = 512):
+    Its cache follows the committed context: at each call it rolls back to the longest common
+    prefix of what it holds and the new context (``truncate``), feeds only the tokens after it
+    (the accepted ones and the new root, one forward), then decodes the chain one token at a time
+    (forward T = 1 + commit: linear in the depth) and truncates back to the context, so the
+    speculative tokens never stay. A new generation with the same prompt reuses the prompt's cache.
+
+    ``min_chain_prob`` > 0 stops the chain early: once the product of the chain's top-1
+    probabilities falls below it, the deeper rows (which a best-first tree of a modest budget
+    rarely reaches) are not drafted, and fewer than ``depth`` rows are returned.
+
+    A target without ``truncate`` (e.g. ``_native.ToyTarget``) is driven the old way: the chain
+    stays pending and is re-forwarded from the context at each step (O(depth^2) tokens), and a
+    context that does not extend its cache resets it."""
+
+    def __init__(self, engine, prefill_chunk: int = 512, min_chain_prob: float = 0.0):
         self.model = _lowlevel(engine)
         self.prefill_chunk = int(prefill_chunk)
-        self._tokens = np.zeros(0, dtype=np.int32)  # what its cache holds
+        if not 0.0 <= float(min_chain_prob) < 1.0:
+            raise ValueError(f"min_chain_prob must be in [0, 1), got {min_chain_prob}")
+        self.min_chain_prob = float(min_chain_prob)
+        self._can_truncate = callable(getattr(self.model, "truncate", None))
+        self._tokens = np.zeros(0, dtype=np.int32)  # what its committed cache holds
+        self._one = np.zeros(1, dtype=np.int32)
 
     def _forward(self, tokens, start):
         T = len(tokens)
         pos = np.arange(start, start + T, dtype=np.int32)
         return np.asarray(self.model.forward(np.asarray(tokens, dtype=np.int32), pos, None))
 
-    def draft(self, context, depth, top_k):
-        ctx = np.asarray(context)
-        m = len(self._tokens)
-        if m >= len(ctx) or not np.array_equal(self._tokens, ctx[:m]) or self.model.cache_len != m:
+    def _sync(self, ctx):
+        """Make the committed cache hold exactly ``ctx``; returns the logits after its last token."""
+        held = self._tokens
+        n = len(ctx)
+        if self.model.cache_len != len(held):  # someone else moved the cache: start over
+            held = self._tokens = np.zeros(0, dtype=np.int32)
             self.model.reset()
-            m = 0
-        max_len = int(self.model.max_seq_len)
-        if len(ctx) >= max_len:
-            return None
-        # catch up on the accepted tokens (and the root) and commit them: they are final
+        m = min(len(held), n - 1)  # feed at least the root: its logits are the first row
+        if m > 0:
+            diff = np.flatnonzero(held[:m] != ctx[:m])
+            if len(diff):
+                m = int(diff[0])
+        if m < len(held):
+            if self._can_truncate:
+                self.model.truncate(m)
+            else:
+                self.model.reset()
+                m = 0
         last = None
-        for c0 in range(m, len(ctx), self.prefill_chunk):
+        for c0 in range(m, n, self.prefill_chunk):
             chunk = ctx[c0:c0 + self.prefill_chunk]
             logits = self._forward(chunk, c0)
             self.model.commit(np.arange(len(chunk), dtype=np.int32))
             last = logits[-1]
         self._tokens = np.array(ctx, dtype=np.int32)
-        depth = min(int(depth), max_len - len(ctx))
-        rows = [np.asarray(last, dtype=np.float32)]
+        return np.asarray(last, dtype=np.float32)
+
+    def draft(self, context, depth, top_k):
+        ctx = np.asarray(context)
+        n = len(ctx)
+        max_len = int(self.model.max_seq_len)
+        if n == 0 or n >= max_len:
+            return None
+        row = self._sync(ctx)
+        if not self._can_truncate:
+            return self._draft_pending(ctx, row, depth)
+        depth = min(int(depth), max_len - n + 1)  # the chain commits depth - 1 tokens after ctx
+        rows = [row]
+        log_min = np.log(self.min_chain_prob) if self.min_chain_prob > 0 else None
+        cum = 0.0
+        try:
+            for i in range(1, depth):  # greedy chain: one token per step, committed, rolled back below
+                tok = int(np.argmax(row))
+                if log_min is not None:
+                    mx = float(row[tok])
+                    cum += -float(np.log(np.exp(row - mx).sum()))  # log p(top-1)
+                    if cum < log_min:
+                        break
+                logits = self.model.forward(np.array([tok], dtype=np.int32), np.array([n + i - 1], dtype=np.int32),
+                                            None)
+                self.model.commit(self._one)
+                row = np.asarray(logits[0], dtype=np.float32)
+                rows.append(row)
+        finally:
+            self.model.truncate(n)
+        return np.stack(rows)
+
+    def _draft_pending(self, ctx, row, depth):
+        n = len(ctx)
+        depth = min(int(depth), int(self.model.max_seq_len) - n)
+        rows = [row]
         chain = []
         for _ in range(depth - 1):  # greedy chain, kept pending (never committed)
             chain.append(int(np.argmax(rows[-1])))
-            rows.append(np.asarray(self._forward(chain, len(ctx))[-1], dtype=np.float32))
+            rows.append(np.asarray(self._forward(chain, n)[-1], dtype=np.float32))
         return np.stack(rows).astype(np.float32, copy=False)
 
     __call__ = draft

@@ -10,6 +10,7 @@ Python copy as soon as it is uploaded, and finalizes it. docs/MODEL.md describes
     # low level (the engine loop, tests): any T new tokens against the cache
     logits = eng.forward(tokens, positions, visibility=None)   # None = causal; pending
     eng.commit(keep)                                 # keep pending entries, packed
+    eng.truncate(n)                                  # roll the cache back to its first n entries
     eng.reset(); eng.cache_len
 """
 from __future__ import annotations
@@ -137,6 +138,15 @@ class Engine:
         """Keep pending entries `keep` (indices into the last forward's tokens, strictly
         increasing), packed right after the committed context; cache_len grows by len(keep)."""
         self.model.commit(np.asarray(keep).reshape(-1))
+
+    def truncate(self, n: int) -> None:
+        """Keep only the first ``n`` committed cache entries (0 <= n <= cache_len; ValueError
+        otherwise) and drop any pending ones, so the next forward continues at position n. O(1):
+        rolls back a speculative continuation (a drafter's greedy chain) without recomputing the
+        prefix."""
+        if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
+            raise ValueError(f"truncate: n must be an integer, got {n!r}")
+        self.model.truncate(int(n))
 
     def reset(self) -> None:
         """Empty the cache."""

@@ -3,16 +3,19 @@
 // prefill -> tree verify -> commit(path) -> decode; plus the SGEMM paths (portable kernel vs a
 // double-precision triple loop, and vs CBLAS when built) and the model's argument checks.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "check.h"
 #include "kdtr.h"
 #include "model/cpu_model.h"
+#include "model/parallel.h"
 #include "model/sgemm.h"
 
 using kdtree::KdtrFile;
@@ -110,11 +113,30 @@ void golden_model(const std::string& name) {
 
   // 3. decode after compaction
   std::vector<float> dl(V, NAN);
+  const int32_t zero_keep = 0;
   const int32_t dpos = (int32_t)m.cache_len();
   m.forward(f.at("decode.token").as<int32_t>(), &dpos, nullptr, 1, dl.data());
   const double e3 = rel_err(dl, f.at("decode.logits"));
   std::printf("%s decode after commit: rel err %.3g\n", name.c_str(), e3);
   CHECK(e3 < 1e-4);
+
+  // 4. truncate back to the prompt minus its last token and decode that token again: the
+  //    prefill's last row (rolls back the tree path and the last prompt entry, recomputes nothing)
+  m.commit(nullptr, 0);
+  m.truncate(P - 1);
+  CHECK(m.cache_len() == P - 1 && m.pending_len() == 0);
+  const int32_t lpos = (int32_t)(P - 1);
+  m.forward(pt.as<int32_t>() + (P - 1), &lpos, nullptr, 1, dl.data());
+  std::vector<float> last(logits.end() - V, logits.end());
+  double e4 = 0;
+  for (int64_t i = 0; i < V; ++i) e4 = std::max(e4, (double)std::fabs(dl[(size_t)i] - last[(size_t)i]));
+  std::printf("%s decode after truncate: max abs diff to prefill %.3g\n", name.c_str(), e4);
+  CHECK(e4 < 1e-4);
+  m.commit(&zero_keep, 1);
+  CHECK(m.cache_len() == P);
+  CHECK_THROWS(m.truncate(P + 1));
+  CHECK_THROWS(m.truncate(-1));
+  CHECK(m.cache_len() == P);
 
   // Argument checks: overflow, bad tokens / positions, bad keep.
   std::vector<int32_t> big(64, 1), bigpos(64, 0);
@@ -123,7 +145,8 @@ void golden_model(const std::string& name) {
   int32_t bad_tok = (int32_t)V, zero = 0, neg = -1;
   CHECK_THROWS(m.forward(&bad_tok, &zero, nullptr, 1, out.data()));
   CHECK_THROWS(m.forward(&zero, &neg, nullptr, 1, out.data()));
-  m.forward(&zero, &dpos, nullptr, 1, out.data());
+  const int32_t epos = (int32_t)m.cache_len();
+  m.forward(&zero, &epos, nullptr, 1, out.data());
   int32_t twice[2] = {0, 0};
   CHECK_THROWS(m.commit(twice, 2));
   int32_t past = 1;
@@ -200,6 +223,36 @@ void sgemm_paths() {
   CHECK(C[N] == 0.f && Cp[N] == 0.f);  // the padding past N is untouched
 }
 
+// The pool of parallel.h: every chunk runs exactly once, also with nested calls and with two
+// callers at once (one of them then runs alone).
+void parallel_pool() {
+  for (int64_t n : {0, 1, 2, 7, 64, 1000}) {
+    std::vector<int> hits((size_t)n, 0);
+    auto f = [&](int64_t i) { hits[(size_t)i]++; };
+    kdtree::parallel_chunks(n, f);
+    CHECK(std::all_of(hits.begin(), hits.end(), [](int h) { return h == 1; }));
+  }
+  std::vector<std::atomic<int>> inner(16 * 16);
+  auto outer = [&](int64_t i) {
+    auto g = [&](int64_t j) { inner[(size_t)(i * 16 + j)]++; };
+    kdtree::parallel_chunks(16, g);
+  };
+  kdtree::parallel_chunks(16, outer);
+  CHECK(std::all_of(inner.begin(), inner.end(), [](const std::atomic<int>& h) { return h.load() == 1; }));
+  std::vector<std::atomic<int>> hits(2 * 5000);
+  auto caller = [&](int which) {
+    for (int rep = 0; rep < 50; ++rep) {
+      auto f = [&](int64_t i) { hits[(size_t)(which * 5000 + rep * 100 + i)]++; };
+      kdtree::parallel_chunks(100, f);
+    }
+  };
+  std::thread a(caller, 0), b(caller, 1);
+  a.join();
+  b.join();
+  CHECK(std::all_of(hits.begin(), hits.end(), [](const std::atomic<int>& h) { return h.load() == 1; }));
+  CHECK(kdtree::parallel_threads() >= 1);
+}
+
 void config_checks() {
   kdtree::ModelConfig c;
   CHECK_THROWS(c.validate());  // all zero
@@ -210,6 +263,7 @@ void config_checks() {
 
 int main() {
   sgemm_paths();
+  parallel_pool();
   config_checks();
   std::ifstream list(kdtest::golden_path("model_configs.txt"));
   std::string name;

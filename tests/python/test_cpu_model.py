@@ -325,6 +325,35 @@ def test_commit_validation_errors():
     assert eng.cache_len == 5
 
 
+def test_truncate_rolls_back_the_cache():
+    """truncate(n) keeps the first n committed entries: decoding on from there equals a fresh
+    prefill of the same tokens; the pending window is dropped; bad lengths are refused."""
+    eng, ref, cfg = numpy_engine("ds3_base", max_seq_len=64)
+    ids = prompt(cfg.vocab_size, 12, seed=21)
+    eng.prefill(ids)
+    eng.forward(prompt(cfg.vocab_size, 3, seed=22), 12 + np.arange(3))  # pending, dropped by truncate
+    eng.truncate(7)
+    assert eng.cache_len == 7 and eng.model.pending_len == 0
+    with pytest.raises(ValueError, match="pending"):
+        eng.commit([0])
+    other = prompt(cfg.vocab_size, 4, seed=23)
+    got = eng.forward(other, 7 + np.arange(4))
+    eng.commit(np.arange(4))
+    want = eng.prefill(np.concatenate([ids[:7], other]))[7:]
+    assert rel_to_scale(got, want) < 1e-6
+    eng.truncate(eng.cache_len)        # a no-op
+    assert eng.cache_len == 11
+    for bad in (-1, 12):
+        with pytest.raises(ValueError, match="truncate"):
+            eng.truncate(bad)
+    with pytest.raises(ValueError, match="integer"):
+        eng.truncate(1.5)
+    assert eng.cache_len == 11
+    eng.truncate(0)
+    assert eng.cache_len == 0
+    np.testing.assert_array_equal(eng.forward(ids[:3], np.arange(3)), eng.prefill(ids[:3]))
+
+
 def test_weight_and_config_validation_errors():
     cfg = config_from_dict(config_dict("ds3_base"))
     w = random_weights(cfg, 0)

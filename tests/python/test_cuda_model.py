@@ -230,6 +230,33 @@ def test_tree_verify_and_commit_match_cpu(name):
 
 @pytest.mark.cuda
 @needs_device
+def test_truncate_matches_cpu():
+    """truncate(n) rolls the GPU cache back like the CPU one: decoding on from n gives the same
+    logits and cache rows; bad lengths are ValueErrors that leave the cache alone."""
+    cpu, gpu, cfg = pair(spec("ds3_base"))
+    ids = prompt(cfg.vocab_size, 15, seed=21)
+    prefill(cpu, ids)
+    prefill(gpu, ids)
+    other = prompt(cfg.vocab_size, 3, seed=22)
+    both(cpu, gpu, other, 15 + np.arange(3))  # pending, dropped by truncate
+    for m in (cpu, gpu):
+        m.truncate(9)
+        assert m.cache_len == 9 and m.pending_len == 0
+    a, b = both(cpu, gpu, other, 9 + np.arange(3))
+    assert rel_to_scale(b, a) < TOL
+    cpu.commit(np.arange(3))
+    gpu.commit(np.arange(3))
+    assert_same_cache(cpu, gpu, cfg)
+    for bad in (-1, 13):
+        with pytest.raises(ValueError, match="truncate"):
+            gpu.truncate(bad)
+    assert gpu.cache_len == 12
+    tok = int(ids[0])
+    assert rel_to_scale(decode(gpu, tok), decode(cpu, tok)) < TOL
+
+
+@pytest.mark.cuda
+@needs_device
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_identical_to_cpu(name):
     cpu, gpu, cfg = pair(name)

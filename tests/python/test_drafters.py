@@ -83,6 +83,83 @@ def test_model_drafter_chain_and_incremental_cache():
     assert dm.cache_len == 3
 
 
+def _engine_pair(max_seq_len=128):
+    from hf_models import config_dict, random_weights
+    from kdtree_native.config import config_from_dict
+
+    cfg = config_from_dict(config_dict("ds3_base"))
+    w = random_weights(cfg, 3)
+    return [kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=max_seq_len) for _ in range(2)], cfg
+
+
+def test_model_drafter_with_truncate_is_linear_and_rolls_back():
+    """On a model with truncate (kn.Engine): the chain is decoded one token at a time and rolled
+    back, the cache follows the committed context through the longest common prefix, and the rows
+    equal the greedy chain recomputed from scratch."""
+    (eng, ref_eng), cfg = _engine_pair()
+    V = cfg.vocab_size
+    d = ModelDrafter(eng)
+    calls = []
+    fwd = eng.model.forward
+
+    class Spy:  # counts the tokens of every forward the drafter makes
+        def __getattr__(self, name):
+            return getattr(eng.model, name)
+
+        def forward(self, tokens, positions, vis=None):
+            calls.append(len(tokens))
+            return fwd(tokens, positions, vis)
+
+    d.model = Spy()
+    ctx = (np.arange(9) * 7 % V).astype(np.int32)
+    out = d.draft(ctx, 5, 8)
+    assert out.shape == (5, V) and out.dtype == np.float32
+    assert calls == [9, 1, 1, 1, 1] and eng.cache_len == len(ctx)
+    seq = list(ctx)
+    for j in range(5):
+        lg = ref_eng.prefill(np.array(seq, np.int32))[-1]
+        assert np.abs(out[j] - lg).max() < 1e-5 * np.abs(lg).max(), j
+        seq.append(int(np.argmax(lg)))
+    # two accepted tokens + a new root: only those 3 are fed, then depth - 1 chain steps
+    calls.clear()
+    ctx2 = np.concatenate([ctx, [3, 4, 5]]).astype(np.int32)
+    d.draft(ctx2, 3, 8)
+    assert calls == [3, 1, 1] and eng.cache_len == len(ctx2)
+    # a new generation sharing the first 4 tokens: rolled back to them, not reset
+    calls.clear()
+    ctx3 = np.concatenate([ctx[:4], [9, 9]]).astype(np.int32)
+    out3 = d.draft(ctx3, 2, 8)
+    assert calls == [2, 1] and eng.cache_len == len(ctx3)
+    lg = ref_eng.prefill(ctx3)[-1]
+    assert np.abs(out3[0] - lg).max() < 1e-5 * np.abs(lg).max()
+    # the same context again: only the root is re-fed
+    calls.clear()
+    d.draft(ctx3, 1, 8)
+    assert calls == [1] and eng.cache_len == len(ctx3)
+
+
+def test_model_drafter_stops_early_on_low_confidence():
+    (eng, _), cfg = _engine_pair()
+    ctx = (np.arange(9) * 5 % cfg.vocab_size).astype(np.int32)
+    full = ModelDrafter(eng).draft(ctx, 6, 8)
+    short = ModelDrafter(eng, min_chain_prob=0.999999).draft(ctx, 6, 8)
+    assert full.shape[0] == 6 and 1 <= short.shape[0] < 6
+    np.testing.assert_array_equal(short, full[:short.shape[0]])
+    assert eng.cache_len == len(ctx)
+    with pytest.raises(ValueError, match="min_chain_prob"):
+        ModelDrafter(eng, min_chain_prob=1.0)
+
+
+def test_model_drafter_engine_is_lossless():
+    (tgt, drf), cfg = _engine_pair(256)
+    ids = (np.arange(12) * 11 % cfg.vocab_size).astype(np.int64)
+    ar = generate(tgt, ids, 40)
+    for mcp in (0.0, 0.3):
+        res = generate(tgt, ids, 40, drafter=ModelDrafter(drf, min_chain_prob=mcp), tree_budget=16, depth=6)
+        assert np.array_equal(res.tokens, ar.tokens)
+        assert res.stats["mean_acceptance_length"] > 1.5  # same weights: its drafts are right
+
+
 def test_model_drafter_same_model_accepts_everything():
     """Drafting with a copy of the target itself: the greedy chain is always right."""
     V = 48
