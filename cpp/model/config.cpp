@@ -2,18 +2,21 @@
 #include "model/config.h"
 
 #include <cmath>
-#include <sstream>
 
 #include "common.h"
 
 namespace kdtree {
 
+// Plain string building, no iostreams: on a machine where another extension in the process
+// had switched the global C++ locale (seen on the H200 image after the HF imports), formatting
+// through std::ostringstream crashed inside the locale facets.
 std::string shape_str(const std::vector<int64_t>& shape) {
-  std::ostringstream s;
-  s << "[";
-  for (size_t i = 0; i < shape.size(); ++i) s << (i ? ", " : "") << shape[i];
-  s << "]";
-  return s.str();
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) {
+    if (i) s += ", ";
+    s += std::to_string(shape[i]);
+  }
+  return s + "]";
 }
 
 namespace {
