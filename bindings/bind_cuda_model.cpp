@@ -26,104 +26,14 @@ namespace py = pybind11;
 #include "model/config.h"
 #include "model/cublas_loader.h"
 #include "model/cuda_model.h"
+#include "model_py.h"
 
 using kdtree::Error;
+using kdtree_py::config_from_dict;
+using kdtree_py::dtype_str;
+using kdtree_py::int_vector;
 
 namespace {
-
-// ---- the config dict (ModelConfig.to_native()); same keys as bind_model.cpp reads
-py::object need(const py::dict& d, const char* key) {
-  if (!d.contains(key)) throw Error(std::string("model config dict: missing key '") + key + "'");
-  return d[key];
-}
-int64_t as_int(const py::dict& d, const char* key) {
-  py::object v = need(d, key);
-  if (py::isinstance<py::bool_>(v) || !py::hasattr(v, "__index__"))
-    throw Error(std::string("model config dict: '") + key + "' must be an integer");
-  return py::int_(v.attr("__index__")()).cast<int64_t>();
-}
-double as_float(const py::dict& d, const char* key) {
-  py::object v = need(d, key);
-  if (py::isinstance<py::bool_>(v)) throw Error(std::string("model config dict: '") + key + "' must be a number");
-  try {
-    return py::float_(v).cast<double>();
-  } catch (const py::error_already_set&) {
-    throw Error(std::string("model config dict: '") + key + "' must be a number");
-  }
-}
-bool as_bool(const py::dict& d, const char* key) {
-  py::object v = need(d, key);
-  if (!py::isinstance<py::bool_>(v) && !py::isinstance<py::int_>(v))
-    throw Error(std::string("model config dict: '") + key + "' must be a bool");
-  return v.cast<bool>();
-}
-
-kdtree::ModelConfig parse_config(const py::dict& d) {
-  kdtree::ModelConfig c;
-  c.vocab_size = as_int(d, "vocab_size");
-  c.hidden_size = as_int(d, "hidden_size");
-  c.intermediate_size = as_int(d, "intermediate_size");
-  c.moe_intermediate_size = as_int(d, "moe_intermediate_size");
-  c.num_hidden_layers = as_int(d, "num_hidden_layers");
-  c.num_attention_heads = as_int(d, "num_attention_heads");
-  c.n_routed_experts = as_int(d, "n_routed_experts");
-  c.n_shared_experts = as_int(d, "n_shared_experts");
-  c.num_experts_per_tok = as_int(d, "num_experts_per_tok");
-  c.n_group = as_int(d, "n_group");
-  c.topk_group = as_int(d, "topk_group");
-  c.first_k_dense_replace = as_int(d, "first_k_dense_replace");
-  c.q_lora_rank = as_int(d, "q_lora_rank");
-  c.kv_lora_rank = as_int(d, "kv_lora_rank");
-  c.qk_nope_head_dim = as_int(d, "qk_nope_head_dim");
-  c.qk_rope_head_dim = as_int(d, "qk_rope_head_dim");
-  c.v_head_dim = as_int(d, "v_head_dim");
-  c.norm_topk_prob = as_bool(d, "norm_topk_prob");
-  c.rope_interleave = as_bool(d, "rope_interleave");
-  c.tie_word_embeddings = as_bool(d, "tie_word_embeddings");
-  c.routed_scaling_factor = as_float(d, "routed_scaling_factor");
-  c.rms_norm_eps = as_float(d, "rms_norm_eps");
-  if (d.contains("latent_norm_eps")) c.latent_norm_eps = as_float(d, "latent_norm_eps");
-  c.softmax_scale = as_float(d, "softmax_scale");
-  c.rope_attention_factor = as_float(d, "rope_attention_factor");
-  py::array_t<float, py::array::c_style | py::array::forcecast> inv;
-  try {
-    inv = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(need(d, "rope_inv_freq"));
-  } catch (const py::error_already_set&) {
-  }
-  if (!inv || inv.ndim() != 1) throw Error("model config dict: 'rope_inv_freq' must be a 1-D sequence of floats");
-  c.rope_inv_freq.assign(inv.data(), inv.data() + inv.shape(0));
-  c.validate();
-  return c;
-}
-
-std::string dtype_of(const py::array& a) { return py::str(a.dtype()).cast<std::string>(); }
-
-// 1-D integer array-like -> int32 values in [lo, hi).
-std::vector<int32_t> ints(const py::object& obj, const char* what, int64_t lo, int64_t hi) {
-  py::array a = py::array::ensure(obj);
-  if (!a) throw Error(std::string(what) + ": expected an integer array");
-  if (a.ndim() == 0) a = a.attr("reshape")(1);
-  if (a.ndim() != 1) throw Error(std::string(what) + ": expected a 1-D array, got " + std::to_string(a.ndim()) + "-D");
-  if (a.size() == 0) return {};
-  const char kind = a.dtype().kind();
-  if (kind != 'i' && kind != 'u') throw Error(std::string(what) + ": expected an integer dtype, got " + dtype_of(a));
-  if (kind == 'u' && a.dtype().itemsize() == 8) {
-    auto u = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>::ensure(a);
-    for (py::ssize_t i = 0; i < u.shape(0); ++i)
-      if (u.data()[i] > (uint64_t)std::numeric_limits<int64_t>::max())
-        throw Error(std::string(what) + ": value out of range at index " + std::to_string(i));
-  }
-  auto v = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(a);
-  std::vector<int32_t> out((size_t)v.shape(0));
-  for (py::ssize_t i = 0; i < v.shape(0); ++i) {
-    const int64_t x = v.data()[i];
-    if (x < lo || x >= hi)
-      throw Error(std::string(what) + "[" + std::to_string(i) + "] = " + std::to_string(x) + " is outside [" +
-                  std::to_string(lo) + ", " + std::to_string(hi) + ")");
-    out[(size_t)i] = (int32_t)x;
-  }
-  return out;
-}
 
 // An integer device address; ValueError when it is 0, misaligned or not device memory.
 template <class P>
@@ -149,10 +59,10 @@ py::array_t<float> forward_py(Model& m, const py::object& tokens_obj, const py::
                               const py::object& vis_obj) {
   if (!m.finalized()) throw Error("forward: the model is not finalized (set every weight, then finalize())");
   const int64_t V = m.config().vocab_size;
-  std::vector<int32_t> tokens = ints(tokens_obj, "tokens", 0, V);
+  std::vector<int32_t> tokens = int_vector(tokens_obj, "tokens", 0, V);
   const int64_t T = (int64_t)tokens.size();
   if (T == 0) throw Error("tokens: empty (need at least one token)");
-  std::vector<int32_t> positions = ints(positions_obj, "positions", 0, std::numeric_limits<int32_t>::max());
+  std::vector<int32_t> positions = int_vector(positions_obj, "positions", 0, std::numeric_limits<int32_t>::max());
   if ((int64_t)positions.size() != T)
     throw Error("positions: length " + std::to_string(positions.size()) + " != number of tokens " + std::to_string(T));
   if (m.cache_len() + T > m.max_seq_len())
@@ -164,7 +74,7 @@ py::array_t<float> forward_py(Model& m, const py::object& tokens_obj, const py::
     if (!a) throw Error("visibility: expected a bool/uint8 array");
     const char kind = a.dtype().kind();
     if (!(kind == 'b' || (kind == 'u' && a.dtype().itemsize() == 1)))
-      throw Error("visibility: expected dtype bool or uint8, got " + dtype_of(a));
+      throw Error("visibility: expected dtype bool or uint8, got " + dtype_str(a));
     if (a.ndim() != 2 || a.shape(0) != T || a.shape(1) != T)
       throw Error("visibility: expected shape (" + std::to_string(T) + ", " + std::to_string(T) + "), got " +
                   py::str(a.attr("shape")).cast<std::string>());
@@ -203,13 +113,13 @@ void bind_cuda_model(py::module_& m) {
       },
       "(ok, path or error): whether cuBLAS loads at run time (dlopen), and from where.");
 
-  py::class_<Model>(m, "CudaModel",
+  kdtree_py::def_model_common(py::class_<Model>(m, "CudaModel",
                     "The GPU target model (DeepSeek-V3 / Kimi-K2, FP32, cuBLAS). CudaModel(config_dict, max_seq_len, "
                     "max_tokens=0, device=0, math='default', attention_naive=False, expert_kernel='auto') with "
-                    "config_dict = ModelConfig.to_native(); the same methods as CpuModel.")
+                    "config_dict = ModelConfig.to_native(); the same methods as CpuModel."))
       .def(py::init([](const py::dict& cfg, int64_t max_seq_len, int64_t max_tokens, int device, const std::string& math,
                        bool attention_naive, const std::string& expert_kernel) {
-             kdtree::ModelConfig c = parse_config(cfg);
+             kdtree::ModelConfig c = config_from_dict(cfg);
              kdtree::CudaModelOptions o;
              o.max_tokens = max_tokens;
              o.device = device;
@@ -221,44 +131,9 @@ void bind_cuda_model(py::module_& m) {
            }),
            py::arg("config"), py::arg("max_seq_len"), py::arg("max_tokens") = 0, py::arg("device") = 0,
            py::arg("math") = "default", py::arg("attention_naive") = false, py::arg("expert_kernel") = "auto")
-      .def(
-          "set_weight",
-          [](Model& self, const std::string& name, const py::object& obj) {
-            py::array arr = py::array::ensure(obj);
-            if (!arr) throw Error("set_weight: '" + name + "' is not an array");
-            if (arr.dtype().kind() != 'f' || arr.dtype().itemsize() != 4)
-              throw Error("set_weight: '" + name + "' must be float32, got " + dtype_of(arr));
-            auto a = py::array_t<float, py::array::c_style>::ensure(arr);
-            if (!a) throw Error("set_weight: '" + name + "' could not be made contiguous");
-            std::vector<int64_t> shape(a.shape(), a.shape() + a.ndim());
-            const float* p = a.data();
-            py::gil_scoped_release nogil;
-            self.set_weight(name, p, shape);
-          },
-          py::arg("name"), py::arg("array"))
-      .def("missing_weights", &Model::missing_weights)
-      .def("finalize", &Model::finalize, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("finalized", &Model::finalized)
       .def("forward", &forward_py, py::arg("tokens"), py::arg("positions"), py::arg("visibility") = py::none(),
            "Logits float32 [T, V] of T new tokens at `positions` against the cache; visibility bool/uint8 "
            "[T, T] (None = causal, run in chunks of max_tokens when longer). Entries stay pending until commit().")
-      .def(
-          "commit",
-          [](Model& self, const py::object& keep_obj) {
-            std::vector<int32_t> keep = ints(keep_obj, "keep", 0, std::max<int64_t>(self.pending_len(), 1));
-            if ((int64_t)keep.size() > self.pending_len())
-              throw Error("commit: keeping " + std::to_string(keep.size()) + " entries but only " +
-                          std::to_string(self.pending_len()) + " are pending");
-            py::gil_scoped_release nogil;
-            self.commit(keep.data(), (int64_t)keep.size());
-          },
-          py::arg("keep"), "Keep pending entries keep[j] (strictly increasing) packed after the context.")
-      .def("truncate", &Model::truncate, py::arg("n"),
-           "Keep only the first n committed cache entries (0 <= n <= cache_len) and drop the pending ones.")
-      .def("reset", &Model::reset)
-      .def_property_readonly("cache_len", &Model::cache_len)
-      .def_property_readonly("pending_len", &Model::pending_len)
-      .def_property_readonly("max_seq_len", &Model::max_seq_len)
       .def_property_readonly("max_tokens", &Model::max_tokens)
       .def_property_readonly("device", [](const Model& self) { return std::string(self.device()); })
       .def_property_readonly("device_name", &Model::device_name)

@@ -13,110 +13,17 @@
 
 #include "common.h"
 #include "model/config.h"
+#include "model_py.h"
 #include "model/cpu_model.h"
 #include "model/sgemm.h"
 
 namespace py = pybind11;
 using kdtree::Error;
+using kdtree_py::config_from_dict;
+using kdtree_py::dtype_str;
+using kdtree_py::int_vector;
 
 namespace {
-
-py::object dict_get(const py::dict& d, const char* key) {
-  if (!d.contains(key)) throw Error(std::string("model config dict: missing key '") + key + "'");
-  return d[key];
-}
-
-int64_t get_int(const py::dict& d, const char* key) {
-  py::object v = dict_get(d, key);
-  if (py::isinstance<py::bool_>(v) || !py::hasattr(v, "__index__"))
-    throw Error(std::string("model config dict: '") + key + "' must be an integer");
-  return py::int_(v.attr("__index__")()).cast<int64_t>();
-}
-
-double get_float(const py::dict& d, const char* key) {
-  py::object v = dict_get(d, key);
-  if (py::isinstance<py::bool_>(v)) throw Error(std::string("model config dict: '") + key + "' must be a number");
-  try {
-    return py::float_(v).cast<double>();
-  } catch (const py::error_already_set&) {
-    throw Error(std::string("model config dict: '") + key + "' must be a number");
-  }
-}
-
-bool get_bool(const py::dict& d, const char* key) {
-  py::object v = dict_get(d, key);
-  if (!py::isinstance<py::bool_>(v) && !py::isinstance<py::int_>(v))
-    throw Error(std::string("model config dict: '") + key + "' must be a bool");
-  return v.cast<bool>();
-}
-
-kdtree::ModelConfig config_from_dict(const py::dict& d) {
-  kdtree::ModelConfig c;
-  c.vocab_size = get_int(d, "vocab_size");
-  c.hidden_size = get_int(d, "hidden_size");
-  c.intermediate_size = get_int(d, "intermediate_size");
-  c.moe_intermediate_size = get_int(d, "moe_intermediate_size");
-  c.num_hidden_layers = get_int(d, "num_hidden_layers");
-  c.num_attention_heads = get_int(d, "num_attention_heads");
-  c.n_routed_experts = get_int(d, "n_routed_experts");
-  c.n_shared_experts = get_int(d, "n_shared_experts");
-  c.num_experts_per_tok = get_int(d, "num_experts_per_tok");
-  c.n_group = get_int(d, "n_group");
-  c.topk_group = get_int(d, "topk_group");
-  c.first_k_dense_replace = get_int(d, "first_k_dense_replace");
-  c.q_lora_rank = get_int(d, "q_lora_rank");
-  c.kv_lora_rank = get_int(d, "kv_lora_rank");
-  c.qk_nope_head_dim = get_int(d, "qk_nope_head_dim");
-  c.qk_rope_head_dim = get_int(d, "qk_rope_head_dim");
-  c.v_head_dim = get_int(d, "v_head_dim");
-  c.norm_topk_prob = get_bool(d, "norm_topk_prob");
-  c.rope_interleave = get_bool(d, "rope_interleave");
-  c.tie_word_embeddings = get_bool(d, "tie_word_embeddings");
-  c.routed_scaling_factor = get_float(d, "routed_scaling_factor");
-  c.rms_norm_eps = get_float(d, "rms_norm_eps");
-  if (d.contains("latent_norm_eps")) c.latent_norm_eps = get_float(d, "latent_norm_eps");
-  c.softmax_scale = get_float(d, "softmax_scale");
-  c.rope_attention_factor = get_float(d, "rope_attention_factor");
-  py::object inv = dict_get(d, "rope_inv_freq");
-  py::array_t<float, py::array::c_style | py::array::forcecast> a;
-  try {
-    a = py::array_t<float, py::array::c_style | py::array::forcecast>::ensure(inv);
-  } catch (const py::error_already_set&) {
-  }
-  if (!a || a.ndim() != 1) throw Error("model config dict: 'rope_inv_freq' must be a 1-D sequence of floats");
-  c.rope_inv_freq.assign(a.data(), a.data() + a.shape(0));
-  c.validate();
-  return c;
-}
-
-std::string dtype_str(const py::array& a) { return py::str(a.dtype()).cast<std::string>(); }
-
-// A 1-D integer array-like -> int32 values, each checked to lie in [lo, hi).
-std::vector<int32_t> int_vector(const py::object& obj, const char* what, int64_t lo, int64_t hi) {
-  py::array a = py::array::ensure(obj);
-  if (!a) throw Error(std::string(what) + ": expected an integer array");
-  if (a.ndim() == 0) a = a.attr("reshape")(1);
-  if (a.ndim() != 1) throw Error(std::string(what) + ": expected a 1-D array, got " + std::to_string(a.ndim()) + "-D");
-  if (a.size() == 0) return {};  // an empty list has NumPy's default dtype (float64)
-  const char kind = a.dtype().kind();
-  if (kind != 'i' && kind != 'u') throw Error(std::string(what) + ": expected an integer dtype, got " + dtype_str(a));
-  auto v = py::array_t<int64_t, py::array::c_style | py::array::forcecast>::ensure(a);
-  if (kind == 'u' && a.dtype().itemsize() == 8) {  // uint64 above int64 range would wrap
-    auto u = py::array_t<uint64_t, py::array::c_style | py::array::forcecast>::ensure(a);
-    for (py::ssize_t i = 0; i < u.shape(0); ++i)
-      if (u.data()[i] > (uint64_t)std::numeric_limits<int64_t>::max())
-        throw Error(std::string(what) + ": value out of range at index " + std::to_string(i));
-  }
-  std::vector<int32_t> out((size_t)v.shape(0));
-  for (py::ssize_t i = 0; i < v.shape(0); ++i) {
-    const int64_t x = v.data()[i];
-    if (x < lo || x >= hi)
-      throw Error(std::string(what) + "[" + std::to_string(i) + "] = " + std::to_string(x) + " is outside [" +
-                  std::to_string(lo) + ", " + std::to_string(hi) + ")");
-    out[(size_t)i] = (int32_t)x;
-  }
-  return out;
-}
 
 // The model plus the lock-free parts the binding needs.
 using Model = kdtree::CpuModel;
@@ -211,52 +118,17 @@ void bind_model(py::module_& m) {
       },
       py::arg("config"), "[(HF name, shape)] of every tensor the native model needs for this config.");
 
-  py::class_<Model>(m, "CpuModel",
+  kdtree_py::def_model_common(py::class_<Model>(m, "CpuModel",
                     "The CPU target model (DeepSeek-V3 / Kimi-K2, FP32). CpuModel(config_dict, max_seq_len) with "
-                    "config_dict = ModelConfig.to_native().")
+                    "config_dict = ModelConfig.to_native()."))
       .def(py::init([](const py::dict& cfg, int64_t max_seq_len) {
              kdtree::ModelConfig c = config_from_dict(cfg);
              return new Model(c, max_seq_len);
            }),
            py::arg("config"), py::arg("max_seq_len"))
-      .def(
-          "set_weight",
-          [](Model& self, const std::string& name, const py::object& obj) {
-            py::array arr = py::array::ensure(obj);
-            if (!arr) throw Error("set_weight: '" + name + "' is not an array");
-            if (arr.dtype().kind() != 'f' || arr.dtype().itemsize() != 4)
-              throw Error("set_weight: '" + name + "' must be float32, got " + dtype_str(arr));
-            auto a = py::array_t<float, py::array::c_style>::ensure(arr);
-            if (!a) throw Error("set_weight: '" + name + "' could not be made contiguous");
-            std::vector<int64_t> shape(a.shape(), a.shape() + a.ndim());
-            const float* p = a.data();
-            py::gil_scoped_release nogil;
-            self.set_weight(name, p, shape);
-          },
-          py::arg("name"), py::arg("array"))
-      .def("missing_weights", &Model::missing_weights)
-      .def("finalize", &Model::finalize, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("finalized", &Model::finalized)
       .def("forward", &model_forward, py::arg("tokens"), py::arg("positions"), py::arg("visibility") = py::none(),
            "Logits float32 [T, V] of T new tokens at `positions` against the cache; visibility bool/uint8 "
            "[T, T] (None = causal). The new entries stay pending until commit().")
-      .def(
-          "commit",
-          [](Model& self, const py::object& keep_obj) {
-            std::vector<int32_t> keep = int_vector(keep_obj, "keep", 0, std::max<int64_t>(self.pending_len(), 1));
-            if ((int64_t)keep.size() > self.pending_len())
-              throw Error("commit: keeping " + std::to_string(keep.size()) + " entries but only " +
-                          std::to_string(self.pending_len()) + " are pending");
-            py::gil_scoped_release nogil;
-            self.commit(keep.data(), (int64_t)keep.size());
-          },
-          py::arg("keep"), "Keep pending entries keep[j] (strictly increasing) packed after the context.")
-      .def("truncate", &Model::truncate, py::arg("n"),
-           "Keep only the first n committed cache entries (0 <= n <= cache_len) and drop the pending ones.")
-      .def("reset", &Model::reset)
-      .def_property_readonly("cache_len", &Model::cache_len)
-      .def_property_readonly("pending_len", &Model::pending_len)
-      .def_property_readonly("max_seq_len", &Model::max_seq_len)
       .def_property_readonly("device", [](const Model& self) { return std::string(self.device()); })
       .def_property_readonly("memory_bytes", &Model::memory_bytes)
       .def(
