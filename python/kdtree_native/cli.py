@@ -5,6 +5,7 @@
     kdtree-native demo                       AR vs DDTree on the embedded default model
 """
 import argparse
+import os
 import json
 import sys
 import time
@@ -192,9 +193,10 @@ def _demo_models(args):
     except Exception as e:  # the embedded model is not shipped in this build (yet)
         why = f"{type(e).__name__}: {e}"
     if target_dir:
-        eng = Engine.from_pretrained(target_dir, device="cpu", max_seq_len=args.max_seq_len)
-        draft = Engine.from_pretrained(draft_dir, device="cpu", max_seq_len=args.max_seq_len) if draft_dir else None
-        return eng, draft, _load_tokenizer(target_dir), f"embedded default model ({target_dir})"
+        device = getattr(args, "device", "cpu")
+        eng = Engine.from_pretrained(target_dir, device=device, max_seq_len=args.max_seq_len)
+        draft = Engine.from_pretrained(draft_dir, device=eng.device, max_seq_len=args.max_seq_len) if draft_dir else None
+        return eng, draft, _load_tokenizer(target_dir), f"embedded default model ({target_dir}) on {eng.device}"
     print(f"note: the embedded default model is not available ({why}); running on a small random model "
           f"instead (its text is noise, its speed-up is real)", file=sys.stderr)
     return (_random_engine(1, args.max_seq_len), _random_engine(2, args.max_seq_len, layers=1, hidden=128), None,
@@ -320,9 +322,20 @@ def main(argv=None):
     d.add_argument("--prompt", default=None, help="prompt text (default: a few lines of a Python class)")
     d.add_argument("--repeats", type=int, default=3, help="timed runs per mode (median)")
     d.add_argument("--max-seq-len", type=int, default=1024)
+    d.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                   help="where the models run (auto: the GPU when one is usable, else the CPU)")
 
     args = p.parse_args(argv)
     if args.cmd is None:
         p.print_help()
         return 0
-    return {"info": _cmd_info, "generate": _cmd_generate, "demo": _cmd_demo}[args.cmd](args)
+    cmd = {"info": _cmd_info, "generate": _cmd_generate, "demo": _cmd_demo}[args.cmd]
+    try:
+        return cmd(args)
+    except (ValueError, OSError, RuntimeError, NotImplementedError) as e:
+        # A user error (bad model dir, bad ids, no GPU, ...): one clear line, no traceback
+        # (set KDTREE_DEBUG=1 to see it).
+        if os.environ.get("KDTREE_DEBUG"):
+            raise
+        print(f"kdtree-native {args.cmd}: error: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
