@@ -32,6 +32,7 @@ using kdtree::Error;
 using kdtree_py::config_from_dict;
 using kdtree_py::dtype_str;
 using kdtree_py::int_vector;
+using kdtree_py::model_forward;
 
 namespace {
 
@@ -54,41 +55,6 @@ P* device_ptr(uintptr_t addr, const char* what, bool allow_null = false) {
 }
 
 using Model = kdtree::CudaModel;
-
-py::array_t<float> forward_py(Model& m, const py::object& tokens_obj, const py::object& positions_obj,
-                              const py::object& vis_obj) {
-  if (!m.finalized()) throw Error("forward: the model is not finalized (set every weight, then finalize())");
-  const int64_t V = m.config().vocab_size;
-  std::vector<int32_t> tokens = int_vector(tokens_obj, "tokens", 0, V);
-  const int64_t T = (int64_t)tokens.size();
-  if (T == 0) throw Error("tokens: empty (need at least one token)");
-  std::vector<int32_t> positions = int_vector(positions_obj, "positions", 0, std::numeric_limits<int32_t>::max());
-  if ((int64_t)positions.size() != T)
-    throw Error("positions: length " + std::to_string(positions.size()) + " != number of tokens " + std::to_string(T));
-  if (m.cache_len() + T > m.max_seq_len())
-    throw Error("forward: cache_len (" + std::to_string(m.cache_len()) + ") + tokens (" + std::to_string(T) +
-                ") exceeds max_seq_len (" + std::to_string(m.max_seq_len()) + ")");
-  std::vector<uint8_t> vis;
-  if (!vis_obj.is_none()) {
-    py::array a = py::array::ensure(vis_obj);
-    if (!a) throw Error("visibility: expected a bool/uint8 array");
-    const char kind = a.dtype().kind();
-    if (!(kind == 'b' || (kind == 'u' && a.dtype().itemsize() == 1)))
-      throw Error("visibility: expected dtype bool or uint8, got " + dtype_str(a));
-    if (a.ndim() != 2 || a.shape(0) != T || a.shape(1) != T)
-      throw Error("visibility: expected shape (" + std::to_string(T) + ", " + std::to_string(T) + "), got " +
-                  py::str(a.attr("shape")).cast<std::string>());
-    auto u = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>::ensure(a.attr("view")("uint8"));
-    vis.assign(u.data(), u.data() + T * T);
-  }
-  py::array_t<float> out({(py::ssize_t)T, (py::ssize_t)V});
-  float* o = out.mutable_data();
-  {
-    py::gil_scoped_release nogil;
-    m.forward(tokens.data(), positions.data(), vis.empty() ? nullptr : vis.data(), T, o);
-  }
-  return out;
-}
 
 int parse_choice(const std::string& v, const char* what, std::initializer_list<const char*> names) {
   int i = 0;
@@ -131,7 +97,7 @@ void bind_cuda_model(py::module_& m) {
            }),
            py::arg("config"), py::arg("max_seq_len"), py::arg("max_tokens") = 0, py::arg("device") = 0,
            py::arg("math") = "default", py::arg("attention_naive") = false, py::arg("expert_kernel") = "auto")
-      .def("forward", &forward_py, py::arg("tokens"), py::arg("positions"), py::arg("visibility") = py::none(),
+      .def("forward", &model_forward<Model>, py::arg("tokens"), py::arg("positions"), py::arg("visibility") = py::none(),
            "Logits float32 [T, V] of T new tokens at `positions` against the cache; visibility bool/uint8 "
            "[T, T] (None = causal, run in chunks of max_tokens when longer). Entries stay pending until commit().")
       .def_property_readonly("max_tokens", &Model::max_tokens)

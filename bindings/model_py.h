@@ -116,6 +116,43 @@ inline std::vector<int32_t> int_vector(const py::object& obj, const char* what, 
   return out;
 }
 
+// forward(tokens, positions, visibility=None) -> logits float32 [T, V], validated, GIL released.
+template <class Model>
+py::array_t<float> model_forward(Model& m, const py::object& tokens_obj, const py::object& positions_obj,
+                                 const py::object& vis_obj) {
+  if (!m.finalized()) throw Error("forward: the model is not finalized (set every weight, then finalize())");
+  const int64_t V = m.config().vocab_size;
+  std::vector<int32_t> tokens = int_vector(tokens_obj, "tokens", 0, V);
+  const int64_t T = (int64_t)tokens.size();
+  if (T == 0) throw Error("tokens: empty (need at least one token)");
+  std::vector<int32_t> positions = int_vector(positions_obj, "positions", 0, std::numeric_limits<int32_t>::max());
+  if ((int64_t)positions.size() != T)
+    throw Error("positions: length " + std::to_string(positions.size()) + " != number of tokens " + std::to_string(T));
+  if (m.cache_len() + T > m.max_seq_len())
+    throw Error("forward: cache_len (" + std::to_string(m.cache_len()) + ") + tokens (" + std::to_string(T) +
+                ") exceeds max_seq_len (" + std::to_string(m.max_seq_len()) + ")");
+  std::vector<uint8_t> vis;
+  if (!vis_obj.is_none()) {
+    py::array a = py::array::ensure(vis_obj);
+    if (!a) throw Error("visibility: expected a bool/uint8 array");
+    const char kind = a.dtype().kind();
+    if (!(kind == 'b' || (kind == 'u' && a.dtype().itemsize() == 1)))
+      throw Error("visibility: expected dtype bool or uint8, got " + dtype_str(a));
+    if (a.ndim() != 2 || a.shape(0) != T || a.shape(1) != T)
+      throw Error("visibility: expected shape (" + std::to_string(T) + ", " + std::to_string(T) + "), got " +
+                  py::str(a.attr("shape")).cast<std::string>());
+    auto u = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>::ensure(a.attr("view")("uint8"));
+    vis.assign(u.data(), u.data() + T * T);
+  }
+  py::array_t<float> out({(py::ssize_t)T, (py::ssize_t)V});
+  float* o = out.mutable_data();
+  {
+    py::gil_scoped_release nogil;
+    m.forward(tokens.data(), positions.data(), vis.empty() ? nullptr : vis.data(), T, o);
+  }
+  return out;
+}
+
 // The methods CpuModel and CudaModel bind identically (weights, commit/truncate/reset, sizes).
 template <class Model>
 py::class_<Model> def_model_common(py::class_<Model> cls) {

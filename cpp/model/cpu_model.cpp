@@ -176,12 +176,7 @@ std::vector<std::string> CpuModel::missing_weights() const {
 void CpuModel::finalize() {
   std::vector<std::string> missing = missing_weights();
   std::lock_guard<std::mutex> lock(mu_);
-  if (!missing.empty()) {
-    std::string msg = "finalize: " + std::to_string(missing.size()) + " weight tensor(s) missing: ";
-    for (size_t i = 0; i < missing.size() && i < 12; ++i) msg += (i ? ", " : "") + missing[i];
-    if (missing.size() > 12) msg += ", ...";
-    throw Error(msg);
-  }
+  check_no_missing_weights(missing);
   // The absorbed matrices W_UK / W_UV were split from kv_b_proj as it arrived (set_weight);
   // nothing else is derived on the CPU. The cache starts empty.
   finalized_ = true;

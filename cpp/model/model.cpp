@@ -42,4 +42,12 @@ void check_truncate_args(const TargetModel& m, int64_t n) {
                 "]");
 }
 
+void check_no_missing_weights(const std::vector<std::string>& missing) {
+  if (missing.empty()) return;
+  std::string msg = "finalize: " + std::to_string(missing.size()) + " weight tensor(s) missing: ";
+  for (size_t i = 0; i < missing.size() && i < 12; ++i) msg += (i ? ", " : "") + missing[i];
+  if (missing.size() > 12) msg += ", ...";
+  throw Error(msg);
+}
+
 }  // namespace kdtree

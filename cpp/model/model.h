@@ -54,6 +54,9 @@ class TargetModel {
 
 // Input checks shared by the backends (throw Error naming the problem).
 void check_forward_args(const TargetModel& m, const int32_t* tokens, const int32_t* positions, int64_t T);
+
+// Throws Error("finalize: N weight tensor(s) missing: a, b, ...") when `missing` is not empty.
+void check_no_missing_weights(const std::vector<std::string>& missing);
 void check_commit_args(const TargetModel& m, const int32_t* keep, int64_t n);
 void check_truncate_args(const TargetModel& m, int64_t n);
 

@@ -436,12 +436,7 @@ std::vector<std::string> CudaModel::missing_weights() const {
 void CudaModel::finalize() {
   std::vector<std::string> missing = missing_weights();
   std::lock_guard<std::mutex> lock(mu_);
-  if (!missing.empty()) {
-    std::string msg = "finalize: " + std::to_string(missing.size()) + " weight tensor(s) missing: ";
-    for (size_t i = 0; i < missing.size() && i < 12; ++i) msg += (i ? ", " : "") + missing[i];
-    if (missing.size() > 12) msg += ", ...";
-    throw Error(msg);
-  }
+  check_no_missing_weights(missing);
   DeviceGuard guard(opt_.device);
   check_cuda(cudaStreamSynchronize(as_stream(stream_)), "finalize");
   finalized_ = true;
