@@ -53,8 +53,109 @@ void check_draft_output(const DraftOutput& out, int64_t depth, int64_t top_k, in
   }
 }
 
-Generator::Generator(Target& target) : target_(target) {
-  const int64_t cap = target.max_seq_len();
+int64_t draft_tree_nodes(const DraftOutput& draft, int64_t k, int64_t budget) {
+  int64_t nodes = 0, prod = 1;
+  for (int64_t r = 0; r < draft.d && nodes < budget; ++r) {
+    int64_t f = 0;
+    if (draft.is_logits) {
+      const float* row = draft.values.data() + r * draft.k;
+      for (int64_t j = 0; j < draft.k && f < k; ++j) f += std::isfinite(row[j]) ? 1 : 0;
+    } else {
+      const float* row = draft.values.data() + r * draft.k;
+      while (f < draft.k && std::isfinite(row[f])) ++f;
+    }
+    prod = std::min<int64_t>(prod * f, budget);
+    if (prod == 0) break;
+    nodes += prod;
+  }
+  return std::min(nodes, budget);
+}
+
+// ---------------------------------------------------------------- HostRounds
+int32_t HostRounds::prefill(const int32_t* prompt, int64_t P, int64_t chunk) {
+  const int64_t V = target_.vocab_size();
+  target_.reset();
+  int32_t first = 0;
+  for (int64_t c0 = 0; c0 < P; c0 += chunk) {
+    const int64_t T = std::min(chunk, P - c0);
+    pos_.resize(T);
+    keep_.resize(T);
+    vis_.assign(static_cast<size_t>(T * T), 0);
+    for (int64_t i = 0; i < T; ++i) {
+      pos_[i] = static_cast<int32_t>(c0 + i);
+      keep_[i] = static_cast<int32_t>(i);
+      for (int64_t j = 0; j <= i; ++j) vis_[i * T + j] = 1;
+    }
+    logits_.resize(static_cast<size_t>(T * V));
+    target_.forward(prompt + c0, pos_.data(), vis_.data(), T, logits_.data());
+    target_.commit(keep_.data(), T);
+    if (c0 + T == P) first = sampler_.choose(logits_.data() + (T - 1) * V, V, P);
+  }
+  return first;
+}
+
+void HostRounds::round(const RoundRequest& rq, RoundResult& out) {
+  const int64_t V = target_.vocab_size(), L = rq.L;
+  auto t0 = Clock::now();
+  tree_.n = 0;
+  tree_.tokens.clear();
+  tree_.depths.clear();
+  tree_.parents.assign(1, -1);
+  const DraftOutput* draft = rq.draft;
+  if (draft && draft->d > 0 && rq.nodes > 0) {
+    const float* lp = draft->values.data();
+    const int32_t* ids = draft->ids.data();
+    int64_t k = draft->k;
+    if (draft->is_logits) {
+      topk_lp_.resize(static_cast<size_t>(draft->d * rq.top_k));
+      topk_ids_.resize(static_cast<size_t>(draft->d * rq.top_k));
+      k = topk_logsoftmax(draft->values.data(), draft->d, V, rq.top_k, topk_lp_.data(), topk_ids_.data());
+      lp = topk_lp_.data();
+      ids = topk_ids_.data();
+    }
+    tree_build(lp, ids, draft->d, k, rq.nodes, &tree_, &ws_);
+  }
+  out.tree_build = since(t0);
+
+  // verify: one forward over root + nodes, ancestor-only visibility
+  t0 = Clock::now();
+  const int64_t n = tree_.n, T = n + 1;
+  tok_.resize(T);
+  pos_.resize(T);
+  tok_[0] = rq.root;
+  for (int64_t i = 1; i < T; ++i) tok_[i] = tree_.tokens[i - 1];
+  tree_positions(tree_.depths.data(), n, L, pos_.data());
+  vis_.assign(static_cast<size_t>(T * T), 0);
+  for (int64_t i = 0; i < T; ++i)  // walk up the parents: node i sees itself and its ancestors
+    for (int64_t a = i; a >= 0; a = tree_.parents[a]) vis_[i * T + a] = 1;
+  logits_.resize(static_cast<size_t>(T * V));
+  target_.forward(tok_.data(), pos_.data(), vis_.data(), T, logits_.data());
+  choice_.resize(T);
+  for (int64_t i = 0; i < T; ++i) choice_[i] = sampler_.choose(logits_.data() + i * V, V, pos_[i] + 1);
+  out.verify = since(t0);
+
+  // accept + commit
+  t0 = Clock::now();
+  path_.resize(T);
+  int64_t bonus = 0;
+  const int64_t m = tree_accept(tree_.parents.data(), tree_.tokens.data(), n, choice_.data(), path_.data(), &bonus);
+  target_.commit(path_.data(), m);
+  out.tokens.clear();
+  for (int64_t j = 1; j < m; ++j) out.tokens.push_back(tree_.tokens[path_[j] - 1]);
+  out.tokens.push_back(static_cast<int32_t>(bonus));
+  out.tree_nodes = n;
+  out.accept_commit = since(t0);
+}
+
+// ---------------------------------------------------------------- Generator
+Generator::Generator(Target& target) : host_(std::make_unique<HostRounds>(target)), exec_(*host_) {
+  const int64_t cap = exec_.max_seq_len();
+  KD_CHECK(cap >= 1, "target max_seq_len must be >= 1");
+  buf_.assign(static_cast<size_t>(cap), 0);
+}
+
+Generator::Generator(RoundExecutor& executor) : exec_(executor) {
+  const int64_t cap = exec_.max_seq_len();
   KD_CHECK(cap >= 1, "target max_seq_len must be >= 1");
   buf_.assign(static_cast<size_t>(cap), 0);
 }
@@ -62,8 +163,8 @@ Generator::Generator(Target& target) : target_(target) {
 GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const GenerateParams& p, const DraftFn& drafter,
                                    const ProgressFn& progress) {
   const auto t_start = Clock::now();
-  const int64_t V = target_.vocab_size();
-  const int64_t cap = target_.max_seq_len();
+  const int64_t V = exec_.vocab_size();
+  const int64_t cap = exec_.max_seq_len();
   KD_CHECK(static_cast<int64_t>(buf_.size()) == cap, "target max_seq_len changed after the Generator was made");
   KD_CHECK(P >= 1, "the prompt must have at least one token");
   KD_CHECK(p.max_new_tokens >= 0, "max_new_tokens must be >= 0");
@@ -79,13 +180,14 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
              "prompt token " + s(prompt[i]) + " at index " + s(i) + " outside the vocab [0, " + s(V) + ")");
   for (int32_t t : p.stop_tokens)
     KD_CHECK(t >= 0 && t < V, "stop token " + s(t) + " outside the vocab [0, " + s(V) + ")");
-  Sampler sampler(p.sampling);
+  check_sampling_params(p.sampling);
+  exec_.begin(p);
 
   GenerateResult res;
   std::copy(prompt, prompt + P, buf_.begin());
   n_ = P;
-  target_.reset();
   if (p.max_new_tokens == 0) {
+    exec_.reset();
     res.seconds.total = since(t_start);
     return res;
   }
@@ -96,27 +198,9 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
   };
 
   // ---- prefill (in chunks: causal inside a chunk, earlier chunks committed)
-  std::vector<float> logits;
-  std::vector<int32_t> pos, keep;
-  std::vector<uint8_t> vis;
   {
     const auto t0 = Clock::now();
-    int32_t first = 0;
-    for (int64_t c0 = 0; c0 < P; c0 += p.prefill_chunk) {
-      const int64_t T = std::min(p.prefill_chunk, P - c0);
-      pos.resize(T);
-      keep.resize(T);
-      vis.assign(static_cast<size_t>(T * T), 0);
-      for (int64_t i = 0; i < T; ++i) {
-        pos[i] = static_cast<int32_t>(c0 + i);
-        keep[i] = static_cast<int32_t>(i);
-        for (int64_t j = 0; j <= i; ++j) vis[i * T + j] = 1;
-      }
-      logits.resize(static_cast<size_t>(T * V));
-      target_.forward(prompt + c0, pos.data(), vis.data(), T, logits.data());
-      target_.commit(keep.data(), T);
-      if (c0 + T == P) first = sampler.choose(logits.data() + (T - 1) * V, V, P);
-    }
+    const int32_t first = exec_.prefill(prompt, P, p.prefill_chunk);
     buf_[n_++] = first;
     res.tokens.push_back(first);
     res.seconds.prefill = since(t0);
@@ -126,25 +210,20 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
 
   // ---- rounds
   DraftOutput draft;
-  Tree tree;
-  TreeBuildWorkspace ws;
-  std::vector<float> topk_lp;
-  std::vector<int32_t> topk_ids, tree_tok, path;
-  std::vector<int64_t> choice;
+  RoundResult rr;
   const int64_t K = p.top_k > 0 ? p.top_k : std::min<int64_t>(std::max<int64_t>(p.tree_budget, 1), V);
   while (!res.stopped && static_cast<int64_t>(res.tokens.size()) < p.max_new_tokens) {
-    const int64_t L = target_.cache_len();
+    const int64_t L = exec_.cache_len();
     KD_CHECK(L == n_ - 1, "engine invariant: cache length " + s(L) + " != committed tokens - 1 (" + s(n_ - 1) + ")");
     const int64_t remaining = p.max_new_tokens - static_cast<int64_t>(res.tokens.size());
     const int64_t depth_r = std::min(p.depth, remaining - 1);     // deeper nodes could never be emitted
     const int64_t budget_r = std::min(p.tree_budget, cap - L - 1);  // the window must fit in the cache
     const int64_t k_r = std::min(std::min(K, std::max<int64_t>(budget_r, 1)), V);
 
-    // draft + tree build
-    tree.n = 0;
-    tree.tokens.clear();
-    tree.depths.clear();
-    tree.parents.assign(1, -1);
+    RoundRequest rq;
+    rq.root = buf_[n_ - 1];
+    rq.L = L;
+    rq.top_k = k_r;
     int64_t d_got = 0;
     if (drafter && depth_r > 0 && budget_r > 0) {
       draft.clear();
@@ -155,60 +234,19 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
       check_draft_output(draft, depth_r, k_r, V);
       d_got = draft.d;
       if (draft.d > 0) {
-        const float* lp = draft.values.data();
-        const int32_t* ids = draft.ids.data();
-        int64_t k = draft.k;
-        if (draft.is_logits) {
-          topk_lp.resize(static_cast<size_t>(draft.d * k_r));
-          topk_ids.resize(static_cast<size_t>(draft.d * k_r));
-          k = topk_logsoftmax(draft.values.data(), draft.d, V, k_r, topk_lp.data(), topk_ids.data());
-          lp = topk_lp.data();
-          ids = topk_ids.data();
-        }
-        // Candidates with log-prob -inf are never verified: the best-first order pops every
-        // finite-score prefix before any -inf one, and there are sum_j prod_{d<=j} f_d finite
-        // prefixes (f_d = finite entries of row d, a leading run since rows are sorted).
-        int64_t finite_prefixes = 0, prod = 1;
-        for (int64_t r = 0; r < draft.d && finite_prefixes < budget_r; ++r) {
-          int64_t f = 0;
-          while (f < k && std::isfinite(lp[r * k + f])) ++f;
-          prod = std::min<int64_t>(prod * f, budget_r);
-          if (prod == 0) break;
-          finite_prefixes += prod;
-        }
-        tree_build(lp, ids, draft.d, k, std::min(budget_r, finite_prefixes), &tree, &ws);
+        rq.draft = &draft;
+        rq.nodes = draft_tree_nodes(draft, draft.is_logits ? k_r : draft.k, budget_r);
       }
       res.seconds.tree_build += since(t0);
     }
+    exec_.round(rq, rr);
+    res.seconds.tree_build += rr.tree_build;
+    res.seconds.verify += rr.verify;
 
-    // verify: one forward over root + nodes, ancestor-only visibility
-    auto t0 = Clock::now();
-    const int64_t n = tree.n, T = n + 1;
-    tree_tok.resize(T);
-    pos.resize(T);
-    tree_tok[0] = buf_[n_ - 1];
-    for (int64_t i = 1; i < T; ++i) tree_tok[i] = tree.tokens[i - 1];
-    tree_positions(tree.depths.data(), n, L, pos.data());
-    vis.assign(static_cast<size_t>(T * T), 0);
-    for (int64_t i = 0; i < T; ++i)  // walk up the parents: node i sees itself and its ancestors
-      for (int64_t a = i; a >= 0; a = tree.parents[a]) vis[i * T + a] = 1;
-    logits.resize(static_cast<size_t>(T * V));
-    target_.forward(tree_tok.data(), pos.data(), vis.data(), T, logits.data());
-    choice.resize(T);
-    for (int64_t i = 0; i < T; ++i) choice[i] = sampler.choose(logits.data() + i * V, V, pos[i] + 1);
-    res.seconds.verify += since(t0);
-
-    // accept + commit + emit
-    t0 = Clock::now();
-    path.resize(T);
-    int64_t bonus64 = 0;
-    const int64_t m = tree_accept(tree.parents.data(), tree.tokens.data(), n, choice.data(), path.data(), &bonus64);
-    path.resize(m);
-    const int32_t bonus = static_cast<int32_t>(bonus64);
-    target_.commit(path.data(), m);
+    // emit
+    const auto t0 = Clock::now();
     const int64_t n0 = n_;
-    for (int64_t j = 1; j <= m; ++j) {
-      const int32_t tok = j < m ? tree.tokens[path[j] - 1] : bonus;
+    for (int32_t tok : rr.tokens) {
       buf_[n_++] = tok;
       res.tokens.push_back(tok);
       if (is_stop(tok)) {
@@ -218,9 +256,9 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
       if (static_cast<int64_t>(res.tokens.size()) == p.max_new_tokens) break;
     }
     res.acceptance_lengths.push_back(static_cast<int32_t>(n_ - n0));
-    res.tree_sizes.push_back(static_cast<int32_t>(n));
+    res.tree_sizes.push_back(static_cast<int32_t>(rr.tree_nodes));
     res.draft_depths.push_back(static_cast<int32_t>(d_got));
-    res.seconds.accept_commit += since(t0);
+    res.seconds.accept_commit += rr.accept_commit + since(t0);
     if (progress) progress(&buf_[n0], n_ - n0, static_cast<int64_t>(res.tokens.size()), p.max_new_tokens);
   }
   res.seconds.total = since(t_start);

@@ -14,6 +14,7 @@
 #pragma once
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <vector>
 
 #include "engine/sampler.h"
@@ -66,9 +67,80 @@ struct GenerateResult {
 // Checks a drafter's output against the round's request (throws Error naming the problem).
 void check_draft_output(const DraftOutput& out, int64_t depth, int64_t top_k, int64_t vocab);
 
+// ---- how a round is executed: the loop above (Generator) is written once; where the tree is
+// built, verified and accepted is a RoundExecutor. HostRounds (below) runs it through a Target
+// with host memory (CPU model, toy target, or any model through its host path); the GPU
+// executor (cuda/engine/cuda_rounds.h) keeps the whole round on the device.
+
+// One round, as decided by the loop (the draft is already validated).
+struct RoundRequest {
+  int32_t root = 0;                    // last emitted token; not yet in the cache
+  int64_t L = 0;                       // committed cache length (root goes to slot L, position L)
+  const DraftOutput* draft = nullptr;  // nullptr, or d == 0: a plain AR step
+  int64_t top_k = 0;                   // k for a logits draft's top-k + log-softmax
+  int64_t nodes = 0;                   // tree nodes to verify: min(budget, finite-score prefixes); 0 = AR step
+};
+
+struct RoundResult {
+  std::vector<int32_t> tokens;  // accepted node tokens in path order, then the bonus token (size >= 1)
+  int64_t tree_nodes = 0;       // n verified (root excluded)
+  double tree_build = 0, verify = 0, accept_commit = 0;  // seconds, as the executor can see them
+};
+
+class RoundExecutor {
+ public:
+  virtual ~RoundExecutor() = default;
+  virtual int64_t vocab_size() const = 0;
+  virtual int64_t max_seq_len() const = 0;
+  virtual int64_t cache_len() const = 0;
+  // Checks the executor's own limits (throws Error) and takes the sampling parameters.
+  virtual void begin(const GenerateParams& p) = 0;
+  // Empties the cache, then prefills prompt [P] in chunks of `chunk`; returns the first
+  // generated token (the choice after the last prompt token, sequence index P).
+  virtual int32_t prefill(const int32_t* prompt, int64_t P, int64_t chunk) = 0;
+  // Empties the cache only (max_new_tokens == 0).
+  virtual void reset() = 0;
+  // Builds the tree (rq.nodes nodes), verifies root + nodes in one forward, chooses per node,
+  // walks, commits root + the accepted nodes; fills out.
+  virtual void round(const RoundRequest& rq, RoundResult& out) = 0;
+};
+
+// Rounds through a Target's host interface (target.h): tree built on the host, logits [T, V]
+// in host memory, per-node choice by the host sampler.
+class HostRounds : public RoundExecutor {
+ public:
+  explicit HostRounds(Target& target) : target_(target), sampler_(SamplingParams()) {}
+  int64_t vocab_size() const override { return target_.vocab_size(); }
+  int64_t max_seq_len() const override { return target_.max_seq_len(); }
+  int64_t cache_len() const override { return target_.cache_len(); }
+  void begin(const GenerateParams& p) override { sampler_ = Sampler(p.sampling); }
+  int32_t prefill(const int32_t* prompt, int64_t P, int64_t chunk) override;
+  void reset() override { target_.reset(); }
+  void round(const RoundRequest& rq, RoundResult& out) override;
+  Target& target() { return target_; }
+
+ private:
+  Target& target_;
+  Sampler sampler_;
+  std::vector<float> logits_, topk_lp_;
+  std::vector<int32_t> pos_, keep_, topk_ids_, tok_, path_;
+  std::vector<uint8_t> vis_;
+  std::vector<int64_t> choice_;
+  Tree tree_;
+  TreeBuildWorkspace ws_;
+};
+
+// Nodes a round can verify: min(budget, number of prefixes whose every entry is finite).
+// Candidates with log-prob -inf are never verified: the best-first order pops every
+// finite-score prefix before any -inf one, and there are sum_j prod_{d<=j} f_d finite prefixes
+// (f_d = finite entries among row d's first k: a leading run since rows are sorted; for a
+// logits draft, min(k, finite logits of the row)).
+int64_t draft_tree_nodes(const DraftOutput& draft, int64_t k, int64_t budget);
+
 class Generator {
  public:
-  explicit Generator(Target& target);
+  explicit Generator(Target& target);          // rounds on the host (HostRounds)
+  explicit Generator(RoundExecutor& executor);  // e.g. the GPU executor
   // prompt [P]. drafter may be empty (plain AR). Resets the target's cache first.
   GenerateResult generate(const int32_t* prompt, int64_t P, const GenerateParams& params, const DraftFn& drafter,
                           const ProgressFn& progress);
@@ -76,10 +148,11 @@ class Generator {
   // pointer stays valid for the Generator's lifetime (drafters get zero-copy views of it).
   const int32_t* token_buffer() const { return buf_.data(); }
   int64_t num_tokens() const { return n_; }
-  Target& target() { return target_; }
+  RoundExecutor& executor() { return exec_; }
 
  private:
-  Target& target_;
+  std::unique_ptr<HostRounds> host_;
+  RoundExecutor& exec_;
   std::vector<int32_t> buf_;
   int64_t n_ = 0;
 };
