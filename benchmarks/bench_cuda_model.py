@@ -16,9 +16,10 @@ Physical limit per step = max(bytes / measured copy bandwidth, FLOPs / FP32 peak
   the weights the step must read (routed experts: only those the step's tokens route to, read
   back from the model) + the latent cache read once + embeddings, and FLOPs = 2 x params used
   per token x T + absorbed attention (2 (C+R) + 2 C per head per visible key).
-Also AR and DDTree tokens/s with OracleDrafter (noise 0, 0.3, 0.6) through a host-side round
-(Python: drafter -> kn.ops.tree_build (CPU) -> forward_ptr -> torch argmax -> tree_accept ->
-commit), and that round's overhead (round - verify forward - drafter).
+Also AR and DDTree decode tokens/s with OracleDrafter (noise 0, 0.3, 0.6) through the engine
+(generate(): rounds="device", the round on the GPU, and rounds="host" for comparison), the round
+overhead (round time - the verify forward of that tree size - the drafter), and HF generate()
+tokens/s on the same checkpoint as the ratio.
 
     python benchmarks/bench_cuda_model.py [--reps 20] [--json out.json] [--ckpt DIR] [--quick]
 """
@@ -129,6 +130,7 @@ def main():
     ap.add_argument("--ckpt", default="/tmp/kn_mini_kimi")
     ap.add_argument("--quick", action="store_true", help="fewer cases (context 512 only, no HF 4096)")
     ap.add_argument("--no-hf", action="store_true")
+    ap.add_argument("--budget", type=int, default=64, help="tree budget of the DDTree runs")
     args = ap.parse_args()
     import torch
 
@@ -281,107 +283,76 @@ def main():
         except Exception:
             traceback.print_exc()
 
-    # ---- AR and DDTree tokens/s (host-side round in Python). torch works on the model's own
-    # stream here, so its copies / argmax and our forwards are ordered without extra syncs.
+    # ---- AR and DDTree tokens/s through the engine (kdtree_native.generation.generate):
+    # rounds="device" (the round on the GPU, one small copy back per round) and, for
+    # comparison, rounds="host" (tree, logits and walk through the host). Round overhead =
+    # decode time per round - the verify forward of that tree size (measured above the same way,
+    # device path, graph replay) - the drafter's time.
     try:
-        stream_ctx = torch.cuda.stream(torch.cuda.ExternalStream(model.stream))
-        stream_ctx.__enter__()
+        from kdtree_native.drafters import OracleDrafter
+        from kdtree_native.generation import generate
+
         n_new = 64 if args.quick else 128
         prompt_ids = ctx_ids[:64]
-        t_tok = torch.zeros(1025, dtype=torch.int32, device=dev)
-        t_pos = torch.zeros(1025, dtype=torch.int32, device=dev)
-        t_vis = torch.zeros(1025 * 17, dtype=torch.int64, device=dev)
-
-        def run_ar():
-            model.reset()
-            lg = model.forward(prompt_ids, np.arange(len(prompt_ids)), None)
-            model.commit(np.arange(len(prompt_ids)))
-            nxt = int(np.argmax(lg[-1]))
-            toks = []
-            for _ in range(n_new):
-                toks.append(nxt)
-                t_tok[:1] = nxt
-                t_pos[:1] = model.cache_len
-                model.forward_ptr(t_tok.data_ptr(), t_pos.data_ptr(), 0, 0, 1, logits_buf.data_ptr(), False)
-                nxt = int(torch.argmax(logits_buf[0]))    # same stream: ordered, and syncs
-                model.commit([0])
-            return toks
-
-        ref = run_ar()
-        sync()
-        t0 = time.perf_counter()
-        ref2 = run_ar()
-        sync()
-        t_ar = time.perf_counter() - t0
-        assert ref2 == ref, "AR is not deterministic"
-        out["ar_tok_s"] = n_new / t_ar
-        print(f"AR: {n_new / t_ar:.1f} tok/s (prefill 64 included)")
-        from kdtree_native.drafters import OracleDrafter
-
+        budget, depth, top_k = args.budget, 15, 8
+        ar = generate(model, prompt_ids, n_new, seed=0)
+        ar = generate(model, prompt_ids, n_new, seed=0)   # second run: graphs captured
+        ref = ar.tokens
+        ar_s = ar.stats["seconds"]
+        ar_dec = (n_new - 1) / (ar_s["total"] - ar_s["prefill"])
+        ar_host = generate(model, prompt_ids, n_new, seed=0, rounds="host")
+        ah = ar_host.stats["seconds"]
+        out["ar"] = dict(decode_tok_s=ar_dec, step_ms=1e3 / ar_dec,
+                         host_rounds_decode_tok_s=(n_new - 1) / (ah["total"] - ah["prefill"]),
+                         equals_host=bool(np.array_equal(ar_host.tokens, ref)))
+        print(f"AR (device rounds): {ar_dec:.1f} tok/s decode ({1e3 / ar_dec:.3f} ms/token); host rounds "
+              f"{out['ar']['host_rounds_decode_tok_s']:.1f} tok/s; same tokens: {out['ar']['equals_host']}", flush=True)
+        # the verify forward alone for this budget at the generation's mid context
+        L_mid = len(prompt_ids) + n_new // 2
+        toks, depths, vis = real_tree(budget, seed=budget)
+        t_fwd, _, _ = ours_step(budget + 1, L_mid, toks, (L_mid + depths).astype(np.int32), vis)
+        out["verify_forward_ms"] = t_fwd * 1e3
         for noise in (0.0, 0.3, 0.6):
-            drafter = OracleDrafter(ref, noise=noise, seed=1, vocab_size=V)
-            budget, depth, top_k = 64, 15, 8
-            model.reset()
-            lg = model.forward(prompt_ids, np.arange(len(prompt_ids)), None)
-            model.commit(np.arange(len(prompt_ids)))
-            bonus = int(np.argmax(lg[-1]))
-            gen, accs, t_draft, t_verify, t_round = [], [], 0.0, 0.0, 0.0
-            committed = list(prompt_ids)
-            sync()
-            t_all = time.perf_counter()
-            while len(gen) < n_new:
-                r0 = time.perf_counter()
-                ctx = np.asarray(committed + [bonus], dtype=np.int32)
-                d0 = time.perf_counter()
-                dr = drafter(ctx, depth, top_k)
-                t_draft += time.perf_counter() - d0
-                if dr is None:
-                    toks_np, depths_np = np.asarray([bonus], np.int32), np.zeros(1, np.int32)
-                    vis = np.ones((1, 1), bool)
-                    tree = None
-                else:
-                    tree = kn.ops.tree_build(dr[0], dr[1], budget, device="cpu")
-                    toks_np = np.concatenate([[bonus], tree.tokens]).astype(np.int32)
-                    depths_np = np.concatenate([[0], tree.depths]).astype(np.int32)
-                    vis = tree.visibility
-                T = len(toks_np)
-                L = model.cache_len
-                bits = vis_bits(vis)
-                t_tok[:T] = torch.as_tensor(toks_np)
-                t_pos[:T] = torch.as_tensor(L + depths_np)
-                t_vis[: bits.size] = torch.as_tensor(bits.reshape(-1).view(np.int64))
-                v0 = time.perf_counter()
-                model.forward_ptr(t_tok.data_ptr(), t_pos.data_ptr(), t_vis.data_ptr(), bits.shape[1], T,
-                                  logits_buf.data_ptr(), False)
-                model.synchronize()
-                t_verify += time.perf_counter() - v0
-                choice = torch.argmax(logits_buf[:T], dim=1).to(torch.int32).cpu().numpy()
-                if tree is None:
-                    path, nb = [0], int(choice[0])
-                else:
-                    path, nb = kn.ops.tree_accept(tree, choice, device="cpu")
-                path = [int(p) for p in path]
-                model.commit(np.asarray(path, np.int32))
-                acc = [int(toks_np[p]) for p in path]
-                gen.extend(acc)
-                committed.extend(acc)
-                bonus = int(nb)
-                accs.append(len(path))
-                t_round += time.perf_counter() - r0
-            t_all = time.perf_counter() - t_all
-            gen = gen[:n_new]
-            ok = gen == ref
-            mal = float(np.mean(accs))
-            overhead = (t_round - t_verify - t_draft) / len(accs)
-            out.setdefault("ddtree", []).append(dict(noise=noise, tok_s=n_new / t_all, rounds=len(accs),
-                                                     mean_acceptance_length=mal, equals_ar=ok,
-                                                     round_overhead_us=overhead * 1e6,
-                                                     verify_ms_per_round=t_verify / len(accs) * 1e3,
-                                                     speedup_over_ar=(n_new / t_all) / out["ar_tok_s"]))
-            print(f"DDTree oracle noise {noise}: {n_new / t_all:.1f} tok/s ({(n_new / t_all) / out['ar_tok_s']:.2f}x AR),"
-                  f" mean acceptance {mal:.2f}, rounds {len(accs)}, verify {t_verify / len(accs) * 1e3:.2f} ms/round,"
-                  f" host round overhead {overhead * 1e6:.0f} us, output == AR: {ok}", flush=True)
-        stream_ctx.__exit__(None, None, None)
+            row = dict(noise=noise, budget=budget, depth=depth, top_k=top_k)
+            for rounds in ("device", "host"):
+                mk = lambda: OracleDrafter(ref, noise=noise, seed=1, vocab_size=V)
+                generate(model, prompt_ids, n_new, drafter=mk(), tree_budget=budget, depth=depth, top_k=top_k,
+                         rounds=rounds)  # warm-up (graph capture)
+                r = generate(model, prompt_ids, n_new, drafter=mk(), tree_budget=budget, depth=depth, top_k=top_k,
+                             rounds=rounds)
+                st = r.stats
+                sec = st["seconds"]
+                dec = sec["total"] - sec["prefill"]
+                nr = st["rounds"]
+                row[rounds] = dict(decode_tok_s=(n_new - 1) / dec, rounds=nr,
+                                   mean_acceptance_length=st["mean_acceptance_length"],
+                                   equals_ar=bool(np.array_equal(r.tokens, ref)),
+                                   round_ms=dec / nr * 1e3, draft_ms_per_round=sec["draft"] / nr * 1e3,
+                                   round_overhead_us=(dec / nr - t_fwd - sec["draft"] / nr) * 1e6,
+                                   speedup_over_ar=((n_new - 1) / dec) / ar_dec)
+            out.setdefault("ddtree", []).append(row)
+            d, h = row["device"], row["host"]
+            print(f"DDTree oracle noise {noise}: {d['decode_tok_s']:.1f} tok/s ({d['speedup_over_ar']:.2f}x AR), "
+                  f"mean acceptance {d['mean_acceptance_length']:.2f}, rounds {d['rounds']}, round {d['round_ms']:.3f} ms"
+                  f" = verify {t_fwd * 1e3:.3f} + drafter {d['draft_ms_per_round']:.3f} + overhead "
+                  f"{d['round_overhead_us']:.0f} us; host rounds {h['decode_tok_s']:.1f} tok/s (overhead "
+                  f"{h['round_overhead_us']:.0f} us); == AR: {d['equals_ar']} / {h['equals_ar']}", flush=True)
+        if hf is not None:
+            ids = torch.as_tensor(prompt_ids[None].astype(np.int64), device=dev)
+            with torch.no_grad():
+                hf.generate(ids, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+                sync()
+                t0 = time.perf_counter()
+                g = hf.generate(ids, max_new_tokens=n_new, do_sample=False, min_new_tokens=n_new)
+                sync()
+                t_hf = time.perf_counter() - t0
+            hf_tok = g[0, len(prompt_ids):].cpu().numpy()
+            out["hf_generate"] = dict(tok_s=n_new / t_hf, same_first_tokens=int(
+                np.argmax(np.concatenate([hf_tok != ref[:len(hf_tok)], [True]]))))
+            print(f"HF generate (greedy, {out.get('hf_attn')}): {n_new / t_hf:.1f} tok/s incl. prefill; ours AR "
+                  f"{ar_dec / (n_new / t_hf):.1f}x, ours DDTree noise 0 "
+                  f"{out['ddtree'][0]['device']['decode_tok_s'] / (n_new / t_hf):.1f}x; tokens equal for the first "
+                  f"{out['hf_generate']['same_first_tokens']}", flush=True)
     except Exception:
         traceback.print_exc()
 

@@ -9,6 +9,11 @@ per graph; the split-combine kernel included), after 150 ms of GPU warm-up.
 FP32 peak = SMs x 128 lanes x 2 x peak SM clock; bandwidth = a measured device-to-device copy
 (bytes read + written). Goal: >= 50% of the roofline at L >= 4096.
 
+Then the decode table, for tuning the kernel choice's cost model (cuda/verify_attention.cu,
+`namespace cost`): T = 1 with H in {16, 64, 128} and L in {512, 4096, 32768}, and T = 17, 65
+(a tree) with H = 16 at L in {512, 4096}; per shape the auto pick (kernel, splits, time), the
+tiled kernel forced and the split-KV kernel forced (each with its own split choice), in us.
+
     python benchmarks/bench_cuda_verify_attention.py [--iters 10] [--json out.json] [--quick]
 """
 import argparse
@@ -32,11 +37,45 @@ def tree_visibility(B, seed):
     return tree.visibility
 
 
+def decode_rows(N, rng, args):
+    """T = 1 (AR decode) and small trees: auto vs each fast kernel forced."""
+    shapes = [(1, H, L) for H in (16, 64, 128) for L in (512, 4096, 32768)]
+    shapes += [(T, 16, L) for T in (17, 65) for L in (512, 4096)]
+    if args.quick:
+        shapes = [s for s in shapes if s[2] <= 4096]
+    out = []
+    for T, H, L in shapes:
+        vis = tree_visibility(T - 1, T) if T > 1 else np.ones((1, 1), bool)
+        bits = cu.pack_visibility(vis)
+        ql = rng.standard_normal((T, H, C), dtype=np.float32)
+        qr = rng.standard_normal((T, H, R), dtype=np.float32)
+        kv = rng.standard_normal((L + T, C + R), dtype=np.float32)
+        row = dict(T=T, H=H, L=L)
+        for name, fk in (("auto", 0), ("tiled", 1), ("splitkv", 2)):
+            r = N.cuda_time_verify_attention(ql, qr, kv, bits, 0.0722, iters=args.iters, warmup=2, force_kernel=fk)
+            row[name + "_us"] = r["graph_median_ms"] * 1e3
+            row[name + "_splits"] = int(r["splits"])
+            if fk == 0:
+                row["auto_kernel"] = int(r["kernel"])
+        out.append(row)
+    return out
+
+
+def print_decode(decode):
+    print("## decode / small trees: time per kernel (us; graph replay median). kernel: 1 = tiled, 2 = split-KV")
+    print("| T | H | L | auto kernel | auto splits | auto us | tiled splits | tiled us | split-KV splits | split-KV us |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in decode:
+        print(f"| {r['T']} | {r['H']} | {r['L']} | {r['auto_kernel']} | {r['auto_splits']} | {r['auto_us']:.1f} | "
+              f"{r['tiled_splits']} | {r['tiled_us']:.1f} | {r['splitkv_splits']} | {r['splitkv_us']:.1f} |")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--decode-only", action="store_true", help="only the decode / small-tree table")
     args = ap.parse_args()
     if not kn.cuda_available():
         raise SystemExit("no CUDA device")
@@ -45,6 +84,13 @@ def main():
     bw = N.cuda_copy_bandwidth(1 << 31, 10)
     peak = props["fp32_peak_flops"]
     rng = np.random.default_rng(0)
+    if args.decode_only:
+        decode = decode_rows(N, rng, args)
+        print_decode(decode)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(dict(device=props, decode_rows=decode), f, indent=1)
+        return
     Ls = [0, 512, 4096] if args.quick else [0, 512, 4096, 32768]
     kv_all = rng.standard_normal((max(Ls) + 257, C + R), dtype=np.float32)
     rows = []
@@ -73,6 +119,9 @@ def main():
     for r in rows:
         print(f"| {r['L']} | {r['H']} | {r['B']} | {r['ms']:.4f} | {r['tflops']:.2f} | {r['gbps']:.0f} | "
               f"{r['roofline_ms']:.4f} | {100 * r['roofline_frac']:.0f}% | {'FP32' if r['compute_bound'] else 'memory'} |")
+    decode = decode_rows(N, rng, args)
+    print()
+    print_decode(decode)
     big = [r for r in rows if r["L"] >= 4096]
     worst = min(r["roofline_frac"] for r in big)
     best = max(r["roofline_frac"] for r in big)
@@ -80,7 +129,7 @@ def main():
           f"{'MET' if worst >= 0.5 else 'NOT MET (for all sizes)'}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(dict(device=props, copy_bandwidth=bw, fp32_peak=peak, rows=rows,
+            json.dump(dict(device=props, copy_bandwidth=bw, fp32_peak=peak, rows=rows, decode_rows=decode,
                            goal=dict(min_frac_L4096=worst, max_frac_L4096=best, met=bool(worst >= 0.5))), f, indent=1)
 
 

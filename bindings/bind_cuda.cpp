@@ -463,11 +463,13 @@ py::tuple tree_accept_compact_np(const py::object& tok, const py::object& par, c
 }
 
 // ---------------------------------------------------------------- verify attention
+// l_bound >= 0: the committed length goes to the kernels through a device int (p.L_dev) and
+// p.L = l_bound is only the host's upper bound (the CUDA-graph mode); -1 = plain p.L.
 struct AttnDev {
-  DevBuf ql, qr, kv, vis, out, ws;
+  DevBuf ql, qr, kv, vis, out, ws, ldev;
   kc::VerifyAttentionParams p{};
   AttnDev(const py::object& ql_o, const py::object& qr_o, const py::object& kv_o, const py::object& vis_o,
-          double scale, bool force_naive, int force_splits) {
+          double scale, bool force_naive, int force_splits, int force_kernel = 0, int64_t l_bound = -1) {
     auto a = as_c<float>(ql_o, "q_latent", 3);
     auto b = as_c<float>(qr_o, "q_rope", 3);
     auto c = as_c<float>(kv_o, "kv", 2);
@@ -479,6 +481,10 @@ struct AttnDev {
     if (N < T) throw kdtree::Error("kv must have at least T rows");
     if (v.shape(0) != T || v.shape(1) < (T + 63) / 64) throw kdtree::Error("visibility must be uint64 [T, >= ceil(T/64)]");
     if (T < 1 || H < 1 || C < 1 || C > 2048) throw kdtree::Error("bad attention shapes");
+    if (force_kernel < 0 || force_kernel > 2) throw kdtree::Error("force_kernel must be 0 (auto), 1 (tiled) or 2 (split-KV)");
+    if (force_splits < 0) throw kdtree::Error("force_splits must be >= 0");
+    if (l_bound != -1 && (l_bound < N - T || l_bound > (int64_t)1 << 30))
+      throw kdtree::Error("l_bound must be >= L (the committed length) and <= 2^30");
     ql = DevBuf(sizeof(float) * a.size());
     qr = DevBuf(sizeof(float) * b.size());
     kv = DevBuf(sizeof(float) * c.size());
@@ -504,15 +510,44 @@ struct AttnDev {
     p.out = out.as<float>();
     p.force_naive = force_naive ? 1 : 0;
     p.force_splits = force_splits;
+    p.force_kernel = force_kernel;
+    if (l_bound >= 0) {
+      const int32_t L = (int32_t)(N - T);
+      ldev = DevBuf(sizeof(int32_t));
+      ldev.upload(&L, sizeof(L));
+      p.L_dev = ldev.as<int32_t>();
+      p.L = (int)l_bound;
+    }
     ws = DevBuf(kc::verify_attention_workspace_bytes(p));
+    ws.poison();  // NaN partials: a split that forgets its (O, max, sum) shows in the output
     p.workspace = ws.p;
   }
 };
 
+// shape-only params (aligned dummy pointers) for the workspace / choice queries
+kc::VerifyAttentionParams attn_shape_params(int T, int H, int C, int R, int L, int kv_stride, int force_kernel,
+                                            int force_splits) {
+  kc::VerifyAttentionParams p{};
+  alignas(16) static float dummy[4];
+  static uint64_t vdummy[1];
+  p.q_latent = p.q_rope = p.kv = dummy;
+  p.out = dummy;
+  p.visibility = vdummy;
+  p.kv_stride = kv_stride;
+  p.vis_stride = (T + 63) / 64;
+  p.T = T; p.H = H; p.C = C; p.R = R; p.L = L;
+  p.scale = 1.f;
+  p.force_kernel = force_kernel;
+  p.force_splits = force_splits;
+  return p;
+}
+
 py::array_t<float> verify_attention_np(const py::object& ql, const py::object& qr, const py::object& kv,
-                                       const py::object& vis, double scale, bool force_naive, int force_splits) {
+                                       const py::object& vis, double scale, bool force_naive, int force_splits,
+                                       int force_kernel, const py::object& l_bound) {
   require_device();
-  AttnDev d(ql, qr, kv, vis, scale, force_naive, force_splits);
+  AttnDev d(ql, qr, kv, vis, scale, force_naive, force_splits, force_kernel,
+            l_bound.is_none() ? -1 : l_bound.cast<int64_t>());
   {
     py::gil_scoped_release nogil;
     check_cuda(kc::verify_attention(d.p, 0), "verify_attention");
@@ -585,13 +620,18 @@ py::dict time_tree_from_logits(const py::object& x_o, int64_t budget, int64_t to
 }
 
 py::dict time_verify_attention(const py::object& ql, const py::object& qr, const py::object& kv,
-                               const py::object& vis, double scale, int iters, int warmup, bool force_naive) {
+                               const py::object& vis, double scale, int iters, int warmup, bool force_naive,
+                               int force_kernel, int force_splits) {
   require_device();
-  AttnDev d(ql, qr, kv, vis, scale, force_naive, 0);
+  AttnDev d(ql, qr, kv, vis, scale, force_naive, force_splits, force_kernel);
   Timing t = time_op([&](cudaStream_t s) { return kc::verify_attention(d.p, s); }, iters, warmup);
   py::dict r;
   put_timing(r, "", t);
   r["fast_path"] = kc::verify_attention_fast_path(d.p);
+  int kernel = 0, splits = 1;
+  kc::verify_attention_choice(d.p, &kernel, &splits);
+  r["kernel"] = kernel;
+  r["splits"] = splits;
   r["out"] = to_numpy<float>(d.out, {d.p.T, d.p.H, d.p.C});
   return r;
 }
@@ -689,7 +729,9 @@ void bind_cuda(py::module_& m) {
         "Fused GPU accept + compaction: (path, bonus, compacted cache copy).");
   m.def("cuda_verify_attention", &verify_attention_np, py::arg("q_latent"), py::arg("q_rope"), py::arg("kv"),
         py::arg("visibility"), py::arg("scale"), py::arg("force_naive") = false, py::arg("force_splits") = 0,
-        "GPU MLA verify attention (FP32): out_latent float32 [T,H,C].");
+        py::arg("force_kernel") = 0, py::arg("l_bound") = py::none(),
+        "GPU MLA verify attention (FP32): out_latent float32 [T,H,C]. force_kernel: 0 auto, 1 tiled, "
+        "2 split-KV; l_bound (int >= L): pass L through a device int, with p.L = l_bound (graph mode).");
   m.def("cuda_device_props", &device_props, "Device name, SMs, peak SM clock and FP32 CUDA-core peak FLOP/s.");
   m.def("cuda_copy_bandwidth", &copy_bandwidth, py::arg("nbytes") = (int64_t)1 << 31, py::arg("iters") = 20,
         "Measured device-to-device copy bandwidth, bytes/s (read + write counted).");
@@ -699,7 +741,7 @@ void bind_cuda(py::module_& m) {
         py::arg("top_k"), py::arg("iters") = 100, py::arg("warmup") = 10);
   m.def("cuda_time_verify_attention", &time_verify_attention, py::arg("q_latent"), py::arg("q_rope"), py::arg("kv"),
         py::arg("visibility"), py::arg("scale"), py::arg("iters") = 20, py::arg("warmup") = 3,
-        py::arg("force_naive") = false);
+        py::arg("force_naive") = false, py::arg("force_kernel") = 0, py::arg("force_splits") = 0);
   m.def("cuda_time_accept_compact", &time_accept_compact, py::arg("tokens"), py::arg("parents"), py::arg("choice"),
         py::arg("layers"), py::arg("slots"), py::arg("row"), py::arg("cache_len"), py::arg("iters") = 200,
         py::arg("warmup") = 20);
@@ -766,32 +808,40 @@ void bind_cuda(py::module_& m) {
   m.def(
       "cuda_verify_attention_ptr",
       [](uintptr_t q_latent, uintptr_t q_rope, uintptr_t kv, int kv_stride, uintptr_t vis, int vis_stride, int T,
-         int H, int C, int R, int L, double scale, uintptr_t out, uintptr_t workspace, uintptr_t stream) {
+         int H, int C, int R, int L, double scale, uintptr_t out, uintptr_t workspace, uintptr_t stream,
+         uintptr_t L_dev, int force_kernel) {
         kc::VerifyAttentionParams p{};
         p.q_latent = (const float*)q_latent; p.q_rope = (const float*)q_rope; p.kv = (const float*)kv;
         p.kv_stride = kv_stride; p.visibility = (const uint64_t*)vis; p.vis_stride = vis_stride;
         p.T = T; p.H = H; p.C = C; p.R = R; p.L = L; p.scale = (float)scale; p.out = (float*)out;
         p.workspace = (void*)workspace;
+        p.L_dev = (const int*)L_dev;  // 0 = none; else int32 device address, L = its upper bound
+        p.force_kernel = force_kernel;
         check_cuda(kc::verify_attention(p, (cudaStream_t)stream), "verify_attention");
       },
       py::arg("q_latent"), py::arg("q_rope"), py::arg("kv"), py::arg("kv_stride"), py::arg("visibility"),
       py::arg("vis_stride"), py::arg("T"), py::arg("H"), py::arg("C"), py::arg("R"), py::arg("L"), py::arg("scale"),
-      py::arg("out"), py::arg("workspace"), py::arg("stream") = 0);
+      py::arg("out"), py::arg("workspace"), py::arg("stream") = 0, py::arg("L_dev") = 0, py::arg("force_kernel") = 0);
   m.def(
       "cuda_verify_attention_workspace_bytes",
-      [](int T, int H, int C, int R, int L, int kv_stride) {
-        kc::VerifyAttentionParams p{};
-        // alignment-independent query: assume aligned buffers
-        static float dummy[4] __attribute__((aligned(16)));
-        static uint64_t vdummy[1];
-        p.q_latent = p.q_rope = p.kv = dummy;
-        p.out = dummy;
-        p.visibility = vdummy;
-        p.kv_stride = kv_stride; p.vis_stride = (T + 63) / 64;
-        p.T = T; p.H = H; p.C = C; p.R = R; p.L = L;
+      [](int T, int H, int C, int R, int L, int kv_stride, int force_kernel, int force_splits) {
+        kc::VerifyAttentionParams p = attn_shape_params(T, H, C, R, L, kv_stride, force_kernel, force_splits);
         return kc::verify_attention_workspace_bytes(p);
       },
-      py::arg("T"), py::arg("H"), py::arg("C"), py::arg("R"), py::arg("L"), py::arg("kv_stride"));
+      py::arg("T"), py::arg("H"), py::arg("C"), py::arg("R"), py::arg("L"), py::arg("kv_stride"),
+      py::arg("force_kernel") = 0, py::arg("force_splits") = 0);
+  m.def(
+      "cuda_verify_attention_choice",
+      [](int T, int H, int L, int C, int R, int force_kernel, int force_splits) {
+        kc::VerifyAttentionParams p = attn_shape_params(T, H, C, R, L, C + R, force_kernel, force_splits);
+        int kernel = 0, splits = 1;
+        kc::verify_attention_choice(p, &kernel, &splits);
+        return py::make_tuple(kernel, splits);
+      },
+      py::arg("T"), py::arg("H"), py::arg("L"), py::arg("C") = 512, py::arg("R") = 64, py::arg("force_kernel") = 0,
+      py::arg("force_splits") = 0,
+      "verify_attention's pick for aligned buffers of these shapes: (kernel, splits); kernel 0 = plain, "
+      "1 = tiled, 2 = split-KV.");
   (void)as_ptr;
 }
 

@@ -14,6 +14,7 @@
 #include <exception>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "common.h"
 #include "engine/engine.h"
@@ -22,7 +23,11 @@
 #include "model/cpu_model.h"
 #include "model/model.h"
 #if defined(KDTREE_HAVE_CUDA) && defined(KDTREE_HAVE_CUBLAS)
+#include "engine/cuda_rounds.h"
 #include "model/cuda_model.h"
+#endif
+#ifdef KDTREE_HAVE_CUDA
+#include "cuda_device.h"
 #endif
 
 namespace py = pybind11;
@@ -44,7 +49,55 @@ std::string shape_str(const py::array& a) {
   return s + (a.ndim() == 1 ? ",)" : ")");
 }
 
+// A device array (anything with __cuda_array_interface__, e.g. a torch CUDA tensor or a CuPy
+// array) copied into a new numpy array, after the producer's stream (CAI v3 "stream") is done.
+py::array from_cuda_array(const py::handle& h, const char* what) {
+  py::dict cai = h.attr("__cuda_array_interface__");
+  const std::string typestr = py::str(cai["typestr"]);
+  py::dtype dt(typestr);
+  py::tuple shape = cai["shape"];
+  std::vector<py::ssize_t> dims;
+  for (auto d : shape) dims.push_back(d.cast<py::ssize_t>());
+  py::ssize_t count = 1;
+  for (py::ssize_t d : dims) count *= d;
+  if (cai.contains("strides") && !cai["strides"].is_none()) {
+    py::tuple st = cai["strides"];
+    py::ssize_t expect = dt.itemsize();
+    for (py::ssize_t i = (py::ssize_t)dims.size() - 1; i >= 0; --i) {
+      if (dims[i] > 1 && st[i].cast<py::ssize_t>() != expect)
+        throw Error(std::string("drafter ") + what + ": a device array must be C-contiguous (call .contiguous())");
+      expect *= dims[i];
+    }
+  }
+  py::array out(dt, dims);
+  const uintptr_t ptr = py::tuple(cai["data"])[0].cast<uintptr_t>();
+  if (count > 0 && ptr == 0) throw Error(std::string("drafter ") + what + ": device array with a null pointer");
+#ifdef KDTREE_HAVE_CUDA
+  int kind = 0;
+  unsigned long long stream = 0;
+  if (cai.contains("stream")) {
+    if (cai["stream"].is_none()) kind = 2;
+    else {
+      kind = 1;
+      stream = cai["stream"].cast<unsigned long long>();
+    }
+  }
+  std::string err;
+  {
+    py::gil_scoped_release nogil;
+    err = cuda_copy_to_host(out.mutable_data(), reinterpret_cast<const void*>(ptr), (size_t)(count * dt.itemsize()),
+                            kind, stream);
+  }
+  if (!err.empty()) throw RuntimeFailure(std::string("drafter ") + what + ": copying the device array failed: " + err);
+#else
+  (void)ptr;
+  throw Error(std::string("drafter ") + what + ": a device array was returned but this build has no CUDA backend");
+#endif
+  return out;
+}
+
 py::array as_ndarray(const py::handle& h, const char* what) {
+  if (!py::isinstance<py::array>(h) && py::hasattr(h, "__cuda_array_interface__")) return from_cuda_array(h, what);
   if (!py::isinstance<py::array>(h))
     throw Error(std::string("drafter ") + what + " must be a numpy array, got " + type_name(h));
   return py::reinterpret_borrow<py::array>(h);
@@ -88,8 +141,8 @@ void parse_draft(const py::object& r, int64_t vocab, DraftOutput& out) {
     }
     return;
   }
-  if (py::isinstance<py::array>(r)) {
-    py::array lg = py::reinterpret_borrow<py::array>(r);
+  if (py::isinstance<py::array>(r) || py::hasattr(r, "__cuda_array_interface__")) {
+    py::array lg = as_ndarray(r, "logits");
     if (lg.dtype().kind() != 'f' || lg.itemsize() != 4)
       throw Error("drafter logits must be float32, got " + std::string(py::str(lg.dtype())));
     if (lg.ndim() != 2) throw Error("drafter logits must be 2-D [d, V], got shape " + shape_str(lg));
@@ -106,8 +159,10 @@ void parse_draft(const py::object& r, int64_t vocab, DraftOutput& out) {
 
 // A Generator together with the target it drives (a ToyTarget or an adapted model).
 struct PyGenerator {
-  std::unique_ptr<ModelTarget> adapter;  // set when driving a TargetModel
+  std::unique_ptr<ModelTarget> adapter;     // set when driving a TargetModel through its host path
+  std::unique_ptr<RoundExecutor> executor;  // set when the rounds run on the device (CudaRounds)
   Target* target = nullptr;
+  std::string rounds = "host";              // "host" or "device"
   std::unique_ptr<Generator> gen;
   std::atomic<bool> busy{false};
 };
@@ -118,7 +173,7 @@ py::dict run_generate(py::object self, py::array_t<int64_t, py::array::c_style |
                       std::vector<int64_t> stop_tokens, py::object progress, int64_t prefill_chunk) {
   PyGenerator& g = self.cast<PyGenerator&>();
   if (prompt.ndim() != 1) throw Error("prompt_ids must be 1-D, got " + std::to_string(prompt.ndim()) + " dims");
-  const int64_t V = g.target->vocab_size();
+  const int64_t V = g.gen->executor().vocab_size();
   std::vector<int32_t> ids(static_cast<size_t>(prompt.shape(0)));
   for (int64_t i = 0; i < prompt.shape(0); ++i) {
     const int64_t t = prompt.data()[i];
@@ -215,21 +270,35 @@ py::dict run_generate(py::object self, py::array_t<int64_t, py::array::c_style |
   return out;
 }
 
-std::unique_ptr<PyGenerator> make_generator(py::object target) {
+std::unique_ptr<PyGenerator> make_generator(py::object target, const std::string& rounds) {
+  if (rounds != "auto" && rounds != "host" && rounds != "device")
+    throw Error("Generator: rounds must be 'auto', 'host' or 'device', got '" + rounds + "'");
   auto g = std::make_unique<PyGenerator>();
   if (py::isinstance<ToyTarget>(target)) {
+    if (rounds == "device") throw Error("Generator: rounds='device' needs a CudaModel target");
     g->target = &target.cast<ToyTarget&>();
-  } else {
-    TargetModel* m = nullptr;
-    if (py::isinstance<CpuModel>(target)) m = &target.cast<CpuModel&>();
-#if defined(KDTREE_HAVE_CUDA) && defined(KDTREE_HAVE_CUBLAS)
-    if (m == nullptr && py::isinstance<CudaModel>(target)) m = &target.cast<CudaModel&>();
-#endif
-    if (m == nullptr)
-      throw Error("Generator: target must be a ToyTarget or a native model (CpuModel or CudaModel), got " + type_name(target));
-    g->adapter = std::make_unique<ModelTarget>(*m);
-    g->target = g->adapter.get();
+    g->gen = std::make_unique<Generator>(*g->target);
+    return g;
   }
+  TargetModel* m = nullptr;
+  if (py::isinstance<CpuModel>(target)) m = &target.cast<CpuModel&>();
+#if defined(KDTREE_HAVE_CUDA) && defined(KDTREE_HAVE_CUBLAS)
+  if (m == nullptr && py::isinstance<CudaModel>(target)) {
+    CudaModel& cm = target.cast<CudaModel&>();
+    if (rounds != "host") {
+      g->executor = std::make_unique<CudaRounds>(cm);
+      g->rounds = "device";
+      g->gen = std::make_unique<Generator>(*g->executor);
+      return g;
+    }
+    m = &cm;
+  }
+#endif
+  if (m == nullptr)
+    throw Error("Generator: target must be a ToyTarget or a native model (CpuModel or CudaModel), got " + type_name(target));
+  if (rounds == "device") throw Error("Generator: rounds='device' needs a CudaModel target");
+  g->adapter = std::make_unique<ModelTarget>(*m);
+  g->target = g->adapter.get();
   g->gen = std::make_unique<Generator>(*g->target);
   return g;
 }
@@ -280,9 +349,12 @@ void bind_engine(py::module_& m) {
 
   py::class_<PyGenerator>(m, "Generator",
                           "The prefill / AR / DDTree loop (cpp/engine/engine.h) over a ToyTarget or a native model.")
-      .def(py::init(&make_generator), py::arg("target"), py::keep_alive<1, 2>())
-      .def_property_readonly("vocab_size", [](PyGenerator& g) { return g.target->vocab_size(); })
-      .def_property_readonly("max_seq_len", [](PyGenerator& g) { return g.target->max_seq_len(); })
+      .def(py::init(&make_generator), py::arg("target"), py::arg("rounds") = "auto", py::keep_alive<1, 2>(),
+           "rounds: 'auto' (on the device for a CudaModel, else the host), 'host' (tree, logits and the walk on "
+           "the host through the target's forward/commit), 'device' (CudaModel only: the round stays on the GPU)")
+      .def_property_readonly("vocab_size", [](PyGenerator& g) { return g.gen->executor().vocab_size(); })
+      .def_property_readonly("max_seq_len", [](PyGenerator& g) { return g.gen->executor().max_seq_len(); })
+      .def_property_readonly("rounds", [](PyGenerator& g) { return g.rounds; })
       .def("generate", &run_generate, py::arg("prompt_ids"), py::arg("max_new_tokens"), py::arg("drafter") = py::none(),
            py::arg("tree_budget") = 64, py::arg("depth") = 15, py::arg("top_k") = 0, py::arg("temperature") = 0.0,
            py::arg("top_p") = 1.0, py::arg("target_top_k") = 0, py::arg("seed") = 0,

@@ -27,4 +27,19 @@ std::string cuda_device_name() {
   return std::string(p.name) + " (sm_" + std::to_string(p.major * 10 + p.minor) + ")";
 }
 
+std::string cuda_copy_to_host(void* dst, const void* src, size_t bytes, int stream_kind, unsigned long long stream) {
+  cudaError_t e = cudaSuccess;
+  if (stream_kind == 0) e = cudaDeviceSynchronize();
+  else if (stream_kind == 1) {
+    cudaStream_t st = stream == 1 ? cudaStreamLegacy : stream == 2 ? cudaStreamPerThread : (cudaStream_t)stream;
+    e = cudaStreamSynchronize(st);
+  }
+  if (e == cudaSuccess && bytes > 0) e = cudaMemcpy(dst, src, bytes, cudaMemcpyDefault);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    return cudaGetErrorString(e);
+  }
+  return "";
+}
+
 }  // namespace kdtree

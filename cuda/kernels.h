@@ -109,6 +109,10 @@ cudaError_t tree_accept_compact(const TreeAcceptParams& a, const KvCompactParams
 // ---------------------------------------------------------------- MLA tree-verify attention
 // FP32, exact softmax with running max, FP32 accumulation. Row i (tree node i) x head h sees
 // the L committed cache rows and tree row j iff bit j of visibility row i is set.
+// Kernels (docs/CUDA.md): tiled (64 query rows x 128-key tiles), split-KV (16 query rows x
+// 32-key chunks, for decode / short contexts), plain (other shapes); a cost model picks.
+// Callers zero-initialise the struct (`VerifyAttentionParams p{};`): every optional field's
+// zero means "default".
 struct VerifyAttentionParams {
   const float* q_latent;        // [T, H, C] queries after absorption (q_nope @ W_UK)
   const float* q_rope;          // [T, H, R] roped query part
@@ -116,16 +120,27 @@ struct VerifyAttentionParams {
   int kv_stride;                // elements between cache rows (>= C+R)
   const uint64_t* visibility;   // [T, vis_stride] bit j%64 of word j/64 of row i: i sees tree row j
   int vis_stride;               // words per visibility row (>= ceil(T/64))
-  int T, H, C, R, L;
+  int T, H, C, R, L;            // L: committed length, or its upper bound when L_dev is set
   float scale;                  // softmax scale
   float* out;                   // [T, H, C] out_latent (a row that sees nothing gets 0)
   void* workspace;              // verify_attention_workspace_bytes(...) bytes (may be 0 bytes)
   int force_naive;              // testing: 1 = the simple reference kernel
-  int force_splits;             // testing: > 0 forces the number of key splits of the fast kernel
+  int force_splits;             // testing: > 0 forces the number of key splits (of whichever fast
+                                //   kernel runs; clamped to its key tiles/chunks and the workspace cap)
+  int force_kernel;             // 0 = auto (cost model), 1 = tiled kernel, 2 = split-KV kernel
+                                //   (1 with T > 2048 runs split-KV; force_naive wins over both)
+  const int* L_dev;             // optional device int: the real committed length, read by the
+                                //   kernels (CUDA graph capture); then 0 <= *L_dev <= L and L is the
+                                //   host's upper bound (grid, split count, workspace size only)
 };
+// Bytes of workspace for these params: the most splits either kernel can use at any L' <= L
+// (deterministic, non-decreasing in L, at most 64 MiB); 0 when no split is possible.
 size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p);
-// True when the fast kernel handles these shapes (C = 512, R = 64, T <= 2048, aligned rows).
+// True when a fast kernel handles these shapes (C = 512, R = 64, 16-byte aligned rows, not
+// force_naive); the tiled one also needs T <= 2048.
 bool verify_attention_fast_path(const VerifyAttentionParams& p);
+// The cost model's pick for these params: kernel 0 = plain, 1 = tiled, 2 = split-KV; key splits.
+void verify_attention_choice(const VerifyAttentionParams& p, int* kernel, int* splits);
 cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------- benchmark helper

@@ -14,8 +14,18 @@
 // are too few row blocks to fill the GPU, the committed keys are split over blockIdx.y and a
 // second kernel merges the partial (O, max, sum). A plain one-row-per-block kernel is kept for
 // other shapes (C != 512 or R != 64, T > 2048, unaligned rows) and as a test oracle.
+//
+// A second fast kernel, the split-KV decode kernel (flash-decoding style), serves few query rows
+// and short contexts, where the 64 x 128 tiles above leave most SMs idle and each block's tile
+// is long: a block owns 16 query rows and a contiguous range of 32-key chunks; the grid is
+// (row groups, key splits) and the same combine kernel merges the splits. verify_attention()
+// picks the cheaper of the two from a small cost model (constants in `namespace cost`).
+// With p.L_dev set, every kernel reads the committed length from device memory (p.L is then the
+// host's upper bound, used for the grid, the split count and the workspace only), so one
+// launch can be captured in a CUDA graph and replayed as L grows.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kernels.h"
@@ -45,6 +55,7 @@ struct __align__(16) Smem {
   int tlist[kMaxTreeRows];     // visible tree rows (union over the block's nodes)
   unsigned long long vor[kMaxTreeRows / 64];
   int ntree;
+  int L;                       // committed length (p.L or *p.L_dev)
 };
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem, bool valid) {
@@ -57,6 +68,11 @@ __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_g
 __device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
 __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
+
+// the committed length: from device memory when p.L_dev is set (graph capture), else p.L
+__device__ __forceinline__ int committed_len(const VerifyAttentionParams& p) {
+  return p.L_dev ? *p.L_dev : p.L;
+}
 
 struct Tiles {
   int tb, te;   // committed tiles [tb, te) of this split
@@ -71,10 +87,10 @@ __device__ __forceinline__ int tile_key_row(const VerifyAttentionParams& p, cons
   int nc = t.te - t.tb;
   if (it < nc) {
     int key = (t.tb + it) * BN + kk;
-    return key < p.L ? key : -1;
+    return key < s.L ? key : -1;
   }
   int idx = (it - nc) * BN + kk;
-  return idx < s.ntree ? p.L + s.tlist[idx] : -1;
+  return idx < s.ntree ? s.L + s.tlist[idx] : -1;
 }
 
 template <int DK>
@@ -125,7 +141,8 @@ __global__ void __launch_bounds__(NT, 1) mla_verify_fast_kernel(VerifyAttentionP
   const int M = p.T * p.H;
   const int m0 = blockIdx.x * BM;
   const int split = blockIdx.y, nsplit = gridDim.y;
-  const int nLt = (p.L + BN - 1) / BN;
+  const int Lc = committed_len(p);  // the split ranges follow the device length (<= p.L)
+  const int nLt = (Lc + BN - 1) / BN;
   const int tps = (nLt + nsplit - 1) / nsplit;
   Tiles tiles;
   tiles.tb = split * tps < nLt ? split * tps : nLt;
@@ -163,6 +180,7 @@ __global__ void __launch_bounds__(NT, 1) mla_verify_fast_kernel(VerifyAttentionP
     s.m[tid] = neg_inf();
     s.l[tid] = 0.f;
   }
+  if (tid == 0) s.L = Lc;
   __syncthreads();
   tiles.ntt = do_tree ? (s.ntree + BN - 1) / BN : 0;
   const int ntiles = tiles.count();
@@ -234,7 +252,7 @@ __global__ void __launch_bounds__(NT, 1) mla_verify_fast_kernel(VerifyAttentionP
         const int row = s.keyrow[kk];
         bool ok = row >= 0;
         if (ok && tree_tile) {
-          const int t = row - p.L;
+          const int t = row - s.L;
           ok = node >= 0 && ((p.visibility[(size_t)node * p.vis_stride + (t >> 6)] >> (t & 63)) & 1ull);
         }
         acc[i][j] = ok ? acc[i][j] * sl2 : neg_inf();
@@ -350,34 +368,332 @@ __global__ void __launch_bounds__(NT, 1) mla_verify_fast_kernel(VerifyAttentionP
   }
 }
 
-// merge split partials: one block of C/4 threads per query row
-__global__ void mla_verify_combine_kernel(VerifyAttentionParams p, int nsplit) {
+// merge split partials: one block of C/4 = 128 threads per query row. The splits' (max, sum)
+// are read in parallel (one split per thread) and their weights w = 2^(max - global max) staged
+// in shared memory, so the O loop has independent loads (many in flight) instead of a serial
+// chain per split. A split with max = -inf (it saw no key) is skipped.
+constexpr int kCombineThreads = C_ / 4;
+__global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(VerifyAttentionParams p, int nsplit) {
+  __shared__ float sw[kCombineThreads], swl[kCombineThreads], red[kCombineThreads / 32];
   const int M = p.T * p.H;
   const int g = blockIdx.x;
+  const int tid = threadIdx.x;
   const float* wso = (const float*)p.workspace;
   const float* wsml = wso + (size_t)nsplit * M * C_;
   float mx = neg_inf();
-  for (int sp = 0; sp < nsplit; ++sp) mx = fmaxf(mx, wsml[((size_t)sp * M + g) * 2]);
+  for (int sp = tid; sp < nsplit; sp += kCombineThreads) mx = fmaxf(mx, wsml[((size_t)sp * M + g) * 2]);
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  if ((tid & 31) == 0) red[tid >> 5] = mx;
+  __syncthreads();
+  mx = red[0];
+#pragma unroll
+  for (int w = 1; w < kCombineThreads / 32; ++w) mx = fmaxf(mx, red[w]);
   float den = 0.f;
   float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
-  const int c4 = threadIdx.x;
-  for (int sp = 0; sp < nsplit; ++sp) {
-    const float m = wsml[((size_t)sp * M + g) * 2], l = wsml[((size_t)sp * M + g) * 2 + 1];
-    if (m == neg_inf()) continue;
-    const float w = exp2f(m - mx);
-    den += w * l;
-    float4 o = *reinterpret_cast<const float4*>(wso + ((size_t)sp * M + g) * C_ + 4 * c4);
-    acc.x += w * o.x;
-    acc.y += w * o.y;
-    acc.z += w * o.z;
-    acc.w += w * o.w;
+  for (int base = 0; base < nsplit; base += kCombineThreads) {
+    const int sp = base + tid;
+    if (sp < nsplit) {
+      const float m = wsml[((size_t)sp * M + g) * 2], l = wsml[((size_t)sp * M + g) * 2 + 1];
+      const float w = m == neg_inf() ? 0.f : exp2f(m - mx);
+      sw[tid] = w;
+      swl[tid] = w * l;
+    }
+    __syncthreads();
+    const int n = nsplit - base < kCombineThreads ? nsplit - base : kCombineThreads;
+#pragma unroll 8
+    for (int k = 0; k < n; ++k) {
+      const float w = sw[k];
+      den += swl[k];
+      if (w != 0.f) {
+        const float4 o = *reinterpret_cast<const float4*>(wso + ((size_t)(base + k) * M + g) * C_ + 4 * tid);
+        acc.x = fmaf(w, o.x, acc.x);
+        acc.y = fmaf(w, o.y, acc.y);
+        acc.z = fmaf(w, o.z, acc.z);
+        acc.w = fmaf(w, o.w, acc.w);
+      }
+    }
+    __syncthreads();
   }
   const float inv = den > 0.f ? 1.f / den : 0.f;
   acc.x *= inv;
   acc.y *= inv;
   acc.z *= inv;
   acc.w *= inv;
-  *reinterpret_cast<float4*>(p.out + (size_t)g * C_ + 4 * c4) = acc;
+  *reinterpret_cast<float4*>(p.out + (size_t)g * C_ + 4 * tid) = acc;
+}
+
+// ---------------------------------------------------------------- split-KV decode kernel
+// For few query rows (decode, small trees) and short contexts. A block of 128 threads owns
+// RG = 16 query rows (rows past M are zero and fully masked) and the contiguous range of
+// 32-key chunks [c0, c1) of split blockIdx.y over the L + T keys (whole chunks; the ranges
+// follow the device length, so a split can be empty and then writes max = -inf, sum = 0).
+// Per chunk: the 32 key rows land in shared memory in 9 cp.async groups of 64 columns, and
+// phase 1 (S = Q K^T, 16 x 32) starts on the first group while the rest is in flight; phase 2
+// masks (key < L: visible; L <= key < L+T: the node's bitmask; beyond: no key) and does the
+// online softmax in the log2 domain (the tiled kernel's formulas); phase 3 O[16 x 512] +=
+// P V with V = the first 512 columns of the same rows (no second load). A chunk that no row of
+// the group sees (only in the tree region) is skipped whole, which is exact.
+// Shared memory: Q [16][580] (37 KB, loaded once) + one K chunk [32][580] (74 KB) + P
+// [16][36] = 113,856 B. Single-buffered on purpose: KC = 32 double-buffered (185 KB) would
+// leave one block per SM; single-buffered, two blocks fit in the SM's 228 KB (2 x (111.2 KB + 1
+// KB reserved)), so one block's loads overlap the other's arithmetic, and within a block the
+// 9 column groups overlap the chunk's load latency with phase 1. (KC = 16 double-buffered
+// would fit too but halves the work between barriers and doubles the per-chunk overheads.)
+// Thread mappings: phase 1: warp w owns keys 8w..8w+7 of all 16 rows; lane (h = lane%4,
+// kt = lane/4%2, rt = lane/8) computes rows {rt + 4i} x keys {8w + kt + 2j} (a 4x4 tile) over a
+// quarter of the columns, the quarters summed by shuffles (8 float4 loads per 64 FMAs); the
+// next chunk's rows are prefetched into L2; phase 2: 8 threads per row, 4 keys each; phase 3:
+// thread t owns columns 4t..4t+3 of all 16 rows (64 accumulators), P read as broadcast float4.
+namespace sk {
+constexpr int RG = 16, KC = 32, NT = 128;
+constexpr int QS = DQ + 4;        // 580 floats: consecutive rows start 4 banks apart
+constexpr int PS = KC + 4;        // 36
+constexpr int SLW = 64;           // columns per cp.async group
+constexpr int NSL = DQ / SLW;     // 9 groups per chunk
+}  // namespace sk
+
+struct __align__(16) SkSmem {
+  float q[sk::RG][sk::QS];
+  float k[sk::KC][sk::QS];
+  float p[sk::RG][sk::PS];
+  float m[sk::RG], l[sk::RG], alpha[sk::RG];
+};
+
+// wait until at most n (0..8) cp.async groups are pending (n is a block-uniform run-time value)
+__device__ __forceinline__ void cp_async_wait_le(int n) {
+  switch (n) {
+    case 0: asm volatile("cp.async.wait_group 0;\n" ::); break;
+    case 1: asm volatile("cp.async.wait_group 1;\n" ::); break;
+    case 2: asm volatile("cp.async.wait_group 2;\n" ::); break;
+    case 3: asm volatile("cp.async.wait_group 3;\n" ::); break;
+    case 4: asm volatile("cp.async.wait_group 4;\n" ::); break;
+    case 5: asm volatile("cp.async.wait_group 5;\n" ::); break;
+    case 6: asm volatile("cp.async.wait_group 6;\n" ::); break;
+    case 7: asm volatile("cp.async.wait_group 7;\n" ::); break;
+    default: asm volatile("cp.async.wait_group 8;\n" ::); break;
+  }
+}
+
+// key j (0 <= j) visible to tree node `node` (>= 0)? N = L + T keys.
+__device__ __forceinline__ bool sk_visible(const VerifyAttentionParams& p, int L, int N, int node, int j) {
+  if (j < L) return true;
+  if (j >= N) return false;
+  const int t = j - L;
+  return (p.visibility[(size_t)node * p.vis_stride + (t >> 6)] >> (t & 63)) & 1ull;
+}
+
+__device__ __forceinline__ float4 lds4(const float* x) { return *reinterpret_cast<const float4*>(x); }
+
+__global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAttentionParams p) {
+  using namespace sk;
+  extern __shared__ __align__(16) unsigned char smraw[];
+  SkSmem& s = *reinterpret_cast<SkSmem*>(smraw);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int M = p.T * p.H;
+  const int m0 = blockIdx.x * RG;
+  const int split = blockIdx.y, nsplit = gridDim.y;
+  const int L = committed_len(p);
+  const int N = L + p.T;                            // keys: L committed + T tree rows
+  const int nch = (N + KC - 1) / KC;
+  const int cps = (nch + nsplit - 1) / nsplit;       // chunks per split (from the device length)
+  const int c0 = min(split * cps, nch), c1 = min(c0 + cps, nch);
+
+  // phase-2 / mask mapping (fixed per thread): row pr, keys 4*pq .. 4*pq+3 of each chunk
+  const int pr = tid >> 3, pq = tid & 7;
+  const int node2 = m0 + pr < M ? (m0 + pr) / p.H : -1;
+  // phase-1 mapping: rows rt + 4i, keys 8*warp + kt + 2j (i, j = 0..3), d-part h of each slice
+  const int h = lane & 3, kt = (lane >> 2) & 1, rt = lane >> 3;
+  const int key0 = 8 * warp + kt;
+  const float sl2 = p.scale * kLog2e;
+
+  if (tid < RG) {
+    s.m[tid] = neg_inf();
+    s.l[tid] = 0.f;
+  }
+  if (c0 < c1) {  // Q rows [m0, m0+16) -> shared, one cp.async group ahead of the first chunk's
+    for (int i = tid; i < RG * (DQ / 4); i += sk::NT) {
+      const int r = i / (DQ / 4), d = (i % (DQ / 4)) * 4, g = m0 + r;
+      const bool ok = g < M;
+      const float* src = p.q_latent;
+      if (ok) src = d < C_ ? p.q_latent + (size_t)g * C_ + d : p.q_rope + (size_t)g * R_ + (d - C_);
+      cp_async16(&s.q[r][d], src, ok);
+    }
+    cp_async_commit();
+  }
+  __syncthreads();
+
+  float4 O[RG];
+#pragma unroll
+  for (int r = 0; r < RG; ++r) O[r] = make_float4(0.f, 0.f, 0.f, 0.f);
+
+  for (int ch = c0; ch < c1; ++ch) {
+    const int kbase = ch * KC;
+    if (kbase + KC > L) {  // reaches the tree rows: skip the chunk if no row of the group sees any key
+      bool any = false;
+      if (node2 >= 0) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) any |= sk_visible(p, L, N, node2, kbase + 4 * pq + e);
+      }
+      if (!__syncthreads_or(any)) continue;
+    }
+    // ---- K chunk -> shared (rows past N zero-filled), 9 groups of 64 columns
+#pragma unroll
+    for (int sl = 0; sl < NSL; ++sl) {
+#pragma unroll
+      for (int r2 = 0; r2 < (KC * SLW / 4) / sk::NT; ++r2) {
+        const int idx = tid + r2 * sk::NT;
+        const int kk = idx >> 4, f = idx & 15, j = kbase + kk;
+        const bool ok = j < N;
+        const float* src = ok ? p.kv + (size_t)j * p.kv_stride + sl * SLW + f * 4 : p.kv;
+        cp_async16(&s.k[kk][sl * SLW + f * 4], src, ok);
+      }
+      cp_async_commit();
+    }
+    // ---------------- phase 1: S = Q K^T. Each thread: a 4x4 (row, key) tile over a quarter of
+    // every slice's columns (float4 columns 2h, 2h+1, 2h+8, 2h+9 of 16), then the 4 quarters are
+    // summed across lanes. Per step 4 Q + 4 K float4 loads feed 64 FMAs; Q loads: 2 wavefronts,
+    // K loads: 1 (rows start one bank quad apart: 580 floats = 145 quads).
+    float acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+    // L2 prefetch of the next chunk's rows (it then lands from L2, not HBM)
+    if (ch + 1 < c1) {
+      for (int i = tid; i < KC * (DQ / 32); i += sk::NT) {
+        const int j = kbase + KC + i / (DQ / 32);
+        if (j < N) asm volatile("prefetch.global.L2 [%0];" ::"l"(p.kv + (size_t)j * p.kv_stride + (i % (DQ / 32)) * 32));
+      }
+    }
+    for (int sl = 0; sl < NSL; ++sl) {
+      cp_async_wait_le(NSL - 1 - sl);
+      __syncthreads();
+#pragma unroll
+      for (int st = 0; st < 4; ++st) {
+        const int d = sl * SLW + 4 * (2 * h + (st & 1) + 8 * (st >> 1));
+        float4 q[4], k[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) q[i] = lds4(&s.q[rt + 4 * i][d]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) k[j] = lds4(&s.k[key0 + 2 * j][d]);
+#pragma unroll
+        for (int i = 0; i < 4; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            acc[i][j] = fmaf(q[i].x, k[j].x, acc[i][j]);
+            acc[i][j] = fmaf(q[i].y, k[j].y, acc[i][j]);
+            acc[i][j] = fmaf(q[i].z, k[j].z, acc[i][j]);
+            acc[i][j] = fmaf(q[i].w, k[j].w, acc[i][j]);
+          }
+      }
+    }
+    // sum the 4 column quarters (lanes h = 0..3); lane h then stores key column j = h
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        acc[i][j] += __shfl_xor_sync(0xffffffffu, acc[i][j], 1);
+        acc[i][j] += __shfl_xor_sync(0xffffffffu, acc[i][j], 2);
+      }
+    // raw scores -> P tile (the previous chunk's phase 3 finished reading it: barrier below)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float v = h == 0 ? acc[i][0] : h == 1 ? acc[i][1] : h == 2 ? acc[i][2] : acc[i][3];
+      s.p[rt + 4 * i][key0 + 2 * h] = v;
+    }
+    __syncthreads();
+    // ---------------- phase 2: mask + online softmax (log2 domain), 8 threads per row
+    {
+      const float4 sv = lds4(&s.p[pr][4 * pq]);
+      float v[4] = {sv.x, sv.y, sv.z, sv.w};
+      float mx = neg_inf();
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool ok = node2 >= 0 && sk_visible(p, L, N, node2, kbase + 4 * pq + e);
+        v[e] = ok ? v[e] * sl2 : neg_inf();
+        mx = fmaxf(mx, v[e]);
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+      const float mo = s.m[pr];
+      const float mn = fmaxf(mo, mx);
+      float sum = 0.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        v[e] = (mn == neg_inf()) ? 0.f : exp2f(v[e] - mn);
+        sum += v[e];
+      }
+      *reinterpret_cast<float4*>(&s.p[pr][4 * pq]) = make_float4(v[0], v[1], v[2], v[3]);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+      __syncwarp();  // every lane of the row has read s.m[pr] before it changes
+      if (pq == 0) {
+        const float alpha = (mo == neg_inf()) ? 0.f : exp2f(mo - mn);
+        s.l[pr] = s.l[pr] * alpha + sum;
+        s.m[pr] = mn;
+        s.alpha[pr] = alpha;
+      }
+    }
+    __syncthreads();
+    // ---------------- phase 3: O = alpha * O + P V (columns 4*tid .. 4*tid+3)
+#pragma unroll
+    for (int r = 0; r < RG; ++r) {
+      const float a = s.alpha[r];
+      O[r].x *= a;
+      O[r].y *= a;
+      O[r].z *= a;
+      O[r].w *= a;
+    }
+#pragma unroll 2
+    for (int kk = 0; kk < KC; kk += 4) {
+      float4 v4[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) v4[e] = lds4(&s.k[kk + e][4 * tid]);
+#pragma unroll
+      for (int r = 0; r < RG; ++r) {
+        const float4 pp = lds4(&s.p[r][kk]);
+        O[r].x = fmaf(pp.x, v4[0].x, O[r].x);
+        O[r].y = fmaf(pp.x, v4[0].y, O[r].y);
+        O[r].z = fmaf(pp.x, v4[0].z, O[r].z);
+        O[r].w = fmaf(pp.x, v4[0].w, O[r].w);
+        O[r].x = fmaf(pp.y, v4[1].x, O[r].x);
+        O[r].y = fmaf(pp.y, v4[1].y, O[r].y);
+        O[r].z = fmaf(pp.y, v4[1].z, O[r].z);
+        O[r].w = fmaf(pp.y, v4[1].w, O[r].w);
+        O[r].x = fmaf(pp.z, v4[2].x, O[r].x);
+        O[r].y = fmaf(pp.z, v4[2].y, O[r].y);
+        O[r].z = fmaf(pp.z, v4[2].z, O[r].z);
+        O[r].w = fmaf(pp.z, v4[2].w, O[r].w);
+        O[r].x = fmaf(pp.w, v4[3].x, O[r].x);
+        O[r].y = fmaf(pp.w, v4[3].y, O[r].y);
+        O[r].z = fmaf(pp.w, v4[3].z, O[r].z);
+        O[r].w = fmaf(pp.w, v4[3].w, O[r].w);
+      }
+    }
+    __syncthreads();  // the K chunk and P are free for the next chunk
+  }
+  cp_async_wait0();
+
+  // ---------------- epilogue: normalised output (one split) or partials for the combine
+  const bool final_out = nsplit == 1;
+  float* wso = (float*)p.workspace;
+  float* wsml = wso + (size_t)nsplit * M * C_;
+#pragma unroll
+  for (int r = 0; r < RG; ++r) {
+    const int g = m0 + r;
+    if (g >= M) break;
+    const float l = s.l[r];
+    const float inv = final_out ? (l > 0.f ? 1.f / l : 0.f) : 1.f;
+    float* dst = final_out ? p.out + (size_t)g * C_ : wso + ((size_t)split * M + g) * C_;
+    *reinterpret_cast<float4*>(dst + 4 * tid) = make_float4(O[r].x * inv, O[r].y * inv, O[r].z * inv, O[r].w * inv);
+  }
+  if (!final_out && tid < RG && m0 + tid < M) {
+    const int g = m0 + tid;
+    wsml[((size_t)split * M + g) * 2 + 0] = s.m[tid];
+    wsml[((size_t)split * M + g) * 2 + 1] = s.l[tid];
+  }
 }
 
 // ---------------------------------------------------------------- plain kernel (any shape)
@@ -386,9 +702,9 @@ __global__ void mla_verify_combine_kernel(VerifyAttentionParams p, int nsplit) {
 constexpr int kNaiveThreads = 256;
 constexpr int kNaiveMaxCols = 8;  // C <= 8 * 256
 
-__device__ __forceinline__ bool naive_visible(const VerifyAttentionParams& p, int t, int j) {
-  if (j < p.L) return true;
-  int tj = j - p.L;
+__device__ __forceinline__ bool naive_visible(const VerifyAttentionParams& p, int L, int t, int j) {
+  if (j < L) return true;
+  int tj = j - L;
   return (p.visibility[(size_t)t * p.vis_stride + (tj >> 6)] >> (tj & 63)) & 1ull;
 }
 __device__ __forceinline__ float naive_score(const VerifyAttentionParams& p, const float* ql,
@@ -406,10 +722,11 @@ __global__ void __launch_bounds__(kNaiveThreads) mla_verify_naive_kernel(VerifyA
   const int g = blockIdx.x, t = g / p.H;
   const float* ql = p.q_latent + (size_t)g * p.C;
   const float* qr = p.q_rope + (size_t)g * p.R;
-  const int N = p.L + p.T;
+  const int L = committed_len(p);
+  const int N = L + p.T;
   float mx = neg_inf();
   for (int j = threadIdx.x; j < N; j += kNaiveThreads)
-    if (naive_visible(p, t, j)) mx = fmaxf(mx, naive_score(p, ql, qr, j));
+    if (naive_visible(p, L, t, j)) mx = fmaxf(mx, naive_score(p, ql, qr, j));
   for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = mx;
   __syncthreads();
@@ -422,7 +739,7 @@ __global__ void __launch_bounds__(kNaiveThreads) mla_verify_naive_kernel(VerifyA
   for (int base = 0; base < N; base += kNaiveThreads) {
     const int j = base + threadIdx.x;
     float pv = 0.f;
-    if (j < N && mx != neg_inf() && naive_visible(p, t, j)) pv = expf(naive_score(p, ql, qr, j) - mx);
+    if (j < N && mx != neg_inf() && naive_visible(p, L, t, j)) pv = expf(naive_score(p, ql, qr, j) - mx);
     pbuf[threadIdx.x] = pv;
     lsum += pv;
     __syncthreads();
@@ -465,84 +782,235 @@ int num_sms() {
   return n;
 }
 
-// Key splits: minimise (waves of blocks) x (tiles on a block's critical path). The committed
-// tiles go tps per split; the last split also takes the tree tiles (about one), so a split
-// count that leaves the last split short of committed tiles hides the tree tile. Ties -> fewer.
-// Only when the row blocks alone leave SMs idle, and at most ~2 waves of blocks.
-int choose_splits(const VerifyAttentionParams& p) {
+// ---------------------------------------------------------------- kernel choice (cost model)
+// Per-block time estimates for the H200 (132 SMs). They are ESTIMATES, to be tuned from
+// measurements: benchmarks/bench_cuda_verify_attention.py prints auto / tiled / split-KV per
+// shape, and cuda_verify_attention_choice(T, H, L) shows what the model picks. First fit
+// (H200, graph replay): tiled ~75 us per tile; split-KV ~8 us per 16x32 chunk for a block alone
+// on its SM (27% of the SM's FP32 peak: latency-bound, 4 warps) and ~6 us per chunk per SM with
+// two blocks resident (36%); ~7 us of fixed cost per call with splits (launches, Q, combine).
+namespace cost {
+constexpr double kTiledTileUs = 75.0;       // tiled kernel: one 64x128 tile on one SM (1 block/SM), measured ~70-80
+constexpr double kSmFp32Flops = 507e9;      // FP32 peak of one SM: 128 lanes x 2 x 1.98 GHz
+constexpr double kSplitKvEff1 = 0.27;       // split-KV kernel: fraction of that peak, one block on the SM
+constexpr double kSplitKvEff2 = 0.36;       // ... two (or more) blocks on the SM
+constexpr double kFlopPerRowKey = 2176.0;   // 2 x (C + R + C)
+constexpr double kSplitKvWaveUs = 3.0;      // split-KV: per wave of blocks (Q load, first chunk's latency, epilogue)
+constexpr double kCombineUs = 4.0;          // combine kernel: launch + tail
+constexpr double kBytesPerUs = 3.0e6;       // sustained HBM bandwidth (3 TB/s): KV stream, partials
+constexpr int kSmemPerSm = 228 * 1024;      // Hopper: 228 KB per SM, 1 KB of it reserved per block
+constexpr int kSplitKvBlocksPerSm = kSmemPerSm / ((int)sizeof(SkSmem) + 1024);
+constexpr int kSplitKvTargetWaves = 4;      // split-KV: at most ~4 waves of (SMs x blocks/SM) blocks
+constexpr int kSplitKvMaxSplits = 128;
+constexpr int kTiledMaxSplits = 64;
+constexpr size_t kMaxWorkspaceBytes = size_t(64) << 20;  // splits * M * (C + 2) * 4 bytes at most
+}  // namespace cost
+static_assert(cost::kSplitKvBlocksPerSm >= 2, "the split-KV kernel is sized for two blocks per SM");
+
+size_t ws_split_bytes(int M) { return (size_t)M * (C_ + 2) * sizeof(float); }
+// most splits whose partials fit in kMaxWorkspaceBytes (>= 1)
+int ws_split_cap(int M) {
+  const size_t c = cost::kMaxWorkspaceBytes / ws_split_bytes(M);
+  return c < 1 ? 1 : (c > (1 << 20) ? (1 << 20) : (int)c);
+}
+double combine_us(int splits, int M) {
+  return splits > 1 ? cost::kCombineUs + 2.0 * (double)splits * ws_split_bytes(M) / cost::kBytesPerUs : 0.0;
+}
+
+bool splitkv_ok(const VerifyAttentionParams& p) {  // shapes/alignment of both fast kernels
+  auto al16 = [](const void* x) { return ((unsigned long long)x & 15ull) == 0; };
+  return p.C == C_ && p.R == R_ && p.kv_stride % 4 == 0 && al16(p.kv) && al16(p.q_latent) && al16(p.q_rope) &&
+         al16(p.out) && !p.force_naive;
+}
+bool tiled_ok(const VerifyAttentionParams& p) { return splitkv_ok(p) && p.T <= kMaxTreeRows; }
+
+// ---- tiled kernel: key splits. Minimise (waves of blocks) x (tiles on a block's critical path).
+// The committed tiles go tps per split; the last split also takes the tree tiles (about one),
+// so a split count that leaves the last split short of committed tiles hides the tree tile.
+// Ties -> fewer. Only when the row blocks alone leave SMs idle, and at most ~2 waves of blocks.
+// Every bound below grows with L, so tiled_max_splits(p) covers every L' <= p.L.
+int tiled_max_splits(const VerifyAttentionParams& p) {
   const int M = p.T * p.H;
   const int rb = (M + BM - 1) / BM;
   const int nLt = (p.L + BN - 1) / BN;
   if (nLt <= 1) return 1;
-  if (p.force_splits > 0) return p.force_splits < nLt ? p.force_splits : nLt;
+  const int cap = ws_split_cap(M);
+  if (p.force_splits > 0) return std::max(1, std::min(std::min(p.force_splits, nLt + 1), cap));
   const int sms = num_sms();
   if (rb >= sms) return 1;  // the row blocks alone fill the GPU: no split/combine traffic
   const int smax = (2 * sms + rb - 1) / rb;
-  double best = 1e30;
+  return std::max(1, std::min(std::min(nLt + 1, smax), std::min(cost::kTiledMaxSplits, cap)));
+}
+
+int tiled_splits(const VerifyAttentionParams& p, double* est_us) {
+  const int M = p.T * p.H;
+  const int rb = (M + BM - 1) / BM;
+  const int nLt = (p.L + BN - 1) / BN;
+  const int sms = num_sms();
+  const int smax = tiled_max_splits(p);
   int best_s = 1;
-  for (int s = 1; s <= nLt + 1 && s <= smax && s <= 64; ++s) {
-    const int tps = (nLt + s - 1) / s;
-    const int last = nLt - (s - 1) * tps > 0 ? nLt - (s - 1) * tps : 0;
-    const int path = tps > last + 1 ? tps : last + 1;
-    const int waves = (rb * s + sms - 1) / sms;
-    const double cost = (double)waves * path + (s > 1 ? 0.25 : 0.0);
-    if (cost < best - 1e-9) {
-      best = cost;
-      best_s = s;
+  if (nLt > 1 && p.force_splits > 0) {
+    best_s = smax;
+  } else if (nLt > 1) {
+    double best = 1e30;
+    for (int s = 1; s <= smax; ++s) {
+      const int tps = (nLt + s - 1) / s;
+      const int last = nLt - (s - 1) * tps > 0 ? nLt - (s - 1) * tps : 0;
+      const int path = tps > last + 1 ? tps : last + 1;
+      const int waves = (rb * s + sms - 1) / sms;
+      const double c = (double)waves * path + (s > 1 ? 0.25 : 0.0);
+      if (c < best - 1e-9) {
+        best = c;
+        best_s = s;
+      }
     }
   }
+  if (est_us) {
+    const int s = best_s;
+    const int tps = (nLt + s - 1) / s;
+    const int last = nLt - (s - 1) * tps > 0 ? nLt - (s - 1) * tps : 0;
+    const int path = tps > last + 1 ? tps : last + 1;  // + one tree tile on the last split
+    const int waves = (rb * s + sms - 1) / sms;
+    *est_us = (double)waves * path * cost::kTiledTileUs + combine_us(s, M);
+  }
   return best_s;
+}
+
+// ---- split-KV kernel: key splits (whole 32-key chunks). Bounded by 128, the chunk count,
+// ~4 waves of blocks and the workspace cap; each bound grows with L (workspace sizing).
+int splitkv_max_splits(const VerifyAttentionParams& p) {
+  const int M = p.T * p.H;
+  const int rg = (M + sk::RG - 1) / sk::RG;
+  const int nch = (p.L + p.T + sk::KC - 1) / sk::KC;
+  const int cap = std::min(ws_split_cap(M), nch);
+  if (p.force_splits > 0) return std::max(1, std::min(p.force_splits, cap));
+  const int slots = num_sms() * cost::kSplitKvBlocksPerSm;
+  const int wave_cap = std::max(1, (cost::kSplitKvTargetWaves * slots + rg - 1) / rg);
+  return std::max(1, std::min(std::min(cap, wave_cap), cost::kSplitKvMaxSplits));
+}
+
+double splitkv_est_us(const VerifyAttentionParams& p, int s) {
+  const int M = p.T * p.H;
+  const int rg = (M + sk::RG - 1) / sk::RG;
+  const int nch = (p.L + p.T + sk::KC - 1) / sk::KC;
+  const int sms = num_sms();
+  const int cps = (nch + s - 1) / s;
+  const long long blocks = (long long)rg * s;
+  const long long per_sm = (blocks + sms - 1) / sms;  // blocks one SM runs (side by side share it)
+  const long long waves = (blocks + (long long)sms * cost::kSplitKvBlocksPerSm - 1) / ((long long)sms * cost::kSplitKvBlocksPerSm);
+  const double eff = per_sm >= 2 ? cost::kSplitKvEff2 : cost::kSplitKvEff1;  // SM throughput shared by its blocks
+  const double chunk_us = sk::RG * sk::KC * cost::kFlopPerRowKey / (eff * cost::kSmFp32Flops) * 1e6;
+  const double compute = (double)per_sm * cps * chunk_us;
+  const double memory = ((double)(p.L + p.T) * DQ * 4.0 + (double)M * (DQ + C_) * 4.0) / cost::kBytesPerUs;
+  return (compute > memory ? compute : memory) + (double)waves * cost::kSplitKvWaveUs + combine_us(s, M);
+}
+
+int splitkv_splits(const VerifyAttentionParams& p, double* est_us) {
+  const int nch = (p.L + p.T + sk::KC - 1) / sk::KC;
+  const int smax = splitkv_max_splits(p);
+  int best_s = 1;
+  if (p.force_splits > 0) {
+    best_s = smax;
+  } else {
+    double best = 1e30;
+    for (int s = 1; s <= smax; ++s) {
+      const int cps = (nch + s - 1) / s;
+      if ((nch + cps - 1) / cps != s) continue;  // some split would be empty: a smaller s does the same
+      const double c = splitkv_est_us(p, s);
+      if (c < best * (1.0 - 1e-9)) {
+        best = c;
+        best_s = s;
+      }
+    }
+  }
+  if (est_us) *est_us = splitkv_est_us(p, best_s);
+  return best_s;
+}
+
+struct Choice {
+  int kernel;  // 0 = plain, 1 = tiled, 2 = split-KV
+  int splits;
+};
+
+Choice choose(const VerifyAttentionParams& p) {
+  if (!splitkv_ok(p)) return {0, 1};
+  if (p.force_kernel == 1 && tiled_ok(p)) return {1, tiled_splits(p, nullptr)};
+  if (p.force_kernel == 2 || !tiled_ok(p)) return {2, splitkv_splits(p, nullptr)};
+  double ct = 0, cs = 0;
+  const int st = tiled_splits(p, &ct);
+  const int ss = splitkv_splits(p, &cs);
+  return cs < ct ? Choice{2, ss} : Choice{1, st};
 }
 
 bool basic_ok(const VerifyAttentionParams& p) {
   return p.q_latent && p.q_rope && p.kv && p.out && p.visibility && p.T >= 1 && p.H >= 1 &&
          p.C >= 1 && p.R >= 0 && p.L >= 0 && p.kv_stride >= p.C + p.R &&
-         p.vis_stride >= (p.T + 63) / 64 && p.C <= kNaiveThreads * kNaiveMaxCols;
+         p.vis_stride >= (p.T + 63) / 64 && p.C <= kNaiveThreads * kNaiveMaxCols &&
+         p.force_kernel >= 0 && p.force_kernel <= 2;
+}
+
+// raise a kernel's dynamic shared memory limit once; false on a GPU with less shared memory
+template <class Kernel>
+bool smem_attr_ok(Kernel k, int bytes, int& state, bool max_carveout) {
+  if (state == 0) {
+    cudaError_t e = cudaFuncSetAttribute(k, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+    if (e == cudaSuccess && max_carveout) {
+      if (cudaFuncSetAttribute(k, cudaFuncAttributePreferredSharedMemoryCarveout, 100) != cudaSuccess)
+        cudaGetLastError();  // only a hint
+    }
+    if (e != cudaSuccess) cudaGetLastError();
+    state = e == cudaSuccess ? 1 : -1;
+  }
+  return state == 1;
 }
 
 }  // namespace
 
-bool verify_attention_fast_path(const VerifyAttentionParams& p) {
-  auto al16 = [](const void* x) { return ((unsigned long long)x & 15ull) == 0; };
-  return p.C == C_ && p.R == R_ && p.T <= kMaxTreeRows && p.kv_stride % 4 == 0 && al16(p.kv) &&
-         al16(p.q_latent) && al16(p.q_rope) && al16(p.out) && !p.force_naive;
+bool verify_attention_fast_path(const VerifyAttentionParams& p) { return splitkv_ok(p); }
+
+void verify_attention_choice(const VerifyAttentionParams& p, int* kernel, int* splits) {
+  const Choice c = choose(p);
+  if (kernel) *kernel = c.kernel;
+  if (splits) *splits = c.splits;
 }
 
 size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p) {
-  if (!verify_attention_fast_path(p)) return 0;
-  const int s = choose_splits(p);
-  if (s <= 1) return 0;
-  const size_t M = (size_t)p.T * p.H;
-  return (size_t)s * M * (C_ + 2) * sizeof(float);
+  if (!splitkv_ok(p)) return 0;
+  // the largest split count either kernel can use for these shapes at any L' <= p.L
+  // (deterministic; p.L is the upper bound when L_dev is used)
+  int s = 1;
+  const bool tiled = tiled_ok(p) && p.force_kernel != 2;
+  const bool splitkv = p.force_kernel != 1 || !tiled_ok(p);
+  if (tiled) s = std::max(s, tiled_max_splits(p));
+  if (splitkv) s = std::max(s, splitkv_max_splits(p));
+  return s > 1 ? (size_t)s * ws_split_bytes(p.T * p.H) : 0;
 }
 
 cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream) {
   if (!basic_ok(p)) return cudaErrorInvalidValue;
   const int M = p.T * p.H;
-  if (!verify_attention_fast_path(p)) {
+  const Choice c = choose(p);
+  static int tiled_state = 0, splitkv_state = 0;
+  // DK = 32-wide d-chunks: measured on the H200 a little faster than 64 (which spills a few
+  // registers), so it is the only instantiation of the tiled kernel.
+  const bool ok = c.kernel == 1   ? smem_attr_ok(mla_verify_fast_kernel<32>, (int)sizeof(Smem<32>), tiled_state, false)
+                  : c.kernel == 2 ? smem_attr_ok(mla_verify_splitkv_kernel, (int)sizeof(SkSmem), splitkv_state, true)
+                                  : false;
+  if (!ok) {  // other shapes, forced, or a GPU with less shared memory per block: the plain kernel
     mla_verify_naive_kernel<<<M, kNaiveThreads, 0, stream>>>(p);
     return cudaGetLastError();
   }
-  const int splits = choose_splits(p);
-  if (splits > 1 && !p.workspace) return cudaErrorInvalidValue;
-  // DK = 32-wide d-chunks: measured on the H200 a little faster than 64 (which spills a few
-  // registers), so it is the only instantiation.
-  static bool smem_set = false;
-  cudaError_t e;
-  dim3 grid((M + BM - 1) / BM, splits);
-  if (!smem_set) {
-    e = cudaFuncSetAttribute(mla_verify_fast_kernel<32>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)sizeof(Smem<32>));
-    if (e != cudaSuccess) {  // a GPU with less shared memory per block: the plain kernel
-      cudaGetLastError();
-      mla_verify_naive_kernel<<<M, kNaiveThreads, 0, stream>>>(p);
-      return cudaGetLastError();
-    }
-    smem_set = true;
+  if (c.splits > 1 && !p.workspace) return cudaErrorInvalidValue;
+  if (c.kernel == 1) {
+    dim3 grid((M + BM - 1) / BM, c.splits);
+    mla_verify_fast_kernel<32><<<grid, NT, sizeof(Smem<32>), stream>>>(p);
+  } else {
+    dim3 grid((M + sk::RG - 1) / sk::RG, c.splits);
+    mla_verify_splitkv_kernel<<<grid, sk::NT, sizeof(SkSmem), stream>>>(p);
   }
-  mla_verify_fast_kernel<32><<<grid, NT, sizeof(Smem<32>), stream>>>(p);
-  e = cudaGetLastError();
-  if (e != cudaSuccess || splits == 1) return e;
-  mla_verify_combine_kernel<<<M, C_ / 4, 0, stream>>>(p, splits);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess || c.splits == 1) return e;
+  mla_verify_combine_kernel<<<M, kCombineThreads, 0, stream>>>(p, c.splits);
   return cudaGetLastError();
 }
 

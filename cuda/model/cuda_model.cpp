@@ -26,6 +26,7 @@
 #include "common.h"
 #include "kernels.h"
 #include "model/cublas_api.h"
+#include "engine/round_kernels.h"
 #include "model/model_kernels.h"
 
 namespace kdtree {
@@ -222,6 +223,7 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   ws.add(&d_keep_, max_seq_len + 1);
   ws.add(&d_vis_, Tm * vis_words_);
   ws.add(&d_causal_, Tm * vis_words_);
+  ws.add(&d_len_, 1);
   {
     // verify_attention's split-K workspace: the largest over every T <= Tm at the longest
     // context it can meet (its split count grows with L).
@@ -377,6 +379,7 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
 CudaModel::~CudaModel() {
   DeviceGuard guard(opt_.device);
   if (stream_) cudaStreamSynchronize(as_stream(stream_));
+  clear_graphs();
   if (cublas_) {
     std::string info;
     if (cuda::cublas_probe(&info)) cuda::cublas_api().destroy(as_handle(cublas_));
@@ -461,7 +464,7 @@ void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64
 }
 
 void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, const uint64_t* vis_d,
-                         int64_t vis_stride, int64_t T, int64_t row0, float* logits_d) {
+                         int64_t vis_stride, int64_t T, int64_t row0, float* logits_d, const int32_t* len_d) {
   const ModelConfig& c = cfg_;
   const int64_t Dm = c.hidden_size;
   cudaStream_t st = as_stream(stream_);
@@ -470,7 +473,7 @@ void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, co
   for (Layer& ly : layers_) {
     cuda::RmsNormParams np{x_, ly.input_ln, (int)T, (int)Dm, (int)Dm, (int)Dm, c.rms_norm_eps, hn_};
     check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
-    attention(ly, positions_d, vis_d, vis_stride, T, row0);
+    attention(ly, positions_d, vis_d, vis_stride, T, row0, len_d);
     np.w = ly.post_ln;
     check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
     if (ly.moe) moe_mlp(ly, T);
@@ -482,7 +485,7 @@ void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, co
 }
 
 void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t* vis_d, int64_t vis_stride, int64_t T,
-                          int64_t row0) {
+                          int64_t row0, const int32_t* len_d) {
   const ModelConfig& c = cfg_;
   const int64_t Dm = c.hidden_size, H = c.num_attention_heads, C = c.kv_lora_rank, R = c.qk_rope_head_dim;
   const int64_t Dn = c.qk_nope_head_dim, Dv = c.v_head_dim, Dqk = c.qk_head_dim(), CR = C + R;
@@ -518,7 +521,8 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
   mp.interleaved = c.rope_interleave ? 1 : 0;
   mp.cache = ly.cache;
   mp.ldc = (int)CR;
-  mp.row0 = row0;
+  mp.row0 = len_d ? 0 : row0;  // graph replay: rows from *len_d
+  mp.row0_dev = len_d;
   mp.q_rope = q_rope_;
   check_cuda(cuda::mla_prep(mp, st), "mla_prep");
   // Absorption: q_lat[t, h, :] = q_nope[t, h, :] @ W_UK[h]   (col-major: [C x T] = W_UK[h]^T-view x q_h).
@@ -543,7 +547,8 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
   vp.H = (int)H;
   vp.C = (int)C;
   vp.R = (int)R;
-  vp.L = (int)row0;
+  vp.L = (int)row0;  // with len_d: the upper bound (grid, splits), the length itself from *len_d
+  vp.L_dev = len_d;
   vp.scale = (float)c.softmax_scale;
   vp.out = o_lat_;
   vp.workspace = attn_ws_;
@@ -694,9 +699,69 @@ void CudaModel::forward_device(const int32_t* tokens_d, const int32_t* positions
   if (vis_bits_d && vis_stride < (T + 63) / 64)
     throw Error("forward_device: vis_stride " + std::to_string(vis_stride) + " < ceil(T/64) = " + std::to_string((T + 63) / 64));
   DeviceGuard guard(opt_.device);
-  if (vis_bits_d) run_step(tokens_d, positions_d, vis_bits_d, vis_stride, T, cache_len_, logits_d);
-  else run_step(tokens_d, positions_d, d_causal_, vis_words_, T, cache_len_, logits_d);
+  if (!vis_bits_d) {
+    vis_bits_d = d_causal_;
+    vis_stride = vis_words_;
+  }
+  if (opt_.graphs) {
+    // Context bucket: the attention grid is sized for the next power of two >= L + 1 (at least
+    // 256, at most what still leaves room for T), so one graph serves a range of lengths.
+    int64_t lb = 256;
+    while (lb < cache_len_ + 1) lb *= 2;
+    lb = std::min(lb, max_seq_len_ - T);
+    GraphKey key{tokens_d, positions_d, vis_bits_d, logits_d, vis_stride, T, lb};
+    void* exec = graph_for(key);
+    if (exec) {
+      cudaStream_t st = as_stream(stream_);
+      check_cuda(cuda::set_int32(d_len_, (int32_t)cache_len_, st), "set_int32(len)");
+      check_cuda(cudaGraphLaunch(static_cast<cudaGraphExec_t>(exec), st), "cudaGraphLaunch");
+      ++graph_replays_;
+      pending_ = T;
+      return;
+    }
+  }
+  run_step(tokens_d, positions_d, vis_bits_d, vis_stride, T, cache_len_, logits_d);
   pending_ = T;
+}
+
+void* CudaModel::graph_for(const GraphKey& key) {
+  GraphEntry* e = nullptr;
+  for (GraphEntry& g : graphs_)
+    if (g.key == key) e = &g;
+  if (e == nullptr) {
+    if (graphs_.size() >= 64) clear_graphs();  // bounded: start over rather than grow
+    graphs_.push_back(GraphEntry{key, 0, nullptr});
+    e = &graphs_.back();
+  }
+  if (e->exec) return e->exec;
+  if (++e->uses < 2) return nullptr;  // first use runs eagerly (prefill chunks, one-off shapes)
+  cudaStream_t st = as_stream(stream_);
+  cudaGraph_t graph = nullptr;
+  check_cuda(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), "cudaStreamBeginCapture");
+  try {
+    run_step(static_cast<const int32_t*>(key.tokens), static_cast<const int32_t*>(key.positions),
+             static_cast<const uint64_t*>(key.vis), key.vis_stride, key.T, key.l_bound,
+             static_cast<float*>(const_cast<void*>(key.logits)), d_len_);
+  } catch (...) {
+    cudaStreamEndCapture(st, &graph);
+    if (graph) cudaGraphDestroy(graph);
+    cudaGetLastError();
+    throw;
+  }
+  check_cuda(cudaStreamEndCapture(st, &graph), "cudaStreamEndCapture");
+  cudaGraphExec_t exec = nullptr;
+  const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
+  cudaGraphDestroy(graph);
+  check_cuda(err, "cudaGraphInstantiate");
+  e->exec = exec;
+  ++graph_captures_;
+  return exec;
+}
+
+void CudaModel::clear_graphs() {
+  for (GraphEntry& g : graphs_)
+    if (g.exec) cudaGraphExecDestroy(static_cast<cudaGraphExec_t>(g.exec));
+  graphs_.clear();
 }
 
 void CudaModel::launch_compact(const int32_t* keep_d, const int32_t* count_d) {
@@ -747,6 +812,12 @@ void CudaModel::set_committed(int64_t n) {
     throw Error("set_committed: " + std::to_string(n) + " outside [0, pending = " + std::to_string(pending_) + "]");
   cache_len_ += n;
   pending_ = 0;
+}
+
+CudaModel::CacheLayout CudaModel::cache_layout() const {
+  const int64_t CR = cfg_.kv_lora_rank + cfg_.qk_rope_head_dim;
+  return CacheLayout{cache_mem_, (int)cfg_.num_hidden_layers, max_seq_len_ * CR * (int64_t)sizeof(float),
+                     CR * (int64_t)sizeof(float), (int)(CR * sizeof(float))};
 }
 
 void CudaModel::synchronize() {

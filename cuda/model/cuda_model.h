@@ -38,6 +38,8 @@ struct CudaModelOptions {
   int math = 0;                  // cuBLAS math: kMathDefault (FP32), kMathPedantic, kMathTf32 (opt-in)
   bool attention_naive = false;  // force verify_attention's simple reference kernel (testing)
   int expert_kernel = 0;         // kExpertAuto, kExpertSkinny (GEMV-style), kExpertTiled (testing/benchmarks)
+  bool graphs = true;            // forward_device replays a CUDA graph per (T, context bucket, buffers) from
+                                 // the second call with the same shape on (docs/CUDA_MODEL.md)
   static constexpr int kMathDefault = 0, kMathPedantic = 1, kMathTf32 = 2;
   static constexpr int kExpertAuto = 0, kExpertSkinny = 1, kExpertTiled = 2;
 };
@@ -78,6 +80,20 @@ class CudaModel : public TargetModel {
   void commit_device(const int32_t* keep_d, const int32_t* count_d);
   void set_committed(int64_t n);
   void* stream() const { return stream_; }  // cudaStream_t
+  int device_ordinal() const { return opt_.device; }
+  // The model's own logits workspace [max_tokens, V] (device), free for a caller of
+  // forward_device between steps (the host path uses it inside forward()).
+  float* logits_device() const { return logits_; }
+  // The latent cache's layout for a caller that compacts it itself (e.g. the fused accept +
+  // compaction of the GPU round): layer l, slot s at base + l*layer_stride + s*row_stride bytes,
+  // row_bytes moved per slot.
+  struct CacheLayout {
+    void* base;
+    int num_layers;
+    int64_t layer_stride, row_stride;
+    int row_bytes;
+  };
+  CacheLayout cache_layout() const;
   void synchronize();
 
   // ---- inspection
@@ -93,6 +109,8 @@ class CudaModel : public TargetModel {
   int64_t workspace_bytes() const { return workspace_bytes_; }
   std::string device_name() const { return device_name_; }
   std::string cublas_path() const;
+  int64_t graph_replays() const { return graph_replays_; }
+  int64_t graph_captures() const { return graph_captures_; }
 
  private:
   struct Layer {
@@ -127,10 +145,28 @@ class CudaModel : public TargetModel {
                int64_t ldo, float beta = 0.f);
   // The forward over T <= max_tokens tokens already on the device (d_tokens_/d_positions_ or
   // the caller's), cache rows written from row0 = committed + chunk offset.
+  // len_d (graph replays): the committed length is read from device memory (*len_d, rows written
+  // from there) and row0 is only its upper bound (sizes the attention grid); nullptr: row0 exact.
   void run_step(const int32_t* tokens_d, const int32_t* positions_d, const uint64_t* vis_d, int64_t vis_stride,
-                int64_t T, int64_t row0, float* logits_d);
+                int64_t T, int64_t row0, float* logits_d, const int32_t* len_d = nullptr);
   void attention(Layer& ly, const int32_t* positions_d, const uint64_t* vis_d, int64_t vis_stride, int64_t T,
-                 int64_t row0);
+                 int64_t row0, const int32_t* len_d);
+  // CUDA graphs of forward_device: one per key, captured on the key's second use.
+  struct GraphKey {
+    const void *tokens, *positions, *vis, *logits;
+    int64_t vis_stride, T, l_bound;
+    bool operator==(const GraphKey& o) const {
+      return tokens == o.tokens && positions == o.positions && vis == o.vis && logits == o.logits &&
+             vis_stride == o.vis_stride && T == o.T && l_bound == o.l_bound;
+    }
+  };
+  struct GraphEntry {
+    GraphKey key;
+    int uses = 0;
+    void* exec = nullptr;  // cudaGraphExec_t
+  };
+  void* graph_for(const GraphKey& key);  // nullptr: run eagerly this time
+  void clear_graphs();
   void dense_mlp(const Layer& ly, int64_t T);
   void moe_mlp(const Layer& ly, int64_t T);
   void launch_compact(const int32_t* keep_d, const int32_t* count_d);
@@ -157,6 +193,8 @@ class CudaModel : public TargetModel {
   bool finalized_ = false;
   int64_t cache_len_ = 0, pending_ = 0;
   int64_t n_moe_layers_ = 0;
+  std::vector<GraphEntry> graphs_;
+  int64_t graph_replays_ = 0, graph_captures_ = 0;
 
   // workspaces (device), sized for max_tokens_ = Tm
   float *x_ = nullptr, *hn_ = nullptr;     // [Tm, Dm]
@@ -176,6 +214,7 @@ class CudaModel : public TargetModel {
   int64_t max_tiles_ = 0;
   float* logits_ = nullptr;                // [Tm, V] (host path)
   int32_t *d_tokens_ = nullptr, *d_positions_ = nullptr, *d_keep_ = nullptr, *d_count_ = nullptr;
+  int32_t* d_len_ = nullptr;               // [1] committed length, for graph replays
   uint64_t *d_vis_ = nullptr, *d_causal_ = nullptr;  // [Tm, Wm]
   int64_t vis_words_ = 0;                  // Wm = ceil(Tm / 64)
   void* attn_ws_ = nullptr;

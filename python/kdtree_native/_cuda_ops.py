@@ -24,7 +24,7 @@ MAX_DEPTH = 16
 MAX_K = 1024
 
 __all__ = ["available", "tree_build", "tree_build_from_logits", "topk_logsoftmax", "tree_accept",
-           "kv_compact", "accept_compact", "verify_attention", "pack_visibility",
+           "kv_compact", "accept_compact", "verify_attention", "verify_attention_choice", "pack_visibility",
            "unpack_visibility", "last_path"]
 
 _last = {"path": None}
@@ -160,11 +160,14 @@ def accept_compact(tree, target_choice, cache, cache_len):
 
 
 def verify_attention(q_latent, q_rope, kv_latent, k_rope, visibility, scale, force_naive=False,
-                     force_splits=0):
+                     force_splits=0, force_kernel=0, l_bound=None):
     """MLA tree-verify attention (FP32) on the GPU, the signature of reference.verify_attention.
 
     q_latent [T,H,C], q_rope [T,H,R], kv_latent [L+T,C], k_rope [L+T,R], visibility bool [T,T]
     (or uint64 words [T, W]), scale. Returns out_latent float32 [T,H,C].
+    Testing knobs: force_naive (the plain kernel), force_splits (> 0: key splits), force_kernel
+    (0 = auto, 1 = tiled, 2 = split-KV), l_bound (int >= L: L reaches the kernels through a
+    device int and l_bound is the host's upper bound, as under CUDA-graph capture).
     """
     _require()
     ql = np.ascontiguousarray(q_latent, dtype=np.float32)
@@ -175,4 +178,13 @@ def verify_attention(q_latent, q_rope, kv_latent, k_rope, visibility, scale, for
     if vis.dtype != np.uint64:
         vis = pack_visibility(vis)
     return _native.cuda_verify_attention(ql, qr, kv, np.ascontiguousarray(vis), float(scale),
-                                         bool(force_naive), int(force_splits))
+                                         bool(force_naive), int(force_splits), int(force_kernel),
+                                         None if l_bound is None else int(l_bound))
+
+
+def verify_attention_choice(T, H, L, force_kernel=0, force_splits=0):
+    """verify_attention's pick for C=512, R=64 aligned buffers: (kernel, splits); kernel 0 =
+    plain, 1 = tiled, 2 = split-KV."""
+    _require()
+    return tuple(_native.cuda_verify_attention_choice(int(T), int(H), int(L), force_kernel=int(force_kernel),
+                                                      force_splits=int(force_splits)))

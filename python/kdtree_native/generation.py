@@ -57,16 +57,24 @@ def native_target(engine):
     raise TypeError(f"generate: expected a kn.Engine (or a native target), got {type(engine).__name__}")
 
 
-def generator_for(engine):
-    """The (cached) native Generator of an engine or native target."""
+_ROUNDS = ("auto", "host", "device")
+
+
+def generator_for(engine, rounds: str = "auto"):
+    """The (cached) native Generator of an engine or native target. ``rounds``: "auto" (on the
+    GPU for a CUDA model, else the host), "host" (tree, logits and walk through the host path),
+    "device" (CUDA model only: the round stays on the GPU)."""
+    if rounds not in _ROUNDS:
+        raise ValueError(f"rounds must be one of {_ROUNDS}, got {rounds!r}")
     target = native_target(engine)
-    hit = _GENERATORS.get(id(target))
+    key = (id(target), rounds)
+    hit = _GENERATORS.get(key)
     if hit is not None and hit[0] is target:
         return hit[1]
-    gen = _native.Generator(target)
+    gen = _native.Generator(target, rounds=rounds)
     if len(_GENERATORS) >= _MAX_CACHED:
         _GENERATORS.pop(next(iter(_GENERATORS)))
-    _GENERATORS[id(target)] = (target, gen)
+    _GENERATORS[key] = (target, gen)
     return gen
 
 
@@ -144,7 +152,8 @@ def compute_stats(raw: dict, depth: int, drafted: bool, seed: int, temperature: 
 def generate(engine, prompt_ids, max_new_tokens: int, drafter=None, tree_budget: int = 64, depth: int = 15,
              top_k: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
              seed: Optional[int] = None, stop_token_ids: Sequence[int] = (), progress=None,
-             target_top_k: Optional[int] = None, prefill_chunk: int = 512) -> GenerationResult:
+             target_top_k: Optional[int] = None, prefill_chunk: int = 512,
+             rounds: str = "auto") -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
     engine          a ``kn.Engine`` (or a native target: ``_native.CpuModel`` / ``_native.ToyTarget``)
@@ -161,6 +170,9 @@ def generate(engine, prompt_ids, max_new_tokens: int, drafter=None, tree_budget:
     stop_token_ids  generation stops after the first of these (it is included in the output)
     progress        optional callback ``progress(new_tokens: int32 array, generated, max_new_tokens)``
                     called after the first token and after each round (streaming)
+    rounds          where a round runs: "auto" (on the GPU for a CUDA model: tree build, verify,
+                    choice, accept and KV compaction on the device, one small copy back per
+                    round; the host otherwise), "host" (the host path of any target), "device"
     """
     prompt = _prompt_array(prompt_ids)
     max_new_tokens = _int_arg(max_new_tokens, "max_new_tokens")
@@ -181,9 +193,10 @@ def generate(engine, prompt_ids, max_new_tokens: int, drafter=None, tree_budget:
     if progress is not None and not callable(progress):
         raise TypeError(f"progress must be callable, got {type(progress).__name__}")
     fn = as_draft_fn(drafter)
-    gen = generator_for(engine)
+    gen = generator_for(engine, rounds)
     raw = gen.generate(prompt, max_new_tokens, drafter=fn, tree_budget=tree_budget, depth=depth, top_k=top_k,
                        temperature=temperature, top_p=top_p, target_top_k=target_top_k, seed=seed,
                        stop_token_ids=stops, progress=progress, prefill_chunk=prefill_chunk)
     stats = compute_stats(raw, depth, fn is not None and tree_budget > 0, seed, temperature)
+    stats["rounds_on"] = gen.rounds
     return GenerationResult(tokens=raw["tokens"], acceptance_lengths=raw["acceptance_lengths"], stats=stats)

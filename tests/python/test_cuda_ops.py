@@ -311,3 +311,185 @@ def test_verify_attention_matches_reference_api_on_a_tree():
     ref = R.verify_attention(ql, qr, kvl, kr, tree.visibility, 0.1)
     out = cu.verify_attention(ql, qr, kvl, kr, tree.visibility, 0.1)
     assert rel_err(out, ref) < 1e-5
+
+
+# ----------------------------------------------------------------------------- verify attention: split-KV kernel,
+# kernel choice, device-side L (CUDA-graph mode)
+WS_CAP = 64 << 20   # verify_attention_workspace_bytes never exceeds this
+WS_ROW = (512 + 2) * 4  # workspace bytes per (split, query row)
+
+
+def attn_case_t(seed, L, H, T, mask):
+    """Like attn_case with T rows and mask "tree" (random tree ancestors) or "causal"."""
+    if mask == "tree":
+        return attn_case(seed, L, H, T - 1, tree=True)
+    ql, qr, kvl, kr, _, scale = attn_case(seed, L, H, T - 1, tree=True)
+    return ql, qr, kvl, kr, np.tril(np.ones((T, T), bool)), scale
+
+
+def row_err(out, ref):
+    """Largest per-row relative error (a single wrong row shows even among thousands)."""
+    o = out.astype(np.float64).reshape(-1, out.shape[-1])
+    r = ref.reshape(-1, ref.shape[-1])
+    return float(np.max(np.linalg.norm(o - r, axis=1) / np.maximum(np.linalg.norm(r, axis=1), 1e-30)))
+
+
+def check_attn(out, ref, what):
+    assert out.shape == ref.shape and out.dtype == np.float32, what
+    assert np.isfinite(out).all(), what  # poisoned (NaN) output or workspace left unwritten
+    assert rel_err(out, ref) < 1e-5, (what, rel_err(out, ref))
+    assert row_err(out, ref) < 1e-4, (what, row_err(out, ref))
+
+
+SPLITKV_LT = [(L, T) for L in (0, 1, 31, 32, 33, 517, 4099) for T in (1, 2, 5, 17, 65)]
+SPLITKV_HS = (1, 3, 16, 64, 128)
+SPLITKV_SIZES = [(L, T, SPLITKV_HS[(i + k) % 5], ("tree", "causal")[(i + k) % 2])
+                 for i, (L, T) in enumerate(SPLITKV_LT) for k in (0, 2)]
+
+
+@pytest.mark.parametrize("L,T,H,mask", SPLITKV_SIZES)
+def test_verify_attention_splitkv_awkward_sizes(L, T, H, mask):
+    ql, qr, kvl, kr, vis, scale = attn_case_t(L * 7919 + T * 31 + H, L, H, T, mask)
+    ref = ref64(ql, qr, kvl, kr, vis, scale)
+    nch = (L + T + 31) // 32
+    for splits in (0, 1, 2, 7, 128):
+        kernel, s = cu.verify_attention_choice(T, H, L, force_kernel=2, force_splits=splits)
+        assert kernel == 2 and 1 <= s <= max(1, min(128, nch)), (kernel, s)
+        if splits:
+            assert s == min(splits, nch, max(1, WS_CAP // (T * H * WS_ROW))), (splits, s)
+        out = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=2, force_splits=splits)
+        check_attn(out, ref, (L, T, H, mask, splits))
+
+
+@pytest.mark.parametrize("kernel", [1, 2, "naive"])
+@pytest.mark.parametrize("L,T", [(0, 5), (0, 70), (40, 9)])
+def test_verify_attention_rows_that_see_nothing_get_zero(kernel, L, T):
+    # a visibility row with no bits: with L = 0 the row sees nothing and must come out 0;
+    # with L > 0 it still sees the L committed keys
+    H = 3
+    ql, qr, kvl, kr, vis, scale = attn_case_t(T + L, L, H, T, "tree")
+    empty = np.zeros(T, bool)
+    empty[1::3] = True
+    vis = vis.copy()
+    vis[empty] = False
+    vis_ref = vis.copy()
+    if L == 0:  # rows are independent: give the empty rows a key so the oracle stays finite
+        vis_ref[np.flatnonzero(empty), np.flatnonzero(empty)] = True
+    ref = ref64(ql, qr, kvl, kr, vis_ref, scale)
+    keep = ~empty if L == 0 else np.ones(T, bool)
+    kw = dict(force_naive=True) if kernel == "naive" else dict(force_kernel=kernel)
+    for splits in (0, 1, 3):
+        for l_bound in (None, L + 700):
+            out = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_splits=splits, l_bound=l_bound, **kw)
+            what = (kernel, L, T, splits, l_bound)
+            assert np.isfinite(out).all(), what
+            if L == 0:
+                assert (out[empty] == 0).all(), what
+            check_attn(out[keep], ref[keep], what)
+
+
+@pytest.mark.parametrize("H", [16, 64, 128])
+@pytest.mark.parametrize("L", [0, 512, 4096])
+def test_verify_attention_auto_on_decode_shapes(H, L):
+    ql, qr, kvl, kr, vis, scale = attn_case_t(H + L, L, H, 1, "tree")
+    ref = ref64(ql, qr, kvl, kr, vis, scale)
+    out = cu.verify_attention(ql, qr, kvl, kr, vis, scale)
+    check_attn(out, ref, (H, L))
+    kernel, s = cu.verify_attention_choice(1, H, L)
+    assert kernel in (1, 2) and s >= 1
+    # the auto pick equals the same kernel forced with the same split count, bit for bit
+    forced = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=kernel, force_splits=s)
+    assert np.array_equal(out, forced)
+
+
+def test_verify_attention_auto_picks_splitkv_for_ar_decode():
+    # AR decode on mini-kimi (T=1, H=16, L=512): the tiled kernel's one 64-row block per split
+    # is ~75 us of work for 16 rows; the split-KV kernel spreads 17 chunks over many SMs
+    kernel, s = cu.verify_attention_choice(1, 16, 512)
+    assert kernel == 2 and s > 1, (kernel, s)
+    kernel, s = cu.verify_attention_choice(1, 16, 4096)
+    assert kernel == 2 and s > 1, (kernel, s)
+    # a big verify at long context stays on the tiled kernel
+    kernel, s = cu.verify_attention_choice(1025, 64, 32768)
+    assert kernel == 1, (kernel, s)
+
+
+def test_verify_attention_workspace_covers_choice_and_grows_with_L():
+    Ls = [0, 1, 31, 32, 33, 127, 128, 129, 511, 512, 513, 4095, 4096, 4097, 32767, 32768, 131071]
+    for T in (1, 2, 5, 17, 65, 257, 1025, 2048, 2049):
+        for H in (1, 3, 16, 64, 128):
+            M = T * H
+            for fk in (0, 1, 2):
+                for fs in (0, 2, 7, 128):
+                    prev = 0
+                    for L in Ls:
+                        ws = N.cuda_verify_attention_workspace_bytes(T, H, 512, 64, L, 576, force_kernel=fk,
+                                                                    force_splits=fs)
+                        kernel, s = cu.verify_attention_choice(T, H, L, force_kernel=fk, force_splits=fs)
+                        what = (T, H, L, fk, fs, kernel, s, ws)
+                        assert kernel in (1, 2), what
+                        if fk == 2 or T > 2048:  # the tiled kernel gathers at most 2048 tree rows
+                            assert kernel == 2, what
+                        elif fk == 1:
+                            assert kernel == 1, what
+                        assert 1 <= s <= 128, what
+                        if kernel == 2:
+                            assert s <= max(1, (L + T + 31) // 32), what
+                        assert ws <= WS_CAP, what
+                        assert ws >= (s * M * WS_ROW if s > 1 else 0), what
+                        assert ws >= prev, what  # sized at the longest L, it covers every shorter one
+                        prev = ws
+
+
+@pytest.mark.parametrize("kernel", [0, 1, 2, "naive"])
+@pytest.mark.parametrize("L,l_bound", [(0, 0), (0, 1000), (33, 34), (33, 100000), (517, 600), (517, 40000),
+                                       (4099, 4099 + 128 * 7)])
+def test_verify_attention_device_L(kernel, L, l_bound):
+    T, H = 17, 3
+    ql, qr, kvl, kr, vis, scale = attn_case_t(L + l_bound, L, H, T, "tree" if L % 2 else "causal")
+    ref = ref64(ql, qr, kvl, kr, vis, scale)
+    kw = dict(force_naive=True) if kernel == "naive" else dict(force_kernel=kernel)
+    for splits in (0, 1, 3, 128):
+        out = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_splits=splits, l_bound=l_bound, **kw)
+        check_attn(out, ref, (kernel, L, l_bound, splits))
+
+
+def test_verify_attention_device_L_big_rows():
+    # many row groups / row blocks with a bound far above L, both fast kernels and auto
+    T, H, L = 65, 16, 300
+    ql, qr, kvl, kr, vis, scale = attn_case_t(5, L, H, T, "tree")
+    ref = ref64(ql, qr, kvl, kr, vis, scale)
+    for kernel in (0, 1, 2):
+        for l_bound in (L, 4096, 65536):
+            out = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=kernel, l_bound=l_bound)
+            check_attn(out, ref, (kernel, l_bound))
+
+
+def test_verify_attention_l_bound_below_L_is_rejected():
+    ql, qr, kvl, kr, vis, scale = attn_case_t(1, 40, 2, 3, "tree")
+    with pytest.raises(Exception):
+        cu.verify_attention(ql, qr, kvl, kr, vis, scale, l_bound=39)
+    with pytest.raises(Exception):
+        cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=3)
+
+
+def test_verify_attention_more_than_2048_tree_rows_use_splitkv():
+    # the tiled kernel gathers at most 2048 tree rows; auto and force_kernel=1 take split-KV
+    T, H, L = 2100, 1, 50
+    ql, qr, kvl, kr, vis, scale = attn_case_t(3, L, H, T, "causal")
+    assert cu.verify_attention_choice(T, H, L)[0] == 2
+    assert cu.verify_attention_choice(T, H, L, force_kernel=1)[0] == 2
+    ref = ref64(ql, qr, kvl, kr, vis, scale)
+    for fk in (0, 1, 2):
+        check_attn(cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=fk), ref, fk)
+
+
+@pytest.mark.parametrize("splits", [0, 1, 2, 3, 7])
+def test_verify_attention_tiled_forced_matches(splits):
+    ql, qr, kvl, kr, vis, scale = attn_case(10, 1000, 3, 40, tree=False)
+    ref = ref64(ql, qr, kvl, kr, vis, scale)
+    for fk in (1, 2):
+        kernel, _ = cu.verify_attention_choice(41, 3, 1000, force_kernel=fk, force_splits=splits)
+        assert kernel == fk
+        out = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=fk, force_splits=splits)
+        check_attn(out, ref, (fk, splits))

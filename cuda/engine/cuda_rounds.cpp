@@ -1,0 +1,287 @@
+// cuda_rounds.cpp: see cuda_rounds.h.
+#if defined(KDTREE_HAVE_CUBLAS)
+#include "engine/cuda_rounds.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <string>
+
+#include "common.h"
+#include "engine/round_kernels.h"
+#include "kernels.h"
+#include "model/model_kernels.h"
+
+namespace kdtree {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+std::string s(int64_t v) { return std::to_string(v); }
+constexpr int64_t kMaxDepth = cuda::kTreeMaxDepth;  // 16
+constexpr int64_t kMaxK = cuda::kTopkMaxK;          // 1024
+
+struct DeviceGuard {
+  int prev = -1;
+  explicit DeviceGuard(int dev) {
+    if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
+    if (prev != dev) cudaSetDevice(dev);
+  }
+  ~DeviceGuard() {
+    int cur = -1;
+    if (prev >= 0 && cudaGetDevice(&cur) == cudaSuccess && cur != prev) cudaSetDevice(prev);
+  }
+};
+
+// Bump allocator over one allocation (256-byte aligned pieces).
+struct Arena {
+  int64_t bytes = 0;
+  std::vector<std::pair<void**, int64_t>> items;
+  template <class T>
+  void add(T** p, int64_t count) {
+    items.push_back({reinterpret_cast<void**>(p), bytes});
+    bytes += (count * (int64_t)sizeof(T) + 255) / 256 * 256;
+  }
+  void place(void* base) {
+    for (auto& it : items) *it.first = static_cast<char*>(base) + it.second;
+  }
+};
+}  // namespace
+
+void CudaRounds::check(int err, const char* what) const {
+  if (err != cudaSuccess)
+    throw RuntimeFailure(std::string("GPU round: ") + what + ": " + cudaGetErrorString(static_cast<cudaError_t>(err)));
+}
+
+CudaRounds::CudaRounds(CudaModel& model) : model_(model) {
+  V_ = model.config().vocab_size;
+  max_chunk_ = model.max_tokens();
+  max_budget_ = std::min<int64_t>(cuda::kTreeMaxBudget, model.max_tokens() - 1);
+  KD_CHECK(V_ <= cuda::kTopkMaxV, "GPU round: vocab " + s(V_) + " above the device top-k limit " + s(cuda::kTopkMaxV));
+  const int64_t Bm = std::max<int64_t>(max_budget_, 0);
+  const int64_t W = cuda::tree_vis_words((int)Bm);
+  const int64_t vals = kMaxDepth * std::max<int64_t>(V_, kMaxK);
+  const int64_t npos = std::max<int64_t>(Bm + 1, max_chunk_);
+  Arena dev;
+  dev.add(&d_draft_vals_, vals);
+  dev.add(&d_draft_ids_, kMaxDepth * kMaxK);
+  dev.add(reinterpret_cast<char**>(&d_topk_ws_),
+          (int64_t)cuda::tree_from_logits_workspace_bytes((int)kMaxDepth, (int)V_, (int)std::min<int64_t>(kMaxK, V_)));
+  dev.add(&d_tokens_, Bm + 1);
+  dev.add(&d_depths_, std::max<int64_t>(Bm, 1));
+  dev.add(&d_parents_, Bm + 1);
+  dev.add(&d_positions_, npos);
+  dev.add(&d_vis_, (Bm + 1) * W);
+  dev.add(&d_n_, 1);
+  dev.add(&d_choice_, Bm + 1);
+  dev.add(&d_path_, Bm + 1);
+  dev.add(&d_count_, 1);
+  dev.add(&d_bonus_, 1);
+  dev.add(&d_result_, 3 + Bm + 1);
+  dev.add(&d_prompt_, max_chunk_);
+  Arena host;
+  host.add(&h_draft_vals_, vals);
+  host.add(&h_draft_ids_, kMaxDepth * kMaxK);
+  host.add(&h_small_, 2 * npos + 1);
+  host.add(&h_result_, 3 + Bm + 1);
+  DeviceGuard guard(model.device_ordinal());
+  cudaError_t e = cudaMalloc(&dev_mem_, (size_t)dev.bytes);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    throw RuntimeFailure("GPU round: cannot allocate " + s(dev.bytes >> 20) + " MiB of device workspace: " +
+                         cudaGetErrorString(e));
+  }
+  e = cudaMallocHost(&host_mem_, (size_t)host.bytes);
+  if (e != cudaSuccess) {
+    cudaGetLastError();
+    cudaFree(dev_mem_);
+    dev_mem_ = nullptr;
+    throw RuntimeFailure("GPU round: cannot allocate " + s(host.bytes >> 20) + " MiB of pinned host memory: " +
+                         cudaGetErrorString(e));
+  }
+  dev.place(dev_mem_);
+  host.place(host_mem_);
+  check(cudaMemset(dev_mem_, 0, (size_t)dev.bytes), "cudaMemset");
+}
+
+CudaRounds::~CudaRounds() {
+  DeviceGuard guard(model_.device_ordinal());
+  if (dev_mem_ || host_mem_) cudaStreamSynchronize(static_cast<cudaStream_t>(model_.stream()));
+  if (host_mem_) cudaFreeHost(host_mem_);
+  if (dev_mem_) cudaFree(dev_mem_);
+  cudaGetLastError();
+}
+
+void CudaRounds::begin(const GenerateParams& p) {
+  KD_CHECK(p.depth <= kMaxDepth, "device='cuda': depth must be <= " + s(kMaxDepth) + " (the GPU tree build), got " + s(p.depth));
+  KD_CHECK(p.tree_budget <= max_budget_, "device='cuda': tree_budget must be <= " + s(max_budget_) +
+                                             " (min(1024, the model's max_tokens - 1)), got " + s(p.tree_budget));
+  KD_CHECK(p.top_k <= kMaxK, "device='cuda': top_k must be <= " + s(kMaxK) + ", got " + s(p.top_k));
+  KD_CHECK(model_.finalized(), "model: generate before finalize() (weights not complete)");
+  check_sampling_params(p.sampling);
+  sampling_ = p.sampling;
+}
+
+void CudaRounds::sync_result(int64_t words) {
+  cudaStream_t st = static_cast<cudaStream_t>(model_.stream());
+  check(cudaMemcpyAsync(h_result_, d_result_, (size_t)words * sizeof(int32_t), cudaMemcpyDeviceToHost, st),
+        "copy the round's result back");
+  check(cudaStreamSynchronize(st), "round");
+}
+
+namespace {
+cudaError_t choose(const float* logits, int64_t T, int64_t V, const int32_t* positions, const SamplingParams& sp,
+                   int32_t* out, cudaStream_t st) {
+  cuda::ChooseParams cp{};
+  cp.logits = logits;
+  cp.T = (int)T;
+  cp.V = (int)V;
+  cp.ldl = V;
+  cp.positions = positions;
+  cp.temperature = sp.temperature;
+  cp.top_k = sp.top_k;
+  cp.top_p = sp.top_p;
+  cp.seed = sp.seed;
+  cp.choice = out;
+  return cuda::choose_tokens(cp, st);
+}
+}  // namespace
+
+int32_t CudaRounds::prefill(const int32_t* prompt, int64_t P, int64_t chunk) {
+  DeviceGuard guard(model_.device_ordinal());
+  cudaStream_t st = static_cast<cudaStream_t>(model_.stream());
+  model_.reset();
+  chunk = std::min(chunk, max_chunk_);
+  float* logits = model_.logits_device();
+  for (int64_t c0 = 0; c0 < P; c0 += chunk) {
+    const int64_t T = std::min(chunk, P - c0);
+    // The previous chunk's copies have finished (forward_device is ordered on the stream, but
+    // the pinned staging is reused): wait for them before overwriting.
+    if (c0 > 0) check(cudaStreamSynchronize(st), "prefill");
+    int32_t* h_tok = h_small_;
+    int32_t* h_pos = h_small_ + max_chunk_;
+    std::memcpy(h_tok, prompt + c0, (size_t)T * sizeof(int32_t));
+    for (int64_t i = 0; i < T; ++i) h_pos[i] = (int32_t)(c0 + i);
+    check(cudaMemcpyAsync(d_prompt_, h_tok, (size_t)T * sizeof(int32_t), cudaMemcpyHostToDevice, st), "upload prompt");
+    check(cudaMemcpyAsync(d_positions_, h_pos, (size_t)T * sizeof(int32_t), cudaMemcpyHostToDevice, st), "upload positions");
+    model_.forward_device(d_prompt_, d_positions_, nullptr, 0, T, logits);
+    model_.set_committed(T);  // causal window kept whole: nothing to compact
+    if (c0 + T == P) {
+      check(choose(logits + (T - 1) * V_, 1, V_, d_positions_ + (T - 1), sampling_, d_tokens_, st), "choose_tokens");
+      check(cudaMemcpyAsync(h_result_, d_tokens_, sizeof(int32_t), cudaMemcpyDeviceToHost, st), "copy the first token");
+      check(cudaStreamSynchronize(st), "prefill");
+    }
+  }
+  return h_result_[0];
+}
+
+void CudaRounds::round(const RoundRequest& rq, RoundResult& out) {
+  DeviceGuard guard(model_.device_ordinal());
+  cudaStream_t st = static_cast<cudaStream_t>(model_.stream());
+  auto t0 = Clock::now();
+  const DraftOutput* draft = rq.draft;
+  const int64_t n = (draft && draft->d > 0) ? rq.nodes : 0, T = n + 1, L = rq.L;
+  KD_CHECK(n <= max_budget_, "GPU round: " + s(n) + " tree nodes above the budget limit " + s(max_budget_));
+
+  // root token (node 0) and the draft, from pinned staging
+  h_small_[0] = rq.root;
+  check(cudaMemcpyAsync(d_tokens_, h_small_, sizeof(int32_t), cudaMemcpyHostToDevice, st), "upload root");
+  cuda::TreeBuildParams tb{};
+  tb.budget = (int)n;
+  tb.cache_len = (int)L;
+  tb.tokens = d_tokens_ + 1;
+  tb.depths = d_depths_;
+  tb.parents = d_parents_;
+  tb.positions = d_positions_;
+  tb.visibility = d_vis_;
+  tb.n_nodes = d_n_;
+  if (n > 0 && draft->is_logits) {
+    const int64_t cnt = draft->d * draft->k;
+    std::memcpy(h_draft_vals_, draft->values.data(), (size_t)cnt * sizeof(float));
+    check(cudaMemcpyAsync(d_draft_vals_, h_draft_vals_, (size_t)cnt * sizeof(float), cudaMemcpyHostToDevice, st),
+          "upload draft logits");
+    cuda::TreeFromLogitsParams fp{};
+    fp.logits = d_draft_vals_;
+    fp.D = (int)draft->d;
+    fp.V = (int)V_;
+    fp.ld = (int)V_;
+    fp.top_k = (int)std::min<int64_t>(rq.top_k, V_);
+    fp.tree = tb;
+    fp.workspace = d_topk_ws_;
+    check(cuda::tree_build_from_logits(fp, st), "tree_build_from_logits");
+  } else if (n > 0) {
+    const int64_t cnt = draft->d * draft->k;
+    KD_CHECK(draft->k <= kMaxK, "GPU round: draft k " + s(draft->k) + " above " + s(kMaxK));
+    std::memcpy(h_draft_vals_, draft->values.data(), (size_t)cnt * sizeof(float));
+    std::memcpy(h_draft_ids_, draft->ids.data(), (size_t)cnt * sizeof(int32_t));
+    check(cudaMemcpyAsync(d_draft_vals_, h_draft_vals_, (size_t)cnt * sizeof(float), cudaMemcpyHostToDevice, st),
+          "upload draft log-probs");
+    check(cudaMemcpyAsync(d_draft_ids_, h_draft_ids_, (size_t)cnt * sizeof(int32_t), cudaMemcpyHostToDevice, st),
+          "upload draft ids");
+    tb.logprobs = d_draft_vals_;
+    tb.token_ids = d_draft_ids_;
+    tb.D = (int)draft->d;
+    tb.K = (int)draft->k;
+    tb.ld = (int)draft->k;
+    check(cuda::tree_build(tb, st), "tree_build");
+  } else {
+    tb.D = 0;  // the empty tree: root only (positions[0] = L, visibility row 0 = {0}, n = 0)
+    check(cuda::tree_build(tb, st), "tree_build");
+  }
+  out.tree_build = since(t0);
+
+  // verify + choose + accept/compact + gather, then the one copy back
+  t0 = Clock::now();
+  float* logits = model_.logits_device();
+  model_.forward_device(d_tokens_, d_positions_, d_vis_, cuda::tree_vis_words((int)n), T, logits);
+  check(choose(logits, T, V_, d_positions_, sampling_, d_choice_, st), "choose_tokens");
+  cuda::TreeAcceptParams ap{};
+  ap.tokens = d_tokens_ + 1;
+  ap.parents = d_parents_;
+  ap.choice = d_choice_;
+  ap.n_nodes = d_n_;
+  ap.n_max = (int)n;
+  ap.path = d_path_;
+  ap.count = d_count_;
+  ap.bonus = d_bonus_;
+  const CudaModel::CacheLayout cl = model_.cache_layout();
+  cuda::KvCompactParams kp{};
+  kp.cache = cl.base;
+  kp.num_layers = cl.num_layers;
+  kp.layer_stride = cl.layer_stride;
+  kp.row_stride = cl.row_stride;
+  kp.row_bytes = cl.row_bytes;
+  kp.cache_len = (int)L;
+  kp.path = d_path_;
+  kp.count = d_count_;
+  check(cuda::tree_accept_compact(ap, kp, st), "tree_accept_compact");
+  cuda::RoundFinishParams rp{};
+  rp.node_tokens = d_tokens_;
+  rp.path = d_path_;
+  rp.count = d_count_;
+  rp.n_nodes = d_n_;
+  rp.bonus = d_bonus_;
+  rp.result = d_result_;
+  rp.max_path = (int)n;
+  rp.next_root = nullptr;  // the host uploads the root with each round's draft
+  check(cuda::round_finish(rp, st), "round_finish");
+  const int64_t max_m = std::min<int64_t>(n, kMaxDepth) + 1;  // path length <= depth + 1
+  sync_result(3 + max_m);
+  out.verify = since(t0);
+
+  t0 = Clock::now();
+  const int64_t m = h_result_[0];
+  if (h_result_[1] != n || m < 1 || m > max_m)
+    throw RuntimeFailure("GPU round: internal error (tree of " + s(h_result_[1]) + " nodes for " + s(n) +
+                         " asked, path length " + s(m) + ")");
+  model_.set_committed(m);
+  out.tokens.assign(h_result_ + 3, h_result_ + 3 + (m - 1));
+  out.tokens.push_back(h_result_[2]);
+  out.tree_nodes = n;
+  out.accept_commit = since(t0);
+}
+
+}  // namespace kdtree
+#endif  // KDTREE_HAVE_CUBLAS

@@ -1,0 +1,71 @@
+// cuda_rounds.h: the DDTree round on the GPU (issue 6), a RoundExecutor (cpp/engine/engine.h)
+// over a CudaModel. The loop (drafter call, validation, emission, stop tokens, stats) is the
+// shared Generator; this class does what happens between a validated draft and the accepted
+// tokens, all queued on the model's stream with no host synchronisation until the end:
+//
+//   [upload: root token + draft (log-probs/ids [d,k] or logits [d,V]) from pinned memory]
+//   tree_build (or top-k + log-softmax + tree_build)   -> node tokens, parents, positions, bitmask
+//   model forward_device over root + n nodes            -> logits [1+n, V] (stay on the device)
+//   choose_tokens (argmax or the seeded sampler)        -> choice [1+n]
+//   tree_accept_compact (walk + KV compaction, 1 launch) -> path, m, bonus; cache packed
+//   round_finish                                        -> (m, n, bonus, path tokens) in one array
+//   one device-to-host copy of that array, one stream synchronisation.
+//
+// Prefill runs the causal forward on the device and copies back only the first token. The
+// drafter still runs on the host between rounds (a Python drafter sees numpy); see
+// docs/ENGINE.md for device-array drafts.
+//
+// Limits (checked by begin(), ValueError): depth <= 16, tree_budget <= min(1024, max_tokens-1),
+// top_k <= 1024 for logits drafts; the model's own limits for everything else.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "engine/engine.h"
+#include "model/cuda_model.h"
+
+namespace kdtree {
+
+class CudaRounds : public RoundExecutor {
+ public:
+  explicit CudaRounds(CudaModel& model);
+  ~CudaRounds() override;
+  CudaRounds(const CudaRounds&) = delete;
+  CudaRounds& operator=(const CudaRounds&) = delete;
+
+  int64_t vocab_size() const override { return model_.config().vocab_size; }
+  int64_t max_seq_len() const override { return model_.max_seq_len(); }
+  int64_t cache_len() const override { return model_.cache_len(); }
+  void begin(const GenerateParams& p) override;
+  int32_t prefill(const int32_t* prompt, int64_t P, int64_t chunk) override;
+  void reset() override { model_.reset(); }
+  void round(const RoundRequest& rq, RoundResult& out) override;
+  CudaModel& model() { return model_; }
+
+ private:
+  void check(int err, const char* what) const;  // cudaError_t -> RuntimeFailure
+  void sync_result(int64_t words);              // result -> h_result_, synchronised
+
+  CudaModel& model_;
+  SamplingParams sampling_;
+  int64_t V_ = 0, max_budget_ = 0, max_chunk_ = 0;
+  void* dev_mem_ = nullptr;
+  void* host_mem_ = nullptr;
+  // device
+  float* d_draft_vals_ = nullptr;   // [16, max(V, 1024)] log-probs [d,k] or logits [d,V]
+  int32_t* d_draft_ids_ = nullptr;  // [16, 1024]
+  void* d_topk_ws_ = nullptr;
+  int32_t* d_tokens_ = nullptr;     // [1 + Bm] node 0 = root, then the tree's node tokens
+  int32_t *d_depths_ = nullptr, *d_parents_ = nullptr, *d_positions_ = nullptr;  // [Bm], [Bm+1], [max(Bm+1, chunk)]
+  uint64_t* d_vis_ = nullptr;       // [Bm+1, W]
+  int32_t *d_n_ = nullptr, *d_choice_ = nullptr, *d_path_ = nullptr, *d_count_ = nullptr, *d_bonus_ = nullptr;
+  int32_t* d_result_ = nullptr;     // [3 + Bm + 1]
+  int32_t* d_prompt_ = nullptr;     // [chunk]
+  // pinned host
+  float* h_draft_vals_ = nullptr;
+  int32_t* h_draft_ids_ = nullptr;
+  int32_t* h_small_ = nullptr;      // root / prompt chunk + positions staging
+  int32_t* h_result_ = nullptr;
+};
+
+}  // namespace kdtree

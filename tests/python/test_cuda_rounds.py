@@ -1,0 +1,234 @@
+"""The DDTree round on the GPU (cuda/engine/cuda_rounds.h, Generator(rounds="device")).
+
+On a CUDA device (marker cuda; skipped without one), on random-weight models (the CPU model is
+the oracle, run on the same weights):
+* every drafter of the engine suite (oracle with noise, n-gram, a model drafter, all-wrong,
+  duplicate ids, -inf columns, short drafts, logits drafts) generates exactly the tokens of
+  greedy AR, with the same acceptance lengths and tree sizes as the host rounds on the same GPU
+  model and as the CPU model;
+* sampling (temperature, top-p, target top-k): the device sampler picks what the host sampler
+  picks, and DDTree == AR with the same seed;
+* budgets from 1 to the limit, the cache-capacity shrink of the last rounds, stop tokens,
+  max_new_tokens edges, limits and errors (ValueError, the engine stays usable).
+"""
+import numpy as np
+import pytest
+
+from kdtree_native import _native
+from kdtree_native.config import config_from_dict
+from kdtree_native.drafters import ModelDrafter, NgramDrafter, OracleDrafter
+from kdtree_native.generation import generate
+
+from hf_models import config_dict, random_weights
+from test_engine_loop import check_stats, drafter_zoo
+
+HAS_MODEL = hasattr(_native, "CudaModel")
+DEVICE_OK = HAS_MODEL and bool(_native.cuda_available()[0])
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not DEVICE_OK, reason="no CUDA device (or the GPU model is not built)")]
+
+MLA512 = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, num_attention_heads=4,
+              num_key_value_heads=4, hidden_size=64, q_lora_rank=48, vocab_size=300, max_position_embeddings=2048)
+
+_MODELS = {}
+
+
+def models(name, max_seq_len=320, seed=0):
+    """(cpu model, cuda model, draft cpu model, cfg) on the same random weights."""
+    key = (repr(name), max_seq_len, seed)
+    if key not in _MODELS:
+        cfg = config_from_dict(config_dict(name))
+        w = {k: v.astype(np.float32) for k, v in random_weights(cfg, seed).items()}
+
+        def load(m, ww):
+            for k, v in ww.items():
+                m.set_weight(k, np.ascontiguousarray(v, dtype=np.float32))
+            m.finalize()
+            return m
+
+        cpu = load(_native.CpuModel(cfg.to_native(), max_seq_len), w)
+        gpu = load(_native.CudaModel(cfg.to_native(), max_seq_len), w)
+        wd = {k: v.astype(np.float32) for k, v in random_weights(cfg, seed + 100).items()}
+        draft = load(_native.CpuModel(cfg.to_native(), max_seq_len), wd)
+        _MODELS[key] = (cpu, gpu, draft, cfg)
+    return _MODELS[key]
+
+
+def prompt_ids(vocab, n=12, seed=7):
+    return np.random.default_rng(seed).integers(0, vocab, n)
+
+
+CONFIGS = ["kimi_like", "ds3_base", MLA512]
+
+
+@pytest.mark.parametrize("name", CONFIGS, ids=["kimi_like", "ds3_base", "mla512"])
+def test_every_drafter_lossless_and_equal_to_host_rounds(name):
+    cpu, gpu, draft, cfg = models(name)
+    V = cfg.vocab_size
+    P = prompt_ids(V)
+    n = 40
+    ar_dev = generate(gpu, P, n, seed=0)
+    assert ar_dev.stats["rounds_on"] == "device"
+    ar_cpu = generate(cpu, P, n, seed=0)
+    np.testing.assert_array_equal(ar_dev.tokens, ar_cpu.tokens)
+    zoo = drafter_zoo(ar_dev.tokens, V, len(P), draft)
+    for dname, make in zoo.items():
+        for budget, depth in [(1, 1), (7, 4), (48, 15)]:
+            kw = dict(tree_budget=budget, depth=depth, seed=0)
+            dev = generate(gpu, P, n, drafter=make(), **kw)
+            host = generate(gpu, P, n, drafter=make(), rounds="host", **kw)
+            ref = generate(cpu, P, n, drafter=make(), **kw)
+            where = f"{dname} B={budget} D={depth}"
+            assert host.stats["rounds_on"] == "host"
+            np.testing.assert_array_equal(dev.tokens, ar_dev.tokens, err_msg=where)
+            np.testing.assert_array_equal(dev.acceptance_lengths, host.acceptance_lengths, err_msg=where)
+            np.testing.assert_array_equal(dev.acceptance_lengths, ref.acceptance_lengths, err_msg=where)
+            assert dev.stats["num_draft_tokens"] == ref.stats["num_draft_tokens"], where
+            check_stats(dev, depth)
+    # a perfect oracle accepts whole chains
+    r = generate(gpu, P, n, drafter=OracleDrafter(ar_dev.tokens, vocab_size=V), tree_budget=16, depth=15)
+    np.testing.assert_array_equal(r.tokens, ar_dev.tokens)
+    assert r.stats["mean_acceptance_length"] > 8
+
+
+@pytest.mark.parametrize("temperature,top_p,target_top_k", [(0.8, 1.0, 0), (1.3, 0.9, 0), (0.7, 1.0, 20),
+                                                             (1.0, 0.5, 5)])
+def test_sampling_device_equals_host_and_ar(temperature, top_p, target_top_k):
+    cpu, gpu, draft, cfg = models("kimi_like")
+    V = cfg.vocab_size
+    P = prompt_ids(V, seed=3)
+    kw = dict(temperature=temperature, top_p=top_p, target_top_k=target_top_k, seed=1234)
+    ar = generate(gpu, P, 48, **kw)
+    ar_host = generate(gpu, P, 48, rounds="host", **kw)
+    np.testing.assert_array_equal(ar.tokens, ar_host.tokens)
+    ar_cpu = generate(cpu, P, 48, **kw)
+    np.testing.assert_array_equal(ar.tokens, ar_cpu.tokens)
+    for d in [NgramDrafter(), OracleDrafter(ar.tokens, 0.3, seed=5, vocab_size=V), ModelDrafter(draft)]:
+        r = generate(gpu, P, 48, drafter=d, tree_budget=24, depth=6, **kw)
+        np.testing.assert_array_equal(r.tokens, ar.tokens)
+    other = generate(gpu, P, 48, temperature=temperature, top_p=top_p, target_top_k=target_top_k, seed=99)
+    assert not np.array_equal(other.tokens, ar.tokens)  # the seed matters
+
+
+def test_edges_stop_tokens_and_capacity():
+    cpu, gpu, draft, cfg = models("kimi_like", max_seq_len=64)
+    V = cfg.vocab_size
+    P = prompt_ids(V, 10, seed=11)
+    ar = generate(cpu, P, 54)
+    oracle = lambda: OracleDrafter(ar.tokens, 0.2, seed=3, vocab_size=V)
+    # fills the cache exactly: the last rounds shrink the tree to what still fits
+    r = generate(gpu, P, 54, drafter=oracle(), tree_budget=32, depth=15)
+    np.testing.assert_array_equal(r.tokens, ar.tokens)
+    for m in [0, 1, 2, 3]:
+        r = generate(gpu, P, m, drafter=oracle(), tree_budget=8, depth=4)
+        np.testing.assert_array_equal(r.tokens, ar.tokens[:m])
+    stop = int(ar.tokens[20])
+    first = int(np.flatnonzero(ar.tokens == stop)[0])
+    r = generate(gpu, P, 54, drafter=oracle(), tree_budget=32, depth=15, stop_token_ids=[stop])
+    assert r.stopped
+    np.testing.assert_array_equal(r.tokens, ar.tokens[:first + 1])
+    with pytest.raises(ValueError):
+        generate(gpu, P, 60, drafter=oracle())  # exceeds max_seq_len
+
+
+def test_limits_and_errors_leave_the_engine_usable():
+    cpu, gpu, draft, cfg = models("kimi_like")
+    V = cfg.vocab_size
+    P = prompt_ids(V, seed=5)
+    ar = generate(gpu, P, 20)
+    with pytest.raises(ValueError, match="depth"):
+        generate(gpu, P, 20, drafter=NgramDrafter(), depth=17)
+    with pytest.raises(ValueError, match="tree_budget"):
+        generate(gpu, P, 20, drafter=NgramDrafter(), tree_budget=2000)
+
+    class Boom(RuntimeError):
+        pass
+
+    def bad(ctx, depth, top_k):
+        raise Boom("drafter failed")
+
+    with pytest.raises(Boom):
+        generate(gpu, P, 20, drafter=bad)
+
+    def nan_draft(ctx, depth, top_k):
+        lp = np.full((depth, 2), -1.0, np.float32)
+        lp[0, 1] = np.nan
+        return lp, np.zeros((depth, 2), np.int32)
+
+    with pytest.raises(ValueError, match="NaN"):
+        generate(gpu, P, 20, drafter=nan_draft)
+
+    def bad_id(ctx, depth, top_k):
+        return np.zeros((1, 1), np.float32), np.array([[V]], np.int32)
+
+    with pytest.raises(ValueError, match="outside the vocab"):
+        generate(gpu, P, 20, drafter=bad_id)
+    again = generate(gpu, P, 20, drafter=NgramDrafter())
+    np.testing.assert_array_equal(again.tokens, ar.tokens)
+    with pytest.raises(ValueError, match="rounds"):
+        generate(gpu, P, 4, rounds="gpu")
+    with pytest.raises(ValueError, match="CudaModel"):
+        generate(cpu, P, 4, rounds="device")
+
+
+def test_long_prompt_prefill_chunks_and_logits_top_k():
+    cpu, gpu, draft, cfg = models("ds3_base", max_seq_len=320)
+    V = cfg.vocab_size
+    P = prompt_ids(V, 150, seed=2)
+    ar = generate(cpu, P, 30, prefill_chunk=64)
+    r = generate(gpu, P, 30, prefill_chunk=64)
+    np.testing.assert_array_equal(r.tokens, ar.tokens)
+    rng = np.random.default_rng(0)
+    logits = lambda ctx, depth, top_k: rng.standard_normal((depth, V)).astype(np.float32) * 4
+    r = generate(gpu, P, 30, drafter=logits, tree_budget=40, depth=6, top_k=5, prefill_chunk=50)
+    np.testing.assert_array_equal(r.tokens, ar.tokens)
+
+
+def test_graph_replays_equal_eager_across_context_buckets():
+    """forward_device replays CUDA graphs (L read on the device, grid sized for the context
+    bucket); across the 256 -> 512 bucket boundary the tokens equal an eager GPU model's and the
+    CPU model's, and the per-step logits agree within the parity tolerance."""
+    cfg = config_from_dict(config_dict(MLA512))
+    w = {k: v.astype(np.float32) for k, v in random_weights(cfg, 21).items()}
+
+    def load(m):
+        for k, v in w.items():
+            m.set_weight(k, np.ascontiguousarray(v, dtype=np.float32))
+        m.finalize()
+        return m
+
+    g = load(_native.CudaModel(cfg.to_native(), 600))
+    e = load(_native.CudaModel(cfg.to_native(), 600, graphs=False))
+    c = load(_native.CpuModel(cfg.to_native(), 600))
+    P = prompt_ids(cfg.vocab_size, 200, seed=8)
+    ref = generate(c, P, 120)
+    a = generate(g, P, 120)
+    b = generate(e, P, 120)
+    np.testing.assert_array_equal(a.tokens, ref.tokens)
+    np.testing.assert_array_equal(b.tokens, ref.tokens)
+    assert g.graph_captures >= 2 and g.graph_replays >= 100  # the 256 and 512 buckets
+    assert e.graph_captures == 0 and e.graph_replays == 0
+    d = generate(g, P, 120, drafter=NgramDrafter(), tree_budget=16, depth=6)
+    np.testing.assert_array_equal(d.tokens, ref.tokens)
+    # logits of graph replays vs the CPU model (host path) at a context in the 512 bucket
+    for m in (g, c):
+        m.reset()
+        m.forward(P, np.arange(len(P)), None)
+        m.commit(np.arange(len(P)))
+    import torch  # the device path needs device buffers; torch is on every GPU test machine
+
+    dev = torch.device("cuda")
+    logits = torch.empty((1, cfg.vocab_size), device=dev)
+    tok = torch.zeros(1, dtype=torch.int32, device=dev)
+    pos = torch.zeros(1, dtype=torch.int32, device=dev)
+    for step in range(70):
+        t = int(ref.tokens[step])
+        L = g.cache_len
+        tok.fill_(t)
+        pos.fill_(L)
+        g.forward_ptr(tok.data_ptr(), pos.data_ptr(), 0, 0, 1, logits.data_ptr(), True)
+        g.set_committed(1)
+        lc = c.forward([t], [L], None)
+        c.commit([0])
+        got = logits.cpu().numpy()
+        assert np.abs(got - lc).max() <= 1e-4 * np.abs(lc).max(), f"step {step}, L {L}"
