@@ -97,7 +97,7 @@ def test_sampling_device_equals_host_and_ar(temperature, top_p, target_top_k):
     cpu, gpu, draft, cfg = models("kimi_like")
     V = cfg.vocab_size
     P = prompt_ids(V, seed=3)
-    kw = dict(temperature=temperature, top_p=top_p, target_top_k=target_top_k, seed=1234)
+    kw = dict(temperature=temperature, top_p=top_p, target_top_k=target_top_k or None, seed=1234)
     ar = generate(gpu, P, 48, **kw)
     ar_host = generate(gpu, P, 48, rounds="host", **kw)
     np.testing.assert_array_equal(ar.tokens, ar_host.tokens)
@@ -106,7 +106,7 @@ def test_sampling_device_equals_host_and_ar(temperature, top_p, target_top_k):
     for d in [NgramDrafter(), OracleDrafter(ar.tokens, 0.3, seed=5, vocab_size=V), ModelDrafter(draft)]:
         r = generate(gpu, P, 48, drafter=d, tree_budget=24, depth=6, **kw)
         np.testing.assert_array_equal(r.tokens, ar.tokens)
-    other = generate(gpu, P, 48, temperature=temperature, top_p=top_p, target_top_k=target_top_k, seed=99)
+    other = generate(gpu, P, 48, **dict(kw, seed=99))
     assert not np.array_equal(other.tokens, ar.tokens)  # the seed matters
 
 
