@@ -28,6 +28,17 @@ std::string cuda_device_name() {
 }
 
 std::string cuda_copy_to_host(void* dst, const void* src, size_t bytes, int stream_kind, unsigned long long stream) {
+  if (bytes > 0) {  // refuse a pointer CUDA does not know as device memory (a bogus address would
+                    // otherwise be read as host memory by the copy and could crash the process)
+    cudaPointerAttributes attr;
+    cudaError_t pe = cudaPointerGetAttributes(&attr, src);
+    if (pe != cudaSuccess) {
+      cudaGetLastError();
+      return cudaGetErrorString(pe);
+    }
+    if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged)
+      return "the pointer is not CUDA device memory";
+  }
   cudaError_t e = cudaSuccess;
   if (stream_kind == 0) e = cudaDeviceSynchronize();
   else if (stream_kind == 1) {

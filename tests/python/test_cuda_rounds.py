@@ -232,3 +232,38 @@ def test_graph_replays_equal_eager_across_context_buckets():
         c.commit([0])
         got = logits.cpu().numpy()
         assert np.abs(got - lc).max() <= 1e-4 * np.abs(lc).max(), f"step {step}, L {L}"
+
+
+def test_engine_api_and_torch_device_drafts():
+    """kn.Engine(device="cuda") end to end with a ModelDrafter over another Engine, and a
+    drafter that returns torch CUDA tensors ([d,k] and [d,V] logits): same tokens as AR."""
+    torch = pytest.importorskip("torch")
+    import kdtree_native as kn
+
+    cfg = config_from_dict(config_dict("kimi_like"))
+    w = {k: v.astype(np.float32) for k, v in random_weights(cfg, 4).items()}
+    wd = {k: v.astype(np.float32) for k, v in random_weights(cfg, 9).items()}
+    eng = kn.Engine.from_weights(cfg, w, device="cuda", max_seq_len=160)
+    deng = kn.Engine.from_weights(cfg, wd, device="cuda", max_seq_len=160)
+    ref = kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=160)
+    P = prompt_ids(cfg.vocab_size, 16, seed=4)
+    ar = ref.generate(P, 40)
+    r = eng.generate(P, 40, drafter=ModelDrafter(deng), tree_budget=16, depth=5)
+    np.testing.assert_array_equal(r.tokens, ar.tokens)
+    assert r.stats["rounds_on"] == "device"
+    oracle = OracleDrafter(ar.tokens, 0.3, seed=2, vocab_size=cfg.vocab_size)
+
+    def torch_draft(ctx, depth, top_k):
+        out = oracle.draft(ctx, depth, top_k)
+        if out is None:
+            return None
+        lp, ids = out
+        return torch.as_tensor(lp, device="cuda"), torch.as_tensor(ids.astype(np.int64), device="cuda")
+
+    r = eng.generate(P, 40, drafter=torch_draft, tree_budget=16, depth=8, top_k=4)
+    np.testing.assert_array_equal(r.tokens, ar.tokens)
+    assert r.stats["mean_acceptance_length"] > 1.2
+    g = torch.Generator(device="cuda").manual_seed(0)
+    logits = lambda ctx, depth, top_k: torch.randn((depth, cfg.vocab_size), device="cuda", generator=g)
+    r = eng.generate(P, 40, drafter=logits, tree_budget=8, depth=4)
+    np.testing.assert_array_equal(r.tokens, ar.tokens)

@@ -428,3 +428,26 @@ def test_hf_perfect_oracle(hf_setup):
     tgt, _, prompt, ref = hf_setup
     res = generate(tgt, prompt, 1 + 3 * 5, drafter=OracleDrafter(ref, vocab_size=160), tree_budget=16, depth=4)
     assert np.array_equal(res.tokens, ref[:16]) and res.stats["mean_acceptance_length"] == 5.0
+
+
+class _FakeDeviceArray:
+    """Claims to be a device array (__cuda_array_interface__) at a bogus address."""
+
+    def __init__(self, shape, typestr):
+        self.__cuda_array_interface__ = dict(shape=shape, typestr=typestr, data=(4096, False), version=3,
+                                             strides=None, stream=None)
+
+
+def test_device_array_draft_with_bad_pointer_is_a_clear_error(toy_setup):
+    """A drafter returning a 'device array' that is not device memory: a clear exception (no
+    crash), and the generator works afterwards (CPU-only builds: ValueError; CUDA builds:
+    RuntimeError from the copy)."""
+    target, ref = toy_setup[0], toy_setup[3]
+
+    def fake(ctx, depth, top_k):
+        return _FakeDeviceArray((1, 1), "<f4"), _FakeDeviceArray((1, 1), "<i4")
+
+    with pytest.raises((RuntimeError, ValueError), match="device array"):
+        generate(target, PROMPT, 8, drafter=fake)
+    r = generate(target, PROMPT, 8, drafter=NgramDrafter())
+    np.testing.assert_array_equal(r.tokens, ref[:8])
