@@ -306,6 +306,31 @@ std::unique_ptr<PyGenerator> make_generator(py::object target, const std::string
 }  // namespace
 
 void bind_engine(py::module_& m) {
+  m.def(
+      "sampler_choose",
+      [](py::array_t<float, py::array::c_style | py::array::forcecast> logits,
+         py::array_t<int64_t, py::array::c_style | py::array::forcecast> positions, double temperature,
+         int64_t top_k, double top_p, uint64_t seed) {
+        if (logits.ndim() != 2) throw Error("sampler_choose: logits must be [T, V]");
+        const int64_t T = logits.shape(0), V = logits.shape(1);
+        if (positions.ndim() != 1 || positions.shape(0) != T) throw Error("sampler_choose: positions must be [T]");
+        if (V < 1) throw Error("sampler_choose: V must be >= 1");
+        SamplingParams sp;
+        sp.temperature = (float)temperature;
+        sp.top_k = top_k;
+        sp.top_p = (float)top_p;
+        sp.seed = seed;
+        Sampler smp(sp);
+        py::array_t<int32_t> out(T);
+        for (int64_t t = 0; t < T; ++t)
+          out.mutable_data()[t] = smp.choose(logits.data() + t * V, V, positions.data()[t] + 1);
+        return out;
+      },
+      py::arg("logits"), py::arg("positions"), py::arg("temperature") = 0.0, py::arg("top_k") = 0,
+      py::arg("top_p") = 1.0, py::arg("seed") = 0,
+      "The engine's host sampler (cpp/engine/sampler.h) on logits [T, V]: row t's choice with the uniform "
+      "of sequence index positions[t] + 1. For tests (the oracle of the GPU sampler).");
+
   py::class_<ToyTarget>(m, "ToyTarget",
                         "Deterministic test target (cpp/engine/toy_target.h): a real cache of (token, position) "
                         "whose logits depend on every visible entry.")

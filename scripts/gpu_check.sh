@@ -4,7 +4,8 @@
 #   2. the whole test suite through scripts/run_tests.sh (pytest, then ctest with the CUDA
 #      backend: KDTREE_CTEST_CUDA=ON), GPU tests included,
 #   3. compute-sanitizer memcheck, racecheck, synccheck and initcheck on the CUDA ctest binary
-#      (small sizes) and memcheck on a pytest subset,
+#      (small sizes), memcheck on a pytest subset and on an end-to-end GPU generate
+#      (scripts/gpu_generate_check.py: the device round with every drafter kind),
 #   4. the kernel benchmarks (benchmarks/bench_cuda_*.py), JSON results.
 # Logs and JSON land in $OUT (default ./gpu_check_out); a summary table is printed last and
 # the exit status is non-zero if any step failed.
@@ -12,7 +13,7 @@
 # Usage:  bash scripts/gpu_check.sh            # everything
 #         GPU_CHECK_STEPS="build cuda-tests bench" bash scripts/gpu_check.sh   # a subset
 # Steps (run in the order given): build, tests (whole suite + ctest), cuda-tests (only
-# tests/python/test_cuda_ops.py and the CUDA ctest binary), sanitizer, bench. Env: PYTHON (default python3),
+# every pytest case marked cuda and the CUDA ctest binary), sanitizer, bench. Env: PYTHON (default python3),
 # KDTREE_CUDA_ARCH (default 90), BENCH_ARGS (extra args for every benchmark, e.g. --quick).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -74,7 +75,7 @@ step_tests() {  # the whole suite: pytest (GPU tests included) + ctest with the 
 }
 
 step_cuda_tests() {  # only the CUDA tests (quick iteration)
-  run_step pytest-cuda "$OUT/tests.log" "$PY" -m pytest -q -ra tests/python/test_cuda_ops.py
+  run_step pytest-cuda "$OUT/tests.log" "$PY" -m pytest -q -ra tests/python -m cuda
   run_step ctest-cuda-build "$OUT/tests.log" build_ctest
   run_step ctest-cuda "$OUT/tests.log" "$CTEST_BIN"
 }
@@ -90,6 +91,7 @@ step_sanitizer() {
   unset KDTREE_CUDA_TEST_CASES KDTREE_CUDA_TEST_SMALL
   run_step memcheck-pytest "$OUT/sanitizer.log" $SAN --tool memcheck "$PY" -m pytest -q -x \
     tests/python/test_cuda_ops.py -k "corners or kv_compact or splits_and_naive"
+  run_step memcheck-generate "$OUT/sanitizer.log" $SAN --tool memcheck "$PY" scripts/gpu_generate_check.py
 }
 
 step_bench() {

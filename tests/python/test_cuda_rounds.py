@@ -267,3 +267,50 @@ def test_engine_api_and_torch_device_drafts():
     logits = lambda ctx, depth, top_k: torch.randn((depth, cfg.vocab_size), device="cuda", generator=g)
     r = eng.generate(P, 40, drafter=logits, tree_budget=8, depth=4)
     np.testing.assert_array_equal(r.tokens, ar.tokens)
+
+
+def _logit_rows(rng, kind, T, V):
+    if kind == "normal":
+        return rng.standard_normal((T, V)).astype(np.float32) * 3
+    if kind == "peaked":
+        x = rng.standard_normal((T, V)).astype(np.float32)
+        x[:, rng.integers(0, V, T)] += 12
+        return x
+    if kind == "ties":
+        return rng.integers(-3, 3, (T, V)).astype(np.float32)
+    if kind == "flat":
+        return np.zeros((T, V), np.float32) + rng.standard_normal((T, 1)).astype(np.float32)
+    if kind == "special":
+        x = rng.standard_normal((T, V)).astype(np.float32)
+        m = rng.random((T, V))
+        x[m < 0.05] = -np.inf
+        x[(m >= 0.05) & (m < 0.08)] = np.nan
+        x[0, :] = np.nan                      # all NaN
+        if T > 1:
+            x[1, :] = -np.inf                 # nothing finite
+        if T > 2:
+            x[2, V // 2] = np.inf             # +inf
+        if T > 3:
+            x[3, :] = 0.0
+            x[3, ::2] = -0.0                  # -0 vs +0
+        return x
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("V", [1, 7, 300, 32000, 163840])
+def test_choose_tokens_equals_the_host_sampler(V):
+    """The GPU round's per-node choice == the host Sampler (cpp/engine/sampler.h), greedy and
+    sampled (temperature, target top-k, top-p), on awkward rows: ties, NaN, +-inf, -0/+0, flat."""
+    rng = np.random.default_rng(V)
+    T = 24 if V < 100000 else 6
+    settings = [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 5, 1.0), (0.9, 40, 0.8), (2.0, 0, 0.3),
+                (0.5, 1, 1.0), (1.0, V + 3, 0.999)]
+    for kind in ["normal", "peaked", "ties", "flat", "special"]:
+        x = _logit_rows(rng, kind, T, V)
+        pos = rng.integers(0, 10000, T).astype(np.int32)
+        for temperature, top_k, top_p in settings:
+            for seed in (0, 77):
+                want = _native.sampler_choose(x, pos.astype(np.int64), temperature, top_k, top_p, seed)
+                got = _native.cuda_choose_tokens(x, pos, temperature, top_k, top_p, seed)
+                assert (got >= 0).all() and (got < V).all()
+                np.testing.assert_array_equal(got, want, err_msg=f"{kind} T={temperature} k={top_k} p={top_p}")

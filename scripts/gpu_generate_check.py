@@ -1,0 +1,37 @@
+"""End-to-end generate on the GPU (the device round), small enough for compute-sanitizer:
+two random-weight configs (one on the fast MLA-512 attention path), AR then DDTree with the
+n-gram, oracle, model and logits drafters (== AR), and sampling (DDTree == AR with one seed).
+Exit status non-zero on any mismatch. Run from the repository root:
+
+    compute-sanitizer --tool memcheck python3 scripts/gpu_generate_check.py
+"""
+import os
+import sys
+import numpy as np
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python"))
+from kdtree_native import _native
+from kdtree_native.config import config_from_dict
+from kdtree_native.drafters import ModelDrafter, NgramDrafter, OracleDrafter
+from kdtree_native.generation import generate
+from hf_models import config_dict, random_weights
+MLA512 = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, num_attention_heads=4,
+              num_key_value_heads=4, hidden_size=64, q_lora_rank=48, vocab_size=300, max_position_embeddings=2048)
+for name in ["kimi_like", MLA512]:
+    cfg = config_from_dict(config_dict(name))
+    w = {k: v.astype(np.float32) for k, v in random_weights(cfg, 0).items()}
+    def load(m, ww):
+        for k, v in ww.items(): m.set_weight(k, np.ascontiguousarray(v, dtype=np.float32))
+        m.finalize(); return m
+    g = load(_native.CudaModel(cfg.to_native(), 128), w)
+    d = load(_native.CpuModel(cfg.to_native(), 128), {k: v.astype(np.float32) for k, v in random_weights(cfg, 5).items()})
+    P = np.random.default_rng(1).integers(0, cfg.vocab_size, 12)
+    ar = generate(g, P, 24)
+    rng = np.random.default_rng(0)
+    logits = lambda c, dd, k: rng.standard_normal((dd, cfg.vocab_size)).astype(np.float32)
+    for dr in [NgramDrafter(), OracleDrafter(ar.tokens, 0.3, vocab_size=cfg.vocab_size), ModelDrafter(d), logits]:
+        r = generate(g, P, 24, drafter=dr, tree_budget=16, depth=6)
+        assert np.array_equal(r.tokens, ar.tokens), name
+    s1 = generate(g, P, 24, temperature=0.9, top_p=0.9, seed=3)
+    s2 = generate(g, P, 24, drafter=NgramDrafter(), temperature=0.9, top_p=0.9, seed=3)
+    assert np.array_equal(s1.tokens, s2.tokens)
+    print("ok", name, g.graph_captures, g.graph_replays)
