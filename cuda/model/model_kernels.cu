@@ -6,6 +6,7 @@
 #include "model/model_kernels.h"
 
 #include <cstdint>
+#include <type_traits>
 
 namespace kdtree {
 namespace cuda {
@@ -47,6 +48,49 @@ __device__ __forceinline__ float rms_inv(double ss, int D, double eps) {
   return (float)(1.0 / sqrt((double)var + eps));
 }
 
+// block_sum for a block that reduces once (no barrier needed before the shared writes).
+template <class V>
+__device__ __forceinline__ V block_sum_once(V v, V* red /* [32] shared */) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  V t = V(0);
+  for (int w = 0; w < nw; ++w) t += red[w];
+  return t;
+}
+
+// One block per row, threads_for(D) threads; thread i owns elements i + j * blockDim (j < NPT),
+// x and w both loaded into registers up front (the weight fetch overlaps the reduction; one pass
+// over x), sum of squares in double, one barrier. Same per-thread order and block reduction as
+// the generic kernel below, so the same results. NPT * blockDim >= D.
+template <int NPT>
+__global__ void __launch_bounds__(256) rmsnorm_reg_kernel(RmsNormParams p) {
+  __shared__ double red[32];
+  const int t = blockIdx.x, D = p.D, bd = blockDim.x, tid = threadIdx.x;
+  const float* x = p.x + (size_t)t * p.ldx;
+  float* y = p.y + (size_t)t * p.ldy;
+  float xv[NPT], wv[NPT];
+#pragma unroll
+  for (int j = 0; j < NPT; ++j) {
+    const int i = tid + j * bd;
+    xv[j] = i < D ? x[i] : 0.f;
+    wv[j] = i < D ? __ldg(p.w + i) : 0.f;
+  }
+  double ss = 0.0;
+#pragma unroll
+  for (int j = 0; j < NPT; ++j)
+    if (tid + j * bd < D) ss += (double)xv[j] * (double)xv[j];
+  ss = block_sum_once(ss, red);
+  const float inv = rms_inv(ss, D, p.eps);
+#pragma unroll
+  for (int j = 0; j < NPT; ++j) {
+    const int i = tid + j * bd;
+    if (i < D) y[i] = __fmul_rn(wv[j], __fmul_rn(xv[j], inv));
+  }
+}
+
+// Generic (rows longer than 32 * 256): two passes over x.
 __global__ void rmsnorm_kernel(RmsNormParams p) {
   __shared__ double red[32];
   const int t = blockIdx.x;
@@ -60,40 +104,70 @@ __global__ void rmsnorm_kernel(RmsNormParams p) {
 }
 
 // ---------------------------------------------------------------- MLA preparation
-// RoPE of one head (ops.cpp rope_row): pair j = (x[2j], x[2j+1]) interleaved or (x[j], x[j+half]).
-__device__ __forceinline__ void rope_pair(const float* x, const float* cs, int half, int j, int interleaved,
-                                          float* y) {
+// RoPE of one pair (ops.cpp rope_row): (a, b) = (x[2j], x[2j+1]) interleaved or (x[j], x[j+half]).
+__device__ __forceinline__ void rope_load(const float* x, int half, int j, int interleaved, float& a, float& b) {
+  a = interleaved ? x[2 * j] : x[j];
+  b = interleaved ? x[2 * j + 1] : x[j + half];
+}
+__device__ __forceinline__ void rope_store(float a, float b, const float* cs, int half, int j, float* y) {
   const float c = cs[j], s = cs[half + j];
-  const float a = interleaved ? x[2 * j] : x[j];
-  const float b = interleaved ? x[2 * j + 1] : x[j + half];
   y[j] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
   y[j + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
 }
 
-__global__ void mla_prep_kernel(MlaPrepParams p) {
+// One block per token, threads_for(C) threads. Latent element i and rope pair u (u < half: the
+// key's pair u; else head h = u / half - 1, pair u % half) belong to thread i % blockDim, u %
+// blockDim. Every global input is loaded up front (the first kPrepRegs of each kind per thread
+// into registers; longer rows re-read the rest), so the loads overlap each other and the cos/sin
+// computation; the barrier of the latent's sum of squares also publishes cos/sin. Same
+// arithmetic and reduction order as before.
+constexpr int kPrepRegs = 4;
+
+__global__ void __launch_bounds__(256) mla_prep_kernel(MlaPrepParams p) {
   extern __shared__ float cs[];  // [R]: cos | sin
   __shared__ double red[32];
-  const int t = blockIdx.x, half = p.R / 2;
+  const int t = blockIdx.x, half = p.R / 2, C = p.C, H = p.H, Dn = p.Dn, Dqk = p.Dn + p.R;
+  const int tid = threadIdx.x, bd = blockDim.x, P = (H + 1) * half;
+  const float* kv = p.kv + (size_t)t * p.ldkv;
+  const float* q = p.q + (size_t)t * p.ldq;
+  const int interleaved = p.interleaved;
   const float pos = (float)p.positions[t];
-  for (int j = threadIdx.x; j < half; j += blockDim.x) {  // ops.cpp rope_cos_sin
+  const long long row0 = p.row0_dev ? (long long)*p.row0_dev + p.row0 : p.row0;
+  auto pair_src = [&](int u) { return u < half ? kv + C : q + (size_t)(u / half - 1) * Dqk + Dn; };
+  float lv[kPrepRegs], lw[kPrepRegs], ra[kPrepRegs], rb[kPrepRegs];
+#pragma unroll
+  for (int m = 0; m < kPrepRegs; ++m) {
+    const int i = tid + m * bd, u = i;
+    lv[m] = i < C ? kv[i] : 0.f;
+    lw[m] = i < C ? __ldg(p.kv_norm_w + i) : 0.f;
+    ra[m] = rb[m] = 0.f;
+    if (u < P) rope_load(pair_src(u), half, u % half, interleaved, ra[m], rb[m]);
+  }
+  for (int j = tid; j < half; j += bd) {  // ops.cpp rope_cos_sin
     const float ang = __fmul_rn(pos, p.inv_freq[j]);
     cs[j] = __fmul_rn((float)cos((double)ang), p.attention_factor);
     cs[half + j] = __fmul_rn((float)sin((double)ang), p.attention_factor);
   }
-  const float* kv = p.kv + (size_t)t * p.ldkv;
-  const long long row0 = p.row0_dev ? (long long)*p.row0_dev + p.row0 : p.row0;
-  float* row = p.cache + (size_t)(row0 + t) * p.ldc;
   double ss = 0.0;
-  for (int i = threadIdx.x; i < p.C; i += blockDim.x) ss += (double)kv[i] * (double)kv[i];
-  ss = block_sum(ss, red);  // also orders the cs writes before the reads below
-  const float inv = rms_inv(ss, p.C, p.eps);
-  for (int i = threadIdx.x; i < p.C; i += blockDim.x) row[i] = __fmul_rn(p.kv_norm_w[i], __fmul_rn(kv[i], inv));
-  for (int j = threadIdx.x; j < half; j += blockDim.x) rope_pair(kv + p.C, cs, half, j, p.interleaved, row + p.C);
-  const int Dqk = p.Dn + p.R;
-  for (int i = threadIdx.x; i < p.H * half; i += blockDim.x) {
-    const int h = i / half, j = i - h * half;
-    rope_pair(p.q + (size_t)t * p.ldq + h * Dqk + p.Dn, cs, half, j, p.interleaved,
-              p.q_rope + ((size_t)t * p.H + h) * p.R);
+#pragma unroll
+  for (int m = 0; m < kPrepRegs; ++m)
+    if (tid + m * bd < C) ss += (double)lv[m] * (double)lv[m];
+  for (int i = tid + kPrepRegs * bd; i < C; i += bd) ss += (double)kv[i] * (double)kv[i];
+  ss = block_sum_once(ss, red);  // also orders the cs writes before the reads below
+  const float inv = rms_inv(ss, C, p.eps);
+  float* row = p.cache + (size_t)(row0 + t) * p.ldc;
+  float* qr = p.q_rope + (size_t)t * H * p.R;
+#pragma unroll
+  for (int m = 0; m < kPrepRegs; ++m) {
+    const int i = tid + m * bd, u = i;
+    if (i < C) row[i] = __fmul_rn(lw[m], __fmul_rn(lv[m], inv));
+    if (u < P) rope_store(ra[m], rb[m], cs, half, u % half, u < half ? row + C : qr + (size_t)(u / half - 1) * p.R);
+  }
+  for (int i = tid + kPrepRegs * bd; i < C; i += bd) row[i] = __fmul_rn(p.kv_norm_w[i], __fmul_rn(kv[i], inv));
+  for (int u = tid + kPrepRegs * bd; u < P; u += bd) {
+    float a, b;
+    rope_load(pair_src(u), half, u % half, interleaved, a, b);
+    rope_store(a, b, cs, half, u % half, u < half ? row + C : qr + (size_t)(u / half - 1) * p.R);
   }
 }
 
@@ -271,88 +345,131 @@ __global__ void moe_place_kernel(MoeGroupParams p) {
 }
 
 // ---------------------------------------------------------------- grouped expert GEMM, skinny
-// Block: one tile (<= MS slots of one expert) x kSkinnyCols output columns; warp w owns columns
-// n0 + w*CPW .. +CPW-1 and streams their weight rows (float4 per lane) once, against the
-// tile's rows of x staged in shared memory kSkinnyKC columns at a time.
-constexpr int kSkinnyWarps = 8, kSkinnyCPW = 4, kSkinnyCols = kSkinnyWarps * kSkinnyCPW, kSkinnyKC = 1024;
+// GEMV-style, for tiles of <= MS slots (decode: one slot per tile). Memory-bound: the point is to
+// have many of the tile's weight bytes in flight, each streamed once per tile.
+// Launch: grid (max_tiles, ceil(N / (kSkinnyWarps * CPW))), kSkinnyWarps * 32 = 128 threads;
+// blocks past *num_tiles return at once. Warp w owns the output columns nb .. nb + CPW - 1, nb =
+// (blockIdx.y * kSkinnyWarps + w) * CPW: kSkinnyRW = 4 weight rows (CPW = 4 plain; CPW = 2 with
+// SwiGLU, gate row n and up row N + n of each column). Lane l covers the float4 columns l + 32 i
+// (VEC) or the floats l + 32 i (scalar) of each row; U k-steps per iteration, their 4 * U loads
+// all issued before the FMAs (U = 4: 16 independent 16-byte loads per lane), the first
+// iteration's before the wait on the tile's row count. The tile's x rows are read through L1
+// (__ldg; the block's warps read the same rows): no shared staging, no barrier. Per output, a
+// lane sums its k-steps in ascending order, then a butterfly over the warp: the summation order
+// of the previous (shared-staged) kernel, so the same results.
+constexpr int kSkinnyWarps = 4, kSkinnyRW = 4;
 
-template <int MS, bool VEC>
-__global__ void __launch_bounds__(kSkinnyWarps * 32) expert_gemv_kernel(ExpertGemmParams p) {
-  __shared__ __align__(16) float xs[MS * kSkinnyKC];
+template <class WT>
+__device__ __forceinline__ WT ldg_w(const float* p);
+template <>
+__device__ __forceinline__ float ldg_w<float>(const float* p) { return __ldg(p); }
+template <>
+__device__ __forceinline__ float4 ldg_w<float4>(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
+__device__ __forceinline__ void wzero(float& v) { v = 0.f; }
+__device__ __forceinline__ void wzero(float4& v) { v = make_float4(0.f, 0.f, 0.f, 0.f); }
+__device__ __forceinline__ float wdot(float w, float x, float acc) { return acc + w * x; }
+__device__ __forceinline__ float wdot(const float4& g4, const float4& x4, float acc) {
+  return acc + (g4.x * x4.x + g4.y * x4.y + g4.z * x4.z + g4.w * x4.w);
+}
+
+template <int MS, int U, bool SWI, bool VEC>
+__global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(ExpertGemmParams p) {
+  using WT = typename std::conditional<VEC, float4, float>::type;
+  constexpr int CPW = SWI ? kSkinnyRW / 2 : kSkinnyRW;  // output columns per warp
+  constexpr int RW = kSkinnyRW;                         // weight rows per warp
+  constexpr int VW = VEC ? 4 : 1;                       // floats per lane and k-step
   const int tile = blockIdx.x;
-  if (tile >= *p.num_tiles) return;
-  const int e = p.tile_expert[tile], r0 = p.tile_row0[tile];
-  const int end = p.offsets[e + 1];
-  const int rows = min(MS, end - r0);
+  // The schedule loads are independent (tile_expert / tile_row0 hold max_tiles entries; those
+  // past *num_tiles are not used), so they go out together.
+  const int nt = __ldg(p.num_tiles), e = __ldg(p.tile_expert + tile), r0 = __ldg(p.tile_row0 + tile);
+  if (tile >= nt || e < 0 || r0 < 0) return;  // (e, r0 >= 0 always: keeps their loads above the exit)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int Kd = p.Kd, N = p.N;
-  const size_t wsize = (size_t)(p.swiglu ? 2 : 1) * N * Kd;
-  const float* W = p.w + (size_t)e * wsize;
-  const int nbase = blockIdx.y * kSkinnyCols + warp * kSkinnyCPW;
-  float acc[kSkinnyCPW][MS], acc2[kSkinnyCPW][MS];
+  const int nb = (blockIdx.y * kSkinnyWarps + warp) * CPW;
+  if (nb >= N) return;  // no block barrier below
+  const int ncol = min(CPW, N - nb);
+  const float* W = p.w + (size_t)e * (SWI ? 2 : 1) * N * Kd;
+  const float* wrow[RW];  // gate rows nb.., then (SwiGLU) up rows N + nb..; rows >= N clamped, unused
 #pragma unroll
-  for (int c = 0; c < kSkinnyCPW; ++c)
+  for (int i = 0; i < RW; ++i) {
+    const int c = min(SWI ? i % CPW : i, ncol - 1);
+    wrow[i] = W + (size_t)((SWI && i >= CPW ? N : 0) + nb + c) * Kd;
+  }
+  const int nsteps = (Kd + 32 * VW - 1) / (32 * VW);
+  WT wv[U][RW];
+  auto load_w = [&](int s0) {
 #pragma unroll
-    for (int r = 0; r < MS; ++r) acc[c][r] = acc2[c][r] = 0.f;
-
-  for (int k0 = 0; k0 < Kd; k0 += kSkinnyKC) {
-    const int kc = min(kSkinnyKC, Kd - k0);
-    __syncthreads();
-    for (int i = threadIdx.x; i < rows * kc; i += blockDim.x) {
-      const int r = i / kc, k = i - r * kc;
-      const int src = p.x_row ? p.x_row[r0 + r] : r0 + r;
-      xs[r * kc + k] = p.x[(size_t)src * p.ldx + k0 + k];
+    for (int u = 0; u < U; ++u) {
+      const int k = ((s0 + u) * 32 + lane) * VW;
+#pragma unroll
+      for (int i = 0; i < RW; ++i) {
+        const int c = SWI ? i % CPW : i;
+        if (k < Kd && c < ncol) wv[u][i] = ldg_w<WT>(wrow[i] + k);
+        else wzero(wv[u][i]);
+      }
     }
-    __syncthreads();
+  };
+  load_w(0);  // in flight while the tile's rows are looked up
+
+  // x row of each slot. Slot r0 always belongs to the tile: its row is looked up at once; the
+  // others (rows > 1) after the wait on offsets, in the first iteration, so that the weight
+  // loads above are issued first (clamped to the tile's last slot; unused past rows).
+  int src[MS];
+  src[0] = p.x_row ? __ldg(p.x_row + r0) : r0;
 #pragma unroll
-    for (int c = 0; c < kSkinnyCPW; ++c) {
-      const int n = nbase + c;
-      if (n >= N) break;
-      const float* wg = W + (size_t)n * Kd + k0;
-      const float* wu = W + (size_t)(N + n) * Kd + k0;
-      if (VEC) {
-        for (int k = lane * 4; k < kc; k += 128) {
-          const float4 g4 = __ldg(reinterpret_cast<const float4*>(wg + k));
-          float4 u4 = make_float4(0.f, 0.f, 0.f, 0.f);
-          if (p.swiglu) u4 = __ldg(reinterpret_cast<const float4*>(wu + k));
+  for (int r = 1; r < MS; ++r) src[r] = src[0];
+  const int rows = min(MS, __ldg(p.offsets + e + 1) - r0);
+  float acc[RW][MS];
 #pragma unroll
-          for (int r = 0; r < MS; ++r) {
-            if (r < rows) {
-              const float4 x4 = *reinterpret_cast<const float4*>(xs + r * kc + k);
-              acc[c][r] += g4.x * x4.x + g4.y * x4.y + g4.z * x4.z + g4.w * x4.w;
-              if (p.swiglu) acc2[c][r] += u4.x * x4.x + u4.y * x4.y + u4.z * x4.z + u4.w * x4.w;
-            }
-          }
+  for (int i = 0; i < RW; ++i)
+#pragma unroll
+    for (int r = 0; r < MS; ++r) acc[i][r] = 0.f;
+
+  for (int s0 = 0;;) {
+    if (s0 == 0 && rows > 1) {
+#pragma unroll
+      for (int r = 1; r < MS; ++r) {
+        const int s = r0 + min(r, rows - 1);
+        src[r] = p.x_row ? __ldg(p.x_row + s) : s;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < MS; ++r) {
+      if (r < rows) {  // slot by slot; the slot's U x loads issued together
+        const float* xr = p.x + (size_t)src[r] * p.ldx;
+        WT xv[U];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int k = ((s0 + u) * 32 + lane) * VW;
+          if (k < Kd) xv[u] = ldg_w<WT>(xr + k);
+          else wzero(xv[u]);
         }
-      } else {
-        for (int k = lane; k < kc; k += 32) {
-          const float g = __ldg(wg + k);
-          const float u = p.swiglu ? __ldg(wu + k) : 0.f;
 #pragma unroll
-          for (int r = 0; r < MS; ++r) {
-            if (r < rows) {
-              const float xv = xs[r * kc + k];
-              acc[c][r] += g * xv;
-              if (p.swiglu) acc2[c][r] += u * xv;
-            }
+        for (int u = 0; u < U; ++u) {
+          if (((s0 + u) * 32 + lane) * VW < Kd) {
+#pragma unroll
+            for (int i = 0; i < RW; ++i) acc[i][r] = wdot(wv[u][i], xv[u], acc[i][r]);
           }
         }
       }
     }
+    s0 += U;
+    if (s0 >= nsteps) break;
+    load_w(s0);
   }
 #pragma unroll
-  for (int c = 0; c < kSkinnyCPW; ++c) {
-    const int n = nbase + c;
-    if (n >= N) break;
+  for (int c = 0; c < CPW; ++c) {
+    if (c >= ncol) break;
+    const int n = nb + c;
 #pragma unroll
     for (int r = 0; r < MS; ++r) {
       if (r < rows) {
-        float a = acc[c][r], u = acc2[c][r];
+        float a = acc[c][r], u = SWI ? acc[CPW + c][r] : 0.f;
         for (int o = 16; o > 0; o >>= 1) {
           a += __shfl_xor_sync(kFull, a, o);
-          if (p.swiglu) u += __shfl_xor_sync(kFull, u, o);
+          if (SWI) u += __shfl_xor_sync(kFull, u, o);
         }
-        if (lane == 0) p.y[(size_t)(r0 + r) * p.ldy + n] = p.swiglu ? silu_mul(a, u) : a;
+        if (lane == 0) p.y[(size_t)(r0 + r) * p.ldy + n] = SWI ? silu_mul(a, u) : a;
       }
     }
   }
@@ -430,30 +547,81 @@ __global__ void __launch_bounds__(TThreads) expert_tiled_kernel(ExpertGemmParams
 }
 
 // ---------------------------------------------------------------- MoE combine
-__global__ void moe_combine_kernel(MoeCombineParams p) {
-  __shared__ int ord[64];  // the token's K picks sorted by expert index (K <= 64)
-  const int t = blockIdx.x, K = p.K;
-  const int32_t* idx = p.topk_idx + (size_t)t * K;
-  if (threadIdx.x == 0) {
-    for (int k = 0; k < K; ++k) ord[k] = k;
-    for (int a = 1; a < K; ++a)
-      for (int j = a; j > 0 && idx[ord[j]] < idx[ord[j - 1]]; --j) {
-        const int tmp = ord[j];
-        ord[j] = ord[j - 1];
-        ord[j - 1] = tmp;
-      }
+// Grid (T, chunks of the row), kCombineThreads threads (at least K); each thread owns one float4
+// (VEC) or one float of out[t]. Threads k < K rank the token's picks by (expert, k) in parallel
+// (the order of a stable sort by expert index) and stage their slots and weights in shared
+// memory in that order; the thread's out / shared values are loaded before that barrier and its
+// K expert rows after it (unrolled: all in flight together). Per element the same operations in
+// the same order as the CPU's (cpu_model.cpp) and the previous kernel's.
+constexpr int kCombineThreads = 128;
+
+template <bool VEC>
+__global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(MoeCombineParams p) {
+  using VT = typename std::conditional<VEC, float4, float>::type;
+  constexpr int VW = VEC ? 4 : 1;
+  __shared__ int sidx[64], sslot[64];
+  __shared__ float sw[64];
+  const int t = blockIdx.x, K = p.K, Dm = p.Dm, tid = threadIdx.x;
+  int my_idx = 0, my_slot = 0;
+  float my_w = 0.f;
+  if (tid < K) {
+    const int a = t * K + tid;
+    my_idx = p.topk_idx[a];
+    my_slot = p.slot_of[a];
+    my_w = p.topk_w[a];
+    sidx[tid] = my_idx;
+  }
+  const int i = (blockIdx.y * blockDim.x + tid) * VW;
+  const bool active = i < Dm;
+  const size_t o = (size_t)t * Dm + i;
+  VT prev, sh;
+  wzero(prev);
+  wzero(sh);
+  if (active && p.accumulate) prev = *reinterpret_cast<const VT*>(p.out + o);
+  if (active && p.shared) sh = ldg_w<VT>(p.shared + o);
+  __syncthreads();
+  if (tid < K) {
+    int rank = 0;
+    for (int j = 0; j < K; ++j) {
+      const int v = sidx[j];
+      rank += (v < my_idx || (v == my_idx && j < tid)) ? 1 : 0;
+    }
+    sslot[rank] = my_slot;
+    sw[rank] = my_w;
   }
   __syncthreads();
-  float* out = p.out + (size_t)t * p.Dm;
-  for (int i = threadIdx.x; i < p.Dm; i += blockDim.x) {
-    float acc = 0.f;
-    for (int j = 0; j < K; ++j) {
-      const int a = t * K + ord[j];
-      acc = __fadd_rn(acc, __fmul_rn(p.y[(size_t)p.slot_of[a] * p.Dm + i], p.topk_w[a]));
+  if (!active) return;
+  float acc[VW];
+#pragma unroll
+  for (int c = 0; c < VW; ++c) acc[c] = 0.f;
+  for (int j0 = 0; j0 < K; j0 += 8) {  // 8 expert rows in flight
+    VT v[8];
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      if (j0 + jj < K) v[jj] = ldg_w<VT>(p.y + (size_t)sslot[j0 + jj] * Dm + i);
+      else wzero(v[jj]);
     }
-    if (p.shared) acc = __fadd_rn(acc, p.shared[(size_t)t * p.Dm + i]);
-    out[i] = p.accumulate ? __fadd_rn(out[i], acc) : acc;
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      if (j0 + jj < K) {
+        const float w = sw[j0 + jj];
+        const float* vv = reinterpret_cast<const float*>(&v[jj]);
+#pragma unroll
+        for (int c = 0; c < VW; ++c) acc[c] = __fadd_rn(acc[c], __fmul_rn(vv[c], w));
+      }
+    }
   }
+  const float* shv = reinterpret_cast<const float*>(&sh);
+  const float* pv = reinterpret_cast<const float*>(&prev);
+  VT res;
+  float* rv = reinterpret_cast<float*>(&res);
+#pragma unroll
+  for (int c = 0; c < VW; ++c) {
+    float a = acc[c];
+    if (p.shared) a = __fadd_rn(a, shv[c]);
+    rv[c] = p.accumulate ? __fadd_rn(pv[c], a) : a;
+  }
+  *reinterpret_cast<VT*>(p.out + o) = res;
 }
 
 // ---------------------------------------------------------------- cache compaction
@@ -1336,6 +1504,14 @@ __global__ void __launch_bounds__(kSampThreads) choose_sample_kernel(ChooseParam
   if (tid == 0) p.choice[row] = key_id(pick);
 }
 
+template <bool SWI, bool VEC>
+void launch_gemv(int U, dim3 grid, const ExpertGemmParams& p, cudaStream_t stream) {
+  constexpr int MS = kExpertSkinnyRows, TH = kSkinnyWarps * 32;
+  if (U == 4) expert_gemv_kernel<MS, 4, SWI, VEC><<<grid, TH, 0, stream>>>(p);
+  else if (U == 2) expert_gemv_kernel<MS, 2, SWI, VEC><<<grid, TH, 0, stream>>>(p);
+  else expert_gemv_kernel<MS, 1, SWI, VEC><<<grid, TH, 0, stream>>>(p);
+}
+
 int threads_for(int n) {
   int t = 32;
   while (t < n && t < 256) t *= 2;
@@ -1355,7 +1531,14 @@ cudaError_t embed(const EmbedParams& p, cudaStream_t stream) {
 cudaError_t rmsnorm(const RmsNormParams& p, cudaStream_t stream) {
   if (!p.x || !p.w || !p.y || p.T < 0 || p.D <= 0 || p.ldx < p.D || p.ldy < p.D) return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
-  rmsnorm_kernel<<<p.T, threads_for(p.D), 0, stream>>>(p);
+  const int th = threads_for(p.D), npt = (p.D + th - 1) / th;  // th = 256 when npt > 1
+  if (npt == 1) rmsnorm_reg_kernel<1><<<p.T, th, 0, stream>>>(p);
+  else if (npt == 2) rmsnorm_reg_kernel<2><<<p.T, th, 0, stream>>>(p);
+  else if (npt <= 4) rmsnorm_reg_kernel<4><<<p.T, th, 0, stream>>>(p);
+  else if (npt <= 8) rmsnorm_reg_kernel<8><<<p.T, th, 0, stream>>>(p);
+  else if (npt <= 16) rmsnorm_reg_kernel<16><<<p.T, th, 0, stream>>>(p);
+  else if (npt <= 32) rmsnorm_reg_kernel<32><<<p.T, th, 0, stream>>>(p);
+  else rmsnorm_kernel<<<p.T, th, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -1409,9 +1592,18 @@ cudaError_t expert_gemm(const ExpertGemmParams& p, cudaStream_t stream) {
   if (p.max_tiles == 0) return cudaSuccess;
   const bool vec = p.Kd % 4 == 0 && p.ldx % 4 == 0 && ((uintptr_t)p.x % 16) == 0 && ((uintptr_t)p.w % 16) == 0;
   if (p.tile_rows == kExpertSkinnyRows) {
-    dim3 grid(p.max_tiles, (p.N + kSkinnyCols - 1) / kSkinnyCols);
-    if (vec) expert_gemv_kernel<kExpertSkinnyRows, true><<<grid, kSkinnyWarps * 32, 0, stream>>>(p);
-    else expert_gemv_kernel<kExpertSkinnyRows, false><<<grid, kSkinnyWarps * 32, 0, stream>>>(p);
+    const int cols = kSkinnyWarps * (p.swiglu ? kSkinnyRW / 2 : kSkinnyRW);  // output columns per block
+    dim3 grid(p.max_tiles, (p.N + cols - 1) / cols);
+    if (grid.y > 65535u) return cudaErrorInvalidValue;
+    const int steps = (p.Kd + (vec ? 127 : 31)) / (vec ? 128 : 32);  // k-steps of a warp over one row
+    const int U = steps >= 4 ? 4 : steps >= 2 ? 2 : 1;
+    if (p.swiglu) {
+      if (vec) launch_gemv<true, true>(U, grid, p, stream);
+      else launch_gemv<true, false>(U, grid, p, stream);
+    } else {
+      if (vec) launch_gemv<false, true>(U, grid, p, stream);
+      else launch_gemv<false, false>(U, grid, p, stream);
+    }
     return cudaGetLastError();
   }
   if (p.tile_rows == kExpertTileRows && !p.swiglu) {
@@ -1427,7 +1619,15 @@ cudaError_t moe_combine(const MoeCombineParams& p, cudaStream_t stream) {
   if (!p.y || !p.topk_idx || !p.topk_w || !p.slot_of || !p.out || p.T < 0 || p.K < 1 || p.K > 64 || p.Dm <= 0)
     return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
-  moe_combine_kernel<<<p.T, threads_for(p.Dm), 0, stream>>>(p);
+  const bool vec = p.Dm % 4 == 0 && ((uintptr_t)p.y % 16) == 0 && ((uintptr_t)p.out % 16) == 0 &&
+                   ((uintptr_t)p.shared % 16) == 0;
+  const int n = vec ? p.Dm / 4 : p.Dm;  // float4s / floats per row, one per thread
+  int th = threads_for(n) < kCombineThreads ? threads_for(n) : kCombineThreads;
+  if (th < p.K) th = (p.K + 31) / 32 * 32;  // the threads k < K rank the picks (K <= 64)
+  dim3 grid(p.T, (n + th - 1) / th);
+  if (grid.y > 65535u) return cudaErrorInvalidValue;
+  if (vec) moe_combine_kernel<true><<<grid, th, 0, stream>>>(p);
+  else moe_combine_kernel<false><<<grid, th, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
