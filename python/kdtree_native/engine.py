@@ -41,7 +41,8 @@ def _resolve_device(device: str) -> str:
     if device == "cuda":
         if not hasattr(_native, "CudaModel"):
             raise NotImplementedError(
-                "device='cuda': the CUDA target model is not implemented yet; use device='cpu' (or 'auto')")
+                "device='cuda': this build has no CUDA target model (built without nvcc or without the cuBLAS "
+                "headers: see `kdtree-native info`); reinstall with KDTREE_CUDA=ON, or use device='cpu' (or 'auto')")
         ok, why = _native.cuda_available()
         if not ok:
             raise RuntimeError(f"device='cuda' requested but no CUDA device can be used: {why}")

@@ -1,0 +1,67 @@
+"""Per-kernel GPU time of one mini-kimi step (AR decode, and verify of a 1+B tree), with
+torch.profiler (CUPTI): the wall time per step, the sum of kernel times, launches per step, and
+the kernels sorted by total time. The steps run through forward_ptr, so from the second call on
+they are CUDA graph replays (docs/CUDA_MODEL.md). Needs torch with CUDA and the GPU model.
+
+    python3 benchmarks/profile_cuda_model.py [--budget 64] [--context 512] [--rows 18]
+"""
+import argparse
+import os, sys, time
+import numpy as np
+import torch
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "python"))
+ap = argparse.ArgumentParser()
+ap.add_argument("--budget", type=int, default=64)
+ap.add_argument("--context", type=int, default=512)
+ap.add_argument("--rows", type=int, default=18)
+ap.add_argument("--ckpt", default="/tmp/kn_mini_kimi")
+args = ap.parse_args()
+import kdtree_native as kn
+from kdtree_native import _native
+from kdtree_native.checkpoint import load_weights
+from kdtree_native.config import load_config
+from bench_cuda_model import MINI_KIMI, real_tree, vis_bits
+from hf_models import make_checkpoint
+ck = args.ckpt
+if not os.path.isfile(ck + "/config.json"):
+    make_checkpoint(ck, MINI_KIMI, seed=0)
+cfg = load_config(ck)
+model = _native.CudaModel(cfg.to_native(), args.context + 1100)
+for name, arr in load_weights(ck, cfg).items():
+    model.set_weight(name, np.ascontiguousarray(arr, dtype=np.float32))
+model.finalize()
+V = cfg.vocab_size
+dev = torch.device("cuda")
+L = args.context
+ids = np.random.default_rng(0).integers(0, V, L).astype(np.int32)
+model.forward(ids, np.arange(L), None); model.commit(np.arange(L))
+logits = torch.empty((1025, V), device=dev)
+def step(T, vis):
+    toks = torch.randint(0, V, (T,), device=dev, dtype=torch.int32)
+    pos = torch.arange(L, L + T, device=dev, dtype=torch.int32)
+    tv = torch.as_tensor(vis_bits(vis).view(np.int64), device=dev) if vis is not None else None
+    torch.cuda.synchronize()
+    def fn():
+        model.forward_ptr(toks.data_ptr(), pos.data_ptr(), tv.data_ptr() if tv is not None else 0,
+                          tv.shape[1] if tv is not None else 0, T, logits.data_ptr(), False)
+    return fn
+from torch.profiler import profile, ProfilerActivity
+B = args.budget
+for label, T, vis in [("AR", 1, None), (f"verify B={B}", B + 1, real_tree(B, 1)[2])]:
+    fn = step(T, vis)
+    for _ in range(5): fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(20): fn()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / 20
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(10): fn()
+        torch.cuda.synchronize()
+    ev = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    tot = sum(e.device_time for e in ev) / 10
+    print(f"== {label}: wall {wall * 1e3:.3f} ms/step, GPU kernel time {tot / 1e3:.3f} ms/step, "
+          f"kernels/step {len(ev) / 10:.0f}")
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
