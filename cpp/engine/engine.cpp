@@ -181,7 +181,17 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
   for (int32_t t : p.stop_tokens)
     KD_CHECK(t >= 0 && t < V, "stop token " + s(t) + " outside the vocab [0, " + s(V) + ")");
   check_sampling_params(p.sampling);
-  exec_.begin(p);
+  {
+    // The executor checks its own limits on what the rounds will use: without a drafter every
+    // round is an AR step, whatever tree_budget / depth / top_k say.
+    GenerateParams used = p;
+    if (!drafter) {
+      used.tree_budget = 0;
+      used.depth = 1;
+      used.top_k = 0;
+    }
+    exec_.begin(used);
+  }
 
   GenerateResult res;
   std::copy(prompt, prompt + P, buf_.begin());

@@ -15,7 +15,8 @@
 // drafter still runs on the host between rounds (a Python drafter sees numpy); see
 // docs/ENGINE.md for device-array drafts.
 //
-// Limits (checked by begin(), ValueError): depth <= 16, tree_budget <= min(1024, max_tokens-1),
+// Limits (checked by begin() when a drafter is given, ValueError): depth <= 16,
+// tree_budget <= min(1024, max_tokens-1),
 // top_k <= 1024 for logits drafts; the model's own limits for everything else.
 #pragma once
 #include <cstdint>
