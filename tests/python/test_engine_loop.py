@@ -451,3 +451,19 @@ def test_device_array_draft_with_bad_pointer_is_a_clear_error(toy_setup):
         generate(target, PROMPT, 8, drafter=fake)
     r = generate(target, PROMPT, 8, drafter=NgramDrafter())
     np.testing.assert_array_equal(r.tokens, ref[:8])
+
+
+def test_rounds_option(toy_setup):
+    """rounds="auto"/"host" run the host rounds for a host target; "device" needs a CudaModel;
+    anything else is a ValueError. stats["rounds_on"] says where the rounds ran."""
+    target, ref = toy_setup[0], toy_setup[3]
+    for rounds in ("auto", "host"):
+        r = generate(target, PROMPT, 12, drafter=NgramDrafter(), rounds=rounds)
+        assert r.stats["rounds_on"] == "host"
+        np.testing.assert_array_equal(r.tokens, ref[:12])
+    with pytest.raises(ValueError, match="CudaModel"):
+        generate(target, PROMPT, 4, rounds="device")
+    with pytest.raises(ValueError, match="rounds"):
+        generate(target, PROMPT, 4, rounds="gpu")
+    r = generate(target, PROMPT, 12)
+    np.testing.assert_array_equal(r.tokens, ref[:12])
