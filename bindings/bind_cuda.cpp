@@ -26,6 +26,7 @@ namespace py = pybind11;
 
 #include "common.h"
 #include "kernels.h"
+#include "model/model_kernels.h"
 
 namespace {
 
@@ -709,6 +710,37 @@ uintptr_t as_ptr(uintptr_t x) { return x; }
 
 }  // namespace
 
+// The GPU round's per-node choice (model_kernels.h choose_tokens) on host logits [T, V], for tests.
+py::array_t<int32_t> choose_tokens_np(const py::object& logits_o, const py::object& positions_o, double temperature,
+                                      int64_t top_k, double top_p, uint64_t seed) {
+  auto logits = as_c<float>(logits_o, "logits", 2);
+  auto positions = as_c<int32_t>(positions_o, "positions", 1);
+  const int64_t T = logits.shape(0), V = logits.shape(1);
+  if (positions.shape(0) != T) throw kdtree::Error("cuda_choose_tokens: positions must be [T]");
+  if (V < 1 || V > (1 << 26)) throw kdtree::Error("cuda_choose_tokens: V must be in [1, 2^26]");
+  py::array_t<int32_t> out(T);
+  if (T == 0) return out;
+  require_device();
+  DevBuf dl((size_t)(T * V) * sizeof(float)), dp((size_t)T * sizeof(int32_t)), dc((size_t)T * sizeof(int32_t));
+  dl.upload(logits.data(), dl.bytes);
+  dp.upload(positions.data(), dp.bytes);
+  dc.poison();
+  kc::ChooseParams cp{};
+  cp.logits = dl.as<float>();
+  cp.ldl = V;
+  cp.T = (int)T;
+  cp.V = (int)V;
+  cp.positions = dp.as<int32_t>();
+  cp.temperature = (float)temperature;
+  cp.top_k = top_k;
+  cp.top_p = (float)top_p;
+  cp.seed = seed;
+  cp.choice = dc.as<int32_t>();
+  check_cuda(kc::choose_tokens(cp, nullptr), "choose_tokens");
+  dc.download(out.mutable_data(), dc.bytes);
+  return out;
+}
+
 void bind_cuda(py::module_& m) {
   m.attr("cuda_kernels_compiled") = true;
   m.def("cuda_tree_build", &tree_build_np, py::arg("logprobs"), py::arg("token_ids"), py::arg("budget"),
@@ -720,6 +752,10 @@ void bind_cuda(py::module_& m) {
         py::arg("top_k"), py::arg("cache_len") = 0, "GPU top-k + log-softmax + tree build from logits [D,V].");
   m.def("cuda_topk_logsoftmax", &topk_np, py::arg("logits"), py::arg("k"),
         "GPU top-k of float32 logits [D,V] as log-probs: (logprobs f32 [D,k], ids int32 [D,k]).");
+  m.def("cuda_choose_tokens", &choose_tokens_np, py::arg("logits"), py::arg("positions"), py::arg("temperature") = 0.0,
+        py::arg("top_k") = 0, py::arg("top_p") = 1.0, py::arg("seed") = 0,
+        "The GPU round's per-node choice (choose_tokens) on host float32 logits [T, V] and int32 positions [T]: "
+        "must equal _native.sampler_choose.");
   m.def("cuda_tree_accept", &tree_accept_np, py::arg("tokens"), py::arg("parents"), py::arg("choice"),
         "GPU accept walk: (path int32 [m], bonus).");
   m.def("cuda_kv_compact", &kv_compact_np, py::arg("cache"), py::arg("cache_len"), py::arg("path"),

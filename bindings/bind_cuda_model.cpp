@@ -26,7 +26,6 @@ namespace py = pybind11;
 #include "model/config.h"
 #include "model/cublas_loader.h"
 #include "model/cuda_model.h"
-#include "model/model_kernels.h"
 #include "model_py.h"
 
 using kdtree::Error;
@@ -71,59 +70,6 @@ int parse_choice(const std::string& v, const char* what, std::initializer_list<c
 }  // namespace
 
 void bind_cuda_model(py::module_& m) {
-  m.def(
-      "cuda_choose_tokens",
-      [](py::array_t<float, py::array::c_style | py::array::forcecast> logits,
-         py::array_t<int32_t, py::array::c_style | py::array::forcecast> positions, double temperature,
-         int64_t top_k, double top_p, uint64_t seed) {
-        if (logits.ndim() != 2) throw kdtree::Error("cuda_choose_tokens: logits must be [T, V]");
-        const int64_t T = logits.shape(0), V = logits.shape(1);
-        if (positions.ndim() != 1 || positions.shape(0) != T)
-          throw kdtree::Error("cuda_choose_tokens: positions must be [T]");
-        if (V < 1 || V > (1 << 26)) throw kdtree::Error("cuda_choose_tokens: V must be in [1, 2^26]");
-        py::array_t<int32_t> out(T);
-        if (T == 0) return out;
-        float* dl = nullptr;
-        int32_t *dp = nullptr, *dc = nullptr;
-        auto fail = [&](cudaError_t e, const char* what) {
-          cudaFree(dl);
-          cudaFree(dp);
-          cudaFree(dc);
-          cudaGetLastError();
-          throw kdtree::RuntimeFailure(std::string("cuda_choose_tokens: ") + what + ": " + cudaGetErrorString(e));
-        };
-        cudaError_t e;
-        if ((e = cudaMalloc(&dl, (size_t)(T * V) * sizeof(float))) != cudaSuccess) fail(e, "cudaMalloc");
-        if ((e = cudaMalloc(&dp, (size_t)T * sizeof(int32_t))) != cudaSuccess) fail(e, "cudaMalloc");
-        if ((e = cudaMalloc(&dc, (size_t)T * sizeof(int32_t))) != cudaSuccess) fail(e, "cudaMalloc");
-        if ((e = cudaMemset(dc, 0xff, (size_t)T * sizeof(int32_t))) != cudaSuccess) fail(e, "cudaMemset");
-        if ((e = cudaMemcpy(dl, logits.data(), (size_t)(T * V) * sizeof(float), cudaMemcpyHostToDevice)) != cudaSuccess)
-          fail(e, "upload");
-        if ((e = cudaMemcpy(dp, positions.data(), (size_t)T * sizeof(int32_t), cudaMemcpyHostToDevice)) != cudaSuccess)
-          fail(e, "upload");
-        kdtree::cuda::ChooseParams cp{};
-        cp.logits = dl;
-        cp.ldl = V;
-        cp.T = (int)T;
-        cp.V = (int)V;
-        cp.positions = dp;
-        cp.temperature = (float)temperature;
-        cp.top_k = top_k;
-        cp.top_p = (float)top_p;
-        cp.seed = seed;
-        cp.choice = dc;
-        if ((e = kdtree::cuda::choose_tokens(cp, nullptr)) != cudaSuccess) fail(e, "choose_tokens");
-        if ((e = cudaMemcpy(out.mutable_data(), dc, (size_t)T * sizeof(int32_t), cudaMemcpyDeviceToHost)) != cudaSuccess)
-          fail(e, "download");
-        cudaFree(dl);
-        cudaFree(dp);
-        cudaFree(dc);
-        return out;
-      },
-      py::arg("logits"), py::arg("positions"), py::arg("temperature") = 0.0, py::arg("top_k") = 0,
-      py::arg("top_p") = 1.0, py::arg("seed") = 0,
-      "The GPU round's per-node choice (model_kernels.h choose_tokens) on host logits [T, V], for tests: "
-      "must equal _native.sampler_choose.");
   m.def(
       "cublas_probe",
       []() {

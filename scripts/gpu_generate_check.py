@@ -14,14 +14,10 @@ from kdtree_native.config import config_from_dict
 from kdtree_native.drafters import ModelDrafter, NgramDrafter, OracleDrafter
 from kdtree_native.generation import generate
 from hf_models import config_dict, random_weights
-MLA512 = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, num_attention_heads=4,
-              num_key_value_heads=4, hidden_size=64, q_lora_rank=48, vocab_size=300, max_position_embeddings=2048)
+from test_cuda_model import MLA512, load
 for name in ["kimi_like", MLA512]:
     cfg = config_from_dict(config_dict(name))
     w = {k: v.astype(np.float32) for k, v in random_weights(cfg, 0).items()}
-    def load(m, ww):
-        for k, v in ww.items(): m.set_weight(k, np.ascontiguousarray(v, dtype=np.float32))
-        m.finalize(); return m
     g = load(_native.CudaModel(cfg.to_native(), 128), w)
     d = load(_native.CpuModel(cfg.to_native(), 128), {k: v.astype(np.float32) for k, v in random_weights(cfg, 5).items()})
     P = np.random.default_rng(1).integers(0, cfg.vocab_size, 12)

@@ -56,12 +56,11 @@ void check_draft_output(const DraftOutput& out, int64_t depth, int64_t top_k, in
 int64_t draft_tree_nodes(const DraftOutput& draft, int64_t k, int64_t budget) {
   int64_t nodes = 0, prod = 1;
   for (int64_t r = 0; r < draft.d && nodes < budget; ++r) {
+    const float* row = draft.values.data() + r * draft.k;
     int64_t f = 0;
     if (draft.is_logits) {
-      const float* row = draft.values.data() + r * draft.k;
       for (int64_t j = 0; j < draft.k && f < k; ++j) f += std::isfinite(row[j]) ? 1 : 0;
     } else {
-      const float* row = draft.values.data() + r * draft.k;
       while (f < draft.k && std::isfinite(row[f])) ++f;
     }
     prod = std::min<int64_t>(prod * f, budget);
@@ -148,13 +147,13 @@ void HostRounds::round(const RoundRequest& rq, RoundResult& out) {
 }
 
 // ---------------------------------------------------------------- Generator
-Generator::Generator(Target& target) : host_(std::make_unique<HostRounds>(target)), exec_(*host_) {
-  const int64_t cap = exec_.max_seq_len();
-  KD_CHECK(cap >= 1, "target max_seq_len must be >= 1");
-  buf_.assign(static_cast<size_t>(cap), 0);
-}
+Generator::Generator(Target& target) : Generator(std::make_unique<HostRounds>(target)) {}
 
-Generator::Generator(RoundExecutor& executor) : exec_(executor) {
+Generator::Generator(std::unique_ptr<HostRounds> host) : host_(std::move(host)), exec_(*host_) { size_buffer(); }
+
+Generator::Generator(RoundExecutor& executor) : exec_(executor) { size_buffer(); }
+
+void Generator::size_buffer() {
   const int64_t cap = exec_.max_seq_len();
   KD_CHECK(cap >= 1, "target max_seq_len must be >= 1");
   buf_.assign(static_cast<size_t>(cap), 0);

@@ -151,6 +151,8 @@ class Generator {
   RoundExecutor& executor() { return exec_; }
 
  private:
+  explicit Generator(std::unique_ptr<HostRounds> host);
+  void size_buffer();
   std::unique_ptr<HostRounds> host_;
   RoundExecutor& exec_;
   std::vector<int32_t> buf_;

@@ -10,6 +10,7 @@
 #include <string>
 
 #include "common.h"
+#include "device_util.h"
 #include "engine/round_kernels.h"
 #include "kernels.h"
 #include "model/model_kernels.h"
@@ -23,31 +24,8 @@ std::string s(int64_t v) { return std::to_string(v); }
 constexpr int64_t kMaxDepth = cuda::kTreeMaxDepth;  // 16
 constexpr int64_t kMaxK = cuda::kTopkMaxK;          // 1024
 
-struct DeviceGuard {
-  int prev = -1;
-  explicit DeviceGuard(int dev) {
-    if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
-    if (prev != dev) cudaSetDevice(dev);
-  }
-  ~DeviceGuard() {
-    int cur = -1;
-    if (prev >= 0 && cudaGetDevice(&cur) == cudaSuccess && cur != prev) cudaSetDevice(prev);
-  }
-};
-
-// Bump allocator over one allocation (256-byte aligned pieces).
-struct Arena {
-  int64_t bytes = 0;
-  std::vector<std::pair<void**, int64_t>> items;
-  template <class T>
-  void add(T** p, int64_t count) {
-    items.push_back({reinterpret_cast<void**>(p), bytes});
-    bytes += (count * (int64_t)sizeof(T) + 255) / 256 * 256;
-  }
-  void place(void* base) {
-    for (auto& it : items) *it.first = static_cast<char*>(base) + it.second;
-  }
-};
+using cuda::Arena;
+using cuda::DeviceGuard;
 }  // namespace
 
 void CudaRounds::check(int err, const char* what) const {
@@ -101,8 +79,8 @@ CudaRounds::CudaRounds(CudaModel& model) : model_(model) {
     throw RuntimeFailure("GPU round: cannot allocate " + s(host.bytes >> 20) + " MiB of pinned host memory: " +
                          cudaGetErrorString(e));
   }
-  dev.place(dev_mem_);
-  host.place(host_mem_);
+  dev.commit(dev_mem_);
+  host.commit(host_mem_);
   check(cudaMemset(dev_mem_, 0, (size_t)dev.bytes), "cudaMemset");
 }
 

@@ -24,6 +24,7 @@
 #include <cstring>
 
 #include "common.h"
+#include "device_util.h"
 #include "kernels.h"
 #include "model/cublas_api.h"
 #include "engine/round_kernels.h"
@@ -33,10 +34,8 @@ namespace kdtree {
 
 namespace {
 
-constexpr int64_t kAlignBytes = 256;
+constexpr int64_t kAlignBytes = cuda::kArenaAlign;
 constexpr int64_t kCublasWorkspace = 32ll << 20;
-
-int64_t align_up(int64_t n) { return (n + kAlignBytes - 1) / kAlignBytes * kAlignBytes; }
 
 std::string mib(int64_t bytes) {
   char b[64];
@@ -44,36 +43,8 @@ std::string mib(int64_t bytes) {
   return b;
 }
 
-// Lays out many buffers in one allocation: add() records (where to store the pointer, bytes),
-// commit() assigns the pointers once the base is known.
-struct Arena {
-  struct Item {
-    void** where;
-    int64_t offset;
-  };
-  std::vector<Item> items;
-  int64_t bytes = 0;
-  template <class P>
-  void add(P** where, int64_t count) {
-    items.push_back({reinterpret_cast<void**>(where), bytes});
-    bytes += align_up(std::max<int64_t>(count, 1) * (int64_t)sizeof(P));
-  }
-  void commit(void* base) {
-    for (const Item& it : items) *it.where = static_cast<char*>(base) + it.offset;
-  }
-};
-
-struct DeviceGuard {
-  int prev = -1;
-  explicit DeviceGuard(int dev) {
-    if (cudaGetDevice(&prev) != cudaSuccess) prev = -1;
-    if (prev != dev) cudaSetDevice(dev);
-  }
-  ~DeviceGuard() {
-    int cur = -1;
-    if (prev >= 0 && cudaGetDevice(&cur) == cudaSuccess && cur != prev) cudaSetDevice(prev);
-  }
-};
+using cuda::Arena;
+using cuda::DeviceGuard;
 
 cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 cublasHandle_t as_handle(void* h) { return static_cast<cublasHandle_t>(h); }

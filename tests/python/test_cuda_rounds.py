@@ -20,15 +20,13 @@ from kdtree_native.drafters import ModelDrafter, NgramDrafter, OracleDrafter
 from kdtree_native.generation import generate
 
 from hf_models import config_dict, random_weights
+from test_cuda_model import MLA512, load
 from test_engine_loop import check_stats, drafter_zoo
 
 HAS_MODEL = hasattr(_native, "CudaModel")
 DEVICE_OK = HAS_MODEL and bool(_native.cuda_available()[0])
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not DEVICE_OK, reason="no CUDA device (or the GPU model is not built)")]
-
-MLA512 = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, num_attention_heads=4,
-              num_key_value_heads=4, hidden_size=64, q_lora_rank=48, vocab_size=300, max_position_embeddings=2048)
 
 _MODELS = {}
 
@@ -39,13 +37,6 @@ def models(name, max_seq_len=320, seed=0):
     if key not in _MODELS:
         cfg = config_from_dict(config_dict(name))
         w = {k: v.astype(np.float32) for k, v in random_weights(cfg, seed).items()}
-
-        def load(m, ww):
-            for k, v in ww.items():
-                m.set_weight(k, np.ascontiguousarray(v, dtype=np.float32))
-            m.finalize()
-            return m
-
         cpu = load(_native.CpuModel(cfg.to_native(), max_seq_len), w)
         gpu = load(_native.CudaModel(cfg.to_native(), max_seq_len), w)
         wd = {k: v.astype(np.float32) for k, v in random_weights(cfg, seed + 100).items()}
@@ -190,16 +181,9 @@ def test_graph_replays_equal_eager_across_context_buckets():
     CPU model's, and the per-step logits agree within the parity tolerance."""
     cfg = config_from_dict(config_dict(MLA512))
     w = {k: v.astype(np.float32) for k, v in random_weights(cfg, 21).items()}
-
-    def load(m):
-        for k, v in w.items():
-            m.set_weight(k, np.ascontiguousarray(v, dtype=np.float32))
-        m.finalize()
-        return m
-
-    g = load(_native.CudaModel(cfg.to_native(), 600))
-    e = load(_native.CudaModel(cfg.to_native(), 600, graphs=False))
-    c = load(_native.CpuModel(cfg.to_native(), 600))
+    g = load(_native.CudaModel(cfg.to_native(), 600), w)
+    e = load(_native.CudaModel(cfg.to_native(), 600, graphs=False), w)
+    c = load(_native.CpuModel(cfg.to_native(), 600), w)
     P = prompt_ids(cfg.vocab_size, 200, seed=8)
     ref = generate(c, P, 120)
     a = generate(g, P, 120)
