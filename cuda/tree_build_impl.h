@@ -4,6 +4,8 @@
 // also compilable as plain host C++ (a "Ctx" that runs the block's threads on the CPU with a
 // barrier), so the parallel logic can be checked without a GPU. No CUDA-only constructs here
 // except behind KD_HD / __CUDA_ARCH__; the Ctx supplies thread id, barrier, atomics and scan.
+// ctx.step(n) marks n units of dependent serial work of the calling thread (a loop iteration,
+// a binary-search step): a no-op on the GPU, the latency proxy of the CPU emulation.
 //
 // Semantics: docs/tree_contract.md, bit for bit (the NumPy heap in reference/tree.py).
 // Legend: D = depth rows, K = top-k, B = budget, Keff = min(K, B) (a rank >= B is never
@@ -221,8 +223,10 @@ struct TreeBlock {
   // and their exclusive prefix pre. misc[slot] must have been set to kBottom before the last
   // barrier; ends with a barrier.
   KD_HD void crossing(const int* h, const int* pre, int slot) {
-    for (int b = tid; b < kNB; b += nt)
+    for (int b = tid; b < kNB; b += nt) {
+      ctx.step(1);
       if (pre[b] < B && pre[b] + h[b] >= B) misc[slot] = b;  // unique writer
+    }
     ctx.sync();
   }
 
@@ -235,12 +239,15 @@ struct TreeBlock {
     if (bt == kBottom || hist[bt] > 96) return;  // uniform: misc/hist read after a barrier
     double* mem = (double*)phist;
     const int cb = hist[bt], need = B - hpre[bt];
-    for (int x = tid; x < used; x += nt)
+    for (int x = tid; x < used; x += nt) {
+      ctx.step(1);
       if (bk[x] == bt) mem[ctx.atomic_add(&misc[M_NTAU], 1)] = sc[x];
+    }
     ctx.sync();
     for (int k = tid; k < cb; k += nt) {
       const double v = mem[k];
       int gt = 0, eq_before = 0, eq = 0;
+      ctx.step(cb);
       for (int j = 0; j < cb; ++j) {
         const double w = mem[j];
         gt += w > v;
@@ -279,6 +286,7 @@ struct TreeBlock {
     if (s < tau) return 0;
     int lo = 0, hi = c;
     while (lo < hi) {  // children keep a bucket <= bt and a score >= tau (ties stay)
+      ctx.step(1);
       const int mid = (lo + hi) >> 1;
       const double cs = s + (double)row[mid];
       if (cs >= tau && bucket_of(smax, cs) <= bt) lo = mid + 1; else hi = mid;
@@ -287,9 +295,10 @@ struct TreeBlock {
   }
 
   // Position j of the parent owning item t: the last j with off[j] <= t (off has np+1 entries).
-  KD_HD static int owner(const int* off, int np, int t) {
+  KD_HD int owner(const int* off, int np, int t) const {
     int lo = 0, hi = np;  // off[0] = 0 <= t < off[np]
     while (hi - lo > 1) {
+      ctx.step(1);
       int mid = (lo + hi) >> 1;
       if (off[mid] <= t) lo = mid; else hi = mid;
     }
@@ -333,10 +342,11 @@ struct TreeBlock {
       misc[M_LS + 2] = keff;
       misc[M_NTAU] = 0;
     }
-    for (int i = tid; i < kNB; i += nt) { hist[i] = 0; lhist[i] = 0; lhist2[i] = 0; }
+    for (int i = tid; i < kNB; i += nt) { ctx.step(1); hist[i] = 0; lhist[i] = 0; lhist2[i] = 0; }
     ctx.sync();
     const int nin = D * keff;
     for (int idx = tid; idx < nin; idx += nt) {
+      ctx.step(1);
       const int d = idx / keff, r = idx - d * keff;
       const float x = a.lp[(size_t)d * a.ld + r];
       lpc[idx] = x;
@@ -371,6 +381,7 @@ struct TreeBlock {
     int* lh_par = lhist;   // exclusive prefix of the parent level's histogram
     int* lh_new = lhist2;  // histogram of the level being built
     for (int r = tid; r < keff; r += nt) {
+      ctx.step(1);
       const double s = (double)lpc[r];
       const int b = bucket_of(smax, s);
       sc[r] = s; par[r] = kRoot; rk[r] = (uint16_t)r; dp[r] = 1; bk[r] = (uint16_t)b;
@@ -387,8 +398,8 @@ struct TreeBlock {
       const int p0 = misc[M_LS + d - 1], p1 = misc[M_LS + d], np = p1 - p0;
       const int used = misc[M_USED];
       const int bt = misc[M_BT];
-      for (int j = tid; j < np; j += nt) cnt[j] = count_children(p0 + j, d, bt, lh_par);
-      for (int i = tid; i < kNB; i += nt) lh_new[i] = 0;
+      for (int j = tid; j < np; j += nt) { ctx.step(1); cnt[j] = count_children(p0 + j, d, bt, lh_par); }
+      for (int i = tid; i < kNB; i += nt) { ctx.step(1); lh_new[i] = 0; }
       ctx.sync();
       int T = ctx.scan2(cnt, cnt, nullptr, nullptr, np, scan_tmp);
       if (T == 0) break;
@@ -396,10 +407,11 @@ struct TreeBlock {
       if (T > B || used + T > cap) {
         // probe: count every allowed child into a copy of the histogram, take the tighter
         // threshold (the B-th over materialised + probed prefixes), recount.
-        for (int i = tid; i < kNB; i += nt) phist[i] = hist[i];
+        for (int i = tid; i < kNB; i += nt) { ctx.step(1); phist[i] = hist[i]; }
         if (tid == 0) misc[M_BT2] = kBottom;
         ctx.sync();
         for (int t = tid; t < T; t += nt) {
+          ctx.step(1);
           const int j = owner(cnt, np, t);
           const int p = p0 + j, r = t - cnt[j];
           ctx.atomic_add(&phist[bucket_of(smax, sc[p] + (double)row[r])], 1);
@@ -414,15 +426,17 @@ struct TreeBlock {
             const double s = sc[p0 + j];
             int lo = 0, hi = c;
             while (lo < hi) {
+              ctx.step(1);
               const int mid = (lo + hi) >> 1;
               if (bucket_of(smax, s + (double)row[mid]) <= bt2) lo = mid + 1; else hi = mid;
             }
             c = lo;
           }
+          ctx.step(1);
           nid[j] = (uint16_t)c;
         }
         ctx.sync();
-        for (int j = tid; j < np; j += nt) cnt[j] = nid[j];
+        for (int j = tid; j < np; j += nt) { ctx.step(1); cnt[j] = nid[j]; }
         ctx.sync();
         T = ctx.scan2(cnt, cnt, nullptr, nullptr, np, scan_tmp);
         if (used + T > cap) return -1;  // candidate store overflow: exact fallback
@@ -430,6 +444,7 @@ struct TreeBlock {
       }
       // materialise level d
       for (int t = tid; t < T; t += nt) {
+        ctx.step(1);
         const int j = owner(cnt, np, t);
         const int p = p0 + j, r = t - cnt[j], x = used + t;
         const double s = sc[p] + (double)row[r];
@@ -455,9 +470,10 @@ struct TreeBlock {
     const int bt = misc[M_BT];
     int total_in = hpre[bt] + hist[bt];
     const int n = total_in < B ? total_in : B;
-    for (int i = tid; i < kNB; i += nt) lhist[i] = 0;  // cursors
+    for (int i = tid; i < kNB; i += nt) { ctx.step(1); lhist[i] = 0; }  // cursors
     ctx.sync();
     for (int x = tid; x < used; x += nt) {
+      ctx.step(1);
       int b = bk[x];
       if (b <= bt) ord[hpre[b] + ctx.atomic_add(&lhist[b], 1)] = (uint16_t)x;
     }
@@ -467,6 +483,7 @@ struct TreeBlock {
       if (b > bt) continue;
       int s0 = hpre[b], cb = hist[b];
       int rank = s0;
+      ctx.step(1 + cb);
       for (int k = s0; k < s0 + cb; ++k) {
         int y = ord[k];
         if (y != x && key_less(y, x)) ++rank;
@@ -480,6 +497,7 @@ struct TreeBlock {
     }
     ctx.sync();
     for (int i = tid; i < n; i += nt) {
+      ctx.step(1);
       int x = opar[i];
       int p = par[x];
       opar[i] = (int16_t)(p == kRoot ? 0 : nid[p]);
@@ -576,6 +594,7 @@ struct TreeBlock {
   KD_HD void write_outputs(int n, int path) {
     const int W = vis_words(B);
     for (int i = tid; i < B; i += nt) {
+      ctx.step(1);
       if (i < n) {
         int d = odp[i];
         a.tokens[i] = a.ids[(size_t)(d - 1) * a.ld + ork[i]];
@@ -597,11 +616,13 @@ struct TreeBlock {
     }
     const int words = (B + 1) * W;
     for (int idx = tid; idx < words; idx += nt) {
+      ctx.step(1);
       int i = idx / W, w = idx - i * W;
       uint64_t v = 0;
       if (i <= n) {
         int x = i;
         for (;;) {
+          ctx.step(1);
           int xw = x >> 6;
           if (xw < w) break;
           if (xw == w) v |= (uint64_t)1 << (x & 63);

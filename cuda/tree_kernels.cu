@@ -18,6 +18,7 @@ struct GpuCtx {
   __device__ int tid() const { return (int)threadIdx.x; }
   __device__ int nthreads() const { return (int)blockDim.x; }
   __device__ void sync() const { __syncthreads(); }
+  __device__ void step(int) const {}  // latency-proxy hook of the CPU emulation: nothing here
   __device__ int atomic_add(int* p, int v) const { return atomicAdd(p, v); }
   __device__ void atomic_min(int* p, int v) const { atomicMin(p, v); }
   __device__ void atomic_max(int* p, int v) const { atomicMax(p, v); }

@@ -40,11 +40,22 @@ struct Block {  // what the threads of one emulated block share
   int arrived = 0;
   long generation = 0;
   int scan_total = 0;
+  // Latency proxy: block barriers the GPU would execute, block-wide scans (and their lengths),
+  // and the critical path = sum over barrier intervals of the largest per-thread step count.
+  std::vector<long> steps;
+  long gpu_barriers = 0, scans = 0, scan_elems = 0, crit = 0;
 
-  void barrier() {
+  // gpu = false: a barrier of the emulation only (the GPU has none there): not counted.
+  void barrier(bool gpu = true) {
     std::unique_lock<std::mutex> lk(mu);
     const long gen = generation;
     if (++arrived == nthreads) {
+      if (gpu) {
+        long m = 0;
+        for (long& v : steps) { m = std::max(m, v); v = 0; }
+        crit += m;
+        ++gpu_barriers;
+      }
       arrived = 0;
       ++generation;
       cv.notify_all();
@@ -60,6 +71,7 @@ struct HostCtx {
   int tid() const { return t; }
   int nthreads() const { return blk->nthreads; }
   void sync() const { blk->barrier(); }
+  void step(int n) const { blk->steps[t] += n; }
   int atomic_add(int* p, int v) const { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
   void atomic_min(int* p, int v) const {
     int cur = __atomic_load_n(p, __ATOMIC_SEQ_CST);
@@ -74,9 +86,16 @@ struct HostCtx {
   // Exclusive scans of a_in into a_out and of b_in into b_out (in place allowed); returns the
   // total of a. Same contract as the GPU's GpuCtx::scan2 (inputs complete before the call,
   // outputs visible to every thread after it).
+  // Latency proxy: the GPU scan's two barriers and its per-thread serial work (a segment of
+  // ceil(n / nthreads) entries summed, then written, 5 shuffle steps on each side).
   int scan2(const int* a_in, int* a_out, const int* b_in, int* b_out, int n, int* /*tmp*/) const {
+    const int per = (n + blk->nthreads - 1) / blk->nthreads;
+    step(per * (b_in ? 2 : 1) + 5);
     blk->barrier();
+    step(per * (b_in ? 2 : 1) + 5);
     if (t == 0) {
+      ++blk->scans;
+      blk->scan_elems += n * (b_in ? 2 : 1);
       int ra = 0, rb = 0;
       for (int i = 0; i < n; ++i) {
         const int va = a_in[i];
@@ -92,7 +111,7 @@ struct HostCtx {
     }
     blk->barrier();
     const int total = blk->scan_total;
-    blk->barrier();  // every thread has read the total before a later scan may overwrite it
+    blk->barrier(false);  // every thread has read the total before a later scan may overwrite it
     return total;
   }
 };
@@ -102,6 +121,7 @@ int tree_threads(int B) { return B > 512 ? 1024 : (B > 256 ? 512 : (B > 64 ? 256
 struct Out {
   std::vector<int32_t> tokens, depths, parents, positions, n, path;
   std::vector<uint64_t> vis;
+  long gpu_barriers = 0, scans = 0, scan_elems = 0, crit = 0;
 };
 
 Out run_block(const std::vector<float>& lp, const std::vector<int32_t>& ids, int D, int K, int B, int cache_len,
@@ -136,6 +156,7 @@ Out run_block(const std::vector<float>& lp, const std::vector<int32_t>& ids, int
   unsigned char* smem = reinterpret_cast<unsigned char*>(smem_storage.data());
   Block blk;
   blk.nthreads = tree_threads(B);
+  blk.steps.assign(blk.nthreads, 0);
   std::vector<std::thread> threads;
   threads.reserve(blk.nthreads);
   for (int t = 0; t < blk.nthreads; ++t) {
@@ -146,6 +167,12 @@ Out run_block(const std::vector<float>& lp, const std::vector<int32_t>& ids, int
     });
   }
   for (auto& th : threads) th.join();
+  o.gpu_barriers = blk.gpu_barriers;
+  o.scans = blk.scans;
+  o.scan_elems = blk.scan_elems;
+  long m = 0;
+  for (long v : blk.steps) m = std::max(m, v);
+  o.crit = blk.crit + m;  // the tail after the last barrier
   return o;
 }
 
@@ -224,9 +251,61 @@ void check_case(int c, const std::vector<float>& lp, const std::vector<int32_t>&
   }
 }
 
+// The benchmark's drafter rows (benchmarks/bench_cuda_tree_build.py): "peaked" = per depth
+// logit of the r-th likeliest token -s*log(r) + N(0, 0.5^2), s ~ U(1.3, 2.3); "flat" = N(0, 3^2)
+// logits; V ids; top-K by logit (lower id first on ties), log-softmax in float32.
+void drafter_rows(uint64_t seed, bool peaked, int D, int V, int K, std::vector<float>* lp, std::vector<int32_t>* ids) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<double> nd(0.0, 1.0);
+  lp->assign((size_t)D * K, 0.f);
+  ids->assign((size_t)D * K, 0);
+  std::vector<float> row(V);
+  std::vector<int32_t> idx(V);
+  for (int d = 0; d < D; ++d) {
+    const double s = std::uniform_real_distribution<double>(1.3, 2.3)(rng);
+    for (int v = 0; v < V; ++v) row[v] = (float)(peaked ? -s * std::log(v + 1.0) + 0.5 * nd(rng) : 3.0 * nd(rng));
+    std::shuffle(row.begin(), row.end(), rng);
+    for (int v = 0; v < V; ++v) idx[v] = v;
+    std::partial_sort(idx.begin(), idx.begin() + K, idx.end(),
+                      [&](int32_t x, int32_t y) { return row[x] != row[y] ? row[x] > row[y] : x < y; });
+    double m = row[idx[0]], acc = 0.0;
+    for (int v = 0; v < V; ++v) acc += std::exp((double)row[v] - m);
+    const float lse = (float)(m + std::log(acc));
+    for (int j = 0; j < K; ++j) {
+      (*lp)[(size_t)d * K + j] = row[idx[j]] - lse;
+      (*ids)[(size_t)d * K + j] = idx[j];
+    }
+  }
+}
+
+// KDTREE_EMU_PROXY=1: the latency proxy per budget on the benchmark's drafters (D = 15, K = B).
+int proxy_table() {
+  kdtree::Tree tree;
+  kdtree::TreeBuildWorkspace ws;
+  std::printf("| drafter | B | threads | n | depth | path | block barriers | scans (entries) | critical path steps |\n");
+  std::printf("|---|---|---|---|---|---|---|---|---|\n");
+  for (int peaked = 1; peaked >= 0; --peaked)
+    for (int B : {16, 64, 256, 1024}) {
+      const int D = 15, K = B;
+      std::vector<float> lp;
+      std::vector<int32_t> ids;
+      drafter_rows(7, peaked == 1, D, 163840, K, &lp, &ids);
+      check_case(0, lp, ids, D, K, B, 0, &tree, &ws);  // exactness vs the CPU twin
+      const Out o = run_block(lp, ids, D, K, B, 0, false);
+      int depth = 0;
+      for (int i = 0; i < o.n[0]; ++i) depth = std::max(depth, o.depths[i]);
+      std::printf("| %s | %d | %d | %d | %d | %s | %ld | %ld (%ld) | %ld |\n", peaked ? "peaked" : "flat", B,
+                  tree_threads(B), o.n[0], depth, o.path[0] == 0 ? "parallel" : "fallback", o.gpu_barriers, o.scans,
+                  o.scan_elems, o.crit);
+    }
+  std::printf("proxy cases: %d failures\n", failures);
+  return failures ? 1 : 0;
+}
+
 }  // namespace
 
 int main() {
+  if (std::getenv("KDTREE_EMU_PROXY")) return proxy_table();
   const char* env = std::getenv("KDTREE_EMU_CASES");
   const int cases = env ? std::atoi(env) : 60;
   std::mt19937_64 rng(20261130);
