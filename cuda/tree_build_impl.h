@@ -3,7 +3,8 @@
 // Where it sits: included by cuda/tree_kernels.cu (GPU, one block of up to 1024 threads) and
 // also compilable as plain host C++ (a "Ctx" that runs the block's threads on the CPU with a
 // barrier), so the parallel logic can be checked without a GPU. No CUDA-only constructs here
-// except behind KD_HD / __CUDA_ARCH__; the Ctx supplies thread id, barrier, atomics and scan.
+// except behind KD_HD / __CUDA_ARCH__; the Ctx supplies thread id, barrier, atomics and two
+// warp primitives (inclusive warp sum, shuffle; full mask: every lane of a warp calls them).
 // ctx.step(n) marks n units of dependent serial work of the calling thread (a loop iteration,
 // a binary-search step): a no-op on the GPU, the latency proxy of the CPU emulation.
 //
@@ -24,6 +25,12 @@
 //    c_lt + 1 + r + i_lb*(r+1) better prefixes), and finally rank the survivors by bucket
 //    (counting sort) plus exact comparisons inside a bucket. Within a level, nodes are stored
 //    in lexicographic order of their rank tuples, so the tie-break needs no tuples.
+//    Latency (the build is latency-bound): the main histogram packs two 16-bit counts per
+//    bucket (all levels | this level; counts <= cap < 2^16, so prefix sums never carry), with
+//    per-32-bucket group counts kept by the same atomics; the scan is one warp per nonempty
+//    group, started from a group prefix each warp forms itself (no inner barrier), and finds
+//    the crossing bucket on the way. Children counts are summed in registers and offset with
+//    one warp-total exchange. Common path: 6 block barriers per level (was 9).
 //  * SEQUENTIAL FALLBACK (thread 0): the reference heap verbatim (same float64 operation
 //    order, NaN ranked like -inf, rank-tuple ties). Taken when the checks above fail or the
 //    candidate store would overflow; slow (about 1 ms at B = 1024) but exact for any input.
@@ -47,6 +54,9 @@ constexpr int kMaxDepth = 16;      // D limit of the CUDA tree build
 constexpr int kMaxBudget = 1024;   // B limit of the CUDA tree build (one block)
 constexpr int kNB = 2048;          // score buckets
 constexpr int kBottom = kNB - 1;   // bucket of -inf (and NaN) scores
+constexpr int kNG = kNB / 32;      // bucket groups of 32 (one warp-wide scan each)
+constexpr int kLo = 0xFFFF;        // packed counts: low 16 bits = all levels, high = this level
+constexpr int kBoth = 0x10001;     // one more prefix in both halves (counts <= cap < 2^16)
 constexpr uint16_t kRoot = 0xFFFF; // parent id of a depth-1 node in the candidate store
 
 // Arguments of one build. Pointers are device pointers on the GPU, host pointers in emulation.
@@ -70,8 +80,8 @@ KD_HD inline int vis_words(int B) { return (B + 64) / 64; }
 // Shared-memory layout (bytes), the same on host and device.
 struct TreeLayout {
   int cap, keff;
-  size_t o_sc, o_par, o_rk, o_bk, o_dp, o_lpc, o_hist, o_hpre, o_lhist, o_lhist2, o_phist, o_cnt, o_ord,
-      o_nid, o_odp, o_ork, o_opar, o_misc, o_scan, total;
+  size_t o_sc, o_par, o_rk, o_bk, o_dp, o_lpc, o_hist, o_hpre, o_gcnt, o_phist, o_pgc, o_cur, o_cnt,
+      o_ord, o_nid, o_odp, o_ork, o_opar, o_misc, o_scan, total;
 };
 
 KD_HD inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
@@ -92,9 +102,10 @@ KD_HD inline TreeLayout make_tree_layout(int B, int D, int K) {
   L.o_lpc = o;   o = align_up(o + sizeof(float) * (size_t)(D > 0 ? D : 1) * L.keff, 16);
   L.o_hist = o;  o = align_up(o + sizeof(int) * kNB, 16);
   L.o_hpre = o;  o = align_up(o + sizeof(int) * kNB, 16);
-  L.o_lhist = o; o = align_up(o + sizeof(int) * kNB, 16);
-  L.o_lhist2 = o; o = align_up(o + sizeof(int) * kNB, 16);
+  L.o_gcnt = o;  o = align_up(o + sizeof(int) * kNG, 16);
   L.o_phist = o; o = align_up(o + sizeof(int) * kNB, 16);
+  L.o_pgc = o;   o = align_up(o + sizeof(int) * kNG, 16);
+  L.o_cur = o;   o = align_up(o + sizeof(int) * kNB, 16);
   L.o_cnt = o;   o = align_up(o + sizeof(int) * (cap + 1), 16);
   L.o_ord = o;   o = align_up(o + sizeof(uint16_t) * cap, 16);
   L.o_nid = o;   o = align_up(o + sizeof(uint16_t) * cap, 16);
@@ -181,16 +192,20 @@ struct TreeBlock {
   const TreeArgs& a;
   TreeLayout L;
   unsigned char* sm;
-  int tid, nt, B, D, keff, cap;
+  int tid, nt, lane, warp, nw, B, D, keff, cap;
   double* sc; uint16_t* par; uint16_t* rk; uint16_t* bk; uint8_t* dp; float* lpc;
-  int* hist; int* hpre; int* lhist; int* lhist2; int* phist; int* cnt; uint16_t* ord; uint16_t* nid;
+  int* hist; int* hpre; int* gcnt; int* phist; int* pgc; int* cur; int* cnt; uint16_t* ord;
+  uint16_t* nid;
   uint8_t* odp; uint16_t* ork; int16_t* opar; int* misc; int* scan_tmp;
   double smax;
   double tau;  // exact score of the B-th best prefix materialised so far (-inf until B exist)
 
   KD_HD TreeBlock(Ctx& c, const TreeArgs& args, unsigned char* smem) : ctx(c), a(args), sm(smem) {
     tid = ctx.tid();
-    nt = ctx.nthreads();
+    nt = ctx.nthreads();  // a multiple of 32
+    lane = tid & 31;
+    warp = tid >> 5;
+    nw = nt >> 5;
     B = a.B;
     D = a.D;
     L = make_tree_layout(B, D, a.K);
@@ -204,9 +219,10 @@ struct TreeBlock {
     lpc = (float*)(sm + L.o_lpc);
     hist = (int*)(sm + L.o_hist);
     hpre = (int*)(sm + L.o_hpre);
-    lhist = (int*)(sm + L.o_lhist);
-    lhist2 = (int*)(sm + L.o_lhist2);
+    gcnt = (int*)(sm + L.o_gcnt);
     phist = (int*)(sm + L.o_phist);
+    pgc = (int*)(sm + L.o_pgc);
+    cur = (int*)(sm + L.o_cur);
     cnt = (int*)(sm + L.o_cnt);
     ord = (uint16_t*)(sm + L.o_ord);
     nid = (uint16_t*)(sm + L.o_nid);
@@ -219,15 +235,53 @@ struct TreeBlock {
     tau = neg_inf_d();
   }
 
-  // misc[slot] = the bucket holding the B-th prefix (kBottom if fewer than B), given counts h
-  // and their exclusive prefix pre. misc[slot] must have been set to kBottom before the last
-  // barrier; ends with a barrier.
-  KD_HD void crossing(const int* h, const int* pre, int slot) {
-    for (int b = tid; b < kNB; b += nt) {
+  // Histogram scan, one block barrier (at the end). h: bucket counts, gc: their sums per group
+  // of 32 buckets (kept by the same atomics), both complete (a barrier since the last update).
+  // Writes pre[b] = the exclusive prefix of h (if pre) for every bucket of a NONEMPTY group
+  // (buckets of empty groups hold no prefix, so nobody reads their pre), and misc[slot] = the
+  // bucket holding the B-th prefix, counting h & mask (misc[slot] must be kBottom already; it
+  // stays so with fewer than B prefixes). Each warp scans whole groups with shuffles, starting
+  // from the group prefix it scans itself: no shared scratch, no inner barrier.
+  // clear_level: h is the packed main histogram; zero its high halves (the level counts) once
+  // read, ready for the next level.
+  KD_HD void gscan(int* h, const int* gc, int* pre, int mask, int slot, bool clear_level) {
+    const int ga = gc[2 * lane], gb = gc[2 * lane + 1];  // kNG = 64 = 2 per lane
+    const int gx = ctx.warp_incl_sum(ga + gb) - ga - gb;  // prefix of group 2*lane
+    for (int g = warp; g < kNG; g += nw) {              // warp-uniform trip count and branches
       ctx.step(1);
-      if (pre[b] < B && pre[b] + h[b] >= B) misc[slot] = b;  // unique writer
+      if (gc[g] == 0) continue;
+      const int base = ctx.warp_shfl((g & 1) ? gx + ga : gx, g >> 1);
+      const int b = g * 32 + lane;
+      const int v = h[b];
+      const int ex = base + ctx.warp_incl_sum(v) - v;
+      if (pre) pre[b] = ex;
+      if ((ex & mask) < B && ((ex + v) & mask) >= B) misc[slot] = b;  // unique writer
+      if (clear_level) h[b] = v & kLo;
+      ctx.step(2);
     }
     ctx.sync();
+  }
+
+  // cnt[j] = the exclusive prefix of the children counts c[j] of the np parents (j < np; c[j]
+  // in nid[j] if from_nid, else in cnt[j]); returns the total to every thread. The calling
+  // thread owns parents [j0, j1) (contiguous runs in thread order) and passes s = the sum of
+  // its c[j]. Two block barriers, the last at the end.
+  KD_HD int offsets(bool from_nid, int s, int j0, int j1) {
+    const int incl = ctx.warp_incl_sum(s);
+    if (lane == 31) scan_tmp[warp] = incl;
+    ctx.sync();
+    const int wt = lane < nw ? scan_tmp[lane] : 0;
+    const int wi = ctx.warp_incl_sum(wt);
+    const int total = ctx.warp_shfl(wi, 31);
+    int run = ctx.warp_shfl(wi - wt, warp) + incl - s;
+    for (int j = j0; j < j1; ++j) {
+      ctx.step(1);
+      const int c = from_nid ? (int)nid[j] : cnt[j];
+      cnt[j] = run;
+      run += c;
+    }
+    ctx.sync();
+    return total;
   }
 
   // tau = the exact score of the B-th best materialised prefix: the need-th best score inside
@@ -236,9 +290,9 @@ struct TreeBlock {
   // Scratch: phist as doubles. Ends with a barrier.
   KD_HD void exact_threshold(int used) {
     const int bt = misc[M_BT];
-    if (bt == kBottom || hist[bt] > 96) return;  // uniform: misc/hist read after a barrier
+    if (bt == kBottom || (hist[bt] & kLo) > 96) return;  // uniform: read after a barrier
     double* mem = (double*)phist;
-    const int cb = hist[bt], need = B - hpre[bt];
+    const int cb = hist[bt] & kLo, need = B - (hpre[bt] & kLo);
     for (int x = tid; x < used; x += nt) {
       ctx.step(1);
       if (bk[x] == bt) mem[ctx.atomic_add(&misc[M_NTAU], 1)] = sc[x];
@@ -264,14 +318,15 @@ struct TreeBlock {
   KD_HD double misc_tau_load() const { double v; std::memcpy(&v, &misc[M_NTAU + 2], sizeof(double)); return v; }
 
   // Number of children (ranks 0..c-1) of parent p at level d that can still be in the tree.
-  KD_HD int count_children(int p, int d, int bt, const int* lpre) const {
+  KD_HD int count_children(int p, int d, int bt) const {
     int b = bk[p];
     if (b > bt) return 0;
-    int avail = B - 1 - hpre[b];  // better prefixes than (p, r) number >= hpre[b] + 1 + r + ...
+    const int pre = hpre[b];       // low half: all prefixes in better buckets; high: the level's
+    int avail = B - 1 - (pre & kLo);  // better prefixes than (p, r) number >= that + 1 + r + ...
     if (avail <= 0) return 0;
     int fb = misc[M_FB + d - 1];  // children r >= fb have score -inf
     if (b == kBottom) return avail < keff ? avail : keff;  // a -inf parent: only siblings bound it
-    int ilb = lpre[b];                                    // same-level nodes strictly better
+    int ilb = pre >> 16;                                  // same-level nodes strictly better
     int capf = avail / (1 + ilb);
     if (capf > fb) capf = fb;
     int c;
@@ -342,7 +397,8 @@ struct TreeBlock {
       misc[M_LS + 2] = keff;
       misc[M_NTAU] = 0;
     }
-    for (int i = tid; i < kNB; i += nt) { ctx.step(1); hist[i] = 0; lhist[i] = 0; lhist2[i] = 0; }
+    for (int i = tid; i < kNB; i += nt) { ctx.step(1); hist[i] = 0; cur[i] = 0; }
+    if (tid < kNG) gcnt[tid] = 0;
     ctx.sync();
     const int nin = D * keff;
     for (int idx = tid; idx < nin; idx += nt) {
@@ -378,67 +434,73 @@ struct TreeBlock {
     smax = (double)lpc[0];
 
     // ---- level 1: every rank < Keff (rank r has r better siblings, r < B)
-    int* lh_par = lhist;   // exclusive prefix of the parent level's histogram
-    int* lh_new = lhist2;  // histogram of the level being built
     for (int r = tid; r < keff; r += nt) {
       ctx.step(1);
       const double s = (double)lpc[r];
       const int b = bucket_of(smax, s);
       sc[r] = s; par[r] = kRoot; rk[r] = (uint16_t)r; dp[r] = 1; bk[r] = (uint16_t)b;
-      ctx.atomic_add(&hist[b], 1);
-      ctx.atomic_add(&lh_par[b], 1);
+      ctx.atomic_add(&hist[b], kBoth);
+      ctx.atomic_add(&gcnt[b >> 5], kBoth);
     }
     ctx.sync();
-    ctx.scan2(hist, hpre, lh_par, lh_par, kNB, scan_tmp);
-    crossing(hist, hpre, M_BT);
+    gscan(hist, gcnt, hpre, kLo, M_BT, true);
     exact_threshold(keff);
 
-    // ---- levels 2..D (7 barriers per level on the common path)
+    // ---- levels 2..D (6 block barriers per level on the common path: 2 count + offsets,
+    // 1 materialise, 1 histogram scan, 2 exact threshold)
     for (int d = 2; d <= D; ++d) {
       const int p0 = misc[M_LS + d - 1], p1 = misc[M_LS + d], np = p1 - p0;
       const int used = misc[M_USED];
       const int bt = misc[M_BT];
-      for (int j = tid; j < np; j += nt) { ctx.step(1); cnt[j] = count_children(p0 + j, d, bt, lh_par); }
-      for (int i = tid; i < kNB; i += nt) { ctx.step(1); lh_new[i] = 0; }
-      ctx.sync();
-      int T = ctx.scan2(cnt, cnt, nullptr, nullptr, np, scan_tmp);
+      if (tid < kNG) gcnt[tid] &= kLo;  // the level halves of hist were cleared by gscan
+      const int per = (np + nt - 1) / nt;  // this thread's parents: [j0, j1)
+      const int j0 = tid * per < np ? tid * per : np, j1 = j0 + per < np ? j0 + per : np;
+      int s = 0;
+      for (int j = j0; j < j1; ++j) {
+        ctx.step(1);
+        const int c = count_children(p0 + j, d, bt);
+        cnt[j] = c;
+        s += c;
+      }
+      int T = offsets(false, s, j0, j1);
       if (T == 0) break;
       const float* row = lpc + (size_t)(d - 1) * keff;
       if (T > B || used + T > cap) {
         // probe: count every allowed child into a copy of the histogram, take the tighter
         // threshold (the B-th over materialised + probed prefixes), recount.
-        for (int i = tid; i < kNB; i += nt) { ctx.step(1); phist[i] = hist[i]; }
+        for (int i = tid; i < kNB; i += nt) { ctx.step(1); phist[i] = hist[i]; }  // level halves are 0
+        if (tid < kNG) pgc[tid] = gcnt[tid];
         if (tid == 0) misc[M_BT2] = kBottom;
         ctx.sync();
         for (int t = tid; t < T; t += nt) {
           ctx.step(1);
           const int j = owner(cnt, np, t);
           const int p = p0 + j, r = t - cnt[j];
-          ctx.atomic_add(&phist[bucket_of(smax, sc[p] + (double)row[r])], 1);
+          const int b = bucket_of(smax, sc[p] + (double)row[r]);
+          ctx.atomic_add(&phist[b], 1);
+          ctx.atomic_add(&pgc[b >> 5], 1);
         }
         ctx.sync();
-        ctx.scan2(phist, lh_par, nullptr, nullptr, kNB, scan_tmp);  // lh_par is free now
-        crossing(phist, lh_par, M_BT2);
+        gscan(phist, pgc, nullptr, -1, M_BT2, false);
         const int bt2 = misc[M_BT2];
-        for (int j = tid; j < np; j += nt) {  // new counts into nid (free until the end)
+        int s2 = 0;
+        for (int j = j0; j < j1; ++j) {  // new counts into nid (free until the end)
+          ctx.step(1);
           int c = (j + 1 < np ? cnt[j + 1] : T) - cnt[j];
           if (bt2 != kBottom) {
-            const double s = sc[p0 + j];
+            const double sp = sc[p0 + j];
             int lo = 0, hi = c;
             while (lo < hi) {
               ctx.step(1);
               const int mid = (lo + hi) >> 1;
-              if (bucket_of(smax, s + (double)row[mid]) <= bt2) lo = mid + 1; else hi = mid;
+              if (bucket_of(smax, sp + (double)row[mid]) <= bt2) lo = mid + 1; else hi = mid;
             }
             c = lo;
           }
-          ctx.step(1);
-          nid[j] = (uint16_t)c;
+          nid[j] = (uint16_t)c;  // c <= Keff
+          s2 += c;
         }
-        ctx.sync();
-        for (int j = tid; j < np; j += nt) { ctx.step(1); cnt[j] = nid[j]; }
-        ctx.sync();
-        T = ctx.scan2(cnt, cnt, nullptr, nullptr, np, scan_tmp);
+        T = offsets(true, s2, j0, j1);
         if (used + T > cap) return -1;  // candidate store overflow: exact fallback
         if (T == 0) break;
       }
@@ -450,8 +512,8 @@ struct TreeBlock {
         const double s = sc[p] + (double)row[r];
         const int b = bucket_of(smax, s);
         sc[x] = s; par[x] = (uint16_t)p; rk[x] = (uint16_t)r; dp[x] = (uint8_t)d; bk[x] = (uint16_t)b;
-        ctx.atomic_add(&hist[b], 1);
-        ctx.atomic_add(&lh_new[b], 1);
+        ctx.atomic_add(&hist[b], kBoth);
+        ctx.atomic_add(&gcnt[b >> 5], kBoth);
       }
       if (tid == 0) {
         misc[M_USED] = used + T;
@@ -459,29 +521,26 @@ struct TreeBlock {
         misc[M_BT] = kBottom;
       }
       ctx.sync();
-      ctx.scan2(hist, hpre, lh_new, lh_new, kNB, scan_tmp);
-      crossing(hist, hpre, M_BT);
+      gscan(hist, gcnt, hpre, kLo, M_BT, true);
       exact_threshold(used + T);
-      int* t2 = lh_par; lh_par = lh_new; lh_new = t2;
     }
 
     // ---- final ranking: counting sort by bucket, exact comparisons inside a bucket
     const int used = misc[M_USED];
     const int bt = misc[M_BT];
-    int total_in = hpre[bt] + hist[bt];
+    // with fewer than B prefixes (bt = kBottom) all `used` of them are in
+    const int total_in = bt == kBottom ? used : (hpre[bt] & kLo) + (hist[bt] & kLo);
     const int n = total_in < B ? total_in : B;
-    for (int i = tid; i < kNB; i += nt) { ctx.step(1); lhist[i] = 0; }  // cursors
-    ctx.sync();
-    for (int x = tid; x < used; x += nt) {
+    for (int x = tid; x < used; x += nt) {  // cur[] was zeroed in phase 0
       ctx.step(1);
       int b = bk[x];
-      if (b <= bt) ord[hpre[b] + ctx.atomic_add(&lhist[b], 1)] = (uint16_t)x;
+      if (b <= bt) ord[(hpre[b] & kLo) + ctx.atomic_add(&cur[b], 1)] = (uint16_t)x;
     }
     ctx.sync();
     for (int x = tid; x < used; x += nt) {
       int b = bk[x];
       if (b > bt) continue;
-      int s0 = hpre[b], cb = hist[b];
+      int s0 = hpre[b] & kLo, cb = hist[b] & kLo;
       int rank = s0;
       ctx.step(1 + cb);
       for (int k = s0; k < s0 + cb; ++k) {

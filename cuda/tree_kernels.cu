@@ -13,7 +13,8 @@ namespace {
 
 using treeimpl::TreeArgs;
 
-// The block context the portable algorithm runs on: thread id, barrier, shared atomics, scan.
+// The block context the portable algorithm runs on: thread id, barrier, shared atomics, warp
+// shuffles.
 struct GpuCtx {
   __device__ int tid() const { return (int)threadIdx.x; }
   __device__ int nthreads() const { return (int)blockDim.x; }
@@ -22,55 +23,17 @@ struct GpuCtx {
   __device__ int atomic_add(int* p, int v) const { return atomicAdd(p, v); }
   __device__ void atomic_min(int* p, int v) const { atomicMin(p, v); }
   __device__ void atomic_max(int* p, int v) const { atomicMax(p, v); }
-  // Exclusive scans of a_in[0..n) into a_out and, if b_in, of b_in into b_out (in place
-  // allowed); returns the total of a to every thread. Two barriers, the last at the end. Each
-  // thread scans a contiguous segment; warp shuffles; every warp scans the warp totals itself.
-  // tmp: >= 64 ints of shared memory.
-  __device__ int scan2(const int* a_in, int* a_out, const int* b_in, int* b_out, int n, int* tmp) const {
-    const int t = (int)threadIdx.x, nt = (int)blockDim.x;
-    const int lane = t & 31, warp = t >> 5, nwarps = (nt + 31) >> 5;
-    const int per = (n + nt - 1) / nt;
-    const int b = t * per < n ? t * per : n;
-    const int e = b + per < n ? b + per : n;
-    int sa = 0, sb = 0;
-    for (int i = b; i < e; ++i) {
-      sa += a_in[i];
-      if (b_in) sb += b_in[i];
-    }
-    int xa = sa, xb = sb;
+  // Warp-level primitives (every lane of the warp calls them, full mask).
+  __device__ int warp_incl_sum(int v) const {  // inclusive prefix sum over the lanes
+    const int lane = (int)threadIdx.x & 31;
 #pragma unroll
     for (int off = 1; off < 32; off <<= 1) {
-      const int ya = __shfl_up_sync(0xffffffffu, xa, off);
-      const int yb = __shfl_up_sync(0xffffffffu, xb, off);
-      if (lane >= off) { xa += ya; xb += yb; }
+      const int y = __shfl_up_sync(0xffffffffu, v, off);
+      if (lane >= off) v += y;
     }
-    if (lane == 31) { tmp[warp] = xa; tmp[32 + warp] = xb; }
-    __syncthreads();
-    const int wa0 = lane < nwarps ? tmp[lane] : 0, wb0 = lane < nwarps ? tmp[32 + lane] : 0;
-    int wa = wa0, wb = wb0;
-#pragma unroll
-    for (int off = 1; off < 32; off <<= 1) {
-      const int ya = __shfl_up_sync(0xffffffffu, wa, off);
-      const int yb = __shfl_up_sync(0xffffffffu, wb, off);
-      if (lane >= off) { wa += ya; wb += yb; }
-    }
-    const int total = __shfl_sync(0xffffffffu, wa, nwarps - 1);
-    const int ea = __shfl_sync(0xffffffffu, wa - wa0, warp);
-    const int eb = __shfl_sync(0xffffffffu, wb - wb0, warp);
-    int ra = ea + xa - sa, rb = eb + xb - sb;
-    for (int i = b; i < e; ++i) {
-      const int va = a_in[i];
-      a_out[i] = ra;
-      ra += va;
-      if (b_in) {
-        const int vb = b_in[i];
-        b_out[i] = rb;
-        rb += vb;
-      }
-    }
-    __syncthreads();
-    return total;
+    return v;
   }
+  __device__ int warp_shfl(int v, int src) const { return __shfl_sync(0xffffffffu, v, src); }
 };
 
 __global__ void __launch_bounds__(1024) tree_build_kernel(TreeArgs a) {

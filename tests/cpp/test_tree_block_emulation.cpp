@@ -33,17 +33,37 @@ namespace {
 using kdtree::treeimpl::TreeArgs;
 using kdtree::treeimpl::TreeBlock;
 
+struct Warp {  // 32 consecutive threads: a barrier and an exchange buffer for the shuffles
+  std::mutex mu;
+  std::condition_variable cv;
+  int arrived = 0;
+  long generation = 0;
+  int buf[32] = {};
+  void barrier() {
+    std::unique_lock<std::mutex> lk(mu);
+    const long gen = generation;
+    if (++arrived == 32) {
+      arrived = 0;
+      ++generation;
+      cv.notify_all();
+    } else {
+      cv.wait(lk, [&] { return generation != gen; });
+    }
+  }
+};
+
 struct Block {  // what the threads of one emulated block share
   int nthreads = 0;
   std::mutex mu;
   std::condition_variable cv;
   int arrived = 0;
   long generation = 0;
-  int scan_total = 0;
-  // Latency proxy: block barriers the GPU would execute, block-wide scans (and their lengths),
-  // and the critical path = sum over barrier intervals of the largest per-thread step count.
+  // Latency proxy: block barriers the GPU would execute, entries that go through warp scans
+  // (32 per warp_incl_sum of a warp), and the critical path = the sum over barrier intervals of
+  // the largest per-thread step count (ctx.step; a warp scan counts 5, a shuffle 1).
   std::vector<long> steps;
-  long gpu_barriers = 0, scans = 0, scan_elems = 0, crit = 0;
+  std::vector<Warp> warps;  // nthreads / 32
+  long gpu_barriers = 0, scan_elems = 0, crit = 0;
 
   // gpu = false: a barrier of the emulation only (the GPU has none there): not counted.
   void barrier(bool gpu = true) {
@@ -83,36 +103,33 @@ struct HostCtx {
     while (v > cur && !__atomic_compare_exchange_n(p, &cur, v, false, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
     }
   }
-  // Exclusive scans of a_in into a_out and of b_in into b_out (in place allowed); returns the
-  // total of a. Same contract as the GPU's GpuCtx::scan2 (inputs complete before the call,
-  // outputs visible to every thread after it).
-  // Latency proxy: the GPU scan's two barriers and its per-thread serial work (a segment of
-  // ceil(n / nthreads) entries summed, then written, 5 shuffle steps on each side).
-  int scan2(const int* a_in, int* a_out, const int* b_in, int* b_out, int n, int* /*tmp*/) const {
-    const int per = (n + blk->nthreads - 1) / blk->nthreads;
-    step(per * (b_in ? 2 : 1) + 5);
-    blk->barrier();
-    step(per * (b_in ? 2 : 1) + 5);
-    if (t == 0) {
-      ++blk->scans;
-      blk->scan_elems += n * (b_in ? 2 : 1);
-      int ra = 0, rb = 0;
-      for (int i = 0; i < n; ++i) {
-        const int va = a_in[i];
-        a_out[i] = ra;
-        ra += va;
-        if (b_in) {
-          const int vb = b_in[i];
-          b_out[i] = rb;
-          rb += vb;
-        }
-      }
-      blk->scan_total = ra;
+  // Warp primitives with CUDA's full-mask semantics: lanes = 32 consecutive thread ids; every
+  // lane publishes its value in the warp's exchange buffer, a warp barrier, each lane reads what
+  // it needs, a second warp barrier (the buffer is reused by the next call). A lane that skips a
+  // call its warp makes hangs the test (on the GPU it would be undefined behaviour).
+  int warp_incl_sum(int v) const {
+    step(5);  // 5 shuffle rounds on the GPU
+    Warp& w = blk->warps[t >> 5];
+    const int lane = t & 31;
+    if (lane == 0) {
+      std::lock_guard<std::mutex> lk(blk->mu);
+      blk->scan_elems += 32;
     }
-    blk->barrier();
-    const int total = blk->scan_total;
-    blk->barrier(false);  // every thread has read the total before a later scan may overwrite it
-    return total;
+    w.buf[lane] = v;
+    w.barrier();
+    int r = 0;
+    for (int i = 0; i <= lane; ++i) r += w.buf[i];
+    w.barrier();
+    return r;
+  }
+  int warp_shfl(int v, int src) const {
+    step(1);
+    Warp& w = blk->warps[t >> 5];
+    w.buf[t & 31] = v;
+    w.barrier();
+    const int r = w.buf[src & 31];
+    w.barrier();
+    return r;
   }
 };
 
@@ -121,7 +138,7 @@ int tree_threads(int B) { return B > 512 ? 1024 : (B > 256 ? 512 : (B > 64 ? 256
 struct Out {
   std::vector<int32_t> tokens, depths, parents, positions, n, path;
   std::vector<uint64_t> vis;
-  long gpu_barriers = 0, scans = 0, scan_elems = 0, crit = 0;
+  long gpu_barriers = 0, scan_elems = 0, crit = 0;
 };
 
 Out run_block(const std::vector<float>& lp, const std::vector<int32_t>& ids, int D, int K, int B, int cache_len,
@@ -157,6 +174,7 @@ Out run_block(const std::vector<float>& lp, const std::vector<int32_t>& ids, int
   Block blk;
   blk.nthreads = tree_threads(B);
   blk.steps.assign(blk.nthreads, 0);
+  blk.warps = std::vector<Warp>(blk.nthreads / 32);
   std::vector<std::thread> threads;
   threads.reserve(blk.nthreads);
   for (int t = 0; t < blk.nthreads; ++t) {
@@ -168,7 +186,6 @@ Out run_block(const std::vector<float>& lp, const std::vector<int32_t>& ids, int
   }
   for (auto& th : threads) th.join();
   o.gpu_barriers = blk.gpu_barriers;
-  o.scans = blk.scans;
   o.scan_elems = blk.scan_elems;
   long m = 0;
   for (long v : blk.steps) m = std::max(m, v);
@@ -192,6 +209,14 @@ void make_case(std::mt19937_64& rng, int kind, int D, int K, std::vector<float>*
     std::vector<double> x(K);
     const double peak = 2.0 + 4.0 * std::fabs(nd(rng));
     for (int j = 0; j < K; ++j) x[j] = nd(rng) * 2.0 + (j == 0 ? peak : 0.0);
+    if (kind == 4)  // very peaked: deep, narrow trees
+      for (int j = 0; j < K; ++j) x[j] = (j == 0 ? 12.0 + 4.0 * std::fabs(nd(rng)) : 0.0) + 0.3 * nd(rng);
+    if (kind == 5)  // near-flat: crowded buckets (exact threshold skipped, probes)
+      for (int j = 0; j < K; ++j) x[j] = 1e-3 * nd(rng);
+    if (kind == 6)  // exactly flat rows: exact ties everywhere (store overflow -> fallback)
+      for (int j = 0; j < K; ++j) x[j] = (d % 3 == 0) ? 0.0 : 0.25 * (double)(j / 3);
+    if (kind == 7)  // the benchmark's Zipf-like drafter
+      for (int j = 0; j < K; ++j) x[j] = -(1.3 + (d % 5) * 0.25) * std::log(j + 1.0) + 0.5 * nd(rng);
     if (kind == 1)
       for (double& v : x) v = std::round(v * 2.0) / 2.0;  // many exact ties
     std::sort(x.begin(), x.end(), [](double p, double q) { return p > q; });
@@ -199,7 +224,7 @@ void make_case(std::mt19937_64& rng, int kind, int D, int K, std::vector<float>*
     for (double v : x) s += std::exp(v - m);
     const float lse = (float)(m + std::log(s + 1.0));  // as if over a larger vocab
     for (int j = 0; j < K; ++j) (*lp)[(size_t)d * K + j] = (float)x[j] - lse;
-    if (kind == 2) {  // -inf tail in some rows
+    if (kind == 2 || kind == 7) {  // -inf tail in some rows
       const int f = 1 + (int)(rng() % (uint64_t)K);
       if (rng() % 2)
         for (int j = f; j < K; ++j) (*lp)[(size_t)d * K + j] = -INFINITY;
@@ -282,7 +307,7 @@ void drafter_rows(uint64_t seed, bool peaked, int D, int V, int K, std::vector<f
 int proxy_table() {
   kdtree::Tree tree;
   kdtree::TreeBuildWorkspace ws;
-  std::printf("| drafter | B | threads | n | depth | path | block barriers | scans (entries) | critical path steps |\n");
+  std::printf("| drafter | B | threads | n | depth | path | block barriers | scanned entries | critical path steps |\n");
   std::printf("|---|---|---|---|---|---|---|---|---|\n");
   for (int peaked = 1; peaked >= 0; --peaked)
     for (int B : {16, 64, 256, 1024}) {
@@ -294,8 +319,8 @@ int proxy_table() {
       const Out o = run_block(lp, ids, D, K, B, 0, false);
       int depth = 0;
       for (int i = 0; i < o.n[0]; ++i) depth = std::max(depth, o.depths[i]);
-      std::printf("| %s | %d | %d | %d | %d | %s | %ld | %ld (%ld) | %ld |\n", peaked ? "peaked" : "flat", B,
-                  tree_threads(B), o.n[0], depth, o.path[0] == 0 ? "parallel" : "fallback", o.gpu_barriers, o.scans,
+      std::printf("| %s | %d | %d | %d | %d | %s | %ld | %ld | %ld |\n", peaked ? "peaked" : "flat", B,
+                  tree_threads(B), o.n[0], depth, o.path[0] == 0 ? "parallel" : "fallback", o.gpu_barriers,
                   o.scan_elems, o.crit);
     }
   std::printf("proxy cases: %d failures\n", failures);
@@ -323,6 +348,23 @@ int main() {
     make_case(rng, kind, D, K, &lp, &ids);
     check_case(c, lp, ids, D, K, B, kind, &tree, &ws);
     ++done;
+  }
+  // Regimes the main loop rarely hits: small budgets (B <= 64: one warp's worth), deep narrow
+  // trees, near-flat and exactly flat drafts (ties), Zipf rows with -inf tails.
+  {
+    std::mt19937_64 rng2(77001);
+    const int small_b[] = {1, 2, 4, 5, 7, 16, 24, 32, 33, 48, 63, 64, 96, 128, 200, 256, 1000, 1024};
+    for (int c = 0; c < cases / 2; ++c) {
+      const int B = small_b[rng2() % (sizeof(small_b) / sizeof(small_b[0]))];
+      const int D = 1 + (int)(rng2() % 16);
+      const int K = 1 + (int)(rng2() % (uint64_t)std::min(B, c % 3 == 0 ? 1024 : 64));
+      const int kind = 4 + (int)(rng2() % 4);
+      std::vector<float> lp;
+      std::vector<int32_t> ids;
+      make_case(rng2, kind, D, K, &lp, &ids);
+      check_case(100000 + c, lp, ids, D, K, B, kind, &tree, &ws);
+      ++done;
+    }
   }
   // the empty cases: B = 0 (root only)
   {
