@@ -3,15 +3,16 @@
 //
 // The block's threads are std::threads with the same count the kernel launches (128..1024 by
 // budget), sharing one byte buffer as "shared memory"; the Ctx gives them a barrier (mutex +
-// condition variable), atomics (GCC __atomic builtins) and the block-wide exclusive scan
-// (computed by thread 0 between two barriers: the GPU's scan has the same contract). Every case
+// condition variable), atomics (GCC __atomic builtins) and warp shuffles (a warp = 32
+// consecutive thread ids with its own barrier and exchange buffer, full-mask semantics). Every case
 // is compared with the CPU twin (cpp/tree.h tree_build, itself checked against the NumPy oracle):
 // n, node tokens / depths / parents / positions, the visibility bitmask bit for bit, the padding
 // past n (tokens -1, depths 0, parents -1, positions -1, no stray visibility bits), and which
 // path ran (most cases must take the parallel path). Both paths are checked: every case also
 // runs with force_fallback = 1.
 //
-// KDTREE_EMU_CASES (default 60) sets the number of random cases.
+// KDTREE_EMU_CASES (default 60) sets the number of random cases (plus half as many of other
+// regimes); KDTREE_EMU_PROXY=1 prints the latency proxy (barriers, critical path) instead.
 #include <algorithm>
 #include <atomic>
 #include <cmath>
