@@ -741,6 +741,39 @@ py::array_t<int32_t> choose_tokens_np(const py::object& logits_o, const py::obje
   return out;
 }
 
+
+// linear_skinny on host arrays: x [rx, ldx], w [rw, cw] (flat, batch b at w_off + b * w_batch, row
+// n at + n * Kd), y [ry, ldy] (uploaded as given: beta = 0 must not read it). Returns the y array
+// after the kernel.
+py::array_t<float> linear_skinny_np(const py::object& x_o, const py::object& w_o, const py::object& y_o, int T, int N,
+                                    int Kd, int batch, long long x_batch, long long w_batch, long long y_batch,
+                                    double beta, long long x_off, long long w_off) {
+  auto x = as_c<float>(x_o, "x", 2);
+  auto w = as_c<float>(w_o, "w", 2);
+  auto y = as_c<float>(y_o, "y", 2);
+  if (x_off < 0 || w_off < 0 || x_off > (long long)x.size() || w_off > (long long)w.size())
+    throw kdtree::Error("cuda_linear_skinny: offsets out of range");
+  // every element the kernel may touch must lie inside the arrays
+  const long long ldx = x.shape(1), ldy = y.shape(1);
+  auto last = [](long long off, long long bstride, long long rows, long long ld, long long cols, int b) {
+    return off + (long long)(b - 1) * bstride + (rows - 1) * ld + cols;
+  };
+  if (T > 0 && batch > 0 &&
+      (last(x_off, x_batch, T, ldx, Kd, batch) > (long long)x.size() ||
+       last(w_off, w_batch, N, Kd, Kd, batch) > (long long)w.size() || last(0, y_batch, T, ldy, N, batch) > (long long)y.size()))
+    throw kdtree::Error("cuda_linear_skinny: the sizes reach past the arrays");
+  require_device();
+  DevBuf dx(sizeof(float) * (x.size() + 4)), dw(sizeof(float) * (w.size() + 4)), dy(sizeof(float) * y.size());
+  dx.upload(x.data(), sizeof(float) * x.size());
+  dw.upload(w.data(), sizeof(float) * w.size());
+  dy.upload(y.data(), sizeof(float) * y.size());
+  kc::LinearParams lp{dx.as<float>() + x_off, ldx, x_batch, dw.as<float>() + w_off, w_batch, dy.as<float>(), ldy, y_batch,
+                      T, N, Kd, batch, (float)beta};
+  check_cuda(kc::linear_skinny(lp, nullptr), "linear_skinny");
+  check_cuda(cudaDeviceSynchronize(), "linear_skinny");
+  return to_numpy<float>(dy, {y.shape(0), y.shape(1)});
+}
+
 void bind_cuda(py::module_& m) {
   m.attr("cuda_kernels_compiled") = true;
   m.def("cuda_tree_build", &tree_build_np, py::arg("logprobs"), py::arg("token_ids"), py::arg("budget"),
@@ -756,6 +789,10 @@ void bind_cuda(py::module_& m) {
         py::arg("top_k") = 0, py::arg("top_p") = 1.0, py::arg("seed") = 0,
         "The GPU round's per-node choice (choose_tokens) on host float32 logits [T, V] and int32 positions [T]: "
         "must equal _native.sampler_choose.");
+  m.def("cuda_linear_skinny", &linear_skinny_np, py::arg("x"), py::arg("w"), py::arg("y"), py::arg("T"), py::arg("N"),
+        py::arg("Kd"), py::arg("batch") = 1, py::arg("x_batch") = 0, py::arg("w_batch") = 0, py::arg("y_batch") = 0,
+        py::arg("beta") = 0.0, py::arg("x_off") = 0, py::arg("w_off") = 0,
+        "The skinny linear kernel on host arrays (tests): y[b][t, n] = beta y + sum_k x[b][t, k] w[b][n, k].");
   m.def("cuda_tree_accept", &tree_accept_np, py::arg("tokens"), py::arg("parents"), py::arg("choice"),
         "GPU accept walk: (path int32 [m], bonus).");
   m.def("cuda_kv_compact", &kv_compact_np, py::arg("cache"), py::arg("cache_len"), py::arg("path"),

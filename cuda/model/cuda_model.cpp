@@ -36,6 +36,9 @@ namespace {
 
 constexpr int64_t kAlignBytes = cuda::kArenaAlign;
 constexpr int64_t kCublasWorkspace = 32ll << 20;
+// Steps of up to this many tokens run the dense projections through cuda::linear_skinny (the
+// crossover with cuBLAS measured on the H200, docs/CUDA.md "Skinny linear layers").
+constexpr int64_t kSkinnyAutoMaxT = 16;
 
 std::string mib(int64_t bytes) {
   char b[64];
@@ -81,6 +84,10 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   if (opt.math < 0 || opt.math > 2) throw Error("CudaModel: math must be 0 (default), 1 (pedantic) or 2 (tf32)");
   if (opt.expert_kernel < 0 || opt.expert_kernel > 2)
     throw Error("CudaModel: expert_kernel must be 0 (auto), 1 (skinny) or 2 (tiled)");
+  if (opt.skinny_max_tokens < -1 || opt.skinny_max_tokens > cuda::kLinearSkinnyMaxT)
+    throw Error("CudaModel: skinny_max_tokens must be -1 (auto) or in [0, " + std::to_string(cuda::kLinearSkinnyMaxT) +
+                "], got " + std::to_string(opt.skinny_max_tokens));
+  skinny_max_t_ = opt.skinny_max_tokens < 0 ? kSkinnyAutoMaxT : opt.skinny_max_tokens;
   const int64_t Dm = c.hidden_size, H = c.num_attention_heads, C = c.kv_lora_rank, R = c.qk_rope_head_dim;
   const int64_t Dn = c.qk_nope_head_dim, Dv = c.v_head_dim, Dqk = c.qk_head_dim(), CR = C + R;
   const int64_t qr = c.q_lora_rank, V = c.vocab_size, Tm = max_tokens_;
@@ -134,7 +141,7 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
       w.add(&ly.q_b, H * Dqk * Dm);
     }
     w.add(&ly.kv_a_ln, C);
-    w.add(&ly.w_uk, H * Dn * C);
+    w.add(&ly.w_ukT, H * Dn * C);
     w.add(&ly.w_uv, H * Dv * C);
     w.add(&ly.o_proj, Dm * H * Dv);
     ly.moe = c.is_moe_layer(l);
@@ -390,10 +397,11 @@ void CudaModel::set_weight(const std::string& name, const float* data, const std
     std::vector<float> uk((size_t)(H * Dn * C)), uv((size_t)(H * Dv * C));
     for (int64_t h = 0; h < H; ++h) {
       const float* src = data + h * (Dn + Dv) * C;
-      std::memcpy(uk.data() + h * Dn * C, src, (size_t)(Dn * C) * sizeof(float));
+      for (int64_t d = 0; d < Dn; ++d)  // W_UK[h] [Dn, C] -> W_UK[h]^T [C, Dn]
+        for (int64_t c = 0; c < C; ++c) uk[(size_t)(h * C * Dn + c * Dn + d)] = src[d * C + c];
       std::memcpy(uv.data() + h * Dv * C, src + Dn * C, (size_t)(Dv * C) * sizeof(float));
     }
-    if (!uk.empty()) check_cuda(cudaMemcpy(ly.w_uk, uk.data(), uk.size() * sizeof(float), cudaMemcpyHostToDevice), "set_weight upload");
+    if (!uk.empty()) check_cuda(cudaMemcpy(ly.w_ukT, uk.data(), uk.size() * sizeof(float), cudaMemcpyHostToDevice), "set_weight upload");
     check_cuda(cudaMemcpy(ly.w_uv, uv.data(), uv.size() * sizeof(float), cudaMemcpyHostToDevice), "set_weight upload");
   }
   s.set = true;
@@ -427,6 +435,11 @@ void CudaModel::reset() {
 // ---------------------------------------------------------------- building blocks
 void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, const float* w, float* out,
                         int64_t ldo, float beta) {
+  if (T <= skinny_max_t_) {
+    cuda::LinearParams lp{in, ldi, 0, w, 0, out, ldo, 0, (int)T, (int)N, (int)Kd, 1, beta};
+    check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny");
+    return;
+  }
   const cuda::CublasApi& api = cuda::cublas_api();
   const float alpha = 1.f;
   check_cublas(api.sgemm(as_handle(cublas_), CUBLAS_OP_T, CUBLAS_OP_N, (int)N, (int)T, (int)Kd, &alpha, w, (int)Kd, in,
@@ -496,13 +509,18 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
   mp.row0_dev = len_d;
   mp.q_rope = q_rope_;
   check_cuda(cuda::mla_prep(mp, st), "mla_prep");
-  // Absorption: q_lat[t, h, :] = q_nope[t, h, :] @ W_UK[h]   (col-major: [C x T] = W_UK[h]^T-view x q_h).
+  // Absorption: q_lat[t, h, :] = W_UK[h]^T q_nope[t, h, :], with W_UK[h]^T stored row-major [C, Dn] (w_ukT).
   const float one = 1.f, zero = 0.f;
   if (Dn > 0) {
-    check_cublas(api.sgemm_strided_batched(as_handle(cublas_), CUBLAS_OP_N, CUBLAS_OP_N, (int)C, (int)T, (int)Dn, &one,
-                                           ly.w_uk, (int)C, Dn * C, q_, (int)(H * Dqk), Dqk, &zero, q_lat_,
-                                           (int)(H * C), C, (int)H),
-                 "sgemm_strided_batched(absorb W_UK)");
+    if (T <= skinny_max_t_) {
+      cuda::LinearParams lp{q_, H * Dqk, Dqk, ly.w_ukT, C * Dn, q_lat_, H * C, C, (int)T, (int)C, (int)Dn, (int)H, 0.f};
+      check_cuda(cuda::linear_skinny(lp, st), "linear_skinny(absorb W_UK)");
+    } else {
+      check_cublas(api.sgemm_strided_batched(as_handle(cublas_), CUBLAS_OP_T, CUBLAS_OP_N, (int)C, (int)T, (int)Dn,
+                                             &one, ly.w_ukT, (int)Dn, Dn * C, q_, (int)(H * Dqk), Dqk, &zero, q_lat_,
+                                             (int)(H * C), C, (int)H),
+                   "sgemm_strided_batched(absorb W_UK)");
+    }
   } else {
     check_cuda(cudaMemsetAsync(q_lat_, 0, (size_t)(T * H * C) * sizeof(float), st), "cudaMemset(q_lat)");
   }
@@ -528,10 +546,15 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
     throw RuntimeFailure("CudaModel: internal error, verify_attention needs more workspace than was sized");
   check_cuda(cuda::verify_attention(vp, st), "verify_attention");
   // Values: ov[t, h, :] = o_lat[t, h, :] @ W_UV[h]^T, then x += ov @ o_proj^T.
-  check_cublas(api.sgemm_strided_batched(as_handle(cublas_), CUBLAS_OP_T, CUBLAS_OP_N, (int)Dv, (int)T, (int)C, &one,
-                                         ly.w_uv, (int)C, Dv * C, o_lat_, (int)(H * C), C, &zero, ov_, (int)(H * Dv),
-                                         Dv, (int)H),
-               "sgemm_strided_batched(W_UV)");
+  if (T <= skinny_max_t_) {
+    cuda::LinearParams lp{o_lat_, H * C, C, ly.w_uv, Dv * C, ov_, H * Dv, Dv, (int)T, (int)Dv, (int)C, (int)H, 0.f};
+    check_cuda(cuda::linear_skinny(lp, st), "linear_skinny(W_UV)");
+  } else {
+    check_cublas(api.sgemm_strided_batched(as_handle(cublas_), CUBLAS_OP_T, CUBLAS_OP_N, (int)Dv, (int)T, (int)C, &one,
+                                           ly.w_uv, (int)C, Dv * C, o_lat_, (int)(H * C), C, &zero, ov_, (int)(H * Dv),
+                                           Dv, (int)H),
+                 "sgemm_strided_batched(W_UV)");
+  }
   gemm_nt(T, Dm, H * Dv, ov_, H * Dv, ly.o_proj, x_, Dm, 1.f);
 }
 

@@ -38,6 +38,8 @@ struct CudaModelOptions {
   int math = 0;                  // cuBLAS math: kMathDefault (FP32), kMathPedantic, kMathTf32 (opt-in)
   bool attention_naive = false;  // force verify_attention's simple reference kernel (testing)
   int expert_kernel = 0;         // kExpertAuto, kExpertSkinny (GEMV-style), kExpertTiled (testing/benchmarks)
+  int skinny_max_tokens = -1;    // steps of <= this many tokens run the dense projections through
+                                 // linear_skinny instead of cuBLAS; -1 = auto, 0 = never (cuBLAS only)
   bool graphs = true;            // forward_device replays a CUDA graph per (T, context bucket, buffers) from
                                  // the second call with the same shape on (docs/CUDA_MODEL.md)
   static constexpr int kMathDefault = 0, kMathPedantic = 1, kMathTf32 = 2;
@@ -119,7 +121,7 @@ class CudaModel : public TargetModel {
     float* q_a_ln = nullptr;   // [qr]
     float* q_b = nullptr;      // [H*Dqk, qr], or q_proj [H*Dqk, Dm] when q_lora_rank == 0
     float* kv_a_ln = nullptr;  // [C]
-    float *w_uk = nullptr, *w_uv = nullptr;              // [H, Dn, C], [H, Dv, C] (from kv_b_proj)
+    float *w_ukT = nullptr, *w_uv = nullptr;             // [H, C, Dn] (W_UK transposed), [H, Dv, C] (from kv_b_proj)
     float* o_proj = nullptr;   // [Dm, H*Dv]
     bool moe = false;
     float *mlp_gate_up = nullptr, *mlp_down = nullptr;   // dense: [2I, Dm], [Dm, I]
@@ -132,7 +134,7 @@ class CudaModel : public TargetModel {
   struct Slot {
     float* dst = nullptr;
     std::vector<int64_t> shape;
-    int kind = 0;  // kCopy, or kKvB (split into w_uk / w_uv)
+    int kind = 0;  // kCopy, or kKvB (split into w_ukT / w_uv)
     int64_t layer = -1;
     bool set = false;
   };
@@ -173,6 +175,7 @@ class CudaModel : public TargetModel {
 
   ModelConfig cfg_;
   int64_t max_seq_len_ = 0, max_tokens_ = 0;
+  int64_t skinny_max_t_ = 0;  // resolved opt_.skinny_max_tokens
   CudaModelOptions opt_;
   std::string device_name_;
   void* stream_ = nullptr;          // cudaStream_t

@@ -20,6 +20,25 @@
 namespace kdtree {
 namespace cuda {
 
+// ---------------------------------------------------------------- skinny linear layer
+// y[b][t, n] = beta * y[b][t, n] + sum_k x[b][t, k] * w[b][n, k] for b < batch, t < T, n < N, k < Kd:
+// w row-major [N, Kd] (PyTorch's nn.Linear layout), T <= kLinearSkinnyMaxT token rows. For the
+// few-token steps (decode, small trees: CudaModel uses it up to 16 tokens) in place of cuBLAS
+// (linear_kernels.cu says why); batch
+// > 1 runs the per-head absorbed MLA products. FP32, deterministic. x and y must not overlap.
+constexpr int kLinearSkinnyMaxT = 32;
+struct LinearParams {
+  const float* x;          // [batch] x [T, ldx], batch stride x_batch floats
+  long long ldx, x_batch;
+  const float* w;          // [batch] x [N, Kd] row-major, batch stride w_batch floats
+  long long w_batch;
+  float* y;                // [batch] x [T, ldy], batch stride y_batch floats
+  long long ldy, y_batch;
+  int T, N, Kd, batch;
+  float beta;              // 0: y is only written (may hold garbage); else y = beta * y + x w^T
+};
+cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream);
+
 // ---------------------------------------------------------------- embedding
 struct EmbedParams {
   const int32_t* tokens;   // [T]

@@ -311,6 +311,29 @@ def test_expert_kernels_match_cpu(name, expert_kernel):
 
 @pytest.mark.cuda
 @needs_device
+@pytest.mark.parametrize("name", ["ds3_base", "kimi_like", "no_q_lora", "odd_sizes", "mla512"])
+def test_skinny_linear_and_cublas_match_cpu(name):
+    """Steps of 1..33 tokens: the dense projections through linear_skinny (the default up to 32
+    tokens) and through cuBLAS (skinny_max_tokens=0), both against the CPU model."""
+    cpu, gpu, cfg = pair(spec(name), max_seq_len=200)
+    _, gpu0, _ = pair(spec(name), max_seq_len=200, skinny_max_tokens=0)
+    ids = prompt(cfg.vocab_size, 20, seed=5)
+    for m in (cpu, gpu, gpu0):
+        prefill(m, ids)
+    for T in (1, 2, 5, 8, 17, 32, 33):
+        toks = prompt(cfg.vocab_size, T, seed=T)
+        pos = 20 + np.arange(T)
+        a = cpu.forward(toks, pos, None)
+        b = gpu.forward(toks, pos, None)
+        c = gpu0.forward(toks, pos, None)
+        assert rel_to_scale(b, a) < TOL, f"skinny T={T}"
+        assert rel_to_scale(c, a) < TOL, f"cuBLAS T={T}"
+    with pytest.raises(ValueError, match="skinny_max_tokens"):
+        _native.CudaModel(cfg.to_native(), 64, skinny_max_tokens=33)
+
+
+@pytest.mark.cuda
+@needs_device
 @pytest.mark.parametrize("naive", [False, True])
 def test_mla512_fast_and_simple_attention_match_cpu(naive):
     """C=512, R=64: verify_attention's fast kernel (with key splits at long context) or its

@@ -1,0 +1,216 @@
+// linear_kernels.cu: the skinny linear layer (few tokens x a dense weight), see model_kernels.h.
+//
+// Why: at decode and small-tree verify the dense projections of the model (q_a/kv_a, q_b, the
+// absorbed W_UK / W_UV, o_proj, the dense and shared MLPs, the router, lm_head) are a few token
+// rows against a weight matrix that is read once. cuBLAS runs them as SIMT SGEMM tiles or GEMV
+// kernels that keep few bytes in flight (mini-kimi on the H200: 3-9 us for 1.5-8 MB matrices,
+// 0.3-1 TB/s). Measured on the H200 (docs/CUDA.md "Skinny linear layers"): the whole mini-kimi
+// step is 1.1-1.45x faster with this kernel for T = 1..16; from T = 17 cuBLAS wins (this kernel
+// becomes issue-bound: ~11 cycles per instruction with few warps per SM), so CudaModel uses it
+// for T <= 16 by default; T up to 32 is accepted (tests, experiments). Here every lane streams 16-byte weight loads, U k-steps of RW rows issued before
+// any FMA, and the few token rows come through L1 (__ldg; the weight bypasses L1 so that they
+// stay). Deterministic: no atomics; per output a lane sums its k-steps in ascending order, the
+// warp's lanes are reduced by a fixed shuffle tree and (KS > 1) the block's warps in warp order.
+//
+// Layout of the work: a block has kLinWarps = 4 warps and owns RW * 4 / KS output rows; the KS
+// warps of a row group split the k-steps round robin (warp kw takes steps kw, kw + KS, ...).
+// Lane l covers the floats [4 (32 s + l), +4) of step s (VEC) or float 32 s + l (scalar).
+#include <type_traits>
+
+#include "model_kernels.h"
+
+namespace kdtree {
+namespace cuda {
+namespace {
+
+constexpr int kLinWarps = 4;
+
+template <class WT>
+__device__ __forceinline__ WT ld_weight(const float* p);
+template <>
+__device__ __forceinline__ float ld_weight<float>(const float* p) { return __ldg(p); }
+template <>
+__device__ __forceinline__ float4 ld_weight<float4>(const float* p) {
+  float4 v;  // streamed once: keep L1 for the token rows
+  asm("ld.global.nc.L1::no_allocate.v4.f32 {%0, %1, %2, %3}, [%4];"
+      : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w)
+      : "l"(p));
+  return v;
+}
+template <class WT>
+__device__ __forceinline__ WT ld_x(const float* p);
+template <>
+__device__ __forceinline__ float ld_x<float>(const float* p) { return __ldg(p); }
+template <>
+__device__ __forceinline__ float4 ld_x<float4>(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
+__device__ __forceinline__ void zero(float& v) { v = 0.f; }
+__device__ __forceinline__ void zero(float4& v) { v = make_float4(0.f, 0.f, 0.f, 0.f); }
+__device__ __forceinline__ float fdot(float w, float x, float acc) { return fmaf(w, x, acc); }
+__device__ __forceinline__ float fdot(const float4& w, const float4& x, float acc) {
+  acc = fmaf(w.x, x.x, acc);
+  acc = fmaf(w.y, x.y, acc);
+  acc = fmaf(w.z, x.z, acc);
+  return fmaf(w.w, x.w, acc);
+}
+
+// One step of the warp reduce-scatter over 32 values per lane: lanes with bit OFF set keep the
+// upper half of the live values, the others the lower half, and add their partner's copy.
+template <int OFF>
+__device__ __forceinline__ void rs_step(float* v, int lane) {
+  const bool up = (lane & OFF) != 0;
+#pragma unroll
+  for (int j = 0; j < OFF; ++j) {
+    const float send = up ? v[j] : v[j + OFF];
+    const float keep = up ? v[j + OFF] : v[j];
+    v[j] = keep + __shfl_xor_sync(0xffffffffu, send, OFF);
+  }
+}
+// v[0..31] per lane -> returns, on lane l, the warp sum of v[l] (31 shuffles for 32 sums).
+__device__ __forceinline__ float reduce_scatter32(float* v, int lane) {
+  rs_step<16>(v, lane);
+  rs_step<8>(v, lane);
+  rs_step<4>(v, lane);
+  rs_step<2>(v, lane);
+  rs_step<1>(v, lane);
+  return v[0];
+}
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o >= 1; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+template <int RW, int TT, int U, int KS, bool VEC>
+__global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearParams p) {
+  using WT = typename std::conditional<VEC, float4, float>::type;
+  constexpr int VW = VEC ? 4 : 1;
+  constexpr int NV = RW * TT;            // outputs per row group: value i * TT + t
+  constexpr int GROUPS = kLinWarps / KS; // row groups per block
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int grp = warp / KS, kw = warp % KS;
+  const int n0 = (blockIdx.x * GROUPS + grp) * RW;
+  const int T = p.T, Kd = p.Kd, N = p.N;
+  const float* X = p.x + (size_t)blockIdx.y * p.x_batch;
+  const float* W = p.w + (size_t)blockIdx.y * p.w_batch;
+  float* Y = p.y + (size_t)blockIdx.y * p.y_batch;
+  const bool live = n0 < N;  // (KS > 1: every warp reaches the block barrier below)
+
+  float acc[NV];
+#pragma unroll
+  for (int v = 0; v < NV; ++v) acc[v] = 0.f;
+  if (live) {
+    const float* wrow[RW];
+#pragma unroll
+    for (int i = 0; i < RW; ++i) wrow[i] = W + (size_t)min(n0 + i, N - 1) * Kd;  // rows >= N: unused copies
+    constexpr int STEP = 32 * VW;
+    for (int k0 = kw * U * STEP; k0 < Kd; k0 += KS * U * STEP) {
+      WT wv[U][RW];
+#pragma unroll
+      for (int u = 0; u < U; ++u) {
+        const int k = k0 + u * STEP + lane * VW;
+#pragma unroll
+        for (int i = 0; i < RW; ++i) {
+          if (k < Kd) wv[u][i] = ld_weight<WT>(wrow[i] + k);
+          else zero(wv[u][i]);
+        }
+      }
+#pragma unroll
+      for (int t = 0; t < TT; ++t) {
+        if (t < T) {  // warp-uniform
+          const float* xr = X + (size_t)t * p.ldx;
+          WT xv[U];
+#pragma unroll
+          for (int u = 0; u < U; ++u) {
+            const int k = k0 + u * STEP + lane * VW;
+            if (k < Kd) xv[u] = ld_x<WT>(xr + k);
+            else zero(xv[u]);
+          }
+#pragma unroll
+          for (int u = 0; u < U; ++u)
+#pragma unroll
+            for (int i = 0; i < RW; ++i) acc[i * TT + t] = fdot(wv[u][i], xv[u], acc[i * TT + t]);
+        }
+      }
+    }
+  }
+
+  // Warp reduction: value v of the group ends on lane v % 32 (NV >= 32) or on every lane.
+  constexpr int NR = NV >= 32 ? NV / 32 : NV;  // reduced values per lane
+  float red[NR];
+  if constexpr (NV >= 32) {
+#pragma unroll
+    for (int g = 0; g < NR; ++g) red[g] = reduce_scatter32(acc + g * 32, lane);
+  } else {
+#pragma unroll
+    for (int v = 0; v < NR; ++v) red[v] = warp_sum(acc[v]);
+  }
+  if constexpr (KS > 1) {  // the KS warps of a row group, summed in warp order by the group's first warp
+    __shared__ float part[kLinWarps][NR][32];
+#pragma unroll
+    for (int r = 0; r < NR; ++r) part[warp][r][lane] = red[r];
+    __syncthreads();
+    if (kw != 0) return;
+#pragma unroll
+    for (int r = 0; r < NR; ++r) {
+      float s = part[warp][r][lane];
+#pragma unroll
+      for (int w = 1; w < KS; ++w) s += part[warp + w][r][lane];
+      red[r] = s;
+    }
+  }
+  if (!live) return;
+#pragma unroll
+  for (int r = 0; r < NR; ++r) {
+    const int v = NV >= 32 ? r * 32 + lane : r;
+    if (NV < 32 && lane != 0) continue;
+    const int i = v / TT, t = v % TT, n = n0 + i;
+    if (t < T && n < N) {
+      float* out = Y + (size_t)t * p.ldy + n;
+      *out = p.beta != 0.f ? fmaf(p.beta, *out, red[r]) : red[r];
+    }
+  }
+}
+
+template <int RW, int TT, int U, int KS>
+cudaError_t launch(const LinearParams& p, bool vec, cudaStream_t stream) {
+  constexpr int rows_per_block = RW * kLinWarps / KS;
+  const dim3 grid((unsigned)((p.N + rows_per_block - 1) / rows_per_block), (unsigned)p.batch);
+  if (vec) linear_skinny_kernel<RW, TT, U, KS, true><<<grid, kLinWarps * 32, 0, stream>>>(p);
+  else linear_skinny_kernel<RW, TT, U, KS, false><<<grid, kLinWarps * 32, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+// Split the k-steps over 2 warps per row group when one warp per group leaves the GPU short of
+// blocks (a few hundred rows: q_a/kv_a, o_proj, W_UV) and k is long enough to share.
+constexpr long long kFillBlocks = 264;  // 2 blocks per SM on a 132-SM H200
+template <int RW, int TT, int U>
+cudaError_t launch_fill(const LinearParams& p, bool vec, cudaStream_t stream) {
+  const long long blocks = (long long)((p.N + RW * kLinWarps - 1) / (RW * kLinWarps)) * p.batch;
+  const int steps = (p.Kd + (vec ? 128 : 32) - 1) / (vec ? 128 : 32);
+  if (blocks < kFillBlocks && steps >= 2 * U) return launch<RW, TT, U, 2>(p, vec, stream);
+  return launch<RW, TT, U, 1>(p, vec, stream);
+}
+
+bool aligned16(const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15u) == 0; }
+
+}  // namespace
+
+cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream) {
+  if (!p.x || !p.w || !p.y || p.T < 0 || p.T > kLinearSkinnyMaxT || p.N <= 0 || p.Kd <= 0 || p.batch <= 0 ||
+      p.batch > 65535 || p.ldx < p.Kd || p.ldy < p.N || p.x_batch < 0 || p.w_batch < 0 || p.y_batch < 0)
+    return cudaErrorInvalidValue;
+  if (p.T == 0) return cudaSuccess;
+  const bool vec = p.Kd % 4 == 0 && p.ldx % 4 == 0 && p.x_batch % 4 == 0 && p.w_batch % 4 == 0 && aligned16(p.x) &&
+                   aligned16(p.w);
+  // (RW rows per warp, token capacity, k-steps in flight, warps per row group): chosen on the
+  // H200 with benchmarks/bench_cuda_model.py (docs/CUDA.md, "Skinny linear layers").
+  if (p.T == 1) return launch_fill<1, 1, 8>(p, vec, stream);
+  if (p.T == 2) return launch_fill<2, 2, 4>(p, vec, stream);
+  if (p.T <= 4) return launch_fill<2, 4, 4>(p, vec, stream);
+  if (p.T <= 8) return launch_fill<4, 8, 2>(p, vec, stream);
+  if (p.T <= 16) return launch_fill<4, 16, 2>(p, vec, stream);
+  return launch_fill<4, 32, 2>(p, vec, stream);  // slower than cuBLAS on the H200: opt-in only
+}
+
+}  // namespace cuda
+}  // namespace kdtree

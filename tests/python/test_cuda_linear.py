@@ -1,0 +1,113 @@
+"""The skinny linear kernel (cuda::linear_skinny, _native.cuda_linear_skinny) against a float64
+NumPy evaluation: every token count 1..32, odd and aligned sizes (scalar and float4 paths),
+batched strided layouts (the model's per-head absorbed products), beta 0 (y is not read: it is
+poisoned with NaN) and beta 1 (residual add), determinism, and the argument checks.
+Skipped without a usable CUDA device."""
+import numpy as np
+import pytest
+
+import kdtree_native as kn
+
+if not kn.cuda_available():
+    pytest.skip("no usable CUDA device", allow_module_level=True)
+
+from kdtree_native import _native as N  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+
+def reference(x, w, y0, T, Nn, Kd, batch, x_batch, w_batch, y_batch, beta, x_off=0, w_off=0):
+    """float64 result and the per-element scale sum_k |x w| (the bound's unit)."""
+    xf, wf = x.reshape(-1).astype(np.float64), w.reshape(-1).astype(np.float64)
+    y = y0.astype(np.float64).copy()
+    scale = np.zeros_like(y)
+    ldx, ldy = x.shape[1], y0.shape[1]
+    for b in range(batch):
+        X = np.stack([xf[x_off + b * x_batch + t * ldx: x_off + b * x_batch + t * ldx + Kd] for t in range(T)])
+        Wm = wf[w_off + b * w_batch: w_off + b * w_batch + Nn * Kd].reshape(Nn, Kd)
+        yv = y.reshape(-1)
+        sv = scale.reshape(-1)
+        for t in range(T):
+            idx = b * y_batch + t * ldy + np.arange(Nn)
+            acc = Wm @ X[t]
+            yv[idx] = (beta * yv[idx] if beta != 0 else 0) + acc
+            sv[idx] = np.abs(Wm) @ np.abs(X[t]) + (abs(beta) * np.abs(y0.reshape(-1)[idx]) if beta != 0 else 0)
+    return y, scale
+
+
+def run_case(rng, T, Nn, Kd, batch=1, beta=0.0, x_pad=0, y_pad=0, interleaved=False, x_off=0, w_off=0):
+    if interleaved:  # the model's head layout: x [T, batch * Kd'], head b at columns b * Kd
+        ldx, x_batch = batch * Kd + x_pad, Kd
+        ldy, y_batch = batch * Nn + y_pad, Nn
+        x = rng.standard_normal((T, ldx + x_off)).astype(np.float32)
+        y0 = rng.standard_normal((T, ldy)).astype(np.float32)
+    else:
+        ldx, x_batch = Kd + x_pad, T * (Kd + x_pad)
+        ldy, y_batch = Nn + y_pad, T * (Nn + y_pad)
+        x = rng.standard_normal((batch * T + (1 if x_off else 0), ldx)).astype(np.float32)
+        y0 = rng.standard_normal((batch * T, ldy)).astype(np.float32)
+    w_batch = Nn * Kd
+    w = rng.standard_normal((1, batch * w_batch + w_off)).astype(np.float32)
+    if beta == 0:
+        y0[:] = np.nan  # must not be read
+    got = N.cuda_linear_skinny(x, w, y0, T, Nn, Kd, batch, x_batch, w_batch, y_batch, beta, x_off, w_off)
+    ref, scale = reference(x, w, np.nan_to_num(y0) if beta == 0 else y0, T, Nn, Kd, batch, x_batch, w_batch,
+                           y_batch, beta, x_off, w_off)
+    # elements the kernel must write: finite and within 1e-5 of the scale; others untouched
+    written = scale > 0
+    assert np.isfinite(got[written]).all()
+    err = np.abs(got.astype(np.float64) - ref)
+    assert (err[written] <= 1e-5 * scale[written] + 1e-30).all(), (T, Nn, Kd, batch, float((err / (scale + 1e-30)).max()))
+    untouched = ~written
+    same = (got[untouched] == y0[untouched]) | (np.isnan(got[untouched]) & np.isnan(y0[untouched]))
+    assert same.all()
+    return got
+
+
+@pytest.mark.parametrize("T", list(range(1, 33)))
+def test_every_token_count(T):
+    rng = np.random.default_rng(T)
+    for Nn, Kd in ((37, 260), (64, 1024), (5, 4), (130, 128)):
+        run_case(rng, T, Nn, Kd, beta=0.0)
+        run_case(rng, T, Nn, Kd, beta=1.0)
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 7, 8, 9, 16, 17, 31, 32])
+def test_odd_sizes_and_scalar_path(T):
+    rng = np.random.default_rng(100 + T)
+    for Nn, Kd in ((1, 1), (3, 5), (17, 131), (33, 1027), (7, 3)):
+        run_case(rng, T, Nn, Kd, beta=0.0)
+        run_case(rng, T, Nn, Kd, beta=1.0, x_pad=3, y_pad=1)
+    # misaligned pointers with aligned sizes: the scalar path too
+    run_case(rng, T, 40, 256, x_off=1)
+    run_case(rng, T, 40, 256, w_off=2, beta=1.0)
+
+
+@pytest.mark.parametrize("T", [1, 2, 5, 17, 32])
+def test_batched_head_layouts(T):
+    rng = np.random.default_rng(200 + T)
+    # absorbed W_UK: x = q_nope heads inside [T, H * (Dn + R)], w = W_UK^T [H, C, Dn]
+    run_case(rng, T, 64, 16, batch=4, interleaved=True, x_pad=8)
+    # W_UV: x = o_lat [T, H * C], w = [H, Dv, C]
+    run_case(rng, T, 12, 96, batch=3, interleaved=True)
+    run_case(rng, T, 9, 33, batch=5, beta=1.0)
+
+
+def test_deterministic():
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((17, 2048)).astype(np.float32)
+    w = rng.standard_normal((1, 300 * 2048)).astype(np.float32)
+    y = np.zeros((17, 300), np.float32)
+    a = N.cuda_linear_skinny(x, w, y, 17, 300, 2048)
+    b = N.cuda_linear_skinny(x, w, y, 17, 300, 2048)
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_argument_checks():
+    x = np.zeros((40, 8), np.float32)
+    w = np.zeros((1, 64), np.float32)
+    y = np.zeros((40, 8), np.float32)
+    with pytest.raises(ValueError):  # T > kLinearSkinnyMaxT: the launcher refuses (cudaErrorInvalidValue)
+        N.cuda_linear_skinny(x, w, y, 33, 8, 8)
+    with pytest.raises(ValueError):  # sizes past the arrays: the binding refuses
+        N.cuda_linear_skinny(x, w, y, 4, 9, 8)
