@@ -747,7 +747,8 @@ py::array_t<int32_t> choose_tokens_np(const py::object& logits_o, const py::obje
 // after the kernel.
 py::array_t<float> linear_skinny_np(const py::object& x_o, const py::object& w_o, const py::object& y_o, int T, int N,
                                     int Kd, int batch, long long x_batch, long long w_batch, long long y_batch,
-                                    double beta, long long x_off, long long w_off) {
+                                    double beta, long long x_off, long long w_off, const py::object& norm_o,
+                                    double norm_eps) {
   auto x = as_c<float>(x_o, "x", 2);
   auto w = as_c<float>(w_o, "w", 2);
   auto y = as_c<float>(y_o, "y", 2);
@@ -769,9 +770,52 @@ py::array_t<float> linear_skinny_np(const py::object& x_o, const py::object& w_o
   dy.upload(y.data(), sizeof(float) * y.size());
   kc::LinearParams lp{dx.as<float>() + x_off, ldx, x_batch, dw.as<float>() + w_off, w_batch, dy.as<float>(), ldy, y_batch,
                       T, N, Kd, batch, (float)beta};
+  DevBuf dn;
+  if (!norm_o.is_none()) {
+    auto g = as_c<float>(norm_o, "norm_w", 1);
+    if (g.shape(0) != Kd) throw kdtree::Error("cuda_linear_skinny: norm_w must have Kd entries");
+    dn = DevBuf(sizeof(float) * Kd);
+    dn.upload(g.data(), sizeof(float) * Kd);
+    lp.norm_w = dn.as<float>();
+    lp.norm_eps = norm_eps;
+  }
   check_cuda(kc::linear_skinny(lp, nullptr), "linear_skinny");
   check_cuda(cudaDeviceSynchronize(), "linear_skinny");
   return to_numpy<float>(dy, {y.shape(0), y.shape(1)});
+}
+
+
+// moe_group on host routing indices [T, K]: the schedule it builds (tests compare the one-block
+// kernel with the two-pass one).
+py::dict moe_group_np(const py::object& idx_o, int E, int tile_rows, bool force_two_pass) {
+  auto idx = as_c<int32_t>(idx_o, "topk_idx", 2);
+  const int T = (int)idx.shape(0), K = (int)idx.shape(1), A = T * K;
+  if (E < 1 || tile_rows < 1 || K < 1) throw kdtree::Error("cuda_moe_group: E, K and tile_rows must be >= 1");
+  for (int i = 0; i < A; ++i)
+    if (idx.data()[i] < 0 || idx.data()[i] >= E) throw kdtree::Error("cuda_moe_group: expert index out of range");
+  require_device();
+  const int mt = kc::moe_max_tiles(A, E, tile_rows);
+  DevBuf di(sizeof(int32_t) * std::max(A, 1)), counts(4 * E), offsets(4 * (E + 1)), st(4 * std::max(A, 1)),
+      so(4 * std::max(A, 1)), te(4 * std::max(mt, 1)), tr(4 * std::max(mt, 1)), nt(4);
+  di.upload(idx.data(), sizeof(int32_t) * A);
+  for (DevBuf* b : {&counts, &offsets, &st, &so, &te, &tr, &nt}) b->poison();
+  kc::MoeGroupParams gp{di.as<int32_t>(), T, K, E, tile_rows, counts.as<int32_t>(), offsets.as<int32_t>(),
+                        st.as<int32_t>(), so.as<int32_t>(), te.as<int32_t>(), tr.as<int32_t>(), nt.as<int32_t>()};
+  gp.force_two_pass = force_two_pass ? 1 : 0;
+  check_cuda(kc::moe_group(gp, nullptr), "moe_group");
+  check_cuda(cudaDeviceSynchronize(), "moe_group");
+  py::dict d;
+  d["counts"] = to_numpy<int32_t>(counts, {E});
+  d["offsets"] = to_numpy<int32_t>(offsets, {E + 1});
+  d["slot_token"] = to_numpy<int32_t>(st, {A});
+  d["slot_of"] = to_numpy<int32_t>(so, {A});
+  auto n = to_numpy<int32_t>(nt, {1});
+  const int ntiles = n.data()[0];
+  if (ntiles < 0 || ntiles > mt) throw kdtree::RuntimeFailure("cuda_moe_group: bad tile count");
+  d["num_tiles"] = ntiles;
+  d["tile_expert"] = to_numpy<int32_t>(te, {mt});
+  d["tile_row0"] = to_numpy<int32_t>(tr, {mt});
+  return d;
 }
 
 void bind_cuda(py::module_& m) {
@@ -791,8 +835,13 @@ void bind_cuda(py::module_& m) {
         "must equal _native.sampler_choose.");
   m.def("cuda_linear_skinny", &linear_skinny_np, py::arg("x"), py::arg("w"), py::arg("y"), py::arg("T"), py::arg("N"),
         py::arg("Kd"), py::arg("batch") = 1, py::arg("x_batch") = 0, py::arg("w_batch") = 0, py::arg("y_batch") = 0,
-        py::arg("beta") = 0.0, py::arg("x_off") = 0, py::arg("w_off") = 0,
-        "The skinny linear kernel on host arrays (tests): y[b][t, n] = beta y + sum_k x[b][t, k] w[b][n, k].");
+        py::arg("beta") = 0.0, py::arg("x_off") = 0, py::arg("w_off") = 0, py::arg("norm_w") = py::none(),
+        py::arg("norm_eps") = 1e-6,
+        "The skinny linear kernel on host arrays (tests): y[b][t, n] = beta y + sum_k x[b][t, k] w[b][n, k]; "
+        "norm_w: the x rows RMSNorm-ed first (T <= 4).");
+  m.def("cuda_moe_group", &moe_group_np, py::arg("topk_idx"), py::arg("E"), py::arg("tile_rows"),
+        py::arg("force_two_pass") = false,
+        "The MoE expert schedule (moe_group) of int32 routing indices [T, K]: counts, offsets, slots, tiles.");
   m.def("cuda_tree_accept", &tree_accept_np, py::arg("tokens"), py::arg("parents"), py::arg("choice"),
         "GPU accept walk: (path int32 [m], bonus).");
   m.def("cuda_kv_compact", &kv_compact_np, py::arg("cache"), py::arg("cache_len"), py::arg("path"),

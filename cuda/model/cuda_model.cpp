@@ -433,10 +433,13 @@ void CudaModel::reset() {
 }
 
 // ---------------------------------------------------------------- building blocks
+bool CudaModel::fuse_norm(int64_t T) const { return T <= skinny_max_t_ && T <= cuda::kLinearNormMaxT; }
+
 void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, const float* w, float* out,
-                        int64_t ldo, float beta) {
+                        int64_t ldo, float beta, const float* norm_w, double norm_eps) {
+  if (norm_w && !fuse_norm(T)) throw RuntimeFailure("CudaModel: internal error, a fused RMSNorm outside fuse_norm");
   if (T <= skinny_max_t_) {
-    cuda::LinearParams lp{in, ldi, 0, w, 0, out, ldo, 0, (int)T, (int)N, (int)Kd, 1, beta};
+    cuda::LinearParams lp{in, ldi, 0, w, 0, out, ldo, 0, (int)T, (int)N, (int)Kd, 1, beta, norm_w, norm_eps};
     check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny");
     return;
   }
@@ -454,22 +457,32 @@ void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, co
   cudaStream_t st = as_stream(stream_);
   cuda::EmbedParams ep{tokens_d, embed_, (int)T, (int)c.vocab_size, (int)Dm, x_};
   check_cuda(cuda::embed(ep, st), "embed");
+  const bool fuse = fuse_norm(T);  // few tokens: the norms before q_a/kv_a, q_b and lm_head run in those kernels
   for (Layer& ly : layers_) {
     cuda::RmsNormParams np{x_, ly.input_ln, (int)T, (int)Dm, (int)Dm, (int)Dm, c.rms_norm_eps, hn_};
-    check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
-    attention(ly, positions_d, vis_d, vis_stride, T, row0, len_d);
+    if (fuse) {
+      attention(ly, positions_d, vis_d, vis_stride, T, row0, len_d, x_, ly.input_ln);
+    } else {
+      check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
+      attention(ly, positions_d, vis_d, vis_stride, T, row0, len_d, hn_, nullptr);
+    }
     np.w = ly.post_ln;
     check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
     if (ly.moe) moe_mlp(ly, T);
     else dense_mlp(ly, T);
   }
-  cuda::RmsNormParams np{x_, final_ln_, (int)T, (int)Dm, (int)Dm, (int)Dm, c.rms_norm_eps, hn_};
-  check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
-  gemm_nt(T, c.vocab_size, Dm, hn_, Dm, c.tie_word_embeddings ? embed_ : lm_head_, logits_d, c.vocab_size);
+  const float* head = c.tie_word_embeddings ? embed_ : lm_head_;
+  if (fuse) {
+    gemm_nt(T, c.vocab_size, Dm, x_, Dm, head, logits_d, c.vocab_size, 0.f, final_ln_, c.rms_norm_eps);
+  } else {
+    cuda::RmsNormParams np{x_, final_ln_, (int)T, (int)Dm, (int)Dm, (int)Dm, c.rms_norm_eps, hn_};
+    check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
+    gemm_nt(T, c.vocab_size, Dm, hn_, Dm, head, logits_d, c.vocab_size);
+  }
 }
 
 void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t* vis_d, int64_t vis_stride, int64_t T,
-                          int64_t row0, const int32_t* len_d) {
+                          int64_t row0, const int32_t* len_d, const float* in, const float* in_norm) {
   const ModelConfig& c = cfg_;
   const int64_t Dm = c.hidden_size, H = c.num_attention_heads, C = c.kv_lora_rank, R = c.qk_rope_head_dim;
   const int64_t Dn = c.qk_nope_head_dim, Dv = c.v_head_dim, Dqk = c.qk_head_dim(), CR = C + R;
@@ -478,13 +491,17 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
   const cuda::CublasApi& api = cuda::cublas_api();
 
   // [qa | kv] in one GEMM, then q.
-  gemm_nt(T, lda, Dm, hn_, Dm, ly.qkv_a, qkv_a_out_, lda);
+  gemm_nt(T, lda, Dm, in, Dm, ly.qkv_a, qkv_a_out_, lda, 0.f, in_norm, c.rms_norm_eps);
   if (qr > 0) {
-    cuda::RmsNormParams np{qkv_a_out_, ly.q_a_ln, (int)T, (int)qr, (int)lda, (int)lda, c.latent_norm_eps, qkv_a_out_};
-    check_cuda(cuda::rmsnorm(np, st), "rmsnorm(q_a)");
-    gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk);
+    if (in_norm) {  // fused: q_a's latent norm inside the q_b projection
+      gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk, 0.f, ly.q_a_ln, c.latent_norm_eps);
+    } else {
+      cuda::RmsNormParams np{qkv_a_out_, ly.q_a_ln, (int)T, (int)qr, (int)lda, (int)lda, c.latent_norm_eps, qkv_a_out_};
+      check_cuda(cuda::rmsnorm(np, st), "rmsnorm(q_a)");
+      gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk);
+    }
   } else {
-    gemm_nt(T, H * Dqk, Dm, hn_, Dm, ly.q_b, q_, H * Dqk);
+    gemm_nt(T, H * Dqk, Dm, in, Dm, ly.q_b, q_, H * Dqk, 0.f, in_norm, c.rms_norm_eps);
   }
   // Cache rows (normed latent | roped key) and roped queries.
   cuda::MlaPrepParams mp{};

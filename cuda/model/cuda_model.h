@@ -142,17 +142,22 @@ class CudaModel : public TargetModel {
 
   void check_cuda(int err, const char* what) const;
   void check_cublas(int status, const char* what) const;
-  // out[T, N] (ldo) = alpha * in[T, Kd] (ldi) @ w[N, Kd]^T + beta * out
+  // out[T, N] (ldo) = alpha * in[T, Kd] (ldi) @ w[N, Kd]^T + beta * out. norm_w (only when
+  // fuse_norm(T)): the in rows are RMSNorm-ed with norm_w / norm_eps first, inside the kernel.
   void gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, const float* w, float* out,
-               int64_t ldo, float beta = 0.f);
+               int64_t ldo, float beta = 0.f, const float* norm_w = nullptr, double norm_eps = 0.0);
+  // steps whose RMSNorms feeding a single projection run inside that projection's kernel
+  bool fuse_norm(int64_t T) const;
   // The forward over T <= max_tokens tokens already on the device (d_tokens_/d_positions_ or
   // the caller's), cache rows written from row0 = committed + chunk offset.
   // len_d (graph replays): the committed length is read from device memory (*len_d, rows written
   // from there) and row0 is only its upper bound (sizes the attention grid); nullptr: row0 exact.
   void run_step(const int32_t* tokens_d, const int32_t* positions_d, const uint64_t* vis_d, int64_t vis_stride,
                 int64_t T, int64_t row0, float* logits_d, const int32_t* len_d = nullptr);
+  // in: the layer input x_ with its RMSNorm (in_norm) fused into the projections (fuse_norm(T)),
+  // or the normed hn_ (in_norm = nullptr)
   void attention(Layer& ly, const int32_t* positions_d, const uint64_t* vis_d, int64_t vis_stride, int64_t T,
-                 int64_t row0, const int32_t* len_d);
+                 int64_t row0, const int32_t* len_d, const float* in, const float* in_norm);
   // CUDA graphs of forward_device: one per key, captured on the key's second use.
   struct GraphKey {
     const void *tokens, *positions, *vis, *logits;

@@ -80,7 +80,38 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
-template <int RW, int TT, int U, int KS, bool VEC>
+// RMSNorm prologue (NORM, p.norm_w): the x rows are normalised on the fly, x'[t, k] = norm_w[k] *
+// x[t, k] / rms(x[t]) (the sum of squares in double, as the rmsnorm kernel); each warp computes
+// the few rows' 1/rms itself (no barrier), after its first weight loads are issued, and scales
+// its sums by it.
+template <int TT>
+__device__ __forceinline__ void row_inv_rms(const LinearParams& p, const float* X, float* inv, int lane) {
+#pragma unroll
+  for (int t = 0; t < TT; ++t) {
+    inv[t] = 1.f;
+    if (t < p.T) {
+      const float* xr = X + (size_t)t * p.ldx;
+      double ss = 0.0;
+      for (int k = lane; k < p.Kd; k += 32) {
+        const double v = (double)__ldg(xr + k);
+        ss += v * v;
+      }
+#pragma unroll
+      for (int o = 16; o >= 1; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
+      const float var = (float)(ss / (double)p.Kd);
+      inv[t] = (float)(1.0 / sqrt((double)var + p.norm_eps));
+    }
+  }
+}
+__device__ __forceinline__ void scale(float& v, float g) { v *= g; }
+__device__ __forceinline__ void scale(float4& v, const float4& g) {
+  v.x *= g.x;
+  v.y *= g.y;
+  v.z *= g.z;
+  v.w *= g.w;
+}
+
+template <int RW, int TT, int U, int KS, bool VEC, bool NORM>
 __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearParams p) {
   using WT = typename std::conditional<VEC, float4, float>::type;
   constexpr int VW = VEC ? 4 : 1;
@@ -103,8 +134,8 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
 #pragma unroll
     for (int i = 0; i < RW; ++i) wrow[i] = W + (size_t)min(n0 + i, N - 1) * Kd;  // rows >= N: unused copies
     constexpr int STEP = 32 * VW;
-    for (int k0 = kw * U * STEP; k0 < Kd; k0 += KS * U * STEP) {
-      WT wv[U][RW];
+    WT wv[U][RW];
+    auto load_w = [&](int k0) {
 #pragma unroll
       for (int u = 0; u < U; ++u) {
         const int k = k0 + u * STEP + lane * VW;
@@ -112,6 +143,21 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
         for (int i = 0; i < RW; ++i) {
           if (k < Kd) wv[u][i] = ld_weight<WT>(wrow[i] + k);
           else zero(wv[u][i]);
+        }
+      }
+    };
+    int k0 = kw * U * STEP;
+    if (k0 < Kd) load_w(k0);  // in flight while the norm (if any) is computed
+    float inv[NORM ? TT : 1];
+    if constexpr (NORM) row_inv_rms<TT>(p, X, inv, lane);
+    while (k0 < Kd) {
+      WT gv[U];  // norm weights of the k-steps (NORM)
+      if constexpr (NORM) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int k = k0 + u * STEP + lane * VW;
+          if (k < Kd) gv[u] = ld_x<WT>(p.norm_w + k);
+          else zero(gv[u]);
         }
       }
 #pragma unroll
@@ -124,6 +170,7 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
             const int k = k0 + u * STEP + lane * VW;
             if (k < Kd) xv[u] = ld_x<WT>(xr + k);
             else zero(xv[u]);
+            if constexpr (NORM) scale(xv[u], gv[u]);
           }
 #pragma unroll
           for (int u = 0; u < U; ++u)
@@ -131,6 +178,14 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
             for (int i = 0; i < RW; ++i) acc[i * TT + t] = fdot(wv[u][i], xv[u], acc[i * TT + t]);
         }
       }
+      k0 += KS * U * STEP;
+      if (k0 < Kd) load_w(k0);
+    }
+    if constexpr (NORM) {
+#pragma unroll
+      for (int i = 0; i < RW; ++i)
+#pragma unroll
+        for (int t = 0; t < TT; ++t) acc[i * TT + t] *= inv[t];
     }
   }
 
@@ -175,8 +230,15 @@ template <int RW, int TT, int U, int KS>
 cudaError_t launch(const LinearParams& p, bool vec, cudaStream_t stream) {
   constexpr int rows_per_block = RW * kLinWarps / KS;
   const dim3 grid((unsigned)((p.N + rows_per_block - 1) / rows_per_block), (unsigned)p.batch);
-  if (vec) linear_skinny_kernel<RW, TT, U, KS, true><<<grid, kLinWarps * 32, 0, stream>>>(p);
-  else linear_skinny_kernel<RW, TT, U, KS, false><<<grid, kLinWarps * 32, 0, stream>>>(p);
+  if constexpr (TT <= kLinearNormMaxT) {
+    if (p.norm_w) {
+      if (vec) linear_skinny_kernel<RW, TT, U, KS, true, true><<<grid, kLinWarps * 32, 0, stream>>>(p);
+      else linear_skinny_kernel<RW, TT, U, KS, false, true><<<grid, kLinWarps * 32, 0, stream>>>(p);
+      return cudaGetLastError();
+    }
+  }
+  if (vec) linear_skinny_kernel<RW, TT, U, KS, true, false><<<grid, kLinWarps * 32, 0, stream>>>(p);
+  else linear_skinny_kernel<RW, TT, U, KS, false, false><<<grid, kLinWarps * 32, 0, stream>>>(p);
   return cudaGetLastError();
 }
 
@@ -199,9 +261,10 @@ cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream) {
   if (!p.x || !p.w || !p.y || p.T < 0 || p.T > kLinearSkinnyMaxT || p.N <= 0 || p.Kd <= 0 || p.batch <= 0 ||
       p.batch > 65535 || p.ldx < p.Kd || p.ldy < p.N || p.x_batch < 0 || p.w_batch < 0 || p.y_batch < 0)
     return cudaErrorInvalidValue;
+  if (p.norm_w && (p.T > kLinearNormMaxT || !(p.norm_eps >= 0.0))) return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
   const bool vec = p.Kd % 4 == 0 && p.ldx % 4 == 0 && p.x_batch % 4 == 0 && p.w_batch % 4 == 0 && aligned16(p.x) &&
-                   aligned16(p.w);
+                   aligned16(p.w) && (!p.norm_w || aligned16(p.norm_w));
   // (RW rows per warp, token capacity, k-steps in flight, warps per row group): chosen on the
   // H200 with benchmarks/bench_cuda_model.py (docs/CUDA.md, "Skinny linear layers").
   if (p.T == 1) return launch_fill<1, 1, 8>(p, vec, stream);

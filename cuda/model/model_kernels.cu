@@ -344,6 +344,80 @@ __global__ void moe_place_kernel(MoeGroupParams p) {
   }
 }
 
+// Count + scan + placement in one block, for A <= kGroupSmallMax assignments and E <= 1024
+// experts (decode, small trees): the same outputs as moe_count_kernel + moe_place_kernel (counts,
+// offsets, the tile list in expert order, stable slots in assignment order), one launch instead
+// of two. Thread e counts expert e; thread i places assignment i after the earlier ones of its
+// expert (O(A) shared-memory reads each).
+constexpr int kGroupSmallMax = 1024;
+
+// exclusive prefix sum over the block (blockDim.x <= 1024, a multiple of 32); *total = the sum
+__device__ __forceinline__ int block_exclusive_scan(int v, int* wsum, int* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, nw = blockDim.x >> 5;
+  int x = v;
+#pragma unroll
+  for (int o = 1; o < 32; o <<= 1) {
+    const int y = __shfl_up_sync(kFull, x, o);
+    if (lane >= o) x += y;
+  }
+  if (lane == 31) wsum[warp] = x;
+  __syncthreads();
+  if (warp == 0) {
+    int w = lane < nw ? wsum[lane] : 0;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+      const int y = __shfl_up_sync(kFull, w, o);
+      if (lane >= o) w += y;
+    }
+    wsum[lane] = w;
+  }
+  __syncthreads();
+  const int excl = (warp ? wsum[warp - 1] : 0) + x - v;
+  *total = wsum[nw - 1];
+  __syncthreads();  // wsum may be reused
+  return excl;
+}
+
+__global__ void __launch_bounds__(kGroupSmallMax) moe_group_small_kernel(MoeGroupParams p) {
+  __shared__ int idx[kGroupSmallMax], off[kGroupSmallMax];
+  __shared__ int wsum[32];
+  const int tid = threadIdx.x, A = p.T * p.K, E = p.E, TR = p.tile_rows;
+  if (tid < A) idx[tid] = p.topk_idx[tid];
+  __syncthreads();
+  int c = 0;
+  if (tid < E) {
+    for (int i = 0; i < A; ++i) c += idx[i] == tid;
+    p.counts[tid] = c;
+  }
+  const int tiles = tid < E ? (c + TR - 1) / TR : 0;
+  int total_rows, total_tiles;
+  const int o = block_exclusive_scan(c, wsum, &total_rows);
+  const int to = block_exclusive_scan(tiles, wsum, &total_tiles);
+  if (tid < E) {
+    off[tid] = o;
+    p.offsets[tid + 1] = o + c;
+    for (int j = 0; j < tiles; ++j) {
+      p.tile_expert[to + j] = tid;
+      p.tile_row0[to + j] = o + j * TR;
+    }
+  }
+  if (tid == 0) {
+    p.offsets[0] = 0;
+    *p.num_tiles = total_tiles;
+  }
+  __syncthreads();
+  if (tid < A) {
+    const int e = idx[tid];
+    if (e >= 0 && e < E) {
+      int r = 0;
+      for (int j = 0; j < tid; ++j) r += idx[j] == e;
+      const int slot = off[e] + r;
+      p.slot_token[slot] = tid / p.K;
+      p.slot_of[tid] = slot;
+    }
+  }
+}
+
 // ---------------------------------------------------------------- grouped expert GEMM, skinny
 // GEMV-style, for tiles of <= MS slots (decode: one slot per tile). Memory-bound: the point is to
 // have many of the tile's weight bytes in flight, each streamed once per tile.
@@ -1578,6 +1652,12 @@ cudaError_t moe_group(const MoeGroupParams& p, cudaStream_t stream) {
   if (!p.topk_idx || !p.counts || !p.offsets || !p.slot_token || !p.slot_of || !p.tile_expert || !p.tile_row0 ||
       !p.num_tiles || p.T < 0 || p.K < 1 || p.E < 1 || p.tile_rows < 1)
     return cudaErrorInvalidValue;
+  const int A = p.T * p.K;
+  if (A <= kGroupSmallMax && p.E <= kGroupSmallMax && !p.force_two_pass) {
+    const int n = A > p.E ? A : p.E, threads = (n + 31) / 32 * 32;
+    moe_group_small_kernel<<<1, threads < 32 ? 32 : threads, 0, stream>>>(p);
+    return cudaGetLastError();
+  }
   moe_count_kernel<<<p.E, kGroupThreads, 0, stream>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;

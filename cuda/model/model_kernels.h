@@ -36,7 +36,10 @@ struct LinearParams {
   long long ldy, y_batch;
   int T, N, Kd, batch;
   float beta;              // 0: y is only written (may hold garbage); else y = beta * y + x w^T
+  const float* norm_w = nullptr;  // optional RMSNorm of the x rows first (T <= kLinearNormMaxT):
+  double norm_eps = 0.0;          // x[t] -> norm_w * x[t] / sqrt(mean(x[t]^2) + norm_eps) (over Kd)
 };
+constexpr int kLinearNormMaxT = 4;
 cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------- embedding
@@ -129,6 +132,8 @@ struct MoeGroupParams {
   int32_t* tile_expert;    // [max_tiles] expert of tile i
   int32_t* tile_row0;      // [max_tiles] first slot of tile i
   int32_t* num_tiles;      // [1]
+  int force_two_pass = 0;  // testing: the count + place kernels even when the one-block kernel
+                           // (A <= 1024 and E <= 1024) would run
 };
 // Upper bound of the tiles the schedule can hold (what tile_expert/tile_row0 must fit).
 inline int moe_max_tiles(int A, int E, int tile_rows) {

@@ -111,3 +111,31 @@ def test_argument_checks():
         N.cuda_linear_skinny(x, w, y, 33, 8, 8)
     with pytest.raises(ValueError):  # sizes past the arrays: the binding refuses
         N.cuda_linear_skinny(x, w, y, 4, 9, 8)
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 4])
+@pytest.mark.parametrize("Nn,Kd,x_pad", [(64, 1024, 0), (37, 384, 576), (5, 130, 2), (100, 33, 0)])
+def test_fused_rmsnorm_prologue(T, Nn, Kd, x_pad):
+    """x rows RMSNorm-ed inside the kernel (norm_w): against the float64 norm then product."""
+    rng = np.random.default_rng(T * 7 + Kd)
+    x = (rng.standard_normal((T, Kd + x_pad)) * rng.uniform(0.1, 10.0, (T, 1))).astype(np.float32)
+    w = rng.standard_normal((1, Nn * Kd)).astype(np.float32)
+    g = rng.uniform(0.5, 1.5, Kd).astype(np.float32)
+    eps = 1e-6
+    y0 = np.full((T, Nn), np.nan, np.float32)
+    got = N.cuda_linear_skinny(x, w, y0, T, Nn, Kd, norm_w=g, norm_eps=eps)
+    xd = x[:, :Kd].astype(np.float64)
+    xn = g * xd / np.sqrt((xd ** 2).mean(axis=1, keepdims=True) + eps)
+    Wm = w.reshape(Nn, Kd).astype(np.float64)
+    ref = xn @ Wm.T
+    scale = np.abs(xn) @ np.abs(Wm).T
+    assert np.isfinite(got).all()
+    assert (np.abs(got - ref) <= 1e-5 * scale + 1e-30).all()
+
+
+def test_fused_rmsnorm_only_for_few_tokens():
+    x = np.ones((5, 8), np.float32)
+    w = np.ones((1, 64), np.float32)
+    y = np.zeros((5, 8), np.float32)
+    with pytest.raises(ValueError):
+        N.cuda_linear_skinny(x, w, y, 5, 8, 8, norm_w=np.ones(8, np.float32))

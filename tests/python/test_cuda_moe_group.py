@@ -1,0 +1,49 @@
+"""The MoE expert schedule on the device (cuda::moe_group): the one-block kernel (A <= 1024
+assignments, E <= 1024 experts) against the two-pass kernels and a NumPy construction of the
+same schedule (counts, offsets, stable slots in assignment order, tiles in expert order).
+Skipped without a usable CUDA device."""
+import numpy as np
+import pytest
+
+import kdtree_native as kn
+
+if not kn.cuda_available():
+    pytest.skip("no usable CUDA device", allow_module_level=True)
+
+from kdtree_native import _native as N  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+
+def reference(idx, E, TR):
+    flat = idx.reshape(-1)
+    counts = np.bincount(flat, minlength=E).astype(np.int32)
+    offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    order = np.argsort(flat, kind="stable")  # slots: by expert, then assignment order
+    slot_of = np.empty_like(flat)
+    slot_of[order] = np.arange(flat.size)
+    slot_token = (order // idx.shape[1]).astype(np.int32)
+    tiles = [(e, offsets[e] + j * TR) for e in range(E) for j in range((counts[e] + TR - 1) // TR)]
+    return counts, offsets, slot_token, slot_of.astype(np.int32), tiles
+
+
+@pytest.mark.parametrize("T,K,E,TR", [(1, 8, 64, 8), (17, 8, 64, 8), (3, 2, 6, 1), (128, 8, 256, 8),
+                                      (1, 1, 1, 1), (64, 16, 1024, 4), (40, 8, 64, 64), (200, 8, 64, 8)])
+def test_schedule_equals_reference_and_two_pass(T, K, E, TR):
+    rng = np.random.default_rng(T * 1000 + E)
+    for trial in range(3):
+        if trial == 2:  # skewed: most assignments to a few experts
+            idx = rng.integers(0, min(E, 3), (T, K)).astype(np.int32)
+        else:
+            idx = np.stack([rng.permutation(E)[:K] if K <= E else rng.integers(0, E, K) for _ in range(T)]).astype(np.int32)
+        counts, offsets, slot_token, slot_of, tiles = reference(idx, E, TR)
+        for two_pass in (False, True):
+            d = N.cuda_moe_group(idx, E, TR, two_pass)
+            assert np.array_equal(d["counts"], counts)
+            assert np.array_equal(d["offsets"], offsets)
+            assert np.array_equal(d["slot_token"], slot_token)
+            assert np.array_equal(d["slot_of"], slot_of)
+            n = d["num_tiles"]
+            assert n == len(tiles)
+            got = list(zip(d["tile_expert"][:n].tolist(), d["tile_row0"][:n].tolist()))
+            assert got == [(int(e), int(r)) for e, r in tiles]
