@@ -89,6 +89,8 @@ step_sanitizer() {
   run_step synccheck "$OUT/sanitizer.log" $SAN --tool synccheck "$CTEST_BIN"
   run_step initcheck "$OUT/sanitizer.log" $SAN --tool initcheck "$CTEST_BIN"
   unset KDTREE_CUDA_TEST_CASES KDTREE_CUDA_TEST_SMALL
+  run_step racecheck-tree "$OUT/sanitizer.log" $SAN --tool racecheck "$PY" scripts/gpu_tree_sanitize.py
+  run_step synccheck-tree "$OUT/sanitizer.log" $SAN --tool synccheck "$PY" scripts/gpu_tree_sanitize.py
   run_step memcheck-pytest "$OUT/sanitizer.log" $SAN --tool memcheck "$PY" -m pytest -q -x \
     tests/python/test_cuda_ops.py -k "corners or kv_compact or splits_and_naive"
   run_step memcheck-generate "$OUT/sanitizer.log" $SAN --tool memcheck "$PY" scripts/gpu_generate_check.py
