@@ -596,7 +596,7 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T) {
 
   // GEMV-style tiles while experts get few rows on average (decode, small trees; <= 6 per expert), SGEMM tiles
   // beyond (prefill, large trees).
-  bool skinny = A <= 6 * E;  // H200, mini-kimi: skinny wins at 33 tokens (264 rows), tiled from 65 (520)
+  bool skinny = A <= 12 * E;  // H200, mini-kimi, pipelined tiled kernel: skinny wins up to 65 tokens (520 rows), even at 97 (776)
   if (opt_.expert_kernel == CudaModelOptions::kExpertSkinny) skinny = true;
   if (opt_.expert_kernel == CudaModelOptions::kExpertTiled) skinny = false;
   const int tile_rows = skinny ? cuda::kExpertSkinnyRows : cuda::kExpertTileRows;
