@@ -37,7 +37,7 @@ namespace {
 constexpr int64_t kAlignBytes = cuda::kArenaAlign;
 constexpr int64_t kCublasWorkspace = 32ll << 20;
 // Steps of up to this many tokens run the dense projections through cuda::linear_skinny (the
-// crossover with cuBLAS measured on the H200, docs/CUDA.md "Skinny linear layers").
+// crossover with cuBLAS measured on the H200, docs/BENCHMARKS.md "Skinny linear layers vs cuBLAS").
 constexpr int64_t kSkinnyAutoMaxT = 16;
 
 std::string mib(int64_t bytes) {

@@ -4,13 +4,15 @@
 // absorbed W_UK / W_UV, o_proj, the dense and shared MLPs, the router, lm_head) are a few token
 // rows against a weight matrix that is read once. cuBLAS runs them as SIMT SGEMM tiles or GEMV
 // kernels that keep few bytes in flight (mini-kimi on the H200: 3-9 us for 1.5-8 MB matrices,
-// 0.3-1 TB/s). Measured on the H200 (docs/CUDA.md "Skinny linear layers"): the whole mini-kimi
-// step is 1.1-1.45x faster with this kernel for T = 1..16; from T = 17 cuBLAS wins (this kernel
-// becomes issue-bound: ~11 cycles per instruction with few warps per SM), so CudaModel uses it
-// for T <= 16 by default; T up to 32 is accepted (tests, experiments). Here every lane streams 16-byte weight loads, U k-steps of RW rows issued before
-// any FMA, and the few token rows come through L1 (__ldg; the weight bypasses L1 so that they
-// stay). Deterministic: no atomics; per output a lane sums its k-steps in ascending order, the
-// warp's lanes are reduced by a fixed shuffle tree and (KS > 1) the block's warps in warp order.
+// 0.3-1 TB/s). Measured on the H200 (docs/BENCHMARKS.md, "Skinny linear layers vs cuBLAS"):
+// the whole mini-kimi step is 1.1-1.35x faster with this kernel for T = 1..16; from T = 17
+// cuBLAS wins (this kernel becomes issue-bound: ~11 cycles per instruction with few warps per
+// SM), so CudaModel uses it for T <= 16 by default; T up to 32 is accepted (tests,
+// experiments). Here every lane streams 16-byte weight loads, U k-steps of RW rows issued
+// before any FMA, and the few token rows come through L1 (__ldg; the weight bypasses L1 so that
+// they stay). Deterministic: no atomics; per output a lane sums its k-steps in ascending order,
+// the warp's lanes are reduced by a fixed shuffle tree and (KS > 1) the block's warps in warp
+// order. An RMSNorm of the x rows can run first, inside the kernel (norm_w, T <= 4).
 //
 // Layout of the work: a block has kLinWarps = 4 warps and owns RW * 4 / KS output rows; the KS
 // warps of a row group split the k-steps round robin (warp kw takes steps kw, kw + KS, ...).
@@ -266,7 +268,7 @@ cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream) {
   const bool vec = p.Kd % 4 == 0 && p.ldx % 4 == 0 && p.x_batch % 4 == 0 && p.w_batch % 4 == 0 && aligned16(p.x) &&
                    aligned16(p.w) && (!p.norm_w || aligned16(p.norm_w));
   // (RW rows per warp, token capacity, k-steps in flight, warps per row group): chosen on the
-  // H200 with benchmarks/bench_cuda_model.py (docs/CUDA.md, "Skinny linear layers").
+  // H200 with benchmarks/bench_cuda_skinny.py (docs/BENCHMARKS.md, "Skinny linear layers vs cuBLAS").
   if (p.T == 1) return launch_fill<1, 1, 8>(p, vec, stream);
   if (p.T == 2) return launch_fill<2, 2, 4>(p, vec, stream);
   if (p.T <= 4) return launch_fill<2, 4, 4>(p, vec, stream);
