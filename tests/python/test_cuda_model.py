@@ -181,6 +181,9 @@ def test_bad_config_is_value_error_before_any_device_work():
         _native.CudaModel(cfg, 16, math="fast")
     with pytest.raises(ValueError, match="expert_kernel"):
         _native.CudaModel(cfg, 16, expert_kernel="magic")
+    for smt in (-2, 33):
+        with pytest.raises(ValueError, match="skinny_max_tokens"):
+            _native.CudaModel(cfg, 16, skinny_max_tokens=smt)
 
 
 @pytest.mark.skipif(not HAS_MODEL or DEVICE_OK, reason="needs a build with the GPU model and no usable device")
