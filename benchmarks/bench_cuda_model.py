@@ -63,6 +63,40 @@ def median_time(fn, sync, reps, warmup=3):
     return float(np.median(ts))
 
 
+def step_times(ckpt, variants, sizes, context=512, reps=20, warmup=5):
+    """{(label, T): seconds}: the graph-replayed mini-kimi step of T new tokens (causal) at
+    `context`, for each CudaModel variant (label -> constructor keyword arguments), same weights
+    and same run (bench_cuda_skinny.py, bench_cuda_experts.py)."""
+    import torch
+    from hf_models import make_checkpoint
+
+    if not os.path.isfile(os.path.join(ckpt, "config.json")):
+        make_checkpoint(ckpt, MINI_KIMI, seed=0)
+    cfg = load_config(ckpt)
+    weights = load_weights(ckpt, cfg)
+    dev = torch.device("cuda")
+    sync = torch.cuda.synchronize
+    L, V = context, cfg.vocab_size
+    ctx = np.random.default_rng(0).integers(0, V, L).astype(np.int32)
+    logits = torch.empty((max(sizes), V), device=dev)
+    res = {}
+    for label, kwargs in variants.items():
+        m = _native.CudaModel(cfg.to_native(), L + max(sizes), **kwargs)
+        for name, arr in weights.items():
+            m.set_weight(name, np.ascontiguousarray(arr, dtype=np.float32))
+        m.finalize()
+        m.forward(ctx, np.arange(L), None)
+        m.commit(np.arange(L))
+        for T in sizes:
+            tok = torch.as_tensor(np.random.default_rng(T).integers(0, V, T).astype(np.int32), device=dev)
+            pos = torch.arange(L, L + T, dtype=torch.int32, device=dev)
+            fn = lambda: m.forward_ptr(tok.data_ptr(), pos.data_ptr(), 0, 0, T, logits.data_ptr())
+            res[(label, T)] = median_time(fn, sync, reps, warmup=warmup)
+        del m
+        torch.cuda.empty_cache()
+    return res
+
+
 def real_tree(B, seed):
     """A best-first DDTree tree of B nodes from random drafter logits: (tokens [1+B] incl. the
     root, depths [1+B], visibility bool [1+B, 1+B])."""
