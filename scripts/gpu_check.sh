@@ -6,7 +6,9 @@
 #   3. compute-sanitizer memcheck, racecheck, synccheck and initcheck on the CUDA ctest binary
 #      (small sizes), memcheck on a pytest subset and on an end-to-end GPU generate
 #      (scripts/gpu_generate_check.py: the device round with every drafter kind),
-#   4. the kernel benchmarks (benchmarks/bench_cuda_*.py), JSON results.
+#   4. the kernel benchmarks (benchmarks/bench_cuda_*.py), JSON results, and (with torch +
+#      transformers) the GPU model's: bench_cuda_model.py --quick, bench_cuda_skinny.py,
+#      bench_cuda_experts.py.
 # Logs and JSON land in $OUT (default ./gpu_check_out); a summary table is printed last and
 # the exit status is non-zero if any step failed.
 #
@@ -101,6 +103,16 @@ step_bench() {
     run_step "bench-$b" "$OUT/bench.log" "$PY" benchmarks/bench_cuda_$b.py --json "$OUT/bench_$b.json" ${BENCH_ARGS:-}
   done
   grep -E "^(##|\||goal)" "$OUT/bench.log"
+  # the GPU model (needs torch with CUDA and transformers for the mini-kimi checkpoint)
+  if "$PY" -c "import torch, transformers; assert torch.cuda.is_available()" >/dev/null 2>&1; then
+    run_step bench-model "$OUT/bench_model.log" "$PY" benchmarks/bench_cuda_model.py --quick --no-hf --reps 10 \
+      --json "$OUT/bench_model.json"
+    run_step bench-skinny "$OUT/bench_model.log" "$PY" benchmarks/bench_cuda_skinny.py --tokens 1 2 4 8 16 17
+    run_step bench-experts "$OUT/bench_model.log" "$PY" benchmarks/bench_cuda_experts.py
+    grep -E "^(prefill|AR|verify|DDTree|##|\||expert kernels)" "$OUT/bench_model.log"
+  else
+    echo "bench-model: skipped (needs torch with CUDA and transformers)"
+  fi
 }
 
 for st in $STEPS; do
