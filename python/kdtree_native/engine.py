@@ -28,6 +28,19 @@ from .config import ModelConfig, load_config
 __all__ = ["Engine"]
 
 _DEVICES = ("auto", "cpu", "cuda")
+# keyword arguments of _native.CudaModel that an Engine passes through (docs/CUDA_MODEL.md)
+_CUDA_OPTIONS = ("max_tokens", "device", "math", "attention_naive", "expert_kernel", "graphs", "skinny_max_tokens")
+
+
+def _check_cuda_options(options) -> dict:
+    if options is None:
+        return {}
+    if not isinstance(options, dict):
+        raise ValueError(f"cuda_options must be a dict or None, got {type(options).__name__}")
+    unknown = sorted(k for k in options if k not in _CUDA_OPTIONS)
+    if unknown:
+        raise ValueError(f"unknown cuda_options {unknown}; known: {list(_CUDA_OPTIONS)}")
+    return dict(options)
 
 
 def _progress_printer(done: int, total: int) -> None:
@@ -71,7 +84,8 @@ class Engine:
     # ---- loading ------------------------------------------------------------------------
     @classmethod
     def from_pretrained(cls, model_dir, device: str = "auto", max_seq_len: int = 4096,
-                        progress: Union[None, bool, Callable[[int, int], None]] = None) -> "Engine":
+                        progress: Union[None, bool, Callable[[int, int], None]] = None,
+                        cuda_options: Optional[dict] = None) -> "Engine":
         """Load an HF DeepSeek-V3 / Kimi-K2 checkpoint directory (config.json +
         model.safetensors or shards with model.safetensors.index.json; F32/BF16/F16).
 
@@ -79,6 +93,10 @@ class Engine:
         NotImplementedError without a CUDA model, RuntimeError without a device) or "auto"
         (CUDA when available, else CPU). max_seq_len: the KV cache capacity in tokens.
         progress: None, True (print to stderr) or a callable(done, total) per tensor.
+        cuda_options: keyword arguments for the GPU model when the engine runs on CUDA (ignored
+        on the CPU), e.g. {"device": 1} for the second GPU, {"max_tokens": 257} for trees of up
+        to 256 nodes, {"skinny_max_tokens": 0} for cuBLAS only (docs/CUDA_MODEL.md); unknown
+        names are a ValueError.
         Raises FileNotFoundError / ValueError naming the problem for a bad directory, config
         or checkpoint.
         """
@@ -92,26 +110,31 @@ class Engine:
         elif progress is not None and not callable(progress):
             raise ValueError("progress must be None, True/False or a callable(done, total)")
         device = _resolve_device(device)
+        cuda_options = _check_cuda_options(cuda_options)
         if not os.path.isdir(model_dir):
             raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
         cfg = load_config(model_dir)
         weights = load_weights(model_dir, cfg, progress=progress)
-        eng = cls._build(cfg, weights, device, int(max_seq_len))
+        eng = cls._build(cfg, weights, device, int(max_seq_len), cuda_options)
         eng.model_dir = model_dir
         return eng
 
     @classmethod
-    def from_weights(cls, config: ModelConfig, weights: dict, device: str = "cpu", max_seq_len: int = 4096) -> "Engine":
+    def from_weights(cls, config: ModelConfig, weights: dict, device: str = "cpu", max_seq_len: int = 4096,
+                     cuda_options: Optional[dict] = None) -> "Engine":
         """An engine from a parsed config and {HF name: array} (any float dtype; converted to
-        float32). The dict is left intact. For tests and tools that make weights in memory."""
+        float32). The dict is left intact. For tests and tools that make weights in memory.
+        cuda_options: as in from_pretrained."""
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer)) or max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
-        return cls._build(config, dict(weights), _resolve_device(device), int(max_seq_len))
+        options = _check_cuda_options(cuda_options)
+        return cls._build(config, dict(weights), _resolve_device(device), int(max_seq_len), options)
 
     @classmethod
-    def _build(cls, cfg: ModelConfig, weights: dict, device: str, max_seq_len: int) -> "Engine":
+    def _build(cls, cfg: ModelConfig, weights: dict, device: str, max_seq_len: int,
+               cuda_options: Optional[dict] = None) -> "Engine":
         if device == "cuda":
-            model = _native.CudaModel(cfg.to_native(), max_seq_len)
+            model = _native.CudaModel(cfg.to_native(), max_seq_len, **(cuda_options or {}))
         else:
             model = _native.CpuModel(cfg.to_native(), max_seq_len)
         missing = [n for n, _ in _native.model_weight_specs(cfg.to_native()) if n not in weights]

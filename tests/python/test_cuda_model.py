@@ -542,3 +542,10 @@ def test_engine_on_cuda_equals_cpu(tmp_path):
     ids = prompt(cfg.vocab_size, 20, seed=70)
     assert rel_to_scale(eng.prefill(ids), ref.prefill(ids)) < TOL
     assert rel_to_scale(eng.decode(5), ref.decode(5)) < TOL
+    # cuda_options reach the GPU model: cuBLAS only, no graphs, a small max_tokens
+    opt = kn.Engine.from_weights(cfg, w, device="cuda", max_seq_len=64,
+                                 cuda_options={"skinny_max_tokens": 0, "graphs": False, "max_tokens": 9})
+    assert opt.model.max_tokens == 9
+    assert rel_to_scale(opt.prefill(ids), ref.prefill(ids)) < TOL
+    with pytest.raises(ValueError, match="skinny_max_tokens"):
+        kn.Engine.from_weights(cfg, w, device="cuda", max_seq_len=64, cuda_options={"skinny_max_tokens": 99})

@@ -192,3 +192,18 @@ def test_bad_arguments(tmp_path):
     with pytest.raises(ValueError, match="vocab|outside"):
         eng.prefill([cfg.vocab_size])
     assert eng.prefill([1, 2, 3]).shape == (3, cfg.vocab_size)
+
+
+def test_cuda_options_are_checked_and_ignored_on_the_cpu(tmp_path):
+    root, cfg, w = make_dir(str(tmp_path / "o"))
+    for bad, what in (({"threads": 4}, "unknown cuda_options"), ([("graphs", False)], "dict")):
+        with pytest.raises(ValueError, match=what):
+            kn.Engine.from_pretrained(root, device="cpu", cuda_options=bad)
+        with pytest.raises(ValueError, match=what):
+            kn.Engine.from_weights(cfg, w, device="cpu", cuda_options=bad)
+    opts = {"graphs": False, "skinny_max_tokens": 0, "max_tokens": 17, "device": 0}
+    eng = kn.Engine.from_pretrained(root, device="cpu", max_seq_len=32, cuda_options=opts)
+    assert eng.device == "cpu"
+    ref = kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=32, cuda_options=None)
+    ids = np.arange(9) * 5 % cfg.vocab_size
+    np.testing.assert_array_equal(eng.prefill(ids), ref.prefill(ids))
