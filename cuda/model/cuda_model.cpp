@@ -450,6 +450,20 @@ void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64
                "sgemm");
 }
 
+void CudaModel::gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, int64_t in_head,
+                              const float* w, float* out, int64_t ldo, int64_t out_head, int64_t heads) {
+  if (T <= skinny_max_t_) {
+    cuda::LinearParams lp{in, ldi, in_head, w, N * Kd, out, ldo, out_head, (int)T, (int)N, (int)Kd, (int)heads, 0.f};
+    check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny(heads)");
+    return;
+  }
+  const float one = 1.f, zero = 0.f;
+  check_cublas(cuda::cublas_api().sgemm_strided_batched(as_handle(cublas_), CUBLAS_OP_T, CUBLAS_OP_N, (int)N, (int)T,
+                                                        (int)Kd, &one, w, (int)Kd, N * Kd, in, (int)ldi, in_head, &zero,
+                                                        out, (int)ldo, out_head, (int)heads),
+               "sgemm_strided_batched");
+}
+
 void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, const uint64_t* vis_d,
                          int64_t vis_stride, int64_t T, int64_t row0, float* logits_d, const int32_t* len_d) {
   const ModelConfig& c = cfg_;
@@ -488,7 +502,6 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
   const int64_t Dn = c.qk_nope_head_dim, Dv = c.v_head_dim, Dqk = c.qk_head_dim(), CR = C + R;
   const int64_t qr = c.q_lora_rank, lda = qr + CR;
   cudaStream_t st = as_stream(stream_);
-  const cuda::CublasApi& api = cuda::cublas_api();
 
   // [qa | kv] in one GEMM, then q.
   gemm_nt(T, lda, Dm, in, Dm, ly.qkv_a, qkv_a_out_, lda, 0.f, in_norm, c.rms_norm_eps);
@@ -527,17 +540,8 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
   mp.q_rope = q_rope_;
   check_cuda(cuda::mla_prep(mp, st), "mla_prep");
   // Absorption: q_lat[t, h, :] = W_UK[h]^T q_nope[t, h, :], with W_UK[h]^T stored row-major [C, Dn] (w_ukT).
-  const float one = 1.f, zero = 0.f;
   if (Dn > 0) {
-    if (T <= skinny_max_t_) {
-      cuda::LinearParams lp{q_, H * Dqk, Dqk, ly.w_ukT, C * Dn, q_lat_, H * C, C, (int)T, (int)C, (int)Dn, (int)H, 0.f};
-      check_cuda(cuda::linear_skinny(lp, st), "linear_skinny(absorb W_UK)");
-    } else {
-      check_cublas(api.sgemm_strided_batched(as_handle(cublas_), CUBLAS_OP_T, CUBLAS_OP_N, (int)C, (int)T, (int)Dn,
-                                             &one, ly.w_ukT, (int)Dn, Dn * C, q_, (int)(H * Dqk), Dqk, &zero, q_lat_,
-                                             (int)(H * C), C, (int)H),
-                   "sgemm_strided_batched(absorb W_UK)");
-    }
+    gemm_nt_heads(T, C, Dn, q_, H * Dqk, Dqk, ly.w_ukT, q_lat_, H * C, C, H);
   } else {
     check_cuda(cudaMemsetAsync(q_lat_, 0, (size_t)(T * H * C) * sizeof(float), st), "cudaMemset(q_lat)");
   }
@@ -563,15 +567,7 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
     throw RuntimeFailure("CudaModel: internal error, verify_attention needs more workspace than was sized");
   check_cuda(cuda::verify_attention(vp, st), "verify_attention");
   // Values: ov[t, h, :] = o_lat[t, h, :] @ W_UV[h]^T, then x += ov @ o_proj^T.
-  if (T <= skinny_max_t_) {
-    cuda::LinearParams lp{o_lat_, H * C, C, ly.w_uv, Dv * C, ov_, H * Dv, Dv, (int)T, (int)Dv, (int)C, (int)H, 0.f};
-    check_cuda(cuda::linear_skinny(lp, st), "linear_skinny(W_UV)");
-  } else {
-    check_cublas(api.sgemm_strided_batched(as_handle(cublas_), CUBLAS_OP_T, CUBLAS_OP_N, (int)Dv, (int)T, (int)C, &one,
-                                           ly.w_uv, (int)C, Dv * C, o_lat_, (int)(H * C), C, &zero, ov_, (int)(H * Dv),
-                                           Dv, (int)H),
-                 "sgemm_strided_batched(W_UV)");
-  }
+  gemm_nt_heads(T, Dv, C, o_lat_, H * C, C, ly.w_uv, ov_, H * Dv, Dv, H);
   gemm_nt(T, Dm, H * Dv, ov_, H * Dv, ly.o_proj, x_, Dm, 1.f);
 }
 

@@ -146,6 +146,10 @@ class CudaModel : public TargetModel {
   // fuse_norm(T)): the in rows are RMSNorm-ed with norm_w / norm_eps first, inside the kernel.
   void gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, const float* w, float* out,
                int64_t ldo, float beta = 0.f, const float* norm_w = nullptr, double norm_eps = 0.0);
+  // per head h < heads: out[T, N] (ldo, at h * out_head) = in[T, Kd] (ldi, at h * in_head) @ w_h^T,
+  // w_h = w + h * N * Kd row-major [N, Kd] (the absorbed MLA products W_UK, W_UV)
+  void gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, int64_t in_head, const float* w,
+                     float* out, int64_t ldo, int64_t out_head, int64_t heads);
   // steps whose RMSNorms feeding a single projection run inside that projection's kernel
   bool fuse_norm(int64_t T) const;
   // The forward over T <= max_tokens tokens already on the device (d_tokens_/d_positions_ or
