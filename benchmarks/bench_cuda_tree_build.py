@@ -98,7 +98,7 @@ def main():
         print("|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['budget']} | {r['gpu_lp_us']:.1f} ({r['gpu_lp_stream_us']:.1f}) | "
-                  f"{'parallel' if r['path'] == 0 else 'fallback'} | {r['gpu_logits_us']:.1f} ({r['gpu_topk_us']:.1f}) | "
+                  f"{('parallel', 'fallback', 'one warp')[r['path']]} | {r['gpu_logits_us']:.1f} ({r['gpu_topk_us']:.1f}) | "
                   f"{r['cpu_twin_us']:.1f} | {r['official_us']:.0f} | {r['speedup_vs_official_lp']:.0f}x / "
                   f"{r['speedup_vs_official_logits']:.0f}x | {r['speedup_vs_cpu_twin']:.1f}x | {r['max_depth']} |")
     goals = []

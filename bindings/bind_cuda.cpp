@@ -251,7 +251,9 @@ void check_budget_depth(int64_t budget, int64_t D) {
 }
 
 py::dict tree_build_np(const py::object& lp_o, const py::object& ids_o, int64_t budget, int64_t cache_len,
-                       bool force_fallback) {
+                       int force_fallback) {
+  if (force_fallback < 0 || force_fallback > 3)
+    throw kdtree::Error("force_fallback must be 0 (auto), 1 (fallback), 2 (one warp) or 3 (parallel)");
   require_device();
   auto lp = as_c<float>(lp_o, "logprobs", 2);
   auto ids = as_c<int32_t>(ids_o, "token_ids", 2);
@@ -273,7 +275,7 @@ py::dict tree_build_np(const py::object& lp_o, const py::object& ids_o, int64_t 
   p.ld = (int)K;
   p.budget = (int)budget;
   p.cache_len = (int)cache_len;
-  p.force_fallback = force_fallback ? 1 : 0;
+  p.force_fallback = force_fallback;
   out.fill(p);
   {
     py::gil_scoped_release nogil;
@@ -824,7 +826,8 @@ void bind_cuda(py::module_& m) {
         py::arg("cache_len") = 0, py::arg("force_fallback") = false,
         "GPU tree build from float32 [D,K] log-probs and int32 ids; returns a dict of full-size "
         "outputs (tokens [B], depths [B], parents [B+1], positions [B+1], visibility uint64 [B+1,W]), "
-        "n and path (0 = parallel exact path, 1 = sequential fallback).");
+        "n and path (0 = parallel exact path, 1 = sequential fallback, 2 = one-warp path). force_fallback: "
+        "0 = auto, 1 (or True) = the fallback, 2 = the one-warp path, 3 = the parallel path (testing).");
   m.def("cuda_tree_build_from_logits", &tree_from_logits_np, py::arg("logits"), py::arg("budget"),
         py::arg("top_k"), py::arg("cache_len") = 0, "GPU top-k + log-softmax + tree build from logits [D,V].");
   m.def("cuda_topk_logsoftmax", &topk_np, py::arg("logits"), py::arg("k"),

@@ -41,8 +41,10 @@ struct TreeBuildParams {
   int32_t* positions;       // [B+1]    cache_len + depth (-1 past n)
   uint64_t* visibility;     // [B+1, W] bit j%64 of word j/64 of row i: node i sees node j
   int32_t* n_nodes;         // [1]      n
-  int32_t* path_taken;      // [1]      0 = parallel exact path, 1 = sequential fallback; may be null
-  int force_fallback;       // testing only: 1 = always take the sequential fallback
+  int32_t* path_taken;      // [1]      0 = parallel exact path, 1 = sequential fallback, 2 = one-warp
+                            //          path (small budgets); may be null
+  int force_fallback;       // 0 = auto; testing only: 1 = sequential fallback, 2 = one-warp path,
+                            //   3 = parallel path (falls back when its checks fail)
 };
 cudaError_t tree_build(const TreeBuildParams& p, cudaStream_t stream);
 

@@ -3,8 +3,9 @@
 // Where it sits: included by cuda/tree_kernels.cu (GPU, one block of up to 1024 threads) and
 // also compilable as plain host C++ (a "Ctx" that runs the block's threads on the CPU with a
 // barrier), so the parallel logic can be checked without a GPU. No CUDA-only constructs here
-// except behind KD_HD / __CUDA_ARCH__; the Ctx supplies thread id, barrier, atomics and two
-// warp primitives (inclusive warp sum, shuffle; full mask: every lane of a warp calls them).
+// except behind KD_HD / __CUDA_ARCH__; the Ctx supplies thread id, barrier, atomics and three
+// warp primitives (inclusive warp sum, shuffle, warp barrier; full mask: every lane of a warp
+// calls them).
 // ctx.step(n) marks n units of dependent serial work of the calling thread (a loop iteration,
 // a binary-search step): a no-op on the GPU, the latency proxy of the CPU emulation.
 //
@@ -12,7 +13,7 @@
 // Legend: D = depth rows, K = top-k, B = budget, Keff = min(K, B) (a rank >= B is never
 // popped: it needs B earlier pops of its own siblings), n = nodes built (n <= B).
 //
-// Two paths, one block, one launch:
+// Three paths, one block, one launch (ONE-WARP PATH for small budgets: see warp_build()):
 //  * PARALLEL EXACT PATH. When every score the heap can form is an exact float64 sum of the
 //    float32 inputs (checked up front: the inputs' exponent span leaves room for D+1 terms in
 //    53 bits), when every row is sorted descending and lp[d][0] <= 0 for d >= 1, the heap's
@@ -52,6 +53,8 @@ namespace treeimpl {
 
 constexpr int kMaxDepth = 16;      // D limit of the CUDA tree build
 constexpr int kMaxBudget = 1024;   // B limit of the CUDA tree build (one block)
+constexpr int kWarpPathMaxB = 64;  // auto: budgets up to this take the one-warp path (NOT yet
+                                   // tuned on a GPU: docs/CUDA.md, "Tree build")
 constexpr int kNB = 2048;          // score buckets
 constexpr int kBottom = kNB - 1;   // bucket of -inf (and NaN) scores
 constexpr int kNG = kNB / 32;      // bucket groups of 32 (one warp-wide scan each)
@@ -71,8 +74,8 @@ struct TreeArgs {
   int32_t* positions;     // [B+1]    cache_len + depth (-1 past n)
   uint64_t* visibility;   // [B+1, W] W = (B+64)/64; bit j%64 of word j/64 of row i: i sees j
   int32_t* n_out;         // [1]      n
-  int32_t* path_out;      // [1]      0 = parallel exact path, 1 = sequential fallback (may be null)
-  int force_fallback;     // testing: 1 = take the sequential path
+  int32_t* path_out;      // [1]      0 = parallel exact path, 1 = sequential fallback, 2 = one-warp path (may be null)
+  int force_fallback;     // 0 = auto; testing: 1 = sequential path, 2 = one-warp path, 3 = parallel path
 };
 
 KD_HD inline int vis_words(int B) { return (B + 64) / 64; }
@@ -156,6 +159,24 @@ KD_HD inline int clz32(uint32_t x) {  // x != 0
   return __clz((int)x);
 #else
   return __builtin_clz(x);
+#endif
+}
+KD_HD inline uint64_t d2u(double d) {
+#ifdef __CUDA_ARCH__
+  return (uint64_t)__double_as_longlong(d);
+#else
+  uint64_t u;
+  std::memcpy(&u, &d, 8);
+  return u;
+#endif
+}
+KD_HD inline double u2d(uint64_t u) {
+#ifdef __CUDA_ARCH__
+  return __longlong_as_double((long long)u);
+#else
+  double d;
+  std::memcpy(&d, &u, 8);
+  return d;
 #endif
 }
 KD_HD inline bool is_nan_f(float x) { return x != x; }
@@ -649,6 +670,127 @@ struct TreeBlock {
     return misc[M_N];
   }
 
+  // ---------------------------------------------------------------- one-warp exact path
+  // The reference heap's pop order computed by warp 0 without a heap: the candidates (at most
+  // one more than the pops so far) sit unsorted in shared memory, and each pop is the minimum
+  // under the fallback's own order `before` (score desc with NaN as -inf, then rank tuple asc,
+  // then the shorter tuple): a strict total order (two candidates never share a rank tuple), so
+  // the minimum is unique and equals what the binary heap pops. Each lane scans a strided slice
+  // for its best, a 5-round xor butterfly gives every lane the winner, the winner's rank tuple
+  // is copied one entry per lane, and lane 0 swaps the last candidate into its slot and appends
+  // the sibling (same float64 operations as the fallback) and the first child. The rows are
+  // copied into shared memory first (one block barrier); the butterfly carries each lane's best
+  // key in registers and reads shared memory only on equal keys. Exact for any input. Cost ~ B pops x (size/32 + 5 shuffle rounds + 2 warp
+  // syncs): for small budgets, far less than the parallel path's per-level barriers.
+  KD_HD int warp_build() {
+    FallbackLayout F = make_fallback_layout(B);
+    unsigned char* base = sm + L.o_sc;
+    double* hsc = (double*)(base + F.o_hsc);
+    int16_t* hpar = (int16_t*)(base + F.o_hpar);
+    uint16_t* hrk = (uint16_t*)(base + F.o_hrk);
+    uint8_t* hdp = (uint8_t*)(base + F.o_hdp);
+    uint16_t* tup = (uint16_t*)(base + F.o_tup);  // [B+1][kMaxDepth] rank tuple of each node
+    const int kf = keff;                           // ranks >= keff are never pushed
+    for (int i = tid; i < D * kf; i += nt) {       // the rows into shared memory, as they are
+      ctx.step(1);
+      const int d = i / kf, r = i - d * kf;
+      lpc[i] = a.lp[(size_t)d * a.ld + r];
+    }
+    ctx.sync();
+    if (warp == 0) {
+      auto key = [&](int i) -> double {  // the heap's score key: NaN ranks as -inf
+        const double v = hsc[i];
+        return is_nan_d(v) ? neg_inf_d() : v;
+      };
+      auto tuple_before = [&](int i, int j) -> bool {  // equal keys: rank tuple asc, then shorter
+        int di = hdp[i], dj = hdp[j];
+        const uint16_t* ti = tup + (size_t)hpar[i] * kMaxDepth;
+        const uint16_t* tj = tup + (size_t)hpar[j] * kMaxDepth;
+        int m = di < dj ? di : dj;
+        for (int k = 0; k < m; ++k) {
+          ctx.step(1);
+          int vi = k < di - 1 ? ti[k] : hrk[i];
+          int vj = k < dj - 1 ? tj[k] : hrk[j];
+          if (vi != vj) return vi < vj;
+        }
+        return di < dj;
+      };
+      if (lane == 0) {
+        hsc[0] = (double)lpc[0];
+        hpar[0] = 0;
+        hrk[0] = 0;
+        hdp[0] = 1;
+      }
+      ctx.warp_sync();
+      int size = 1, npop = 0;
+      while (size > 0 && npop < B) {
+        int best = -1;       // this lane's best candidate and its key (registers: the butterfly
+        double bk = 0.0;     // reads shared memory only on equal keys)
+        for (int c = lane; c < size; c += 32) {
+          ctx.step(1);
+          const double kc = key(c);
+          if (best < 0 || kc > bk || (kc == bk && tuple_before(c, best))) {
+            best = c;
+            bk = kc;
+          }
+        }
+        for (int o = 16; o >= 1; o >>= 1) {
+          const uint64_t u = d2u(bk);
+          const int other = ctx.warp_shfl(best, lane ^ o);
+          const int hi = ctx.warp_shfl((int)(u >> 32), lane ^ o), lo = ctx.warp_shfl((int)(uint32_t)u, lane ^ o);
+          const double ok = u2d(((uint64_t)(uint32_t)hi << 32) | (uint32_t)lo);
+          if (other >= 0 && (best < 0 || ok > bk || (ok == bk && tuple_before(other, best)))) {
+            best = other;
+            bk = ok;
+          }
+        }
+        const double s = hsc[best];
+        const int p = hpar[best], r = hrk[best], d = hdp[best];
+        const int node = ++npop;
+        if (lane < d) tup[(size_t)node * kMaxDepth + lane] = lane < d - 1 ? tup[(size_t)p * kMaxDepth + lane] : (uint16_t)r;
+        const bool sib = r + 1 < kf, child = d < D;
+        double s2 = 0.0, s3 = 0.0;
+        if (sib) {  // the fallback's float64 operations, in its order
+          s2 = s - (double)lpc[(d - 1) * kf + r];
+          s2 = s2 + (double)lpc[(d - 1) * kf + r + 1];
+        }
+        if (child) s3 = s + (double)lpc[d * kf];
+        ctx.warp_sync();  // every lane has read the winner's slot
+        if (lane == 0) {
+          ctx.step(4);
+          odp[node - 1] = (uint8_t)d;
+          ork[node - 1] = (uint16_t)r;
+          opar[node - 1] = (int16_t)p;
+          int last = size - 1;
+          if (best != last) {
+            hsc[best] = hsc[last];
+            hpar[best] = hpar[last];
+            hrk[best] = hrk[last];
+            hdp[best] = hdp[last];
+          }
+          if (sib) {
+            hsc[last] = s2;
+            hpar[last] = (int16_t)p;
+            hrk[last] = (uint16_t)(r + 1);
+            hdp[last] = (uint8_t)d;
+            ++last;
+          }
+          if (child) {
+            hsc[last] = s3;
+            hpar[last] = (int16_t)node;
+            hrk[last] = 0;
+            hdp[last] = (uint8_t)(d + 1);
+          }
+        }
+        size += (sib ? 1 : 0) + (child ? 1 : 0) - 1;
+        ctx.warp_sync();  // the candidate slots and the new tuple are visible to every lane
+      }
+      if (lane == 0) misc[M_N] = npop;
+    }
+    ctx.sync();
+    return misc[M_N];
+  }
+
   // ---------------------------------------------------------------- outputs
   KD_HD void write_outputs(int n, int path) {
     const int W = vis_words(B);
@@ -693,16 +835,25 @@ struct TreeBlock {
     }
   }
 
+  // Path choice: force_fallback 1 = sequential fallback, 2 = one-warp path, 3 = parallel path
+  // (then the fallback if its checks fail), 0 = auto: the one-warp path for B <= kWarpPathMaxB,
+  // else the parallel path.
   KD_HD void run() {
     int n = 0, path = 0;
     if (B > 0 && D > 0 && a.K > 0) {
-      int r = a.force_fallback ? -1 : parallel_build();
-      if (r < 0) {
-        path = 1;
-        ctx.sync();  // everyone is done with the candidate store before the heap reuses it
-        n = sequential_build();
+      const int f = a.force_fallback;
+      if (f == 2 || (f == 0 && B <= kWarpPathMaxB)) {
+        path = 2;
+        n = warp_build();
       } else {
-        n = r;
+        int r = f == 1 ? -1 : parallel_build();
+        if (r < 0) {
+          path = 1;
+          ctx.sync();  // everyone is done with the candidate store before the heap reuses it
+          n = sequential_build();
+        } else {
+          n = r;
+        }
       }
     }
     write_outputs(n, path);

@@ -34,6 +34,7 @@ struct GpuCtx {
     return v;
   }
   __device__ int warp_shfl(int v, int src) const { return __shfl_sync(0xffffffffu, v, src); }
+  __device__ void warp_sync() const { __syncwarp(); }  // orders the warp's shared-memory accesses
 };
 
 __global__ void __launch_bounds__(1024) tree_build_kernel(TreeArgs a) {

@@ -74,12 +74,15 @@ def _tree_from_result(r):
 
 
 def last_path():
-    """Which path the last GPU tree build took: 0 = parallel exact, 1 = sequential fallback."""
+    """Which path the last GPU tree build took: 0 = parallel exact, 1 = sequential fallback,
+    2 = one warp (small budgets)."""
     return _last["path"]
 
 
 def tree_build(logprobs, token_ids, budget, cache_len=0, force_fallback=False):
-    """Best-first tree on the GPU; logprobs float32 [D,K], token_ids int32 [D,K] (validated)."""
+    """Best-first tree on the GPU; logprobs float32 [D,K], token_ids int32 [D,K] (validated).
+    force_fallback (testing): False/0 = auto, True/1 = sequential fallback, 2 = one-warp path,
+    3 = parallel path."""
     _require()
     lp = np.ascontiguousarray(logprobs, dtype=np.float32)
     ids = np.ascontiguousarray(token_ids, dtype=np.int32)
@@ -89,7 +92,7 @@ def tree_build(logprobs, token_ids, budget, cache_len=0, force_fallback=False):
         from .reference.tree import empty_tree
         _last["path"] = 0
         return empty_tree()
-    r = _native.cuda_tree_build(lp, ids, int(budget), int(cache_len), bool(force_fallback))
+    r = _native.cuda_tree_build(lp, ids, int(budget), int(cache_len), int(force_fallback))
     return _tree_from_result(r)
 
 

@@ -149,7 +149,7 @@ void test_tree_build(int ncases) {
     const int n = (int)ref.tokens.size(), W = kc::tree_vis_words(B);
     Dev<float> dlp(lp);
     Dev<int32_t> dids(std::vector<int32_t>(ids.begin(), ids.end()));
-    for (int force = 0; force < 2; ++force) {
+    for (int force = 0; force < 4; ++force) {  // auto, fallback, one warp, parallel (TreeArgs)
       const int cache_len = 3 + cs;
       Dev<int32_t> tok(B), dep(B), par(B + 1), pos(B + 1), nn(1), path(1);
       Dev<uint64_t> vis((size_t)(B + 1) * W);
@@ -194,13 +194,15 @@ void test_tree_build(int ncases) {
         }
         for (int w = 0; ok && w < W; ++w) ok = gv[(size_t)i * W + w] == want[w];
       }
-      if (!force && B > 0) paths[gpath == 0 ? 0 : 1]++;
-      if (force) ok = ok && (B == 0 || gpath == 1);
+      if (force == 3 && B > 0) paths[gpath == 0 ? 0 : 1]++;
+      if (force == 1 || force == 2) ok = ok && (B == 0 || gpath == force);
+      if (force == 0 && B > 0 && B <= 64) ok = ok && gpath == 2;  // auto: one warp for small budgets
       CHECK(ok);
       if (!ok) std::fprintf(stderr, "tree case %d kind %d D %d K %d B %d force %d: n %d/%d path %d\n", cs, kind, D, K, B, force, gn, n, gpath);
     }
   }
-  std::printf("tree build: %d cases, parallel path %d, fallback %d\n", ncases, paths[0], paths[1]);
+  std::printf("tree build: %d cases x 4 path choices, parallel path (when forced) %d, fallback %d\n", ncases, paths[0],
+              paths[1]);
   if (ncases >= 100) CHECK(paths[0] > ncases / 4);
 }
 

@@ -8,8 +8,9 @@
 // is compared with the CPU twin (cpp/tree.h tree_build, itself checked against the NumPy oracle):
 // n, node tokens / depths / parents / positions, the visibility bitmask bit for bit, the padding
 // past n (tokens -1, depths 0, parents -1, positions -1, no stray visibility bits), and which
-// path ran (most cases must take the parallel path). Both paths are checked: every case also
-// runs with force_fallback = 1.
+// path ran (most cases must take the parallel path when it is forced). All three paths are
+// checked: every case runs with the parallel path forced (it falls back when its exactness
+// checks fail), the sequential fallback forced, and (B <= 128) the one-warp path forced.
 //
 // KDTREE_EMU_CASES (default 60) sets the number of random cases (plus half as many of other
 // regimes); KDTREE_EMU_PROXY=1 prints the latency proxy (barriers, critical path) instead.
@@ -123,6 +124,10 @@ struct HostCtx {
     w.barrier();
     return r;
   }
+  void warp_sync() const {
+    step(1);
+    blk->warps[t >> 5].barrier();
+  }
   int warp_shfl(int v, int src) const {
     step(1);
     Warp& w = blk->warps[t >> 5];
@@ -142,8 +147,9 @@ struct Out {
   long gpu_barriers = 0, scan_elems = 0, crit = 0;
 };
 
+// mode: TreeArgs::force_fallback (0 auto, 1 sequential fallback, 2 one-warp path, 3 parallel path)
 Out run_block(const std::vector<float>& lp, const std::vector<int32_t>& ids, int D, int K, int B, int cache_len,
-              bool force_fallback) {
+              int mode) {
   const int W = kdtree::treeimpl::vis_words(B);
   Out o;
   o.tokens.assign(std::max(B, 1), 12345);  // poisoned: every slot must be written
@@ -168,7 +174,7 @@ Out run_block(const std::vector<float>& lp, const std::vector<int32_t>& ids, int
   a.visibility = o.vis.data();
   a.n_out = o.n.data();
   a.path_out = o.path.data();
-  a.force_fallback = force_fallback ? 1 : 0;
+  a.force_fallback = mode;
   const auto L = kdtree::treeimpl::make_tree_layout(B, D, K);
   std::vector<double> smem_storage(L.total / sizeof(double) + 2, 0.0);  // 8-byte aligned
   unsigned char* smem = reinterpret_cast<unsigned char*>(smem_storage.data());
@@ -240,17 +246,21 @@ void check_case(int c, const std::vector<float>& lp, const std::vector<int32_t>&
   kdtree::tree_build(lp.data(), ids.data(), D, K, B, tree, ws);
   const int n = (int)tree->n;
   const int W = kdtree::treeimpl::vis_words(B);
-  for (int ff = 0; ff < 2; ++ff) {
-    const Out o = run_block(lp, ids, D, K, B, cache_len, ff == 1);
+  for (int mode : {3, 1, 2}) {  // parallel (falls back when its checks fail), fallback, one warp
+    // The one-warp path runs for small budgets only (auto: B <= kWarpPathMaxB); its emulation
+    // (a warp barrier per shuffle) is slow, so it is checked up to B = 128 here.
+    if (mode == 2 && B > 128) continue;
+    const Out o = run_block(lp, ids, D, K, B, cache_len, mode);
     const std::string where = "case " + std::to_string(c) + " kind " + std::to_string(kind) + " D=" +
                               std::to_string(D) + " K=" + std::to_string(K) + " B=" + std::to_string(B) +
-                              (ff ? " (fallback)" : "");
+                              (mode == 1 ? " (fallback)" : mode == 2 ? " (one warp)" : "");
     if (o.n[0] != n) {
       fail(where + ": n " + std::to_string(o.n[0]) + " vs CPU " + std::to_string(n));
       continue;
     }
-    if (ff == 1 && o.path[0] != 1) fail(where + ": force_fallback did not take the fallback");
-    if (ff == 0) {
+    if (mode == 1 && o.path[0] != 1) fail(where + ": force_fallback did not take the fallback");
+    if (mode == 2 && o.path[0] != 2) fail(where + ": the one-warp path was not taken");
+    if (mode == 3) {
       ++runs;
       if (o.path[0] == 0) {
         ++parallel;
@@ -317,12 +327,14 @@ int proxy_table() {
       std::vector<int32_t> ids;
       drafter_rows(7, peaked == 1, D, 163840, K, &lp, &ids);
       check_case(0, lp, ids, D, K, B, 0, &tree, &ws);  // exactness vs the CPU twin
-      const Out o = run_block(lp, ids, D, K, B, 0, false);
-      int depth = 0;
-      for (int i = 0; i < o.n[0]; ++i) depth = std::max(depth, o.depths[i]);
-      std::printf("| %s | %d | %d | %d | %d | %s | %ld | %ld | %ld |\n", peaked ? "peaked" : "flat", B,
-                  tree_threads(B), o.n[0], depth, o.path[0] == 0 ? "parallel" : "fallback", o.gpu_barriers,
-                  o.scan_elems, o.crit);
+      for (int mode : {3, 2}) {
+        const Out o = run_block(lp, ids, D, K, B, 0, mode);
+        int depth = 0;
+        for (int i = 0; i < o.n[0]; ++i) depth = std::max(depth, o.depths[i]);
+        std::printf("| %s | %d | %d | %d | %d | %s | %ld | %ld | %ld |\n", peaked ? "peaked" : "flat", B,
+                    tree_threads(B), o.n[0], depth, o.path[0] == 0 ? "parallel" : o.path[0] == 2 ? "one warp" : "fallback",
+                    o.gpu_barriers, o.scan_elems, o.crit);
+      }
     }
   std::printf("proxy cases: %d failures\n", failures);
   return failures ? 1 : 0;
@@ -371,7 +383,7 @@ int main() {
   {
     std::vector<float> lp(4, -1.f);
     std::vector<int32_t> ids(4, 3);
-    const Out o = run_block(lp, ids, 2, 2, 0, 5, false);
+    const Out o = run_block(lp, ids, 2, 2, 0, 5, 0);
     if (o.n[0] != 0 || o.parents[0] != -1 || o.positions[0] != 5 || o.vis[0] != 1ull) fail("B = 0: root only");
   }
   // The parallel path must carry most cases (else this test would mostly check the fallback);
@@ -379,7 +391,7 @@ int main() {
   if (parallel * 4 < runs * 3) fail("only " + std::to_string(parallel) + " of " + std::to_string(runs) +
                                      " cases took the parallel path");
   if (parallel_big == 0) fail("no case with B >= 256 took the parallel path");
-  std::printf("tree block emulation: %d random cases x 2 paths + the empty tree (parallel path taken in %d of %d, "
+  std::printf("tree block emulation: %d random cases x 3 paths + the empty tree (parallel path taken in %d of %d, "
               "%d with B >= 256), %d failures\n", done, parallel, runs, parallel_big, failures);
   return failures ? 1 : 0;
 }

@@ -53,10 +53,13 @@ def test_tree_build_equals_cpu_twin_on_random_cases():
     paths = {0: 0, 1: 0}
     for i, (cid, lp, ids, budget) in enumerate(tc.case_grid(n_small=3000, n_large=120, seed=77)):
         cpu = kn.ops.tree_build(lp, ids, budget, device="cpu")
-        gpu = kn.ops.tree_build(lp, ids, budget, device="cuda")
+        gpu = kn.ops.tree_build(lp, ids, budget, device="cuda")  # auto: one warp for small budgets
         assert_same_tree(cpu, gpu, cid)
         if budget > 0:
-            paths[cu.last_path()] += 1
+            if budget <= 64:
+                assert cu.last_path() == 2, cid
+            assert_same_tree(cpu, cu.tree_build(lp, ids, budget, force_fallback=3), cid)
+            paths[cu.last_path()] += 1  # the parallel path when forced (or its fallback)
         if i % 10 == 0:  # the NumPy oracle too, and the raw poisoned buffers
             assert_same_tree(R.tree_build(lp, ids, budget), gpu, cid)
             if budget > 0:
@@ -76,6 +79,19 @@ def test_tree_build_fallback_path_equals_cpu_twin():
         check_raw(raw, cpu, budget, 0)
 
 
+def test_tree_build_one_warp_path_equals_cpu_twin():
+    """The one-warp path (auto for small budgets) forced at every budget, on every kind of case."""
+    for i, (cid, lp, ids, budget) in enumerate(tc.case_grid(n_small=800, n_large=40, seed=79)):
+        if budget == 0:
+            continue
+        raw = N.cuda_tree_build(lp, ids, budget, 3 + i, 2)
+        assert raw["path"] == 2
+        check_raw(raw, kn.ops.tree_build(lp, ids, budget, device="cpu"), budget, 3 + i)
+    for i, (cid, lp, ids, budget) in enumerate(tc.rounding_grid(n=100, seed=81)):
+        raw = N.cuda_tree_build(lp, ids, budget, 0, 2)
+        check_raw(raw, kn.ops.tree_build(lp, ids, budget, device="cpu"), budget, 0)
+
+
 def realistic_case(seed, budget, depth=15, k=None, sharp=None):
     rng = np.random.default_rng(seed)
     k = budget if k is None else k
@@ -91,10 +107,13 @@ def realistic_case(seed, budget, depth=15, k=None, sharp=None):
 def test_tree_build_realistic_takes_parallel_path(budget):
     for seed in range(6):
         lp, ids = realistic_case(seed, budget, k=budget if seed % 2 == 0 else min(budget, 32))
-        raw = N.cuda_tree_build(lp, ids, budget, 100, False)
+        raw = N.cuda_tree_build(lp, ids, budget, 100, 3)  # the parallel path forced
         cpu = kn.ops.tree_build(lp, ids, budget, device="cpu")
         check_raw(raw, cpu, budget, 100)
         assert raw["path"] == 0, (budget, seed)
+        auto = N.cuda_tree_build(lp, ids, budget, 100, 0)
+        check_raw(auto, cpu, budget, 100)
+        assert auto["path"] == (2 if budget <= 64 else 0), (budget, seed)
 
 
 def test_tree_build_corners():
