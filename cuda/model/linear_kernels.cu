@@ -123,9 +123,11 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int grp = warp / KS, kw = warp % KS;
   const int n0 = (blockIdx.x * GROUPS + grp) * RW;
-  // token slice blockIdx.z: tokens [t0, t0 + T) of the step (more than TT tokens: several slices,
-  // each streaming the weights again, mostly from L2)
-  const int t0 = blockIdx.z * TT, T = min(TT, p.T - t0), Kd = p.Kd, N = p.N;
+  // token slice blockIdx.z: tokens [t0, t0 + T) of the step; more than TT tokens go in gridDim.z
+  // slices of ts <= TT tokens, balanced (17 = 9 + 8), each streaming the weights again (mostly
+  // from L2)
+  const int ts = (p.T + (int)gridDim.z - 1) / (int)gridDim.z;
+  const int t0 = blockIdx.z * ts, T = min(ts, p.T - t0), Kd = p.Kd, N = p.N;
   const float* X = p.x + (size_t)blockIdx.y * p.x_batch + (size_t)t0 * p.ldx;
   const float* W = p.w + (size_t)blockIdx.y * p.w_batch;
   float* Y = p.y + (size_t)blockIdx.y * p.y_batch + (size_t)t0 * p.ldy;
@@ -235,7 +237,7 @@ template <int RW, int TT, int U, int KS>
 cudaError_t launch(const LinearParams& p, bool vec, cudaStream_t stream) {
   constexpr int rows_per_block = RW * kLinWarps / KS;
   const dim3 grid((unsigned)((p.N + rows_per_block - 1) / rows_per_block), (unsigned)p.batch,
-                  (unsigned)((p.T + TT - 1) / TT));
+                  (unsigned)((p.T + 15) / 16));  // slices of <= 16 tokens (TT >= the slice size)
   if constexpr (TT <= kLinearNormMaxT) {
     if (p.norm_w) {
       if (vec) linear_skinny_kernel<RW, TT, U, KS, true, true><<<grid, kLinWarps * 32, 0, stream>>>(p);
@@ -277,7 +279,7 @@ cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream) {
   if (p.T == 2) return launch_fill<2, 2, 4>(p, vec, stream);
   if (p.T <= 4) return launch_fill<2, 4, 4>(p, vec, stream);
   if (p.T <= 8) return launch_fill<4, 8, 2>(p, vec, stream);
-  return launch_fill<4, 16, 2>(p, vec, stream);  // > 16 tokens: slices of 16 (grid.z)
+  return launch_fill<4, 16, 2>(p, vec, stream);  // > 16 tokens: balanced slices of <= 16 (grid.z)
 }
 
 }  // namespace cuda
