@@ -20,13 +20,15 @@ def main():
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--tokens", type=int, nargs="*", default=[1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32])
+    ap.add_argument("--max-tokens", type=int, default=-1,
+                    help="skinny_max_tokens of the skinny variant (-1 auto = 16; up to 64: token slices of 16)")
     ap.add_argument("--ckpt", default="/tmp/kn_mini_kimi")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     import torch
     from bench_cuda_model import step_times
 
-    res = step_times(args.ckpt, {"skinny": dict(skinny_max_tokens=-1), "cublas": dict(skinny_max_tokens=0)},
+    res = step_times(args.ckpt, {"skinny": dict(skinny_max_tokens=args.max_tokens), "cublas": dict(skinny_max_tokens=0)},
                      args.tokens, context=args.context, reps=args.reps)
     print(f"## mini-kimi step, context {args.context}: dense projections through linear_skinny vs cuBLAS "
           f"({torch.cuda.get_device_name(0)}, graph replay, median of {args.reps})")

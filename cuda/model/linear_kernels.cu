@@ -5,10 +5,11 @@
 // rows against a weight matrix that is read once. cuBLAS runs them as SIMT SGEMM tiles or GEMV
 // kernels that keep few bytes in flight (mini-kimi on the H200: 3-9 us for 1.5-8 MB matrices,
 // 0.3-1 TB/s). Measured on the H200 (docs/BENCHMARKS.md, "Skinny linear layers vs cuBLAS"):
-// the whole mini-kimi step is 1.1-1.35x faster with this kernel for T = 1..16; from T = 17
-// cuBLAS wins (this kernel becomes issue-bound: ~11 cycles per instruction with few warps per
-// SM), so CudaModel uses it for T <= 16 by default; T up to 32 is accepted (tests,
-// experiments). Here every lane streams 16-byte weight loads, U k-steps of RW rows issued
+// the whole mini-kimi step is 1.1-1.35x faster with this kernel for T = 1..16; from T = 17 a
+// single block of token accumulators lost to cuBLAS (issue-bound: ~11 cycles per instruction
+// with few warps per SM), so CudaModel uses it for T <= 16 by default. Up to 64 tokens are
+// accepted, in slices of 16 along grid.z (each slice streams the weights again, mostly from L2;
+// NOT yet measured against cuBLAS: benchmarks/bench_cuda_skinny.py --max-tokens 64). Here every lane streams 16-byte weight loads, U k-steps of RW rows issued
 // before any FMA, and the few token rows come through L1 (__ldg; the weight bypasses L1 so that
 // they stay). Deterministic: no atomics; per output a lane sums its k-steps in ascending order,
 // the warp's lanes are reduced by a fixed shuffle tree and (KS > 1) the block's warps in warp
@@ -87,11 +88,11 @@ __device__ __forceinline__ float warp_sum(float v) {
 // the few rows' 1/rms itself (no barrier), after its first weight loads are issued, and scales
 // its sums by it.
 template <int TT>
-__device__ __forceinline__ void row_inv_rms(const LinearParams& p, const float* X, float* inv, int lane) {
+__device__ __forceinline__ void row_inv_rms(const LinearParams& p, const float* X, int T, float* inv, int lane) {
 #pragma unroll
   for (int t = 0; t < TT; ++t) {
     inv[t] = 1.f;
-    if (t < p.T) {
+    if (t < T) {
       const float* xr = X + (size_t)t * p.ldx;
       double ss = 0.0;
       for (int k = lane; k < p.Kd; k += 32) {
@@ -122,10 +123,14 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int grp = warp / KS, kw = warp % KS;
   const int n0 = (blockIdx.x * GROUPS + grp) * RW;
-  const int T = p.T, Kd = p.Kd, N = p.N;
-  const float* X = p.x + (size_t)blockIdx.y * p.x_batch;
+  // token slice blockIdx.z: tokens [t0, t0 + T) of the step; more than TT tokens go in gridDim.z
+  // slices of ts <= TT tokens, balanced (17 = 9 + 8), each streaming the weights again (mostly
+  // from L2)
+  const int ts = (p.T + (int)gridDim.z - 1) / (int)gridDim.z;
+  const int t0 = blockIdx.z * ts, T = min(ts, p.T - t0), Kd = p.Kd, N = p.N;
+  const float* X = p.x + (size_t)blockIdx.y * p.x_batch + (size_t)t0 * p.ldx;
   const float* W = p.w + (size_t)blockIdx.y * p.w_batch;
-  float* Y = p.y + (size_t)blockIdx.y * p.y_batch;
+  float* Y = p.y + (size_t)blockIdx.y * p.y_batch + (size_t)t0 * p.ldy;
   const bool live = n0 < N;  // (KS > 1: every warp reaches the block barrier below)
 
   float acc[NV];
@@ -151,7 +156,7 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
     int k0 = kw * U * STEP;
     if (k0 < Kd) load_w(k0);  // in flight while the norm (if any) is computed
     float inv[NORM ? TT : 1];
-    if constexpr (NORM) row_inv_rms<TT>(p, X, inv, lane);
+    if constexpr (NORM) row_inv_rms<TT>(p, X, T, inv, lane);
     while (k0 < Kd) {
       WT gv[U];  // norm weights of the k-steps (NORM)
       if constexpr (NORM) {
@@ -231,7 +236,8 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
 template <int RW, int TT, int U, int KS>
 cudaError_t launch(const LinearParams& p, bool vec, cudaStream_t stream) {
   constexpr int rows_per_block = RW * kLinWarps / KS;
-  const dim3 grid((unsigned)((p.N + rows_per_block - 1) / rows_per_block), (unsigned)p.batch);
+  const dim3 grid((unsigned)((p.N + rows_per_block - 1) / rows_per_block), (unsigned)p.batch,
+                  (unsigned)((p.T + 15) / 16));  // slices of <= 16 tokens (TT >= the slice size)
   if constexpr (TT <= kLinearNormMaxT) {
     if (p.norm_w) {
       if (vec) linear_skinny_kernel<RW, TT, U, KS, true, true><<<grid, kLinWarps * 32, 0, stream>>>(p);
@@ -273,8 +279,7 @@ cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream) {
   if (p.T == 2) return launch_fill<2, 2, 4>(p, vec, stream);
   if (p.T <= 4) return launch_fill<2, 4, 4>(p, vec, stream);
   if (p.T <= 8) return launch_fill<4, 8, 2>(p, vec, stream);
-  if (p.T <= 16) return launch_fill<4, 16, 2>(p, vec, stream);
-  return launch_fill<4, 32, 2>(p, vec, stream);  // slower than cuBLAS on the H200: opt-in only
+  return launch_fill<4, 16, 2>(p, vec, stream);  // > 16 tokens: balanced slices of <= 16 (grid.z)
 }
 
 }  // namespace cuda

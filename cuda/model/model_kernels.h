@@ -26,7 +26,7 @@ namespace cuda {
 // few-token steps (decode, small trees: CudaModel uses it up to 16 tokens) in place of cuBLAS
 // (linear_kernels.cu says why); batch
 // > 1 runs the per-head absorbed MLA products. FP32, deterministic. x and y must not overlap.
-constexpr int kLinearSkinnyMaxT = 32;
+constexpr int kLinearSkinnyMaxT = 64;  // more than 16 tokens run in slices of 16 (grid.z)
 struct LinearParams {
   const float* x;          // [batch] x [T, ldx], batch stride x_batch floats
   long long ldx, x_batch;

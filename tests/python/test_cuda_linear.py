@@ -1,5 +1,5 @@
 """The skinny linear kernel (cuda::linear_skinny, _native.cuda_linear_skinny) against a float64
-NumPy evaluation: every token count 1..32, odd and aligned sizes (scalar and float4 paths),
+NumPy evaluation: every token count 1..32 and some up to 64 (token slices), odd and aligned sizes (scalar and float4 paths),
 batched strided layouts (the model's per-head absorbed products), beta 0 (y is not read: it is
 poisoned with NaN) and beta 1 (residual add), determinism, and the argument checks.
 Skipped without a usable CUDA device."""
@@ -64,7 +64,7 @@ def run_case(rng, T, Nn, Kd, batch=1, beta=0.0, x_pad=0, y_pad=0, interleaved=Fa
     return got
 
 
-@pytest.mark.parametrize("T", list(range(1, 33)))
+@pytest.mark.parametrize("T", list(range(1, 33)) + [40, 47, 48, 63, 64])
 def test_every_token_count(T):
     rng = np.random.default_rng(T)
     for Nn, Kd in ((37, 260), (64, 1024), (5, 4), (130, 128)):
@@ -83,7 +83,7 @@ def test_odd_sizes_and_scalar_path(T):
     run_case(rng, T, 40, 256, w_off=2, beta=1.0)
 
 
-@pytest.mark.parametrize("T", [1, 2, 5, 17, 32])
+@pytest.mark.parametrize("T", [1, 2, 5, 17, 32, 50])
 def test_batched_head_layouts(T):
     rng = np.random.default_rng(200 + T)
     # absorbed W_UK: x = q_nope heads inside [T, H * (Dn + R)], w = W_UK^T [H, C, Dn]
@@ -104,11 +104,11 @@ def test_deterministic():
 
 
 def test_argument_checks():
-    x = np.zeros((40, 8), np.float32)
+    x = np.zeros((70, 8), np.float32)
     w = np.zeros((1, 64), np.float32)
-    y = np.zeros((40, 8), np.float32)
+    y = np.zeros((70, 8), np.float32)
     with pytest.raises(ValueError):  # T > kLinearSkinnyMaxT: the launcher refuses (cudaErrorInvalidValue)
-        N.cuda_linear_skinny(x, w, y, 33, 8, 8)
+        N.cuda_linear_skinny(x, w, y, 65, 8, 8)
     with pytest.raises(ValueError):  # sizes past the arrays: the binding refuses
         N.cuda_linear_skinny(x, w, y, 4, 9, 8)
 

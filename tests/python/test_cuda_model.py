@@ -181,7 +181,7 @@ def test_bad_config_is_value_error_before_any_device_work():
         _native.CudaModel(cfg, 16, math="fast")
     with pytest.raises(ValueError, match="expert_kernel"):
         _native.CudaModel(cfg, 16, expert_kernel="magic")
-    for smt in (-2, 33):
+    for smt in (-2, 65):
         with pytest.raises(ValueError, match="skinny_max_tokens"):
             _native.CudaModel(cfg, 16, skinny_max_tokens=smt)
 
@@ -316,23 +316,24 @@ def test_expert_kernels_match_cpu(name, expert_kernel):
 @needs_device
 @pytest.mark.parametrize("name", ["ds3_base", "kimi_like", "no_q_lora", "odd_sizes", "mla512"])
 def test_skinny_linear_and_cublas_match_cpu(name):
-    """Steps of 1..33 tokens: the dense projections through linear_skinny (the default up to 32
-    tokens) and through cuBLAS (skinny_max_tokens=0), both against the CPU model."""
+    """Steps of 1..64 tokens: the dense projections through linear_skinny (auto: up to 16 tokens;
+    skinny_max_tokens=64: up to 64, in token slices) and through cuBLAS (skinny_max_tokens=0), all
+    against the CPU model."""
     cpu, gpu, cfg = pair(spec(name), max_seq_len=200)
     _, gpu0, _ = pair(spec(name), max_seq_len=200, skinny_max_tokens=0)
+    _, gpu64, _ = pair(spec(name), max_seq_len=200, skinny_max_tokens=64)
     ids = prompt(cfg.vocab_size, 20, seed=5)
-    for m in (cpu, gpu, gpu0):
+    for m in (cpu, gpu, gpu0, gpu64):
         prefill(m, ids)
-    for T in (1, 2, 5, 8, 17, 32, 33):
+    for T in (1, 2, 5, 8, 17, 32, 33, 64):
         toks = prompt(cfg.vocab_size, T, seed=T)
         pos = 20 + np.arange(T)
         a = cpu.forward(toks, pos, None)
-        b = gpu.forward(toks, pos, None)
-        c = gpu0.forward(toks, pos, None)
-        assert rel_to_scale(b, a) < TOL, f"skinny T={T}"
-        assert rel_to_scale(c, a) < TOL, f"cuBLAS T={T}"
+        assert rel_to_scale(gpu.forward(toks, pos, None), a) < TOL, f"auto T={T}"
+        assert rel_to_scale(gpu0.forward(toks, pos, None), a) < TOL, f"cuBLAS T={T}"
+        assert rel_to_scale(gpu64.forward(toks, pos, None), a) < TOL, f"skinny slices T={T}"
     with pytest.raises(ValueError, match="skinny_max_tokens"):
-        _native.CudaModel(cfg.to_native(), 64, skinny_max_tokens=33)
+        _native.CudaModel(cfg.to_native(), 64, skinny_max_tokens=65)
 
 
 @pytest.mark.cuda
