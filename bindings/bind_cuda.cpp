@@ -822,6 +822,7 @@ py::dict moe_group_np(const py::object& idx_o, int E, int tile_rows, bool force_
 
 void bind_cuda(py::module_& m) {
   m.attr("cuda_kernels_compiled") = true;
+  m.attr("CUDA_TREE_WARP_PATH_MAX_B") = kdtree::cuda::kTreeWarpPathMaxB;
   m.def("cuda_tree_build", &tree_build_np, py::arg("logprobs"), py::arg("token_ids"), py::arg("budget"),
         py::arg("cache_len") = 0, py::arg("force_fallback") = false,
         "GPU tree build from float32 [D,K] log-probs and int32 ids; returns a dict of full-size "

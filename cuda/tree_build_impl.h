@@ -53,8 +53,8 @@ namespace treeimpl {
 
 constexpr int kMaxDepth = 16;      // D limit of the CUDA tree build
 constexpr int kMaxBudget = 1024;   // B limit of the CUDA tree build (one block)
-constexpr int kWarpPathMaxB = 64;  // auto: budgets up to this take the one-warp path (NOT yet
-                                   // tuned on a GPU: docs/CUDA.md, "Tree build")
+constexpr int kWarpPathMaxB = 16;  // == cuda::kTreeWarpPathMaxB (kernels.h; this header is also
+                                   // built without CUDA for the block emulation test)
 constexpr int kNB = 2048;          // score buckets
 constexpr int kBottom = kNB - 1;   // bucket of -inf (and NaN) scores
 constexpr int kNG = kNB / 32;      // bucket groups of 32 (one warp-wide scan each)

@@ -7,6 +7,9 @@
 #include "kernels.h"
 #include "tree_build_impl.h"
 
+static_assert(kdtree::treeimpl::kWarpPathMaxB == kdtree::cuda::kTreeWarpPathMaxB, "one constant");
+static_assert(kdtree::treeimpl::kMaxBudget == kdtree::cuda::kTreeMaxBudget, "one constant");
+
 namespace kdtree {
 namespace cuda {
 namespace {

@@ -38,7 +38,7 @@ constexpr int64_t kAlignBytes = cuda::kArenaAlign;
 constexpr int64_t kCublasWorkspace = 32ll << 20;
 // Steps of up to this many tokens run the dense projections through cuda::linear_skinny (the
 // crossover with cuBLAS measured on the H200, docs/BENCHMARKS.md "Skinny linear layers vs cuBLAS").
-constexpr int64_t kSkinnyAutoMaxT = 16;
+constexpr int64_t kSkinnyAutoMaxT = 20;  // 17 = B 16 verify: 1.05x; 24: 0.95x
 
 std::string mib(int64_t bytes) {
   char b[64];

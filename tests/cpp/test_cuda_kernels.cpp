@@ -196,7 +196,7 @@ void test_tree_build(int ncases) {
       }
       if (force == 3 && B > 0) paths[gpath == 0 ? 0 : 1]++;
       if (force == 1 || force == 2) ok = ok && (B == 0 || gpath == force);
-      if (force == 0 && B > 0 && B <= 64) ok = ok && gpath == 2;  // auto: one warp for small budgets
+      if (force == 0 && B > 0 && B <= kc::kTreeWarpPathMaxB) ok = ok && gpath == 2;  // auto: one warp for small budgets
       CHECK(ok);
       if (!ok) std::fprintf(stderr, "tree case %d kind %d D %d K %d B %d force %d: n %d/%d path %d\n", cs, kind, D, K, B, force, gn, n, gpath);
     }

@@ -113,7 +113,7 @@ def test_tree_build_realistic_takes_parallel_path(budget):
         assert raw["path"] == 0, (budget, seed)
         auto = N.cuda_tree_build(lp, ids, budget, 100, 0)
         check_raw(auto, cpu, budget, 100)
-        assert auto["path"] == (2 if budget <= 64 else 0), (budget, seed)
+        assert auto["path"] == (2 if budget <= N.CUDA_TREE_WARP_PATH_MAX_B else 0), (budget, seed)
 
 
 def test_tree_build_corners():
