@@ -823,6 +823,10 @@ py::dict moe_group_np(const py::object& idx_o, int E, int tile_rows, bool force_
 void bind_cuda(py::module_& m) {
   m.attr("cuda_kernels_compiled") = true;
   m.attr("CUDA_TREE_WARP_PATH_MAX_B") = kdtree::cuda::kTreeWarpPathMaxB;
+  m.def("cuda_set_pdl", &kdtree::cuda::set_pdl, py::arg("on"),
+        "Programmatic Dependent Launch for every kernel launched from now on (process-wide; a captured "
+        "CUDA graph keeps its setting); returns the previous setting. Default on unless KDTREE_CUDA_PDL=0.");
+  m.def("cuda_pdl_enabled", &kdtree::cuda::pdl_enabled);
   m.def("cuda_tree_build", &tree_build_np, py::arg("logprobs"), py::arg("token_ids"), py::arg("budget"),
         py::arg("cache_len") = 0, py::arg("force_fallback") = false,
         "GPU tree build from float32 [D,K] log-probs and int32 ids; returns a dict of full-size "

@@ -28,6 +28,12 @@ constexpr int kTopkMaxV = 16 * 32768;
 inline int tree_vis_words(int budget) { return (budget + 64) / 64; }
 
 // ---------------------------------------------------------------- tree build
+// Programmatic Dependent Launch for every kernel of the backend (cuda/launch.h): process-wide,
+// read at each launch (a captured CUDA graph keeps what it was captured with). Default on, unless
+// the environment sets KDTREE_CUDA_PDL=0. set_pdl returns the previous setting.
+bool pdl_enabled();
+bool set_pdl(bool on);
+
 struct TreeBuildParams {
   const float* logprobs;    // [D, ld] rows sorted descending; first K columns used
   const int32_t* token_ids; // [D, ld]

@@ -18,6 +18,7 @@
 #include <cstdlib>
 
 #include "kernels.h"
+#include "launch.h"
 
 namespace kdtree {
 namespace cuda {
@@ -204,6 +205,7 @@ __device__ uint32_t radix_select(int n, int need, KeyFn keyfn, int* hist, int* t
 
 // ---------------------------------------------------------------- kernel 1: stats + group maxima
 __global__ void __launch_bounds__(kStatsThreads) topk_stats_kernel(TopkParams p, Plan pl, WsLayout wl) {
+  pdl_prologue();
   extern __shared__ __align__(16) unsigned char sm[];
   uint32_t* keys = (uint32_t*)sm;                                      // [chunk]
   double* red = (double*)(sm + ((size_t)pl.chunk * 4 + 15) / 16 * 16); // [32]
@@ -327,6 +329,7 @@ __device__ void select_write(const TopkParams& p, int row, int n, KeyFn keyfn, I
 }
 
 __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(TopkParams p, Plan pl, WsLayout wl) {
+  pdl_prologue();
   extern __shared__ __align__(16) unsigned char sm[];
   SelectSmem s;
   s.sortv = (unsigned long long*)sm;                  // [1024]
@@ -411,7 +414,7 @@ cudaError_t topk_logsoftmax(const TopkParams& p, cudaStream_t stream) {
   if (e != cudaSuccess) return e;
   e = ensure_smem(topk_select_kernel, select_smem(pl), &done2);
   if (e != cudaSuccess) return e;
-  topk_stats_kernel<<<dim3(pl.nchunk, p.D), kStatsThreads, stats_smem(pl), stream>>>(p, pl, wl);
+  launch_kernel(topk_stats_kernel, dim3(pl.nchunk, p.D), kStatsThreads, stats_smem(pl), stream, p, pl, wl);
   e = cudaGetLastError();
   if (e != cudaSuccess) return e;
   static const bool stats_only = [] {  // benchmark knob: time the first kernel alone
@@ -419,7 +422,7 @@ cudaError_t topk_logsoftmax(const TopkParams& p, cudaStream_t stream) {
     return v && v[0] == '1';
   }();
   if (stats_only) return cudaSuccess;
-  topk_select_kernel<<<p.D, kSelectThreads, select_smem(pl), stream>>>(p, pl, wl);
+  launch_kernel(topk_select_kernel, p.D, kSelectThreads, select_smem(pl), stream, p, pl, wl);
   return cudaGetLastError();
 }
 

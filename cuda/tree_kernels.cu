@@ -2,10 +2,13 @@
 // see tree_build_impl.h), tree accept walk, and KV compaction, plus tree_build_from_logits.
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdio>
+#include <cstdlib>
 
 #include "kernels.h"
 #include "tree_build_impl.h"
+#include "launch.h"
 
 static_assert(kdtree::treeimpl::kWarpPathMaxB == kdtree::cuda::kTreeWarpPathMaxB, "one constant");
 static_assert(kdtree::treeimpl::kMaxBudget == kdtree::cuda::kTreeMaxBudget, "one constant");
@@ -41,6 +44,7 @@ struct GpuCtx {
 };
 
 __global__ void __launch_bounds__(1024) tree_build_kernel(TreeArgs a) {
+  pdl_prologue();
   extern __shared__ __align__(16) unsigned char smem[];
   GpuCtx ctx;
   treeimpl::TreeBlock<GpuCtx> blk(ctx, a, smem);
@@ -78,6 +82,7 @@ __device__ int accept_walk(const TreeAcceptParams& a, int* best, int* path_s) {
 }
 
 __global__ void tree_accept_kernel(TreeAcceptParams a) {
+  pdl_prologue();
   __shared__ int best[1025];
   __shared__ int path_s[1025 + 2];
   int m = accept_walk(a, best, path_s);
@@ -136,6 +141,7 @@ __device__ void compact_dispatch(const KvCompactParams& c, int layer, const int*
 }
 
 __global__ void kv_compact_kernel(KvCompactParams c) {
+  pdl_prologue();
   __shared__ int path_s[1025];
   __shared__ int m_s;
   if (threadIdx.x == 0) {
@@ -150,6 +156,7 @@ __global__ void kv_compact_kernel(KvCompactParams c) {
 }
 
 __global__ void tree_accept_compact_kernel(TreeAcceptParams a, KvCompactParams c) {
+  pdl_prologue();
   __shared__ int best[1025];
   __shared__ int path_s[1025 + 2];
   int m = accept_walk(a, best, path_s);
@@ -164,6 +171,7 @@ __global__ void tree_accept_compact_kernel(TreeAcceptParams a, KvCompactParams c
 }
 
 __global__ void spin_kernel(unsigned long long ns) {
+  pdl_prologue();
   unsigned long long t0, t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t0));
   float x = (float)threadIdx.x;
@@ -220,7 +228,7 @@ cudaError_t tree_build(const TreeBuildParams& p, cudaStream_t stream) {
     if (e != cudaSuccess) return e;
     smem_set = smem;
   }
-  tree_build_kernel<<<1, tree_threads(p.budget), smem, stream>>>(a);
+  launch_kernel(tree_build_kernel, 1, tree_threads(p.budget), smem, stream, a);
   return cudaGetLastError();
 }
 
@@ -261,22 +269,34 @@ cudaError_t tree_build_from_logits(const TreeFromLogitsParams& p, cudaStream_t s
   return tree_build(b, stream);
 }
 
+namespace {
+std::atomic<int>& pdl_state() {
+  static std::atomic<int> s{[] {
+    const char* e = std::getenv("KDTREE_CUDA_PDL");
+    return (e && e[0] == '0' && e[1] == '\0') ? 0 : 1;
+  }()};
+  return s;
+}
+}  // namespace
+bool pdl_enabled() { return pdl_state().load(std::memory_order_relaxed) != 0; }
+bool set_pdl(bool on) { return pdl_state().exchange(on ? 1 : 0) != 0; }
+
 cudaError_t gpu_spin(double milliseconds, int blocks, cudaStream_t stream) {
   if (milliseconds <= 0 || blocks <= 0) return cudaSuccess;
-  spin_kernel<<<blocks, 256, 0, stream>>>((unsigned long long)(milliseconds * 1e6));
+  launch_kernel(spin_kernel, blocks, 256, 0, stream, (unsigned long long)(milliseconds * 1e6));
   return cudaGetLastError();
 }
 
 cudaError_t tree_accept(const TreeAcceptParams& p, cudaStream_t stream) {
   if (!accept_ok(p)) return cudaErrorInvalidValue;
-  tree_accept_kernel<<<1, 1024, 0, stream>>>(p);
+  launch_kernel(tree_accept_kernel, 1, 1024, 0, stream, p);
   return cudaGetLastError();
 }
 
 cudaError_t kv_compact(const KvCompactParams& p, cudaStream_t stream) {
   if (!compact_ok(p)) return cudaErrorInvalidValue;
   if (p.num_layers == 0) return cudaSuccess;
-  kv_compact_kernel<<<p.num_layers, 256, 0, stream>>>(p);
+  launch_kernel(kv_compact_kernel, p.num_layers, 256, 0, stream, p);
   return cudaGetLastError();
 }
 
@@ -288,7 +308,7 @@ cudaError_t tree_accept_compact(const TreeAcceptParams& a, const KvCompactParams
   if (c.num_layers == 0) {  // accept only: compaction over zero rows
     cc.row_bytes = 0;
   }
-  tree_accept_compact_kernel<<<blocks, 256, 0, stream>>>(a, cc);
+  launch_kernel(tree_accept_compact_kernel, blocks, 256, 0, stream, a, cc);
   return cudaGetLastError();
 }
 

@@ -29,6 +29,7 @@
 #include <cstdint>
 
 #include "kernels.h"
+#include "launch.h"
 
 namespace kdtree {
 namespace cuda {
@@ -134,6 +135,7 @@ __device__ __forceinline__ void issue_v(const VerifyAttentionParams& p, S& s, in
 // out_partial layout when split: ws_o [splits][M][C], ws_ml [splits][M][2] (max in log2 units, sum)
 template <int DK>
 __global__ void __launch_bounds__(NT, 1) mla_verify_fast_kernel(VerifyAttentionParams p) {
+  pdl_prologue();
   constexpr int NDC = DQ / DK;
   extern __shared__ __align__(16) unsigned char smraw[];
   Smem<DK>& s = *reinterpret_cast<Smem<DK>*>(smraw);
@@ -374,6 +376,7 @@ __global__ void __launch_bounds__(NT, 1) mla_verify_fast_kernel(VerifyAttentionP
 // chain per split. A split with max = -inf (it saw no key) is skipped.
 constexpr int kCombineThreads = C_ / 4;
 __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(VerifyAttentionParams p, int nsplit) {
+  pdl_prologue();
   __shared__ float sw[kCombineThreads], swl[kCombineThreads], red[kCombineThreads / 32];
   const int M = p.T * p.H;
   const int g = blockIdx.x;
@@ -485,6 +488,7 @@ __device__ __forceinline__ bool sk_visible(const VerifyAttentionParams& p, int L
 __device__ __forceinline__ float4 lds4(const float* x) { return *reinterpret_cast<const float4*>(x); }
 
 __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAttentionParams p) {
+  pdl_prologue();
   using namespace sk;
   extern __shared__ __align__(16) unsigned char smraw[];
   SkSmem& s = *reinterpret_cast<SkSmem*>(smraw);
@@ -717,6 +721,7 @@ __device__ __forceinline__ float naive_score(const VerifyAttentionParams& p, con
 }
 
 __global__ void __launch_bounds__(kNaiveThreads) mla_verify_naive_kernel(VerifyAttentionParams p) {
+  pdl_prologue();
   __shared__ float pbuf[kNaiveThreads];
   __shared__ float red[kNaiveThreads / 32];
   const int g = blockIdx.x, t = g / p.H;
@@ -997,20 +1002,20 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
                   : c.kernel == 2 ? smem_attr_ok(mla_verify_splitkv_kernel, (int)sizeof(SkSmem), splitkv_state, true)
                                   : false;
   if (!ok) {  // other shapes, forced, or a GPU with less shared memory per block: the plain kernel
-    mla_verify_naive_kernel<<<M, kNaiveThreads, 0, stream>>>(p);
+    launch_kernel(mla_verify_naive_kernel, M, kNaiveThreads, 0, stream, p);
     return cudaGetLastError();
   }
   if (c.splits > 1 && !p.workspace) return cudaErrorInvalidValue;
   if (c.kernel == 1) {
     dim3 grid((M + BM - 1) / BM, c.splits);
-    mla_verify_fast_kernel<32><<<grid, NT, sizeof(Smem<32>), stream>>>(p);
+    launch_kernel(mla_verify_fast_kernel<32>, grid, NT, sizeof(Smem<32>), stream, p);
   } else {
     dim3 grid((M + sk::RG - 1) / sk::RG, c.splits);
-    mla_verify_splitkv_kernel<<<grid, sk::NT, sizeof(SkSmem), stream>>>(p);
+    launch_kernel(mla_verify_splitkv_kernel, grid, sk::NT, sizeof(SkSmem), stream, p);
   }
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || c.splits == 1) return e;
-  mla_verify_combine_kernel<<<M, kCombineThreads, 0, stream>>>(p, c.splits);
+  launch_kernel(mla_verify_combine_kernel, M, kCombineThreads, 0, stream, p, c.splits);
   return cudaGetLastError();
 }
 

@@ -1,11 +1,13 @@
 // round_kernels.cu: see round_kernels.h.
 #include "engine/round_kernels.h"
+#include "launch.h"
 
 namespace kdtree {
 namespace cuda {
 namespace {
 
 __global__ void round_finish_kernel(RoundFinishParams p) {
+  pdl_prologue();
   const int m = *p.count;
   const int t = threadIdx.x;
   for (int j = t; j + 1 < m && j < p.max_path; j += blockDim.x) p.result[3 + j] = p.node_tokens[p.path[j + 1]];
@@ -19,20 +21,23 @@ __global__ void round_finish_kernel(RoundFinishParams p) {
   }
 }
 
-__global__ void set_int32_kernel(int32_t* dst, int32_t value) { *dst = value; }
+__global__ void set_int32_kernel(int32_t* dst, int32_t value) {
+  pdl_prologue();
+  *dst = value;
+}
 
 }  // namespace
 
 cudaError_t set_int32(int32_t* dst, int32_t value, cudaStream_t stream) {
   if (!dst) return cudaErrorInvalidValue;
-  set_int32_kernel<<<1, 1, 0, stream>>>(dst, value);
+  launch_kernel(set_int32_kernel, 1, 1, 0, stream, dst, value);
   return cudaGetLastError();
 }
 
 cudaError_t round_finish(const RoundFinishParams& p, cudaStream_t stream) {
   if (!p.node_tokens || !p.path || !p.count || !p.n_nodes || !p.bonus || !p.result || p.max_path < 0)
     return cudaErrorInvalidValue;
-  round_finish_kernel<<<1, 128, 0, stream>>>(p);
+  launch_kernel(round_finish_kernel, 1, 128, 0, stream, p);
   return cudaGetLastError();
 }
 

@@ -21,6 +21,7 @@
 #include <type_traits>
 
 #include "model_kernels.h"
+#include "launch.h"
 
 namespace kdtree {
 namespace cuda {
@@ -132,6 +133,7 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
   const float* W = p.w + (size_t)blockIdx.y * p.w_batch;
   float* Y = p.y + (size_t)blockIdx.y * p.y_batch + (size_t)t0 * p.ldy;
   const bool live = n0 < N;  // (KS > 1: every warp reaches the block barrier below)
+  pdl_trigger();
 
   float acc[NV];
 #pragma unroll
@@ -154,7 +156,8 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
       }
     };
     int k0 = kw * U * STEP;
-    if (k0 < Kd) load_w(k0);  // in flight while the norm (if any) is computed
+    if (k0 < Kd) load_w(k0);  // in flight while the previous kernel finishes and the norm (if any) runs
+    pdl_wait();               // the weights are immutable; x, norm_w's rows and y come after the wait
     float inv[NORM ? TT : 1];
     if constexpr (NORM) row_inv_rms<TT>(p, X, T, inv, lane);
     while (k0 < Kd) {
@@ -194,6 +197,8 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
 #pragma unroll
         for (int t = 0; t < TT; ++t) acc[i * TT + t] *= inv[t];
     }
+  } else {
+    pdl_wait();
   }
 
   // Warp reduction: value v of the group ends on lane v % 32 (NV >= 32) or on every lane.
@@ -240,13 +245,13 @@ cudaError_t launch(const LinearParams& p, bool vec, cudaStream_t stream) {
                   (unsigned)((p.T + 15) / 16));  // slices of <= 16 tokens (TT >= the slice size)
   if constexpr (TT <= kLinearNormMaxT) {
     if (p.norm_w) {
-      if (vec) linear_skinny_kernel<RW, TT, U, KS, true, true><<<grid, kLinWarps * 32, 0, stream>>>(p);
-      else linear_skinny_kernel<RW, TT, U, KS, false, true><<<grid, kLinWarps * 32, 0, stream>>>(p);
+      if (vec) launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, true>, grid, kLinWarps * 32, 0, stream, p);
+      else launch_kernel(linear_skinny_kernel<RW, TT, U, KS, false, true>, grid, kLinWarps * 32, 0, stream, p);
       return cudaGetLastError();
     }
   }
-  if (vec) linear_skinny_kernel<RW, TT, U, KS, true, false><<<grid, kLinWarps * 32, 0, stream>>>(p);
-  else linear_skinny_kernel<RW, TT, U, KS, false, false><<<grid, kLinWarps * 32, 0, stream>>>(p);
+  if (vec) launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, false>, grid, kLinWarps * 32, 0, stream, p);
+  else launch_kernel(linear_skinny_kernel<RW, TT, U, KS, false, false>, grid, kLinWarps * 32, 0, stream, p);
   return cudaGetLastError();
 }
 

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <type_traits>
+#include "launch.h"
 
 namespace kdtree {
 namespace cuda {
@@ -31,6 +32,7 @@ __device__ V block_sum(V v, V* red /* [32] shared */) {
 
 // ---------------------------------------------------------------- embedding
 __global__ void embed_kernel(EmbedParams p) {
+  pdl_prologue();
   const int t = blockIdx.x;
   const int tok = p.tokens[t];
   float* o = p.out + (size_t)t * p.Dm;
@@ -66,6 +68,7 @@ __device__ __forceinline__ V block_sum_once(V v, V* red /* [32] shared */) {
 // the generic kernel below, so the same results. NPT * blockDim >= D.
 template <int NPT>
 __global__ void __launch_bounds__(256) rmsnorm_reg_kernel(RmsNormParams p) {
+  pdl_prologue();
   __shared__ double red[32];
   const int t = blockIdx.x, D = p.D, bd = blockDim.x, tid = threadIdx.x;
   const float* x = p.x + (size_t)t * p.ldx;
@@ -92,6 +95,7 @@ __global__ void __launch_bounds__(256) rmsnorm_reg_kernel(RmsNormParams p) {
 
 // Generic (rows longer than 32 * 256): two passes over x.
 __global__ void rmsnorm_kernel(RmsNormParams p) {
+  pdl_prologue();
   __shared__ double red[32];
   const int t = blockIdx.x;
   const float* x = p.x + (size_t)t * p.ldx;
@@ -124,6 +128,7 @@ __device__ __forceinline__ void rope_store(float a, float b, const float* cs, in
 constexpr int kPrepRegs = 4;
 
 __global__ void __launch_bounds__(256) mla_prep_kernel(MlaPrepParams p) {
+  pdl_prologue();
   extern __shared__ float cs[];  // [R]: cos | sin
   __shared__ double red[32];
   const int t = blockIdx.x, half = p.R / 2, C = p.C, H = p.H, Dn = p.Dn, Dqk = p.Dn + p.R;
@@ -177,6 +182,7 @@ __device__ __forceinline__ float silu_mul(float g, float u) {
 }
 
 __global__ void swiglu_kernel(SwigluParams p) {
+  pdl_prologue();
   const int rows = p.n_rows ? *p.n_rows : p.rows;
   const size_t n = (size_t)rows * p.I;
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
@@ -207,6 +213,7 @@ __device__ __forceinline__ bool rank_before(float v, int i, float w, int j) {
 __device__ __forceinline__ float nan_to_neg_inf(float v) { return v != v ? neg_inf() : v; }
 
 __global__ void __launch_bounds__(1024) moe_route_kernel(RouteParams p) {
+  pdl_prologue();
   extern __shared__ float sm[];
   const int E = p.E, G = p.G, K = p.K, per = E / G;
   const int nw = blockDim.x >> 5, KC = K < 32 ? K : 32, NC = nw * KC;
@@ -289,6 +296,7 @@ __global__ void __launch_bounds__(1024) moe_route_kernel(RouteParams p) {
 constexpr int kGroupThreads = 256;
 
 __global__ void moe_count_kernel(MoeGroupParams p) {
+  pdl_prologue();
   const int e = blockIdx.x, A = p.T * p.K;
   int c = 0;
   for (int i0 = 0; i0 < A; i0 += kGroupThreads) {
@@ -299,6 +307,7 @@ __global__ void moe_count_kernel(MoeGroupParams p) {
 }
 
 __global__ void moe_place_kernel(MoeGroupParams p) {
+  pdl_prologue();
   __shared__ int red[32];
   __shared__ int warp_cnt[kGroupThreads / 32];
   const int e = blockIdx.x, A = p.T * p.K, TR = p.tile_rows;
@@ -379,6 +388,7 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* wsum, int* total
 }
 
 __global__ void __launch_bounds__(kGroupSmallMax) moe_group_small_kernel(MoeGroupParams p) {
+  pdl_prologue();
   __shared__ int idx[kGroupSmallMax], off[kGroupSmallMax];
   __shared__ int wsum[32];
   const int tid = threadIdx.x, A = p.T * p.K, E = p.E, TR = p.tile_rows;
@@ -448,6 +458,7 @@ __device__ __forceinline__ float wdot(const float4& g4, const float4& x4, float 
 
 template <int MS, int U, bool SWI, bool VEC>
 __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(ExpertGemmParams p) {
+  pdl_prologue();
   using WT = typename std::conditional<VEC, float4, float>::type;
   constexpr int CPW = SWI ? kSkinnyRW / 2 : kSkinnyRW;  // output columns per warp
   constexpr int RW = kSkinnyRW;                         // weight rows per warp
@@ -559,6 +570,7 @@ constexpr int kTilePf = 4;
 
 template <bool VEC>
 __global__ void __launch_bounds__(TThreads) expert_tiled_kernel(ExpertGemmParams p) {
+  pdl_prologue();
   __shared__ __align__(16) float As[TBK][TBM + 4];
   __shared__ __align__(16) float Bs[TBK][TBN + 4];
   __shared__ int arow[TBM];
@@ -650,6 +662,7 @@ constexpr int kCombineThreads = 128;
 
 template <bool VEC>
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(MoeCombineParams p) {
+  pdl_prologue();
   using VT = typename std::conditional<VEC, float4, float>::type;
   constexpr int VW = VEC ? 4 : 1;
   __shared__ int sidx[64], sslot[64];
@@ -721,6 +734,7 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(MoeCombine
 constexpr int kCompactThreads = 256, kCompactRegs = 16;
 
 __global__ void cache_compact_kernel(CompactParams p) {
+  pdl_prologue();
   float* base = p.cache + (size_t)blockIdx.x * p.layer_stride;
   const long long n = *p.count;
   const long long items = n * p.row_len;
@@ -749,6 +763,7 @@ __global__ void cache_compact_kernel(CompactParams p) {
 }
 
 __global__ void causal_bits_kernel(uint64_t* bits, int T, int W) {
+  pdl_prologue();
   const int i = blockIdx.x;
   for (int w = threadIdx.x; w < W; w += blockDim.x) {
     const int lo = w * 64;
@@ -774,6 +789,7 @@ __device__ __forceinline__ bool arg_better(float v, int i, float bv, int bi) {
 
 template <int THREADS, bool VEC>
 __global__ void __launch_bounds__(THREADS) choose_greedy_kernel(ChooseParams p) {
+  pdl_prologue();
   __shared__ float rv[32];
   __shared__ int ri[32];
   const float* l = p.logits + (size_t)blockIdx.x * p.ldl;
@@ -1506,6 +1522,7 @@ __device__ void sample_unfiltered(SampShared& sh, const float* l, int V, bool ve
 }
 
 __global__ void __launch_bounds__(kSampThreads) choose_sample_kernel(ChooseParams p) {
+  pdl_prologue();
   __shared__ SampShared sh;
   const int row = blockIdx.x, V = p.V, tid = threadIdx.x;
   const float* l = p.logits + (size_t)row * p.ldl;
@@ -1600,9 +1617,9 @@ __global__ void __launch_bounds__(kSampThreads) choose_sample_kernel(ChooseParam
 template <bool SWI, bool VEC>
 void launch_gemv(int U, dim3 grid, const ExpertGemmParams& p, cudaStream_t stream) {
   constexpr int MS = kExpertSkinnyRows, TH = kSkinnyWarps * 32;
-  if (U == 4) expert_gemv_kernel<MS, 4, SWI, VEC><<<grid, TH, 0, stream>>>(p);
-  else if (U == 2) expert_gemv_kernel<MS, 2, SWI, VEC><<<grid, TH, 0, stream>>>(p);
-  else expert_gemv_kernel<MS, 1, SWI, VEC><<<grid, TH, 0, stream>>>(p);
+  if (U == 4) launch_kernel(expert_gemv_kernel<MS, 4, SWI, VEC>, grid, TH, 0, stream, p);
+  else if (U == 2) launch_kernel(expert_gemv_kernel<MS, 2, SWI, VEC>, grid, TH, 0, stream, p);
+  else launch_kernel(expert_gemv_kernel<MS, 1, SWI, VEC>, grid, TH, 0, stream, p);
 }
 
 int threads_for(int n) {
@@ -1617,7 +1634,7 @@ int threads_for(int n) {
 cudaError_t embed(const EmbedParams& p, cudaStream_t stream) {
   if (!p.tokens || !p.table || !p.out || p.T < 0 || p.V <= 0 || p.Dm <= 0) return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
-  embed_kernel<<<p.T, threads_for(p.Dm), 0, stream>>>(p);
+  launch_kernel(embed_kernel, p.T, threads_for(p.Dm), 0, stream, p);
   return cudaGetLastError();
 }
 
@@ -1625,13 +1642,13 @@ cudaError_t rmsnorm(const RmsNormParams& p, cudaStream_t stream) {
   if (!p.x || !p.w || !p.y || p.T < 0 || p.D <= 0 || p.ldx < p.D || p.ldy < p.D) return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
   const int th = threads_for(p.D), npt = (p.D + th - 1) / th;  // th = 256 when npt > 1
-  if (npt == 1) rmsnorm_reg_kernel<1><<<p.T, th, 0, stream>>>(p);
-  else if (npt == 2) rmsnorm_reg_kernel<2><<<p.T, th, 0, stream>>>(p);
-  else if (npt <= 4) rmsnorm_reg_kernel<4><<<p.T, th, 0, stream>>>(p);
-  else if (npt <= 8) rmsnorm_reg_kernel<8><<<p.T, th, 0, stream>>>(p);
-  else if (npt <= 16) rmsnorm_reg_kernel<16><<<p.T, th, 0, stream>>>(p);
-  else if (npt <= 32) rmsnorm_reg_kernel<32><<<p.T, th, 0, stream>>>(p);
-  else rmsnorm_kernel<<<p.T, th, 0, stream>>>(p);
+  if (npt == 1) launch_kernel(rmsnorm_reg_kernel<1>, p.T, th, 0, stream, p);
+  else if (npt == 2) launch_kernel(rmsnorm_reg_kernel<2>, p.T, th, 0, stream, p);
+  else if (npt <= 4) launch_kernel(rmsnorm_reg_kernel<4>, p.T, th, 0, stream, p);
+  else if (npt <= 8) launch_kernel(rmsnorm_reg_kernel<8>, p.T, th, 0, stream, p);
+  else if (npt <= 16) launch_kernel(rmsnorm_reg_kernel<16>, p.T, th, 0, stream, p);
+  else if (npt <= 32) launch_kernel(rmsnorm_reg_kernel<32>, p.T, th, 0, stream, p);
+  else launch_kernel(rmsnorm_kernel, p.T, th, 0, stream, p);
   return cudaGetLastError();
 }
 
@@ -1641,7 +1658,7 @@ cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream) {
       p.ldkv < p.C + p.R || p.ldq < p.H * (p.Dn + p.R) || p.row0 < 0)
     return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
-  mla_prep_kernel<<<p.T, threads_for(p.C), p.R * sizeof(float), stream>>>(p);
+  launch_kernel(mla_prep_kernel, p.T, threads_for(p.C), p.R * sizeof(float), stream, p);
   return cudaGetLastError();
 }
 
@@ -1651,7 +1668,7 @@ cudaError_t swiglu(const SwigluParams& p, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   long long blocks = (n + 255) / 256;
   if (blocks > 4096) blocks = 4096;
-  swiglu_kernel<<<(int)blocks, 256, 0, stream>>>(p);
+  launch_kernel(swiglu_kernel, (int)blocks, 256, 0, stream, p);
   return cudaGetLastError();
 }
 
@@ -1663,7 +1680,7 @@ cudaError_t moe_route(const RouteParams& p, cudaStream_t stream) {
   if (p.T == 0) return cudaSuccess;
   const int threads = (p.E + 31) / 32 * 32, nc = threads / 32 * (p.K < 32 ? p.K : 32);
   const size_t smem = (size_t)(2 * nc + 2 * p.K + p.E + 2 * p.G) * 4;  // < 48 KiB for E <= 1024
-  moe_route_kernel<<<p.T, threads, smem, stream>>>(p);
+  launch_kernel(moe_route_kernel, p.T, threads, smem, stream, p);
   return cudaGetLastError();
 }
 
@@ -1674,13 +1691,13 @@ cudaError_t moe_group(const MoeGroupParams& p, cudaStream_t stream) {
   const int A = p.T * p.K;
   if (A <= kGroupSmallMax && p.E <= kGroupSmallMax && !p.force_two_pass) {
     const int n = A > p.E ? A : p.E, threads = (n + 31) / 32 * 32;
-    moe_group_small_kernel<<<1, threads < 32 ? 32 : threads, 0, stream>>>(p);
+    launch_kernel(moe_group_small_kernel, 1, threads < 32 ? 32 : threads, 0, stream, p);
     return cudaGetLastError();
   }
-  moe_count_kernel<<<p.E, kGroupThreads, 0, stream>>>(p);
+  launch_kernel(moe_count_kernel, p.E, kGroupThreads, 0, stream, p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess) return e;
-  moe_place_kernel<<<p.E, kGroupThreads, 0, stream>>>(p);
+  launch_kernel(moe_place_kernel, p.E, kGroupThreads, 0, stream, p);
   return cudaGetLastError();
 }
 
@@ -1707,8 +1724,8 @@ cudaError_t expert_gemm(const ExpertGemmParams& p, cudaStream_t stream) {
   }
   if (p.tile_rows == kExpertTileRows && !p.swiglu) {
     dim3 grid(p.max_tiles, (p.N + TBN - 1) / TBN);
-    if (vec) expert_tiled_kernel<true><<<grid, TThreads, 0, stream>>>(p);
-    else expert_tiled_kernel<false><<<grid, TThreads, 0, stream>>>(p);
+    if (vec) launch_kernel(expert_tiled_kernel<true>, grid, TThreads, 0, stream, p);
+    else launch_kernel(expert_tiled_kernel<false>, grid, TThreads, 0, stream, p);
     return cudaGetLastError();
   }
   return cudaErrorInvalidValue;
@@ -1725,8 +1742,8 @@ cudaError_t moe_combine(const MoeCombineParams& p, cudaStream_t stream) {
   if (th < p.K) th = (p.K + 31) / 32 * 32;  // the threads k < K rank the picks (K <= 64)
   dim3 grid(p.T, (n + th - 1) / th);
   if (grid.y > 65535u) return cudaErrorInvalidValue;
-  if (vec) moe_combine_kernel<true><<<grid, th, 0, stream>>>(p);
-  else moe_combine_kernel<false><<<grid, th, 0, stream>>>(p);
+  if (vec) launch_kernel(moe_combine_kernel<true>, grid, th, 0, stream, p);
+  else launch_kernel(moe_combine_kernel<false>, grid, th, 0, stream, p);
   return cudaGetLastError();
 }
 
@@ -1734,14 +1751,14 @@ cudaError_t cache_compact(const CompactParams& p, cudaStream_t stream) {
   if (!p.cache || !p.keep || !p.count || p.num_layers < 0 || p.row_len <= 0 || p.ld < p.row_len || p.L < 0)
     return cudaErrorInvalidValue;
   if (p.num_layers == 0) return cudaSuccess;
-  cache_compact_kernel<<<p.num_layers, kCompactThreads, 0, stream>>>(p);
+  launch_kernel(cache_compact_kernel, p.num_layers, kCompactThreads, 0, stream, p);
   return cudaGetLastError();
 }
 
 cudaError_t causal_bits(uint64_t* bits, int T, int W, cudaStream_t stream) {
   if (!bits || T < 0 || W < (T + 63) / 64) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;
-  causal_bits_kernel<<<T, 32, 0, stream>>>(bits, T, W);
+  launch_kernel(causal_bits_kernel, T, 32, 0, stream, bits, T, W);
   return cudaGetLastError();
 }
 
@@ -1757,14 +1774,14 @@ cudaError_t choose_tokens(const ChooseParams& p, cudaStream_t stream) {
   if (greedy) {
     const bool vec = ((uintptr_t)p.logits % 16) == 0 && p.ldl % 4 == 0;
     if (p.T < 64) {  // few rows: more loads in flight per row
-      if (vec) choose_greedy_kernel<1024, true><<<p.T, 1024, 0, stream>>>(p);
-      else choose_greedy_kernel<1024, false><<<p.T, 1024, 0, stream>>>(p);
+      if (vec) launch_kernel(choose_greedy_kernel<1024, true>, p.T, 1024, 0, stream, p);
+      else launch_kernel(choose_greedy_kernel<1024, false>, p.T, 1024, 0, stream, p);
     } else {
-      if (vec) choose_greedy_kernel<256, true><<<p.T, 256, 0, stream>>>(p);
-      else choose_greedy_kernel<256, false><<<p.T, 256, 0, stream>>>(p);
+      if (vec) launch_kernel(choose_greedy_kernel<256, true>, p.T, 256, 0, stream, p);
+      else launch_kernel(choose_greedy_kernel<256, false>, p.T, 256, 0, stream, p);
     }
   } else {
-    choose_sample_kernel<<<p.T, kSampThreads, 0, stream>>>(p);
+    launch_kernel(choose_sample_kernel, p.T, kSampThreads, 0, stream, p);
   }
   return cudaGetLastError();
 }

@@ -359,6 +359,56 @@ def test_mla512_fast_and_simple_attention_match_cpu(naive):
 
 @pytest.mark.cuda
 @needs_device
+@pytest.mark.parametrize("name", ["kimi_like", "mla512"])
+def test_pdl_launches_equal_plain_launches(name):
+    """Programmatic dependent launch (the default, cuda/launch.h) against plain stream-ordered
+    launches: the same logits and cache bit for bit, eager and (with torch) graph-replayed. A
+    kernel that touched its predecessor's output before griddepcontrol.wait would differ."""
+    assert _native.cuda_pdl_enabled()
+    torch = None
+    try:
+        import torch as _torch
+        torch = _torch if _torch.cuda.is_available() else None
+    except ImportError:
+        pass
+    runs = {}
+    for on in (True, False):
+        prev = _native.cuda_set_pdl(on)
+        try:
+            _, gpu, cfg = pair(MLA512 if name == "mla512" else name, max_seq_len=512)
+            V = cfg.vocab_size
+            out = [prefill(gpu, prompt(V, 300, seed=70))]
+            out += [decode(gpu, int(t)) for t in prompt(V, 4, seed=71)]
+            parents, depths, vis = random_tree(65, seed=72)
+            toks = prompt(V, 65, seed=73)
+            out.append(gpu.forward(toks, gpu.cache_len + depths, vis))
+            gpu.commit(path_to(parents, int(np.argmax(depths))))
+            out += [gpu.read_cache(l, 0, gpu.cache_len) for l in range(cfg.num_hidden_layers)]
+            if torch is not None:  # device pointers: the second call of a shape replays its CUDA graph
+                dev = torch.device("cuda")
+                t_out = torch.empty((1, V), device=dev)  # fixed buffers: one graph key
+                t_tok = torch.empty(1, dtype=torch.int32, device=dev)
+                t_pos = torch.empty(1, dtype=torch.int32, device=dev)
+                for t in prompt(V, 6, seed=74):
+                    t_tok.fill_(int(t))
+                    t_pos.fill_(gpu.cache_len)
+                    torch.cuda.synchronize()
+                    gpu.forward_ptr(t_tok.data_ptr(), t_pos.data_ptr(), 0, 0, 1, t_out.data_ptr())
+                    torch.cuda.synchronize()
+                    out.append(t_out.cpu().numpy().copy())
+                    gpu.commit([0])
+                assert gpu.graph_replays >= 4
+        finally:
+            _native.cuda_set_pdl(prev)
+        runs[on] = out
+    assert _native.cuda_pdl_enabled()
+    assert len(runs[True]) == len(runs[False])
+    for i, (a, b) in enumerate(zip(runs[True], runs[False])):
+        np.testing.assert_array_equal(a, b, err_msg=f"output {i}")
+
+
+@pytest.mark.cuda
+@needs_device
 def test_chunked_causal_prefill_and_general_commit():
     cpu, gpu, cfg = pair("ds3_base", max_seq_len=128, max_tokens=16)
     assert gpu.max_tokens == 16

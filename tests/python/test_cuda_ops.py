@@ -56,7 +56,7 @@ def test_tree_build_equals_cpu_twin_on_random_cases():
         gpu = kn.ops.tree_build(lp, ids, budget, device="cuda")  # auto: one warp for small budgets
         assert_same_tree(cpu, gpu, cid)
         if budget > 0:
-            if budget <= 64:
+            if budget <= N.CUDA_TREE_WARP_PATH_MAX_B:
                 assert cu.last_path() == 2, cid
             assert_same_tree(cpu, cu.tree_build(lp, ids, budget, force_fallback=3), cid)
             paths[cu.last_path()] += 1  # the parallel path when forced (or its fallback)
