@@ -39,8 +39,8 @@ def tree_visibility(B, seed):
 
 def decode_rows(N, rng, args):
     """T = 1 (AR decode) and small trees: auto vs each fast kernel forced."""
-    shapes = [(1, H, L) for H in (16, 64, 128) for L in (512, 4096, 32768)]
-    shapes += [(T, 16, L) for T in (17, 65) for L in (512, 4096)]
+    shapes = [(1, H, L) for H in (16, 64, 128) for L in (512, 1024, 2048, 4096, 32768)]
+    shapes += [(T, 16, L) for T in (2, 4, 17, 65) for L in (512, 4096)]
     if args.quick:
         shapes = [s for s in shapes if s[2] <= 4096]
     out = []
@@ -51,23 +51,28 @@ def decode_rows(N, rng, args):
         qr = rng.standard_normal((T, H, R), dtype=np.float32)
         kv = rng.standard_normal((L + T, C + R), dtype=np.float32)
         row = dict(T=T, H=H, L=L)
-        for name, fk in (("auto", 0), ("tiled", 1), ("splitkv", 2)):
+        for name, fk in (("auto", 0), ("tiled", 1), ("splitkv", 2), ("decode", 3)):
             r = N.cuda_time_verify_attention(ql, qr, kv, bits, 0.0722, iters=args.iters, warmup=2, force_kernel=fk)
             row[name + "_us"] = r["graph_median_ms"] * 1e3
             row[name + "_splits"] = int(r["splits"])
             if fk == 0:
                 row["auto_kernel"] = int(r["kernel"])
+            if fk == 3:
+                row["decode_kernel"] = int(r["kernel"])
         out.append(row)
     return out
 
 
 def print_decode(decode):
-    print("## decode / small trees: time per kernel (us; graph replay median). kernel: 1 = tiled, 2 = split-KV")
-    print("| T | H | L | auto kernel | auto splits | auto us | tiled splits | tiled us | split-KV splits | split-KV us |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("## decode / small trees: time per kernel (us; graph replay median). kernel: 1 = tiled, 2 = split-KV, "
+          "3 = decode (two passes; forced beyond its auto range up to 1024 rows, 16384 keys, else split-KV)")
+    print("| T | H | L | auto kernel | auto splits | auto us | tiled splits | tiled us | split-KV splits | split-KV us "
+          "| decode us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in decode:
         print(f"| {r['T']} | {r['H']} | {r['L']} | {r['auto_kernel']} | {r['auto_splits']} | {r['auto_us']:.1f} | "
-              f"{r['tiled_splits']} | {r['tiled_us']:.1f} | {r['splitkv_splits']} | {r['splitkv_us']:.1f} |")
+              f"{r['tiled_splits']} | {r['tiled_us']:.1f} | {r['splitkv_splits']} | {r['splitkv_us']:.1f} | "
+              f"{r['decode_us']:.1f}{'' if r['decode_kernel'] == 3 else ' (split-KV)'} |")
 
 
 def main():

@@ -484,7 +484,8 @@ struct AttnDev {
     if (N < T) throw kdtree::Error("kv must have at least T rows");
     if (v.shape(0) != T || v.shape(1) < (T + 63) / 64) throw kdtree::Error("visibility must be uint64 [T, >= ceil(T/64)]");
     if (T < 1 || H < 1 || C < 1 || C > 2048) throw kdtree::Error("bad attention shapes");
-    if (force_kernel < 0 || force_kernel > 2) throw kdtree::Error("force_kernel must be 0 (auto), 1 (tiled) or 2 (split-KV)");
+    if (force_kernel < 0 || force_kernel > 3)
+      throw kdtree::Error("force_kernel must be 0 (auto), 1 (tiled), 2 (split-KV) or 3 (decode)");
     if (force_splits < 0) throw kdtree::Error("force_splits must be >= 0");
     if (l_bound != -1 && (l_bound < N - T || l_bound > (int64_t)1 << 30))
       throw kdtree::Error("l_bound must be >= L (the committed length) and <= 2^30");
@@ -861,7 +862,7 @@ void bind_cuda(py::module_& m) {
         py::arg("visibility"), py::arg("scale"), py::arg("force_naive") = false, py::arg("force_splits") = 0,
         py::arg("force_kernel") = 0, py::arg("l_bound") = py::none(),
         "GPU MLA verify attention (FP32): out_latent float32 [T,H,C]. force_kernel: 0 auto, 1 tiled, "
-        "2 split-KV; l_bound (int >= L): pass L through a device int, with p.L = l_bound (graph mode).");
+        "2 split-KV, 3 decode (two passes); l_bound (int >= L): pass L through a device int, with p.L = l_bound (graph mode).");
   m.def("cuda_device_props", &device_props, "Device name, SMs, peak SM clock and FP32 CUDA-core peak FLOP/s.");
   m.def("cuda_copy_bandwidth", &copy_bandwidth, py::arg("nbytes") = (int64_t)1 << 31, py::arg("iters") = 20,
         "Measured device-to-device copy bandwidth, bytes/s (read + write counted).");

@@ -30,6 +30,7 @@
 
 #include "kernels.h"
 #include "launch.h"
+#include "warp_reduce.h"
 
 namespace kdtree {
 namespace cuda {
@@ -700,6 +701,164 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
   }
 }
 
+// ---------------------------------------------------------------- decode kernels (two passes)
+// For few query rows at short and medium contexts (AR decode: M = H rows). The split-KV kernel
+// gives each block a 16 x 32 chunk and then pays a combine of splits x M x C partials; here the
+// score matrix is small (M x N floats), so it goes through global memory instead and no output
+// partials exist:
+//   pass 1 (mla_decode_scores_kernel): grid (key blocks of 16, row groups of 16). The block's 16
+//     query rows sit in shared memory; warp w takes keys 2w, 2w+1, each lane holds 18 floats of
+//     a key row in registers and dots them with the 16 rows (32 partial sums per lane), summed
+//     across the warp by one 31-shuffle reduce-scatter. Lane l ends with (row l%16, key l/16)
+//     and writes the masked score in the log2 domain (scale * log2 e), -inf where hidden; the
+//     block also writes each row's maximum over its 16 keys (Bm [M][ldB]).
+//   pass 2 (mla_decode_pv_kernel): grid (C / 4 column slices, row groups). Each row's maximum
+//     comes from the N/16 block maxima; then O[16 x 4 columns] = P V over 256-key chunks staged in
+//     shared memory (P and V^T), four threads per output each summing a quarter of the keys, the
+//     next chunk's V and scores loaded into registers while the current one is summed, and the
+//     row sum of P accumulated in the same loop; the quarters are added by two shuffles (fixed
+//     order); out = O / sum.
+// Pass 2's work per block grows with N (hence the key limit of the auto choice).
+namespace dk {
+constexpr int RG = 16, KB = 16, NT = 256, CW = 4, VC = 256;  // CW columns per pass-2 block, VC keys per chunk
+constexpr int PSW = VC + 4;                  // shared row stride of P / V^T (rows 4 banks apart)
+constexpr int QF4 = DQ / 4;                  // 144 float4 per query / key row
+constexpr int KF4 = (QF4 + 31) / 32;         // 5 float4 per lane (the last only for lanes < 16)
+}  // namespace dk
+
+__global__ void __launch_bounds__(dk::NT) mla_decode_scores_kernel(VerifyAttentionParams p, float* S, int ldS,
+                                                                    float* Bm, int ldB) {
+  pdl_prologue();
+  __shared__ __align__(16) float4 q[dk::RG][dk::QF4];
+  __shared__ float bmax[dk::NT / 32][32];
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int M = p.T * p.H, m0 = blockIdx.y * dk::RG;
+  const int L = committed_len(p), N = L + p.T;
+  const int j0 = blockIdx.x * dk::KB;
+  if (j0 >= N) return;  // grid sized for the host's bound on L
+  for (int i = tid; i < dk::RG * dk::QF4; i += dk::NT) {
+    const int r = i / dk::QF4, f = i % dk::QF4, g = m0 + r;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (g < M)
+      v = f < C_ / 4 ? __ldg(reinterpret_cast<const float4*>(p.q_latent + (size_t)g * C_) + f)
+                     : __ldg(reinterpret_cast<const float4*>(p.q_rope + (size_t)g * R_) + (f - C_ / 4));
+    q[r][f] = v;
+  }
+  float acc[2 * dk::RG];  // acc[kk * 16 + r]
+  float4 kr[2][dk::KF4];
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk) {
+    const int j = j0 + 2 * warp + kk;
+#pragma unroll
+    for (int i = 0; i < dk::KF4; ++i) {
+      const int f = lane + 32 * i;
+      kr[kk][i] = (j < N && f < dk::QF4) ? __ldg(reinterpret_cast<const float4*>(p.kv + (size_t)j * p.kv_stride) + f)
+                                     : make_float4(0.f, 0.f, 0.f, 0.f);
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int kk = 0; kk < 2; ++kk)
+#pragma unroll
+    for (int r = 0; r < dk::RG; ++r) {
+      float a = 0.f;
+#pragma unroll
+      for (int i = 0; i < dk::KF4; ++i) {
+        const int f = lane + 32 * i;
+        if (f < dk::QF4) {
+          const float4 qv = q[r][f], k = kr[kk][i];
+          a = fmaf(qv.x, k.x, a);
+          a = fmaf(qv.y, k.y, a);
+          a = fmaf(qv.z, k.z, a);
+          a = fmaf(qv.w, k.w, a);
+        }
+      }
+      acc[kk * dk::RG + r] = a;
+    }
+  const float v = reduce_scatter32(acc, lane);
+  const int g = m0 + (lane & (dk::RG - 1)), j = j0 + 2 * warp + (lane >> 4);
+  float sc = neg_inf();
+  if (g < M && j < N) {
+    bool vis = j < L;
+    if (!vis) {
+      const int t = j - L, node = g / p.H;
+      vis = (p.visibility[(size_t)node * p.vis_stride + (t >> 6)] >> (t & 63)) & 1ull;
+    }
+    if (vis) sc = v * (p.scale * kLog2e);
+    S[(size_t)g * ldS + j] = sc;
+  }
+  bmax[warp][lane] = sc;
+  __syncthreads();
+  if (tid < dk::RG && m0 + tid < M) {  // the row's maximum over the block's 16 keys
+    float mx = neg_inf();
+#pragma unroll
+    for (int w = 0; w < dk::NT / 32; ++w) mx = fmaxf(mx, fmaxf(bmax[w][tid], bmax[w][tid + 16]));
+    Bm[(size_t)(m0 + tid) * ldB + blockIdx.x] = mx;
+  }
+}
+
+__global__ void __launch_bounds__(dk::NT) mla_decode_pv_kernel(VerifyAttentionParams p, const float* S, int ldS,
+                                                                const float* Bm, int ldB) {
+  pdl_prologue();
+  __shared__ __align__(16) float ps[dk::RG][dk::PSW];  // P chunk: 16 rows x 256 keys
+  __shared__ __align__(16) float vt[dk::CW][dk::PSW];  // V^T chunk: 4 columns x 256 keys
+  const int tid = threadIdx.x;
+  const int M = p.T * p.H, m0 = blockIdx.y * dk::RG, c0 = blockIdx.x * dk::CW;
+  const int L = committed_len(p), N = L + p.T;
+  // a half warp per row: row r = tid / 16; for the sums, column c4 = (tid / 4) % 4 and key
+  // quarter qk = tid % 4 (keys 4i + qk of each chunk)
+  const int r = tid >> 4, c4 = (tid >> 2) & 3, qk = tid & 3, g = m0 + r, h16 = tid & 15;
+  const float* srow = S + (size_t)(g < M ? g : 0) * ldS;
+  float mx = neg_inf();
+  if (g < M) {
+    const float* brow = Bm + (size_t)g * ldB;
+    const int nb = (N + dk::KB - 1) / dk::KB;
+    for (int b = h16; b < nb; b += 16) mx = fmaxf(mx, brow[b]);
+  }
+#pragma unroll
+  for (int o = 8; o >= 1; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+  const bool live = g < M && mx != neg_inf();  // a row that sees nothing gets 0
+  // chunk loader (registers): V row k0 + tid, columns [c0, c0 + 4); the row's scores
+  // k0 + h16 + 16 e (e < 16), coalesced across the half warp
+  float4 vn;
+  float sn[dk::VC / 16];
+  auto load = [&](int k0) {
+    const int j = k0 + tid;
+    vn = j < N ? __ldg(reinterpret_cast<const float4*>(p.kv + (size_t)j * p.kv_stride + c0))
+               : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int e = 0; e < dk::VC / 16; ++e) {
+      const int jj = k0 + h16 + 16 * e;
+      sn[e] = (live && jj < N) ? srow[jj] : neg_inf();
+    }
+  };
+  load(0);
+  float acc = 0.f, sum = 0.f;
+  for (int k0 = 0; k0 < N; k0 += dk::VC) {
+    __syncthreads();  // the previous chunk is consumed
+    vt[0][tid] = vn.x;
+    vt[1][tid] = vn.y;
+    vt[2][tid] = vn.z;
+    vt[3][tid] = vn.w;
+#pragma unroll
+    for (int e = 0; e < dk::VC / 16; ++e) ps[r][h16 + 16 * e] = live ? exp2f(sn[e] - mx) : 0.f;  // exp2(-inf) = 0
+    if (k0 + dk::VC < N) load(k0 + dk::VC);  // in flight during the sums below
+    __syncthreads();
+#pragma unroll 16
+    for (int i = 0; i < dk::VC / 4; ++i) {
+      const float pv = ps[r][4 * i + qk];
+      acc = fmaf(pv, vt[c4][4 * i + qk], acc);
+      sum += pv;
+    }
+  }
+  // the 4 key quarters (lanes qk = 0..3 of the same row and column), fixed order
+  acc += __shfl_xor_sync(0xffffffffu, acc, 1);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+  acc += __shfl_xor_sync(0xffffffffu, acc, 2);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+  if (g < M && qk == 0) p.out[(size_t)g * C_ + c0 + c4] = sum > 0.f ? acc / sum : 0.f;
+}
+
 // ---------------------------------------------------------------- plain kernel (any shape)
 // One block per query row (node t, head h): pass 1 the max score, pass 2 chunks of 256 keys:
 // p = exp(s - max) into shared memory, then every thread accumulates its output columns.
@@ -932,15 +1091,37 @@ int splitkv_splits(const VerifyAttentionParams& p, double* est_us) {
   return best_s;
 }
 
+// ---- decode kernels: M x (L+T) scores in the workspace. Auto only for few rows and short
+// contexts (pass 2 walks every key in each block); forced (testing, benchmarks) up to larger ones.
+constexpr int kDecodeAutoMaxRows = 64, kDecodeAutoMaxKeys = 2048;
+constexpr int kDecodeMaxRows = 1024, kDecodeMaxKeys = 16384;
+bool decode_ok(const VerifyAttentionParams& p, bool forced) {
+  const long long M = (long long)p.T * p.H, N = (long long)p.L + p.T;
+  return splitkv_ok(p) && M <= (forced ? kDecodeMaxRows : kDecodeAutoMaxRows) &&
+         N <= (forced ? kDecodeMaxKeys : kDecodeAutoMaxKeys);
+}
+int decode_ld(long long keys) { return (int)((keys + 3) / 4 * 4); }
+int decode_ldb(long long keys) { return decode_ld((keys + dk::KB - 1) / dk::KB); }  // block maxima per row
+// bytes for the scores at any L' <= p.L (non-decreasing in L: the key count is capped, not refused)
+size_t decode_ws_bytes(const VerifyAttentionParams& p, bool forced) {
+  const long long M = (long long)p.T * p.H;
+  const int cap = forced ? kDecodeMaxKeys : kDecodeAutoMaxKeys;
+  if (!splitkv_ok(p) || M > (forced ? kDecodeMaxRows : kDecodeAutoMaxRows) || p.T > cap) return 0;
+  const long long keys = std::min<long long>((long long)p.L + p.T, cap);
+  return (size_t)M * (decode_ld(keys) + decode_ldb(keys)) * sizeof(float);
+}
+
 struct Choice {
-  int kernel;  // 0 = plain, 1 = tiled, 2 = split-KV
+  int kernel;  // 0 = plain, 1 = tiled, 2 = split-KV, 3 = decode (two passes)
   int splits;
 };
 
 Choice choose(const VerifyAttentionParams& p) {
   if (!splitkv_ok(p)) return {0, 1};
+  if (p.force_kernel == 3 && decode_ok(p, true)) return {3, 1};
+  if (p.force_kernel == 0 && p.force_splits == 0 && decode_ok(p, false)) return {3, 1};
   if (p.force_kernel == 1 && tiled_ok(p)) return {1, tiled_splits(p, nullptr)};
-  if (p.force_kernel == 2 || !tiled_ok(p)) return {2, splitkv_splits(p, nullptr)};
+  if (p.force_kernel >= 2 || !tiled_ok(p)) return {2, splitkv_splits(p, nullptr)};
   double ct = 0, cs = 0;
   const int st = tiled_splits(p, &ct);
   const int ss = splitkv_splits(p, &cs);
@@ -951,7 +1132,7 @@ bool basic_ok(const VerifyAttentionParams& p) {
   return p.q_latent && p.q_rope && p.kv && p.out && p.visibility && p.T >= 1 && p.H >= 1 &&
          p.C >= 1 && p.R >= 0 && p.L >= 0 && p.kv_stride >= p.C + p.R &&
          p.vis_stride >= (p.T + 63) / 64 && p.C <= kNaiveThreads * kNaiveMaxCols &&
-         p.force_kernel >= 0 && p.force_kernel <= 2;
+         p.force_kernel >= 0 && p.force_kernel <= 3;
 }
 
 // raise a kernel's dynamic shared memory limit once; false on a GPU with less shared memory
@@ -988,7 +1169,10 @@ size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p) {
   const bool splitkv = p.force_kernel != 1 || !tiled_ok(p);
   if (tiled) s = std::max(s, tiled_max_splits(p));
   if (splitkv) s = std::max(s, splitkv_max_splits(p));
-  return s > 1 ? (size_t)s * ws_split_bytes(p.T * p.H) : 0;
+  size_t ws = s > 1 ? (size_t)s * ws_split_bytes(p.T * p.H) : 0;
+  if (p.force_kernel == 0 && p.force_splits == 0) ws = std::max(ws, decode_ws_bytes(p, false));
+  if (p.force_kernel == 3) ws = std::max(ws, decode_ws_bytes(p, true));
+  return ws;
 }
 
 cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream) {
@@ -998,6 +1182,18 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
   static int tiled_state = 0, splitkv_state = 0;
   // DK = 32-wide d-chunks: measured on the H200 a little faster than 64 (which spills a few
   // registers), so it is the only instantiation of the tiled kernel.
+  if (c.kernel == 3) {
+    if (!p.workspace) return cudaErrorInvalidValue;
+    const long long keys = (long long)p.L + p.T;
+    const int ldS = decode_ld(keys), ldB = decode_ldb(keys), rg = (M + dk::RG - 1) / dk::RG;
+    float* S = static_cast<float*>(p.workspace);
+    float* Bm = S + (size_t)M * ldS;
+    cudaError_t e = launch_kernel(mla_decode_scores_kernel, dim3((unsigned)((keys + dk::KB - 1) / dk::KB), rg), dk::NT,
+                                  0, stream, p, S, ldS, Bm, ldB);
+    if (e != cudaSuccess) return e;
+    return launch_kernel(mla_decode_pv_kernel, dim3(C_ / dk::CW, rg), dk::NT, 0, stream, p, (const float*)S, ldS,
+                         (const float*)Bm, ldB);
+  }
   const bool ok = c.kernel == 1   ? smem_attr_ok(mla_verify_fast_kernel<32>, (int)sizeof(Smem<32>), tiled_state, false)
                   : c.kernel == 2 ? smem_attr_ok(mla_verify_splitkv_kernel, (int)sizeof(SkSmem), splitkv_state, true)
                                   : false;

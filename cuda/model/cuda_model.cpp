@@ -82,6 +82,8 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   max_tokens_ = opt.max_tokens > 0 ? std::min<int64_t>(opt.max_tokens, max_seq_len) : std::min<int64_t>(max_seq_len, 1025);
   if (max_tokens_ > (1 << 20)) throw Error("CudaModel: max_tokens must be <= 2^20");
   if (opt.math < 0 || opt.math > 2) throw Error("CudaModel: math must be 0 (default), 1 (pedantic) or 2 (tf32)");
+  if (opt.attention_kernel < 0 || opt.attention_kernel > 3)
+    throw Error("CudaModel: attention_kernel must be 0 (auto), 1 (tiled), 2 (split-KV) or 3 (decode)");
   if (opt.expert_kernel < 0 || opt.expert_kernel > 2)
     throw Error("CudaModel: expert_kernel must be 0 (auto), 1 (skinny) or 2 (tiled)");
   if (opt.skinny_max_tokens < -1 || opt.skinny_max_tokens > cuda::kLinearSkinnyMaxT)
@@ -214,6 +216,7 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     vp.R = (int)R;
     vp.scale = 1.f;
     vp.force_naive = opt.attention_naive ? 1 : 0;
+    vp.force_kernel = opt.attention_kernel;
     size_t mx = 0;
     for (int64_t T = 1; T <= Tm; ++T) {
       vp.T = (int)T;
@@ -563,6 +566,7 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
   vp.out = o_lat_;
   vp.workspace = attn_ws_;
   vp.force_naive = opt_.attention_naive ? 1 : 0;
+  vp.force_kernel = opt_.attention_kernel;
   if ((int64_t)cuda::verify_attention_workspace_bytes(vp) > attn_ws_bytes_)
     throw RuntimeFailure("CudaModel: internal error, verify_attention needs more workspace than was sized");
   check_cuda(cuda::verify_attention(vp, st), "verify_attention");

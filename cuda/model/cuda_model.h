@@ -37,6 +37,8 @@ struct CudaModelOptions {
   int device = 0;                // CUDA device ordinal
   int math = 0;                  // cuBLAS math: kMathDefault (FP32), kMathPedantic, kMathTf32 (opt-in)
   bool attention_naive = false;  // force verify_attention's simple reference kernel (testing)
+  int attention_kernel = 0;      // verify_attention's force_kernel: 0 auto, 1 tiled, 2 split-KV, 3 decode
+                                 // (benchmarks / testing; a kernel that cannot take a shape passes it on)
   int expert_kernel = 0;         // kExpertAuto, kExpertSkinny (GEMV-style), kExpertTiled (testing/benchmarks)
   int skinny_max_tokens = -1;    // steps of <= this many tokens run the dense projections through
                                  // linear_skinny instead of cuBLAS; -1 = auto, 0 = never (cuBLAS only)

@@ -22,6 +22,7 @@
 
 #include "model_kernels.h"
 #include "launch.h"
+#include "warp_reduce.h"
 
 namespace kdtree {
 namespace cuda {
@@ -57,27 +58,6 @@ __device__ __forceinline__ float fdot(const float4& w, const float4& x, float ac
   return fmaf(w.w, x.w, acc);
 }
 
-// One step of the warp reduce-scatter over 32 values per lane: lanes with bit OFF set keep the
-// upper half of the live values, the others the lower half, and add their partner's copy.
-template <int OFF>
-__device__ __forceinline__ void rs_step(float* v, int lane) {
-  const bool up = (lane & OFF) != 0;
-#pragma unroll
-  for (int j = 0; j < OFF; ++j) {
-    const float send = up ? v[j] : v[j + OFF];
-    const float keep = up ? v[j + OFF] : v[j];
-    v[j] = keep + __shfl_xor_sync(0xffffffffu, send, OFF);
-  }
-}
-// v[0..31] per lane -> returns, on lane l, the warp sum of v[l] (31 shuffles for 32 sums).
-__device__ __forceinline__ float reduce_scatter32(float* v, int lane) {
-  rs_step<16>(v, lane);
-  rs_step<8>(v, lane);
-  rs_step<4>(v, lane);
-  rs_step<2>(v, lane);
-  rs_step<1>(v, lane);
-  return v[0];
-}
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int o = 16; o >= 1; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);

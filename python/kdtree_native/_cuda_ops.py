@@ -169,7 +169,7 @@ def verify_attention(q_latent, q_rope, kv_latent, k_rope, visibility, scale, for
     q_latent [T,H,C], q_rope [T,H,R], kv_latent [L+T,C], k_rope [L+T,R], visibility bool [T,T]
     (or uint64 words [T, W]), scale. Returns out_latent float32 [T,H,C].
     Testing knobs: force_naive (the plain kernel), force_splits (> 0: key splits), force_kernel
-    (0 = auto, 1 = tiled, 2 = split-KV), l_bound (int >= L: L reaches the kernels through a
+    (0 = auto, 1 = tiled, 2 = split-KV, 3 = decode), l_bound (int >= L: L reaches the kernels through a
     device int and l_bound is the host's upper bound, as under CUDA-graph capture).
     """
     _require()
@@ -187,7 +187,7 @@ def verify_attention(q_latent, q_rope, kv_latent, k_rope, visibility, scale, for
 
 def verify_attention_choice(T, H, L, force_kernel=0, force_splits=0):
     """verify_attention's pick for C=512, R=64 aligned buffers: (kernel, splits); kernel 0 =
-    plain, 1 = tiled, 2 = split-KV."""
+    plain, 1 = tiled, 2 = split-KV, 3 = decode (two passes)."""
     _require()
     return tuple(_native.cuda_verify_attention_choice(int(T), int(H), int(L), force_kernel=int(force_kernel),
                                                       force_splits=int(force_splits)))

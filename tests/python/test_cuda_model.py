@@ -181,6 +181,8 @@ def test_bad_config_is_value_error_before_any_device_work():
         _native.CudaModel(cfg, 16, math="fast")
     with pytest.raises(ValueError, match="expert_kernel"):
         _native.CudaModel(cfg, 16, expert_kernel="magic")
+    with pytest.raises(ValueError, match="attention_kernel"):
+        _native.CudaModel(cfg, 16, attention_kernel="flash")
     for smt in (-2, 65):
         with pytest.raises(ValueError, match="skinny_max_tokens"):
             _native.CudaModel(cfg, 16, skinny_max_tokens=smt)
@@ -338,11 +340,13 @@ def test_skinny_linear_and_cublas_match_cpu(name):
 
 @pytest.mark.cuda
 @needs_device
-@pytest.mark.parametrize("naive", [False, True])
-def test_mla512_fast_and_simple_attention_match_cpu(naive):
-    """C=512, R=64: verify_attention's fast kernel (with key splits at long context) or its
-    simple kernel; prefill, decode at L=300, a tree of 65 nodes, commit."""
-    cpu, gpu, cfg = pair(MLA512, max_seq_len=512, attention_naive=naive)
+@pytest.mark.parametrize("opts", [{}, {"attention_naive": True}, {"attention_kernel": "tiled"},
+                                  {"attention_kernel": "splitkv"}, {"attention_kernel": "decode"}])
+def test_mla512_fast_and_simple_attention_match_cpu(opts):
+    """C=512, R=64: verify_attention's kernels (auto, the simple one, each fast one forced; a
+    forced kernel passes shapes it cannot take on); prefill, decode at L=300, a tree of 65
+    nodes, commit."""
+    cpu, gpu, cfg = pair(MLA512, max_seq_len=512, **opts)
     ids = prompt(cfg.vocab_size, 300, seed=30)
     assert rel_to_scale(prefill(gpu, ids), prefill(cpu, ids)) < TOL
     for tok in prompt(cfg.vocab_size, 3, seed=31):

@@ -380,7 +380,7 @@ def test_verify_attention_splitkv_awkward_sizes(L, T, H, mask):
         check_attn(out, ref, (L, T, H, mask, splits))
 
 
-@pytest.mark.parametrize("kernel", [1, 2, "naive"])
+@pytest.mark.parametrize("kernel", [1, 2, 3, "naive"])
 @pytest.mark.parametrize("L,T", [(0, 5), (0, 70), (40, 9)])
 def test_verify_attention_rows_that_see_nothing_get_zero(kernel, L, T):
     # a visibility row with no bits: with L = 0 the row sees nothing and must come out 0;
@@ -415,17 +415,19 @@ def test_verify_attention_auto_on_decode_shapes(H, L):
     out = cu.verify_attention(ql, qr, kvl, kr, vis, scale)
     check_attn(out, ref, (H, L))
     kernel, s = cu.verify_attention_choice(1, H, L)
-    assert kernel in (1, 2) and s >= 1
+    assert kernel in (1, 2, 3) and s >= 1
     # the auto pick equals the same kernel forced with the same split count, bit for bit
     forced = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=kernel, force_splits=s)
     assert np.array_equal(out, forced)
 
 
 def test_verify_attention_auto_picks_splitkv_for_ar_decode():
-    # AR decode on mini-kimi (T=1, H=16, L=512): the tiled kernel's one 64-row block per split
-    # is ~75 us of work for 16 rows; the split-KV kernel spreads 17 chunks over many SMs
-    kernel, s = cu.verify_attention_choice(1, 16, 512)
-    assert kernel == 2 and s > 1, (kernel, s)
+    # AR decode on mini-kimi (T=1, H=16, L=512): the two-pass decode kernels (few rows, short
+    # context); the tiled kernel's one 64-row block per split is ~75 us of work for 16 rows, and
+    # from L + T > 2048 the split-KV kernel spreads the chunks over many SMs
+    assert cu.verify_attention_choice(1, 16, 512) == (3, 1)
+    assert cu.verify_attention_choice(4, 16, 2044) == (3, 1)
+    assert cu.verify_attention_choice(5, 16, 512)[0] == 2  # 80 rows
     kernel, s = cu.verify_attention_choice(1, 16, 4096)
     assert kernel == 2 and s > 1, (kernel, s)
     # a big verify at long context stays on the tiled kernel
@@ -438,7 +440,7 @@ def test_verify_attention_workspace_covers_choice_and_grows_with_L():
     for T in (1, 2, 5, 17, 65, 257, 1025, 2048, 2049):
         for H in (1, 3, 16, 64, 128):
             M = T * H
-            for fk in (0, 1, 2):
+            for fk in (0, 1, 2, 3):
                 for fs in (0, 2, 7, 128):
                     prev = 0
                     for L in Ls:
@@ -446,8 +448,12 @@ def test_verify_attention_workspace_covers_choice_and_grows_with_L():
                                                                     force_splits=fs)
                         kernel, s = cu.verify_attention_choice(T, H, L, force_kernel=fk, force_splits=fs)
                         what = (T, H, L, fk, fs, kernel, s, ws)
-                        assert kernel in (1, 2), what
-                        if fk == 2 or T > 2048:  # the tiled kernel gathers at most 2048 tree rows
+                        assert kernel in (1, 2, 3), what
+                        if kernel == 3:  # decode: auto for <= 64 rows and <= 2048 keys; forced up to 1024 / 16384
+                            assert fk in (0, 3) and (fk == 3 or fs == 0), what
+                            assert M <= (1024 if fk == 3 else 64) and L + T <= (16384 if fk == 3 else 2048), what
+                            assert s == 1 and ws >= M * ((L + T + 3) // 4 * 4) * 4, what
+                        elif fk in (2, 3) or T > 2048:  # the tiled kernel gathers at most 2048 tree rows
                             assert kernel == 2, what
                         elif fk == 1:
                             assert kernel == 1, what
@@ -460,7 +466,7 @@ def test_verify_attention_workspace_covers_choice_and_grows_with_L():
                         prev = ws
 
 
-@pytest.mark.parametrize("kernel", [0, 1, 2, "naive"])
+@pytest.mark.parametrize("kernel", [0, 1, 2, 3, "naive"])
 @pytest.mark.parametrize("L,l_bound", [(0, 0), (0, 1000), (33, 34), (33, 100000), (517, 600), (517, 40000),
                                        (4099, 4099 + 128 * 7)])
 def test_verify_attention_device_L(kernel, L, l_bound):
@@ -478,7 +484,7 @@ def test_verify_attention_device_L_big_rows():
     T, H, L = 65, 16, 300
     ql, qr, kvl, kr, vis, scale = attn_case_t(5, L, H, T, "tree")
     ref = ref64(ql, qr, kvl, kr, vis, scale)
-    for kernel in (0, 1, 2):
+    for kernel in (0, 1, 2, 3):
         for l_bound in (L, 4096, 65536):
             out = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=kernel, l_bound=l_bound)
             check_attn(out, ref, (kernel, l_bound))
@@ -489,7 +495,7 @@ def test_verify_attention_l_bound_below_L_is_rejected():
     with pytest.raises(Exception):
         cu.verify_attention(ql, qr, kvl, kr, vis, scale, l_bound=39)
     with pytest.raises(Exception):
-        cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=3)
+        cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=4)
 
 
 def test_verify_attention_more_than_2048_tree_rows_use_splitkv():
@@ -501,6 +507,25 @@ def test_verify_attention_more_than_2048_tree_rows_use_splitkv():
     ref = ref64(ql, qr, kvl, kr, vis, scale)
     for fk in (0, 1, 2):
         check_attn(cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=fk), ref, fk)
+
+
+DECODE_SIZES = [(L, T, H, ("tree", "causal")[(L + T + H) % 2]) for L in (0, 1, 15, 16, 17, 517, 2047, 4099)
+                for T, H in ((1, 1), (1, 16), (1, 64), (2, 3), (5, 16), (17, 16), (65, 3), (16, 64))]
+
+
+@pytest.mark.parametrize("L,T,H,mask", DECODE_SIZES)
+def test_verify_attention_decode_kernels_awkward_sizes(L, T, H, mask):
+    """The two-pass decode kernels forced (force_kernel=3): partial row groups (M % 16), key
+    blocks cut by N = L + T, tree rows masked per node, with L through a device int too."""
+    ql, qr, kvl, kr, vis, scale = attn_case_t(L * 131 + T * 7 + H, L, H, T, mask)
+    ref = ref64(ql, qr, kvl, kr, vis, scale)
+    assert cu.verify_attention_choice(T, H, L, force_kernel=3) == (3, 1)
+    for l_bound in (None, L + 37, 16384 - T):
+        out = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=3, l_bound=l_bound)
+        check_attn(out, ref, (L, T, H, mask, l_bound))
+    if T * H <= 64 and L + T <= 2048:  # in the auto range: auto == forced, bit for bit
+        assert cu.verify_attention_choice(T, H, L) == (3, 1)
+        assert np.array_equal(cu.verify_attention(ql, qr, kvl, kr, vis, scale), out)
 
 
 @pytest.mark.parametrize("splits", [0, 1, 2, 3, 7])
