@@ -65,7 +65,7 @@ def decode_rows(N, rng, args):
 
 def print_decode(decode):
     print("## decode / small trees: time per kernel (us; graph replay median). kernel: 1 = tiled, 2 = split-KV, "
-          "3 = decode (two passes; forced beyond its auto range up to 1024 rows, 16384 keys, else split-KV)")
+          "3 = decode (two passes, only when forced; up to 1024 rows and 16384 keys, else split-KV)")
     print("| T | H | L | auto kernel | auto splits | auto us | tiled splits | tiled us | split-KV splits | split-KV us "
           "| decode us |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

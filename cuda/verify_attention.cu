@@ -718,7 +718,8 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
 //     next chunk's V and scores loaded into registers while the current one is summed, and the
 //     row sum of P accumulated in the same loop; the quarters are added by two shuffles (fixed
 //     order); out = O / sum.
-// Pass 2's work per block grows with N (hence the key limit of the auto choice).
+// Pass 2's work per block grows with N. Measured: not faster than split-KV + combine (see
+// decode_ok below), so only taken when forced; kept as a tested alternative for benchmarks.
 namespace dk {
 constexpr int RG = 16, KB = 16, NT = 256, CW = 4, VC = 256;  // CW columns per pass-2 block, VC keys per chunk
 constexpr int PSW = VC + 4;                  // shared row stride of P / V^T (rows 4 banks apart)
@@ -1091,22 +1092,22 @@ int splitkv_splits(const VerifyAttentionParams& p, double* est_us) {
   return best_s;
 }
 
-// ---- decode kernels: M x (L+T) scores in the workspace. Auto only for few rows and short
-// contexts (pass 2 walks every key in each block); forced (testing, benchmarks) up to larger ones.
-constexpr int kDecodeAutoMaxRows = 64, kDecodeAutoMaxKeys = 2048;
+// ---- decode kernels: M x (L+T) scores in the workspace. Only when forced (force_kernel = 3,
+// CudaModel(attention_kernel="decode")): measured on the H200 they are not faster than the
+// split-KV kernel + combine, alone (15.7 vs 14.1 us at T=1, H=16, L=512; slower with L) or
+// inside the mini-kimi step (equal at T=1, 5-30 % slower for T=2..4; docs/BENCHMARKS.md).
 constexpr int kDecodeMaxRows = 1024, kDecodeMaxKeys = 16384;
-bool decode_ok(const VerifyAttentionParams& p, bool forced) {
+bool decode_ok(const VerifyAttentionParams& p) {
   const long long M = (long long)p.T * p.H, N = (long long)p.L + p.T;
-  return splitkv_ok(p) && M <= (forced ? kDecodeMaxRows : kDecodeAutoMaxRows) &&
-         N <= (forced ? kDecodeMaxKeys : kDecodeAutoMaxKeys);
+  return splitkv_ok(p) && M <= kDecodeMaxRows && N <= kDecodeMaxKeys;
 }
 int decode_ld(long long keys) { return (int)((keys + 3) / 4 * 4); }
 int decode_ldb(long long keys) { return decode_ld((keys + dk::KB - 1) / dk::KB); }  // block maxima per row
 // bytes for the scores at any L' <= p.L (non-decreasing in L: the key count is capped, not refused)
-size_t decode_ws_bytes(const VerifyAttentionParams& p, bool forced) {
+size_t decode_ws_bytes(const VerifyAttentionParams& p) {
   const long long M = (long long)p.T * p.H;
-  const int cap = forced ? kDecodeMaxKeys : kDecodeAutoMaxKeys;
-  if (!splitkv_ok(p) || M > (forced ? kDecodeMaxRows : kDecodeAutoMaxRows) || p.T > cap) return 0;
+  const int cap = kDecodeMaxKeys;
+  if (!splitkv_ok(p) || M > kDecodeMaxRows || p.T > cap) return 0;
   const long long keys = std::min<long long>((long long)p.L + p.T, cap);
   return (size_t)M * (decode_ld(keys) + decode_ldb(keys)) * sizeof(float);
 }
@@ -1118,8 +1119,7 @@ struct Choice {
 
 Choice choose(const VerifyAttentionParams& p) {
   if (!splitkv_ok(p)) return {0, 1};
-  if (p.force_kernel == 3 && decode_ok(p, true)) return {3, 1};
-  if (p.force_kernel == 0 && p.force_splits == 0 && decode_ok(p, false)) return {3, 1};
+  if (p.force_kernel == 3 && decode_ok(p)) return {3, 1};
   if (p.force_kernel == 1 && tiled_ok(p)) return {1, tiled_splits(p, nullptr)};
   if (p.force_kernel >= 2 || !tiled_ok(p)) return {2, splitkv_splits(p, nullptr)};
   double ct = 0, cs = 0;
@@ -1170,8 +1170,7 @@ size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p) {
   if (tiled) s = std::max(s, tiled_max_splits(p));
   if (splitkv) s = std::max(s, splitkv_max_splits(p));
   size_t ws = s > 1 ? (size_t)s * ws_split_bytes(p.T * p.H) : 0;
-  if (p.force_kernel == 0 && p.force_splits == 0) ws = std::max(ws, decode_ws_bytes(p, false));
-  if (p.force_kernel == 3) ws = std::max(ws, decode_ws_bytes(p, true));
+  if (p.force_kernel == 3) ws = std::max(ws, decode_ws_bytes(p));
   return ws;
 }
 

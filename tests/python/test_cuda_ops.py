@@ -415,19 +415,18 @@ def test_verify_attention_auto_on_decode_shapes(H, L):
     out = cu.verify_attention(ql, qr, kvl, kr, vis, scale)
     check_attn(out, ref, (H, L))
     kernel, s = cu.verify_attention_choice(1, H, L)
-    assert kernel in (1, 2, 3) and s >= 1
+    assert kernel in (1, 2) and s >= 1
     # the auto pick equals the same kernel forced with the same split count, bit for bit
     forced = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=kernel, force_splits=s)
     assert np.array_equal(out, forced)
 
 
 def test_verify_attention_auto_picks_splitkv_for_ar_decode():
-    # AR decode on mini-kimi (T=1, H=16, L=512): the two-pass decode kernels (few rows, short
-    # context); the tiled kernel's one 64-row block per split is ~75 us of work for 16 rows, and
-    # from L + T > 2048 the split-KV kernel spreads the chunks over many SMs
-    assert cu.verify_attention_choice(1, 16, 512) == (3, 1)
-    assert cu.verify_attention_choice(4, 16, 2044) == (3, 1)
-    assert cu.verify_attention_choice(5, 16, 512)[0] == 2  # 80 rows
+    # AR decode on mini-kimi (T=1, H=16, L=512): the tiled kernel's one 64-row block per split
+    # is ~75 us of work for 16 rows; the split-KV kernel spreads 17 chunks over many SMs (the
+    # two-pass decode kernels measured no faster: only when forced)
+    kernel, s = cu.verify_attention_choice(1, 16, 512)
+    assert kernel == 2 and s > 1, (kernel, s)
     kernel, s = cu.verify_attention_choice(1, 16, 4096)
     assert kernel == 2 and s > 1, (kernel, s)
     # a big verify at long context stays on the tiled kernel
@@ -449,9 +448,8 @@ def test_verify_attention_workspace_covers_choice_and_grows_with_L():
                         kernel, s = cu.verify_attention_choice(T, H, L, force_kernel=fk, force_splits=fs)
                         what = (T, H, L, fk, fs, kernel, s, ws)
                         assert kernel in (1, 2, 3), what
-                        if kernel == 3:  # decode: auto for <= 64 rows and <= 2048 keys; forced up to 1024 / 16384
-                            assert fk in (0, 3) and (fk == 3 or fs == 0), what
-                            assert M <= (1024 if fk == 3 else 64) and L + T <= (16384 if fk == 3 else 2048), what
+                        if kernel == 3:  # decode: only forced, up to 1024 rows and 16384 keys
+                            assert fk == 3 and M <= 1024 and L + T <= 16384, what
                             assert s == 1 and ws >= M * ((L + T + 3) // 4 * 4) * 4, what
                         elif fk in (2, 3) or T > 2048:  # the tiled kernel gathers at most 2048 tree rows
                             assert kernel == 2, what
@@ -523,9 +521,7 @@ def test_verify_attention_decode_kernels_awkward_sizes(L, T, H, mask):
     for l_bound in (None, L + 37, 16384 - T):
         out = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=3, l_bound=l_bound)
         check_attn(out, ref, (L, T, H, mask, l_bound))
-    if T * H <= 64 and L + T <= 2048:  # in the auto range: auto == forced, bit for bit
-        assert cu.verify_attention_choice(T, H, L) == (3, 1)
-        assert np.array_equal(cu.verify_attention(ql, qr, kvl, kr, vis, scale), out)
+    assert cu.verify_attention_choice(T, H, L)[0] != 3  # never the auto pick (measured slower)
 
 
 @pytest.mark.parametrize("splits", [0, 1, 2, 3, 7])
