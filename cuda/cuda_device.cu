@@ -1,6 +1,11 @@
 // cuda_device.cu: runtime checks for a usable CUDA device (driver present, device count).
 #include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdlib>
+
 #include "cuda_device.h"
+#include "kernels.h"
 
 namespace kdtree {
 
@@ -53,4 +58,23 @@ std::string cuda_copy_to_host(void* dst, const void* src, size_t bytes, int stre
   return "";
 }
 
+}  // namespace kdtree
+
+namespace kdtree {
+namespace cuda {
+
+// The Programmatic Dependent Launch switch of cuda/launch.h (declared in kernels.h).
+namespace {
+std::atomic<int>& pdl_state() {
+  static std::atomic<int> s{[] {
+    const char* e = std::getenv("KDTREE_CUDA_PDL");
+    return (e && e[0] == '0' && e[1] == '\0') ? 0 : 1;
+  }()};
+  return s;
+}
+}  // namespace
+bool pdl_enabled() { return pdl_state().load(std::memory_order_relaxed) != 0; }
+bool set_pdl(bool on) { return pdl_state().exchange(on ? 1 : 0) != 0; }
+
+}  // namespace cuda
 }  // namespace kdtree

@@ -25,7 +25,7 @@
 
 #include <utility>
 
-#include "kernels.h"  // pdl_enabled() / set_pdl(): the process-wide switch (cuda_device.cu)
+#include "kernels.h"  // pdl_enabled() / set_pdl(): the process-wide switch (defined in cuda_device.cu)
 
 namespace kdtree {
 namespace cuda {

@@ -2,9 +2,7 @@
 // see tree_build_impl.h), tree accept walk, and KV compaction, plus tree_build_from_logits.
 #include <cuda_runtime.h>
 
-#include <atomic>
 #include <cstdio>
-#include <cstdlib>
 
 #include "kernels.h"
 #include "tree_build_impl.h"
@@ -268,18 +266,6 @@ cudaError_t tree_build_from_logits(const TreeFromLogitsParams& p, cudaStream_t s
   b.ld = k;
   return tree_build(b, stream);
 }
-
-namespace {
-std::atomic<int>& pdl_state() {
-  static std::atomic<int> s{[] {
-    const char* e = std::getenv("KDTREE_CUDA_PDL");
-    return (e && e[0] == '0' && e[1] == '\0') ? 0 : 1;
-  }()};
-  return s;
-}
-}  // namespace
-bool pdl_enabled() { return pdl_state().load(std::memory_order_relaxed) != 0; }
-bool set_pdl(bool on) { return pdl_state().exchange(on ? 1 : 0) != 0; }
 
 cudaError_t gpu_spin(double milliseconds, int blocks, cudaStream_t stream) {
   if (milliseconds <= 0 || blocks <= 0) return cudaSuccess;

@@ -8,7 +8,7 @@
 #      (scripts/gpu_generate_check.py: the device round with every drafter kind),
 #   4. the kernel benchmarks (benchmarks/bench_cuda_*.py), JSON results, and (with torch +
 #      transformers) the GPU model's: bench_cuda_model.py --quick, bench_cuda_skinny.py,
-#      bench_cuda_experts.py.
+#      bench_cuda_experts.py, bench_cuda_attention_model.py.
 # Logs and JSON land in $OUT (default ./gpu_check_out); a summary table is printed last and
 # the exit status is non-zero if any step failed.
 #
@@ -109,6 +109,7 @@ step_bench() {
       --json "$OUT/bench_model.json"
     run_step bench-skinny "$OUT/bench_model.log" "$PY" benchmarks/bench_cuda_skinny.py --tokens 1 2 4 8 16 17
     run_step bench-experts "$OUT/bench_model.log" "$PY" benchmarks/bench_cuda_experts.py
+    run_step bench-attention-model "$OUT/bench_model.log" "$PY" benchmarks/bench_cuda_attention_model.py --contexts 512 2048
     grep -E "^(prefill|AR|verify|DDTree|##|\||expert kernels)" "$OUT/bench_model.log"
   else
     echo "bench-model: skipped (needs torch with CUDA and transformers)"

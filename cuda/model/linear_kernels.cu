@@ -5,11 +5,12 @@
 // rows against a weight matrix that is read once. cuBLAS runs them as SIMT SGEMM tiles or GEMV
 // kernels that keep few bytes in flight (mini-kimi on the H200: 3-9 us for 1.5-8 MB matrices,
 // 0.3-1 TB/s). Measured on the H200 (docs/BENCHMARKS.md, "Skinny linear layers vs cuBLAS"):
-// the whole mini-kimi step is 1.1-1.35x faster with this kernel for T = 1..16; from T = 17 a
-// single block of token accumulators lost to cuBLAS (issue-bound: ~11 cycles per instruction
-// with few warps per SM), so CudaModel uses it for T <= 16 by default. Up to 64 tokens are
-// accepted, in slices of 16 along grid.z (each slice streams the weights again, mostly from L2;
-// NOT yet measured against cuBLAS: benchmarks/bench_cuda_skinny.py --max-tokens 64). Here every lane streams 16-byte weight loads, U k-steps of RW rows issued
+// the whole mini-kimi step is 1.1-1.35x faster with this kernel for T = 1..16; a single block
+// of more token accumulators lost to cuBLAS (issue-bound: ~11 cycles per instruction with few
+// warps per SM). Up to 64 tokens are accepted, in balanced slices of <= 16 along grid.z (each
+// slice streams the weights again, mostly from L2): 1.05x cuBLAS at T = 17, 0.95x at 24, so
+// CudaModel uses it up to 20 tokens by default. Here every lane streams 16-byte weight loads,
+// U k-steps of RW rows issued
 // before any FMA, and the few token rows come through L1 (__ldg; the weight bypasses L1 so that
 // they stay). Deterministic: no atomics; per output a lane sums its k-steps in ascending order,
 // the warp's lanes are reduced by a fixed shuffle tree and (KS > 1) the block's warps in warp
