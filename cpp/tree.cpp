@@ -284,26 +284,54 @@ std::string topk_logsoftmax_input_error(const float* logits, int64_t D, int64_t 
   return "";
 }
 
+namespace {
+// Top kk of a row under "larger logit first, equal logits by lower id" (a strict total order; the
+// row holds no NaN), written to out_ids in that order. Small kk (drafter trees): one pass keeping
+// a sorted list; an element enters only if it beats the current kk-th, and an equal logit never
+// does (it has the higher id), so ties keep the lower ids first. Large kk: nth_element + sort.
+constexpr int64_t kStreamTopK = 64;
+void row_topk(const float* row, int64_t V, int64_t kk, std::vector<int32_t>& order, int32_t* out_ids) {
+  if (kk <= kStreamTopK) {
+    float tv[kStreamTopK];
+    int32_t ti[kStreamTopK];
+    int64_t c = 0;
+    for (int64_t v = 0; v < V; ++v) {
+      const float x = row[v];
+      if (c == kk && !(x > tv[kk - 1])) continue;
+      int64_t j = c < kk ? c++ : kk - 1;
+      while (j > 0 && x > tv[j - 1]) {
+        tv[j] = tv[j - 1];
+        ti[j] = ti[j - 1];
+        --j;
+      }
+      tv[j] = x;
+      ti[j] = static_cast<int32_t>(v);
+    }
+    std::copy(ti, ti + kk, out_ids);
+    return;
+  }
+  auto first = [row](int32_t a, int32_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); };
+  order.resize(static_cast<size_t>(V));
+  std::iota(order.begin(), order.end(), 0);
+  if (kk < V) std::nth_element(order.begin(), order.begin() + kk, order.end(), first);
+  std::sort(order.begin(), order.begin() + kk, first);
+  std::copy(order.begin(), order.begin() + kk, out_ids);
+}
+}  // namespace
+
 int64_t topk_logsoftmax(const float* logits, int64_t D, int64_t V, int64_t k, float* logprobs, int32_t* ids) {
   const int64_t kk = std::min(k, V);
-  std::vector<int32_t> order(V);
+  std::vector<int32_t> order;
   for (int64_t d = 0; d < D; ++d) {
     const float* row = logits + d * V;
-    // log-sum-exp in float64, rounded once to float32
-    float m = row[0];
-    for (int64_t v = 1; v < V; ++v) m = std::max(m, row[v]);
+    int32_t* rid = ids + d * kk;
+    row_topk(row, V, kk, order, rid);
+    // log-sum-exp in float64 (m = the row's max, the first of the top k), rounded once to float32
+    const float m = row[rid[0]];
     double sum = 0.0;
     for (int64_t v = 0; v < V; ++v) sum += std::exp(static_cast<double>(row[v]) - static_cast<double>(m));
     const float lse = static_cast<float>(static_cast<double>(m) + std::log(sum));
-    // top-k: larger logit first, equal logits by lower id (a strict total order)
-    auto first = [row](int32_t a, int32_t b) { return row[a] > row[b] || (row[a] == row[b] && a < b); };
-    std::iota(order.begin(), order.end(), 0);
-    if (kk < V) std::nth_element(order.begin(), order.begin() + kk, order.end(), first);
-    std::sort(order.begin(), order.begin() + kk, first);
-    for (int64_t j = 0; j < kk; ++j) {
-      ids[d * kk + j] = order[j];
-      logprobs[d * kk + j] = row[order[j]] - lse;  // one float32 subtraction
-    }
+    for (int64_t j = 0; j < kk; ++j) logprobs[d * kk + j] = row[rid[j]] - lse;  // one float32 subtraction
   }
   return kk;
 }
