@@ -21,7 +21,7 @@ def main():
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--tokens", type=int, nargs="*", default=[1, 2, 3, 4, 6, 8, 12, 16, 17, 24, 32])
     ap.add_argument("--max-tokens", type=int, default=-1,
-                    help="skinny_max_tokens of the skinny variant (-1 auto = 16; up to 64: token slices of 16)")
+                    help="skinny_max_tokens of the skinny variant (-1 auto = 20; up to 64: token slices of <= 16)")
     ap.add_argument("--ckpt", default="/tmp/kn_mini_kimi")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
