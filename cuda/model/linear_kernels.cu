@@ -24,6 +24,7 @@
 #include "model_kernels.h"
 #include "launch.h"
 #include "warp_reduce.h"
+#include "model/vec_load.h"
 
 namespace kdtree {
 namespace cuda {
@@ -43,14 +44,6 @@ __device__ __forceinline__ float4 ld_weight<float4>(const float* p) {
       : "l"(p));
   return v;
 }
-template <class WT>
-__device__ __forceinline__ WT ld_x(const float* p);
-template <>
-__device__ __forceinline__ float ld_x<float>(const float* p) { return __ldg(p); }
-template <>
-__device__ __forceinline__ float4 ld_x<float4>(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
-__device__ __forceinline__ void zero(float& v) { v = 0.f; }
-__device__ __forceinline__ void zero(float4& v) { v = make_float4(0.f, 0.f, 0.f, 0.f); }
 __device__ __forceinline__ float fdot(float w, float x, float acc) { return fmaf(w, x, acc); }
 __device__ __forceinline__ float fdot(const float4& w, const float4& x, float acc) {
   acc = fmaf(w.x, x.x, acc);
@@ -132,7 +125,7 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
 #pragma unroll
         for (int i = 0; i < RW; ++i) {
           if (k < Kd) wv[u][i] = ld_weight<WT>(wrow[i] + k);
-          else zero(wv[u][i]);
+          else vzero(wv[u][i]);
         }
       }
     };
@@ -147,8 +140,8 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int k = k0 + u * STEP + lane * VW;
-          if (k < Kd) gv[u] = ld_x<WT>(p.norm_w + k);
-          else zero(gv[u]);
+          if (k < Kd) gv[u] = ldg_vec<WT>(p.norm_w + k);
+          else vzero(gv[u]);
         }
       }
 #pragma unroll
@@ -159,8 +152,8 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
 #pragma unroll
           for (int u = 0; u < U; ++u) {
             const int k = k0 + u * STEP + lane * VW;
-            if (k < Kd) xv[u] = ld_x<WT>(xr + k);
-            else zero(xv[u]);
+            if (k < Kd) xv[u] = ldg_vec<WT>(xr + k);
+            else vzero(xv[u]);
             if constexpr (NORM) scale(xv[u], gv[u]);
           }
 #pragma unroll

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <type_traits>
 #include "launch.h"
+#include "model/vec_load.h"
 
 namespace kdtree {
 namespace cuda {
@@ -443,14 +444,6 @@ __global__ void __launch_bounds__(kGroupSmallMax) moe_group_small_kernel(MoeGrou
 // of the previous (shared-staged) kernel, so the same results.
 constexpr int kSkinnyWarps = 4, kSkinnyRW = 4;
 
-template <class WT>
-__device__ __forceinline__ WT ldg_w(const float* p);
-template <>
-__device__ __forceinline__ float ldg_w<float>(const float* p) { return __ldg(p); }
-template <>
-__device__ __forceinline__ float4 ldg_w<float4>(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
-__device__ __forceinline__ void wzero(float& v) { v = 0.f; }
-__device__ __forceinline__ void wzero(float4& v) { v = make_float4(0.f, 0.f, 0.f, 0.f); }
 __device__ __forceinline__ float wdot(float w, float x, float acc) { return acc + w * x; }
 __device__ __forceinline__ float wdot(const float4& g4, const float4& x4, float acc) {
   return acc + (g4.x * x4.x + g4.y * x4.y + g4.z * x4.z + g4.w * x4.w);
@@ -489,8 +482,8 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
 #pragma unroll
       for (int i = 0; i < RW; ++i) {
         const int c = SWI ? i % CPW : i;
-        if (k < Kd && c < ncol) wv[u][i] = ldg_w<WT>(wrow[i] + k);
-        else wzero(wv[u][i]);
+        if (k < Kd && c < ncol) wv[u][i] = ldg_vec<WT>(wrow[i] + k);
+        else vzero(wv[u][i]);
       }
     }
   };
@@ -526,8 +519,8 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int k = ((s0 + u) * 32 + lane) * VW;
-          if (k < Kd) xv[u] = ldg_w<WT>(xr + k);
-          else wzero(xv[u]);
+          if (k < Kd) xv[u] = ldg_vec<WT>(xr + k);
+          else vzero(xv[u]);
         }
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -681,10 +674,10 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(MoeCombine
   const bool active = i < Dm;
   const size_t o = (size_t)t * Dm + i;
   VT prev, sh;
-  wzero(prev);
-  wzero(sh);
+  vzero(prev);
+  vzero(sh);
   if (active && p.accumulate) prev = *reinterpret_cast<const VT*>(p.out + o);
-  if (active && p.shared) sh = ldg_w<VT>(p.shared + o);
+  if (active && p.shared) sh = ldg_vec<VT>(p.shared + o);
   __syncthreads();
   if (tid < K) {
     int rank = 0;
@@ -704,8 +697,8 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(MoeCombine
     VT v[8];
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
-      if (j0 + jj < K) v[jj] = ldg_w<VT>(p.y + (size_t)sslot[j0 + jj] * Dm + i);
-      else wzero(v[jj]);
+      if (j0 + jj < K) v[jj] = ldg_vec<VT>(p.y + (size_t)sslot[j0 + jj] * Dm + i);
+      else vzero(v[jj]);
     }
 #pragma unroll
     for (int jj = 0; jj < 8; ++jj) {
