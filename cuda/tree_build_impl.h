@@ -136,6 +136,23 @@ KD_HD inline FallbackLayout make_fallback_layout(int B) {
   F.o_tup = o;
   return F;
 }
+// The heap / candidate arrays of the sequential fallback and the one-warp path, in the block's
+// shared memory at `base` (laid out by make_fallback_layout).
+struct FallbackViews {
+  double* hsc;     // [B+1] scores (float64)
+  int16_t* hpar;   // [B+1] parent node
+  uint16_t* hrk;   // [B+1] rank in the parent's row
+  uint8_t* hdp;    // [B+1] depth
+  uint16_t* tup;   // [B+1][kMaxDepth] rank tuple of each node
+  KD_HD FallbackViews(unsigned char* base, int B) {
+    const FallbackLayout F = make_fallback_layout(B);
+    hsc = (double*)(base + F.o_hsc);
+    hpar = (int16_t*)(base + F.o_hpar);
+    hrk = (uint16_t*)(base + F.o_hrk);
+    hdp = (uint8_t*)(base + F.o_hdp);
+    tup = (uint16_t*)(base + F.o_tup);
+  }
+};
 
 // ---------------------------------------------------------------- small portable helpers
 KD_HD inline uint32_t f2u(float f) {
@@ -588,13 +605,12 @@ struct TreeBlock {
 
   // ---------------------------------------------------------------- sequential fallback
   KD_HD int sequential_build() {
-    FallbackLayout F = make_fallback_layout(B);
-    unsigned char* base = sm + L.o_sc;
-    double* hsc = (double*)(base + F.o_hsc);
-    int16_t* hpar = (int16_t*)(base + F.o_hpar);
-    uint16_t* hrk = (uint16_t*)(base + F.o_hrk);
-    uint8_t* hdp = (uint8_t*)(base + F.o_hdp);
-    uint16_t* tup = (uint16_t*)(base + F.o_tup);  // [B+1][kMaxDepth] rank tuple of each node
+    const FallbackViews fv(sm + L.o_sc, B);
+    double* hsc = fv.hsc;
+    int16_t* hpar = fv.hpar;
+    uint16_t* hrk = fv.hrk;
+    uint8_t* hdp = fv.hdp;
+    uint16_t* tup = fv.tup;
     if (tid == 0) {
       const float* lp = a.lp;
       const int ld = a.ld;
@@ -683,13 +699,12 @@ struct TreeBlock {
   // key in registers and reads shared memory only on equal keys. Exact for any input. Cost ~ B pops x (size/32 + 5 shuffle rounds + 2 warp
   // syncs): for small budgets, far less than the parallel path's per-level barriers.
   KD_HD int warp_build() {
-    FallbackLayout F = make_fallback_layout(B);
-    unsigned char* base = sm + L.o_sc;
-    double* hsc = (double*)(base + F.o_hsc);
-    int16_t* hpar = (int16_t*)(base + F.o_hpar);
-    uint16_t* hrk = (uint16_t*)(base + F.o_hrk);
-    uint8_t* hdp = (uint8_t*)(base + F.o_hdp);
-    uint16_t* tup = (uint16_t*)(base + F.o_tup);  // [B+1][kMaxDepth] rank tuple of each node
+    const FallbackViews fv(sm + L.o_sc, B);
+    double* hsc = fv.hsc;
+    int16_t* hpar = fv.hpar;
+    uint16_t* hrk = fv.hrk;
+    uint8_t* hdp = fv.hdp;
+    uint16_t* tup = fv.tup;
     const int kf = keff;                           // ranks >= keff are never pushed
     for (int i = tid; i < D * kf; i += nt) {       // the rows into shared memory, as they are
       ctx.step(1);
