@@ -9,6 +9,7 @@
 #include <type_traits>
 #include "launch.h"
 #include "model/vec_load.h"
+#include "model/device_math.h"
 
 namespace kdtree {
 namespace cuda {
@@ -178,9 +179,6 @@ __global__ void __launch_bounds__(256) mla_prep_kernel(MlaPrepParams p) {
 }
 
 // ---------------------------------------------------------------- SwiGLU (ops.cpp swiglu_row)
-__device__ __forceinline__ float silu_mul(float g, float u) {
-  return __fmul_rn(__fdiv_rn(g, __fadd_rn(1.f, expf(-g))), u);
-}
 
 __global__ void swiglu_kernel(SwigluParams p) {
   pdl_prologue();

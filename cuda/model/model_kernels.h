@@ -38,6 +38,9 @@ struct LinearParams {
   float beta;              // 0: y is only written (may hold garbage); else y = beta * y + x w^T
   const float* norm_w = nullptr;  // optional RMSNorm of the x rows first (T <= kLinearNormMaxT):
   double norm_eps = 0.0;          // x[t] -> norm_w * x[t] / sqrt(mean(x[t]^2) + norm_eps) (over Kd)
+  int x_swiglu = 0;               // 1: an x row is [gate | up] (2 Kd floats, ldx >= 2 Kd) and the
+                                  // product uses silu(gate) * up (the SwiGLU before a down
+                                  // projection; not with norm_w)
 };
 constexpr int kLinearNormMaxT = 4;
 cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream);
