@@ -26,6 +26,7 @@ namespace py = pybind11;
 
 #include "common.h"
 #include "kernels.h"
+#include "engine/choose_kernels.h"
 #include "model/model_kernels.h"
 
 namespace {
@@ -713,7 +714,7 @@ uintptr_t as_ptr(uintptr_t x) { return x; }
 
 }  // namespace
 
-// The GPU round's per-node choice (model_kernels.h choose_tokens) on host logits [T, V], for tests.
+// The GPU round's per-node choice (engine/choose_kernels.h choose_tokens) on host logits [T, V], for tests.
 py::array_t<int32_t> choose_tokens_np(const py::object& logits_o, const py::object& positions_o, double temperature,
                                       int64_t top_k, double top_p, uint64_t seed) {
   auto logits = as_c<float>(logits_o, "logits", 2);

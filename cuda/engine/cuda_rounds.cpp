@@ -11,6 +11,7 @@
 
 #include "common.h"
 #include "device_util.h"
+#include "engine/choose_kernels.h"
 #include "engine/round_kernels.h"
 #include "kernels.h"
 #include "model/model_kernels.h"
