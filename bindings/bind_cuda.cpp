@@ -26,6 +26,7 @@ namespace py = pybind11;
 
 #include "common.h"
 #include "kernels.h"
+#include "engine/choose_kernels.h"
 #include "model/model_kernels.h"
 
 namespace {
@@ -713,7 +714,7 @@ uintptr_t as_ptr(uintptr_t x) { return x; }
 
 }  // namespace
 
-// The GPU round's per-node choice (model_kernels.h choose_tokens) on host logits [T, V], for tests.
+// The GPU round's per-node choice (engine/choose_kernels.h choose_tokens) on host logits [T, V], for tests.
 py::array_t<int32_t> choose_tokens_np(const py::object& logits_o, const py::object& positions_o, double temperature,
                                       int64_t top_k, double top_p, uint64_t seed) {
   auto logits = as_c<float>(logits_o, "logits", 2);
@@ -751,7 +752,7 @@ py::array_t<int32_t> choose_tokens_np(const py::object& logits_o, const py::obje
 py::array_t<float> linear_skinny_np(const py::object& x_o, const py::object& w_o, const py::object& y_o, int T, int N,
                                     int Kd, int batch, long long x_batch, long long w_batch, long long y_batch,
                                     double beta, long long x_off, long long w_off, const py::object& norm_o,
-                                    double norm_eps) {
+                                    double norm_eps, bool x_swiglu) {
   auto x = as_c<float>(x_o, "x", 2);
   auto w = as_c<float>(w_o, "w", 2);
   auto y = as_c<float>(y_o, "y", 2);
@@ -763,7 +764,7 @@ py::array_t<float> linear_skinny_np(const py::object& x_o, const py::object& w_o
     return off + (long long)(b - 1) * bstride + (rows - 1) * ld + cols;
   };
   if (T > 0 && batch > 0 &&
-      (last(x_off, x_batch, T, ldx, Kd, batch) > (long long)x.size() ||
+      (last(x_off, x_batch, T, ldx, x_swiglu ? 2LL * Kd : Kd, batch) > (long long)x.size() ||
        last(w_off, w_batch, N, Kd, Kd, batch) > (long long)w.size() || last(0, y_batch, T, ldy, N, batch) > (long long)y.size()))
     throw kdtree::Error("cuda_linear_skinny: the sizes reach past the arrays");
   require_device();
@@ -773,6 +774,7 @@ py::array_t<float> linear_skinny_np(const py::object& x_o, const py::object& w_o
   dy.upload(y.data(), sizeof(float) * y.size());
   kc::LinearParams lp{dx.as<float>() + x_off, ldx, x_batch, dw.as<float>() + w_off, w_batch, dy.as<float>(), ldy, y_batch,
                       T, N, Kd, batch, (float)beta};
+  lp.x_swiglu = x_swiglu ? 1 : 0;
   DevBuf dn;
   if (!norm_o.is_none()) {
     auto g = as_c<float>(norm_o, "norm_w", 1);
@@ -845,9 +847,10 @@ void bind_cuda(py::module_& m) {
   m.def("cuda_linear_skinny", &linear_skinny_np, py::arg("x"), py::arg("w"), py::arg("y"), py::arg("T"), py::arg("N"),
         py::arg("Kd"), py::arg("batch") = 1, py::arg("x_batch") = 0, py::arg("w_batch") = 0, py::arg("y_batch") = 0,
         py::arg("beta") = 0.0, py::arg("x_off") = 0, py::arg("w_off") = 0, py::arg("norm_w") = py::none(),
-        py::arg("norm_eps") = 1e-6,
+        py::arg("norm_eps") = 1e-6, py::arg("x_swiglu") = false,
         "The skinny linear kernel on host arrays (tests): y[b][t, n] = beta y + sum_k x[b][t, k] w[b][n, k]; "
-        "norm_w: the x rows RMSNorm-ed first (T <= 4).");
+        "norm_w: the x rows RMSNorm-ed first (T <= 4); x_swiglu: x rows are [gate | up] (2 Kd) and "
+        "silu(gate) * up is the input.");
   m.def("cuda_moe_group", &moe_group_np, py::arg("topk_idx"), py::arg("E"), py::arg("tile_rows"),
         py::arg("force_two_pass") = false,
         "The MoE expert schedule (moe_group) of int32 routing indices [T, K]: counts, offsets, slots, tiles.");

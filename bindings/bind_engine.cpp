@@ -265,6 +265,7 @@ py::dict run_generate(py::object self, py::array_t<int64_t, py::array::c_style |
   secs["tree_build"] = res.seconds.tree_build;
   secs["verify"] = res.seconds.verify;
   secs["accept_commit"] = res.seconds.accept_commit;
+  secs["verify_forward_gpu"] = res.seconds.verify_forward_gpu;
   secs["total"] = res.seconds.total;
   out["seconds"] = secs;
   return out;

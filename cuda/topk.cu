@@ -1,17 +1,24 @@
 // topk.cu: top-k + log-softmax of drafter logits [D, V] on the device (V up to 512K, k <= 1024).
 //
-// Two launches.
+// Three launches.
 //  topk_stats (grid chunks x D): a block loads a chunk of a row into shared memory as
 //    order-preserving uint32 keys, writes the chunk's max and sum exp(x - max) (float64, so the
 //    log-sum-exp rounds to the same float32 as the NumPy reference's float64 sum), and the max
-//    key of each of the row's NG groups of gs consecutive logits (NG >= 8k, a power of 2).
-//  topk_select (one block per row): the k-th largest group max g is a lower bound of the row's
-//    k-th largest logit (k groups reach g), so the top k are among the logits >= g: typically
-//    ~1.5k candidates. A radix select (11/11/10 bits, warp-aggregated shared atomics) finds the
-//    k-th key among them, ties at it are resolved by a second radix select on the ids (lower id
-//    first), the k winners are sorted (bitonic on 64-bit (key, ~id)) and written as
-//    logprob = logit - float32(max + log(sum)). If more than kCap logits pass the filter (long
-//    runs of equal or sorted logits), the same select runs over the whole row in global memory.
+//    key of each of the row's NG groups of gs consecutive logits (NG >= 8k, a power of 2); the
+//    row's first block also zeroes the row's candidate count.
+//  topk_filter (grid chunks x D): every block finds the k-th largest group max g of its row (a
+//    radix select over the NG group maxima, redundant per block but parallel): g is a lower
+//    bound of the row's k-th largest logit (k groups reach g), so the top k are among the logits
+//    >= g, typically ~1.5k. The block appends its chunk's logits >= g (key, id) to the row's
+//    candidate list in the workspace (warp-aggregated atomics; the order does not matter, the
+//    select below orders by (key, id)). Before this pass existed the select kernel scanned the
+//    whole row from one block per row (~20 us of its time at V = 163840).
+//  topk_select (one block per row): the candidates (<= kCap) into shared memory, a radix select
+//    (11/11/10 bits, warp-aggregated shared atomics) finds the k-th key among them, ties at it
+//    are resolved by a second radix select on the ids (lower id first), the k winners are sorted
+//    (bitonic on 64-bit (key, ~id)) and written as logprob = logit - float32(max + log(sum)). If
+//    more than kCap logits passed the filter (long runs of equal or sorted logits), the same
+//    select runs over the whole row in global memory.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -84,14 +91,18 @@ inline Plan make_plan(int V, int k) {
 }
 
 struct WsLayout {
-  size_t o_max, o_sum, o_gmax, total;
+  size_t o_max, o_sum, o_gmax, o_cnt, o_ck, o_ci, total;
 };
 inline WsLayout ws_layout(int D, const Plan& p) {
   WsLayout w;
   size_t o = 0, n = (size_t)D * p.nchunk;
-  w.o_max = o;  o += (n * 8 + 255) / 256 * 256;
-  w.o_sum = o;  o += (n * 8 + 255) / 256 * 256;
-  w.o_gmax = o; o += ((size_t)D * p.NG * 4 + 255) / 256 * 256;
+  auto up = [](size_t b) { return (b + 255) / 256 * 256; };
+  w.o_max = o;  o += up(n * 8);
+  w.o_sum = o;  o += up(n * 8);
+  w.o_gmax = o; o += up((size_t)D * p.NG * 4);
+  w.o_cnt = o;  o += up((size_t)D * 4);          // candidates per row (may exceed kCap: then unused)
+  w.o_ck = o;   o += up((size_t)D * kCap * 4);   // candidate keys [D][kCap]
+  w.o_ci = o;   o += up((size_t)D * kCap * 4);   // candidate ids  [D][kCap]
   w.total = o;
   return w;
 }
@@ -230,6 +241,7 @@ __global__ void __launch_bounds__(kStatsThreads) topk_stats_kernel(TopkParams p,
   s = block_sum_d<kStatsThreads>(s, red);
   unsigned char* ws = (unsigned char*)p.workspace;
   const size_t slot = (size_t)row * pl.nchunk + ch;
+  if (threadIdx.x == 0 && ch == 0) ((int*)(ws + wl.o_cnt))[row] = 0;  // topk_filter appends after this kernel
   if (threadIdx.x == 0) {
     ((double*)(ws + wl.o_max))[slot] = n > 0 ? mx : -__longlong_as_double(0x7ff0000000000000LL);
     ((double*)(ws + wl.o_sum))[slot] = s;
@@ -246,12 +258,56 @@ __global__ void __launch_bounds__(kStatsThreads) topk_stats_kernel(TopkParams p,
   }
 }
 
-// ---------------------------------------------------------------- kernel 2: select + sort
+// ---------------------------------------------------------------- kernel 2: candidate filter
+// Shared (dynamic): gk [NG], hist [2048], tmp [32], misc [8].
+__global__ void __launch_bounds__(kSelectThreads) topk_filter_kernel(TopkParams p, Plan pl, WsLayout wl) {
+  pdl_prologue();
+  extern __shared__ __align__(16) unsigned char sm[];
+  uint32_t* gk = (uint32_t*)sm;
+  int* hist = (int*)(gk + pl.NG);
+  int* tmp = hist + 2048;
+  int* misc = tmp + 32;
+  const int row = blockIdx.y, ch = blockIdx.x;
+  unsigned char* ws = (unsigned char*)p.workspace;
+  const uint32_t* gsrc = (const uint32_t*)(ws + wl.o_gmax) + (size_t)row * pl.NG;
+  for (int g = threadIdx.x; g < pl.NG; g += kSelectThreads) gk[g] = gsrc[g];
+  __syncthreads();
+  int ne = 0;
+  const uint32_t g = radix_select<kSelectThreads>(
+      pl.NG, p.k, [&](int i, uint32_t* kk) { *kk = gk[i]; return true; }, hist, tmp, misc, &ne);
+  const long long c0 = (long long)ch * pl.chunk;
+  int n = (int)((long long)p.V - c0);
+  if (n > pl.chunk) n = pl.chunk;
+  if (n < 0) n = 0;
+  const float* x = p.logits + (size_t)row * p.ld + c0;
+  int* cnt = (int*)(ws + wl.o_cnt) + row;
+  uint32_t* ck = (uint32_t*)(ws + wl.o_ck) + (size_t)row * kCap;
+  int32_t* ci = (int32_t*)(ws + wl.o_ci) + (size_t)row * kCap;
+  const int lane = threadIdx.x & 31;
+  for (int base = 0; base < n; base += kSelectThreads) {  // uniform trip count: whole warps vote
+    const int i = base + threadIdx.x;
+    const uint32_t kk = i < n ? float_key(x[i]) : 0u;
+    const bool take = i < n && kk >= g;
+    const unsigned vote = __ballot_sync(0xffffffffu, take);
+    if (vote == 0u) continue;
+    int o0 = 0;
+    if (lane == 0) o0 = atomicAdd(cnt, __popc(vote));
+    o0 = __shfl_sync(0xffffffffu, o0, 0);
+    if (take) {
+      const int o = o0 + __popc(vote & ((1u << lane) - 1u));
+      if (o < kCap) {
+        ck[o] = kk;
+        ci[o] = (int32_t)(c0 + i);
+      }
+    }
+  }
+}
+
+// ---------------------------------------------------------------- kernel 3: select + sort
 struct SelectSmem {
   int* hist;      // [2048]
   int* tmp;       // [32]
   int* misc;      // [8]
-  uint32_t* gk;   // [NG]
   uint32_t* ck;   // [kCap]
   int32_t* ci;    // [kCap]
   unsigned long long* sortv;  // [1024]
@@ -335,8 +391,7 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(TopkParams 
   s.sortv = (unsigned long long*)sm;                  // [1024]
   s.ck = (uint32_t*)(s.sortv + 1024);                 // [kCap]
   s.ci = (int32_t*)(s.ck + kCap);                     // [kCap]
-  s.gk = (uint32_t*)(s.ci + kCap);                    // [NG]
-  s.hist = (int*)(s.gk + pl.NG);                      // [2048]
+  s.hist = (int*)(s.ci + kCap);                       // [2048]
   s.tmp = s.hist + 2048;                              // [32]
   s.misc = s.tmp + 32;                                // [8]
   const int row = blockIdx.x;
@@ -351,28 +406,17 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(TopkParams 
     if (sc > 0.0) ssum += sc * exp(((const double*)(ws + wl.o_max))[slot] - m);
   }
   const float lse = (float)(m + log(ssum));
-  // k-th largest group max
-  const uint32_t* gsrc = (const uint32_t*)(ws + wl.o_gmax) + (size_t)row * pl.NG;
-  for (int g = threadIdx.x; g < pl.NG; g += kSelectThreads) s.gk[g] = gsrc[g];
-  if (threadIdx.x == 0) s.misc[6] = 0;
-  __syncthreads();
-  int ne = 0;
-  const uint32_t g = radix_select<kSelectThreads>(
-      pl.NG, p.k, [&](int i, uint32_t* kk) { *kk = s.gk[i]; return true; }, s.hist, s.tmp, s.misc, &ne);
-  // candidates: logits with key >= g
+  // the candidates topk_filter found (logits >= the k-th largest group max), in any order
   const float* x = p.logits + (size_t)row * p.ld;
-  for (int i = threadIdx.x; i < p.V; i += kSelectThreads) {
-    const uint32_t kk = float_key(x[i]);
-    if (kk >= g) {
-      const int o = atomicAdd(&s.misc[6], 1);
-      if (o < kCap) {
-        s.ck[o] = kk;
-        s.ci[o] = i;
-      }
+  const int nc = ((const int*)(ws + wl.o_cnt))[row];
+  if (nc <= kCap) {
+    const uint32_t* cks = (const uint32_t*)(ws + wl.o_ck) + (size_t)row * kCap;
+    const int32_t* cis = (const int32_t*)(ws + wl.o_ci) + (size_t)row * kCap;
+    for (int i = threadIdx.x; i < nc; i += kSelectThreads) {
+      s.ck[i] = cks[i];
+      s.ci[i] = cis[i];
     }
   }
-  __syncthreads();
-  const int nc = s.misc[6];
   __syncthreads();
   if (nc <= kCap) {
     select_write(
@@ -386,7 +430,8 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(TopkParams 
 }
 
 size_t stats_smem(const Plan& pl) { return ((size_t)pl.chunk * 4 + 15) / 16 * 16 + 32 * 8; }
-size_t select_smem(const Plan& pl) { return 1024 * 8 + (size_t)kCap * 8 + (size_t)pl.NG * 4 + (2048 + 32 + 8) * 4; }
+size_t filter_smem(const Plan& pl) { return (size_t)pl.NG * 4 + (2048 + 32 + 8) * 4; }
+size_t select_smem(const Plan&) { return 1024 * 8 + (size_t)kCap * 8 + (2048 + 32 + 8) * 4; }
 
 template <class K>
 cudaError_t ensure_smem(K kernel, size_t bytes, size_t* done) {
@@ -409,10 +454,12 @@ cudaError_t topk_logsoftmax(const TopkParams& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   const Plan pl = make_plan(p.V, p.k);
   const WsLayout wl = ws_layout(p.D, pl);
-  static size_t done1 = 48 * 1024, done2 = 48 * 1024;
+  static size_t done1 = 48 * 1024, done2 = 48 * 1024, done3 = 48 * 1024;
   cudaError_t e = ensure_smem(topk_stats_kernel, stats_smem(pl), &done1);
   if (e != cudaSuccess) return e;
   e = ensure_smem(topk_select_kernel, select_smem(pl), &done2);
+  if (e != cudaSuccess) return e;
+  e = ensure_smem(topk_filter_kernel, filter_smem(pl), &done3);
   if (e != cudaSuccess) return e;
   launch_kernel(topk_stats_kernel, dim3(pl.nchunk, p.D), kStatsThreads, stats_smem(pl), stream, p, pl, wl);
   e = cudaGetLastError();
@@ -422,6 +469,8 @@ cudaError_t topk_logsoftmax(const TopkParams& p, cudaStream_t stream) {
     return v && v[0] == '1';
   }();
   if (stats_only) return cudaSuccess;
+  e = launch_kernel(topk_filter_kernel, dim3(pl.nchunk, p.D), kSelectThreads, filter_smem(pl), stream, p, pl, wl);
+  if (e != cudaSuccess) return e;
   launch_kernel(topk_select_kernel, p.D, kSelectThreads, select_smem(pl), stream, p, pl, wl);
   return cudaGetLastError();
 }

@@ -251,6 +251,7 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
     exec_.round(rq, rr);
     res.seconds.tree_build += rr.tree_build;
     res.seconds.verify += rr.verify;
+    res.seconds.verify_forward_gpu += rr.verify_forward_gpu;
 
     // emit
     const auto t0 = Clock::now();

@@ -53,6 +53,7 @@ struct GenerateParams {
 
 struct StageSeconds {
   double prefill = 0, draft = 0, tree_build = 0, verify = 0, accept_commit = 0, total = 0;
+  double verify_forward_gpu = 0;  // GPU executor: the verify forwards' GPU time (CUDA events); 0 on the host
 };
 
 struct GenerateResult {
@@ -85,6 +86,7 @@ struct RoundResult {
   std::vector<int32_t> tokens;  // accepted node tokens in path order, then the bonus token (size >= 1)
   int64_t tree_nodes = 0;       // n verified (root excluded)
   double tree_build = 0, verify = 0, accept_commit = 0;  // seconds, as the executor can see them
+  double verify_forward_gpu = 0;  // seconds of GPU time of the target forward (0 when not measured)
 };
 
 class RoundExecutor {

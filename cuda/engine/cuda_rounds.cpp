@@ -11,6 +11,7 @@
 
 #include "common.h"
 #include "device_util.h"
+#include "engine/choose_kernels.h"
 #include "engine/round_kernels.h"
 #include "kernels.h"
 #include "model/model_kernels.h"
@@ -81,12 +82,28 @@ CudaRounds::CudaRounds(CudaModel& model) : model_(model) {
   }
   dev.commit(dev_mem_);
   host.commit(host_mem_);
+  for (void*& ev : ev_fwd_) {
+    cudaEvent_t ce = nullptr;
+    e = cudaEventCreate(&ce);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      for (void* made : ev_fwd_)
+        if (made) cudaEventDestroy(static_cast<cudaEvent_t>(made));
+      cudaFreeHost(host_mem_);
+      cudaFree(dev_mem_);
+      host_mem_ = dev_mem_ = nullptr;
+      throw RuntimeFailure(std::string("GPU round: cudaEventCreate: ") + cudaGetErrorString(e));
+    }
+    ev = ce;
+  }
   check(cudaMemset(dev_mem_, 0, (size_t)dev.bytes), "cudaMemset");
 }
 
 CudaRounds::~CudaRounds() {
   DeviceGuard guard(model_.device_ordinal());
   if (dev_mem_ || host_mem_) cudaStreamSynchronize(static_cast<cudaStream_t>(model_.stream()));
+  for (void* e : ev_fwd_)
+    if (e) cudaEventDestroy(static_cast<cudaEvent_t>(e));
   if (host_mem_) cudaFreeHost(host_mem_);
   if (dev_mem_) cudaFree(dev_mem_);
   cudaGetLastError();
@@ -213,7 +230,9 @@ void CudaRounds::round(const RoundRequest& rq, RoundResult& out) {
   // verify + choose + accept/compact + gather, then the one copy back
   t0 = Clock::now();
   float* logits = model_.logits_device();
+  check(cudaEventRecord(static_cast<cudaEvent_t>(ev_fwd_[0]), st), "cudaEventRecord");
   model_.forward_device(d_tokens_, d_positions_, d_vis_, cuda::tree_vis_words((int)n), T, logits);
+  check(cudaEventRecord(static_cast<cudaEvent_t>(ev_fwd_[1]), st), "cudaEventRecord");
   check(choose(logits, T, V_, d_positions_, sampling_, d_choice_, st), "choose_tokens");
   cuda::TreeAcceptParams ap{};
   ap.tokens = d_tokens_ + 1;
@@ -248,6 +267,10 @@ void CudaRounds::round(const RoundRequest& rq, RoundResult& out) {
   const int64_t max_m = std::min<int64_t>(n, kMaxDepth) + 1;  // path length <= depth + 1
   sync_result(3 + max_m);
   out.verify = since(t0);
+  float fwd_ms = 0.f;
+  check(cudaEventElapsedTime(&fwd_ms, static_cast<cudaEvent_t>(ev_fwd_[0]), static_cast<cudaEvent_t>(ev_fwd_[1])),
+        "cudaEventElapsedTime");
+  out.verify_forward_gpu = 1e-3 * (double)fwd_ms;
 
   t0 = Clock::now();
   const int64_t m = h_result_[0];

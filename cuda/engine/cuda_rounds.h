@@ -67,6 +67,7 @@ class CudaRounds : public RoundExecutor {
   int32_t* h_draft_ids_ = nullptr;
   int32_t* h_small_ = nullptr;      // root / prompt chunk + positions staging
   int32_t* h_result_ = nullptr;
+  void* ev_fwd_[2] = {nullptr, nullptr};  // cudaEvent_t around the verify forward (its GPU time)
 };
 
 }  // namespace kdtree

@@ -467,6 +467,19 @@ void CudaModel::gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in,
                "sgemm_strided_batched");
 }
 
+void CudaModel::swiglu_gemm_nt(int64_t T, int64_t N, int64_t I, const float* gu, const float* w, float* out,
+                               int64_t ldo, float beta) {
+  if (T <= skinny_max_t_) {
+    cuda::LinearParams lp{gu, 2 * I, 0, w, 0, out, ldo, 0, (int)T, (int)N, (int)I, 1, beta};
+    lp.x_swiglu = 1;
+    check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny(swiglu)");
+    return;
+  }
+  cuda::SwigluParams sp{gu, (int)T, (int)I, nullptr, act_};
+  check_cuda(cuda::swiglu(sp, as_stream(stream_)), "swiglu");
+  gemm_nt(T, N, I, act_, I, w, out, ldo, beta);
+}
+
 void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, const uint64_t* vis_d,
                          int64_t vis_stride, int64_t T, int64_t row0, float* logits_d, const int32_t* len_d) {
   const ModelConfig& c = cfg_;
@@ -578,9 +591,7 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
 void CudaModel::dense_mlp(const Layer& ly, int64_t T) {
   const int64_t Dm = cfg_.hidden_size, I = cfg_.intermediate_size;
   gemm_nt(T, 2 * I, Dm, hn_, Dm, ly.mlp_gate_up, gu_, 2 * I);
-  cuda::SwigluParams sp{gu_, (int)T, (int)I, nullptr, act_};
-  check_cuda(cuda::swiglu(sp, as_stream(stream_)), "swiglu");
-  gemm_nt(T, Dm, I, act_, I, ly.mlp_down, x_, Dm, 1.f);
+  swiglu_gemm_nt(T, Dm, I, gu_, ly.mlp_down, x_, Dm, 1.f);
 }
 
 void CudaModel::moe_mlp(const Layer& ly, int64_t T) {
@@ -646,9 +657,7 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T) {
 
   if (Is > 0) {  // after the routed experts: gu_/act_ are reused
     gemm_nt(T, 2 * Is, Dm, hn_, Dm, ly.shared_gate_up, gu_, 2 * Is);
-    cuda::SwigluParams sp{gu_, (int)T, (int)Is, nullptr, act_};
-    check_cuda(cuda::swiglu(sp, st), "swiglu(shared)");
-    gemm_nt(T, Dm, Is, act_, Is, ly.shared_down, ys_, Dm);
+    swiglu_gemm_nt(T, Dm, Is, gu_, ly.shared_down, ys_, Dm);
   }
   cuda::MoeCombineParams cp{ye_, topk_idx_, topk_w_, slot_of_, Is > 0 ? ys_ : nullptr, (int)T, (int)K, (int)Dm, x_, 1};
   check_cuda(cuda::moe_combine(cp, st), "moe_combine");

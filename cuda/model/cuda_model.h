@@ -152,6 +152,11 @@ class CudaModel : public TargetModel {
   // w_h = w + h * N * Kd row-major [N, Kd] (the absorbed MLA products W_UK, W_UV)
   void gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, int64_t in_head, const float* w,
                      float* out, int64_t ldo, int64_t out_head, int64_t heads);
+  // out[T, N] (ld ldo) = beta * out + swiglu(gu) @ w^T with gu [T, 2I] = [gate | up] rows (the down
+  // projection of an MLP): the SwiGLU inside linear_skinny for few tokens, else swiglu into act_
+  // then a GEMM.
+  void swiglu_gemm_nt(int64_t T, int64_t N, int64_t I, const float* gu, const float* w, float* out, int64_t ldo,
+                      float beta = 0.f);
   // steps whose RMSNorms feeding a single projection run inside that projection's kernel
   bool fuse_norm(int64_t T) const;
   // The forward over T <= max_tokens tokens already on the device (d_tokens_/d_positions_ or

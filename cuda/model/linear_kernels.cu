@@ -14,7 +14,8 @@
 // before any FMA, and the few token rows come through L1 (__ldg; the weight bypasses L1 so that
 // they stay). Deterministic: no atomics; per output a lane sums its k-steps in ascending order,
 // the warp's lanes are reduced by a fixed shuffle tree and (KS > 1) the block's warps in warp
-// order. An RMSNorm of the x rows can run first, inside the kernel (norm_w, T <= 4).
+// order. An RMSNorm of the x rows can run first, inside the kernel (norm_w, T <= 4), or the x rows
+// can be [gate | up] pairs whose SwiGLU is the input (x_swiglu: the down projection of an MLP).
 //
 // Layout of the work: a block has kLinWarps = 4 warps and owns RW * 4 / KS output rows; the KS
 // warps of a row group split the k-steps round robin (warp kw takes steps kw, kw + KS, ...).
@@ -25,6 +26,7 @@
 #include "launch.h"
 #include "warp_reduce.h"
 #include "model/vec_load.h"
+#include "model/device_math.h"
 
 namespace kdtree {
 namespace cuda {
@@ -89,8 +91,10 @@ __device__ __forceinline__ void scale(float4& v, const float4& g) {
   v.w *= g.w;
 }
 
-template <int RW, int TT, int U, int KS, bool VEC, bool NORM>
+// PRO: the x prologue: 0 none, 1 RMSNorm (norm_w), 2 SwiGLU of [gate | up] rows (x_swiglu)
+template <int RW, int TT, int U, int KS, bool VEC, int PRO>
 __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearParams p) {
+  constexpr bool NORM = PRO == 1, SWI = PRO == 2;
   using WT = typename std::conditional<VEC, float4, float>::type;
   constexpr int VW = VEC ? 4 : 1;
   constexpr int NV = RW * TT;            // outputs per row group: value i * TT + t
@@ -152,8 +156,12 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
 #pragma unroll
           for (int u = 0; u < U; ++u) {
             const int k = k0 + u * STEP + lane * VW;
-            if (k < Kd) xv[u] = ldg_vec<WT>(xr + k);
-            else vzero(xv[u]);
+            if (k < Kd) {
+              xv[u] = ldg_vec<WT>(xr + k);
+              if constexpr (SWI) xv[u] = silu_mul(xv[u], ldg_vec<WT>(xr + Kd + k));
+            } else {
+              vzero(xv[u]);
+            }
             if constexpr (NORM) scale(xv[u], gv[u]);
           }
 #pragma unroll
@@ -219,13 +227,18 @@ cudaError_t launch(const LinearParams& p, bool vec, cudaStream_t stream) {
                   (unsigned)((p.T + 15) / 16));  // slices of <= 16 tokens (TT >= the slice size)
   if constexpr (TT <= kLinearNormMaxT) {
     if (p.norm_w) {
-      if (vec) launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, true>, grid, kLinWarps * 32, 0, stream, p);
-      else launch_kernel(linear_skinny_kernel<RW, TT, U, KS, false, true>, grid, kLinWarps * 32, 0, stream, p);
+      if (vec) launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, 1>, grid, kLinWarps * 32, 0, stream, p);
+      else launch_kernel(linear_skinny_kernel<RW, TT, U, KS, false, 1>, grid, kLinWarps * 32, 0, stream, p);
       return cudaGetLastError();
     }
   }
-  if (vec) launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, false>, grid, kLinWarps * 32, 0, stream, p);
-  else launch_kernel(linear_skinny_kernel<RW, TT, U, KS, false, false>, grid, kLinWarps * 32, 0, stream, p);
+  if (p.x_swiglu) {
+    if (vec) launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, 2>, grid, kLinWarps * 32, 0, stream, p);
+    else launch_kernel(linear_skinny_kernel<RW, TT, U, KS, false, 2>, grid, kLinWarps * 32, 0, stream, p);
+    return cudaGetLastError();
+  }
+  if (vec) launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, 0>, grid, kLinWarps * 32, 0, stream, p);
+  else launch_kernel(linear_skinny_kernel<RW, TT, U, KS, false, 0>, grid, kLinWarps * 32, 0, stream, p);
   return cudaGetLastError();
 }
 
@@ -249,6 +262,7 @@ cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream) {
       p.batch > 65535 || p.ldx < p.Kd || p.ldy < p.N || p.x_batch < 0 || p.w_batch < 0 || p.y_batch < 0)
     return cudaErrorInvalidValue;
   if (p.norm_w && (p.T > kLinearNormMaxT || !(p.norm_eps >= 0.0))) return cudaErrorInvalidValue;
+  if (p.x_swiglu && (p.norm_w || p.ldx < 2LL * p.Kd)) return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
   const bool vec = p.Kd % 4 == 0 && p.ldx % 4 == 0 && p.x_batch % 4 == 0 && p.w_batch % 4 == 0 && aligned16(p.x) &&
                    aligned16(p.w) && (!p.norm_w || aligned16(p.norm_w));

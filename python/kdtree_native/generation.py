@@ -140,7 +140,7 @@ def compute_stats(raw: dict, depth: int, drafted: bool, seed: int, temperature: 
         "num_accepted_tokens": int(accepted.sum()),
         "draft_acceptance_rate": float(accepted.sum() / sizes.sum()) if sizes.sum() else 0.0,
         "seconds": {k: float(secs.get(k, 0.0)) for k in ("prefill", "draft", "tree_build", "verify",
-                                                         "accept_commit", "total")},
+                                                         "accept_commit", "total", "verify_forward_gpu")},
         "tokens_per_second": n / total if total > 0 else 0.0,
         "decode_tokens_per_second": (n - 1) / decode if decode > 0 and n > 1 else 0.0,
         "stopped": bool(raw["stopped"]),

@@ -139,3 +139,36 @@ def test_fused_rmsnorm_only_for_few_tokens():
     y = np.zeros((5, 8), np.float32)
     with pytest.raises(ValueError):
         N.cuda_linear_skinny(x, w, y, 5, 8, 8, norm_w=np.ones(8, np.float32))
+
+
+@pytest.mark.parametrize("T", [1, 2, 4, 7, 16, 17, 33])
+@pytest.mark.parametrize("Nn,Kd,x_pad", [(1024, 256, 0), (64, 2816, 0), (37, 20, 3), (100, 33, 0)])
+@pytest.mark.parametrize("beta", [0.0, 1.0])
+def test_swiglu_input(T, Nn, Kd, x_pad, beta):
+    """x rows [gate | up] (x_swiglu): the product uses silu(gate) * up, as the model's MLP down
+    projections (dense layers, shared experts); against the float64 SwiGLU then product."""
+    rng = np.random.default_rng(T * 11 + Kd + int(beta))
+    x = (rng.standard_normal((T, 2 * Kd + x_pad)) * 3.0).astype(np.float32)
+    w = rng.standard_normal((1, Nn * Kd)).astype(np.float32)
+    y0 = rng.standard_normal((T, Nn)).astype(np.float32)
+    if beta == 0:
+        y0[:] = np.nan  # must not be read
+    got = N.cuda_linear_skinny(x, w, y0, T, Nn, Kd, beta=beta, x_swiglu=True)
+    g, u = x[:, :Kd].astype(np.float64), x[:, Kd:2 * Kd].astype(np.float64)
+    xs = g / (1.0 + np.exp(-g)) * u
+    Wm = w.reshape(Nn, Kd).astype(np.float64)
+    base = y0.astype(np.float64) if beta else 0.0
+    ref = base + xs @ Wm.T
+    scale = np.abs(xs) @ np.abs(Wm).T + (np.abs(y0) if beta else 0.0)
+    assert np.isfinite(got).all()
+    assert (np.abs(got - ref) <= 2e-5 * scale + 1e-30).all(), float((np.abs(got - ref) / scale).max())
+
+
+def test_swiglu_input_argument_checks():
+    x = np.ones((2, 16), np.float32)
+    w = np.ones((1, 64), np.float32)
+    y = np.zeros((2, 8), np.float32)
+    with pytest.raises(ValueError):  # a row must hold 2 Kd floats
+        N.cuda_linear_skinny(x, w, y, 2, 8, 9, x_swiglu=True)
+    with pytest.raises(ValueError):  # not together with the fused RMSNorm
+        N.cuda_linear_skinny(x, w, y, 2, 8, 8, x_swiglu=True, norm_w=np.ones(8, np.float32))

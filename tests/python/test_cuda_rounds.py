@@ -76,6 +76,10 @@ def test_every_drafter_lossless_and_equal_to_host_rounds(name):
             np.testing.assert_array_equal(dev.acceptance_lengths, ref.acceptance_lengths, err_msg=where)
             assert dev.stats["num_draft_tokens"] == ref.stats["num_draft_tokens"], where
             check_stats(dev, depth)
+            # the rounds' forwards timed on the GPU: positive, inside what the host waited for
+            sd = dev.stats["seconds"]
+            assert 0 < sd["verify_forward_gpu"] <= sd["verify"], (where, sd)
+            assert host.stats["seconds"]["verify_forward_gpu"] == 0.0, where
     # a perfect oracle accepts whole chains
     r = generate(gpu, P, n, drafter=OracleDrafter(ar_dev.tokens, vocab_size=V), tree_budget=16, depth=15)
     np.testing.assert_array_equal(r.tokens, ar_dev.tokens)

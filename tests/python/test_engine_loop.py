@@ -127,6 +127,8 @@ def check_stats(res, depth):
     rates = s["per_position_acceptance_rate"]
     assert all(0 <= r <= 1 for r in rates) and all(a >= b for a, b in zip(rates, rates[1:]))
     assert all(v >= 0 for v in s["seconds"].values())
+    if s.get("rounds_on", "host") == "host":
+        assert s["seconds"]["verify_forward_gpu"] == 0.0  # only the GPU round times its forwards
     if s["rounds"]:
         assert s["mean_acceptance_length"] == pytest.approx(float(acc.mean()))
 
