@@ -3,7 +3,7 @@ torch.profiler (CUPTI): the wall time per step, the sum of kernel times, launche
 the kernels sorted by total time. The steps run through forward_ptr, so from the second call on
 they are CUDA graph replays (docs/CUDA_MODEL.md). Needs torch with CUDA and the GPU model.
 
-    python3 benchmarks/profile_cuda_model.py [--budget 64] [--context 512] [--rows 18]
+    python3 benchmarks/profile_cuda_model.py [--budget 64] [--context 512] [--rows 18] [--sequence]
 """
 import argparse
 import os, sys, time
@@ -17,6 +17,8 @@ ap.add_argument("--budget", type=int, default=64)
 ap.add_argument("--context", type=int, default=512)
 ap.add_argument("--rows", type=int, default=18)
 ap.add_argument("--ckpt", default="/tmp/kn_mini_kimi")
+ap.add_argument("--sequence", action="store_true",
+                help="also list one step's kernels in launch order with their times (read with KDTREE_CUDA_PDL=0)")
 args = ap.parse_args()
 import kdtree_native as kn
 from kdtree_native import _native
@@ -64,4 +66,9 @@ for label, T, vis in [("AR", 1, None), (f"verify B={B}", B + 1, real_tree(B, 1)[
     tot = sum(e.device_time for e in ev) / 10
     print(f"== {label}: wall {wall * 1e3:.3f} ms/step, GPU kernel time {tot / 1e3:.3f} ms/step, "
           f"kernels/step {len(ev) / 10:.0f}")
+    if args.sequence:
+        seq = sorted(ev, key=lambda e: e.time_range.start)[: len(ev) // 10]
+        for i, e in enumerate(seq):
+            name = e.name.replace("kdtree::cuda::", "").replace("(anonymous namespace)::", "")
+            print(f"  {i:4d} {e.device_time:7.1f} us  {name[:110]}")
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
