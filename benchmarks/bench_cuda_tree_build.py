@@ -17,6 +17,7 @@ GPU times: "graph" = per op in a CUDA graph replaying 10 back-to-back ops (pure 
 captured engine round sees it); "stream" = one launch + event pair per op (adds launch gaps).
 
     python benchmarks/bench_cuda_tree_build.py [--iters 200] [--json out.json] [--quick]
+    python benchmarks/bench_cuda_tree_build.py --engine-shapes   # depth 15, K = 8 / 4, each path forced
 """
 import argparse
 import json
@@ -54,11 +55,36 @@ def cpu_twin_ms(lp, ids, budget, reps):
     return float(np.median(ts))
 
 
+def engine_shapes(N, props, iters):
+    """The shapes generate() uses by default (depth 15, top_k 8: K < B, so trees grow deep),
+    each path forced (one warp / parallel) and auto, peaked drafter rows; graph-replay medians."""
+    print(f"## GPU tree build at the engine's shapes ({props['name']}): depth 15, K = 8, peaked drafter; "
+          f"graph-replay median us")
+    print("| B | K | auto | path (auto) | one warp | parallel | tree depth |")
+    print("|---|---|---|---|---|---|---|")
+    for K in (8, 4):
+        lp_all, ids_all = kn.reference.topk_logsoftmax(drafter_logits(0, "peaked", V=32000), K)
+        lp, ids = np.ascontiguousarray(lp_all), np.ascontiguousarray(ids_all)
+        for B in (16, 32, 64, 128, 256):
+            ref = kn.ops.tree_build(lp, ids, B, device="cpu")
+            t = {}
+            for name, fp in (("auto", 0), ("warp", 2), ("parallel", 3)):
+                r = N.cuda_time_tree_build(lp, ids, B, iters=iters, warmup=10, force_path=fp)
+                assert int(r["n"]) == ref.n and np.array_equal(r["parents"][: ref.n + 1], ref.parents), (B, K, name)
+                t[name] = r
+            print(f"| {B} | {K} | {t['auto']['graph_median_ms'] * 1e3:.1f} | "
+                  f"{('parallel', 'fallback', 'one warp')[int(t['auto']['path'])]} | "
+                  f"{t['warp']['graph_median_ms'] * 1e3:.1f} | {t['parallel']['graph_median_ms'] * 1e3:.1f} | "
+                  f"{int(ref.depths.max()) if ref.n else 0} |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--engine-shapes", action="store_true",
+                    help="only the engine's default shapes (depth 15, top-k 8: deep trees) with each path forced")
     args = ap.parse_args()
     if not kn.cuda_available():
         raise SystemExit("no CUDA device")
@@ -66,6 +92,9 @@ def main():
     props = N.cuda_device_props()
     budgets = [16, 64, 256, 512, 1024]
     iters = 30 if args.quick else args.iters
+    if args.engine_shapes:
+        engine_shapes(N, props, iters)
+        return
     tables = {}
     for kind in ("peaked", "flat"):
         logits = drafter_logits(0, kind)

@@ -457,13 +457,24 @@ py::tuple tree_accept_compact_np(const py::object& tok, const py::object& par, c
   kc::TreeAcceptParams ap = a.params();
   p.path = ap.path;
   p.count = ap.count;
+  // the round outputs: the host's result array and the next root, poisoned to catch unwritten words
+  DevBuf res(4 * (3 + 1025)), root(4);
+  res.poison();
+  root.poison();
+  ap.result = res.as<int32_t>();
+  ap.next_root = root.as<int32_t>();
   {
     py::gil_scoped_release nogil;
     check_cuda(kc::tree_accept_compact(ap, p, 0), "tree_accept_compact");
     check_cuda(cudaDeviceSynchronize(), "tree_accept_compact (kernel)");
   }
   py::tuple r = a.result();
-  return py::make_tuple(r[0], r[1], to_numpy<float>(dc, {layers, S, row}));
+  const int64_t m = py::len(r[0]);
+  py::array_t<int32_t> result(3 + m - 1);
+  res.download(result.mutable_data(), 4 * (3 + m - 1));
+  int32_t next_root = 0;
+  root.download(&next_root, 4);
+  return py::make_tuple(r[0], r[1], to_numpy<float>(dc, {layers, S, row}), result, next_root);
 }
 
 // ---------------------------------------------------------------- verify attention
@@ -562,8 +573,11 @@ py::array_t<float> verify_attention_np(const py::object& ql, const py::object& q
 }
 
 // ---------------------------------------------------------------- timing helpers
-py::dict time_tree_build(const py::object& lp_o, const py::object& ids_o, int64_t budget, int iters, int warmup) {
+py::dict time_tree_build(const py::object& lp_o, const py::object& ids_o, int64_t budget, int iters, int warmup,
+                         int force_path) {
   require_device();
+  if (force_path != 0 && force_path != 2 && force_path != 3)
+    throw kdtree::Error("force_path must be 0 (auto), 2 (one warp) or 3 (parallel)");
   auto lp = as_c<float>(lp_o, "logprobs", 2);
   auto ids = as_c<int32_t>(ids_o, "token_ids", 2);
   const int64_t D = lp.shape(0), K = lp.shape(1);
@@ -579,6 +593,7 @@ py::dict time_tree_build(const py::object& lp_o, const py::object& ids_o, int64_
   p.K = (int)K;
   p.ld = (int)K;
   p.budget = (int)budget;
+  p.force_fallback = force_path;
   out.fill(p);
   Timing t = time_op([&](cudaStream_t s) { return kc::tree_build(p, s); }, iters, warmup);
   py::dict d = out.result();
@@ -860,7 +875,8 @@ void bind_cuda(py::module_& m) {
         "GPU KV compaction of float32 caches [layers, S, row] (returns the compacted copy).");
   m.def("cuda_tree_accept_compact", &tree_accept_compact_np, py::arg("tokens"), py::arg("parents"),
         py::arg("choice"), py::arg("cache"), py::arg("cache_len"),
-        "Fused GPU accept + compaction: (path, bonus, compacted cache copy).");
+        "Fused GPU accept + compaction: (path, bonus, compacted cache copy, the round's result array "
+        "[m, n, bonus, path tokens...], next root).");
   m.def("cuda_verify_attention", &verify_attention_np, py::arg("q_latent"), py::arg("q_rope"), py::arg("kv"),
         py::arg("visibility"), py::arg("scale"), py::arg("force_naive") = false, py::arg("force_splits") = 0,
         py::arg("force_kernel") = 0, py::arg("l_bound") = py::none(),
@@ -870,7 +886,7 @@ void bind_cuda(py::module_& m) {
   m.def("cuda_copy_bandwidth", &copy_bandwidth, py::arg("nbytes") = (int64_t)1 << 31, py::arg("iters") = 20,
         "Measured device-to-device copy bandwidth, bytes/s (read + write counted).");
   m.def("cuda_time_tree_build", &time_tree_build, py::arg("logprobs"), py::arg("token_ids"), py::arg("budget"),
-        py::arg("iters") = 200, py::arg("warmup") = 20);
+        py::arg("iters") = 200, py::arg("warmup") = 20, py::arg("force_path") = 0);
   m.def("cuda_time_tree_build_from_logits", &time_tree_from_logits, py::arg("logits"), py::arg("budget"),
         py::arg("top_k"), py::arg("iters") = 100, py::arg("warmup") = 10);
   m.def("cuda_time_verify_attention", &time_verify_attention, py::arg("q_latent"), py::arg("q_rope"), py::arg("kv"),

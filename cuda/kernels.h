@@ -92,6 +92,10 @@ struct TreeAcceptParams {
   int32_t* path;            // [n_max+1] accepted node indices (first *count valid)
   int32_t* count;           // [1] m >= 1 (path[0] = 0)
   int32_t* bonus;           // [1] choice at the last accepted node
+  // Optional round outputs (null: not written), so that a GPU round needs no extra kernel:
+  int32_t* result;          // [3 + n_max]: m, *n_nodes, bonus, then the tokens of path nodes 1..m-1
+  int32_t* next_root;       // [1]: the bonus again, the next round's root (may alias tokens[-1], nothing
+                            // else the walk reads)
 };
 cudaError_t tree_accept(const TreeAcceptParams& p, cudaStream_t stream);
 

@@ -79,16 +79,33 @@ __device__ int accept_walk(const TreeAcceptParams& a, int* best, int* path_s) {
   return path_s[1024 + 1];
 }
 
+// The walk's outputs (one block): path, count, bonus, and the optional round outputs.
+// next_root may alias a.tokens[-1] (the root's slot in the round's node-token array), which no
+// block of the walk reads; it must not alias anything else the walk reads.
+__device__ void write_accept(const TreeAcceptParams& a, const int* path_s, int m) {
+  const int t = (int)threadIdx.x, nt = (int)blockDim.x;
+  const int b = a.choice[path_s[1024 + 2]];
+  for (int j = t; j < m; j += nt) a.path[j] = path_s[j];
+  if (a.result)
+    for (int j = t; j + 1 < m; j += nt) a.result[3 + j] = a.tokens[path_s[j + 1] - 1];
+  if (t == 0) {
+    a.count[0] = m;
+    a.bonus[0] = b;
+    if (a.result) {
+      a.result[0] = m;
+      a.result[1] = a.n_nodes[0];
+      a.result[2] = b;
+    }
+  }
+  if (a.next_root && t == 0) a.next_root[0] = b;
+}
+
 __global__ void tree_accept_kernel(TreeAcceptParams a) {
   pdl_prologue();
   __shared__ int best[1025];
   __shared__ int path_s[1025 + 2];
   int m = accept_walk(a, best, path_s);
-  for (int j = (int)threadIdx.x; j < m; j += blockDim.x) a.path[j] = path_s[j];
-  if (threadIdx.x == 0) {
-    a.count[0] = m;
-    a.bonus[0] = a.choice[path_s[1024 + 2]];
-  }
+  write_accept(a, path_s, m);
 }
 
 // Move slots L + src_idx(j) -> L + j for j < m in one layer; read-all-then-write per chunk of
@@ -158,13 +175,7 @@ __global__ void tree_accept_compact_kernel(TreeAcceptParams a, KvCompactParams c
   __shared__ int best[1025];
   __shared__ int path_s[1025 + 2];
   int m = accept_walk(a, best, path_s);
-  if (blockIdx.x == 0) {
-    for (int j = (int)threadIdx.x; j < m; j += blockDim.x) a.path[j] = path_s[j];
-    if (threadIdx.x == 0) {
-      a.count[0] = m;
-      a.bonus[0] = a.choice[path_s[1024 + 2]];
-    }
-  }
+  if (blockIdx.x == 0) write_accept(a, path_s, m);
   compact_dispatch(c, (int)blockIdx.x, path_s, m);
 }
 

@@ -12,7 +12,6 @@
 #include "common.h"
 #include "device_util.h"
 #include "engine/choose_kernels.h"
-#include "engine/round_kernels.h"
 #include "kernels.h"
 #include "model/model_kernels.h"
 
@@ -41,11 +40,11 @@ CudaRounds::CudaRounds(CudaModel& model) : model_(model) {
   KD_CHECK(V_ <= cuda::kTopkMaxV, "GPU round: vocab " + s(V_) + " above the device top-k limit " + s(cuda::kTopkMaxV));
   const int64_t Bm = std::max<int64_t>(max_budget_, 0);
   const int64_t W = cuda::tree_vis_words((int)Bm);
-  const int64_t vals = kMaxDepth * std::max<int64_t>(V_, kMaxK);
+  // draft block: logits [d, V], or log-probs [d, k] followed by ids [d, k] (one upload)
+  const int64_t vals = std::max<int64_t>(kMaxDepth * V_, 2 * kMaxDepth * kMaxK);
   const int64_t npos = std::max<int64_t>(Bm + 1, max_chunk_);
   Arena dev;
-  dev.add(&d_draft_vals_, vals);
-  dev.add(&d_draft_ids_, kMaxDepth * kMaxK);
+  dev.add(&d_draft_, vals);
   dev.add(reinterpret_cast<char**>(&d_topk_ws_),
           (int64_t)cuda::tree_from_logits_workspace_bytes((int)kMaxDepth, (int)V_, (int)std::min<int64_t>(kMaxK, V_)));
   dev.add(&d_tokens_, Bm + 1);
@@ -61,8 +60,7 @@ CudaRounds::CudaRounds(CudaModel& model) : model_(model) {
   dev.add(&d_result_, 3 + Bm + 1);
   dev.add(&d_prompt_, max_chunk_);
   Arena host;
-  host.add(&h_draft_vals_, vals);
-  host.add(&h_draft_ids_, kMaxDepth * kMaxK);
+  host.add(&h_draft_, vals);
   host.add(&h_small_, 2 * npos + 1);
   host.add(&h_result_, 3 + Bm + 1);
   DeviceGuard guard(model.device_ordinal());
@@ -117,6 +115,7 @@ void CudaRounds::begin(const GenerateParams& p) {
   KD_CHECK(model_.finalized(), "model: generate before finalize() (weights not complete)");
   check_sampling_params(p.sampling);
   sampling_ = p.sampling;
+  dev_root_ = -1;
 }
 
 void CudaRounds::sync_result(int64_t words) {
@@ -167,6 +166,7 @@ int32_t CudaRounds::prefill(const int32_t* prompt, int64_t P, int64_t chunk) {
       check(choose(logits + (T - 1) * V_, 1, V_, d_positions_ + (T - 1), sampling_, d_tokens_, st), "choose_tokens");
       check(cudaMemcpyAsync(h_result_, d_tokens_, sizeof(int32_t), cudaMemcpyDeviceToHost, st), "copy the first token");
       check(cudaStreamSynchronize(st), "prefill");
+      dev_root_ = h_result_[0];  // choose wrote it to d_tokens_[0]: the first round's root
     }
   }
   return h_result_[0];
@@ -180,9 +180,13 @@ void CudaRounds::round(const RoundRequest& rq, RoundResult& out) {
   const int64_t n = (draft && draft->d > 0) ? rq.nodes : 0, T = n + 1, L = rq.L;
   KD_CHECK(n <= max_budget_, "GPU round: " + s(n) + " tree nodes above the budget limit " + s(max_budget_));
 
-  // root token (node 0) and the draft, from pinned staging
-  h_small_[0] = rq.root;
-  check(cudaMemcpyAsync(d_tokens_, h_small_, sizeof(int32_t), cudaMemcpyHostToDevice, st), "upload root");
+  // root token (node 0): on the device already unless the request names another one
+  if (rq.root != dev_root_) {
+    dev_root_ = -1;
+    h_small_[0] = rq.root;
+    check(cudaMemcpyAsync(d_tokens_, h_small_, sizeof(int32_t), cudaMemcpyHostToDevice, st), "upload root");
+    dev_root_ = rq.root;
+  }
   cuda::TreeBuildParams tb{};
   tb.budget = (int)n;
   tb.cache_len = (int)L;
@@ -194,11 +198,11 @@ void CudaRounds::round(const RoundRequest& rq, RoundResult& out) {
   tb.n_nodes = d_n_;
   if (n > 0 && draft->is_logits) {
     const int64_t cnt = draft->d * draft->k;
-    std::memcpy(h_draft_vals_, draft->values.data(), (size_t)cnt * sizeof(float));
-    check(cudaMemcpyAsync(d_draft_vals_, h_draft_vals_, (size_t)cnt * sizeof(float), cudaMemcpyHostToDevice, st),
+    std::memcpy(h_draft_, draft->values.data(), (size_t)cnt * sizeof(float));
+    check(cudaMemcpyAsync(d_draft_, h_draft_, (size_t)cnt * sizeof(float), cudaMemcpyHostToDevice, st),
           "upload draft logits");
     cuda::TreeFromLogitsParams fp{};
-    fp.logits = d_draft_vals_;
+    fp.logits = d_draft_;
     fp.D = (int)draft->d;
     fp.V = (int)V_;
     fp.ld = (int)V_;
@@ -209,14 +213,13 @@ void CudaRounds::round(const RoundRequest& rq, RoundResult& out) {
   } else if (n > 0) {
     const int64_t cnt = draft->d * draft->k;
     KD_CHECK(draft->k <= kMaxK, "GPU round: draft k " + s(draft->k) + " above " + s(kMaxK));
-    std::memcpy(h_draft_vals_, draft->values.data(), (size_t)cnt * sizeof(float));
-    std::memcpy(h_draft_ids_, draft->ids.data(), (size_t)cnt * sizeof(int32_t));
-    check(cudaMemcpyAsync(d_draft_vals_, h_draft_vals_, (size_t)cnt * sizeof(float), cudaMemcpyHostToDevice, st),
-          "upload draft log-probs");
-    check(cudaMemcpyAsync(d_draft_ids_, h_draft_ids_, (size_t)cnt * sizeof(int32_t), cudaMemcpyHostToDevice, st),
-          "upload draft ids");
-    tb.logprobs = d_draft_vals_;
-    tb.token_ids = d_draft_ids_;
+    // log-probs then ids, one block, one copy
+    std::memcpy(h_draft_, draft->values.data(), (size_t)cnt * sizeof(float));
+    std::memcpy(reinterpret_cast<int32_t*>(h_draft_ + cnt), draft->ids.data(), (size_t)cnt * sizeof(int32_t));
+    check(cudaMemcpyAsync(d_draft_, h_draft_, (size_t)(2 * cnt) * sizeof(float), cudaMemcpyHostToDevice, st),
+          "upload draft log-probs and ids");
+    tb.logprobs = d_draft_;
+    tb.token_ids = reinterpret_cast<const int32_t*>(d_draft_ + cnt);
     tb.D = (int)draft->d;
     tb.K = (int)draft->k;
     tb.ld = (int)draft->k;
@@ -243,6 +246,9 @@ void CudaRounds::round(const RoundRequest& rq, RoundResult& out) {
   ap.path = d_path_;
   ap.count = d_count_;
   ap.bonus = d_bonus_;
+  ap.result = d_result_;     // (m, n, bonus, path tokens): the round's one copy back
+  ap.next_root = d_tokens_;  // the bonus is the next round's root (node 0)
+  dev_root_ = -1;  // the accept writes node 0 (known again once the result is back)
   const CudaModel::CacheLayout cl = model_.cache_layout();
   cuda::KvCompactParams kp{};
   kp.cache = cl.base;
@@ -254,16 +260,6 @@ void CudaRounds::round(const RoundRequest& rq, RoundResult& out) {
   kp.path = d_path_;
   kp.count = d_count_;
   check(cuda::tree_accept_compact(ap, kp, st), "tree_accept_compact");
-  cuda::RoundFinishParams rp{};
-  rp.node_tokens = d_tokens_;
-  rp.path = d_path_;
-  rp.count = d_count_;
-  rp.n_nodes = d_n_;
-  rp.bonus = d_bonus_;
-  rp.result = d_result_;
-  rp.max_path = (int)n;
-  rp.next_root = nullptr;  // the host uploads the root with each round's draft
-  check(cuda::round_finish(rp, st), "round_finish");
   const int64_t max_m = std::min<int64_t>(n, kMaxDepth) + 1;  // path length <= depth + 1
   sync_result(3 + max_m);
   out.verify = since(t0);
@@ -274,6 +270,7 @@ void CudaRounds::round(const RoundRequest& rq, RoundResult& out) {
 
   t0 = Clock::now();
   const int64_t m = h_result_[0];
+  dev_root_ = h_result_[2];
   if (h_result_[1] != n || m < 1 || m > max_m)
     throw RuntimeFailure("GPU round: internal error (tree of " + s(h_result_[1]) + " nodes for " + s(n) +
                          " asked, path length " + s(m) + ")");

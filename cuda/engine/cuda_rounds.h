@@ -3,13 +3,19 @@
 // shared Generator; this class does what happens between a validated draft and the accepted
 // tokens, all queued on the model's stream with no host synchronisation until the end:
 //
-//   [upload: root token + draft (log-probs/ids [d,k] or logits [d,V]) from pinned memory]
+//   [upload: the draft (log-probs and ids [d,k] as one block, or logits [d,V]) from pinned
+//    memory, one copy; the root token only when the device does not hold it already]
 //   tree_build (or top-k + log-softmax + tree_build)   -> node tokens, parents, positions, bitmask
 //   model forward_device over root + n nodes            -> logits [1+n, V] (stay on the device)
 //   choose_tokens (argmax or the seeded sampler)        -> choice [1+n]
-//   tree_accept_compact (walk + KV compaction, 1 launch) -> path, m, bonus; cache packed
-//   round_finish                                        -> (m, n, bonus, path tokens) in one array
+//   tree_accept_compact (walk + KV compaction, 1 launch) -> path, m, bonus; cache packed; the
+//                                                          (m, n, bonus, path tokens) array for
+//                                                          the host; the bonus as the next root
 //   one device-to-host copy of that array, one stream synchronisation.
+//
+// The root of a round is the previous round's bonus (or prefill's first token), which the
+// device already wrote to node 0: the host remembers that value and uploads the root only
+// when the request's differs (never in a plain generate()).
 //
 // Prefill runs the causal forward on the device and copies back only the first token. The
 // drafter still runs on the host between rounds (a Python drafter sees numpy); see
@@ -53,8 +59,7 @@ class CudaRounds : public RoundExecutor {
   void* dev_mem_ = nullptr;
   void* host_mem_ = nullptr;
   // device
-  float* d_draft_vals_ = nullptr;   // [16, max(V, 1024)] log-probs [d,k] or logits [d,V]
-  int32_t* d_draft_ids_ = nullptr;  // [16, 1024]
+  float* d_draft_ = nullptr;        // logits [d,V], or log-probs [d,k] then ids [d,k] (int32) right after
   void* d_topk_ws_ = nullptr;
   int32_t* d_tokens_ = nullptr;     // [1 + Bm] node 0 = root, then the tree's node tokens
   int32_t *d_depths_ = nullptr, *d_parents_ = nullptr, *d_positions_ = nullptr;  // [Bm], [Bm+1], [max(Bm+1, chunk)]
@@ -63,11 +68,11 @@ class CudaRounds : public RoundExecutor {
   int32_t* d_result_ = nullptr;     // [3 + Bm + 1]
   int32_t* d_prompt_ = nullptr;     // [chunk]
   // pinned host
-  float* h_draft_vals_ = nullptr;
-  int32_t* h_draft_ids_ = nullptr;
+  float* h_draft_ = nullptr;        // the same layout as d_draft_
   int32_t* h_small_ = nullptr;      // root / prompt chunk + positions staging
   int32_t* h_result_ = nullptr;
   void* ev_fwd_[2] = {nullptr, nullptr};  // cudaEvent_t around the verify forward (its GPU time)
+  int64_t dev_root_ = -1;           // the token in d_tokens_[0] written by the device (-1: unknown)
 };
 
 }  // namespace kdtree

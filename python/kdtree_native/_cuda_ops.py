@@ -152,14 +152,16 @@ def kv_compact(cache, path, cache_len):
     return _native.cuda_kv_compact(c, int(cache_len), np.asarray(path, np.int32))
 
 
-def accept_compact(tree, target_choice, cache, cache_len):
-    """Fused GPU accept + compaction: (path, bonus, compacted cache copy)."""
+def accept_compact(tree, target_choice, cache, cache_len, round_outputs=False):
+    """Fused GPU accept + compaction: (path, bonus, compacted cache copy); with round_outputs
+    also the GPU round's result array [m, n, bonus, tokens of path nodes 1..m-1] and the next
+    root (= bonus), as the kernel writes them for the round's one copy back."""
     _require()
     tokens = np.asarray(tree.tokens, dtype=np.int32)
     choice = np.asarray(target_choice, dtype=np.int32)
     c = np.ascontiguousarray(cache, dtype=np.float32)
-    return _native.cuda_tree_accept_compact(tokens, np.asarray(tree.parents, np.int32), choice, c,
-                                            int(cache_len))
+    r = _native.cuda_tree_accept_compact(tokens, np.asarray(tree.parents, np.int32), choice, c, int(cache_len))
+    return r if round_outputs else r[:3]
 
 
 def verify_attention(q_latent, q_rope, kv_latent, k_rope, visibility, scale, force_naive=False,

@@ -225,9 +225,12 @@ def test_fused_accept_compact():
         choice = tc.random_choice(rng, tree, 0.9)
         L = int(rng.integers(0, 30))
         cache = rng.standard_normal((3, L + tree.n + 2, 20)).astype(np.float32)
-        path, bonus, got = cu.accept_compact(tree, choice, cache, L)
+        path, bonus, got, result, next_root = cu.accept_compact(tree, choice, cache, L, round_outputs=True)
         p_r, b_r = R.tree_accept(tree, choice)
         assert np.array_equal(path, p_r) and bonus == b_r, cid
+        # the GPU round's copy-back array and next root, from the reference walk
+        want_res = np.concatenate([[len(p_r), tree.n, b_r], np.asarray(tree.tokens)[p_r[1:] - 1]]).astype(np.int32)
+        assert np.array_equal(result, want_res) and next_root == b_r, cid
         want = cache.copy()
         for layer in range(3):
             R.kv_compact(want[layer], p_r, L)
