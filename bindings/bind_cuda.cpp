@@ -764,10 +764,10 @@ py::array_t<int32_t> choose_tokens_np(const py::object& logits_o, const py::obje
 // linear_skinny on host arrays: x [rx, ldx], w [rw, cw] (flat, batch b at w_off + b * w_batch, row
 // n at + n * Kd), y [ry, ldy] (uploaded as given: beta = 0 must not read it). Returns the y array
 // after the kernel.
-py::array_t<float> linear_skinny_np(const py::object& x_o, const py::object& w_o, const py::object& y_o, int T, int N,
-                                    int Kd, int batch, long long x_batch, long long w_batch, long long y_batch,
-                                    double beta, long long x_off, long long w_off, const py::object& norm_o,
-                                    double norm_eps, bool x_swiglu) {
+py::object linear_skinny_np(const py::object& x_o, const py::object& w_o, const py::object& y_o, int T, int N, int Kd,
+                            int batch, long long x_batch, long long w_batch, long long y_batch, double beta,
+                            long long x_off, long long w_off, const py::object& norm_o, double norm_eps, bool x_swiglu,
+                            bool norm_out) {
   auto x = as_c<float>(x_o, "x", 2);
   auto w = as_c<float>(w_o, "w", 2);
   auto y = as_c<float>(y_o, "y", 2);
@@ -799,9 +799,18 @@ py::array_t<float> linear_skinny_np(const py::object& x_o, const py::object& w_o
     lp.norm_w = dn.as<float>();
     lp.norm_eps = norm_eps;
   }
+  DevBuf dno;
+  if (norm_out) {  // the normalised rows [T, Kd], poisoned first (NaN)
+    dno = DevBuf(sizeof(float) * (size_t)std::max(T, 1) * Kd);
+    dno.poison();
+    lp.norm_out = dno.as<float>();
+    lp.ldn = Kd;
+  }
   check_cuda(kc::linear_skinny(lp, nullptr), "linear_skinny");
   check_cuda(cudaDeviceSynchronize(), "linear_skinny");
-  return to_numpy<float>(dy, {y.shape(0), y.shape(1)});
+  py::array_t<float> yo = to_numpy<float>(dy, {y.shape(0), y.shape(1)});
+  if (!norm_out) return std::move(yo);
+  return py::make_tuple(yo, to_numpy<float>(dno, {(int64_t)std::max(T, 1), (int64_t)Kd}));
 }
 
 
@@ -838,6 +847,47 @@ py::dict moe_group_np(const py::object& idx_o, int E, int tile_rows, bool force_
   return d;
 }
 
+// moe_route + moe_group on host router logits [T, ldl >= E] (tests: fused = the one-launch
+// moe_route_group, else the two kernels): topk ids / weights and the schedule.
+py::dict moe_route_group_np(const py::object& lg_o, const py::object& bias_o, int E, int K, int G, int topk_group,
+                            bool norm_topk_prob, double scaling, int tile_rows, bool fused) {
+  auto lg = as_c<float>(lg_o, "logits", 2);
+  auto bias = as_c<float>(bias_o, "bias", 1);
+  const int T = (int)lg.shape(0), ldl = (int)lg.shape(1), A = T * K;
+  if (E < 1 || ldl < E || bias.shape(0) != E || K < 1 || tile_rows < 1)
+    throw kdtree::Error("cuda_moe_route_group: need logits [T, >= E], bias [E], K >= 1, tile_rows >= 1");
+  require_device();
+  const int mt = kc::moe_max_tiles(A, E, tile_rows);
+  DevBuf dl(sizeof(float) * std::max<size_t>(lg.size(), 1)), db(sizeof(float) * E), di(4 * std::max(A, 1)),
+      dw(4 * std::max(A, 1)), counts(4 * E), offsets(4 * (E + 1)), st(4 * std::max(A, 1)), so(4 * std::max(A, 1)),
+      te(4 * std::max(mt, 1)), tr(4 * std::max(mt, 1)), nt(4);
+  dl.upload(lg.data(), sizeof(float) * lg.size());
+  db.upload(bias.data(), sizeof(float) * E);
+  for (DevBuf* b : {&di, &dw, &counts, &offsets, &st, &so, &te, &tr, &nt}) b->poison();
+  kc::RouteParams rp{dl.as<float>(), db.as<float>(), T, E, K, G, topk_group, norm_topk_prob ? 1 : 0, (float)scaling,
+                     di.as<int32_t>(), dw.as<float>(), ldl};
+  kc::MoeGroupParams gp{di.as<int32_t>(), T, K, E, tile_rows, counts.as<int32_t>(), offsets.as<int32_t>(),
+                        st.as<int32_t>(), so.as<int32_t>(), te.as<int32_t>(), tr.as<int32_t>(), nt.as<int32_t>()};
+  if (fused) {
+    check_cuda(kc::moe_route_group(rp, gp, nullptr), "moe_route_group");
+  } else {
+    check_cuda(kc::moe_route(rp, nullptr), "moe_route");
+    check_cuda(kc::moe_group(gp, nullptr), "moe_group");
+  }
+  check_cuda(cudaDeviceSynchronize(), "moe_route_group");
+  py::dict d;
+  d["topk_idx"] = to_numpy<int32_t>(di, {T, K});
+  d["topk_w"] = to_numpy<float>(dw, {T, K});
+  d["counts"] = to_numpy<int32_t>(counts, {E});
+  d["offsets"] = to_numpy<int32_t>(offsets, {E + 1});
+  d["slot_token"] = to_numpy<int32_t>(st, {A});
+  d["slot_of"] = to_numpy<int32_t>(so, {A});
+  d["num_tiles"] = to_numpy<int32_t>(nt, {1});
+  d["tile_expert"] = to_numpy<int32_t>(te, {mt});
+  d["tile_row0"] = to_numpy<int32_t>(tr, {mt});
+  return d;
+}
+
 void bind_cuda(py::module_& m) {
   m.attr("cuda_kernels_compiled") = true;
   m.attr("CUDA_TREE_WARP_PATH_MAX_B") = kdtree::cuda::kTreeWarpPathMaxB;
@@ -862,10 +912,14 @@ void bind_cuda(py::module_& m) {
   m.def("cuda_linear_skinny", &linear_skinny_np, py::arg("x"), py::arg("w"), py::arg("y"), py::arg("T"), py::arg("N"),
         py::arg("Kd"), py::arg("batch") = 1, py::arg("x_batch") = 0, py::arg("w_batch") = 0, py::arg("y_batch") = 0,
         py::arg("beta") = 0.0, py::arg("x_off") = 0, py::arg("w_off") = 0, py::arg("norm_w") = py::none(),
-        py::arg("norm_eps") = 1e-6, py::arg("x_swiglu") = false,
+        py::arg("norm_eps") = 1e-6, py::arg("x_swiglu") = false, py::arg("norm_out") = false,
         "The skinny linear kernel on host arrays (tests): y[b][t, n] = beta y + sum_k x[b][t, k] w[b][n, k]; "
         "norm_w: the x rows RMSNorm-ed first (T <= 4); x_swiglu: x rows are [gate | up] (2 Kd) and "
         "silu(gate) * up is the input.");
+  m.def("cuda_moe_route_group", &moe_route_group_np, py::arg("logits"), py::arg("bias"), py::arg("E"), py::arg("K"),
+        py::arg("G"), py::arg("topk_group"), py::arg("norm_topk_prob"), py::arg("scaling"), py::arg("tile_rows"),
+        py::arg("fused"),
+        "MoE routing + expert schedule on router logits [T, >= E] (tests): fused = one launch (moe_route_group).");
   m.def("cuda_moe_group", &moe_group_np, py::arg("topk_idx"), py::arg("E"), py::arg("tile_rows"),
         py::arg("force_two_pass") = false,
         "The MoE expert schedule (moe_group) of int32 routing indices [T, K]: counts, offsets, slots, tiles.");

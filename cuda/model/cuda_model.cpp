@@ -152,14 +152,13 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
       w.add(&ly.mlp_down, Dm * c.intermediate_size);
     } else {
       ly.moe_index = (int)n_moe_layers_++;
-      w.add(&ly.router, E * Dm);
+      // router rows then (Is > 0) the shared expert's gate/up rows, contiguous: one projection
+      // serves both for few tokens (moe_mlp)
+      w.add(&ly.router, (E + 2 * Is) * Dm);
       w.add(&ly.router_bias, E);
       w.add(&ly.experts_gate_up, E * 2 * Ie * Dm);
       w.add(&ly.experts_down, E * Dm * Ie);
-      if (Is > 0) {
-        w.add(&ly.shared_gate_up, 2 * Is * Dm);
-        w.add(&ly.shared_down, Dm * Is);
-      }
+      if (Is > 0) w.add(&ly.shared_down, Dm * Is);
     }
   }
   weight_bytes_ = w.bytes;
@@ -186,7 +185,7 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     max_tiles_ = cuda::moe_max_tiles((int)A, (int)E, cuda::kExpertSkinnyRows);
     ws.add(&ye_, A * Dm);
     if (Is > 0) ws.add(&ys_, Tm * Dm);
-    ws.add(&router_logits_, Tm * E);
+    ws.add(&router_logits_, Tm * (E + 2 * Is));  // [T, E] or, merged, [T, E + 2 Is]
     ws.add(&topk_idx_, A);
     ws.add(&topk_w_, A);
     ws.add(&expert_counts_, n_moe_layers_ * E);
@@ -250,6 +249,8 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     cudaError_t e;
     if ((e = cudaMalloc(&weights_mem_, (size_t)weight_bytes_)) != cudaSuccess) oom("weights", weight_bytes_, e);
     w.commit(weights_mem_);
+    for (Layer& ly : layers_)
+      if (ly.moe && Is > 0) ly.shared_gate_up = ly.router + E * Dm;  // right after the router rows
     if ((e = cudaMalloc(&cache_mem_, (size_t)std::max<int64_t>(cache_bytes_, 1))) != cudaSuccess)
       oom("latent cache", cache_bytes_, e);
     for (int64_t l = 0; l < nL; ++l) layers_[(size_t)l].cache = static_cast<float*>(cache_mem_) + l * max_seq_len * CR;
@@ -439,10 +440,12 @@ void CudaModel::reset() {
 bool CudaModel::fuse_norm(int64_t T) const { return T <= skinny_max_t_ && T <= cuda::kLinearNormMaxT; }
 
 void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, const float* w, float* out,
-                        int64_t ldo, float beta, const float* norm_w, double norm_eps) {
+                        int64_t ldo, float beta, const float* norm_w, double norm_eps, float* norm_out) {
   if (norm_w && !fuse_norm(T)) throw RuntimeFailure("CudaModel: internal error, a fused RMSNorm outside fuse_norm");
   if (T <= skinny_max_t_) {
     cuda::LinearParams lp{in, ldi, 0, w, 0, out, ldo, 0, (int)T, (int)N, (int)Kd, 1, beta, norm_w, norm_eps};
+    lp.norm_out = norm_out;
+    lp.ldn = Kd;
     check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny");
     return;
   }
@@ -467,14 +470,15 @@ void CudaModel::gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in,
                "sgemm_strided_batched");
 }
 
-void CudaModel::swiglu_gemm_nt(int64_t T, int64_t N, int64_t I, const float* gu, const float* w, float* out,
-                               int64_t ldo, float beta) {
+void CudaModel::swiglu_gemm_nt(int64_t T, int64_t N, int64_t I, const float* gu, int64_t ldg, const float* w,
+                               float* out, int64_t ldo, float beta) {
   if (T <= skinny_max_t_) {
-    cuda::LinearParams lp{gu, 2 * I, 0, w, 0, out, ldo, 0, (int)T, (int)N, (int)I, 1, beta};
+    cuda::LinearParams lp{gu, ldg, 0, w, 0, out, ldo, 0, (int)T, (int)N, (int)I, 1, beta};
     lp.x_swiglu = 1;
     check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny(swiglu)");
     return;
   }
+  if (ldg != 2 * I) throw RuntimeFailure("CudaModel: internal error, a strided SwiGLU input outside the skinny kernel");
   cuda::SwigluParams sp{gu, (int)T, (int)I, nullptr, act_};
   check_cuda(cuda::swiglu(sp, as_stream(stream_)), "swiglu");
   gemm_nt(T, N, I, act_, I, w, out, ldo, beta);
@@ -496,10 +500,14 @@ void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, co
       check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
       attention(ly, positions_d, vis_d, vis_stride, T, row0, len_d, hn_, nullptr);
     }
-    np.w = ly.post_ln;
-    check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
-    if (ly.moe) moe_mlp(ly, T);
-    else dense_mlp(ly, T);
+    // post-attention RMSNorm: fused into the MLP's first projection for few tokens (which also
+    // writes hn_ for the routed experts), else its own kernel
+    if (!fuse) {
+      np.w = ly.post_ln;
+      check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
+    }
+    if (ly.moe) moe_mlp(ly, T, fuse);
+    else dense_mlp(ly, T, fuse);
   }
   const float* head = c.tie_word_embeddings ? embed_ : lm_head_;
   if (fuse) {
@@ -588,22 +596,33 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
   gemm_nt(T, Dm, H * Dv, ov_, H * Dv, ly.o_proj, x_, Dm, 1.f);
 }
 
-void CudaModel::dense_mlp(const Layer& ly, int64_t T) {
+void CudaModel::dense_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   const int64_t Dm = cfg_.hidden_size, I = cfg_.intermediate_size;
-  gemm_nt(T, 2 * I, Dm, hn_, Dm, ly.mlp_gate_up, gu_, 2 * I);
-  swiglu_gemm_nt(T, Dm, I, gu_, ly.mlp_down, x_, Dm, 1.f);
+  if (fused_norm) gemm_nt(T, 2 * I, Dm, x_, Dm, ly.mlp_gate_up, gu_, 2 * I, 0.f, ly.post_ln, cfg_.rms_norm_eps);
+  else gemm_nt(T, 2 * I, Dm, hn_, Dm, ly.mlp_gate_up, gu_, 2 * I);
+  swiglu_gemm_nt(T, Dm, I, gu_, 2 * I, ly.mlp_down, x_, Dm, 1.f);
 }
 
-void CudaModel::moe_mlp(const Layer& ly, int64_t T) {
+void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   const ModelConfig& c = cfg_;
   const int64_t Dm = c.hidden_size, E = c.n_routed_experts, K = c.num_experts_per_tok, Ie = c.moe_intermediate_size;
   const int64_t Is = Ie * c.n_shared_experts, A = T * K;
   cudaStream_t st = as_stream(stream_);
 
-  gemm_nt(T, E, Dm, hn_, Dm, ly.router, router_logits_, E);
+  // Few tokens (the skinny kernel): the router and the shared expert's gate/up are one projection
+  // of the normalised input (rows [router | shared gate | shared up], contiguous in the weights),
+  // with the RMSNorm itself fused in (fused_norm: it also writes hn_ for the routed experts).
+  // Otherwise the router alone here and the shared gate/up after the routed experts.
+  const bool merged = Is > 0 && T <= skinny_max_t_;
+  const int64_t ldr = merged ? E + 2 * Is : E;
+  if (fused_norm) {
+    const int64_t N = merged ? E + 2 * Is : E;
+    gemm_nt(T, N, Dm, x_, Dm, ly.router, router_logits_, ldr, 0.f, ly.post_ln, c.rms_norm_eps, hn_);
+  } else {
+    gemm_nt(T, merged ? E + 2 * Is : E, Dm, hn_, Dm, ly.router, router_logits_, ldr);
+  }
   cuda::RouteParams rp{router_logits_, ly.router_bias, (int)T, (int)E, (int)K, (int)c.n_group, (int)c.topk_group,
-                       c.norm_topk_prob ? 1 : 0, (float)c.routed_scaling_factor, topk_idx_, topk_w_};
-  check_cuda(cuda::moe_route(rp, st), "moe_route");
+                       c.norm_topk_prob ? 1 : 0, (float)c.routed_scaling_factor, topk_idx_, topk_w_, (int)ldr};
 
   // GEMV-style tiles while experts get few rows on average (decode, small trees; <= 6 per expert), SGEMM tiles
   // beyond (prefill, large trees).
@@ -613,7 +632,7 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T) {
   const int tile_rows = skinny ? cuda::kExpertSkinnyRows : cuda::kExpertTileRows;
   cuda::MoeGroupParams gp{topk_idx_, (int)T, (int)K, (int)E, tile_rows, expert_counts_ + ly.moe_index * E, offsets_,
                           slot_token_, slot_of_, tile_expert_, tile_row0_, num_tiles_};
-  check_cuda(cuda::moe_group(gp, st), "moe_group");
+  check_cuda(cuda::moe_route_group(rp, gp, st), "moe_route + moe_group");  // one launch for few tokens
 
   cuda::ExpertGemmParams xp{};
   xp.offsets = offsets_;
@@ -655,9 +674,11 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T) {
   xp.ldy = (int)Dm;
   check_cuda(cuda::expert_gemm(xp, st), "expert_gemm(down)");
 
-  if (Is > 0) {  // after the routed experts: gu_/act_ are reused
+  if (merged) {
+    swiglu_gemm_nt(T, Dm, Is, router_logits_ + E, ldr, ly.shared_down, ys_, Dm);
+  } else if (Is > 0) {  // after the routed experts: gu_/act_ are reused
     gemm_nt(T, 2 * Is, Dm, hn_, Dm, ly.shared_gate_up, gu_, 2 * Is);
-    swiglu_gemm_nt(T, Dm, Is, gu_, ly.shared_down, ys_, Dm);
+    swiglu_gemm_nt(T, Dm, Is, gu_, 2 * Is, ly.shared_down, ys_, Dm);
   }
   cuda::MoeCombineParams cp{ye_, topk_idx_, topk_w_, slot_of_, Is > 0 ? ys_ : nullptr, (int)T, (int)K, (int)Dm, x_, 1};
   check_cuda(cuda::moe_combine(cp, st), "moe_combine");

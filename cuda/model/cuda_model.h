@@ -127,9 +127,10 @@ class CudaModel : public TargetModel {
     float* o_proj = nullptr;   // [Dm, H*Dv]
     bool moe = false;
     float *mlp_gate_up = nullptr, *mlp_down = nullptr;   // dense: [2I, Dm], [Dm, I]
-    float *router = nullptr, *router_bias = nullptr;     // [E, Dm], [E]
+    float *router = nullptr, *router_bias = nullptr;     // [E (+ 2Is, the shared gate/up rows), Dm], [E]
     float *experts_gate_up = nullptr, *experts_down = nullptr;  // [E, 2Ie, Dm], [E, Dm, Ie]
-    float *shared_gate_up = nullptr, *shared_down = nullptr;    // [2Is, Dm], [Dm, Is]
+    float *shared_gate_up = nullptr, *shared_down = nullptr;    // [2Is, Dm] (= router + E*Dm: the two are one
+                                                                // [E + 2Is, Dm] block), [Dm, Is]
     float* cache = nullptr;    // [max_seq_len, C+R]
     int moe_index = -1;        // index among MoE layers
   };
@@ -145,18 +146,20 @@ class CudaModel : public TargetModel {
   void check_cuda(int err, const char* what) const;
   void check_cublas(int status, const char* what) const;
   // out[T, N] (ldo) = alpha * in[T, Kd] (ldi) @ w[N, Kd]^T + beta * out. norm_w (only when
-  // fuse_norm(T)): the in rows are RMSNorm-ed with norm_w / norm_eps first, inside the kernel.
+  // fuse_norm(T)): the in rows are RMSNorm-ed with norm_w / norm_eps first, inside the kernel;
+  // norm_out (with norm_w): the normalised rows are also written there [T, Kd], for other consumers.
   void gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, const float* w, float* out,
-               int64_t ldo, float beta = 0.f, const float* norm_w = nullptr, double norm_eps = 0.0);
+               int64_t ldo, float beta = 0.f, const float* norm_w = nullptr, double norm_eps = 0.0,
+               float* norm_out = nullptr);
   // per head h < heads: out[T, N] (ldo, at h * out_head) = in[T, Kd] (ldi, at h * in_head) @ w_h^T,
   // w_h = w + h * N * Kd row-major [N, Kd] (the absorbed MLA products W_UK, W_UV)
   void gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, int64_t in_head, const float* w,
                      float* out, int64_t ldo, int64_t out_head, int64_t heads);
-  // out[T, N] (ld ldo) = beta * out + swiglu(gu) @ w^T with gu [T, 2I] = [gate | up] rows (the down
-  // projection of an MLP): the SwiGLU inside linear_skinny for few tokens, else swiglu into act_
-  // then a GEMM.
-  void swiglu_gemm_nt(int64_t T, int64_t N, int64_t I, const float* gu, const float* w, float* out, int64_t ldo,
-                      float beta = 0.f);
+  // out[T, N] (ld ldo) = beta * out + swiglu(gu) @ w^T with gu [T, 2I] = [gate | up] rows, row
+  // stride ldg (the down projection of an MLP): the SwiGLU inside linear_skinny for few tokens,
+  // else (ldg = 2I only) swiglu into act_ then a GEMM.
+  void swiglu_gemm_nt(int64_t T, int64_t N, int64_t I, const float* gu, int64_t ldg, const float* w, float* out,
+                      int64_t ldo, float beta = 0.f);
   // steps whose RMSNorms feeding a single projection run inside that projection's kernel
   bool fuse_norm(int64_t T) const;
   // The forward over T <= max_tokens tokens already on the device (d_tokens_/d_positions_ or
@@ -185,8 +188,10 @@ class CudaModel : public TargetModel {
   };
   void* graph_for(const GraphKey& key);  // nullptr: run eagerly this time
   void clear_graphs();
-  void dense_mlp(const Layer& ly, int64_t T);
-  void moe_mlp(const Layer& ly, int64_t T);
+  // fused_norm: the post-attention RMSNorm of x_ runs inside the first projection (fuse_norm(T)),
+  // else hn_ holds the normalised input already
+  void dense_mlp(const Layer& ly, int64_t T, bool fused_norm);
+  void moe_mlp(const Layer& ly, int64_t T, bool fused_norm);
   void launch_compact(const int32_t* keep_d, const int32_t* count_d);
 
   ModelConfig cfg_;
@@ -223,7 +228,7 @@ class CudaModel : public TargetModel {
   float* ov_ = nullptr;                    // [Tm, H*Dv]
   float *gu_ = nullptr, *act_ = nullptr;   // dense / shared / tiled-expert [rows, 2I], [rows, I]
   float *ye_ = nullptr, *ys_ = nullptr;    // [Tm*K, Dm] expert outputs by slot, [Tm, Dm] shared
-  float* router_logits_ = nullptr;         // [Tm, E]
+  float* router_logits_ = nullptr;         // [Tm, E], or [Tm, E + 2Is] (router | shared gate/up, merged)
   int32_t* topk_idx_ = nullptr;            // [Tm, K]
   float* topk_w_ = nullptr;                // [Tm, K]
   int32_t* expert_counts_ = nullptr;       // [MoE layers, E]

@@ -137,7 +137,18 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
     if (k0 < Kd) load_w(k0);  // in flight while the previous kernel finishes and the norm (if any) runs
     pdl_wait();               // the weights are immutable; x, norm_w's rows and y come after the wait
     float inv[NORM ? TT : 1];
-    if constexpr (NORM) row_inv_rms<TT>(p, X, T, inv, lane);
+    if constexpr (NORM) {
+      row_inv_rms<TT>(p, X, T, inv, lane);
+      if (p.norm_out && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && warp == 0) {
+        // the normalised rows for later kernels, rounded as the rmsnorm kernel rounds them
+#pragma unroll
+        for (int t = 0; t < TT; ++t)
+          if (t < T)
+            for (int k = lane; k < Kd; k += 32)
+              p.norm_out[(size_t)t * p.ldn + k] =
+                  __fmul_rn(__ldg(p.norm_w + k), __fmul_rn(__ldg(X + (size_t)t * p.ldx + k), inv[t]));
+      }
+    }
     while (k0 < Kd) {
       WT gv[U];  // norm weights of the k-steps (NORM)
       if constexpr (NORM) {
@@ -263,6 +274,7 @@ cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (p.norm_w && (p.T > kLinearNormMaxT || !(p.norm_eps >= 0.0))) return cudaErrorInvalidValue;
   if (p.x_swiglu && (p.norm_w || p.ldx < 2LL * p.Kd)) return cudaErrorInvalidValue;
+  if (p.norm_out && (!p.norm_w || p.ldn < p.Kd || p.batch != 1)) return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
   const bool vec = p.Kd % 4 == 0 && p.ldx % 4 == 0 && p.x_batch % 4 == 0 && p.w_batch % 4 == 0 && aligned16(p.x) &&
                    aligned16(p.w) && (!p.norm_w || aligned16(p.norm_w));

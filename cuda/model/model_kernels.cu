@@ -211,9 +211,9 @@ __device__ __forceinline__ bool rank_before(float v, int i, float w, int j) {
 }
 __device__ __forceinline__ float nan_to_neg_inf(float v) { return v != v ? neg_inf() : v; }
 
-__global__ void __launch_bounds__(1024) moe_route_kernel(RouteParams p) {
-  pdl_prologue();
-  extern __shared__ float sm[];
+// The routing of token t by one block of >= E threads (threads past E take part in the barriers
+// and scans only); sm: the dynamic shared memory sized by moe_route.
+__device__ void route_token(const RouteParams& p, int t, float* sm) {
   const int E = p.E, G = p.G, K = p.K, per = E / G;
   const int nw = blockDim.x >> 5, KC = K < 32 ? K : 32, NC = nw * KC;
   float* cand_v = sm;                                             // [NC] candidate keys (NaN = empty)
@@ -223,11 +223,11 @@ __global__ void __launch_bounds__(1024) moe_route_kernel(RouteParams p) {
   float* bsh = reinterpret_cast<float*>(sel_i + K);              // [E]  b (group path only)
   float* gs = bsh + E;                                            // [G]  group scores
   int* gsel = reinterpret_cast<int*>(gs + G);                     // [G]  group kept
-  const int t = blockIdx.x, e = threadIdx.x, lane = e & 31, warp = e >> 5;
+  const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
   const float nanv = __int_as_float(0x7fffffff);
   float sv = 0.f, key = nanv;  // key: the selection value b (NaN: not an expert / not selectable)
   if (e < E) {
-    sv = 1.f / (1.f + expf(-p.logits[(size_t)t * E + e]));
+    sv = 1.f / (1.f + expf(-p.logits[(size_t)t * (p.ldl > 0 ? p.ldl : E) + e]));
     key = nan_to_neg_inf(__fadd_rn(sv, p.bias[e]));
   }
   if (p.topk_group < G) {  // else every group is kept
@@ -289,6 +289,12 @@ __global__ void __launch_bounds__(1024) moe_route_kernel(RouteParams p) {
     p.topk_idx[(size_t)t * K + k] = sel_i[k];
     p.topk_w[(size_t)t * K + k] = __fmul_rn(w, p.routed_scaling_factor);
   }
+}
+
+__global__ void __launch_bounds__(1024) moe_route_kernel(RouteParams p) {
+  pdl_prologue();
+  extern __shared__ float sm[];
+  route_token(p, blockIdx.x, sm);
 }
 
 // ---------------------------------------------------------------- expert grouping
@@ -386,8 +392,8 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* wsum, int* total
   return excl;
 }
 
-__global__ void __launch_bounds__(kGroupSmallMax) moe_group_small_kernel(MoeGroupParams p) {
-  pdl_prologue();
+// The whole schedule in one block of >= max(A, E) threads (A, E <= kGroupSmallMax).
+__device__ void group_small(const MoeGroupParams& p) {
   __shared__ int idx[kGroupSmallMax], off[kGroupSmallMax];
   __shared__ int wsum[32];
   const int tid = threadIdx.x, A = p.T * p.K, E = p.E, TR = p.tile_rows;
@@ -425,6 +431,23 @@ __global__ void __launch_bounds__(kGroupSmallMax) moe_group_small_kernel(MoeGrou
       p.slot_of[tid] = slot;
     }
   }
+}
+
+__global__ void __launch_bounds__(kGroupSmallMax) moe_group_small_kernel(MoeGroupParams p) {
+  pdl_prologue();
+  group_small(p);
+}
+
+// Decode and tiny trees: the routing of the few tokens and the schedule in one block (one launch
+// instead of two); the block's global writes of topk_idx are visible to it after the barrier.
+__global__ void __launch_bounds__(kGroupSmallMax) moe_route_group_kernel(RouteParams rp, MoeGroupParams gp) {
+  pdl_prologue();
+  extern __shared__ float sm[];
+  for (int t = 0; t < rp.T; ++t) {
+    route_token(rp, t, sm);
+    __syncthreads();  // the shared candidates are reused by the next token; topk_idx complete
+  }
+  group_small(gp);
 }
 
 // ---------------------------------------------------------------- grouped expert GEMM, skinny
@@ -823,22 +846,46 @@ cudaError_t swiglu(const SwigluParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+namespace {
+bool route_invalid(const RouteParams& p) {
+  return !p.logits || !p.bias || !p.topk_idx || !p.topk_w || p.T < 0 || p.E <= 0 || p.E > 1024 || p.G <= 0 ||
+         p.E % p.G || p.E / p.G < 2 || p.topk_group < 1 || p.topk_group > p.G || p.K < 1 ||
+         p.K > p.topk_group * (p.E / p.G) || (p.ldl != 0 && p.ldl < p.E);
+}
+bool group_invalid(const MoeGroupParams& p) {
+  return !p.topk_idx || !p.counts || !p.offsets || !p.slot_token || !p.slot_of || !p.tile_expert || !p.tile_row0 ||
+         !p.num_tiles || p.T < 0 || p.K < 1 || p.E < 1 || p.tile_rows < 1;
+}
+// dynamic shared memory of route_token for a block of `threads` (< 48 KiB for E <= 1024)
+size_t route_smem(const RouteParams& p, int threads) {
+  const int nc = threads / 32 * (p.K < 32 ? p.K : 32);
+  return (size_t)(2 * nc + 2 * p.K + p.E + 2 * p.G) * 4;
+}
+}  // namespace
+
 cudaError_t moe_route(const RouteParams& p, cudaStream_t stream) {
-  if (!p.logits || !p.bias || !p.topk_idx || !p.topk_w || p.T < 0 || p.E <= 0 || p.E > 1024 || p.G <= 0 ||
-      p.E % p.G || p.E / p.G < 2 || p.topk_group < 1 || p.topk_group > p.G || p.K < 1 ||
-      p.K > p.topk_group * (p.E / p.G))
-    return cudaErrorInvalidValue;
+  if (route_invalid(p)) return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
-  const int threads = (p.E + 31) / 32 * 32, nc = threads / 32 * (p.K < 32 ? p.K : 32);
-  const size_t smem = (size_t)(2 * nc + 2 * p.K + p.E + 2 * p.G) * 4;  // < 48 KiB for E <= 1024
-  launch_kernel(moe_route_kernel, p.T, threads, smem, stream, p);
+  const int threads = (p.E + 31) / 32 * 32;
+  launch_kernel(moe_route_kernel, p.T, threads, route_smem(p, threads), stream, p);
+  return cudaGetLastError();
+}
+
+cudaError_t moe_route_group(const RouteParams& rp, const MoeGroupParams& gp, cudaStream_t stream) {
+  const int A = gp.T * gp.K;
+  if (rp.T > kRouteGroupMaxT || rp.T != gp.T || rp.K != gp.K || rp.E != gp.E || rp.topk_idx != gp.topk_idx ||
+      A > kGroupSmallMax || gp.E > kGroupSmallMax || gp.force_two_pass || rp.T == 0) {
+    cudaError_t e = moe_route(rp, stream);
+    return e != cudaSuccess ? e : moe_group(gp, stream);
+  }
+  if (route_invalid(rp) || group_invalid(gp)) return cudaErrorInvalidValue;
+  const int n = A > rp.E ? A : rp.E, threads = (n + 31) / 32 * 32;
+  launch_kernel(moe_route_group_kernel, 1, threads, route_smem(rp, threads), stream, rp, gp);
   return cudaGetLastError();
 }
 
 cudaError_t moe_group(const MoeGroupParams& p, cudaStream_t stream) {
-  if (!p.topk_idx || !p.counts || !p.offsets || !p.slot_token || !p.slot_of || !p.tile_expert || !p.tile_row0 ||
-      !p.num_tiles || p.T < 0 || p.K < 1 || p.E < 1 || p.tile_rows < 1)
-    return cudaErrorInvalidValue;
+  if (group_invalid(p)) return cudaErrorInvalidValue;
   const int A = p.T * p.K;
   if (A <= kGroupSmallMax && p.E <= kGroupSmallMax && !p.force_two_pass) {
     const int n = A > p.E ? A : p.E, threads = (n + 31) / 32 * 32;

@@ -41,6 +41,8 @@ struct LinearParams {
   int x_swiglu = 0;               // 1: an x row is [gate | up] (2 Kd floats, ldx >= 2 Kd) and the
                                   // product uses silu(gate) * up (the SwiGLU before a down
                                   // projection; not with norm_w)
+  float* norm_out = nullptr;      // with norm_w: also write the normalised rows [T, ldn] (as the
+  long long ldn = 0;              // rmsnorm kernel would), for later consumers of the same input
 };
 constexpr int kLinearNormMaxT = 4;
 cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream);
@@ -112,13 +114,14 @@ cudaError_t swiglu(const SwigluParams& p, cudaStream_t stream);
 // routed_scaling_factor. One block per token, one thread per expert (E <= 1024): the top-K and
 // the kept groups come from parallel ranks (model_kernels.cu), no sequential rounds.
 struct RouteParams {
-  const float* logits;     // [T, E]
+  const float* logits;     // [T, E] (row stride ldl)
   const float* bias;       // [E] e_score_correction_bias
   int T, E, K, G, topk_group;
   int norm_topk_prob;
   float routed_scaling_factor;
   int32_t* topk_idx;       // [T, K] in selection order
   float* topk_w;           // [T, K]
+  int ldl = 0;             // logits row stride (0: E)
 };
 cudaError_t moe_route(const RouteParams& p, cudaStream_t stream);
 
@@ -138,6 +141,11 @@ struct MoeGroupParams {
   int force_two_pass = 0;  // testing: the count + place kernels even when the one-block kernel
                            // (A <= 1024 and E <= 1024) would run
 };
+// moe_route then moe_group; for T <= kRouteGroupMaxT tokens (decode, tiny trees) in one launch
+// (one block routes the tokens one after the other, then builds the schedule: the same results).
+// The two must describe the same assignments (T, K, E, topk_idx).
+constexpr int kRouteGroupMaxT = 4;
+cudaError_t moe_route_group(const RouteParams& rp, const MoeGroupParams& gp, cudaStream_t stream);
 // Upper bound of the tiles the schedule can hold (what tile_expert/tile_row0 must fit).
 inline int moe_max_tiles(int A, int E, int tile_rows) {
   return (A + tile_rows - 1) / tile_rows + (A < E ? A : E);

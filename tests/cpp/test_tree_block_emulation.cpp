@@ -336,6 +336,27 @@ int proxy_table() {
                     o.gpu_barriers, o.scan_elems, o.crit);
       }
     }
+  // OracleDrafter's rows (python/kdtree_native/drafters.py): the same [-0.01, -4, -5, ...] at every
+  // depth, K = 8: many prefixes share a score exactly (ties broken by rank tuples).
+  for (int B : {16, 64, 256}) {
+    const int D = 15, K = 8;
+    std::vector<float> lp((size_t)D * K);
+    std::vector<int32_t> ids((size_t)D * K);
+    for (int d = 0; d < D; ++d)
+      for (int j = 0; j < K; ++j) {
+        lp[(size_t)d * K + j] = j == 0 ? -0.01f : -4.0f - (float)(j - 1);
+        ids[(size_t)d * K + j] = 100 * d + j;
+      }
+    check_case(0, lp, ids, D, K, B, 0, &tree, &ws);
+    for (int mode : {3, 2}) {
+      const Out o = run_block(lp, ids, D, K, B, 0, mode);
+      int depth = 0;
+      for (int i = 0; i < o.n[0]; ++i) depth = std::max(depth, o.depths[i]);
+      std::printf("| oracle K=8 | %d | %d | %d | %d | %s | %ld | %ld | %ld |\n", B, tree_threads(B), o.n[0], depth,
+                  o.path[0] == 0 ? "parallel" : o.path[0] == 2 ? "one warp" : "fallback", o.gpu_barriers,
+                  o.scan_elems, o.crit);
+    }
+  }
   std::printf("proxy cases: %d failures\n", failures);
   return failures ? 1 : 0;
 }

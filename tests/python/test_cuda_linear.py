@@ -133,12 +133,34 @@ def test_fused_rmsnorm_prologue(T, Nn, Kd, x_pad):
     assert (np.abs(got - ref) <= 1e-5 * scale + 1e-30).all()
 
 
+@pytest.mark.parametrize("T", [1, 2, 4])
+@pytest.mark.parametrize("Nn,Kd", [(576, 1024), (64, 1024), (5, 130), (100, 33)])
+def test_fused_rmsnorm_writes_normalised_rows(T, Nn, Kd):
+    """norm_out: the normalised rows (what the model's routed experts read after the merged
+    router / shared gate-up projection), every element written, within 1e-6 of float64, and the
+    product the same as without norm_out."""
+    rng = np.random.default_rng(T * 13 + Kd)
+    x = (rng.standard_normal((T, Kd)) * rng.uniform(0.1, 10.0, (T, 1))).astype(np.float32)
+    w = rng.standard_normal((1, Nn * Kd)).astype(np.float32)
+    g = rng.uniform(0.5, 1.5, Kd).astype(np.float32)
+    y0 = np.full((T, Nn), np.nan, np.float32)
+    got, normed = N.cuda_linear_skinny(x, w, y0, T, Nn, Kd, norm_w=g, norm_eps=1e-6, norm_out=True)
+    xd = x.astype(np.float64)
+    xn = g * xd / np.sqrt((xd ** 2).mean(axis=1, keepdims=True) + 1e-6)
+    assert normed.shape == (T, Kd) and np.isfinite(normed).all()
+    assert (np.abs(normed - xn) <= 1e-6 * np.abs(xn) + 1e-30).all()
+    plain = N.cuda_linear_skinny(x, w, y0, T, Nn, Kd, norm_w=g, norm_eps=1e-6)
+    assert np.array_equal(got, plain)
+
+
 def test_fused_rmsnorm_only_for_few_tokens():
     x = np.ones((5, 8), np.float32)
     w = np.ones((1, 64), np.float32)
     y = np.zeros((5, 8), np.float32)
     with pytest.raises(ValueError):
         N.cuda_linear_skinny(x, w, y, 5, 8, 8, norm_w=np.ones(8, np.float32))
+    with pytest.raises(ValueError):  # norm_out needs the fused norm
+        N.cuda_linear_skinny(x, w, y, 2, 8, 8, norm_out=True)
 
 
 @pytest.mark.parametrize("T", [1, 2, 4, 7, 16, 17, 33])
