@@ -96,8 +96,10 @@ void bind_cuda_model(py::module_& m) {
              o.expert_kernel = parse_choice(expert_kernel, "expert_kernel", {"auto", "skinny", "tiled"});
              o.graphs = graphs;
              o.skinny_max_tokens = skinny_max_tokens;
-             o.attention_kernel =
-                 parse_choice(attention_kernel, "attention_kernel", {"auto", "tiled", "splitkv", "decode"});
+             const int ak = parse_choice(attention_kernel, "attention_kernel",
+                                         {"auto", "tiled", "splitkv", "decode", "splitkv16", "splitkv8"});
+             o.attention_kernel = ak >= 4 ? 2 : ak;           // splitkv16 / splitkv8: split-KV with
+             o.attention_rows = ak == 4 ? 16 : ak == 5 ? 8 : 0;  // that many query rows per block
              py::gil_scoped_release nogil;
              return new Model(c, max_seq_len, o);
            }),

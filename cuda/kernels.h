@@ -122,7 +122,7 @@ cudaError_t tree_accept_compact(const TreeAcceptParams& a, const KvCompactParams
 // ---------------------------------------------------------------- MLA tree-verify attention
 // FP32, exact softmax with running max, FP32 accumulation. Row i (tree node i) x head h sees
 // the L committed cache rows and tree row j iff bit j of visibility row i is set.
-// Kernels (docs/CUDA.md): tiled (64 query rows x 128-key tiles), split-KV (16 query rows x
+// Kernels (docs/CUDA.md): tiled (64 query rows x 128-key tiles), split-KV (16 or 8 query rows x
 // 32-key chunks, for decode / short contexts), plain (other shapes); a cost model picks.
 // Callers zero-initialise the struct (`VerifyAttentionParams p{};`): every optional field's
 // zero means "default".
@@ -146,6 +146,8 @@ struct VerifyAttentionParams {
   const int* L_dev;             // optional device int: the real committed length, read by the
                                 //   kernels (CUDA graph capture); then 0 <= *L_dev <= L and L is the
                                 //   host's upper bound (grid, split count, workspace size only)
+  int force_splitkv_rows;       // testing: query rows per split-KV block, 8 or 16 (0 = the cost
+                                //   model's pick: 8 when 16-row blocks would leave SMs idle)
 };
 // Bytes of workspace for these params: the most splits either kernel can use at any L' <= L
 // (deterministic, non-decreasing in L, at most 64 MiB); 0 when no split is possible.
@@ -154,8 +156,8 @@ size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p);
 // force_naive); the tiled one also needs T <= 2048.
 bool verify_attention_fast_path(const VerifyAttentionParams& p);
 // The cost model's pick for these params: kernel 0 = plain, 1 = tiled, 2 = split-KV, 3 = decode
-// (two passes, no splits); key splits.
-void verify_attention_choice(const VerifyAttentionParams& p, int* kernel, int* splits);
+// (two passes, no splits); key splits; query rows per split-KV block (8 or 16).
+void verify_attention_choice(const VerifyAttentionParams& p, int* kernel, int* splits, int* rows = nullptr);
 cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------- benchmark helper

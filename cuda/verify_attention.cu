@@ -449,19 +449,23 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(Ver
 // next chunk's rows are prefetched into L2; phase 2: 8 threads per row, 4 keys each; phase 3:
 // thread t owns columns 4t..4t+3 of all 16 rows (64 accumulators), P read as broadcast float4.
 namespace sk {
-constexpr int RG = 16, KC = 32, NT = 128;
+constexpr int KC = 32, NT = 128;
 constexpr int QS = DQ + 4;        // 580 floats: consecutive rows start 4 banks apart
 constexpr int PS = KC + 4;        // 36
 constexpr int SLW = 64;           // columns per cp.async group
 constexpr int NSL = DQ / SLW;     // 9 groups per chunk
 }  // namespace sk
 
-struct __align__(16) SkSmem {
-  float q[sk::RG][sk::QS];
+// RG query rows per block: 16, or 8 when there are few rows (twice the blocks, half the work each:
+// decode and small trees leave most SMs idle with 16).
+template <int RG>
+struct __align__(16) SkSmemT {
+  float q[RG][sk::QS];
   float k[sk::KC][sk::QS];
-  float p[sk::RG][sk::PS];
-  float m[sk::RG], l[sk::RG], alpha[sk::RG];
+  float p[RG][sk::PS];
+  float m[RG], l[RG], alpha[RG];
 };
+using SkSmem = SkSmemT<16>;
 
 // wait until at most n (0..8) cp.async groups are pending (n is a block-uniform run-time value)
 __device__ __forceinline__ void cp_async_wait_le(int n) {
@@ -488,11 +492,16 @@ __device__ __forceinline__ bool sk_visible(const VerifyAttentionParams& p, int L
 
 __device__ __forceinline__ float4 lds4(const float* x) { return *reinterpret_cast<const float4*>(x); }
 
+template <int RG>
 __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAttentionParams p) {
   pdl_prologue();
   using namespace sk;
+  constexpr int RI = RG / 4;     // phase 1: rows rt + 4i, i < RI, per thread
+  constexpr int TPR = sk::NT / RG;  // phase 2: threads per row (8 or 16)
+  constexpr int KPT = KC / TPR;  // ... and keys per thread (4 or 2)
+  static_assert(RG == 8 || RG == 16, "split-KV rows per block");
   extern __shared__ __align__(16) unsigned char smraw[];
-  SkSmem& s = *reinterpret_cast<SkSmem*>(smraw);
+  SkSmemT<RG>& s = *reinterpret_cast<SkSmemT<RG>*>(smraw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int M = p.T * p.H;
   const int m0 = blockIdx.x * RG;
@@ -503,8 +512,8 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
   const int cps = (nch + nsplit - 1) / nsplit;       // chunks per split (from the device length)
   const int c0 = min(split * cps, nch), c1 = min(c0 + cps, nch);
 
-  // phase-2 / mask mapping (fixed per thread): row pr, keys 4*pq .. 4*pq+3 of each chunk
-  const int pr = tid >> 3, pq = tid & 7;
+  // phase-2 / mask mapping (fixed per thread): row pr, keys KPT*pq .. KPT*pq+KPT-1 of each chunk
+  const int pr = tid / TPR, pq = tid % TPR;
   const int node2 = m0 + pr < M ? (m0 + pr) / p.H : -1;
   // phase-1 mapping: rows rt + 4i, keys 8*warp + kt + 2j (i, j = 0..3), d-part h of each slice
   const int h = lane & 3, kt = (lane >> 2) & 1, rt = lane >> 3;
@@ -537,7 +546,7 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
       bool any = false;
       if (node2 >= 0) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) any |= sk_visible(p, L, N, node2, kbase + 4 * pq + e);
+        for (int e = 0; e < KPT; ++e) any |= sk_visible(p, L, N, node2, kbase + KPT * pq + e);
       }
       if (!__syncthreads_or(any)) continue;
     }
@@ -558,9 +567,9 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
     // every slice's columns (float4 columns 2h, 2h+1, 2h+8, 2h+9 of 16), then the 4 quarters are
     // summed across lanes. Per step 4 Q + 4 K float4 loads feed 64 FMAs; Q loads: 2 wavefronts,
     // K loads: 1 (rows start one bank quad apart: 580 floats = 145 quads).
-    float acc[4][4];
+    float acc[RI][4];
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < RI; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
     // L2 prefetch of the next chunk's rows (it then lands from L2, not HBM)
@@ -576,13 +585,13 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
 #pragma unroll
       for (int st = 0; st < 4; ++st) {
         const int d = sl * SLW + 4 * (2 * h + (st & 1) + 8 * (st >> 1));
-        float4 q[4], k[4];
+        float4 q[RI], k[4];
 #pragma unroll
-        for (int i = 0; i < 4; ++i) q[i] = lds4(&s.q[rt + 4 * i][d]);
+        for (int i = 0; i < RI; ++i) q[i] = lds4(&s.q[rt + 4 * i][d]);
 #pragma unroll
         for (int j = 0; j < 4; ++j) k[j] = lds4(&s.k[key0 + 2 * j][d]);
 #pragma unroll
-        for (int i = 0; i < 4; ++i)
+        for (int i = 0; i < RI; ++i)
 #pragma unroll
           for (int j = 0; j < 4; ++j) {
             acc[i][j] = fmaf(q[i].x, k[j].x, acc[i][j]);
@@ -594,7 +603,7 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
     }
     // sum the 4 column quarters (lanes h = 0..3); lane h then stores key column j = h
 #pragma unroll
-    for (int i = 0; i < 4; ++i)
+    for (int i = 0; i < RI; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
         acc[i][j] += __shfl_xor_sync(0xffffffffu, acc[i][j], 1);
@@ -602,37 +611,37 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
       }
     // raw scores -> P tile (the previous chunk's phase 3 finished reading it: barrier below)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
+    for (int i = 0; i < RI; ++i) {
       const float v = h == 0 ? acc[i][0] : h == 1 ? acc[i][1] : h == 2 ? acc[i][2] : acc[i][3];
       s.p[rt + 4 * i][key0 + 2 * h] = v;
     }
     __syncthreads();
-    // ---------------- phase 2: mask + online softmax (log2 domain), 8 threads per row
+    // ---------------- phase 2: mask + online softmax (log2 domain), TPR threads per row
     {
-      const float4 sv = lds4(&s.p[pr][4 * pq]);
-      float v[4] = {sv.x, sv.y, sv.z, sv.w};
+      float v[KPT];
+#pragma unroll
+      for (int e = 0; e < KPT; ++e) v[e] = s.p[pr][KPT * pq + e];
       float mx = neg_inf();
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const bool ok = node2 >= 0 && sk_visible(p, L, N, node2, kbase + 4 * pq + e);
+      for (int e = 0; e < KPT; ++e) {
+        const bool ok = node2 >= 0 && sk_visible(p, L, N, node2, kbase + KPT * pq + e);
         v[e] = ok ? v[e] * sl2 : neg_inf();
         mx = fmaxf(mx, v[e]);
       }
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
+#pragma unroll
+      for (int o = 1; o < TPR; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
       const float mo = s.m[pr];
       const float mn = fmaxf(mo, mx);
       float sum = 0.f;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
+      for (int e = 0; e < KPT; ++e) {
         v[e] = (mn == neg_inf()) ? 0.f : exp2f(v[e] - mn);
         sum += v[e];
       }
-      *reinterpret_cast<float4*>(&s.p[pr][4 * pq]) = make_float4(v[0], v[1], v[2], v[3]);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 4);
+#pragma unroll
+      for (int e = 0; e < KPT; ++e) s.p[pr][KPT * pq + e] = v[e];
+#pragma unroll
+      for (int o = 1; o < TPR; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
       __syncwarp();  // every lane of the row has read s.m[pr] before it changes
       if (pq == 0) {
         const float alpha = (mo == neg_inf()) ? 0.f : exp2f(mo - mn);
@@ -1043,9 +1052,9 @@ int tiled_splits(const VerifyAttentionParams& p, double* est_us) {
 
 // ---- split-KV kernel: key splits (whole 32-key chunks). Bounded by 128, the chunk count,
 // ~4 waves of blocks and the workspace cap; each bound grows with L (workspace sizing).
-int splitkv_max_splits(const VerifyAttentionParams& p) {
+int splitkv_max_splits(const VerifyAttentionParams& p, int RG) {
   const int M = p.T * p.H;
-  const int rg = (M + sk::RG - 1) / sk::RG;
+  const int rg = (M + RG - 1) / RG;
   const int nch = (p.L + p.T + sk::KC - 1) / sk::KC;
   const int cap = std::min(ws_split_cap(M), nch);
   if (p.force_splits > 0) return std::max(1, std::min(p.force_splits, cap));
@@ -1054,9 +1063,9 @@ int splitkv_max_splits(const VerifyAttentionParams& p) {
   return std::max(1, std::min(std::min(cap, wave_cap), cost::kSplitKvMaxSplits));
 }
 
-double splitkv_est_us(const VerifyAttentionParams& p, int s) {
+double splitkv_est_us(const VerifyAttentionParams& p, int s, int RG) {
   const int M = p.T * p.H;
-  const int rg = (M + sk::RG - 1) / sk::RG;
+  const int rg = (M + RG - 1) / RG;
   const int nch = (p.L + p.T + sk::KC - 1) / sk::KC;
   const int sms = num_sms();
   const int cps = (nch + s - 1) / s;
@@ -1064,15 +1073,15 @@ double splitkv_est_us(const VerifyAttentionParams& p, int s) {
   const long long per_sm = (blocks + sms - 1) / sms;  // blocks one SM runs (side by side share it)
   const long long waves = (blocks + (long long)sms * cost::kSplitKvBlocksPerSm - 1) / ((long long)sms * cost::kSplitKvBlocksPerSm);
   const double eff = per_sm >= 2 ? cost::kSplitKvEff2 : cost::kSplitKvEff1;  // SM throughput shared by its blocks
-  const double chunk_us = sk::RG * sk::KC * cost::kFlopPerRowKey / (eff * cost::kSmFp32Flops) * 1e6;
+  const double chunk_us = RG * sk::KC * cost::kFlopPerRowKey / (eff * cost::kSmFp32Flops) * 1e6;
   const double compute = (double)per_sm * cps * chunk_us;
   const double memory = ((double)(p.L + p.T) * DQ * 4.0 + (double)M * (DQ + C_) * 4.0) / cost::kBytesPerUs;
   return (compute > memory ? compute : memory) + (double)waves * cost::kSplitKvWaveUs + combine_us(s, M);
 }
 
-int splitkv_splits(const VerifyAttentionParams& p, double* est_us) {
+int splitkv_splits(const VerifyAttentionParams& p, int RG, double* est_us) {
   const int nch = (p.L + p.T + sk::KC - 1) / sk::KC;
-  const int smax = splitkv_max_splits(p);
+  const int smax = splitkv_max_splits(p, RG);
   int best_s = 1;
   if (p.force_splits > 0) {
     best_s = smax;
@@ -1081,15 +1090,25 @@ int splitkv_splits(const VerifyAttentionParams& p, double* est_us) {
     for (int s = 1; s <= smax; ++s) {
       const int cps = (nch + s - 1) / s;
       if ((nch + cps - 1) / cps != s) continue;  // some split would be empty: a smaller s does the same
-      const double c = splitkv_est_us(p, s);
+      const double c = splitkv_est_us(p, s, RG);
       if (c < best * (1.0 - 1e-9)) {
         best = c;
         best_s = s;
       }
     }
   }
-  if (est_us) *est_us = splitkv_est_us(p, best_s);
+  if (est_us) *est_us = splitkv_est_us(p, best_s, RG);
   return best_s;
+}
+
+// rows per split-KV block: forced (testing), else the cheaper of 16 and 8 by the cost model
+// (8 doubles the blocks when 16-row groups leave SMs idle; ties -> 16)
+int splitkv_rows(const VerifyAttentionParams& p) {
+  if (p.force_splitkv_rows == 8 || p.force_splitkv_rows == 16) return p.force_splitkv_rows;
+  double c16 = 0, c8 = 0;
+  splitkv_splits(p, 16, &c16);
+  splitkv_splits(p, 8, &c8);
+  return c8 < c16 * (1.0 - 1e-9) ? 8 : 16;
 }
 
 // ---- decode kernels: M x (L+T) scores in the workspace. Only when forced (force_kernel = 3,
@@ -1115,24 +1134,27 @@ size_t decode_ws_bytes(const VerifyAttentionParams& p) {
 struct Choice {
   int kernel;  // 0 = plain, 1 = tiled, 2 = split-KV, 3 = decode (two passes)
   int splits;
+  int rows;    // split-KV: query rows per block (8 or 16)
 };
 
 Choice choose(const VerifyAttentionParams& p) {
-  if (!splitkv_ok(p)) return {0, 1};
-  if (p.force_kernel == 3 && decode_ok(p)) return {3, 1};
-  if (p.force_kernel == 1 && tiled_ok(p)) return {1, tiled_splits(p, nullptr)};
-  if (p.force_kernel >= 2 || !tiled_ok(p)) return {2, splitkv_splits(p, nullptr)};
+  if (!splitkv_ok(p)) return {0, 1, 16};
+  if (p.force_kernel == 3 && decode_ok(p)) return {3, 1, 16};
+  if (p.force_kernel == 1 && tiled_ok(p)) return {1, tiled_splits(p, nullptr), 16};
+  const int rows = splitkv_rows(p);
+  if (p.force_kernel >= 2 || !tiled_ok(p)) return {2, splitkv_splits(p, rows, nullptr), rows};
   double ct = 0, cs = 0;
   const int st = tiled_splits(p, &ct);
-  const int ss = splitkv_splits(p, &cs);
-  return cs < ct ? Choice{2, ss} : Choice{1, st};
+  const int ss = splitkv_splits(p, rows, &cs);
+  return cs < ct ? Choice{2, ss, rows} : Choice{1, st, 16};
 }
 
 bool basic_ok(const VerifyAttentionParams& p) {
   return p.q_latent && p.q_rope && p.kv && p.out && p.visibility && p.T >= 1 && p.H >= 1 &&
          p.C >= 1 && p.R >= 0 && p.L >= 0 && p.kv_stride >= p.C + p.R &&
          p.vis_stride >= (p.T + 63) / 64 && p.C <= kNaiveThreads * kNaiveMaxCols &&
-         p.force_kernel >= 0 && p.force_kernel <= 3;
+         p.force_kernel >= 0 && p.force_kernel <= 3 &&
+         (p.force_splitkv_rows == 0 || p.force_splitkv_rows == 8 || p.force_splitkv_rows == 16);
 }
 
 // raise a kernel's dynamic shared memory limit once; false on a GPU with less shared memory
@@ -1154,10 +1176,11 @@ bool smem_attr_ok(Kernel k, int bytes, int& state, bool max_carveout) {
 
 bool verify_attention_fast_path(const VerifyAttentionParams& p) { return splitkv_ok(p); }
 
-void verify_attention_choice(const VerifyAttentionParams& p, int* kernel, int* splits) {
+void verify_attention_choice(const VerifyAttentionParams& p, int* kernel, int* splits, int* rows) {
   const Choice c = choose(p);
   if (kernel) *kernel = c.kernel;
   if (splits) *splits = c.splits;
+  if (rows) *rows = c.rows;
 }
 
 size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p) {
@@ -1168,7 +1191,7 @@ size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p) {
   const bool tiled = tiled_ok(p) && p.force_kernel != 2;
   const bool splitkv = p.force_kernel != 1 || !tiled_ok(p);
   if (tiled) s = std::max(s, tiled_max_splits(p));
-  if (splitkv) s = std::max(s, splitkv_max_splits(p));
+  if (splitkv) s = std::max({s, splitkv_max_splits(p, 16), splitkv_max_splits(p, 8)});
   size_t ws = s > 1 ? (size_t)s * ws_split_bytes(p.T * p.H) : 0;
   if (p.force_kernel == 3) ws = std::max(ws, decode_ws_bytes(p));
   return ws;
@@ -1178,7 +1201,7 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
   if (!basic_ok(p)) return cudaErrorInvalidValue;
   const int M = p.T * p.H;
   const Choice c = choose(p);
-  static int tiled_state = 0, splitkv_state = 0;
+  static int tiled_state = 0, splitkv_state = 0, splitkv8_state = 0;
   // DK = 32-wide d-chunks: measured on the H200 a little faster than 64 (which spills a few
   // registers), so it is the only instantiation of the tiled kernel.
   if (c.kernel == 3) {
@@ -1194,7 +1217,9 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
                          (const float*)Bm, ldB);
   }
   const bool ok = c.kernel == 1   ? smem_attr_ok(mla_verify_fast_kernel<32>, (int)sizeof(Smem<32>), tiled_state, false)
-                  : c.kernel == 2 ? smem_attr_ok(mla_verify_splitkv_kernel, (int)sizeof(SkSmem), splitkv_state, true)
+                  : c.kernel == 2 && c.rows == 16
+                      ? smem_attr_ok(mla_verify_splitkv_kernel<16>, (int)sizeof(SkSmemT<16>), splitkv_state, true)
+                  : c.kernel == 2 ? smem_attr_ok(mla_verify_splitkv_kernel<8>, (int)sizeof(SkSmemT<8>), splitkv8_state, true)
                                   : false;
   if (!ok) {  // other shapes, forced, or a GPU with less shared memory per block: the plain kernel
     launch_kernel(mla_verify_naive_kernel, M, kNaiveThreads, 0, stream, p);
@@ -1204,9 +1229,10 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
   if (c.kernel == 1) {
     dim3 grid((M + BM - 1) / BM, c.splits);
     launch_kernel(mla_verify_fast_kernel<32>, grid, NT, sizeof(Smem<32>), stream, p);
+  } else if (c.rows == 16) {
+    launch_kernel(mla_verify_splitkv_kernel<16>, dim3((M + 15) / 16, c.splits), sk::NT, sizeof(SkSmemT<16>), stream, p);
   } else {
-    dim3 grid((M + sk::RG - 1) / sk::RG, c.splits);
-    launch_kernel(mla_verify_splitkv_kernel, grid, sk::NT, sizeof(SkSmem), stream, p);
+    launch_kernel(mla_verify_splitkv_kernel<8>, dim3((M + 7) / 8, c.splits), sk::NT, sizeof(SkSmemT<8>), stream, p);
   }
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || c.splits == 1) return e;

@@ -472,14 +472,13 @@ void CudaModel::gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in,
 
 void CudaModel::swiglu_gemm_nt(int64_t T, int64_t N, int64_t I, const float* gu, int64_t ldg, const float* w,
                                float* out, int64_t ldo, float beta) {
-  if (T <= skinny_max_t_) {
+  if (T <= skinny_max_t_ && T <= cuda::kLinearSwigluFuseMaxT) {
     cuda::LinearParams lp{gu, ldg, 0, w, 0, out, ldo, 0, (int)T, (int)N, (int)I, 1, beta};
     lp.x_swiglu = 1;
     check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny(swiglu)");
     return;
   }
-  if (ldg != 2 * I) throw RuntimeFailure("CudaModel: internal error, a strided SwiGLU input outside the skinny kernel");
-  cuda::SwigluParams sp{gu, (int)T, (int)I, nullptr, act_};
+  cuda::SwigluParams sp{gu, (int)T, (int)I, nullptr, act_, ldg};
   check_cuda(cuda::swiglu(sp, as_stream(stream_)), "swiglu");
   gemm_nt(T, N, I, act_, I, w, out, ldo, beta);
 }
@@ -588,6 +587,7 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
   vp.workspace = attn_ws_;
   vp.force_naive = opt_.attention_naive ? 1 : 0;
   vp.force_kernel = opt_.attention_kernel;
+  vp.force_splitkv_rows = opt_.attention_rows;
   if ((int64_t)cuda::verify_attention_workspace_bytes(vp) > attn_ws_bytes_)
     throw RuntimeFailure("CudaModel: internal error, verify_attention needs more workspace than was sized");
   check_cuda(cuda::verify_attention(vp, st), "verify_attention");

@@ -39,6 +39,7 @@ struct CudaModelOptions {
   bool attention_naive = false;  // force verify_attention's simple reference kernel (testing)
   int attention_kernel = 0;      // verify_attention's force_kernel: 0 auto, 1 tiled, 2 split-KV, 3 decode
                                  // (benchmarks / testing; a kernel that cannot take a shape passes it on)
+  int attention_rows = 0;        // verify_attention's force_splitkv_rows: 0 auto, 8 or 16 (benchmarks)
   int expert_kernel = 0;         // kExpertAuto, kExpertSkinny (GEMV-style), kExpertTiled (testing/benchmarks)
   int skinny_max_tokens = -1;    // steps of <= this many tokens run the dense projections through
                                  // linear_skinny instead of cuBLAS; -1 = auto, 0 = never (cuBLAS only)
@@ -156,8 +157,8 @@ class CudaModel : public TargetModel {
   void gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, int64_t in_head, const float* w,
                      float* out, int64_t ldo, int64_t out_head, int64_t heads);
   // out[T, N] (ld ldo) = beta * out + swiglu(gu) @ w^T with gu [T, 2I] = [gate | up] rows, row
-  // stride ldg (the down projection of an MLP): the SwiGLU inside linear_skinny for few tokens,
-  // else (ldg = 2I only) swiglu into act_ then a GEMM.
+  // stride ldg (the down projection of an MLP): the SwiGLU inside linear_skinny for a few tokens
+  // (kLinearSwigluFuseMaxT), else swiglu into act_ then a GEMM.
   void swiglu_gemm_nt(int64_t T, int64_t N, int64_t I, const float* gu, int64_t ldg, const float* w, float* out,
                       int64_t ldo, float beta = 0.f);
   // steps whose RMSNorms feeding a single projection run inside that projection's kernel

@@ -186,7 +186,7 @@ __global__ void swiglu_kernel(SwigluParams p) {
   const size_t n = (size_t)rows * p.I;
   for (size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (size_t)gridDim.x * blockDim.x) {
     const size_t r = i / p.I, c = i - r * p.I;
-    const float* g = p.gu + r * 2 * p.I;
+    const float* g = p.gu + r * (p.ldg > 0 ? (size_t)p.ldg : 2 * (size_t)p.I);
     p.out[i] = silu_mul(g[c], g[p.I + c]);
   }
 }
@@ -837,7 +837,7 @@ cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream) {
 }
 
 cudaError_t swiglu(const SwigluParams& p, cudaStream_t stream) {
-  if (!p.gu || !p.out || p.rows < 0 || p.I <= 0) return cudaErrorInvalidValue;
+  if (!p.gu || !p.out || p.rows < 0 || p.I <= 0 || (p.ldg != 0 && p.ldg < 2LL * p.I)) return cudaErrorInvalidValue;
   const long long n = (long long)p.rows * p.I;
   if (n == 0) return cudaSuccess;
   long long blocks = (n + 255) / 256;

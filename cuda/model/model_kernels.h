@@ -45,6 +45,10 @@ struct LinearParams {
   long long ldn = 0;              // rmsnorm kernel would), for later consumers of the same input
 };
 constexpr int kLinearNormMaxT = 4;
+// x_swiglu is exact for any T, but every warp recomputes the SwiGLU of its token rows: it pays
+// only for a few tokens (H200, mini-kimi: the T = 17 dense down projection took 57 us fused
+// against ~25 us for swiglu + linear), so the model fuses it up to this many tokens.
+constexpr int kLinearSwigluFuseMaxT = 4;
 cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------- embedding
@@ -99,10 +103,11 @@ cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream);
 // out[r, i] = silu(gu[r, i]) * gu[r, I + i]; rows r < *n_rows when n_rows (device) is given,
 // else r < rows.
 struct SwigluParams {
-  const float* gu;         // [rows, 2I]
+  const float* gu;         // [rows, 2I] (row stride ldg)
   int rows, I;
   const int32_t* n_rows;   // [1] device row count, or nullptr
   float* out;              // [rows, I]
+  long long ldg = 0;       // gu row stride (0: 2I)
 };
 cudaError_t swiglu(const SwigluParams& p, cudaStream_t stream);
 

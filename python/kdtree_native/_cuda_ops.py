@@ -165,14 +165,15 @@ def accept_compact(tree, target_choice, cache, cache_len, round_outputs=False):
 
 
 def verify_attention(q_latent, q_rope, kv_latent, k_rope, visibility, scale, force_naive=False,
-                     force_splits=0, force_kernel=0, l_bound=None):
+                     force_splits=0, force_kernel=0, l_bound=None, force_rows=0):
     """MLA tree-verify attention (FP32) on the GPU, the signature of reference.verify_attention.
 
     q_latent [T,H,C], q_rope [T,H,R], kv_latent [L+T,C], k_rope [L+T,R], visibility bool [T,T]
     (or uint64 words [T, W]), scale. Returns out_latent float32 [T,H,C].
     Testing knobs: force_naive (the plain kernel), force_splits (> 0: key splits), force_kernel
     (0 = auto, 1 = tiled, 2 = split-KV, 3 = decode), l_bound (int >= L: L reaches the kernels through a
-    device int and l_bound is the host's upper bound, as under CUDA-graph capture).
+    device int and l_bound is the host's upper bound, as under CUDA-graph capture), force_rows (8 or
+    16 query rows per split-KV block; 0 = the cost model's pick).
     """
     _require()
     ql = np.ascontiguousarray(q_latent, dtype=np.float32)
@@ -184,12 +185,14 @@ def verify_attention(q_latent, q_rope, kv_latent, k_rope, visibility, scale, for
         vis = pack_visibility(vis)
     return _native.cuda_verify_attention(ql, qr, kv, np.ascontiguousarray(vis), float(scale),
                                          bool(force_naive), int(force_splits), int(force_kernel),
-                                         None if l_bound is None else int(l_bound))
+                                         None if l_bound is None else int(l_bound), int(force_rows))
 
 
-def verify_attention_choice(T, H, L, force_kernel=0, force_splits=0):
-    """verify_attention's pick for C=512, R=64 aligned buffers: (kernel, splits); kernel 0 =
-    plain, 1 = tiled, 2 = split-KV, 3 = decode (two passes)."""
+def verify_attention_choice(T, H, L, force_kernel=0, force_splits=0, force_rows=0, rows=False):
+    """verify_attention's pick for C=512, R=64 aligned buffers: (kernel, splits), with rows=True
+    also the split-KV kernel's query rows per block (8 or 16); kernel 0 = plain, 1 = tiled,
+    2 = split-KV, 3 = decode (two passes)."""
     _require()
-    return tuple(_native.cuda_verify_attention_choice(int(T), int(H), int(L), force_kernel=int(force_kernel),
-                                                      force_splits=int(force_splits)))
+    r = tuple(_native.cuda_verify_attention_choice(int(T), int(H), int(L), force_kernel=int(force_kernel),
+                                                   force_splits=int(force_splits), force_rows=int(force_rows)))
+    return r if rows else r[:2]

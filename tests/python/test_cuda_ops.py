@@ -383,6 +383,27 @@ def test_verify_attention_splitkv_awkward_sizes(L, T, H, mask):
         check_attn(out, ref, (L, T, H, mask, splits))
 
 
+@pytest.mark.parametrize("L,T,H,mask", SPLITKV_SIZES[::2])
+def test_verify_attention_splitkv_8_and_16_rows(L, T, H, mask):
+    """The split-KV kernel with 8 and with 16 query rows per block (force_rows), both within the
+    bound of the float64 reference, with key splits and L through a device int; the auto pick of
+    rows equals the same rows forced, bit for bit."""
+    ql, qr, kvl, kr, vis, scale = attn_case_t(L * 613 + T * 17 + H, L, H, T, mask)
+    ref = ref64(ql, qr, kvl, kr, vis, scale)
+    for rows in (8, 16):
+        assert cu.verify_attention_choice(T, H, L, force_kernel=2, force_rows=rows, rows=True)[2] == rows
+        for splits in (0, 1, 3):
+            for l_bound in (None, L + 100):
+                out = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=2, force_splits=splits,
+                                          l_bound=l_bound, force_rows=rows)
+                check_attn(out, ref, (L, T, H, mask, rows, splits, l_bound))
+    kernel, s, rows = cu.verify_attention_choice(T, H, L, force_kernel=2, rows=True)
+    assert rows in (8, 16)
+    auto = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=2)
+    forced = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=2, force_splits=s, force_rows=rows)
+    assert np.array_equal(auto, forced)
+
+
 @pytest.mark.parametrize("kernel", [1, 2, 3, "naive"])
 @pytest.mark.parametrize("L,T", [(0, 5), (0, 70), (40, 9)])
 def test_verify_attention_rows_that_see_nothing_get_zero(kernel, L, T):
@@ -497,6 +518,8 @@ def test_verify_attention_l_bound_below_L_is_rejected():
         cu.verify_attention(ql, qr, kvl, kr, vis, scale, l_bound=39)
     with pytest.raises(Exception):
         cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=4)
+    with pytest.raises(Exception):
+        cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=2, force_rows=12)
 
 
 def test_verify_attention_more_than_2048_tree_rows_use_splitkv():
