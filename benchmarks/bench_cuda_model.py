@@ -50,6 +50,28 @@ MINI_KIMI = dict(
 )
 
 
+class PeakedLogprobs:
+    """Wraps a drafter returning (log-probs, ids) [d, k]: keeps the ids (and so what is right and
+    wrong) and replaces the log-probs by a drafter-like row per depth, logit of rank r = -s log(r+1)
+    + N(0, 0.5^2), s ~ U(1.3, 2.3), sorted and log-softmax-ed over the k."""
+
+    def __init__(self, inner, seed=0):
+        self.inner = inner
+        self.rng = np.random.default_rng(seed)
+
+    def __call__(self, context, depth, top_k):
+        r = self.inner(context, depth, top_k)
+        if r is None:
+            return None
+        lp, ids = r
+        d, k = lp.shape
+        s = self.rng.uniform(1.3, 2.3, (d, 1))
+        x = -s * np.log(np.arange(1, k + 1))[None, :] + self.rng.standard_normal((d, k)) * 0.5
+        x = -np.sort(-x, axis=1)
+        x = x - np.log(np.exp(x - x[:, :1]).sum(axis=1, keepdims=True)) - x[:, :1]
+        return x.astype(np.float32), ids
+
+
 def median_time(fn, sync, reps, warmup=3):
     for _ in range(warmup):
         fn()
@@ -378,6 +400,25 @@ def main():
                   f" = verify {d['verify_forward_gpu_ms'] or t_fwd * 1e3:.3f} + drafter {d['draft_ms_per_round']:.3f} + overhead "
                   f"{d['round_overhead_us']:.0f} us; host rounds {h['decode_tok_s']:.1f} tok/s (overhead "
                   f"{h['round_overhead_us']:.0f} us); == AR: {d['equals_ar']} / {h['equals_ar']}", flush=True)
+        # The oracle's log-probs are the same constant row at every depth ([-0.01, -4, -5, ...]),
+        # so its best-first tree is one 15-deep chain plus leaves: the deepest tree the GPU build
+        # meets (one pass per level). Same ids with drafter-like log-probs (per depth a Zipf-like
+        # top-k, top-1 0.3..0.7: the peaked rows of bench_cuda_tree_build.py) give trees of ~7
+        # levels, as a real drafter's: the round overhead for that tree shape.
+        mk = lambda: PeakedLogprobs(OracleDrafter(ref, noise=0.0, seed=1, vocab_size=V), seed=2)
+        generate(model, prompt_ids, n_new, drafter=mk(), tree_budget=budget, depth=depth, top_k=top_k)
+        r = generate(model, prompt_ids, n_new, drafter=mk(), tree_budget=budget, depth=depth, top_k=top_k)
+        sec, nr = r.stats["seconds"], r.stats["rounds"]
+        dec = sec["total"] - sec["prefill"]
+        row = dict(decode_tok_s=(n_new - 1) / dec, rounds=nr, mean_acceptance_length=r.stats["mean_acceptance_length"],
+                   equals_ar=bool(np.array_equal(r.tokens, ref)), round_ms=dec / nr * 1e3,
+                   draft_ms_per_round=sec["draft"] / nr * 1e3, verify_forward_gpu_ms=sec["verify_forward_gpu"] / nr * 1e3,
+                   round_overhead_us=(dec - sec["verify_forward_gpu"] - sec["draft"]) / nr * 1e6)
+        out["ddtree_peaked_logprobs"] = row
+        print(f"DDTree oracle ids, peaked log-probs: {row['decode_tok_s']:.1f} tok/s, mean acceptance "
+              f"{row['mean_acceptance_length']:.2f}, rounds {nr}, round {row['round_ms']:.3f} ms = verify "
+              f"{row['verify_forward_gpu_ms']:.3f} + drafter {row['draft_ms_per_round']:.3f} + overhead "
+              f"{row['round_overhead_us']:.0f} us; == AR: {row['equals_ar']}", flush=True)
         if hf is not None:
             ids = torch.as_tensor(prompt_ids[None].astype(np.int64), device=dev)
             with torch.no_grad():

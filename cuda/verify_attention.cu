@@ -1101,14 +1101,16 @@ int splitkv_splits(const VerifyAttentionParams& p, int RG, double* est_us) {
   return best_s;
 }
 
-// rows per split-KV block: forced (testing), else the cheaper of 16 and 8 by the cost model
-// (8 doubles the blocks when 16-row groups leave SMs idle; ties -> 16)
+// Rows per split-KV block: forced (testing), else 8 when the 16-row grid (row groups x its
+// splits) fills at most 80% of the SMs, which halves each block's work and doubles the blocks;
+// else 16 (8-row blocks then only add waves and L2 re-reads of the key chunks). Measured on the
+// H200 (bench_cuda_verify_attention.py --decode-only, docs/BENCHMARKS.md): 8 rows faster at
+// 16-row grids of 17..102 blocks (T=1 H=16 L=512: 11.3 vs 14.0 us; T=17 H=16 L=512: 32.5 vs
+// 39.7), slower from 130 blocks on (T=2 H=16 L=4096: 32.8 vs 29.6; T=65 L=512: 90 vs 68).
 int splitkv_rows(const VerifyAttentionParams& p) {
   if (p.force_splitkv_rows == 8 || p.force_splitkv_rows == 16) return p.force_splitkv_rows;
-  double c16 = 0, c8 = 0;
-  splitkv_splits(p, 16, &c16);
-  splitkv_splits(p, 8, &c8);
-  return c8 < c16 * (1.0 - 1e-9) ? 8 : 16;
+  const long long blocks16 = (long long)((p.T * p.H + 15) / 16) * splitkv_splits(p, 16, nullptr);
+  return blocks16 * 5 <= (long long)num_sms() * 4 ? 8 : 16;
 }
 
 // ---- decode kernels: M x (L+T) scores in the workspace. Only when forced (force_kernel = 3,
