@@ -614,13 +614,9 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   // with the RMSNorm itself fused in (fused_norm: it also writes hn_ for the routed experts).
   // Otherwise the router alone here and the shared gate/up after the routed experts.
   const bool merged = Is > 0 && T <= skinny_max_t_;
-  const int64_t ldr = merged ? E + 2 * Is : E;
-  if (fused_norm) {
-    const int64_t N = merged ? E + 2 * Is : E;
-    gemm_nt(T, N, Dm, x_, Dm, ly.router, router_logits_, ldr, 0.f, ly.post_ln, c.rms_norm_eps, hn_);
-  } else {
-    gemm_nt(T, merged ? E + 2 * Is : E, Dm, hn_, Dm, ly.router, router_logits_, ldr);
-  }
+  const int64_t ldr = merged ? E + 2 * Is : E;  // rows projected = the row stride of router_logits_
+  if (fused_norm) gemm_nt(T, ldr, Dm, x_, Dm, ly.router, router_logits_, ldr, 0.f, ly.post_ln, c.rms_norm_eps, hn_);
+  else gemm_nt(T, ldr, Dm, hn_, Dm, ly.router, router_logits_, ldr);
   cuda::RouteParams rp{router_logits_, ly.router_bias, (int)T, (int)E, (int)K, (int)c.n_group, (int)c.topk_group,
                        c.norm_topk_prob ? 1 : 0, (float)c.routed_scaling_factor, topk_idx_, topk_w_, (int)ldr};
 
