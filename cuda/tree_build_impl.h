@@ -31,7 +31,10 @@
 //    per-32-bucket group counts kept by the same atomics; the scan is one warp per nonempty
 //    group, started from a group prefix each warp forms itself (no inner barrier), and finds
 //    the crossing bucket on the way. Children counts are summed in registers and offset with
-//    one warp-total exchange. Common path: 6 block barriers per level (was 9).
+//    one warp-total exchange. Common path: 4 block barriers per level (was 9). (An exact
+//    score threshold inside the crossing bucket, which pruned children a little tighter, was
+//    dropped in the fifth session: its O(bucket members) ranking and 2 barriers per level
+//    cost more than the pruning saved, most on deep trees and tied scores.)
 //  * SEQUENTIAL FALLBACK (thread 0): the reference heap verbatim (same float64 operation
 //    order, NaN ranked like -inf, rank-tuple ties). Taken when the checks above fail or the
 //    candidate store would overflow; slow (about 1 ms at B = 1024) but exact for any input.
@@ -220,7 +223,6 @@ enum {
   M_FAIL = 0, M_MAXE = 1, M_MINQ = 2, M_USED = 3, M_BT = 4, M_N = 5, M_BT2 = 6, M_T = 7,
   M_FB = 8,   // [kMaxDepth] first bottom (-inf/NaN) rank per row (Keff if none)
   M_LS = 28,  // [kMaxDepth + 2] level start offsets in the candidate store
-  M_NTAU = 48,  // members of the threshold bucket collected for the exact threshold
 };
 
 // ---------------------------------------------------------------- the block algorithm
@@ -236,7 +238,6 @@ struct TreeBlock {
   uint16_t* nid;
   uint8_t* odp; uint16_t* ork; int16_t* opar; int* misc; int* scan_tmp;
   double smax;
-  double tau;  // exact score of the B-th best prefix materialised so far (-inf until B exist)
 
   KD_HD TreeBlock(Ctx& c, const TreeArgs& args, unsigned char* smem) : ctx(c), a(args), sm(smem) {
     tid = ctx.tid();
@@ -270,7 +271,6 @@ struct TreeBlock {
     misc = (int*)(sm + L.o_misc);
     scan_tmp = (int*)(sm + L.o_scan);
     smax = 0.0;
-    tau = neg_inf_d();
   }
 
   // Histogram scan, one block barrier (at the end). h: bucket counts, gc: their sums per group
@@ -322,39 +322,6 @@ struct TreeBlock {
     return total;
   }
 
-  // tau = the exact score of the B-th best materialised prefix: the need-th best score inside
-  // bucket bt (need = B - prefixes in better buckets). Skipped (tau unchanged) when the bucket
-  // holds more than 96 members (the pairwise ranking below is O(members) per thread).
-  // Scratch: phist as doubles. Ends with a barrier.
-  KD_HD void exact_threshold(int used) {
-    const int bt = misc[M_BT];
-    if (bt == kBottom || (hist[bt] & kLo) > 96) return;  // uniform: read after a barrier
-    double* mem = (double*)phist;
-    const int cb = hist[bt] & kLo, need = B - (hpre[bt] & kLo);
-    for (int x = tid; x < used; x += nt) {
-      ctx.step(1);
-      if (bk[x] == bt) mem[ctx.atomic_add(&misc[M_NTAU], 1)] = sc[x];
-    }
-    ctx.sync();
-    for (int k = tid; k < cb; k += nt) {
-      const double v = mem[k];
-      int gt = 0, eq_before = 0, eq = 0;
-      ctx.step(cb);
-      for (int j = 0; j < cb; ++j) {
-        const double w = mem[j];
-        gt += w > v;
-        eq += w == v;
-        eq_before += (w == v) && j < k;
-      }
-      if (gt < need && need <= gt + eq && eq_before == 0) misc_tau_store(v);  // one writer
-    }
-    ctx.sync();
-    tau = misc_tau_load();
-    if (tid == 0) misc[M_NTAU] = 0;
-  }
-  KD_HD void misc_tau_store(double v) { std::memcpy(&misc[M_NTAU + 2], &v, sizeof(double)); }
-  KD_HD double misc_tau_load() const { double v; std::memcpy(&v, &misc[M_NTAU + 2], sizeof(double)); return v; }
-
   // Number of children (ranks 0..c-1) of parent p at level d that can still be in the tree.
   KD_HD int count_children(int p, int d, int bt) const {
     int b = bk[p];
@@ -376,13 +343,12 @@ struct TreeBlock {
     if (bt == kBottom) return c;
     const float* row = lpc + (size_t)(d - 1) * keff;
     const double s = sc[p];
-    if (s < tau) return 0;
     int lo = 0, hi = c;
-    while (lo < hi) {  // children keep a bucket <= bt and a score >= tau (ties stay)
+    while (lo < hi) {  // children keep a bucket <= bt
       ctx.step(1);
       const int mid = (lo + hi) >> 1;
       const double cs = s + (double)row[mid];
-      if (cs >= tau && bucket_of(smax, cs) <= bt) lo = mid + 1; else hi = mid;
+      if (bucket_of(smax, cs) <= bt) lo = mid + 1; else hi = mid;
     }
     return lo;
   }
@@ -433,7 +399,6 @@ struct TreeBlock {
       misc[M_USED] = keff;
       misc[M_LS + 1] = 0;
       misc[M_LS + 2] = keff;
-      misc[M_NTAU] = 0;
     }
     for (int i = tid; i < kNB; i += nt) { ctx.step(1); hist[i] = 0; cur[i] = 0; }
     if (tid < kNG) gcnt[tid] = 0;
@@ -482,10 +447,9 @@ struct TreeBlock {
     }
     ctx.sync();
     gscan(hist, gcnt, hpre, kLo, M_BT, true);
-    exact_threshold(keff);
 
-    // ---- levels 2..D (6 block barriers per level on the common path: 2 count + offsets,
-    // 1 materialise, 1 histogram scan, 2 exact threshold)
+    // ---- levels 2..D (4 block barriers per level on the common path: 2 count + offsets,
+    // 1 materialise, 1 histogram scan)
     for (int d = 2; d <= D; ++d) {
       const int p0 = misc[M_LS + d - 1], p1 = misc[M_LS + d], np = p1 - p0;
       const int used = misc[M_USED];
@@ -560,7 +524,6 @@ struct TreeBlock {
       }
       ctx.sync();
       gscan(hist, gcnt, hpre, kLo, M_BT, true);
-      exact_threshold(used + T);
     }
 
     // ---- final ranking: counting sort by bucket, exact comparisons inside a bucket
