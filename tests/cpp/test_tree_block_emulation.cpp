@@ -218,7 +218,7 @@ void make_case(std::mt19937_64& rng, int kind, int D, int K, std::vector<float>*
     for (int j = 0; j < K; ++j) x[j] = nd(rng) * 2.0 + (j == 0 ? peak : 0.0);
     if (kind == 4)  // very peaked: deep, narrow trees
       for (int j = 0; j < K; ++j) x[j] = (j == 0 ? 12.0 + 4.0 * std::fabs(nd(rng)) : 0.0) + 0.3 * nd(rng);
-    if (kind == 5)  // near-flat: crowded buckets (exact threshold skipped, probes)
+    if (kind == 5)  // near-flat: crowded buckets (probes)
       for (int j = 0; j < K; ++j) x[j] = 1e-3 * nd(rng);
     if (kind == 6)  // exactly flat rows: exact ties everywhere (store overflow -> fallback)
       for (int j = 0; j < K; ++j) x[j] = (d % 3 == 0) ? 0.0 : 0.25 * (double)(j / 3);
