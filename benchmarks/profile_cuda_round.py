@@ -70,14 +70,14 @@ def main():
         t0 = e.time_range.start
         ev.append((t0, t0 + e.device_time, e.name))
     ev.sort()
-    # the first round: its tree kernel, preceded by its uploads (root, draft) as HtoD copies
+    # the first round: its tree kernel, preceded by its uploads (the draft; the root too when the
+    # device does not hold it) as HtoD copies
     k = next(i for i, x in enumerate(ev) if "tree_build_kernel" in x[2] or "topk_" in x[2])
     while k > 0 and "HtoD" in ev[k - 1][2]:
         k -= 1
-    i0 = k
     # group: a new round starts at each HtoD copy that follows a DtoH copy
     rounds, cur, last_dtoh = [], [], False
-    for x in ev[i0:]:
+    for x in ev[k:]:
         if "HtoD" in x[2] and last_dtoh:
             rounds.append(cur)
             cur = []
@@ -93,7 +93,7 @@ def main():
 
     rows = []
     prev_end = None
-    for ri, rd in enumerate(rounds):
+    for rd in rounds:
         fwd = [x for x in rd if not is_round_kernel(x[2])]
         f0, f1 = (fwd[0][0], max(x[1] for x in fwd)) if fwd else (rd[0][0], rd[0][0])
         pre = [x for x in rd if x[0] < f0]
