@@ -49,7 +49,7 @@ __global__ void __launch_bounds__(1024) tree_build_kernel(TreeArgs a) {
   blk.run();
 }
 
-int tree_threads(int B) { return B > 512 ? 1024 : (B > 256 ? 512 : (B > 64 ? 256 : 128)); }
+int tree_threads(int B) { return B > 256 ? 1024 : (B > 64 ? 512 : (B > 16 ? 256 : 128)); }
 
 // ---------------------------------------------------------------- accept + compaction
 // best[p] = the highest-index child c of p with tokens[c-1] == choice[p]; walk from 0.

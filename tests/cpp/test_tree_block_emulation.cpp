@@ -139,7 +139,7 @@ struct HostCtx {
   }
 };
 
-int tree_threads(int B) { return B > 512 ? 1024 : (B > 256 ? 512 : (B > 64 ? 256 : 128)); }
+int tree_threads(int B) { return B > 256 ? 1024 : (B > 64 ? 512 : (B > 16 ? 256 : 128)); }
 
 struct Out {
   std::vector<int32_t> tokens, depths, parents, positions, n, path;
