@@ -744,6 +744,132 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(MoeCombine
   *reinterpret_cast<VT*>(p.out + o) = res;
 }
 
+// ---------------------------------------------------------------- fused MoE down + combine
+// Grid ceil(Dm / (kDcWarps * kDcCols)), kDcWarps * 32 threads; warp w owns the output columns
+// nb, nb + 1 and goes through the T tokens one after the other. Per token: the K picks' slots,
+// weights and experts (every lane reads them; K <= 8), their ranks in ascending expert order
+// (the combine's order); then per k-step every pick's act row and its two weight rows (all
+// issued before the FMAs: 3 K float4 loads per lane) and the shared expert's SwiGLU input and
+// rows. Lane / k-step layout and summation as expert_gemv_kernel (wdot, a butterfly per output)
+// and linear_skinny_kernel (fmaf chain, warp_sum), the combine as moe_combine_kernel.
+constexpr int kDcWarps = 4, kDcCols = 2, kDcMaxK = kMoeDownFuseMaxK;
+static_assert(kDcMaxK <= 32, "picks per token");
+
+__device__ __forceinline__ float fma4(const float4& w, const float4& x, float acc) {
+  acc = fmaf(w.x, x.x, acc);
+  acc = fmaf(w.y, x.y, acc);
+  acc = fmaf(w.z, x.z, acc);
+  return fmaf(w.w, x.w, acc);
+}
+__device__ __forceinline__ float fma4(float w, float x, float acc) { return fmaf(w, x, acc); }
+
+template <bool VE, bool VS>
+__global__ void __launch_bounds__(kDcWarps * 32) moe_down_combine_kernel(MoeDownCombineParams p) {
+  using ET = typename std::conditional<VE, float4, float>::type;
+  using ST = typename std::conditional<VS, float4, float>::type;
+  constexpr int EW = VE ? 4 : 1, SW = VS ? 4 : 1;  // floats per lane and k-step
+  pdl_trigger();
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nb = (blockIdx.x * kDcWarps + warp) * kDcCols;
+  const int K = p.K, I = p.I, Dm = p.Dm, Is = p.Is;
+  const bool sh = p.shared_gu != nullptr;
+  pdl_wait();
+  if (nb >= Dm) return;  // no block barrier
+  const int ncol = min(kDcCols, Dm - nb);
+  for (int t = 0; t < p.T; ++t) {
+    int ex[kDcMaxK], slot[kDcMaxK], rank[kDcMaxK];
+    float wt[kDcMaxK];
+#pragma unroll
+    for (int j = 0; j < kDcMaxK; ++j) {
+      ex[j] = -1;
+      slot[j] = 0;
+      wt[j] = 0.f;
+      if (j < K) {
+        ex[j] = __ldg(p.topk_idx + t * K + j);
+        slot[j] = __ldg(p.slot_of + t * K + j);
+        wt[j] = __ldg(p.topk_w + t * K + j);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kDcMaxK; ++j) {
+      rank[j] = 0;
+#pragma unroll
+      for (int i = 0; i < kDcMaxK; ++i)
+        if (i < K && j < K) rank[j] += (ex[i] < ex[j] || (ex[i] == ex[j] && i < j)) ? 1 : 0;
+    }
+    float acc[kDcMaxK][kDcCols];
+#pragma unroll
+    for (int j = 0; j < kDcMaxK; ++j)
+#pragma unroll
+      for (int c = 0; c < kDcCols; ++c) acc[j][c] = 0.f;
+    const int esteps = (I + 32 * EW - 1) / (32 * EW);
+    for (int s = 0; s < esteps; ++s) {
+      const int k = (s * 32 + lane) * EW;
+      ET xv[kDcMaxK], wv[kDcMaxK][kDcCols];
+#pragma unroll
+      for (int j = 0; j < kDcMaxK; ++j) {
+        const bool ok = j < K && ex[j] >= 0 && ex[j] < p.E && k < I;
+        if (ok) xv[j] = ldg_vec<ET>(p.act + (size_t)slot[j] * I + k);
+        else vzero(xv[j]);
+#pragma unroll
+        for (int c = 0; c < kDcCols; ++c) {
+          if (ok) wv[j][c] = ldg_vec<ET>(p.w + ((size_t)ex[j] * Dm + nb + min(c, ncol - 1)) * I + k);
+          else vzero(wv[j][c]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kDcMaxK; ++j)
+        if (j < K && k < I)
+#pragma unroll
+          for (int c = 0; c < kDcCols; ++c) acc[j][c] = wdot(wv[j][c], xv[j], acc[j][c]);
+    }
+    float sacc[kDcCols];
+#pragma unroll
+    for (int c = 0; c < kDcCols; ++c) sacc[c] = 0.f;
+    if (sh) {
+      const float* g = p.shared_gu + (size_t)t * p.ld_sgu;
+      const int ssteps = (Is + 32 * SW - 1) / (32 * SW);
+      for (int s = 0; s < ssteps; ++s) {
+        const int k = (s * 32 + lane) * SW;
+        if (k < Is) {
+          const ST x = silu_mul(ldg_vec<ST>(g + k), ldg_vec<ST>(g + Is + k));
+#pragma unroll
+          for (int c = 0; c < kDcCols; ++c)
+            sacc[c] = fma4(ldg_vec<ST>(p.shared_w + (size_t)(nb + min(c, ncol - 1)) * Is + k), x, sacc[c]);
+        }
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+      for (int j = 0; j < kDcMaxK; ++j)
+#pragma unroll
+        for (int c = 0; c < kDcCols; ++c) acc[j][c] += __shfl_xor_sync(kFull, acc[j][c], o);
+#pragma unroll
+      for (int c = 0; c < kDcCols; ++c) sacc[c] += __shfl_xor_sync(kFull, sacc[c], o);
+    }
+#pragma unroll
+    for (int c = 0; c < kDcCols; ++c) {
+      if (lane != c || c >= ncol) continue;
+      float a = 0.f;
+#pragma unroll
+      for (int r = 0; r < kDcMaxK; ++r) {
+        if (r >= K) break;
+#pragma unroll
+        for (int j = 0; j < kDcMaxK; ++j) {
+          if (j < K && rank[j] == r) {
+            const bool ok = ex[j] >= 0 && ex[j] < p.E;
+            a = __fadd_rn(a, __fmul_rn(ok ? acc[j][c] : __int_as_float(0x7fc00000), wt[j]));
+          }
+        }
+      }
+      if (sh) a = __fadd_rn(a, sacc[c]);
+      float* o = p.out + (size_t)t * Dm + nb + c;
+      *o = __fadd_rn(*o, a);
+    }
+  }
+}
+
 // ---------------------------------------------------------------- cache compaction
 constexpr int kCompactThreads = 256, kCompactRegs = 16;
 
@@ -942,6 +1068,26 @@ cudaError_t moe_combine(const MoeCombineParams& p, cudaStream_t stream) {
   if (grid.y > 65535u) return cudaErrorInvalidValue;
   if (vec) launch_kernel(moe_combine_kernel<true>, grid, th, 0, stream, p);
   else launch_kernel(moe_combine_kernel<false>, grid, th, 0, stream, p);
+  return cudaGetLastError();
+}
+
+cudaError_t moe_down_combine(const MoeDownCombineParams& p, cudaStream_t stream) {
+  if (!p.act || !p.w || !p.topk_idx || !p.topk_w || !p.slot_of || !p.out || p.T < 0 || p.T > kMoeDownFuseMaxT ||
+      p.K < 1 || p.K > kMoeDownFuseMaxK || p.E < 1 || p.Dm <= 0 || p.I <= 0 ||
+      (p.shared_gu && (!p.shared_w || p.Is <= 0 || p.ld_sgu < 2LL * p.Is)))
+    return cudaErrorInvalidValue;
+  if (p.T == 0) return cudaSuccess;
+  auto al16 = [](const void* q) { return ((uintptr_t)q % 16) == 0; };
+  // the float4 / scalar choice of the kernels it replaces: expert_gemm (act rows, expert
+  // weights) and linear_skinny (the shared [gate | up] rows and weights)
+  const bool ve = p.I % 4 == 0 && al16(p.act) && al16(p.w);
+  const bool vs = !p.shared_gu || (p.Is % 4 == 0 && p.ld_sgu % 4 == 0 && al16(p.shared_gu) && al16(p.shared_w));
+  const int cols = kDcWarps * kDcCols;
+  const dim3 grid((unsigned)((p.Dm + cols - 1) / cols));
+  if (ve && vs) launch_kernel(moe_down_combine_kernel<true, true>, grid, kDcWarps * 32, 0, stream, p);
+  else if (ve) launch_kernel(moe_down_combine_kernel<true, false>, grid, kDcWarps * 32, 0, stream, p);
+  else if (vs) launch_kernel(moe_down_combine_kernel<false, true>, grid, kDcWarps * 32, 0, stream, p);
+  else launch_kernel(moe_down_combine_kernel<false, false>, grid, kDcWarps * 32, 0, stream, p);
   return cudaGetLastError();
 }
 
