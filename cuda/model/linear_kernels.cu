@@ -280,7 +280,15 @@ cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream) {
                    aligned16(p.w) && (!p.norm_w || aligned16(p.norm_w));
   // (RW rows per warp, token capacity, k-steps in flight, warps per row group): chosen on the
   // H200 with benchmarks/bench_cuda_skinny.py (docs/BENCHMARKS.md, "Skinny linear layers vs cuBLAS").
-  if (p.T == 1) return launch_fill<1, 1, 8>(p, vec, stream);
+  if (p.T == 1) {
+    // Short rows (W_UK: 128 floats, q_b: q_lora_rank): one row per warp leaves each lane one or
+    // two loads and thousands of tiny blocks; four rows per warp issue as many loads per lane
+    // with a quarter of the blocks.
+    if (vec && p.Kd <= 128) return launch_fill<4, 1, 1>(p, vec, stream);
+    if (vec && p.Kd <= 256) return launch_fill<4, 1, 2>(p, vec, stream);
+    if (vec && p.Kd <= 512) return launch_fill<4, 1, 4>(p, vec, stream);
+    return launch_fill<1, 1, 8>(p, vec, stream);
+  }
   if (p.T == 2) return launch_fill<2, 2, 4>(p, vec, stream);
   if (p.T <= 4) return launch_fill<2, 4, 4>(p, vec, stream);
   if (p.T <= 8) return launch_fill<4, 8, 2>(p, vec, stream);
