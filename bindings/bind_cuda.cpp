@@ -123,7 +123,7 @@ struct Timing {
   std::vector<float> stream, graph;
 };
 template <class F>
-Timing time_op(F launch, int iters, int warmup) {
+Timing time_op(F launch, int iters, int warmup, int graph_ops = kGraphOps) {
   Timing out;
   cudaStream_t s;
   check_cuda(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "stream");
@@ -146,7 +146,7 @@ Timing time_op(F launch, int iters, int warmup) {
   cudaGraph_t g;
   cudaGraphExec_t ge;
   check_cuda(cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal), "capture");
-  for (int i = 0; i < kGraphOps; ++i) {
+  for (int i = 0; i < graph_ops; ++i) {
     cudaError_t e = launch(s);
     if (e != cudaSuccess) {
       cudaGraph_t dummy;
@@ -156,7 +156,7 @@ Timing time_op(F launch, int iters, int warmup) {
   }
   check_cuda(cudaStreamEndCapture(s, &g), "end capture");
   check_cuda(cudaGraphInstantiate(&ge, g, 0), "instantiate");
-  const int reps = std::max(5, iters / kGraphOps);
+  const int reps = std::max(5, iters / graph_ops);
   for (int i = 0; i < 3; ++i) check_cuda(cudaGraphLaunch(ge, s), "graph");
   check_cuda(kc::gpu_spin(20.0, 2 * sms, s), "spin");
   std::vector<cudaEvent_t> gv(reps + 1);
@@ -170,7 +170,7 @@ Timing time_op(F launch, int iters, int warmup) {
   out.graph.resize(reps);
   for (int i = 0; i < reps; ++i) {
     check_cuda(cudaEventElapsedTime(&out.graph[i], gv[i], gv[i + 1]), "elapsed");
-    out.graph[i] /= kGraphOps;
+    out.graph[i] /= graph_ops;
   }
   for (auto& e : ev) cudaEventDestroy(e);
   for (auto& e : gv) cudaEventDestroy(e);
@@ -771,7 +771,7 @@ py::array_t<int32_t> choose_tokens_np(const py::object& logits_o, const py::obje
 py::object linear_skinny_np(const py::object& x_o, const py::object& w_o, const py::object& y_o, int T, int N, int Kd,
                             int batch, long long x_batch, long long w_batch, long long y_batch, double beta,
                             long long x_off, long long w_off, const py::object& norm_o, double norm_eps, bool x_swiglu,
-                            bool norm_out) {
+                            bool norm_out, int config) {
   auto x = as_c<float>(x_o, "x", 2);
   auto w = as_c<float>(w_o, "w", 2);
   auto y = as_c<float>(y_o, "y", 2);
@@ -794,6 +794,7 @@ py::object linear_skinny_np(const py::object& x_o, const py::object& w_o, const 
   kc::LinearParams lp{dx.as<float>() + x_off, ldx, x_batch, dw.as<float>() + w_off, w_batch, dy.as<float>(), ldy, y_batch,
                       T, N, Kd, batch, (float)beta};
   lp.x_swiglu = x_swiglu ? 1 : 0;
+  lp.force_config = config;
   DevBuf dn;
   if (!norm_o.is_none()) {
     auto g = as_c<float>(norm_o, "norm_w", 1);
@@ -815,6 +816,49 @@ py::object linear_skinny_np(const py::object& x_o, const py::object& w_o, const 
   py::array_t<float> yo = to_numpy<float>(dy, {y.shape(0), y.shape(1)});
   if (!norm_out) return std::move(yo);
   return py::make_tuple(yo, to_numpy<float>(dno, {(int64_t)std::max(T, 1), (int64_t)Kd}));
+}
+
+// linear_skinny on device-only data (uniform values in [-1, 1), seeded): median kernel time of
+// one call, stream-launched and in graphs of `graph_ops` calls (PDL chain, as inside the model
+// step). The weights rotate over copies (up to max(graph_ops, 8) of them, or about 192 MiB in
+// all) so that they come from HBM, not from the 50 MB L2, as in the step.
+py::dict time_linear_skinny(int T, int N, int Kd, int batch, int config, bool norm, bool swiglu, int iters, int warmup,
+                            int graph_ops) {
+  if (T < 1 || N < 1 || Kd < 1 || batch < 1 || graph_ops < 1 || iters < 1)
+    throw kdtree::Error("cuda_time_linear_skinny: sizes, iters and graph_ops must be >= 1");
+  require_device();
+  const size_t wfl = (size_t)batch * N * Kd, xcols = (size_t)(swiglu ? 2 : 1) * Kd;
+  const size_t wbytes = wfl * sizeof(float);
+  const int copies = (int)std::max<size_t>(1, std::min<size_t>((size_t)std::max(graph_ops, 8), ((size_t)192 << 20) / wbytes + 1));
+  DevBuf dw(wbytes * copies), dx(sizeof(float) * (size_t)batch * T * xcols), dy(sizeof(float) * (size_t)batch * T * N),
+      dg(sizeof(float) * Kd);
+  // every float 0x3c3c3c3c = 0.0115 (the kernel's speed does not depend on the values)
+  for (DevBuf* b : {&dw, &dx, &dg}) check_cuda(cudaMemset(b->p, 0x3c, b->bytes), "memset");
+  kc::LinearParams lp{dx.as<float>(), (long long)(batch * xcols), (long long)xcols, dw.as<float>(), (long long)N * Kd,
+                      dy.as<float>(), (long long)batch * N, N, T, N, Kd, batch, 0.f};
+  if (batch == 1) {
+    lp.ldx = (long long)xcols;
+    lp.ldy = N;
+  }
+  lp.x_swiglu = swiglu ? 1 : 0;
+  lp.force_config = config;
+  if (norm) {
+    lp.norm_w = dg.as<float>();
+    lp.norm_eps = 1e-6;
+  }
+  int k = 0;
+  Timing t = time_op(
+      [&](cudaStream_t s) {
+        kc::LinearParams q = lp;
+        q.w = dw.as<float>() + (size_t)(k++ % copies) * wfl;
+        return kc::linear_skinny(q, s);
+      },
+      iters, warmup, graph_ops);
+  py::dict r;
+  put_timing(r, "", t);
+  r["weight_copies"] = copies;
+  r["bytes"] = (double)wbytes;
+  return r;
 }
 
 
@@ -917,9 +961,26 @@ void bind_cuda(py::module_& m) {
         py::arg("Kd"), py::arg("batch") = 1, py::arg("x_batch") = 0, py::arg("w_batch") = 0, py::arg("y_batch") = 0,
         py::arg("beta") = 0.0, py::arg("x_off") = 0, py::arg("w_off") = 0, py::arg("norm_w") = py::none(),
         py::arg("norm_eps") = 1e-6, py::arg("x_swiglu") = false, py::arg("norm_out") = false,
+        py::arg("config") = 0,
         "The skinny linear kernel on host arrays (tests): y[b][t, n] = beta y + sum_k x[b][t, k] w[b][n, k]; "
         "norm_w: the x rows RMSNorm-ed first (T <= 4); x_swiglu: x rows are [gate | up] (2 Kd) and "
-        "silu(gate) * up is the input.");
+        "silu(gate) * up is the input; config: 1 + an index of cuda_linear_skinny_configs() (0 = auto).");
+  m.def("cuda_linear_skinny_configs", []() {
+        py::list l;
+        for (int i = 0; i < kc::linear_skinny_num_configs(); ++i) {
+          const kc::LinearSkinnyConfig c = kc::linear_skinny_config(i);
+          l.append(py::make_tuple(c.RW, c.TT, c.U));
+        }
+        return l;
+      },
+      "The (rows per warp, tokens per slice, k-steps in flight) configurations of linear_skinny; "
+      "config=i+1 forces entry i.");
+  m.def("cuda_time_linear_skinny", &time_linear_skinny, py::arg("T"), py::arg("N"), py::arg("Kd"), py::arg("batch") = 1,
+        py::arg("config") = 0, py::arg("norm") = false, py::arg("swiglu") = false, py::arg("iters") = 50,
+        py::arg("warmup") = 5, py::arg("graph_ops") = 20,
+        "Median time of one linear_skinny call on device-only data (weights rotated past the L2): "
+        "median_ms (stream launches), graph_median_ms (per call in graphs of graph_ops calls), the samples, "
+        "weight_copies and bytes (of one weight copy).");
   m.def("cuda_moe_route_group", &moe_route_group_np, py::arg("logits"), py::arg("bias"), py::arg("E"), py::arg("K"),
         py::arg("G"), py::arg("topk_group"), py::arg("norm_topk_prob"), py::arg("scaling"), py::arg("tile_rows"),
         py::arg("fused"),

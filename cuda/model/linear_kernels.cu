@@ -139,13 +139,13 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
     float inv[NORM ? TT : 1];
     if constexpr (NORM) {
       row_inv_rms<TT>(p, X, T, inv, lane);
-      if (p.norm_out && blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && warp == 0) {
+      if (p.norm_out && blockIdx.x == 0 && blockIdx.y == 0 && warp == 0) {  // each slice its rows
         // the normalised rows for later kernels, rounded as the rmsnorm kernel rounds them
 #pragma unroll
         for (int t = 0; t < TT; ++t)
           if (t < T)
             for (int k = lane; k < Kd; k += 32)
-              p.norm_out[(size_t)t * p.ldn + k] =
+              p.norm_out[(size_t)(t0 + t) * p.ldn + k] =
                   __fmul_rn(__ldg(p.norm_w + k), __fmul_rn(__ldg(X + (size_t)t * p.ldx + k), inv[t]));
       }
     }
@@ -235,7 +235,7 @@ template <int RW, int TT, int U, int KS>
 cudaError_t launch(const LinearParams& p, bool vec, cudaStream_t stream) {
   constexpr int rows_per_block = RW * kLinWarps / KS;
   const dim3 grid((unsigned)((p.N + rows_per_block - 1) / rows_per_block), (unsigned)p.batch,
-                  (unsigned)((p.T + 15) / 16));  // slices of <= 16 tokens (TT >= the slice size)
+                  (unsigned)((p.T + TT - 1) / TT));  // balanced slices of <= TT tokens
   if constexpr (TT <= kLinearNormMaxT) {
     if (p.norm_w) {
       if (vec) launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, 1>, grid, kLinWarps * 32, 0, stream, p);
@@ -266,7 +266,34 @@ cudaError_t launch_fill(const LinearParams& p, bool vec, cudaStream_t stream) {
 
 bool aligned16(const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15u) == 0; }
 
+// The configurations (RW, TT, U) a caller may force (LinearParams::force_config = index + 1),
+// for tests and benchmarks (bench_cuda_skinny_configs.py); the automatic choice below uses
+// entries of the same table.
+constexpr LinearSkinnyConfig kConfigs[] = {
+    {1, 1, 8}, {2, 2, 4}, {2, 4, 4}, {4, 8, 2}, {4, 16, 2}, {4, 1, 1}, {4, 1, 2}, {4, 1, 4}, {2, 8, 2}, {8, 4, 1},
+};
+constexpr int kNumConfigs = sizeof(kConfigs) / sizeof(kConfigs[0]);
+
+cudaError_t launch_config(int i, const LinearParams& p, bool vec, cudaStream_t stream) {
+  switch (i) {
+    case 0: return launch_fill<1, 1, 8>(p, vec, stream);
+    case 1: return launch_fill<2, 2, 4>(p, vec, stream);
+    case 2: return launch_fill<2, 4, 4>(p, vec, stream);
+    case 3: return launch_fill<4, 8, 2>(p, vec, stream);
+    case 4: return launch_fill<4, 16, 2>(p, vec, stream);
+    case 5: return launch_fill<4, 1, 1>(p, vec, stream);
+    case 6: return launch_fill<4, 1, 2>(p, vec, stream);
+    case 7: return launch_fill<4, 1, 4>(p, vec, stream);
+    case 8: return launch_fill<2, 8, 2>(p, vec, stream);
+    case 9: return launch_fill<8, 4, 1>(p, vec, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
 }  // namespace
+
+int linear_skinny_num_configs() { return kNumConfigs; }
+LinearSkinnyConfig linear_skinny_config(int i) { return i >= 0 && i < kNumConfigs ? kConfigs[i] : LinearSkinnyConfig{0, 0, 0}; }
 
 cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream) {
   if (!p.x || !p.w || !p.y || p.T < 0 || p.T > kLinearSkinnyMaxT || p.N <= 0 || p.Kd <= 0 || p.batch <= 0 ||
@@ -275,9 +302,13 @@ cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream) {
   if (p.norm_w && (p.T > kLinearNormMaxT || !(p.norm_eps >= 0.0))) return cudaErrorInvalidValue;
   if (p.x_swiglu && (p.norm_w || p.ldx < 2LL * p.Kd)) return cudaErrorInvalidValue;
   if (p.norm_out && (!p.norm_w || p.ldn < p.Kd || p.batch != 1)) return cudaErrorInvalidValue;
+  if (p.force_config < 0 || p.force_config > kNumConfigs) return cudaErrorInvalidValue;
+  // a forced configuration with the RMSNorm prologue needs a token capacity that has it
+  if (p.force_config > 0 && p.norm_w && kConfigs[p.force_config - 1].TT > kLinearNormMaxT) return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
   const bool vec = p.Kd % 4 == 0 && p.ldx % 4 == 0 && p.x_batch % 4 == 0 && p.w_batch % 4 == 0 && aligned16(p.x) &&
                    aligned16(p.w) && (!p.norm_w || aligned16(p.norm_w));
+  if (p.force_config > 0) return launch_config(p.force_config - 1, p, vec, stream);
   // (RW rows per warp, token capacity, k-steps in flight, warps per row group): chosen on the
   // H200 with benchmarks/bench_cuda_skinny.py (docs/BENCHMARKS.md, "Skinny linear layers vs cuBLAS").
   if (p.T == 1) {

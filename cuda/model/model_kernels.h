@@ -43,7 +43,16 @@ struct LinearParams {
                                   // projection; not with norm_w)
   float* norm_out = nullptr;      // with norm_w: also write the normalised rows [T, ldn] (as the
   long long ldn = 0;              // rmsnorm kernel would), for later consumers of the same input
+  int force_config = 0;           // tests / benchmarks: 1 + an index into the configuration table
+                                  // (linear_skinny_config); 0 = the automatic choice
 };
+// One kernel configuration: RW weight rows per warp, TT token rows per slice (more tokens run in
+// balanced slices along grid.z), U k-steps of loads in flight per lane.
+struct LinearSkinnyConfig {
+  int RW, TT, U;
+};
+int linear_skinny_num_configs();
+LinearSkinnyConfig linear_skinny_config(int i);
 constexpr int kLinearNormMaxT = 4;
 // x_swiglu is exact for any T, but every warp recomputes the SwiGLU of its token rows: it pays
 // only for a few tokens (H200, mini-kimi: the T = 17 dense down projection took 57 us fused

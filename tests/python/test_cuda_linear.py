@@ -194,3 +194,66 @@ def test_swiglu_input_argument_checks():
         N.cuda_linear_skinny(x, w, y, 2, 8, 9, x_swiglu=True)
     with pytest.raises(ValueError):  # not together with the fused RMSNorm
         N.cuda_linear_skinny(x, w, y, 2, 8, 8, x_swiglu=True, norm_w=np.ones(8, np.float32))
+
+
+CONFIGS = list(range(1, len(N.cuda_linear_skinny_configs()) + 1))
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+@pytest.mark.parametrize("T", [1, 3, 9, 17, 40])
+def test_every_forced_configuration(config, T):
+    """Each configuration of the table (forced: config=i+1) on any token count (slices of its
+    token capacity), odd and aligned sizes, batched heads, beta 0 / 1: against float64."""
+    rng = np.random.default_rng(1000 * config + T)
+    for Nn, Kd in ((37, 260), (130, 128), (17, 131), (5, 4)):
+        for beta in (0.0, 1.0):
+            x = rng.standard_normal((T, Kd)).astype(np.float32)
+            w = rng.standard_normal((1, Nn * Kd)).astype(np.float32)
+            y0 = rng.standard_normal((T, Nn)).astype(np.float32)
+            if beta == 0:
+                y0[:] = np.nan
+            got = N.cuda_linear_skinny(x, w, y0, T, Nn, Kd, beta=beta, config=config)
+            Wm = w.reshape(Nn, Kd).astype(np.float64)
+            ref = (y0.astype(np.float64) if beta else 0.0) + x.astype(np.float64) @ Wm.T
+            scale = np.abs(x.astype(np.float64)) @ np.abs(Wm).T + (np.abs(y0) if beta else 0.0)
+            assert np.isfinite(got).all()
+            assert (np.abs(got - ref) <= 1e-5 * scale + 1e-30).all(), (Nn, Kd, beta)
+    # batched head layout (W_UK-like)
+    x = rng.standard_normal((T, 4 * 40)).astype(np.float32)
+    w = rng.standard_normal((1, 4 * 24 * 36)).astype(np.float32)
+    y0 = np.full((T, 4 * 24), np.nan, np.float32)
+    got = N.cuda_linear_skinny(x, w, y0, T, 24, 36, 4, 40, 24 * 36, 24, config=config)
+    for b in range(4):
+        Wm = w.reshape(4, 24, 36)[b].astype(np.float64)
+        X = x[:, b * 40: b * 40 + 36].astype(np.float64)
+        ref = X @ Wm.T
+        assert (np.abs(got[:, b * 24:(b + 1) * 24] - ref) <= 1e-5 * (np.abs(X) @ np.abs(Wm).T) + 1e-30).all()
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_forced_configuration_prologues(config):
+    """The RMSNorm prologue (and its normalised rows) with every configuration that holds <= 4
+    tokens per slice (others refuse it: ValueError), the SwiGLU prologue with all."""
+    rng = np.random.default_rng(config)
+    RW, TT, U = N.cuda_linear_skinny_configs()[config - 1]
+    T, Nn, Kd = 4, 70, 384
+    x = (rng.standard_normal((T, 2 * Kd)) * 2).astype(np.float32)
+    w = rng.standard_normal((1, Nn * Kd)).astype(np.float32)
+    g = rng.uniform(0.5, 1.5, Kd).astype(np.float32)
+    y0 = np.full((T, Nn), np.nan, np.float32)
+    Wm = w.reshape(Nn, Kd).astype(np.float64)
+    if TT <= 4:
+        got, normed = N.cuda_linear_skinny(x, w, y0, T, Nn, Kd, norm_w=g, norm_eps=1e-6, norm_out=True, config=config)
+        xd = x[:, :Kd].astype(np.float64)
+        xn = g * xd / np.sqrt((xd ** 2).mean(axis=1, keepdims=True) + 1e-6)
+        assert (np.abs(normed - xn) <= 1e-6 * np.abs(xn) + 1e-30).all()
+        assert (np.abs(got - xn @ Wm.T) <= 1e-5 * (np.abs(xn) @ np.abs(Wm).T) + 1e-30).all()
+    else:
+        with pytest.raises(ValueError):
+            N.cuda_linear_skinny(x, w, y0, T, Nn, Kd, norm_w=g, config=config)
+    got = N.cuda_linear_skinny(x, w, y0, T, Nn, Kd, x_swiglu=True, config=config)
+    gg, u = x[:, :Kd].astype(np.float64), x[:, Kd:].astype(np.float64)
+    xs = gg / (1.0 + np.exp(-gg)) * u
+    assert (np.abs(got - xs @ Wm.T) <= 2e-5 * (np.abs(xs) @ np.abs(Wm).T) + 1e-30).all()
+    with pytest.raises(ValueError):
+        N.cuda_linear_skinny(x, w, y0, T, Nn, Kd, config=len(CONFIGS) + 1)
