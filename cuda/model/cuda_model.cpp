@@ -39,9 +39,6 @@ constexpr int64_t kCublasWorkspace = 32ll << 20;
 // Steps of up to this many tokens run the dense projections through cuda::linear_skinny (the
 // crossover with cuBLAS measured on the H200, docs/BENCHMARKS.md "Skinny linear layers vs cuBLAS").
 constexpr int64_t kSkinnyAutoMaxT = 20;  // 17 = B 16 verify: 1.05x; 24: 0.95x
-// Steps of up to this many tokens run the MoE's down projections and combine as one kernel
-// (cuda::moe_down_combine; measured with benchmarks/bench_cuda_step_options.py, docs/BENCHMARKS.md).
-constexpr int64_t kMoeDownFuseAutoMaxT = 1;
 
 std::string mib(int64_t bytes) {
   char b[64];
@@ -93,10 +90,6 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     throw Error("CudaModel: skinny_max_tokens must be -1 (auto) or in [0, " + std::to_string(cuda::kLinearSkinnyMaxT) +
                 "], got " + std::to_string(opt.skinny_max_tokens));
   skinny_max_t_ = opt.skinny_max_tokens < 0 ? kSkinnyAutoMaxT : opt.skinny_max_tokens;
-  if (opt.moe_down_fuse_max_tokens < -1 || opt.moe_down_fuse_max_tokens > cuda::kMoeDownFuseMaxT)
-    throw Error("CudaModel: moe_down_fuse_max_tokens must be -1 (auto) or in [0, " +
-                std::to_string(cuda::kMoeDownFuseMaxT) + "], got " + std::to_string(opt.moe_down_fuse_max_tokens));
-  moe_down_fuse_max_t_ = opt.moe_down_fuse_max_tokens < 0 ? kMoeDownFuseAutoMaxT : opt.moe_down_fuse_max_tokens;
   const int64_t Dm = c.hidden_size, H = c.num_attention_heads, C = c.kv_lora_rank, R = c.qk_rope_head_dim;
   const int64_t Dn = c.qk_nope_head_dim, Dv = c.v_head_dim, Dqk = c.qk_head_dim(), CR = C + R;
   const int64_t qr = c.q_lora_rank, V = c.vocab_size, Tm = max_tokens_;
@@ -667,7 +660,8 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   }
   // Few tokens: the routed and shared down projections and the combine in one kernel (the same
   // results as the three launches below; model_kernels.h).
-  if (skinny && T <= moe_down_fuse_max_t_ && K <= cuda::kMoeDownFuseMaxK && (Is == 0 || merged)) {
+  if (skinny && opt_.fuse_moe_down && T <= cuda::kMoeDownFuseMaxT && K <= cuda::kMoeDownFuseMaxK &&
+      (Is == 0 || merged)) {
     cuda::MoeDownCombineParams dp{};
     dp.act = act_;
     dp.w = ly.experts_down;

@@ -43,10 +43,8 @@ struct CudaModelOptions {
   int expert_kernel = 0;         // kExpertAuto, kExpertSkinny (GEMV-style), kExpertTiled (testing/benchmarks)
   int skinny_max_tokens = -1;    // steps of <= this many tokens run the dense projections through
                                  // linear_skinny instead of cuBLAS; -1 = auto, 0 = never (cuBLAS only)
-  int moe_down_fuse_max_tokens = -1;  // steps of <= this many tokens run the routed + shared down
-                                      // projections and the MoE combine as one kernel
-                                      // (cuda::moe_down_combine, same results): -1 = auto, 0 = never,
-                                      // up to cuda::kMoeDownFuseMaxT
+  bool fuse_moe_down = true;     // steps of <= 4 tokens: routed + shared down projections and the MoE
+                                 // combine as one kernel (cuda::moe_down_combine; same results)
   bool graphs = true;            // forward_device replays a CUDA graph per (T, context bucket, buffers) from
                                  // the second call with the same shape on (docs/CUDA_MODEL.md)
   static constexpr int kMathDefault = 0, kMathPedantic = 1, kMathTf32 = 2;
@@ -202,7 +200,6 @@ class CudaModel : public TargetModel {
   ModelConfig cfg_;
   int64_t max_seq_len_ = 0, max_tokens_ = 0;
   int64_t skinny_max_t_ = 0;  // resolved opt_.skinny_max_tokens
-  int64_t moe_down_fuse_max_t_ = 0;  // resolved opt_.moe_down_fuse_max_tokens
   CudaModelOptions opt_;
   std::string device_name_;
   void* stream_ = nullptr;          // cudaStream_t

@@ -745,15 +745,15 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(MoeCombine
 }
 
 // ---------------------------------------------------------------- fused MoE down + combine
-// Grid ceil(Dm / kDcCols) blocks of (K + 1) warps (K without a shared expert): the block owns
-// output columns nb .. nb + kDcCols - 1; warp j < K computes pick j's down projection of those
-// columns for every token (the expert_gemv_kernel layout: lane l covers the float4 columns
-// l + 32 s of each weight row, wdot per k-step in ascending order, a butterfly per output), warp
-// K the shared expert's (SwiGLU of the [gate | up] row on the fly; linear_skinny's fmaf chain and
-// warp_sum). The results meet in shared memory; then one thread per (token, column) adds them in
-// ascending expert order, then the shared output, then the residual (moe_combine_kernel's
-// rounding). The same parallelism as the expert GEMV (four weight rows per warp) in one launch.
-constexpr int kDcCols = 4, kDcMaxK = kMoeDownFuseMaxK, kDcMaxT = kMoeDownFuseMaxT;
+// Grid ceil(Dm / (kDcWarps * kDcCols)), kDcWarps * 32 threads; warp w owns the output columns
+// nb, nb + 1 and goes through the T tokens one after the other. Per token: the K picks' slots,
+// weights and experts (every lane reads them; K <= 8), their ranks in ascending expert order
+// (the combine's order); then per k-step every pick's act row and its two weight rows (all
+// issued before the FMAs: 3 K float4 loads per lane) and the shared expert's SwiGLU input and
+// rows. Lane / k-step layout and summation as expert_gemv_kernel (wdot, a butterfly per output)
+// and linear_skinny_kernel (fmaf chain, warp_sum), the combine as moe_combine_kernel.
+constexpr int kDcWarps = 4, kDcCols = 2, kDcMaxK = kMoeDownFuseMaxK;
+static_assert(kDcMaxK <= 32, "picks per token");
 
 __device__ __forceinline__ float fma4(const float4& w, const float4& x, float acc) {
   acc = fmaf(w.x, x.x, acc);
@@ -764,107 +764,110 @@ __device__ __forceinline__ float fma4(const float4& w, const float4& x, float ac
 __device__ __forceinline__ float fma4(float w, float x, float acc) { return fmaf(w, x, acc); }
 
 template <bool VE, bool VS>
-__global__ void __launch_bounds__((kDcMaxK + 1) * 32) moe_down_combine_kernel(MoeDownCombineParams p) {
+__global__ void __launch_bounds__(kDcWarps * 32) moe_down_combine_kernel(MoeDownCombineParams p) {
   using ET = typename std::conditional<VE, float4, float>::type;
   using ST = typename std::conditional<VS, float4, float>::type;
   constexpr int EW = VE ? 4 : 1, SW = VS ? 4 : 1;  // floats per lane and k-step
-  __shared__ float ys[kDcMaxT][kDcMaxK + 1][kDcCols];
   pdl_trigger();
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, tid = threadIdx.x;
-  const int K = p.K, I = p.I, Dm = p.Dm, Is = p.Is, T = p.T;
-  const int nb = blockIdx.x * kDcCols, ncol = min(kDcCols, Dm - nb);
-  const float* wrow[kDcCols];
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int nb = (blockIdx.x * kDcWarps + warp) * kDcCols;
+  const int K = p.K, I = p.I, Dm = p.Dm, Is = p.Is;
+  const bool sh = p.shared_gu != nullptr;
   pdl_wait();
-  if (warp < K) {  // pick `warp` of each token
-    for (int t = 0; t < T; ++t) {
-      const int e = __ldg(p.topk_idx + t * K + warp), slot = __ldg(p.slot_of + t * K + warp);
-      const bool ok = e >= 0 && e < p.E;
-      float acc[kDcCols];
-#pragma unroll
-      for (int c = 0; c < kDcCols; ++c) {
-        acc[c] = 0.f;
-        wrow[c] = p.w + ((size_t)(ok ? e : 0) * Dm + nb + min(c, ncol - 1)) * I;
-      }
-      const float* xr = p.act + (size_t)(ok ? slot : 0) * I;
-      const int steps = (I + 32 * EW - 1) / (32 * EW);
-#pragma unroll 2
-      for (int s = 0; s < steps; ++s) {
-        const int k = (s * 32 + lane) * EW;
-        if (ok && k < I) {
-          const ET xv = ldg_vec<ET>(xr + k);
-          ET wv[kDcCols];
-#pragma unroll
-          for (int c = 0; c < kDcCols; ++c) wv[c] = ldg_vec<ET>(wrow[c] + k);
-#pragma unroll
-          for (int c = 0; c < kDcCols; ++c) acc[c] = wdot(wv[c], xv, acc[c]);
-        }
-      }
-#pragma unroll
-      for (int c = 0; c < kDcCols; ++c)
-        for (int o = 16; o > 0; o >>= 1) acc[c] += __shfl_xor_sync(kFull, acc[c], o);
-      if (lane == 0) {
-#pragma unroll
-        for (int c = 0; c < kDcCols; ++c) ys[t][warp][c] = ok ? acc[c] : __int_as_float(0x7fc00000);
-      }
-    }
-  } else if (warp == K && p.shared_gu) {  // the shared expert
-#pragma unroll
-    for (int c = 0; c < kDcCols; ++c) wrow[c] = p.shared_w + (size_t)(nb + min(c, ncol - 1)) * Is;
-    for (int t = 0; t < T; ++t) {
-      const float* g = p.shared_gu + (size_t)t * p.ld_sgu;
-      float acc[kDcCols];
-#pragma unroll
-      for (int c = 0; c < kDcCols; ++c) acc[c] = 0.f;
-      const int steps = (Is + 32 * SW - 1) / (32 * SW);
-#pragma unroll 2
-      for (int s = 0; s < steps; ++s) {
-        const int k = (s * 32 + lane) * SW;
-        if (k < Is) {
-          ST wv[kDcCols];
-#pragma unroll
-          for (int c = 0; c < kDcCols; ++c) wv[c] = ldg_vec<ST>(wrow[c] + k);
-          const ST x = silu_mul(ldg_vec<ST>(g + k), ldg_vec<ST>(g + Is + k));
-#pragma unroll
-          for (int c = 0; c < kDcCols; ++c) acc[c] = fma4(wv[c], x, acc[c]);
-        }
-      }
-#pragma unroll
-      for (int c = 0; c < kDcCols; ++c)
-        for (int o = 16; o > 0; o >>= 1) acc[c] += __shfl_xor_sync(kFull, acc[c], o);
-      if (lane == 0) {
-#pragma unroll
-        for (int c = 0; c < kDcCols; ++c) ys[t][K][c] = acc[c];
-      }
-    }
-  }
-  __syncthreads();
-  if (tid >= T * kDcCols) return;
-  const int t = tid / kDcCols, c = tid % kDcCols;
-  if (c >= ncol) return;
-  int ex[kDcMaxK];
-  float wt[kDcMaxK];
-#pragma unroll
-  for (int j = 0; j < kDcMaxK; ++j) {
-    ex[j] = j < K ? __ldg(p.topk_idx + t * K + j) : 0;
-    wt[j] = j < K ? __ldg(p.topk_w + t * K + j) : 0.f;
-  }
-  float a = 0.f;
-#pragma unroll
-  for (int r = 0; r < kDcMaxK; ++r) {  // the pick of rank r in (expert, pick) order
-    if (r >= K) break;
+  if (nb >= Dm) return;  // no block barrier
+  const int ncol = min(kDcCols, Dm - nb);
+  for (int t = 0; t < p.T; ++t) {
+    int ex[kDcMaxK], slot[kDcMaxK], rank[kDcMaxK];
+    float wt[kDcMaxK];
 #pragma unroll
     for (int j = 0; j < kDcMaxK; ++j) {
-      if (j >= K) break;
-      int rank = 0;
+      ex[j] = -1;
+      slot[j] = 0;
+      wt[j] = 0.f;
+      if (j < K) {
+        ex[j] = __ldg(p.topk_idx + t * K + j);
+        slot[j] = __ldg(p.slot_of + t * K + j);
+        wt[j] = __ldg(p.topk_w + t * K + j);
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < kDcMaxK; ++j) {
+      rank[j] = 0;
 #pragma unroll
       for (int i = 0; i < kDcMaxK; ++i)
-        if (i < K) rank += (ex[i] < ex[j] || (ex[i] == ex[j] && i < j)) ? 1 : 0;
-      if (rank == r) a = __fadd_rn(a, __fmul_rn(ys[t][j][c], wt[j]));
+        if (i < K && j < K) rank[j] += (ex[i] < ex[j] || (ex[i] == ex[j] && i < j)) ? 1 : 0;
+    }
+    float acc[kDcMaxK][kDcCols];
+#pragma unroll
+    for (int j = 0; j < kDcMaxK; ++j)
+#pragma unroll
+      for (int c = 0; c < kDcCols; ++c) acc[j][c] = 0.f;
+    const int esteps = (I + 32 * EW - 1) / (32 * EW);
+    for (int s = 0; s < esteps; ++s) {
+      const int k = (s * 32 + lane) * EW;
+      ET xv[kDcMaxK], wv[kDcMaxK][kDcCols];
+#pragma unroll
+      for (int j = 0; j < kDcMaxK; ++j) {
+        const bool ok = j < K && ex[j] >= 0 && ex[j] < p.E && k < I;
+        if (ok) xv[j] = ldg_vec<ET>(p.act + (size_t)slot[j] * I + k);
+        else vzero(xv[j]);
+#pragma unroll
+        for (int c = 0; c < kDcCols; ++c) {
+          if (ok) wv[j][c] = ldg_vec<ET>(p.w + ((size_t)ex[j] * Dm + nb + min(c, ncol - 1)) * I + k);
+          else vzero(wv[j][c]);
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < kDcMaxK; ++j)
+        if (j < K && k < I)
+#pragma unroll
+          for (int c = 0; c < kDcCols; ++c) acc[j][c] = wdot(wv[j][c], xv[j], acc[j][c]);
+    }
+    float sacc[kDcCols];
+#pragma unroll
+    for (int c = 0; c < kDcCols; ++c) sacc[c] = 0.f;
+    if (sh) {
+      const float* g = p.shared_gu + (size_t)t * p.ld_sgu;
+      const int ssteps = (Is + 32 * SW - 1) / (32 * SW);
+      for (int s = 0; s < ssteps; ++s) {
+        const int k = (s * 32 + lane) * SW;
+        if (k < Is) {
+          const ST x = silu_mul(ldg_vec<ST>(g + k), ldg_vec<ST>(g + Is + k));
+#pragma unroll
+          for (int c = 0; c < kDcCols; ++c)
+            sacc[c] = fma4(ldg_vec<ST>(p.shared_w + (size_t)(nb + min(c, ncol - 1)) * Is + k), x, sacc[c]);
+        }
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+#pragma unroll
+      for (int j = 0; j < kDcMaxK; ++j)
+#pragma unroll
+        for (int c = 0; c < kDcCols; ++c) acc[j][c] += __shfl_xor_sync(kFull, acc[j][c], o);
+#pragma unroll
+      for (int c = 0; c < kDcCols; ++c) sacc[c] += __shfl_xor_sync(kFull, sacc[c], o);
+    }
+#pragma unroll
+    for (int c = 0; c < kDcCols; ++c) {
+      if (lane != c || c >= ncol) continue;
+      float a = 0.f;
+#pragma unroll
+      for (int r = 0; r < kDcMaxK; ++r) {
+        if (r >= K) break;
+#pragma unroll
+        for (int j = 0; j < kDcMaxK; ++j) {
+          if (j < K && rank[j] == r) {
+            const bool ok = ex[j] >= 0 && ex[j] < p.E;
+            a = __fadd_rn(a, __fmul_rn(ok ? acc[j][c] : __int_as_float(0x7fc00000), wt[j]));
+          }
+        }
+      }
+      if (sh) a = __fadd_rn(a, sacc[c]);
+      float* o = p.out + (size_t)t * Dm + nb + c;
+      *o = __fadd_rn(*o, a);
     }
   }
-  if (p.shared_gu) a = __fadd_rn(a, ys[t][K][c]);
-  float* o = p.out + (size_t)t * Dm + nb + c;
-  *o = __fadd_rn(*o, a);
 }
 
 // ---------------------------------------------------------------- cache compaction
@@ -1079,12 +1082,12 @@ cudaError_t moe_down_combine(const MoeDownCombineParams& p, cudaStream_t stream)
   // weights) and linear_skinny (the shared [gate | up] rows and weights)
   const bool ve = p.I % 4 == 0 && al16(p.act) && al16(p.w);
   const bool vs = !p.shared_gu || (p.Is % 4 == 0 && p.ld_sgu % 4 == 0 && al16(p.shared_gu) && al16(p.shared_w));
-  const dim3 grid((unsigned)((p.Dm + kDcCols - 1) / kDcCols));
-  const int threads = (p.K + (p.shared_gu ? 1 : 0)) * 32;  // >= T * kDcCols (the combine's threads)
-  if (ve && vs) launch_kernel(moe_down_combine_kernel<true, true>, grid, threads, 0, stream, p);
-  else if (ve) launch_kernel(moe_down_combine_kernel<true, false>, grid, threads, 0, stream, p);
-  else if (vs) launch_kernel(moe_down_combine_kernel<false, true>, grid, threads, 0, stream, p);
-  else launch_kernel(moe_down_combine_kernel<false, false>, grid, threads, 0, stream, p);
+  const int cols = kDcWarps * kDcCols;
+  const dim3 grid((unsigned)((p.Dm + cols - 1) / cols));
+  if (ve && vs) launch_kernel(moe_down_combine_kernel<true, true>, grid, kDcWarps * 32, 0, stream, p);
+  else if (ve) launch_kernel(moe_down_combine_kernel<true, false>, grid, kDcWarps * 32, 0, stream, p);
+  else if (vs) launch_kernel(moe_down_combine_kernel<false, true>, grid, kDcWarps * 32, 0, stream, p);
+  else launch_kernel(moe_down_combine_kernel<false, false>, grid, kDcWarps * 32, 0, stream, p);
   return cudaGetLastError();
 }
 

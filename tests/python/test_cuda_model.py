@@ -321,12 +321,12 @@ def test_expert_kernels_match_cpu(name, expert_kernel):
 @needs_device
 @pytest.mark.parametrize("name", ["ds3_base", "kimi_like", "no_q_lora", "tied_nonorm", "odd_sizes", "mla512", "k8"])
 def test_fused_moe_down_equals_three_kernels(name):
-    """Steps of 1..4 tokens (decode, a tiny tree) with the routed and shared down projections and
-    the MoE combine as one kernel (moe_down_combine, moe_down_fuse_max_tokens=4): the logits equal
-    those of the three separate kernels (moe_down_fuse_max_tokens=0) bit for bit, and the CPU
-    model's within TOL; a step of 5 tokens takes the separate kernels either way."""
-    cpu, fused, cfg = pair(spec(name), max_seq_len=200, moe_down_fuse_max_tokens=4)
-    _, plain, _ = pair(spec(name), max_seq_len=200, moe_down_fuse_max_tokens=0)
+    """Steps of 1..4 tokens (decode, a tiny tree) run the routed and shared down projections and
+    the MoE combine as one kernel (moe_down_combine): the logits equal those of the three
+    separate kernels (fuse_moe_down=False) bit for bit, and the CPU model's within TOL; a step
+    of 5 tokens takes the separate kernels either way."""
+    cpu, fused, cfg = pair(spec(name), max_seq_len=200)
+    _, plain, _ = pair(spec(name), max_seq_len=200, fuse_moe_down=False)
     ids = prompt(cfg.vocab_size, 24, seed=31)
     for m in (cpu, fused, plain):
         prefill(m, ids)
@@ -345,8 +345,6 @@ def test_fused_moe_down_equals_three_kernels(name):
         decode(m, 7)
     t = [3]
     assert np.array_equal(fused.forward(t, [fused.cache_len], None), plain.forward(t, [plain.cache_len], None))
-    with pytest.raises(ValueError, match="moe_down_fuse_max_tokens"):
-        _native.CudaModel(cfg.to_native(), 64, moe_down_fuse_max_tokens=5)
 
 
 @pytest.mark.cuda
