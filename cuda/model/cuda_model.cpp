@@ -658,29 +658,6 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
     cuda::SwigluParams sp{gu_, (int)A, (int)Ie, nullptr, act_};
     check_cuda(cuda::swiglu(sp, st), "swiglu(experts)");
   }
-  // Few tokens: the routed and shared down projections and the combine in one kernel (the same
-  // results as the three launches below; model_kernels.h).
-  if (skinny && opt_.fuse_moe_down && T <= cuda::kMoeDownFuseMaxT && K <= cuda::kMoeDownFuseMaxK &&
-      (Is == 0 || merged)) {
-    cuda::MoeDownCombineParams dp{};
-    dp.act = act_;
-    dp.w = ly.experts_down;
-    dp.topk_idx = topk_idx_;
-    dp.topk_w = topk_w_;
-    dp.slot_of = slot_of_;
-    dp.shared_gu = Is > 0 ? router_logits_ + E : nullptr;
-    dp.ld_sgu = ldr;
-    dp.shared_w = Is > 0 ? ly.shared_down : nullptr;
-    dp.Is = (int)Is;
-    dp.T = (int)T;
-    dp.K = (int)K;
-    dp.E = (int)E;
-    dp.Dm = (int)Dm;
-    dp.I = (int)Ie;
-    dp.out = x_;
-    check_cuda(cuda::moe_down_combine(dp, st), "moe_down_combine");
-    return;
-  }
   // down: ye[slot] = act[slot] @ Wd_e^T
   xp.x = act_;
   xp.ldx = (int)Ie;

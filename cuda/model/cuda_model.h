@@ -43,8 +43,6 @@ struct CudaModelOptions {
   int expert_kernel = 0;         // kExpertAuto, kExpertSkinny (GEMV-style), kExpertTiled (testing/benchmarks)
   int skinny_max_tokens = -1;    // steps of <= this many tokens run the dense projections through
                                  // linear_skinny instead of cuBLAS; -1 = auto, 0 = never (cuBLAS only)
-  bool fuse_moe_down = true;     // steps of <= 4 tokens: routed + shared down projections and the MoE
-                                 // combine as one kernel (cuda::moe_down_combine; same results)
   bool graphs = true;            // forward_device replays a CUDA graph per (T, context bucket, buffers) from
                                  // the second call with the same shape on (docs/CUDA_MODEL.md)
   static constexpr int kMathDefault = 0, kMathPedantic = 1, kMathTf32 = 2;

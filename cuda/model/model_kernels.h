@@ -206,33 +206,6 @@ struct MoeCombineParams {
 };
 cudaError_t moe_combine(const MoeCombineParams& p, cudaStream_t stream);
 
-// ---------------------------------------------------------------- fused MoE down + combine
-// Decode and tiny trees (T <= kMoeDownFuseMaxT, K <= kMoeDownFuseMaxK): the routed experts' down
-// projections, the shared expert's (SwiGLU of its [gate | up] row, then its down projection) and
-// the combine in one kernel, instead of expert_gemm(down) + linear_skinny(x_swiglu) + moe_combine:
-//   out[t, n] += sum over the token's picks in ascending expert order of w * (act[slot] . Wd_e[n])
-//                + (silu(g_t) * u_t) . Ws[n]
-// Every product is summed in the order of those three kernels (the lane / k-step layout of
-// expert_gemm's GEMV kernel and of linear_skinny with one warp per row group, the combine's
-// rounding), so the result equals theirs bit for bit when linear_skinny splits no k-steps over
-// warps (shared Is < 2048 at T = 1, < 1024 at T = 2..4) and both use the same (float4 / scalar)
-// loads; otherwise it differs by rounding only.
-struct MoeDownCombineParams {
-  const float* act;        // [A, I] routed SwiGLU outputs by slot (ld = I)
-  const float* w;          // [E, Dm, I] experts' down weights
-  const int32_t* topk_idx; // [T, K]
-  const float* topk_w;     // [T, K]
-  const int32_t* slot_of;  // [T * K]
-  const float* shared_gu;  // [T, ld_sgu]: the shared expert's gate [0, Is) and up [Is, 2 Is), or nullptr
-  long long ld_sgu;
-  const float* shared_w;   // [Dm, Is] the shared expert's down weights (with shared_gu)
-  int Is;
-  int T, K, E, Dm, I;
-  float* out;              // [T, Dm] the residual stream, added to
-};
-constexpr int kMoeDownFuseMaxT = 4, kMoeDownFuseMaxK = 8;
-cudaError_t moe_down_combine(const MoeDownCombineParams& p, cudaStream_t stream);
-
 // ---------------------------------------------------------------- cache compaction
 // For every layer: row L + j <- row L + keep[j], j < *count (keep strictly increasing, so
 // keep[j] >= j); chunked read-all-then-write, safe in place. One block per layer.
