@@ -1,0 +1,79 @@
+"""A/B of CudaModel options inside the mini-kimi forward step (H200): the graph-replayed step time
+of T new tokens (causal) with the default options and with each variant given on the command
+line, same weights, same run, interleaved lease noise aside. For a fusion or kernel switch that
+has a CudaModel option, this is the in-step measurement (neighbouring kernels overlap through
+programmatic dependent launch, which isolated kernel timings miss).
+
+    python3 benchmarks/bench_cuda_step_options.py --variant cublas:skinny_max_tokens=0 \\
+        [--tokens 1 2 4 17] [--contexts 512] [--reps 20] [--json FILE]
+
+A variant is LABEL:NAME=VALUE[,NAME=VALUE...]; VALUE is an int, 0/1 for booleans given as
+true/false, or a string.
+"""
+import argparse
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "..", "tests", "python"))
+
+
+def parse_variant(text):
+    label, _, spec = text.partition(":")
+    if not label or not spec:
+        raise SystemExit(f"--variant {text!r}: expected LABEL:NAME=VALUE[,NAME=VALUE...]")
+    kwargs = {}
+    for item in spec.split(","):
+        name, eq, value = item.partition("=")
+        if not eq:
+            raise SystemExit(f"--variant {text!r}: {item!r} is not NAME=VALUE")
+        low = value.lower()
+        if low in ("true", "false"):
+            kwargs[name] = low == "true"
+        else:
+            try:
+                kwargs[name] = int(value)
+            except ValueError:
+                kwargs[name] = value
+    return label, kwargs
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--variant", action="append", required=True, help="LABEL:NAME=VALUE[,NAME=VALUE...]")
+    ap.add_argument("--tokens", type=int, nargs="*", default=[1, 2, 4, 17])
+    ap.add_argument("--contexts", type=int, nargs="*", default=[512])
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--ckpt", default="/tmp/kn_mini_kimi")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args()
+    import torch
+    from bench_cuda_model import step_times
+
+    variants = {"default": {}}
+    for v in args.variant:
+        label, kwargs = parse_variant(v)
+        variants[label] = kwargs
+    labels = list(variants)
+    print(f"## mini-kimi step with CudaModel options ({torch.cuda.get_device_name(0)}, graph replay, "
+          f"median of {args.reps}, ms)")
+    print("variants: " + "; ".join(f"{k} = {v or 'defaults'}" for k, v in variants.items()))
+    print("| context | T | " + " | ".join(labels) + " | " + " | ".join(f"{k} / default" for k in labels[1:]) + " |")
+    print("|---:|---:|" + "---:|" * (2 * len(labels) - 1))
+    rows = []
+    for L in args.contexts:
+        res = step_times(args.ckpt, variants, args.tokens, context=L, reps=args.reps)
+        for T in args.tokens:
+            ms = {k: res[(k, T)] * 1e3 for k in labels}
+            rows.append(dict(context=L, T=T, **{f"{k}_ms": v for k, v in ms.items()}))
+            print(f"| {L} | {T} | " + " | ".join(f"{ms[k]:.3f}" for k in labels) + " | " +
+                  " | ".join(f"{ms[k] / ms['default']:.3f}" for k in labels[1:]) + " |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
