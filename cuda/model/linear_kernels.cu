@@ -7,9 +7,10 @@
 // 0.3-1 TB/s). Measured on the H200 (docs/BENCHMARKS.md, "Skinny linear layers vs cuBLAS"):
 // the whole mini-kimi step is 1.1-1.35x faster with this kernel for T = 1..16; a single block
 // of more token accumulators lost to cuBLAS (issue-bound: ~11 cycles per instruction with few
-// warps per SM). Up to 64 tokens are accepted, in balanced slices of <= 16 along grid.z (each
-// slice streams the weights again, mostly from L2): 1.05x cuBLAS at T = 17, 0.95x at 24, so
-// CudaModel uses it up to 20 tokens by default. Here every lane streams 16-byte weight loads,
+// warps per SM). Up to 64 tokens are accepted, in balanced slices of at most the configuration's
+// token capacity TT along grid.z (each slice streams the weights again, mostly from L2); the
+// configuration (RW, TT, U) is picked per shape (auto_config below, measured per projection).
+// At T = 17 the step was 1.05x cuBLAS, 0.95x at 24, so CudaModel uses it up to 20 tokens. Here every lane streams 16-byte weight loads,
 // U k-steps of RW rows issued
 // before any FMA, and the few token rows come through L1 (__ldg; the weight bypasses L1 so that
 // they stay). Deterministic: no atomics; per output a lane sums its k-steps in ascending order,
@@ -290,6 +291,40 @@ cudaError_t launch_config(int i, const LinearParams& p, bool vec, cudaStream_t s
   }
 }
 
+// The automatic choice: an index into kConfigs from the token count, the row length Kd, the
+// batch (heads) and the weight bytes. Measured on the H200 per projection of the mini-kimi step
+// and per T with benchmarks/bench_cuda_skinny_configs.py (docs/BENCHMARKS.md, "Skinny linear
+// configurations"); in words:
+// * T = 1: enough loads in flight per lane with few blocks: four rows per warp with as many
+//   k-steps as a row of < 2048 floats has (up to 4; 8 rows of 4 tokens' capacity for 256), one
+//   row and 8 k-steps for longer rows (o_proj, the dense down projection);
+// * T = 2..4: slices of one token (four rows, 2-4 k-steps: the other slices re-read the weights
+//   from the L2) unless the weights do not stay in the L2 (> 16 MB: lm_head, the dense gate/up)
+//   or the rows are short (W_UK): then 8 rows x 4 tokens; per-head products with rows <= 512
+//   (W_UV): 4 rows x 8 tokens; rows >= 2048 without the SwiGLU prologue (o_proj): 2 rows x 4;
+// * T >= 5: short rows (<= 256, or <= 512 per head: W_UK, W_UV, the shared down projection):
+//   8 rows x 4-token slices; else 4 rows x 8 or 16 tokens (slices of 16).
+// The scalar path (unaligned rows) keeps the first tuning: one configuration per token count.
+// The per-output summation order differs between configurations (warp reductions), so this
+// choice is a pure function of the shapes: deterministic results for a given model.
+int auto_config(const LinearParams& p, bool vec) {
+  enum { c1x8 = 0, c2x2 = 1, c2x4 = 2, c4x8 = 3, c4x16 = 4, c4t1u1 = 5, c4t1u2 = 6, c4t1u4 = 7, c8x4 = 9 };
+  const int T = p.T, Kd = p.Kd;
+  if (!vec) return T == 1 ? c1x8 : T == 2 ? c2x2 : T <= 4 ? c2x4 : T <= 8 ? c4x8 : c4x16;
+  const bool big = (long long)p.N * Kd * p.batch * 4 > (16ll << 20);
+  const bool heads = p.batch > 1 && Kd <= 512 && !p.norm_w;
+  if (T == 1) return Kd <= 128 ? c4t1u1 : Kd <= 256 ? c8x4 : Kd < 2048 ? c4t1u4 : c1x8;
+  if (T <= 4) {
+    if (big || Kd <= 128) return c8x4;
+    if (heads) return c4x8;
+    if (T == 2) return c4t1u4;
+    if (Kd >= 2048 && !p.x_swiglu) return c2x4;
+    return Kd <= 512 ? c4t1u2 : c4t1u4;
+  }
+  if (Kd <= 256 || heads) return c8x4;
+  return T <= 8 ? c4x8 : c4x16;
+}
+
 }  // namespace
 
 int linear_skinny_num_configs() { return kNumConfigs; }
@@ -309,21 +344,7 @@ cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream) {
   const bool vec = p.Kd % 4 == 0 && p.ldx % 4 == 0 && p.x_batch % 4 == 0 && p.w_batch % 4 == 0 && aligned16(p.x) &&
                    aligned16(p.w) && (!p.norm_w || aligned16(p.norm_w));
   if (p.force_config > 0) return launch_config(p.force_config - 1, p, vec, stream);
-  // (RW rows per warp, token capacity, k-steps in flight, warps per row group): chosen on the
-  // H200 with benchmarks/bench_cuda_skinny.py (docs/BENCHMARKS.md, "Skinny linear layers vs cuBLAS").
-  if (p.T == 1) {
-    // Short rows (W_UK: 128 floats, q_b: q_lora_rank): one row per warp leaves each lane one or
-    // two loads and thousands of tiny blocks; four rows per warp issue as many loads per lane
-    // with a quarter of the blocks.
-    if (vec && p.Kd <= 128) return launch_fill<4, 1, 1>(p, vec, stream);
-    if (vec && p.Kd <= 256) return launch_fill<4, 1, 2>(p, vec, stream);
-    if (vec && p.Kd <= 512) return launch_fill<4, 1, 4>(p, vec, stream);
-    return launch_fill<1, 1, 8>(p, vec, stream);
-  }
-  if (p.T == 2) return launch_fill<2, 2, 4>(p, vec, stream);
-  if (p.T <= 4) return launch_fill<2, 4, 4>(p, vec, stream);
-  if (p.T <= 8) return launch_fill<4, 8, 2>(p, vec, stream);
-  return launch_fill<4, 16, 2>(p, vec, stream);  // > 16 tokens: balanced slices of <= 16 (grid.z)
+  return launch_config(auto_config(p, vec), p, vec, stream);
 }
 
 }  // namespace cuda
