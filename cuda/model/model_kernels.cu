@@ -455,8 +455,8 @@ __global__ void __launch_bounds__(kGroupSmallMax) moe_route_group_kernel(RoutePa
 // have many of the tile's weight bytes in flight, each streamed once per tile.
 // Launch: grid (max_tiles, ceil(N / (kSkinnyWarps * CPW))), kSkinnyWarps * 32 = 128 threads;
 // blocks past *num_tiles return at once. Warp w owns the output columns nb .. nb + CPW - 1, nb =
-// (blockIdx.y * kSkinnyWarps + w) * CPW: RW = kSkinnyRW = 4 weight rows (CPW = 4 plain; CPW = 2
-// with SwiGLU, gate row n and up row N + n of each column), or RW = 8 for short rows (below). Lane l covers the float4 columns l + 32 i
+// (blockIdx.y * kSkinnyWarps + w) * CPW: kSkinnyRW = 4 weight rows (CPW = 4 plain; CPW = 2 with
+// SwiGLU, gate row n and up row N + n of each column). Lane l covers the float4 columns l + 32 i
 // (VEC) or the floats l + 32 i (scalar) of each row; U k-steps per iteration, their 4 * U loads
 // all issued before the FMAs (U = 4: 16 independent 16-byte loads per lane), the first
 // iteration's before the wait on the tile's row count. The tile's x rows are read through L1
@@ -464,21 +464,18 @@ __global__ void __launch_bounds__(kGroupSmallMax) moe_route_group_kernel(RoutePa
 // lane sums its k-steps in ascending order, then a butterfly over the warp: the summation order
 // of the previous (shared-staged) kernel, so the same results.
 constexpr int kSkinnyWarps = 4, kSkinnyRW = 4;
-// Rows of <= 256 floats (the experts' down projection: moe_intermediate_size) give a lane only one
-// or two k-steps per row: 8 rows per warp then (twice the loads in flight per lane, half the
-// blocks; the W_UK lesson of linear_skinny). Same per-output summation, so the same results.
-constexpr int kSkinnyRWShort = 8;
 
 __device__ __forceinline__ float wdot(float w, float x, float acc) { return acc + w * x; }
 __device__ __forceinline__ float wdot(const float4& g4, const float4& x4, float acc) {
   return acc + (g4.x * x4.x + g4.y * x4.y + g4.z * x4.z + g4.w * x4.w);
 }
 
-template <int MS, int U, bool SWI, bool VEC, int RW = kSkinnyRW>
-__global__ void __launch_bounds__(kSkinnyWarps * 32, RW > kSkinnyRW ? 2 : 3) expert_gemv_kernel(ExpertGemmParams p) {
+template <int MS, int U, bool SWI, bool VEC>
+__global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(ExpertGemmParams p) {
   pdl_prologue();
   using WT = typename std::conditional<VEC, float4, float>::type;
-  constexpr int CPW = SWI ? RW / 2 : RW;  // output columns per warp (RW weight rows per warp)
+  constexpr int CPW = SWI ? kSkinnyRW / 2 : kSkinnyRW;  // output columns per warp
+  constexpr int RW = kSkinnyRW;                         // weight rows per warp
   constexpr int VW = VEC ? 4 : 1;                       // floats per lane and k-step
   const int tile = blockIdx.x;
   // The schedule loads are independent (tile_expert / tile_row0 hold max_tiles entries; those
@@ -794,12 +791,6 @@ __global__ void causal_bits_kernel(uint64_t* bits, int T, int W) {
 template <bool SWI, bool VEC>
 void launch_gemv(int U, dim3 grid, const ExpertGemmParams& p, cudaStream_t stream) {
   constexpr int MS = kExpertSkinnyRows, TH = kSkinnyWarps * 32;
-  if constexpr (!SWI && VEC) {
-    if (U == 0) {
-      launch_kernel(expert_gemv_kernel<MS, 2, SWI, VEC, kSkinnyRWShort>, grid, TH, 0, stream, p);
-      return;
-    }
-  }
   if (U == 4) launch_kernel(expert_gemv_kernel<MS, 4, SWI, VEC>, grid, TH, 0, stream, p);
   else if (U == 2) launch_kernel(expert_gemv_kernel<MS, 2, SWI, VEC>, grid, TH, 0, stream, p);
   else launch_kernel(expert_gemv_kernel<MS, 1, SWI, VEC>, grid, TH, 0, stream, p);
@@ -915,13 +906,11 @@ cudaError_t expert_gemm(const ExpertGemmParams& p, cudaStream_t stream) {
   if (p.max_tiles == 0) return cudaSuccess;
   const bool vec = p.Kd % 4 == 0 && p.ldx % 4 == 0 && ((uintptr_t)p.x % 16) == 0 && ((uintptr_t)p.w % 16) == 0;
   if (p.tile_rows == kExpertSkinnyRows) {
-    const int steps = (p.Kd + (vec ? 127 : 31)) / (vec ? 128 : 32);  // k-steps of a warp over one row
-    const bool short_rows = vec && !p.swiglu && steps <= 2;
-    const int rw = short_rows ? kSkinnyRWShort : kSkinnyRW;
-    const int cols = kSkinnyWarps * (p.swiglu ? rw / 2 : rw);  // output columns per block
+    const int cols = kSkinnyWarps * (p.swiglu ? kSkinnyRW / 2 : kSkinnyRW);  // output columns per block
     dim3 grid(p.max_tiles, (p.N + cols - 1) / cols);
     if (grid.y > 65535u) return cudaErrorInvalidValue;
-    const int U = short_rows ? 0 : steps >= 4 ? 4 : steps >= 2 ? 2 : 1;  // U = 0: the 8-row kernel (2 k-steps)
+    const int steps = (p.Kd + (vec ? 127 : 31)) / (vec ? 128 : 32);  // k-steps of a warp over one row
+    const int U = steps >= 4 ? 4 : steps >= 2 ? 2 : 1;
     if (p.swiglu) {
       if (vec) launch_gemv<true, true>(U, grid, p, stream);
       else launch_gemv<true, false>(U, grid, p, stream);
