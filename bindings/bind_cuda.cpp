@@ -818,8 +818,8 @@ py::object linear_skinny_np(const py::object& x_o, const py::object& w_o, const 
   return py::make_tuple(yo, to_numpy<float>(dno, {(int64_t)std::max(T, 1), (int64_t)Kd}));
 }
 
-// linear_skinny on device-only data (uniform values in [-1, 1), seeded): median kernel time of
-// one call, stream-launched and in graphs of `graph_ops` calls (PDL chain, as inside the model
+// linear_skinny on device-only data (every float 0.0115: the speed does not depend on the
+// values): median kernel time of one call, stream-launched and in graphs of `graph_ops` calls (PDL chain, as inside the model
 // step). The weights rotate over copies (up to max(graph_ops, 8) of them, or about 192 MiB in
 // all) so that they come from HBM, not from the 50 MB L2, as in the step.
 py::dict time_linear_skinny(int T, int N, int Kd, int batch, int config, bool norm, bool swiglu, int iters, int warmup,
@@ -832,7 +832,7 @@ py::dict time_linear_skinny(int T, int N, int Kd, int batch, int config, bool no
   const int copies = (int)std::max<size_t>(1, std::min<size_t>((size_t)std::max(graph_ops, 8), ((size_t)192 << 20) / wbytes + 1));
   DevBuf dw(wbytes * copies), dx(sizeof(float) * (size_t)batch * T * xcols), dy(sizeof(float) * (size_t)batch * T * N),
       dg(sizeof(float) * Kd);
-  // every float 0x3c3c3c3c = 0.0115 (the kernel's speed does not depend on the values)
+  // every float 0x3c3c3c3c = 0.0115
   for (DevBuf* b : {&dw, &dx, &dg}) check_cuda(cudaMemset(b->p, 0x3c, b->bytes), "memset");
   kc::LinearParams lp{dx.as<float>(), (long long)(batch * xcols), (long long)xcols, dw.as<float>(), (long long)N * Kd,
                       dy.as<float>(), (long long)batch * N, N, T, N, Kd, batch, 0.f};
