@@ -6,7 +6,7 @@
 #   3. compute-sanitizer memcheck, racecheck, synccheck and initcheck on the CUDA ctest binary
 #      (small sizes), memcheck on a pytest subset and on an end-to-end GPU generate
 #      (scripts/gpu_generate_check.py: the device round with every drafter kind),
-#   4. the kernel benchmarks (benchmarks/bench_cuda_*.py), JSON results, and (with torch +
+#   4. the kernel benchmarks (benchmarks/bench_cuda_*.py, bench_cuda_skinny_configs.py), JSON results, and (with torch +
 #      transformers) the GPU model's: bench_cuda_model.py --quick, bench_cuda_skinny.py,
 #      bench_cuda_experts.py, bench_cuda_attention_model.py.
 # Logs and JSON land in $OUT (default ./gpu_check_out); a summary table is printed last and
@@ -102,6 +102,9 @@ step_bench() {
   for b in tree_build verify_attention accept_compact; do
     run_step "bench-$b" "$OUT/bench.log" "$PY" benchmarks/bench_cuda_$b.py --json "$OUT/bench_$b.json" ${BENCH_ARGS:-}
   done
+  # every configuration of the skinny linear kernel on the mini-kimi projections (~70 s)
+  run_step bench-skinny-configs "$OUT/bench.log" "$PY" benchmarks/bench_cuda_skinny_configs.py \
+    --json "$OUT/bench_skinny_configs.json"
   grep -E "^(##|\||goal)" "$OUT/bench.log"
   # the GPU model (needs torch with CUDA and transformers for the mini-kimi checkpoint)
   if "$PY" -c "import torch, transformers; assert torch.cuda.is_available()" >/dev/null 2>&1; then
