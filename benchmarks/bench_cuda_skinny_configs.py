@@ -8,25 +8,37 @@ automatic choice in cuda/model/linear_kernels.cu.
 """
 import argparse
 import json
+import os
+import sys
 
 from kdtree_native import _native as N
 
-# (name, N, Kd, batch, prologue): the mini-kimi shapes (hidden 1024, 16 heads, q_lora 384,
-# kv_lora 512, nope 128, rope 64, v 128, intermediate 2816, moe_intermediate 256, vocab 32000).
-# The RMSNorm prologue runs for <= 4 tokens where the model fuses it; the dense down projection's
-# SwiGLU likewise.
-SHAPES = [
-    ("qkv_a", 960, 1024, 1, "norm"),
-    ("q_b", 3072, 384, 1, "norm"),
-    ("W_UK", 512, 128, 16, ""),
-    ("W_UV", 128, 512, 16, ""),
-    ("o_proj", 1024, 2048, 1, ""),
-    ("router+shared", 576, 1024, 1, "norm"),
-    ("shared_down", 1024, 256, 1, "swiglu"),
-    ("dense_gate_up", 5632, 1024, 1, "norm"),
-    ("dense_down", 1024, 2816, 1, "swiglu"),
-    ("lm_head", 32000, 1024, 1, "norm"),
-]
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_cuda_model import MINI_KIMI  # noqa: E402
+
+
+def shapes(c):
+    """(name, N, Kd, batch, prologue) of every dense projection of the config's step, as
+    CudaModel runs them. The RMSNorm prologue runs for <= 4 tokens where the model fuses it; the
+    SwiGLU of the down projections likewise."""
+    dm, h, c_lat, r = c["hidden_size"], c["num_attention_heads"], c["kv_lora_rank"], c["qk_rope_head_dim"]
+    qr, dn, dv = c["q_lora_rank"], c["qk_nope_head_dim"], c["v_head_dim"]
+    e, i_s = c["n_routed_experts"], c["moe_intermediate_size"] * c["n_shared_experts"]
+    return [
+        ("qkv_a", qr + c_lat + r, dm, 1, "norm"),
+        ("q_b", h * (dn + r), qr, 1, "norm"),
+        ("W_UK", c_lat, dn, h, ""),
+        ("W_UV", dv, c_lat, h, ""),
+        ("o_proj", dm, h * dv, 1, ""),
+        ("router+shared", e + 2 * i_s, dm, 1, "norm"),
+        ("shared_down", dm, i_s, 1, "swiglu"),
+        ("dense_gate_up", 2 * c["intermediate_size"], dm, 1, "norm"),
+        ("dense_down", dm, c["intermediate_size"], 1, "swiglu"),
+        ("lm_head", c["vocab_size"], dm, 1, "norm"),
+    ]
+
+
+SHAPES = shapes(MINI_KIMI)
 
 
 def main():

@@ -836,10 +836,6 @@ py::dict time_linear_skinny(int T, int N, int Kd, int batch, int config, bool no
   for (DevBuf* b : {&dw, &dx, &dg}) check_cuda(cudaMemset(b->p, 0x3c, b->bytes), "memset");
   kc::LinearParams lp{dx.as<float>(), (long long)(batch * xcols), (long long)xcols, dw.as<float>(), (long long)N * Kd,
                       dy.as<float>(), (long long)batch * N, N, T, N, Kd, batch, 0.f};
-  if (batch == 1) {
-    lp.ldx = (long long)xcols;
-    lp.ldy = N;
-  }
   lp.x_swiglu = swiglu ? 1 : 0;
   lp.force_config = config;
   if (norm) {
