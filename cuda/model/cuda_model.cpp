@@ -123,6 +123,16 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   cudaStream_t stream;
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   stream_ = stream;
+  if (opt.side_stream) {
+    cudaStream_t side;
+    check_cuda(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate(side)");
+    side_ = side;
+    cudaEvent_t ev;
+    check_cuda(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+    ev_fork_ = ev;
+    check_cuda(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
+    ev_join_ = ev;
+  }
 
   // ---- weights (one arena), in the order of model_weight_specs
   Arena w;
@@ -361,6 +371,7 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
 CudaModel::~CudaModel() {
   DeviceGuard guard(opt_.device);
   if (stream_) cudaStreamSynchronize(as_stream(stream_));
+  if (side_) cudaStreamSynchronize(as_stream(side_));
   clear_graphs();
   if (cublas_) {
     std::string info;
@@ -371,7 +382,23 @@ CudaModel::~CudaModel() {
   if (cache_mem_) cudaFree(cache_mem_);
   if (weights_mem_) cudaFree(weights_mem_);
   if (stream_) cudaStreamDestroy(as_stream(stream_));
+  if (side_) cudaStreamDestroy(as_stream(side_));
+  if (ev_fork_) cudaEventDestroy(static_cast<cudaEvent_t>(ev_fork_));
+  if (ev_join_) cudaEventDestroy(static_cast<cudaEvent_t>(ev_join_));
   cudaGetLastError();
+}
+
+void* CudaModel::fork() {
+  if (!side_) return stream_;
+  check_cuda(cudaEventRecord(static_cast<cudaEvent_t>(ev_fork_), as_stream(stream_)), "cudaEventRecord(fork)");
+  check_cuda(cudaStreamWaitEvent(as_stream(side_), static_cast<cudaEvent_t>(ev_fork_), 0), "cudaStreamWaitEvent(fork)");
+  return side_;
+}
+
+void CudaModel::join() {
+  if (!side_) return;
+  check_cuda(cudaEventRecord(static_cast<cudaEvent_t>(ev_join_), as_stream(side_)), "cudaEventRecord(join)");
+  check_cuda(cudaStreamWaitEvent(as_stream(stream_), static_cast<cudaEvent_t>(ev_join_), 0), "cudaStreamWaitEvent(join)");
 }
 
 // ---------------------------------------------------------------- weights
@@ -561,13 +588,16 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
   mp.row0 = len_d ? 0 : row0;  // graph replay: rows from *len_d
   mp.row0_dev = len_d;
   mp.q_rope = q_rope_;
-  check_cuda(cuda::mla_prep(mp, st), "mla_prep");
+  // mla_prep (cache rows, roped queries) and the W_UK product both only read q_ / qkv_a_out_:
+  // with opt_.side_stream the prep runs beside the product, joined before the attention.
+  check_cuda(cuda::mla_prep(mp, as_stream(fork())), "mla_prep");
   // Absorption: q_lat[t, h, :] = W_UK[h]^T q_nope[t, h, :], with W_UK[h]^T stored row-major [C, Dn] (w_ukT).
   if (Dn > 0) {
     gemm_nt_heads(T, C, Dn, q_, H * Dqk, Dqk, ly.w_ukT, q_lat_, H * C, C, H);
   } else {
     check_cuda(cudaMemsetAsync(q_lat_, 0, (size_t)(T * H * C) * sizeof(float), st), "cudaMemset(q_lat)");
   }
+  join();
   // Attention over the latent cache rows [0, row0) (all visible) and the T new rows (mask).
   cuda::VerifyAttentionParams vp{};
   vp.q_latent = q_lat_;
@@ -628,6 +658,14 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   const int tile_rows = skinny ? cuda::kExpertSkinnyRows : cuda::kExpertTileRows;
   cuda::MoeGroupParams gp{topk_idx_, (int)T, (int)K, (int)E, tile_rows, expert_counts_ + ly.moe_index * E, offsets_,
                           slot_token_, slot_of_, tile_expert_, tile_row0_, num_tiles_};
+  // The shared expert's down projection (SwiGLU inside, <= 4 tokens) reads only the merged
+  // projection's output: with opt_.side_stream it runs beside the routed experts.
+  const bool shared_side = side_ && merged && T <= cuda::kLinearSwigluFuseMaxT;
+  if (shared_side) {
+    cuda::LinearParams lp{router_logits_ + E, ldr, 0, ly.shared_down, 0, ys_, Dm, 0, (int)T, (int)Dm, (int)Is, 1, 0.f};
+    lp.x_swiglu = 1;
+    check_cuda(cuda::linear_skinny(lp, as_stream(fork())), "linear_skinny(shared down, side)");
+  }
   check_cuda(cuda::moe_route_group(rp, gp, st), "moe_route + moe_group");  // one launch for few tokens
 
   cuda::ExpertGemmParams xp{};
@@ -670,7 +708,9 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   xp.ldy = (int)Dm;
   check_cuda(cuda::expert_gemm(xp, st), "expert_gemm(down)");
 
-  if (merged) {
+  if (shared_side) {
+    join();
+  } else if (merged) {
     swiglu_gemm_nt(T, Dm, Is, router_logits_ + E, ldr, ly.shared_down, ys_, Dm);
   } else if (Is > 0) {  // after the routed experts: gu_/act_ are reused
     gemm_nt(T, 2 * Is, Dm, hn_, Dm, ly.shared_gate_up, gu_, 2 * Is);

@@ -43,6 +43,9 @@ struct CudaModelOptions {
   int expert_kernel = 0;         // kExpertAuto, kExpertSkinny (GEMV-style), kExpertTiled (testing/benchmarks)
   int skinny_max_tokens = -1;    // steps of <= this many tokens run the dense projections through
                                  // linear_skinny instead of cuBLAS; -1 = auto, 0 = never (cuBLAS only)
+  bool side_stream = false;      // run independent kernels of a step on a second stream (graph
+                                 // branches): mla_prep beside the W_UK product, the shared expert's
+                                 // down projection beside the routed experts (<= 4 tokens); same results
   bool graphs = true;            // forward_device replays a CUDA graph per (T, context bucket, buffers) from
                                  // the second call with the same shape on (docs/CUDA_MODEL.md)
   static constexpr int kMathDefault = 0, kMathPedantic = 1, kMathTf32 = 2;
@@ -201,6 +204,14 @@ class CudaModel : public TargetModel {
   CudaModelOptions opt_;
   std::string device_name_;
   void* stream_ = nullptr;          // cudaStream_t
+  void* side_ = nullptr;            // cudaStream_t: the second stream (opt_.side_stream), else nullptr
+  void* ev_fork_ = nullptr;         // cudaEvent_t: main -> side
+  void* ev_join_ = nullptr;         // cudaEvent_t: side -> main
+  // Side work: fork() makes the side stream wait for the main stream's work so far and returns the
+  // stream to launch on (the main one without opt_.side_stream); join() makes the main stream wait
+  // for the side's work. Inside a capture these become graph branches.
+  void* fork();
+  void join();
   void* cublas_ = nullptr;          // cublasHandle_t
   std::mutex mu_;
 

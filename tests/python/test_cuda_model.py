@@ -316,6 +316,62 @@ def test_expert_kernels_match_cpu(name, expert_kernel):
 
 @pytest.mark.cuda
 @needs_device
+@pytest.mark.parametrize("name", ["ds3_base", "kimi_like", "no_q_lora", "tied_nonorm", "mla512"])
+def test_side_stream_equals_one_stream(name):
+    """side_stream=True (mla_prep beside the W_UK product, the shared expert beside the routed
+    ones; graph branches when captured): the same kernels on the same data, so the logits equal
+    the one-stream model's bit for bit, step after step (decode, small trees, a 17-token step),
+    eager (forward) and, with torch, graph-replayed (forward_ptr from the second call of a shape),
+    and the caches the same."""
+    _, one, cfg = pair(spec(name), max_seq_len=200)
+    _, two, _ = pair(spec(name), max_seq_len=200, side_stream=True)
+    V = cfg.vocab_size
+    for m in (one, two):
+        prefill(m, prompt(V, 30, seed=51))
+    for T in (1, 2, 4, 17):
+        toks = prompt(V, T, seed=60 + T)
+        pos = one.cache_len + np.arange(T)
+        vis = np.tril(np.ones((T, T), dtype=bool))
+        if T >= 3:
+            vis[T - 1, 1: T - 1] = False  # a sibling branch: a tree, not a chain
+        a, b = one.forward(toks, pos, vis), two.forward(toks, pos, vis)
+        assert np.isfinite(a).all()
+        assert np.array_equal(a, b), f"eager T={T}"
+        for m in (one, two):
+            m.commit([0])
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    if torch is not None and torch.cuda.is_available():
+        dev = torch.device("cuda")
+        for T in (1, 4, 17):
+            bufs = {}
+            for m in (one, two):  # fixed buffers per model and shape: one graph key each
+                bufs[id(m)] = (torch.empty(T, dtype=torch.int32, device=dev), torch.empty(T, dtype=torch.int32, device=dev),
+                               torch.empty((T, V), device=dev))
+            for rep in range(3):  # the second and third calls replay the captured graph
+                toks = prompt(V, T, seed=80 + 3 * T + rep)
+                outs = []
+                for m in (one, two):
+                    t_tok, t_pos, t_out = bufs[id(m)]
+                    t_tok.copy_(torch.as_tensor(toks.astype(np.int32)))
+                    t_pos.copy_(torch.as_tensor((m.cache_len + np.arange(T)).astype(np.int32)))
+                    torch.cuda.synchronize()
+                    m.forward_ptr(t_tok.data_ptr(), t_pos.data_ptr(), 0, 0, T, t_out.data_ptr())
+                    torch.cuda.synchronize()
+                    outs.append(t_out.cpu().numpy().copy())
+                    m.commit([0])
+                assert np.array_equal(outs[0], outs[1]), f"graph T={T} rep={rep}"
+        assert two.graph_replays >= 3
+    n = one.cache_len
+    assert two.cache_len == n
+    for layer in range(cfg.num_hidden_layers):
+        assert np.array_equal(one.read_cache(layer, 0, n), two.read_cache(layer, 0, n)), f"layer {layer}"
+
+
+@pytest.mark.cuda
+@needs_device
 @pytest.mark.parametrize("name", ["ds3_base", "kimi_like", "no_q_lora", "odd_sizes", "mla512"])
 def test_skinny_linear_and_cublas_match_cpu(name):
     """Steps of 1..64 tokens: the dense projections through linear_skinny (auto: up to 16 tokens;
