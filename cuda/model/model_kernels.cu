@@ -953,6 +953,71 @@ cudaError_t cache_compact(const CompactParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+// ---------------------------------------------------------------- L2 prefetch
+namespace {
+struct L2PrefetchLaunch {
+  L2PrefetchParams p;
+  long long cum[kL2PrefetchMaxRanges + 1];  // chunks before fixed range i; cum[n]: all fixed chunks
+  long long idx_chunks;                     // chunks per indexed range
+};
+
+__device__ __forceinline__ void prefetch_bytes_l2(const char* a, const char* e) {
+  // inward to 16-byte boundaries (the bulk form's rule); a few bytes at the ends are left to the reader
+  const char* a16 = reinterpret_cast<const char*>((reinterpret_cast<uintptr_t>(a) + 15) & ~uintptr_t(15));
+  const char* e16 = reinterpret_cast<const char*>(reinterpret_cast<uintptr_t>(e) & ~uintptr_t(15));
+  if (e16 <= a16) return;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(a16), "r"((unsigned)(e16 - a16)) : "memory");
+#else
+  for (const char* q = a16; q < e16; q += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(q));
+#endif
+}
+
+__global__ void __launch_bounds__(32) l2_prefetch_kernel(L2PrefetchLaunch l) {
+  pdl_prologue();  // idx may be written by the previous kernel
+  const L2PrefetchParams& p = l.p;
+  const long long c = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  const char* base;
+  long long len, off;
+  if (c < l.cum[p.n]) {
+    int i = 0;
+    while (c >= l.cum[i + 1]) ++i;
+    base = static_cast<const char*>(p.ptr[i]);
+    len = p.bytes[i];
+    off = (c - l.cum[i]) * kL2PrefetchChunk;
+  } else {
+    const long long r = c - l.cum[p.n];
+    if (l.idx_chunks <= 0 || r >= (long long)p.n_idx * l.idx_chunks) return;
+    const int e = p.idx[r / l.idx_chunks];
+    if (e < 0 || e >= p.idx_max) return;
+    base = static_cast<const char*>(p.idx_base) + (long long)e * p.idx_stride;
+    len = p.idx_bytes;
+    off = (r % l.idx_chunks) * kL2PrefetchChunk;
+  }
+  const long long end = off + kL2PrefetchChunk < len ? off + kL2PrefetchChunk : len;
+  prefetch_bytes_l2(base + off, base + end);
+}
+}  // namespace
+
+cudaError_t l2_prefetch(const L2PrefetchParams& p, cudaStream_t stream) {
+  if (p.n < 0 || p.n > kL2PrefetchMaxRanges || p.n_idx < 0 || (p.n_idx > 0 && (!p.idx || !p.idx_base)))
+    return cudaErrorInvalidValue;
+  L2PrefetchLaunch l{};
+  l.p = p;
+  l.cum[0] = 0;
+  for (int i = 0; i < p.n; ++i) {
+    if (p.bytes[i] < 0 || (p.bytes[i] > 0 && !p.ptr[i])) return cudaErrorInvalidValue;
+    l.cum[i + 1] = l.cum[i] + (p.bytes[i] + kL2PrefetchChunk - 1) / kL2PrefetchChunk;
+  }
+  l.idx_chunks = p.n_idx > 0 ? (p.idx_bytes + kL2PrefetchChunk - 1) / kL2PrefetchChunk : 0;
+  const long long total = l.cum[p.n] + (long long)p.n_idx * l.idx_chunks;
+  if (total == 0) return cudaSuccess;
+  const long long blocks = (total + 31) / 32;
+  if (blocks > 0x7fffffffLL) return cudaErrorInvalidValue;
+  launch_kernel(l2_prefetch_kernel, (unsigned)blocks, 32, 0, stream, l);
+  return cudaGetLastError();
+}
+
 cudaError_t causal_bits(uint64_t* bits, int T, int W, cudaStream_t stream) {
   if (!bits || T < 0 || W < (T + 63) / 64) return cudaErrorInvalidValue;
   if (T == 0) return cudaSuccess;

@@ -186,6 +186,9 @@ def test_bad_config_is_value_error_before_any_device_work():
     for smt in (-2, 65):
         with pytest.raises(ValueError, match="skinny_max_tokens"):
             _native.CudaModel(cfg, 16, skinny_max_tokens=smt)
+    for pf in (-1, 8):
+        with pytest.raises(ValueError, match="l2_prefetch"):
+            _native.CudaModel(cfg, 16, l2_prefetch=pf)
 
 
 @pytest.mark.skipif(not HAS_MODEL or DEVICE_OK, reason="needs a build with the GPU model and no usable device")
@@ -316,15 +319,20 @@ def test_expert_kernels_match_cpu(name, expert_kernel):
 
 @pytest.mark.cuda
 @needs_device
-@pytest.mark.parametrize("name", ["ds3_base", "kimi_like", "no_q_lora", "tied_nonorm", "mla512"])
-def test_side_stream_equals_one_stream(name):
+@pytest.mark.parametrize("name,variant", [(n, "side") for n in ("ds3_base", "kimi_like", "no_q_lora", "tied_nonorm", "mla512")]
+                         + [(n, f"prefetch{b}") for n in ("ds3_base", "kimi_like", "mla512") for b in (1, 2, 4, 7)])
+def test_side_stream_equals_one_stream(name, variant):
     """side_stream=True (mla_prep beside the W_UK product, the shared expert beside the routed
-    ones; graph branches when captured): the same kernels on the same data, so the logits equal
-    the one-stream model's bit for bit, step after step (decode, small trees, a 17-token step),
-    eager (forward) and, with torch, graph-replayed (forward_ptr from the second call of a shape),
-    and the caches the same."""
-    _, one, cfg = pair(spec(name), max_seq_len=200)
-    _, two, _ = pair(spec(name), max_seq_len=200, side_stream=True)
+    ones; graph branches when captured) and the L2 prefetches from a third stream (l2_prefetch
+    bits, with the side stream): the same kernels on the same data, so the logits equal the
+    one-stream model's bit for bit, step after step (decode, small trees, a 17-token step), eager
+    (forward) and, with torch, graph-replayed (forward_ptr from the second call of a shape), and
+    the caches the same."""
+    _, one, cfg = pair(spec(name), max_seq_len=200, side_stream=False)
+    kw = {"side_stream": True}
+    if variant.startswith("prefetch"):
+        kw["l2_prefetch"] = int(variant[len("prefetch"):])
+    _, two, _ = pair(spec(name), max_seq_len=200, **kw)
     V = cfg.vocab_size
     for m in (one, two):
         prefill(m, prompt(V, 30, seed=51))
