@@ -90,9 +90,6 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     throw Error("CudaModel: skinny_max_tokens must be -1 (auto) or in [0, " + std::to_string(cuda::kLinearSkinnyMaxT) +
                 "], got " + std::to_string(opt.skinny_max_tokens));
   skinny_max_t_ = opt.skinny_max_tokens < 0 ? kSkinnyAutoMaxT : opt.skinny_max_tokens;
-  if (opt.l2_prefetch < 0 || opt.l2_prefetch > 7)
-    throw Error("CudaModel: l2_prefetch must be a bit mask in [0, 7] (1 post-attention weights, 2 routed experts' "
-                "down, 4 the next layer's attention), got " + std::to_string(opt.l2_prefetch));
   const int64_t Dm = c.hidden_size, H = c.num_attention_heads, C = c.kv_lora_rank, R = c.qk_rope_head_dim;
   const int64_t Dn = c.qk_nope_head_dim, Dv = c.v_head_dim, Dqk = c.qk_head_dim(), CR = C + R;
   const int64_t qr = c.q_lora_rank, V = c.vocab_size, Tm = max_tokens_;
@@ -135,16 +132,6 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     ev_fork_ = ev;
     check_cuda(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
     ev_join_ = ev;
-  }
-  if (opt.l2_prefetch) {
-    cudaStream_t pf;
-    check_cuda(cudaStreamCreateWithFlags(&pf, cudaStreamNonBlocking), "cudaStreamCreate(prefetch)");
-    pf_ = pf;
-    cudaEvent_t ev;
-    check_cuda(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
-    ev_pf_ = ev;
-    check_cuda(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "cudaEventCreate");
-    ev_pf_join_ = ev;
   }
 
   // ---- weights (one arena), in the order of model_weight_specs
@@ -385,7 +372,6 @@ CudaModel::~CudaModel() {
   DeviceGuard guard(opt_.device);
   if (stream_) cudaStreamSynchronize(as_stream(stream_));
   if (side_) cudaStreamSynchronize(as_stream(side_));
-  if (pf_) cudaStreamSynchronize(as_stream(pf_));
   clear_graphs();
   if (cublas_) {
     std::string info;
@@ -399,9 +385,6 @@ CudaModel::~CudaModel() {
   if (side_) cudaStreamDestroy(as_stream(side_));
   if (ev_fork_) cudaEventDestroy(static_cast<cudaEvent_t>(ev_fork_));
   if (ev_join_) cudaEventDestroy(static_cast<cudaEvent_t>(ev_join_));
-  if (pf_) cudaStreamDestroy(as_stream(pf_));
-  if (ev_pf_) cudaEventDestroy(static_cast<cudaEvent_t>(ev_pf_));
-  if (ev_pf_join_) cudaEventDestroy(static_cast<cudaEvent_t>(ev_pf_join_));
   cudaGetLastError();
 }
 
@@ -416,45 +399,6 @@ void CudaModel::join() {
   if (!side_) return;
   check_cuda(cudaEventRecord(static_cast<cudaEvent_t>(ev_join_), as_stream(side_)), "cudaEventRecord(join)");
   check_cuda(cudaStreamWaitEvent(as_stream(stream_), static_cast<cudaEvent_t>(ev_join_), 0), "cudaStreamWaitEvent(join)");
-}
-
-void* CudaModel::pf_fork() {
-  check_cuda(cudaEventRecord(static_cast<cudaEvent_t>(ev_pf_), as_stream(stream_)), "cudaEventRecord(prefetch)");
-  check_cuda(cudaStreamWaitEvent(as_stream(pf_), static_cast<cudaEvent_t>(ev_pf_), 0), "cudaStreamWaitEvent(prefetch)");
-  pf_pending_ = true;
-  return pf_;
-}
-
-void CudaModel::join_prefetch() {
-  if (!pf_pending_) return;
-  check_cuda(cudaEventRecord(static_cast<cudaEvent_t>(ev_pf_join_), as_stream(pf_)), "cudaEventRecord(prefetch join)");
-  check_cuda(cudaStreamWaitEvent(as_stream(stream_), static_cast<cudaEvent_t>(ev_pf_join_), 0),
-             "cudaStreamWaitEvent(prefetch join)");
-  pf_pending_ = false;
-}
-
-void CudaModel::prefetch_ranges(std::initializer_list<std::pair<const float*, int64_t>> ranges) {
-  cuda::L2PrefetchParams p;
-  int64_t left = kPrefetchCapBytes;
-  for (const auto& r : ranges) {
-    if (!r.first || r.second <= 0 || left <= 0 || p.n == cuda::kL2PrefetchMaxRanges) continue;
-    const int64_t b = std::min<int64_t>(r.second * (int64_t)sizeof(float), left);
-    p.ptr[p.n] = r.first;
-    p.bytes[p.n++] = b;
-    left -= b;
-  }
-  if (p.n) check_cuda(cuda::l2_prefetch(p, as_stream(pf_fork())), "l2_prefetch");
-}
-
-void CudaModel::prefetch_routed(const float* base, int64_t stride, int64_t n, int64_t A) {
-  cuda::L2PrefetchParams p;
-  p.idx = topk_idx_;
-  p.n_idx = (int)A;
-  p.idx_max = (int)cfg_.n_routed_experts;
-  p.idx_base = base;
-  p.idx_stride = stride * (int64_t)sizeof(float);
-  p.idx_bytes = n * (int64_t)sizeof(float);
-  check_cuda(cuda::l2_prefetch(p, as_stream(pf_fork())), "l2_prefetch(experts)");
 }
 
 // ---------------------------------------------------------------- weights
@@ -574,9 +518,7 @@ void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, co
   cuda::EmbedParams ep{tokens_d, embed_, (int)T, (int)c.vocab_size, (int)Dm, x_};
   check_cuda(cuda::embed(ep, st), "embed");
   const bool fuse = fuse_norm(T);  // few tokens: the norms before q_a/kv_a, q_b and lm_head run in those kernels
-  for (size_t li = 0; li < layers_.size(); ++li) {
-    Layer& ly = layers_[li];
-    const Layer* next = li + 1 < layers_.size() ? &layers_[li + 1] : nullptr;
+  for (Layer& ly : layers_) {
     cuda::RmsNormParams np{x_, ly.input_ln, (int)T, (int)Dm, (int)Dm, (int)Dm, c.rms_norm_eps, hn_};
     if (fuse) {
       attention(ly, positions_d, vis_d, vis_stride, T, row0, len_d, x_, ly.input_ln);
@@ -590,8 +532,8 @@ void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, co
       np.w = ly.post_ln;
       check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
     }
-    if (ly.moe) moe_mlp(ly, T, fuse, next);
-    else dense_mlp(ly, T, fuse, next);
+    if (ly.moe) moe_mlp(ly, T, fuse);
+    else dense_mlp(ly, T, fuse);
   }
   const float* head = c.tie_word_embeddings ? embed_ : lm_head_;
   if (fuse) {
@@ -601,7 +543,6 @@ void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, co
     check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
     gemm_nt(T, c.vocab_size, Dm, hn_, Dm, head, logits_d, c.vocab_size);
   }
-  join_prefetch();
 }
 
 void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t* vis_d, int64_t vis_stride, int64_t T,
@@ -657,16 +598,6 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
     check_cuda(cudaMemsetAsync(q_lat_, 0, (size_t)(T * H * C) * sizeof(float), st), "cudaMemset(q_lat)");
   }
   join();
-  if (prefetching(T, CudaModelOptions::kPrefetchPostAttn)) {  // read from L2 after the attention
-    const int64_t Is = c.moe_intermediate_size * c.n_shared_experts, E = c.n_routed_experts;
-    if (ly.moe)
-      prefetch_ranges({{ly.w_uv, H * Dv * C},
-                       {ly.o_proj, Dm * H * Dv},
-                       {ly.router, (E + 2 * Is) * Dm},  // merged with the shared gate/up rows
-                       {ly.shared_down, Dm * Is}});
-    else
-      prefetch_ranges({{ly.w_uv, H * Dv * C}, {ly.o_proj, Dm * H * Dv}, {ly.mlp_gate_up, 2 * c.intermediate_size * Dm}});
-  }
   // Attention over the latent cache rows [0, row0) (all visible) and the T new rows (mask).
   cuda::VerifyAttentionParams vp{};
   vp.q_latent = q_lat_;
@@ -695,24 +626,14 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
   gemm_nt(T, Dm, H * Dv, ov_, H * Dv, ly.o_proj, x_, Dm, 1.f);
 }
 
-// the next layer's attention projections (q_a/kv_a, q_b, W_UK), read from L2 when it starts
-void CudaModel::prefetch_next_attention(const Layer* next, int64_t T) {
-  if (!next || !prefetching(T, CudaModelOptions::kPrefetchNextAttn)) return;
-  const ModelConfig& c = cfg_;
-  const int64_t Dm = c.hidden_size, H = c.num_attention_heads, C = c.kv_lora_rank;
-  const int64_t qr = c.q_lora_rank, lda = qr + C + c.qk_rope_head_dim, Dqk = c.qk_head_dim();
-  prefetch_ranges({{next->qkv_a, lda * Dm}, {next->q_b, H * Dqk * (qr > 0 ? qr : Dm)}, {next->w_ukT, H * C * c.qk_nope_head_dim}});
-}
-
-void CudaModel::dense_mlp(const Layer& ly, int64_t T, bool fused_norm, const Layer* next) {
+void CudaModel::dense_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   const int64_t Dm = cfg_.hidden_size, I = cfg_.intermediate_size;
   if (fused_norm) gemm_nt(T, 2 * I, Dm, x_, Dm, ly.mlp_gate_up, gu_, 2 * I, 0.f, ly.post_ln, cfg_.rms_norm_eps);
   else gemm_nt(T, 2 * I, Dm, hn_, Dm, ly.mlp_gate_up, gu_, 2 * I);
-  prefetch_next_attention(next, T);
   swiglu_gemm_nt(T, Dm, I, gu_, 2 * I, ly.mlp_down, x_, Dm, 1.f);
 }
 
-void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm, const Layer* next) {
+void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   const ModelConfig& c = cfg_;
   const int64_t Dm = c.hidden_size, E = c.n_routed_experts, K = c.num_experts_per_tok, Ie = c.moe_intermediate_size;
   const int64_t Is = Ie * c.n_shared_experts, A = T * K;
@@ -746,10 +667,6 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm, const Layer
     check_cuda(cuda::linear_skinny(lp, as_stream(fork())), "linear_skinny(shared down, side)");
   }
   check_cuda(cuda::moe_route_group(rp, gp, st), "moe_route + moe_group");  // one launch for few tokens
-  // beside the routed experts: their down weights (the ids are known now), the next layer's attention weights
-  if (prefetching(T, CudaModelOptions::kPrefetchExpertDown) && T <= cuda::kLinearNormMaxT)
-    prefetch_routed(ly.experts_down, Dm * Ie, Dm * Ie, A);
-  prefetch_next_attention(next, T);
 
   cuda::ExpertGemmParams xp{};
   xp.offsets = offsets_;

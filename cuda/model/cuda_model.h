@@ -22,12 +22,10 @@
 // R = qk_rope_head_dim, E = routed experts, K = experts per token, V = vocab.
 #pragma once
 #include <cstdint>
-#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
-#include <utility>
 #include <vector>
 
 #include "model/model.h"
@@ -48,17 +46,10 @@ struct CudaModelOptions {
   bool side_stream = true;       // run independent kernels of a step on a second stream (graph
                                  // branches): mla_prep beside the W_UK product, the shared expert's
                                  // down projection beside the routed experts (<= 4 tokens); same results
-  int l2_prefetch = 0;           // steps of <= skinny_max_tokens tokens: L2 prefetches of weights from a
-                                 // third stream (bit mask, kPrefetch*; same results, docs/CUDA_MODEL.md)
   bool graphs = true;            // forward_device replays a CUDA graph per (T, context bucket, buffers) from
                                  // the second call with the same shape on (docs/CUDA_MODEL.md)
   static constexpr int kMathDefault = 0, kMathPedantic = 1, kMathTf32 = 2;
   static constexpr int kExpertAuto = 0, kExpertSkinny = 1, kExpertTiled = 2;
-  // l2_prefetch bits: the layer's post-attention weights (W_UV, o_proj, router + shared gate/up,
-  // shared down; dense: W_UV, o_proj, the MLP's gate/up) while the attention runs; the routed
-  // experts' down weights once routed (<= 4 tokens), while their gate/up runs; the next layer's
-  // attention weights (q_a/kv_a, q_b, W_UK) while the MLP runs
-  static constexpr int kPrefetchPostAttn = 1, kPrefetchExpertDown = 2, kPrefetchNextAttn = 4;
 };
 
 class CudaModel : public TargetModel {
@@ -203,10 +194,8 @@ class CudaModel : public TargetModel {
   void clear_graphs();
   // fused_norm: the post-attention RMSNorm of x_ runs inside the first projection (fuse_norm(T)),
   // else hn_ holds the normalised input already
-  // next: the following layer (its attention weights are prefetched during the MLP), or nullptr
-  void dense_mlp(const Layer& ly, int64_t T, bool fused_norm, const Layer* next);
-  void moe_mlp(const Layer& ly, int64_t T, bool fused_norm, const Layer* next);
-  bool prefetching(int64_t T, int bit) const { return pf_ && (opt_.l2_prefetch & bit) && T <= skinny_max_t_; }
+  void dense_mlp(const Layer& ly, int64_t T, bool fused_norm);
+  void moe_mlp(const Layer& ly, int64_t T, bool fused_norm);
   void launch_compact(const int32_t* keep_d, const int32_t* count_d);
 
   ModelConfig cfg_;
@@ -223,21 +212,6 @@ class CudaModel : public TargetModel {
   // for the side's work. Inside a capture these become graph branches.
   void* fork();
   void join();
-  // L2 prefetches (opt_.l2_prefetch) go on a third stream, forked where prefetch() is called and
-  // joined once at the end of the step (join_prefetch), so they never wait on side work nor the
-  // critical path on them.
-  void* pf_ = nullptr;              // cudaStream_t, or nullptr without opt_.l2_prefetch
-  void* ev_pf_ = nullptr;           // cudaEvent_t: main -> prefetch stream
-  void* ev_pf_join_ = nullptr;      // cudaEvent_t: prefetch stream -> main
-  bool pf_pending_ = false;         // a prefetch was issued since the last join_prefetch
-  void* pf_fork();                  // the prefetch stream, after the main stream's work so far
-  void join_prefetch();
-  // fixed ranges (pointer, floats) of weights, in order, kPrefetchCapBytes in all at most
-  void prefetch_ranges(std::initializer_list<std::pair<const float*, int64_t>> ranges);
-  // the routed experts' matrices base + e * stride (n floats each) for the A ids in topk_idx_
-  void prefetch_routed(const float* base, int64_t stride, int64_t n, int64_t A);
-  void prefetch_next_attention(const Layer* next, int64_t T);
-  static constexpr int64_t kPrefetchCapBytes = int64_t(24) << 20;  // about half the H200's L2
   void* cublas_ = nullptr;          // cublasHandle_t
   std::mutex mu_;
 

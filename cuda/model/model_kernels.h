@@ -220,27 +220,6 @@ struct CompactParams {
 };
 cudaError_t cache_compact(const CompactParams& p, cudaStream_t stream);
 
-// ---------------------------------------------------------------- L2 prefetch
-// Asks the L2 to fetch byte ranges of immutable data (weights) that a later kernel of the step
-// will stream, from a side stream while the critical path runs kernels that use little HBM
-// bandwidth (the attention at decode); the later kernel then reads from L2. Changes no value.
-// Fixed ranges, plus optional indexed ranges base + idx[i] * idx_stride (idx_bytes each; ids
-// outside [0, idx_max) skipped): the routed experts' weights once the router has chosen them
-// (idx is device data, read after the PDL wait). Each thread prefetches one chunk of
-// kL2PrefetchChunk bytes (cp.async.bulk.prefetch.L2 on sm_90, prefetch.global.L2 lines before).
-constexpr int kL2PrefetchMaxRanges = 8;
-constexpr int kL2PrefetchChunk = 4096;
-struct L2PrefetchParams {
-  const void* ptr[kL2PrefetchMaxRanges] = {};
-  long long bytes[kL2PrefetchMaxRanges] = {};
-  int n = 0;
-  const int32_t* idx = nullptr;
-  int n_idx = 0, idx_max = 0;
-  const void* idx_base = nullptr;
-  long long idx_stride = 0, idx_bytes = 0;  // bytes
-};
-cudaError_t l2_prefetch(const L2PrefetchParams& p, cudaStream_t stream);
-
 // Causal visibility bitmask: row i has bits j <= i set, [T, W] words.
 cudaError_t causal_bits(uint64_t* bits, int T, int W, cudaStream_t stream);
 
