@@ -12,7 +12,7 @@ FP32 peak = SMs x 128 lanes x 2 x peak SM clock; bandwidth = a measured device-t
 Then the decode table, for tuning the kernel choice's cost model (cuda/verify_attention.cu,
 `namespace cost`): T = 1 with H in {16, 64, 128} and L in {512, 4096, 32768}, and T = 17, 65
 (a tree) with H = 16 at L in {512, 4096}; per shape the auto pick (kernel, splits, time), the
-tiled kernel forced and the split-KV kernel forced with 16 and with 8 query rows per block (each
+tiled kernel forced and the split-KV kernel forced with 16, 8 and 4 query rows per block (each
 with its own split choice), in us.
 
     python benchmarks/bench_cuda_verify_attention.py [--iters 10] [--json out.json] [--quick]
@@ -53,7 +53,7 @@ def decode_rows(N, rng, args):
         kv = rng.standard_normal((L + T, C + R), dtype=np.float32)
         row = dict(T=T, H=H, L=L)
         for name, fk, rows in (("auto", 0, 0), ("tiled", 1, 0), ("splitkv16", 2, 16), ("splitkv8", 2, 8),
-                               ("decode", 3, 0)):
+                               ("splitkv4", 2, 4), ("decode", 3, 0)):
             r = N.cuda_time_verify_attention(ql, qr, kv, bits, 0.0722, iters=args.iters, warmup=2, force_kernel=fk,
                                              force_rows=rows)
             row[name + "_us"] = r["graph_median_ms"] * 1e3
@@ -69,16 +69,16 @@ def decode_rows(N, rng, args):
 
 def print_decode(decode):
     print("## decode / small trees: time per kernel (us; graph replay median). kernel: 1 = tiled, 2 = split-KV "
-          "(16 or 8 query rows per block), 3 = decode (two passes, only when forced; up to 1024 rows and 16384 keys, "
+          "(16, 8 or 4 query rows per block), 3 = decode (two passes, only when forced; up to 1024 rows and 16384 keys, "
           "else split-KV)")
     print("| T | H | L | auto kernel (rows) | auto splits | auto us | tiled splits | tiled us | split-KV 16 rows: splits, us "
-          "| split-KV 8 rows: splits, us | decode us |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| split-KV 8 rows: splits, us | split-KV 4 rows: splits, us | decode us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in decode:
         rows = f" ({r['auto_rows']})" if r["auto_kernel"] == 2 else ""
         print(f"| {r['T']} | {r['H']} | {r['L']} | {r['auto_kernel']}{rows} | {r['auto_splits']} | {r['auto_us']:.1f} | "
               f"{r['tiled_splits']} | {r['tiled_us']:.1f} | {r['splitkv16_splits']}, {r['splitkv16_us']:.1f} | "
-              f"{r['splitkv8_splits']}, {r['splitkv8_us']:.1f} | "
+              f"{r['splitkv8_splits']}, {r['splitkv8_us']:.1f} | {r['splitkv4_splits']}, {r['splitkv4_us']:.1f} | "
               f"{r['decode_us']:.1f}{'' if r['decode_kernel'] == 3 else ' (split-KV)'} |")
 
 

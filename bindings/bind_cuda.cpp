@@ -500,7 +500,8 @@ struct AttnDev {
     if (force_kernel < 0 || force_kernel > 3)
       throw kdtree::Error("force_kernel must be 0 (auto), 1 (tiled), 2 (split-KV) or 3 (decode)");
     if (force_splits < 0) throw kdtree::Error("force_splits must be >= 0");
-    if (force_rows != 0 && force_rows != 8 && force_rows != 16) throw kdtree::Error("force_rows must be 0, 8 or 16");
+    if (force_rows != 0 && force_rows != 4 && force_rows != 8 && force_rows != 16)
+      throw kdtree::Error("force_rows must be 0, 4, 8 or 16");
     if (l_bound != -1 && (l_bound < N - T || l_bound > (int64_t)1 << 30))
       throw kdtree::Error("l_bound must be >= L (the committed length) and <= 2^30");
     ql = DevBuf(sizeof(float) * a.size());
@@ -997,7 +998,7 @@ void bind_cuda(py::module_& m) {
         py::arg("force_kernel") = 0, py::arg("l_bound") = py::none(), py::arg("force_rows") = 0,
         "GPU MLA verify attention (FP32): out_latent float32 [T,H,C]. force_kernel: 0 auto, 1 tiled, "
         "2 split-KV, 3 decode (two passes); l_bound (int >= L): pass L through a device int, with p.L = l_bound (graph mode); "
-        "force_rows: 8 or 16 query rows per split-KV block (0 auto).");
+        "force_rows: 4, 8 or 16 query rows per split-KV block (0 auto).");
   m.def("cuda_device_props", &device_props, "Device name, SMs, peak SM clock and FP32 CUDA-core peak FLOP/s.");
   m.def("cuda_copy_bandwidth", &copy_bandwidth, py::arg("nbytes") = (int64_t)1 << 31, py::arg("iters") = 20,
         "Measured device-to-device copy bandwidth, bytes/s (read + write counted).");

@@ -98,9 +98,9 @@ void bind_cuda_model(py::module_& m) {
              o.skinny_max_tokens = skinny_max_tokens;
              o.side_stream = side_stream;
              const int ak = parse_choice(attention_kernel, "attention_kernel",
-                                         {"auto", "tiled", "splitkv", "decode", "splitkv16", "splitkv8"});
-             o.attention_kernel = ak >= 4 ? 2 : ak;           // splitkv16 / splitkv8: split-KV with
-             o.attention_rows = ak == 4 ? 16 : ak == 5 ? 8 : 0;  // that many query rows per block
+                                         {"auto", "tiled", "splitkv", "decode", "splitkv16", "splitkv8", "splitkv4"});
+             o.attention_kernel = ak >= 4 ? 2 : ak;           // splitkv16 / 8 / 4: split-KV with
+             o.attention_rows = ak == 4 ? 16 : ak == 5 ? 8 : ak == 6 ? 4 : 0;  // that many query rows per block
              py::gil_scoped_release nogil;
              return new Model(c, max_seq_len, o);
            }),

@@ -146,7 +146,7 @@ struct VerifyAttentionParams {
   const int* L_dev;             // optional device int: the real committed length, read by the
                                 //   kernels (CUDA graph capture); then 0 <= *L_dev <= L and L is the
                                 //   host's upper bound (grid, split count, workspace size only)
-  int force_splitkv_rows;       // testing: query rows per split-KV block, 8 or 16 (0 = the cost
+  int force_splitkv_rows;       // testing: query rows per split-KV block, 4, 8 or 16 (0 = the cost
                                 //   model's pick: 8 when 16-row blocks would leave SMs idle)
 };
 // Bytes of workspace for these params: the most splits either kernel can use at any L' <= L
@@ -156,7 +156,7 @@ size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p);
 // force_naive); the tiled one also needs T <= 2048.
 bool verify_attention_fast_path(const VerifyAttentionParams& p);
 // The cost model's pick for these params: kernel 0 = plain, 1 = tiled, 2 = split-KV, 3 = decode
-// (two passes, no splits); key splits; query rows per split-KV block (8 or 16).
+// (two passes, no splits); key splits; query rows per split-KV block (4, 8 or 16).
 void verify_attention_choice(const VerifyAttentionParams& p, int* kernel, int* splits, int* rows = nullptr);
 cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream);
 

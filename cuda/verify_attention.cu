@@ -456,8 +456,8 @@ constexpr int SLW = 64;           // columns per cp.async group
 constexpr int NSL = DQ / SLW;     // 9 groups per chunk
 }  // namespace sk
 
-// RG query rows per block: 16, or 8 when there are few rows (twice the blocks, half the work each:
-// decode and small trees leave most SMs idle with 16).
+// RG query rows per block: 16, or 8 / 4 when there are few rows (two / four times the blocks, a
+// half / a quarter of the work each: decode and small trees leave most SMs idle with 16).
 template <int RG>
 struct __align__(16) SkSmemT {
   float q[RG][sk::QS];
@@ -497,9 +497,9 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
   pdl_prologue();
   using namespace sk;
   constexpr int RI = RG / 4;     // phase 1: rows rt + 4i, i < RI, per thread
-  constexpr int TPR = sk::NT / RG;  // phase 2: threads per row (8 or 16)
-  constexpr int KPT = KC / TPR;  // ... and keys per thread (4 or 2)
-  static_assert(RG == 8 || RG == 16, "split-KV rows per block");
+  constexpr int TPR = sk::NT / RG;  // phase 2: threads per row (8, 16 or 32)
+  constexpr int KPT = KC / TPR;  // ... and keys per thread (4, 2 or 1)
+  static_assert(RG == 4 || RG == 8 || RG == 16, "split-KV rows per block");
   extern __shared__ __align__(16) unsigned char smraw[];
   SkSmemT<RG>& s = *reinterpret_cast<SkSmemT<RG>*>(smraw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
@@ -1108,7 +1108,7 @@ int splitkv_splits(const VerifyAttentionParams& p, int RG, double* est_us) {
 // 16-row grids of 17..102 blocks (T=1 H=16 L=512: 11.3 vs 14.0 us; T=17 H=16 L=512: 32.5 vs
 // 39.7), slower from 130 blocks on (T=2 H=16 L=4096: 32.8 vs 29.6; T=65 L=512: 90 vs 68).
 int splitkv_rows(const VerifyAttentionParams& p) {
-  if (p.force_splitkv_rows == 8 || p.force_splitkv_rows == 16) return p.force_splitkv_rows;
+  if (p.force_splitkv_rows == 4 || p.force_splitkv_rows == 8 || p.force_splitkv_rows == 16) return p.force_splitkv_rows;
   const long long blocks16 = (long long)((p.T * p.H + 15) / 16) * splitkv_splits(p, 16, nullptr);
   return blocks16 * 5 <= (long long)num_sms() * 4 ? 8 : 16;
 }
@@ -1156,7 +1156,8 @@ bool basic_ok(const VerifyAttentionParams& p) {
          p.C >= 1 && p.R >= 0 && p.L >= 0 && p.kv_stride >= p.C + p.R &&
          p.vis_stride >= (p.T + 63) / 64 && p.C <= kNaiveThreads * kNaiveMaxCols &&
          p.force_kernel >= 0 && p.force_kernel <= 3 &&
-         (p.force_splitkv_rows == 0 || p.force_splitkv_rows == 8 || p.force_splitkv_rows == 16);
+         (p.force_splitkv_rows == 0 || p.force_splitkv_rows == 4 || p.force_splitkv_rows == 8 ||
+          p.force_splitkv_rows == 16);
 }
 
 // raise a kernel's dynamic shared memory limit once; false on a GPU with less shared memory
@@ -1193,7 +1194,7 @@ size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p) {
   const bool tiled = tiled_ok(p) && p.force_kernel != 2;
   const bool splitkv = p.force_kernel != 1 || !tiled_ok(p);
   if (tiled) s = std::max(s, tiled_max_splits(p));
-  if (splitkv) s = std::max({s, splitkv_max_splits(p, 16), splitkv_max_splits(p, 8)});
+  if (splitkv) s = std::max({s, splitkv_max_splits(p, 16), splitkv_max_splits(p, 8), splitkv_max_splits(p, 4)});
   size_t ws = s > 1 ? (size_t)s * ws_split_bytes(p.T * p.H) : 0;
   if (p.force_kernel == 3) ws = std::max(ws, decode_ws_bytes(p));
   return ws;
@@ -1203,7 +1204,7 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
   if (!basic_ok(p)) return cudaErrorInvalidValue;
   const int M = p.T * p.H;
   const Choice c = choose(p);
-  static int tiled_state = 0, splitkv_state = 0, splitkv8_state = 0;
+  static int tiled_state = 0, splitkv_state = 0, splitkv8_state = 0, splitkv4_state = 0;
   // DK = 32-wide d-chunks: measured on the H200 a little faster than 64 (which spills a few
   // registers), so it is the only instantiation of the tiled kernel.
   if (c.kernel == 3) {
@@ -1221,7 +1222,9 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
   const bool ok = c.kernel == 1   ? smem_attr_ok(mla_verify_fast_kernel<32>, (int)sizeof(Smem<32>), tiled_state, false)
                   : c.kernel == 2 && c.rows == 16
                       ? smem_attr_ok(mla_verify_splitkv_kernel<16>, (int)sizeof(SkSmemT<16>), splitkv_state, true)
-                  : c.kernel == 2 ? smem_attr_ok(mla_verify_splitkv_kernel<8>, (int)sizeof(SkSmemT<8>), splitkv8_state, true)
+                  : c.kernel == 2 && c.rows == 8
+                      ? smem_attr_ok(mla_verify_splitkv_kernel<8>, (int)sizeof(SkSmemT<8>), splitkv8_state, true)
+                  : c.kernel == 2 ? smem_attr_ok(mla_verify_splitkv_kernel<4>, (int)sizeof(SkSmemT<4>), splitkv4_state, true)
                                   : false;
   if (!ok) {  // other shapes, forced, or a GPU with less shared memory per block: the plain kernel
     launch_kernel(mla_verify_naive_kernel, M, kNaiveThreads, 0, stream, p);
@@ -1233,8 +1236,10 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
     launch_kernel(mla_verify_fast_kernel<32>, grid, NT, sizeof(Smem<32>), stream, p);
   } else if (c.rows == 16) {
     launch_kernel(mla_verify_splitkv_kernel<16>, dim3((M + 15) / 16, c.splits), sk::NT, sizeof(SkSmemT<16>), stream, p);
-  } else {
+  } else if (c.rows == 8) {
     launch_kernel(mla_verify_splitkv_kernel<8>, dim3((M + 7) / 8, c.splits), sk::NT, sizeof(SkSmemT<8>), stream, p);
+  } else {
+    launch_kernel(mla_verify_splitkv_kernel<4>, dim3((M + 3) / 4, c.splits), sk::NT, sizeof(SkSmemT<4>), stream, p);
   }
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || c.splits == 1) return e;

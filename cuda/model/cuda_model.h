@@ -39,7 +39,7 @@ struct CudaModelOptions {
   bool attention_naive = false;  // force verify_attention's simple reference kernel (testing)
   int attention_kernel = 0;      // verify_attention's force_kernel: 0 auto, 1 tiled, 2 split-KV, 3 decode
                                  // (benchmarks / testing; a kernel that cannot take a shape passes it on)
-  int attention_rows = 0;        // verify_attention's force_splitkv_rows: 0 auto, 8 or 16 (benchmarks)
+  int attention_rows = 0;        // verify_attention's force_splitkv_rows: 0 auto, 4, 8 or 16 (benchmarks)
   int expert_kernel = 0;         // kExpertAuto, kExpertSkinny (GEMV-style), kExpertTiled (testing/benchmarks)
   int skinny_max_tokens = -1;    // steps of <= this many tokens run the dense projections through
                                  // linear_skinny instead of cuBLAS; -1 = auto, 0 = never (cuBLAS only)

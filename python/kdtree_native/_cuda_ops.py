@@ -172,7 +172,7 @@ def verify_attention(q_latent, q_rope, kv_latent, k_rope, visibility, scale, for
     (or uint64 words [T, W]), scale. Returns out_latent float32 [T,H,C].
     Testing knobs: force_naive (the plain kernel), force_splits (> 0: key splits), force_kernel
     (0 = auto, 1 = tiled, 2 = split-KV, 3 = decode), l_bound (int >= L: L reaches the kernels through a
-    device int and l_bound is the host's upper bound, as under CUDA-graph capture), force_rows (8 or
+    device int and l_bound is the host's upper bound, as under CUDA-graph capture), force_rows (4, 8 or
     16 query rows per split-KV block; 0 = the cost model's pick).
     """
     _require()

@@ -384,13 +384,13 @@ def test_verify_attention_splitkv_awkward_sizes(L, T, H, mask):
 
 
 @pytest.mark.parametrize("L,T,H,mask", SPLITKV_SIZES[::2])
-def test_verify_attention_splitkv_8_and_16_rows(L, T, H, mask):
-    """The split-KV kernel with 8 and with 16 query rows per block (force_rows), both within the
+def test_verify_attention_splitkv_4_8_and_16_rows(L, T, H, mask):
+    """The split-KV kernel with 4, 8 and 16 query rows per block (force_rows), each within the
     bound of the float64 reference, with key splits and L through a device int; the auto pick of
     rows equals the same rows forced, bit for bit."""
     ql, qr, kvl, kr, vis, scale = attn_case_t(L * 613 + T * 17 + H, L, H, T, mask)
     ref = ref64(ql, qr, kvl, kr, vis, scale)
-    for rows in (8, 16):
+    for rows in (4, 8, 16):
         assert cu.verify_attention_choice(T, H, L, force_kernel=2, force_rows=rows, rows=True)[2] == rows
         for splits in (0, 1, 3):
             for l_bound in (None, L + 100):
@@ -398,7 +398,7 @@ def test_verify_attention_splitkv_8_and_16_rows(L, T, H, mask):
                                           l_bound=l_bound, force_rows=rows)
                 check_attn(out, ref, (L, T, H, mask, rows, splits, l_bound))
     kernel, s, rows = cu.verify_attention_choice(T, H, L, force_kernel=2, rows=True)
-    assert rows in (8, 16)
+    assert rows in (4, 8, 16)
     auto = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=2)
     forced = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=2, force_splits=s, force_rows=rows)
     assert np.array_equal(auto, forced)
