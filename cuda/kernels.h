@@ -147,7 +147,7 @@ struct VerifyAttentionParams {
                                 //   kernels (CUDA graph capture); then 0 <= *L_dev <= L and L is the
                                 //   host's upper bound (grid, split count, workspace size only)
   int force_splitkv_rows;       // testing: query rows per split-KV block, 4, 8 or 16 (0 = the cost
-                                //   model's pick: 8 when 16-row blocks would leave SMs idle)
+                                //   model's pick: 8 or 4 when 16-row blocks would leave SMs idle)
 };
 // Bytes of workspace for these params: the most splits either kernel can use at any L' <= L
 // (deterministic, non-decreasing in L, at most 64 MiB); 0 when no split is possible.

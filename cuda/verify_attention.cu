@@ -1102,15 +1102,21 @@ int splitkv_splits(const VerifyAttentionParams& p, int RG, double* est_us) {
 }
 
 // Rows per split-KV block: forced (testing), else 8 when the 16-row grid (row groups x its
-// splits) fills at most 80% of the SMs, which halves each block's work and doubles the blocks;
-// else 16 (8-row blocks then only add waves and L2 re-reads of the key chunks). Measured on the
-// H200 (bench_cuda_verify_attention.py --decode-only, docs/BENCHMARKS.md): 8 rows faster at
-// 16-row grids of 17..102 blocks (T=1 H=16 L=512: 11.3 vs 14.0 us; T=17 H=16 L=512: 32.5 vs
-// 39.7), slower from 130 blocks on (T=2 H=16 L=4096: 32.8 vs 29.6; T=65 L=512: 90 vs 68).
+// splits) fills at most 80% of the SMs, which halves each block's work and doubles the blocks,
+// and 4 when the 8-row grid fills at most 60% of them; else 16 (smaller blocks then only add
+// waves and L2 re-reads of the key chunks). Measured on the H200 (bench_cuda_verify_attention.py
+// --decode-only, docs/BENCHMARKS.md): 8 rows faster at 16-row grids of 17..102 blocks (T=1 H=16
+// L=512: 11.3 vs 14.0 us; T=17 H=16 L=512: 32.5 vs 39.7), slower from 130 blocks on (T=2 H=16
+// L=4096: 32.8 vs 29.6; T=65 L=512: 90 vs 68); 4 rows faster at 8-row grids of 34..68 blocks
+// (T=1 H=16 L=512: 10.7 vs 11.3; L=1024: 12.5 vs 15.2; T=2 L=512: 12.1 vs 13.3), slower from
+// 130 on (T=1 H=16 L=2048: 20.5 vs 19.0; T=4 L=512: 18.6 vs 14.5).
 int splitkv_rows(const VerifyAttentionParams& p) {
   if (p.force_splitkv_rows == 4 || p.force_splitkv_rows == 8 || p.force_splitkv_rows == 16) return p.force_splitkv_rows;
+  const long long sms = num_sms();
   const long long blocks16 = (long long)((p.T * p.H + 15) / 16) * splitkv_splits(p, 16, nullptr);
-  return blocks16 * 5 <= (long long)num_sms() * 4 ? 8 : 16;
+  if (blocks16 * 5 > sms * 4) return 16;
+  const long long blocks8 = (long long)((p.T * p.H + 7) / 8) * splitkv_splits(p, 8, nullptr);
+  return blocks8 * 5 <= sms * 3 ? 4 : 8;
 }
 
 // ---- decode kernels: M x (L+T) scores in the workspace. Only when forced (force_kernel = 3,
