@@ -39,6 +39,11 @@ constexpr int64_t kCublasWorkspace = 32ll << 20;
 // Steps of up to this many tokens run the dense projections through cuda::linear_skinny (the
 // crossover with cuBLAS measured on the H200, docs/BENCHMARKS.md "Skinny linear layers vs cuBLAS").
 constexpr int64_t kSkinnyAutoMaxT = 20;  // 17 = B 16 verify: 1.05x; 24: 0.95x
+// A weight matrix larger than this (the H200's L2 is 50 MB) is re-read from HBM by every token
+// slice of linear_skinny; such matrices (lm_head of mini-kimi: 131 MB) go to cuBLAS in steps of
+// more than kSkinnyBigAutoMaxT tokens (skinny_big_max_tokens).
+constexpr int64_t kSkinnyBigBytes = int64_t(48) << 20;
+constexpr int64_t kSkinnyBigAutoMaxT = 20;
 
 std::string mib(int64_t bytes) {
   char b[64];
@@ -90,6 +95,10 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     throw Error("CudaModel: skinny_max_tokens must be -1 (auto) or in [0, " + std::to_string(cuda::kLinearSkinnyMaxT) +
                 "], got " + std::to_string(opt.skinny_max_tokens));
   skinny_max_t_ = opt.skinny_max_tokens < 0 ? kSkinnyAutoMaxT : opt.skinny_max_tokens;
+  if (opt.skinny_big_max_tokens < -1 || opt.skinny_big_max_tokens > cuda::kLinearSkinnyMaxT)
+    throw Error("CudaModel: skinny_big_max_tokens must be -1 (auto) or in [0, " +
+                std::to_string(cuda::kLinearSkinnyMaxT) + "], got " + std::to_string(opt.skinny_big_max_tokens));
+  skinny_big_max_t_ = opt.skinny_big_max_tokens < 0 ? kSkinnyBigAutoMaxT : opt.skinny_big_max_tokens;
   const int64_t Dm = c.hidden_size, H = c.num_attention_heads, C = c.kv_lora_rank, R = c.qk_rope_head_dim;
   const int64_t Dn = c.qk_nope_head_dim, Dv = c.v_head_dim, Dqk = c.qk_head_dim(), CR = C + R;
   const int64_t qr = c.q_lora_rank, V = c.vocab_size, Tm = max_tokens_;
@@ -469,7 +478,8 @@ bool CudaModel::fuse_norm(int64_t T) const { return T <= skinny_max_t_ && T <= c
 void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, const float* w, float* out,
                         int64_t ldo, float beta, const float* norm_w, double norm_eps, float* norm_out) {
   if (norm_w && !fuse_norm(T)) throw RuntimeFailure("CudaModel: internal error, a fused RMSNorm outside fuse_norm");
-  if (T <= skinny_max_t_) {
+  const bool big = N * Kd * (int64_t)sizeof(float) > kSkinnyBigBytes;
+  if (T <= skinny_max_t_ && (norm_w || !big || T <= skinny_big_max_t_)) {
     cuda::LinearParams lp{in, ldi, 0, w, 0, out, ldo, 0, (int)T, (int)N, (int)Kd, 1, beta, norm_w, norm_eps};
     lp.norm_out = norm_out;
     lp.ldn = Kd;

@@ -43,6 +43,9 @@ struct CudaModelOptions {
   int expert_kernel = 0;         // kExpertAuto, kExpertSkinny (GEMV-style), kExpertTiled (testing/benchmarks)
   int skinny_max_tokens = -1;    // steps of <= this many tokens run the dense projections through
                                  // linear_skinny instead of cuBLAS; -1 = auto, 0 = never (cuBLAS only)
+  int skinny_big_max_tokens = -1;  // weights of more than kSkinnyBigBytes (the L2) run through linear_skinny
+                                   // only in steps of <= this many tokens, cuBLAS beyond (each token slice
+                                   // re-reads them from HBM); -1 = auto; a fused RMSNorm (<= 4 tokens) stays
   bool side_stream = true;       // run independent kernels of a step on a second stream (graph
                                  // branches): mla_prep beside the W_UK product, the shared expert's
                                  // down projection beside the routed experts (<= 4 tokens); same results
@@ -201,6 +204,7 @@ class CudaModel : public TargetModel {
   ModelConfig cfg_;
   int64_t max_seq_len_ = 0, max_tokens_ = 0;
   int64_t skinny_max_t_ = 0;  // resolved opt_.skinny_max_tokens
+  int64_t skinny_big_max_t_ = 0;  // resolved opt_.skinny_big_max_tokens
   CudaModelOptions opt_;
   std::string device_name_;
   void* stream_ = nullptr;          // cudaStream_t

@@ -186,6 +186,9 @@ def test_bad_config_is_value_error_before_any_device_work():
     for smt in (-2, 65):
         with pytest.raises(ValueError, match="skinny_max_tokens"):
             _native.CudaModel(cfg, 16, skinny_max_tokens=smt)
+    for smt in (-2, 65):
+        with pytest.raises(ValueError, match="skinny_big_max_tokens"):
+            _native.CudaModel(cfg, 16, skinny_big_max_tokens=smt)
 
 
 @pytest.mark.skipif(not HAS_MODEL or DEVICE_OK, reason="needs a build with the GPU model and no usable device")
@@ -398,6 +401,27 @@ def test_skinny_linear_and_cublas_match_cpu(name):
         assert rel_to_scale(gpu64.forward(toks, pos, None), a) < TOL, f"skinny slices T={T}"
     with pytest.raises(ValueError, match="skinny_max_tokens"):
         _native.CudaModel(cfg.to_native(), 64, skinny_max_tokens=65)
+
+
+@pytest.mark.cuda
+@needs_device
+def test_weights_bigger_than_the_l2_match_cpu():
+    """A weight matrix of more than 48 MiB (here lm_head: vocab 200000 x hidden 64 = 51.2 MB) runs
+    through cuBLAS in steps of more than skinny_big_max_tokens tokens and through linear_skinny
+    otherwise (always with its RMSNorm fused, <= 4 tokens): every choice matches the CPU model at
+    1, 4, 5 and 17 tokens. (auto = -1; 0 and 4 send it to cuBLAS as early as allowed.)"""
+    big = dict(MLA512, vocab_size=200000)
+    cpu, gpu, cfg = pair(big, max_seq_len=64)
+    models = [gpu] + [pair(big, max_seq_len=64, skinny_big_max_tokens=v)[1] for v in (0, 4)]
+    ids = prompt(cfg.vocab_size, 10, seed=7)
+    for m in [cpu] + models:
+        prefill(m, ids)
+    for T in (1, 4, 5, 17):
+        toks = prompt(cfg.vocab_size, T, seed=30 + T)
+        pos = 10 + np.arange(T)
+        a = cpu.forward(toks, pos, None)
+        for m, label in zip(models, ("auto", "0", "4")):
+            assert rel_to_scale(m.forward(toks, pos, None), a) < TOL, f"skinny_big_max_tokens={label} T={T}"
 
 
 @pytest.mark.cuda
