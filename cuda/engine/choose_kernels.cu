@@ -462,24 +462,19 @@ __device__ int radix_select(SampShared& sh, const float* l, int V, bool vec, int
       }
       const unsigned hits = __ballot_sync(kFull, hit >= 0);
       const unsigned lasts = __ballot_sync(kFull, last >= 0);
+      // the chosen bin j of this lane: its number and the count / mass above it and in it
+      auto set_bin = [&](int j, long long ac, double am, long long bc, double bm) {
+        sh.b_status = kSelExact;
+        sh.b_bin = 255 - 8 * lane - j;
+        sh.b_above_c = ac;
+        sh.b_above_m = am;
+        sh.b_bin_c = bc;
+        sh.b_bin_m = bm;
+      };
       if (hits) {
-        if (lane == __ffs(hits) - 1) {
-          sh.b_status = kSelExact;
-          sh.b_bin = 255 - 8 * lane - hit;
-          sh.b_above_c = hc;
-          sh.b_above_m = hm;
-          sh.b_bin_c = hbc;
-          sh.b_bin_m = hbm;
-        }
+        if (lane == __ffs(hits) - 1) set_bin(hit, hc, hm, hbc, hbm);
       } else if (shift != 56 && lasts) {  // rounding: the parent crossed, its parts do not; its end
-        if (lane == 31 - __clz(lasts)) {
-          sh.b_status = kSelExact;
-          sh.b_bin = 255 - 8 * lane - last;
-          sh.b_above_c = lc2;
-          sh.b_above_m = lm2;
-          sh.b_bin_c = lbc;
-          sh.b_bin_m = lbm;
-        }
+        if (lane == 31 - __clz(lasts)) set_bin(last, lc2, lm2, lbc, lbm);
       } else if (lane == 0) {
         sh.b_status = kSelNotFound;
       }

@@ -21,6 +21,7 @@
 // warps of a row group split the k-steps round robin (warp kw takes steps kw, kw + KS, ...).
 // Lane l covers the floats [4 (32 s + l), +4) of step s (VEC) or float 32 s + l (scalar).
 #include <type_traits>
+#include <utility>
 
 #include "model_kernels.h"
 #include "launch.h"
@@ -273,21 +274,22 @@ constexpr LinearSkinnyConfig kConfigs[] = {
     {1, 1, 8}, {2, 2, 4}, {2, 4, 4}, {4, 8, 2}, {4, 16, 2}, {4, 1, 1}, {4, 1, 2}, {4, 1, 4}, {2, 8, 2}, {8, 4, 1},
 };
 constexpr int kNumConfigs = sizeof(kConfigs) / sizeof(kConfigs[0]);
+constexpr bool same_config(const LinearSkinnyConfig& c, int rw, int tt, int u) { return c.RW == rw && c.TT == tt && c.U == u; }
 
+// launch_config(i, ...) = launch_fill<kConfigs[i].RW, kConfigs[i].TT, kConfigs[i].U>: the table above
+// is the only list of the configurations (a function table built over the indices).
+using LaunchFn = cudaError_t (*)(const LinearParams&, bool, cudaStream_t);
+template <size_t I>
+cudaError_t launch_config_at(const LinearParams& p, bool vec, cudaStream_t stream) {
+  return launch_fill<kConfigs[I].RW, kConfigs[I].TT, kConfigs[I].U>(p, vec, stream);
+}
+template <size_t... I>
+cudaError_t launch_config_of(int i, const LinearParams& p, bool vec, cudaStream_t stream, std::index_sequence<I...>) {
+  static constexpr LaunchFn table[] = {&launch_config_at<I>...};
+  return i >= 0 && i < (int)sizeof...(I) ? table[i](p, vec, stream) : cudaErrorInvalidValue;
+}
 cudaError_t launch_config(int i, const LinearParams& p, bool vec, cudaStream_t stream) {
-  switch (i) {
-    case 0: return launch_fill<1, 1, 8>(p, vec, stream);
-    case 1: return launch_fill<2, 2, 4>(p, vec, stream);
-    case 2: return launch_fill<2, 4, 4>(p, vec, stream);
-    case 3: return launch_fill<4, 8, 2>(p, vec, stream);
-    case 4: return launch_fill<4, 16, 2>(p, vec, stream);
-    case 5: return launch_fill<4, 1, 1>(p, vec, stream);
-    case 6: return launch_fill<4, 1, 2>(p, vec, stream);
-    case 7: return launch_fill<4, 1, 4>(p, vec, stream);
-    case 8: return launch_fill<2, 8, 2>(p, vec, stream);
-    case 9: return launch_fill<8, 4, 1>(p, vec, stream);
-    default: return cudaErrorInvalidValue;
-  }
+  return launch_config_of(i, p, vec, stream, std::make_index_sequence<kNumConfigs>{});
 }
 
 // The automatic choice: an index into kConfigs from the token count, the row length Kd, the
@@ -308,6 +310,12 @@ cudaError_t launch_config(int i, const LinearParams& p, bool vec, cudaStream_t s
 // choice is a pure function of the shapes: deterministic results for a given model.
 int auto_config(const LinearParams& p, bool vec) {
   enum { c1x8 = 0, c2x2 = 1, c2x4 = 2, c4x8 = 3, c4x16 = 4, c4t1u1 = 5, c4t1u2 = 6, c4t1u4 = 7, c8x4 = 9 };
+  static_assert(same_config(kConfigs[c1x8], 1, 1, 8) && same_config(kConfigs[c2x2], 2, 2, 4) &&
+                    same_config(kConfigs[c2x4], 2, 4, 4) && same_config(kConfigs[c4x8], 4, 8, 2) &&
+                    same_config(kConfigs[c4x16], 4, 16, 2) && same_config(kConfigs[c4t1u1], 4, 1, 1) &&
+                    same_config(kConfigs[c4t1u2], 4, 1, 2) && same_config(kConfigs[c4t1u4], 4, 1, 4) &&
+                    same_config(kConfigs[c8x4], 8, 4, 1),
+                "auto_config's names must match the configuration table");
   const int T = p.T, Kd = p.Kd;
   if (!vec) return T == 1 ? c1x8 : T == 2 ? c2x2 : T <= 4 ? c2x4 : T <= 8 ? c4x8 : c4x16;
   const bool big = (long long)p.N * Kd * p.batch * 4 > (16ll << 20);
