@@ -40,10 +40,12 @@ constexpr int64_t kCublasWorkspace = 32ll << 20;
 // crossover with cuBLAS measured on the H200, docs/BENCHMARKS.md "Skinny linear layers vs cuBLAS").
 constexpr int64_t kSkinnyAutoMaxT = 20;  // 17 = B 16 verify: 1.05x; 24: 0.95x
 // A weight matrix larger than this (the H200's L2 is 50 MB) is re-read from HBM by every token
-// slice of linear_skinny; such matrices (lm_head of mini-kimi: 131 MB) go to cuBLAS in steps of
-// more than kSkinnyBigAutoMaxT tokens (skinny_big_max_tokens).
+// slice of linear_skinny (at most 16 tokens a slice); such matrices (lm_head of mini-kimi: 131 MB)
+// go to cuBLAS in steps of more than kSkinnyBigAutoMaxT tokens (skinny_big_max_tokens). H200,
+// in-step (bench_cuda_step_options.py --variant big4:skinny_big_max_tokens=4): T = 17 1.380 ->
+// 1.309 ms with lm_head on cuBLAS; T = 5 / 8 within noise (0.830 / 0.836, 1.032 / 1.024).
 constexpr int64_t kSkinnyBigBytes = int64_t(48) << 20;
-constexpr int64_t kSkinnyBigAutoMaxT = 20;
+constexpr int64_t kSkinnyBigAutoMaxT = 16;
 
 std::string mib(int64_t bytes) {
   char b[64];

@@ -45,7 +45,8 @@ struct CudaModelOptions {
                                  // linear_skinny instead of cuBLAS; -1 = auto, 0 = never (cuBLAS only)
   int skinny_big_max_tokens = -1;  // weights of more than kSkinnyBigBytes (the L2) run through linear_skinny
                                    // only in steps of <= this many tokens, cuBLAS beyond (each token slice
-                                   // re-reads them from HBM); -1 = auto; a fused RMSNorm (<= 4 tokens) stays
+                                   // re-reads them from HBM); -1 = auto (16: one slice); a fused RMSNorm
+                                   // (<= 4 tokens) stays on the skinny kernel
   bool side_stream = true;       // run independent kernels of a step on a second stream (graph
                                  // branches): mla_prep beside the W_UK product, the shared expert's
                                  // down projection beside the routed experts (<= 4 tokens); same results
