@@ -201,9 +201,23 @@ def test_cuda_options_are_checked_and_ignored_on_the_cpu(tmp_path):
             kn.Engine.from_pretrained(root, device="cpu", cuda_options=bad)
         with pytest.raises(ValueError, match=what):
             kn.Engine.from_weights(cfg, w, device="cpu", cuda_options=bad)
-    opts = {"graphs": False, "skinny_max_tokens": 0, "max_tokens": 17, "device": 0, "attention_kernel": "splitkv"}
+    opts = {"graphs": False, "skinny_max_tokens": 0, "max_tokens": 17, "device": 0, "attention_kernel": "splitkv",
+            "side_stream": False, "skinny_big_max_tokens": 4}
     eng = kn.Engine.from_pretrained(root, device="cpu", max_seq_len=32, cuda_options=opts)
     assert eng.device == "cpu"
     ref = kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=32, cuda_options=None)
     ids = np.arange(9) * 5 % cfg.vocab_size
     np.testing.assert_array_equal(eng.prefill(ids), ref.prefill(ids))
+
+
+def test_cuda_options_name_the_gpu_models_keyword_arguments():
+    """Every name the engine passes through (engine._CUDA_OPTIONS) is a keyword argument of
+    _native.CudaModel (its pybind11 signature), so a documented option never fails at load."""
+    from kdtree_native import _native
+    from kdtree_native.engine import _CUDA_OPTIONS
+    if not hasattr(_native, "CudaModel"):
+        pytest.skip("GPU model not built")
+    sig = _native.CudaModel.__init__.__doc__
+    for name in _CUDA_OPTIONS:
+        assert f" {name}: " in sig, name
+
