@@ -85,6 +85,14 @@ def median_time(fn, sync, reps, warmup=3):
     return float(np.median(ts))
 
 
+def upload(model, weights):
+    """Every tensor into the model (float32) and finalize(); returns the model."""
+    for name, arr in weights.items():
+        model.set_weight(name, np.ascontiguousarray(arr, dtype=np.float32))
+    model.finalize()
+    return model
+
+
 def step_times(ckpt, variants, sizes, context=512, reps=20, warmup=5):
     """{(label, T): seconds}: the graph-replayed mini-kimi step of T new tokens (causal) at
     `context`, for each CudaModel variant (label -> constructor keyword arguments), same weights
@@ -103,10 +111,7 @@ def step_times(ckpt, variants, sizes, context=512, reps=20, warmup=5):
     logits = torch.empty((max(sizes), V), device=dev)
     res = {}
     for label, kwargs in variants.items():
-        m = _native.CudaModel(cfg.to_native(), L + max(sizes), **kwargs)
-        for name, arr in weights.items():
-            m.set_weight(name, np.ascontiguousarray(arr, dtype=np.float32))
-        m.finalize()
+        m = upload(_native.CudaModel(cfg.to_native(), L + max(sizes), **kwargs), weights)
         m.forward(ctx, np.arange(L), None)
         m.commit(np.arange(L))
         for T in sizes:
@@ -223,10 +228,7 @@ def main():
     costs = Costs(cfg)
     max_ctx = 512 if args.quick else 4096
     t0 = time.time()
-    model = _native.CudaModel(cfg.to_native(), max_ctx + 512)
-    for name, arr in load_weights(args.ckpt, cfg).items():
-        model.set_weight(name, np.ascontiguousarray(arr, dtype=np.float32))
-    model.finalize()
+    model = upload(_native.CudaModel(cfg.to_native(), max_ctx + 512), load_weights(args.ckpt, cfg))
     print(f"CudaModel: {model.device_name}, weights {model.weight_bytes / 2**20:.0f} MiB, cache "
           f"{model.cache_bytes / 2**20:.0f} MiB, workspaces {model.workspace_bytes / 2**20:.0f} MiB; "
           f"loaded in {time.time() - t0:.1f} s; cuBLAS {model.cublas_library}")

@@ -25,7 +25,7 @@ def main():
     args = ap.parse_args()
     import numpy as np
     import torch
-    from bench_cuda_model import MINI_KIMI
+    from bench_cuda_model import MINI_KIMI, upload
     from hf_models import make_checkpoint
     from kdtree_native import _native
     from kdtree_native.checkpoint import load_weights
@@ -37,10 +37,8 @@ def main():
     if not os.path.isfile(os.path.join(args.ckpt, "config.json")):
         make_checkpoint(args.ckpt, MINI_KIMI, seed=0)
     cfg = load_config(args.ckpt)
-    m = _native.CudaModel(cfg.to_native(), max(args.max_seq_len, L + T), graphs=False)
-    for name, arr in load_weights(args.ckpt, cfg).items():
-        m.set_weight(name, np.ascontiguousarray(arr, dtype=np.float32))
-    m.finalize()
+    m = upload(_native.CudaModel(cfg.to_native(), max(args.max_seq_len, L + T), graphs=False),
+               load_weights(args.ckpt, cfg))
     V = cfg.vocab_size
     m.forward(np.random.default_rng(0).integers(0, V, L).astype(np.int32), np.arange(L), None)
     m.commit(np.arange(L))

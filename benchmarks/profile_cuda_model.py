@@ -24,16 +24,13 @@ import kdtree_native as kn
 from kdtree_native import _native
 from kdtree_native.checkpoint import load_weights
 from kdtree_native.config import load_config
-from bench_cuda_model import MINI_KIMI, real_tree, vis_bits
+from bench_cuda_model import MINI_KIMI, real_tree, upload, vis_bits
 from hf_models import make_checkpoint
 ck = args.ckpt
 if not os.path.isfile(ck + "/config.json"):
     make_checkpoint(ck, MINI_KIMI, seed=0)
 cfg = load_config(ck)
-model = _native.CudaModel(cfg.to_native(), args.context + 1100)
-for name, arr in load_weights(ck, cfg).items():
-    model.set_weight(name, np.ascontiguousarray(arr, dtype=np.float32))
-model.finalize()
+model = upload(_native.CudaModel(cfg.to_native(), args.context + 1100), load_weights(ck, cfg))
 V = cfg.vocab_size
 dev = torch.device("cuda")
 L = args.context
