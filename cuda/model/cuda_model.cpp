@@ -687,6 +687,7 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   xp.num_tiles = num_tiles_;
   xp.tile_rows = tile_rows;
   xp.max_tiles = cuda::moe_max_tiles((int)A, (int)E, tile_rows);
+  xp.loop = opt_.expert_loop ? 1 : 0;
   // gate/up: act[slot] = silu(hn[tok] @ Wg_e^T) * (hn[tok] @ Wu_e^T)
   xp.x = hn_;
   xp.ldx = (int)Dm;
@@ -767,7 +768,7 @@ void CudaModel::forward(const int32_t* tokens, const int32_t* positions, const u
                  "upload visibility");
       vis_d = d_vis_;
     }
-    run_step(d_tokens_, d_positions_, vis_d, W, Tc, cache_len_ + c0, logits_);
+    run_step_bucketed(d_tokens_, d_positions_, vis_d, W, Tc, cache_len_ + c0, logits_);
     check_cuda(cudaMemcpyAsync(logits_out + c0 * V, logits_, (size_t)(Tc * V) * sizeof(float), cudaMemcpyDeviceToHost, st),
                "download logits");
     check_cuda(cudaStreamSynchronize(st), "forward");  // also frees the pinned staging for the next chunk
@@ -793,12 +794,7 @@ void CudaModel::forward_device(const int32_t* tokens_d, const int32_t* positions
     vis_stride = vis_words_;
   }
   if (opt_.graphs) {
-    // Context bucket: the attention grid is sized for the next power of two >= L + 1 (at least
-    // 256, at most what still leaves room for T), so one graph serves a range of lengths.
-    int64_t lb = 256;
-    while (lb < cache_len_ + 1) lb *= 2;
-    lb = std::min(lb, max_seq_len_ - T);
-    GraphKey key{tokens_d, positions_d, vis_bits_d, logits_d, vis_stride, T, lb};
+    GraphKey key{tokens_d, positions_d, vis_bits_d, logits_d, vis_stride, T, context_bucket(cache_len_, T)};
     void* exec = graph_for(key);
     if (exec) {
       cudaStream_t st = as_stream(stream_);
@@ -809,8 +805,26 @@ void CudaModel::forward_device(const int32_t* tokens_d, const int32_t* positions
       return;
     }
   }
-  run_step(tokens_d, positions_d, vis_bits_d, vis_stride, T, cache_len_, logits_d);
+  run_step_bucketed(tokens_d, positions_d, vis_bits_d, vis_stride, T, cache_len_, logits_d);
   pending_ = T;
+}
+
+// Context bucket: the attention grid and its key splits are sized for the next power of two >=
+// L + 1 (at least 256, at most what still leaves room for T), so one graph serves a range of
+// lengths.
+int64_t CudaModel::context_bucket(int64_t L, int64_t T) const {
+  int64_t lb = 256;
+  while (lb < L + 1) lb *= 2;
+  return std::min(lb, max_seq_len_ - T);
+}
+
+// An eager step exactly as a captured graph of it runs: the committed length through d_len_ and
+// the attention sized for its context bucket, so that the same step gives the same bits whether
+// it is replayed from a graph or not (the split count changes the attention's summation order).
+void CudaModel::run_step_bucketed(const int32_t* tokens_d, const int32_t* positions_d, const uint64_t* vis_d,
+                                  int64_t vis_stride, int64_t T, int64_t row0, float* logits_d) {
+  check_cuda(cuda::set_int32(d_len_, (int32_t)row0, as_stream(stream_)), "set_int32(len)");
+  run_step(tokens_d, positions_d, vis_d, vis_stride, T, context_bucket(row0, T), logits_d, d_len_);
 }
 
 void* CudaModel::graph_for(const GraphKey& key) {

@@ -41,6 +41,8 @@ struct CudaModelOptions {
                                  // (benchmarks / testing; a kernel that cannot take a shape passes it on)
   int attention_rows = 0;        // verify_attention's force_splitkv_rows: 0 auto, 4, 8 or 16 (benchmarks)
   int expert_kernel = 0;         // kExpertAuto, kExpertSkinny (GEMV-style), kExpertTiled (testing/benchmarks)
+  bool expert_loop = false;      // the GEMV expert kernel on ~one wave of blocks looping over the device's
+                                 // (tile, column block) items (no blocks for tiles past the routed count)
   int skinny_max_tokens = -1;    // steps of <= this many tokens run the dense projections through
                                  // linear_skinny instead of cuBLAS; -1 = auto, 0 = never (cuBLAS only)
   int skinny_big_max_tokens = -1;  // weights of more than kSkinnyBigBytes (the L2) run through linear_skinny
@@ -176,6 +178,11 @@ class CudaModel : public TargetModel {
   // from there) and row0 is only its upper bound (sizes the attention grid); nullptr: row0 exact.
   void run_step(const int32_t* tokens_d, const int32_t* positions_d, const uint64_t* vis_d, int64_t vis_stride,
                 int64_t T, int64_t row0, float* logits_d, const int32_t* len_d = nullptr);
+  // run_step as a graph of it runs: committed length row0 through d_len_, the attention sized for
+  // context_bucket(row0, T); every step (eager, captured, host path) goes through this shape
+  void run_step_bucketed(const int32_t* tokens_d, const int32_t* positions_d, const uint64_t* vis_d,
+                         int64_t vis_stride, int64_t T, int64_t row0, float* logits_d);
+  int64_t context_bucket(int64_t L, int64_t T) const;
   // in: the layer input x_ with its RMSNorm (in_norm) fused into the projections (fuse_norm(T)),
   // or the normed hn_ (in_norm = nullptr)
   void attention(Layer& ly, const int32_t* positions_d, const uint64_t* vis_d, int64_t vis_stride, int64_t T,

@@ -319,17 +319,70 @@ def test_expert_kernels_match_cpu(name, expert_kernel):
 
 @pytest.mark.cuda
 @needs_device
+@pytest.mark.parametrize("name", ["ds3_base", "kimi_like", "odd_sizes"])
+def test_expert_loop_equals_one_block_per_item(name):
+    """expert_loop=True (the GEMV expert kernel on about one wave of blocks that loop over the
+    routed (tile, column block) items) computes every item as the one-block-per-item launch does,
+    so the logits are the same bit for bit (1 to 300 tokens: one tile per expert up to many),
+    and they match the CPU model."""
+    cpu, gpu, cfg = pair(spec(name), max_seq_len=400, expert_kernel="skinny")
+    _, loop, _ = pair(spec(name), max_seq_len=400, expert_kernel="skinny", expert_loop=True)
+    for T, seed in ((1, 40), (17, 41), (65, 42), (300, 43)):
+        for m in (cpu, gpu, loop):
+            m.reset()
+        ids = prompt(cfg.vocab_size, T, seed=seed)
+        a = cpu.forward(ids, np.arange(T), None)
+        b, c = gpu.forward(ids, np.arange(T), None), loop.forward(ids, np.arange(T), None)
+        assert np.array_equal(b, c), f"T={T}"
+        assert rel_to_scale(c, a) < TOL, f"T={T}"
+
+
+@pytest.mark.cuda
+@needs_device
+@pytest.mark.parametrize("name", ["mla512", "kimi_like"])
+def test_eager_graph_and_host_steps_are_bit_identical(name):
+    """A step gives the same bits whether it runs eagerly (the first forward_ptr of a shape), is
+    captured and replayed (the second and third), or goes through the host path forward(): every
+    step sizes the attention for its context bucket and reads the committed length from the
+    device (before, an eager step split the keys for the exact length and a graph for the bucket,
+    a different summation order). Contexts chosen so that the exact and bucket split counts
+    differ (mla512 runs the split-KV kernel); trees and a causal 17-token step."""
+    try:
+        import torch
+    except ImportError:
+        pytest.skip("torch needed for device buffers")
+    cfg = config_from_dict(config_dict(spec(name)))
+    w = {k: v.astype(np.float32) for k, v in random_weights(cfg, 0).items()}
+    m = load(_native.CudaModel(cfg.to_native(), 700), w)
+    V = cfg.vocab_size
+    dev = torch.device("cuda")
+    for L, T in ((37, 1), (300, 1), (300, 5), (600, 17)):
+        prefill(m, prompt(V, L, seed=L))
+        toks = prompt(V, T, seed=L + T).astype(np.int32)
+        pos = (L + np.arange(T)).astype(np.int32)
+        t_tok, t_pos = torch.as_tensor(toks, device=dev), torch.as_tensor(pos, device=dev)
+        t_out = torch.empty((T, V), device=dev)
+        outs = []
+        for rep in range(3):  # eager, then captured + replayed, then replayed
+            m.forward_ptr(t_tok.data_ptr(), t_pos.data_ptr(), 0, 0, T, t_out.data_ptr())
+            torch.cuda.synchronize()
+            outs.append(t_out.cpu().numpy().copy())
+        host = m.forward(toks, pos, None)
+        assert np.isfinite(host).all()
+        for rep in (1, 2):
+            assert np.array_equal(outs[0], outs[rep]), f"L={L} T={T} eager vs graph (call {rep + 1})"
+        assert np.array_equal(outs[0], host), f"L={L} T={T} device vs host path"
+
+
+@pytest.mark.cuda
+@needs_device
 @pytest.mark.parametrize("name", ["ds3_base", "kimi_like", "no_q_lora", "tied_nonorm", "mla512"])
 def test_side_stream_equals_one_stream(name):
     """side_stream=True (the default: mla_prep beside the W_UK product, the shared expert beside
     the routed ones; graph branches when captured): the same kernels on the same data, so the
     logits equal the one-stream model's bit for bit, step after step (decode, small trees, a
     17-token step), eager (forward) and, with torch, graph-replayed (forward_ptr from the second
-    call of a shape), and the caches the same. Both models are built here, not taken from the
-    pair cache: a cached model may hold a graph for recycled buffer addresses from an earlier
-    test and replay it where the other runs eagerly (the graph sizes the attention's key splits
-    for the context bucket, the eager step for the exact length: the same values up to the last
-    bits, not bit for bit)."""
+    call of a shape), and the caches the same. Both models are built here (fresh graph caches)."""
     cfg = config_from_dict(config_dict(spec(name)))
     w = {k: v.astype(np.float32) for k, v in random_weights(cfg, 0).items()}
     one = load(_native.CudaModel(cfg.to_native(), 200, side_stream=False), w)
