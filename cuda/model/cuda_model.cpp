@@ -687,7 +687,6 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   xp.num_tiles = num_tiles_;
   xp.tile_rows = tile_rows;
   xp.max_tiles = cuda::moe_max_tiles((int)A, (int)E, tile_rows);
-  xp.loop = opt_.expert_loop ? 1 : 0;
   // gate/up: act[slot] = silu(hn[tok] @ Wg_e^T) * (hn[tok] @ Wu_e^T)
   xp.x = hn_;
   xp.ldx = (int)Dm;

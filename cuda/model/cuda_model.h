@@ -41,8 +41,6 @@ struct CudaModelOptions {
                                  // (benchmarks / testing; a kernel that cannot take a shape passes it on)
   int attention_rows = 0;        // verify_attention's force_splitkv_rows: 0 auto, 4, 8 or 16 (benchmarks)
   int expert_kernel = 0;         // kExpertAuto, kExpertSkinny (GEMV-style), kExpertTiled (testing/benchmarks)
-  bool expert_loop = false;      // the GEMV expert kernel on ~one wave of blocks looping over the device's
-                                 // (tile, column block) items (no blocks for tiles past the routed count)
   int skinny_max_tokens = -1;    // steps of <= this many tokens run the dense projections through
                                  // linear_skinny instead of cuBLAS; -1 = auto, 0 = never (cuBLAS only)
   int skinny_big_max_tokens = -1;  // weights of more than kSkinnyBigBytes (the L2) run through linear_skinny

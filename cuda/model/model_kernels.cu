@@ -470,21 +470,21 @@ __device__ __forceinline__ float wdot(const float4& g4, const float4& x4, float 
   return acc + (g4.x * x4.x + g4.y * x4.y + g4.z * x4.z + g4.w * x4.w);
 }
 
-// One work item of the GEMV: tile `tile` of the schedule, column block `cb`, for this warp
-// (returns when the warp has nothing or is done; no block barrier).
 template <int MS, int U, bool SWI, bool VEC>
-__device__ __forceinline__ void expert_gemv_item(const ExpertGemmParams& p, int tile, int cb) {
+__global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(ExpertGemmParams p) {
+  pdl_prologue();
   using WT = typename std::conditional<VEC, float4, float>::type;
   constexpr int CPW = SWI ? kSkinnyRW / 2 : kSkinnyRW;  // output columns per warp
   constexpr int RW = kSkinnyRW;                         // weight rows per warp
   constexpr int VW = VEC ? 4 : 1;                       // floats per lane and k-step
+  const int tile = blockIdx.x;
   // The schedule loads are independent (tile_expert / tile_row0 hold max_tiles entries; those
   // past *num_tiles are not used), so they go out together.
   const int nt = __ldg(p.num_tiles), e = __ldg(p.tile_expert + tile), r0 = __ldg(p.tile_row0 + tile);
   if (tile >= nt || e < 0 || r0 < 0) return;  // (e, r0 >= 0 always: keeps their loads above the exit)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int Kd = p.Kd, N = p.N;
-  const int nb = (cb * kSkinnyWarps + warp) * CPW;
+  const int nb = (blockIdx.y * kSkinnyWarps + warp) * CPW;
   if (nb >= N) return;  // no block barrier below
   const int ncol = min(CPW, N - nb);
   const float* W = p.w + (size_t)e * (SWI ? 2 : 1) * N * Kd;
@@ -572,23 +572,6 @@ __device__ __forceinline__ void expert_gemv_item(const ExpertGemmParams& p, int 
       }
     }
   }
-}
-
-// Launch (p.loop_ncb == 0): one block per (tile bound, column block): blockIdx.x = tile,
-// blockIdx.y = column block; blocks of tiles past *num_tiles return at once. Loop mode
-// (p.loop_ncb = column blocks > 0, a 1-D grid of about one wave): each block takes the items
-// (tile, column block) = (i / loop_ncb, i % loop_ncb) for i = blockIdx.x, + gridDim.x, ... below
-// *num_tiles * loop_ncb, so no block is launched for a tile past the device's count (the host
-// bound max_tiles is ~2.4x the tiles at 17 tokens). Same per-item computation: same results.
-template <int MS, int U, bool SWI, bool VEC>
-__global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(ExpertGemmParams p) {
-  pdl_prologue();
-  if (p.loop_ncb <= 0) {
-    expert_gemv_item<MS, U, SWI, VEC>(p, blockIdx.x, blockIdx.y);
-    return;
-  }
-  const int items = __ldg(p.num_tiles) * p.loop_ncb;
-  for (int i = blockIdx.x; i < items; i += gridDim.x) expert_gemv_item<MS, U, SWI, VEC>(p, i / p.loop_ncb, i % p.loop_ncb);
 }
 
 // ---------------------------------------------------------------- grouped expert GEMM, tiled
@@ -813,22 +796,6 @@ void launch_gemv(int U, dim3 grid, const ExpertGemmParams& p, cudaStream_t strea
   else launch_kernel(expert_gemv_kernel<MS, 1, SWI, VEC>, grid, TH, 0, stream, p);
 }
 
-// SMs of the current device (cached; 132 when the query fails)
-int device_sms() {
-  static int n = 0;
-  if (n == 0) {
-    int dev = 0, v = 0;
-    if (cudaGetDevice(&dev) == cudaSuccess && cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) == cudaSuccess &&
-        v > 0)
-      n = v;
-    else {
-      cudaGetLastError();
-      n = 132;
-    }
-  }
-  return n;
-}
-
 int threads_for(int n) {
   int t = 32;
   while (t < n && t < 256) t *= 2;
@@ -940,25 +907,16 @@ cudaError_t expert_gemm(const ExpertGemmParams& p, cudaStream_t stream) {
   const bool vec = p.Kd % 4 == 0 && p.ldx % 4 == 0 && ((uintptr_t)p.x % 16) == 0 && ((uintptr_t)p.w % 16) == 0;
   if (p.tile_rows == kExpertSkinnyRows) {
     const int cols = kSkinnyWarps * (p.swiglu ? kSkinnyRW / 2 : kSkinnyRW);  // output columns per block
-    const int ncb = (p.N + cols - 1) / cols;
-    dim3 grid(p.max_tiles, ncb);
+    dim3 grid(p.max_tiles, (p.N + cols - 1) / cols);
     if (grid.y > 65535u) return cudaErrorInvalidValue;
-    ExpertGemmParams q = p;
-    q.loop_ncb = 0;
-    if (p.loop) {  // about one wave of blocks looping over the device's items (model_kernels.h)
-      const long long bound = (long long)p.max_tiles * ncb;
-      const long long wave = (long long)device_sms() * kExpertLoopBlocksPerSm;
-      grid = dim3((unsigned)(bound < wave ? bound : wave), 1);
-      q.loop_ncb = ncb;
-    }
     const int steps = (p.Kd + (vec ? 127 : 31)) / (vec ? 128 : 32);  // k-steps of a warp over one row
     const int U = steps >= 4 ? 4 : steps >= 2 ? 2 : 1;
     if (p.swiglu) {
-      if (vec) launch_gemv<true, true>(U, grid, q, stream);
-      else launch_gemv<true, false>(U, grid, q, stream);
+      if (vec) launch_gemv<true, true>(U, grid, p, stream);
+      else launch_gemv<true, false>(U, grid, p, stream);
     } else {
-      if (vec) launch_gemv<false, true>(U, grid, q, stream);
-      else launch_gemv<false, false>(U, grid, q, stream);
+      if (vec) launch_gemv<false, true>(U, grid, p, stream);
+      else launch_gemv<false, false>(U, grid, p, stream);
     }
     return cudaGetLastError();
   }

@@ -184,11 +184,7 @@ struct ExpertGemmParams {
   int max_tiles;           // grid bound (moe_max_tiles)
   float* y;                // [A, ldy]
   int ldy;
-  int loop = 0;            // GEMV kernel: 1 = about one wave of blocks looping over the items of the
-                           // device's tile count instead of one block per (tile bound, column block)
-  int loop_ncb = 0;        // set by expert_gemm (column blocks per tile in loop mode); callers leave 0
 };
-constexpr int kExpertLoopBlocksPerSm = 3;  // the GEMV kernel's launch bounds: at least 3 blocks per SM
 // Two kernels: a GEMV-style one for tiles of <= kExpertSkinnyRows slots (weights streamed once
 // per tile; decode and small verify steps) and a shared-memory tiled SGEMM for tiles of
 // kExpertTileRows slots (prefill, large trees; no fused SwiGLU).

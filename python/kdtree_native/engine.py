@@ -30,7 +30,7 @@ __all__ = ["Engine"]
 _DEVICES = ("auto", "cpu", "cuda")
 # keyword arguments of _native.CudaModel that an Engine passes through (docs/CUDA_MODEL.md)
 _CUDA_OPTIONS = ("max_tokens", "device", "math", "attention_naive", "expert_kernel", "graphs", "skinny_max_tokens",
-                 "attention_kernel", "side_stream", "skinny_big_max_tokens", "expert_loop")
+                 "attention_kernel", "side_stream", "skinny_big_max_tokens")
 
 
 def _check_cuda_options(options) -> dict:
