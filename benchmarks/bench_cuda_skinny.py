@@ -1,6 +1,6 @@
 """Skinny linear layers vs cuBLAS inside the mini-kimi forward step (H200): the graph-replayed
 step time at T = 1..32 new tokens (causal, context 512) with the dense projections through
-cuda::linear_skinny (the default, skinny_max_tokens=-1) and through cuBLAS (skinny_max_tokens=0),
+cuda::linear_skinny (the default, skinny_max_tokens=-1) and through cuBLAS (skinny_max_tokens=0, tile_max_tokens=0),
 same weights, same run. Picks the crossover that CudaModel's auto setting uses.
 
     python3 benchmarks/bench_cuda_skinny.py [--context 512] [--reps 20] [--tokens 1 2 4 ...] [--json FILE]
@@ -28,7 +28,7 @@ def main():
     import torch
     from bench_cuda_model import step_times
 
-    res = step_times(args.ckpt, {"skinny": dict(skinny_max_tokens=args.max_tokens), "cublas": dict(skinny_max_tokens=0)},
+    res = step_times(args.ckpt, {"skinny": dict(skinny_max_tokens=args.max_tokens), "cublas": dict(skinny_max_tokens=0, tile_max_tokens=0)},
                      args.tokens, context=args.context, reps=args.reps)
     print(f"## mini-kimi step, context {args.context}: dense projections through linear_skinny vs cuBLAS "
           f"({torch.cuda.get_device_name(0)}, graph replay, median of {args.reps})")

@@ -46,6 +46,9 @@ constexpr int64_t kSkinnyAutoMaxT = 20;  // 17 = B 16 verify: 1.05x; 24: 0.95x
 // 1.309 ms with lm_head on cuBLAS; T = 5 / 8 within noise (0.830 / 0.836, 1.032 / 1.024).
 constexpr int64_t kSkinnyBigBytes = int64_t(48) << 20;
 constexpr int64_t kSkinnyBigAutoMaxT = 16;
+// Steps of more than skinny_max_tokens and up to this many tokens run the dense projections
+// through cuda::linear_tile (tile_max_tokens), cuBLAS beyond.
+constexpr int64_t kTileAutoMaxT = 64;
 
 std::string mib(int64_t bytes) {
   char b[64];
@@ -101,6 +104,8 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     throw Error("CudaModel: skinny_big_max_tokens must be -1 (auto) or in [0, " +
                 std::to_string(cuda::kLinearSkinnyMaxT) + "], got " + std::to_string(opt.skinny_big_max_tokens));
   skinny_big_max_t_ = opt.skinny_big_max_tokens < 0 ? kSkinnyBigAutoMaxT : opt.skinny_big_max_tokens;
+  if (opt.tile_max_tokens < -1) throw Error("CudaModel: tile_max_tokens must be -1 (auto) or >= 0, got " + std::to_string(opt.tile_max_tokens));
+  tile_max_t_ = opt.tile_max_tokens < 0 ? kTileAutoMaxT : opt.tile_max_tokens;
   const int64_t Dm = c.hidden_size, H = c.num_attention_heads, C = c.kv_lora_rank, R = c.qk_rope_head_dim;
   const int64_t Dn = c.qk_nope_head_dim, Dv = c.v_head_dim, Dqk = c.qk_head_dim(), CR = C + R;
   const int64_t qr = c.q_lora_rank, V = c.vocab_size, Tm = max_tokens_;
@@ -481,11 +486,15 @@ void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64
                         int64_t ldo, float beta, const float* norm_w, double norm_eps, float* norm_out) {
   if (norm_w && !fuse_norm(T)) throw RuntimeFailure("CudaModel: internal error, a fused RMSNorm outside fuse_norm");
   const bool big = N * Kd * (int64_t)sizeof(float) > kSkinnyBigBytes;
+  cuda::LinearParams lp{in, ldi, 0, w, 0, out, ldo, 0, (int)T, (int)N, (int)Kd, 1, beta, norm_w, norm_eps};
   if (T <= skinny_max_t_ && (norm_w || !big || T <= skinny_big_max_t_)) {
-    cuda::LinearParams lp{in, ldi, 0, w, 0, out, ldo, 0, (int)T, (int)N, (int)Kd, 1, beta, norm_w, norm_eps};
     lp.norm_out = norm_out;
     lp.ldn = Kd;
     check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny");
+    return;
+  }
+  if (T > skinny_max_t_ && T <= tile_max_t_ && cuda::linear_tile_supported(lp)) {
+    check_cuda(cuda::linear_tile(lp, as_stream(stream_)), "linear_tile");
     return;
   }
   const cuda::CublasApi& api = cuda::cublas_api();
@@ -497,9 +506,13 @@ void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64
 
 void CudaModel::gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, int64_t in_head,
                               const float* w, float* out, int64_t ldo, int64_t out_head, int64_t heads) {
+  cuda::LinearParams lp{in, ldi, in_head, w, N * Kd, out, ldo, out_head, (int)T, (int)N, (int)Kd, (int)heads, 0.f};
   if (T <= skinny_max_t_) {
-    cuda::LinearParams lp{in, ldi, in_head, w, N * Kd, out, ldo, out_head, (int)T, (int)N, (int)Kd, (int)heads, 0.f};
     check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny(heads)");
+    return;
+  }
+  if (T <= tile_max_t_ && cuda::linear_tile_supported(lp)) {
+    check_cuda(cuda::linear_tile(lp, as_stream(stream_)), "linear_tile(heads)");
     return;
   }
   const float one = 1.f, zero = 0.f;
@@ -651,11 +664,11 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   const int64_t Is = Ie * c.n_shared_experts, A = T * K;
   cudaStream_t st = as_stream(stream_);
 
-  // Few tokens (the skinny kernel): the router and the shared expert's gate/up are one projection
+  // Few tokens (the skinny or tiled kernel): the router and the shared expert's gate/up are one projection
   // of the normalised input (rows [router | shared gate | shared up], contiguous in the weights),
   // with the RMSNorm itself fused in (fused_norm: it also writes hn_ for the routed experts).
   // Otherwise the router alone here and the shared gate/up after the routed experts.
-  const bool merged = Is > 0 && T <= skinny_max_t_;
+  const bool merged = Is > 0 && (T <= skinny_max_t_ || T <= tile_max_t_);  // not on cuBLAS
   const int64_t ldr = merged ? E + 2 * Is : E;  // rows projected = the row stride of router_logits_
   if (fused_norm) gemm_nt(T, ldr, Dm, x_, Dm, ly.router, router_logits_, ldr, 0.f, ly.post_ln, c.rms_norm_eps, hn_);
   else gemm_nt(T, ldr, Dm, hn_, Dm, ly.router, router_logits_, ldr);

@@ -47,6 +47,9 @@ struct CudaModelOptions {
                                    // only in steps of <= this many tokens, cuBLAS beyond (each token slice
                                    // re-reads them from HBM); -1 = auto (16: one slice); a fused RMSNorm
                                    // (<= 4 tokens) stays on the skinny kernel
+  int tile_max_tokens = -1;      // steps of more than skinny_max_tokens and at most this many tokens run
+                                 // the dense projections through linear_tile (shared-memory tiles, split-k
+                                 // clusters) instead of cuBLAS; -1 = auto, 0 = never
   bool side_stream = true;       // run independent kernels of a step on a second stream (graph
                                  // branches): mla_prep beside the W_UK product, the shared expert's
                                  // down projection beside the routed experts (<= 4 tokens); same results
@@ -211,6 +214,7 @@ class CudaModel : public TargetModel {
   int64_t max_seq_len_ = 0, max_tokens_ = 0;
   int64_t skinny_max_t_ = 0;  // resolved opt_.skinny_max_tokens
   int64_t skinny_big_max_t_ = 0;  // resolved opt_.skinny_big_max_tokens
+  int64_t tile_max_t_ = 0;  // resolved opt_.tile_max_tokens
   CudaModelOptions opt_;
   std::string device_name_;
   void* stream_ = nullptr;          // cudaStream_t

@@ -45,6 +45,8 @@ struct LinearParams {
   long long ldn = 0;              // rmsnorm kernel would), for later consumers of the same input
   int force_config = 0;           // tests / benchmarks: 1 + an index into the configuration table
                                   // (linear_skinny_config); 0 = the automatic choice
+  int tile_splits = 0;            // linear_tile: k splits (a cluster of that many blocks), 0 = auto,
+                                  // else 1..kLinearTileMaxSplits (tests / benchmarks)
 };
 // One kernel configuration: RW weight rows per warp, TT token rows per slice (more tokens run in
 // balanced slices along grid.z), U k-steps of loads in flight per lane.
@@ -59,6 +61,17 @@ constexpr int kLinearNormMaxT = 4;
 // against ~25 us for swiglu + linear), so the model fuses it up to this many tokens.
 constexpr int kLinearSwigluFuseMaxT = 4;
 cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream);
+
+// ---------------------------------------------------------------- tiled linear layer
+// The same product (no prologues: norm_w, x_swiglu and norm_out must be unset) for any T, tiled
+// through shared memory with the k range split over a thread-block cluster (linear_tile.cu says
+// why): for the verify steps between linear_skinny's few tokens and cuBLAS's many. Needs 16-byte
+// aligned x / w and Kd, ldx, x_batch, w_batch multiples of 4 (linear_tile_supported); sm_90+.
+// FP32, deterministic (the split count is a function of the shape and the device's SM count).
+constexpr int kLinearTileMaxSplits = 8;
+bool linear_tile_supported(const LinearParams& p);
+int linear_tile_rows(int T);  // token rows per tile for a T-token step (16, 24, 32 or 64)
+cudaError_t linear_tile(const LinearParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------- embedding
 struct EmbedParams {

@@ -30,7 +30,7 @@ __all__ = ["Engine"]
 _DEVICES = ("auto", "cpu", "cuda")
 # keyword arguments of _native.CudaModel that an Engine passes through (docs/CUDA_MODEL.md)
 _CUDA_OPTIONS = ("max_tokens", "device", "math", "attention_naive", "expert_kernel", "graphs", "skinny_max_tokens",
-                 "attention_kernel", "side_stream", "skinny_big_max_tokens")
+                 "attention_kernel", "side_stream", "skinny_big_max_tokens", "tile_max_tokens")
 
 
 def _check_cuda_options(options) -> dict:
@@ -96,7 +96,7 @@ class Engine:
         progress: None, True (print to stderr) or a callable(done, total) per tensor.
         cuda_options: keyword arguments for the GPU model when the engine runs on CUDA (ignored
         on the CPU), e.g. {"device": 1} for the second GPU, {"max_tokens": 257} for trees of up
-        to 256 nodes, {"skinny_max_tokens": 0} for cuBLAS only (docs/CUDA_MODEL.md); unknown
+        to 256 nodes, {"skinny_max_tokens": 0, "tile_max_tokens": 0} for cuBLAS only (docs/CUDA_MODEL.md); unknown
         names are a ValueError.
         Raises FileNotFoundError / ValueError naming the problem for a bad directory, config
         or checkpoint.

@@ -1,5 +1,5 @@
-"""The skinny linear kernel (cuda::linear_skinny, _native.cuda_linear_skinny) against a float64
-NumPy evaluation: every token count 1..32 and some up to 64 (token slices), odd and aligned sizes (scalar and float4 paths),
+"""The skinny linear kernel (cuda::linear_skinny, _native.cuda_linear_skinny) and the tiled one
+(cuda::linear_tile, kernel="tile") against a float64 NumPy evaluation: every token count 1..32 and some up to 64 (token slices), odd and aligned sizes (scalar and float4 paths),
 batched strided layouts (the model's per-head absorbed products), beta 0 (y is not read: it is
 poisoned with NaN) and beta 1 (residual add), determinism, and the argument checks.
 Skipped without a usable CUDA device."""
@@ -35,7 +35,8 @@ def reference(x, w, y0, T, Nn, Kd, batch, x_batch, w_batch, y_batch, beta, x_off
     return y, scale
 
 
-def run_case(rng, T, Nn, Kd, batch=1, beta=0.0, x_pad=0, y_pad=0, interleaved=False, x_off=0, w_off=0):
+def run_case(rng, T, Nn, Kd, batch=1, beta=0.0, x_pad=0, y_pad=0, interleaved=False, x_off=0, w_off=0, kernel="skinny",
+             splits=0):
     if interleaved:  # the model's head layout: x [T, batch * Kd'], head b at columns b * Kd
         ldx, x_batch = batch * Kd + x_pad, Kd
         ldy, y_batch = batch * Nn + y_pad, Nn
@@ -50,7 +51,8 @@ def run_case(rng, T, Nn, Kd, batch=1, beta=0.0, x_pad=0, y_pad=0, interleaved=Fa
     w = rng.standard_normal((1, batch * w_batch + w_off)).astype(np.float32)
     if beta == 0:
         y0[:] = np.nan  # must not be read
-    got = N.cuda_linear_skinny(x, w, y0, T, Nn, Kd, batch, x_batch, w_batch, y_batch, beta, x_off, w_off)
+    got = N.cuda_linear_skinny(x, w, y0, T, Nn, Kd, batch, x_batch, w_batch, y_batch, beta, x_off, w_off,
+                               kernel=kernel, splits=splits)
     ref, scale = reference(x, w, np.nan_to_num(y0) if beta == 0 else y0, T, Nn, Kd, batch, x_batch, w_batch,
                            y_batch, beta, x_off, w_off)
     # elements the kernel must write: finite and within 1e-5 of the scale; others untouched
@@ -257,3 +259,71 @@ def test_forced_configuration_prologues(config):
     assert (np.abs(got - xs @ Wm.T) <= 2e-5 * (np.abs(xs) @ np.abs(Wm).T) + 1e-30).all()
     with pytest.raises(ValueError):
         N.cuda_linear_skinny(x, w, y0, T, Nn, Kd, config=len(CONFIGS) + 1)
+
+
+# ---------------------------------------------------------------- linear_tile
+TILE_T = list(range(1, 10)) + [15, 16, 17, 23, 24, 25, 31, 32, 33, 48, 63, 64, 65, 100, 129, 257]
+
+
+@pytest.mark.parametrize("T", TILE_T)
+def test_tile_every_token_count(T):
+    """linear_tile at token counts around its tile heights (16 / 24 / 32 / 64, several tiles past
+    64), column counts around its 64-row tiles, k lengths around its 32-float chunks and the auto
+    split count (a cluster of k splits): beta 0 (y poisoned, must not be read) and 1."""
+    rng = np.random.default_rng(5000 + T)
+    for Nn, Kd in ((64, 1024), (37, 260), (130, 128), (5, 4), (200, 36), (1, 2048)):
+        run_case(rng, T, Nn, Kd, beta=0.0, kernel="tile")
+        run_case(rng, T, Nn, Kd, beta=1.0, x_pad=4, y_pad=3, kernel="tile")
+
+
+@pytest.mark.parametrize("splits", list(range(1, 9)))
+@pytest.mark.parametrize("T", [3, 17, 40, 70])
+def test_tile_forced_splits(splits, T):
+    """Every k split count of the cluster reduction (1..8; more splits than k chunks fold to
+    fewer): against float64, y poisoned outside the product, beta 0 and 1, batched heads."""
+    rng = np.random.default_rng(100 * splits + T)
+    for Nn, Kd in ((96, 1024), (64, 100), (33, 2048), (70, 32)):
+        run_case(rng, T, Nn, Kd, beta=0.0, kernel="tile", splits=splits)
+        run_case(rng, T, Nn, Kd, beta=1.0, kernel="tile", splits=splits)
+    run_case(rng, T, 64, 128, batch=4, interleaved=True, x_pad=8, kernel="tile", splits=splits)
+
+
+@pytest.mark.parametrize("T", [1, 5, 17, 32, 50, 65])
+def test_tile_batched_head_layouts(T):
+    rng = np.random.default_rng(6000 + T)
+    # absorbed W_UK: x = q_nope heads inside [T, H * (Dn + R)], w = W_UK^T [H, C, Dn]
+    run_case(rng, T, 64, 16, batch=4, interleaved=True, x_pad=8, kernel="tile")
+    # W_UV: x = o_lat [T, H * C], w = [H, Dv, C]
+    run_case(rng, T, 12, 96, batch=3, interleaved=True, kernel="tile")
+    run_case(rng, T, 9, 36, batch=5, beta=1.0, kernel="tile")
+
+
+def test_tile_deterministic_and_equal_across_calls():
+    rng = np.random.default_rng(8)
+    x = rng.standard_normal((33, 2048)).astype(np.float32)
+    w = rng.standard_normal((1, 300 * 2048)).astype(np.float32)
+    y = np.zeros((33, 300), np.float32)
+    a = N.cuda_linear_skinny(x, w, y, 33, 300, 2048, kernel="tile")
+    b = N.cuda_linear_skinny(x, w, y, 33, 300, 2048, kernel="tile")
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_tile_refuses_what_it_cannot_take():
+    """Unaligned rows or pointers, the prologues, a split count past 8 and an unknown kernel name
+    are refused (ValueError), not computed wrongly."""
+    x = np.ones((8, 16), np.float32)
+    w = np.ones((1, 16 * 16), np.float32)
+    y = np.zeros((8, 16), np.float32)
+    assert np.allclose(N.cuda_linear_skinny(x, w, y, 8, 16, 16, kernel="tile"), 16.0)
+    for kw in (dict(Kd=15), dict(x_off=1), dict(w_off=2), dict(splits=9), dict(splits=-1)):
+        args = dict(Kd=16, x_off=0, w_off=0, splits=0)
+        args.update(kw)
+        with pytest.raises(ValueError):
+            N.cuda_linear_skinny(x, w, y, 4, 8, args["Kd"], x_off=args["x_off"], w_off=args["w_off"], kernel="tile",
+                                 splits=args["splits"])
+    with pytest.raises(ValueError):
+        N.cuda_linear_skinny(x, w, y, 4, 8, 16, norm_w=np.ones(16, np.float32), kernel="tile")
+    with pytest.raises(ValueError):
+        N.cuda_linear_skinny(x, w, y, 4, 8, 8, x_swiglu=True, kernel="tile")
+    with pytest.raises(ValueError):
+        N.cuda_linear_skinny(x, w, y, 4, 8, 16, kernel="flash")

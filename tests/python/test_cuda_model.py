@@ -189,6 +189,8 @@ def test_bad_config_is_value_error_before_any_device_work():
     for smt in (-2, 65):
         with pytest.raises(ValueError, match="skinny_big_max_tokens"):
             _native.CudaModel(cfg, 16, skinny_big_max_tokens=smt)
+    with pytest.raises(ValueError, match="tile_max_tokens"):
+        _native.CudaModel(cfg, 16, tile_max_tokens=-2)
 
 
 @pytest.mark.skipif(not HAS_MODEL or DEVICE_OK, reason="needs a build with the GPU model and no usable device")
@@ -416,22 +418,25 @@ def test_side_stream_equals_one_stream(name):
 @needs_device
 @pytest.mark.parametrize("name", ["ds3_base", "kimi_like", "no_q_lora", "odd_sizes", "mla512"])
 def test_skinny_linear_and_cublas_match_cpu(name):
-    """Steps of 1..64 tokens: the dense projections through linear_skinny (auto: up to 16 tokens;
-    skinny_max_tokens=64: up to 64, in token slices) and through cuBLAS (skinny_max_tokens=0), all
-    against the CPU model."""
-    cpu, gpu, cfg = pair(spec(name), max_seq_len=200)
-    _, gpu0, _ = pair(spec(name), max_seq_len=200, skinny_max_tokens=0)
-    _, gpu64, _ = pair(spec(name), max_seq_len=200, skinny_max_tokens=64)
+    """Steps of 1..64 tokens (and 65..300 for the tiled kernel): the dense projections through
+    linear_skinny (auto: up to 20 tokens; skinny_max_tokens=64: up to 64, in token slices),
+    through linear_tile (tile_max_tokens; skinny_max_tokens=0: from one token on, several token
+    tiles beyond 64) and through cuBLAS (both 0), all against the CPU model. odd_sizes has rows
+    that are not multiples of 4: linear_tile passes them to cuBLAS."""
+    cpu, gpu, cfg = pair(spec(name), max_seq_len=400)
+    variants = {"auto": gpu,
+                "cuBLAS": pair(spec(name), max_seq_len=400, skinny_max_tokens=0, tile_max_tokens=0)[1],
+                "skinny slices": pair(spec(name), max_seq_len=400, skinny_max_tokens=64)[1],
+                "tiled": pair(spec(name), max_seq_len=400, skinny_max_tokens=0, tile_max_tokens=400)[1]}
     ids = prompt(cfg.vocab_size, 20, seed=5)
-    for m in (cpu, gpu, gpu0, gpu64):
+    for m in [cpu] + list(variants.values()):
         prefill(m, ids)
-    for T in (1, 2, 5, 8, 17, 32, 33, 64):
+    for T in (1, 2, 5, 8, 17, 24, 25, 32, 33, 64, 65, 129, 300):
         toks = prompt(cfg.vocab_size, T, seed=T)
         pos = 20 + np.arange(T)
         a = cpu.forward(toks, pos, None)
-        assert rel_to_scale(gpu.forward(toks, pos, None), a) < TOL, f"auto T={T}"
-        assert rel_to_scale(gpu0.forward(toks, pos, None), a) < TOL, f"cuBLAS T={T}"
-        assert rel_to_scale(gpu64.forward(toks, pos, None), a) < TOL, f"skinny slices T={T}"
+        for label, m in variants.items():
+            assert rel_to_scale(m.forward(toks, pos, None), a) < TOL, f"{label} T={T}"
     with pytest.raises(ValueError, match="skinny_max_tokens"):
         _native.CudaModel(cfg.to_native(), 64, skinny_max_tokens=65)
 
@@ -718,7 +723,8 @@ def test_engine_on_cuda_equals_cpu(tmp_path):
     assert rel_to_scale(eng.decode(5), ref.decode(5)) < TOL
     # cuda_options reach the GPU model: cuBLAS only, no graphs, a small max_tokens
     opt = kn.Engine.from_weights(cfg, w, device="cuda", max_seq_len=64,
-                                 cuda_options={"skinny_max_tokens": 0, "graphs": False, "max_tokens": 9})
+                                 cuda_options={"skinny_max_tokens": 0, "tile_max_tokens": 0, "graphs": False,
+                                               "max_tokens": 9})
     assert opt.model.max_tokens == 9
     assert rel_to_scale(opt.prefill(ids), ref.prefill(ids)) < TOL
     with pytest.raises(ValueError, match="skinny_max_tokens"):

@@ -202,7 +202,7 @@ def test_cuda_options_are_checked_and_ignored_on_the_cpu(tmp_path):
         with pytest.raises(ValueError, match=what):
             kn.Engine.from_weights(cfg, w, device="cpu", cuda_options=bad)
     opts = {"graphs": False, "skinny_max_tokens": 0, "max_tokens": 17, "device": 0, "attention_kernel": "splitkv",
-            "side_stream": False, "skinny_big_max_tokens": 4}
+            "side_stream": False, "skinny_big_max_tokens": 4, "tile_max_tokens": 0}
     eng = kn.Engine.from_pretrained(root, device="cpu", max_seq_len=32, cuda_options=opts)
     assert eng.device == "cpu"
     ref = kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=32, cuda_options=None)

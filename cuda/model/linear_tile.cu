@@ -1,0 +1,263 @@
+// linear_tile.cu: the tiled linear layer for steps of a few dozen to a few hundred tokens (tree
+// verify), see model_kernels.h (linear_tile).
+//
+// Why: between the decode-sized steps (linear_skinny: one warp streams a few weight rows, the
+// token rows come through L1) and the prefill-sized ones (cuBLAS), a verify step of 17-257 tokens
+// fits neither. Nsight Compute on the H200 (mini-kimi, T = 17, docs/CUDA_MODEL.md): linear_skinny
+// ran the projections at 4-13 % of the DRAM peak with 12-18 % occupancy (160-200 registers for
+// 64 accumulators) and ~60 % of the warp cycles waiting on L1 loads of the token rows; cuBLAS was
+// no better at 17-65 tokens. Here the operands come through shared memory instead:
+//   * a block owns a tile of BM token rows x kBN = 64 weight rows; each k-chunk of kBK = 32 floats
+//     of both is copied to shared memory with cp.async (16-byte, L2 only), kStages chunks in
+//     flight, so a block keeps ~25-55 KB of loads outstanding without registers for them; the
+//     first chunks of the (immutable) weights are issued before the PDL wait, while the previous
+//     kernel finishes;
+//   * 128 threads, each a TM = BM / 8 tokens x 4 rows register tile, read as float4 along k from
+//     rows padded to 36 floats (conflict-free): 2 x TM + 8 shared loads per 16 x TM FMAs x 4;
+//   * few output tiles (o_proj: 1024 rows = 16 tiles) would leave most SMs idle, so the k range is
+//     split over a thread-block cluster of up to 8 blocks (Hopper); each block leaves its partial
+//     tile in its shared memory and, after a cluster barrier, block r sums slice r of the tile over
+//     the cluster's blocks through distributed shared memory, in rank order.
+// Deterministic: per output a thread sums its k-chunk in ascending k, the partial tiles are added
+// in split order; the split count is a function of the shape and the SM count only.
+#include <algorithm>
+#include <cstdint>
+
+#include <cooperative_groups.h>
+
+#include "model_kernels.h"
+#include "launch.h"
+
+namespace kdtree {
+namespace cuda {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kBN = 64;             // weight rows (outputs) per tile
+constexpr int kBK = 32;             // k floats per chunk
+constexpr int kPad = kBK + 4;       // shared row stride in floats (16-byte aligned, conflict-free float4 reads)
+constexpr int kStages = 4;          // chunks in flight
+constexpr int kThreads = 128;       // 16 row groups x 8 token groups
+constexpr int kMaxSplits = kLinearTileMaxSplits;  // a portable cluster size
+
+template <int BM>
+constexpr size_t smem_bytes() {
+  constexpr size_t stages = (size_t)kStages * (kBN + BM) * kPad * sizeof(float);
+  constexpr size_t red = (size_t)BM * kBN * sizeof(float);
+  return stages > red ? stages : red;
+}
+
+__device__ __forceinline__ void cp_async16(float* smem, const float* gmem, bool full) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(full ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// grid (splits, column tiles, batch x token tiles), cluster (splits, 1, 1); chunks_per_split
+// k-chunks per split.
+template <int BM>
+__global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, int chunks_per_split) {
+  constexpr int TM = BM / 8;
+  extern __shared__ __align__(16) float smem[];
+  float* const Ws = smem;                              // [kStages][kBN][kPad]
+  float* const Xs = smem + kStages * kBN * kPad;       // [kStages][BM][kPad]
+  const int tid = threadIdx.x, tn = tid & 15, tm = tid >> 4;
+  const int splits = (int)gridDim.x, split = (int)blockIdx.x;
+  const int mtiles = (p.T + BM - 1) / BM;
+  const int b = (int)blockIdx.z / mtiles, m0 = ((int)blockIdx.z % mtiles) * BM, n0 = (int)blockIdx.y * kBN;
+  const int Kd = p.Kd, rows = min(BM, p.T - m0);
+  const float* const W = p.w + (size_t)b * p.w_batch + (size_t)n0 * Kd;
+  const float* const X = p.x + (size_t)b * p.x_batch + (size_t)m0 * p.ldx;
+  const int nchunks = (Kd + kBK - 1) / kBK;
+  const int c0 = split * chunks_per_split, c1 = min(nchunks, c0 + chunks_per_split), nc = max(c1 - c0, 0);
+  pdl_trigger();
+
+  // this thread's copies of a chunk: weight float4 j (of 4): row (tid >> 3) + 16 j, k offset 4 (tid & 7)
+  auto load_w = [&](int c, int slot) {
+    const int k = c * kBK + (tid & 7) * 4;
+#pragma unroll
+    for (int j = 0; j < kBN * kBK / 4 / kThreads; ++j) {
+      const int r = (tid >> 3) + 16 * j;
+      const bool ok = n0 + r < p.N && k < Kd;
+      cp_async16(Ws + ((size_t)slot * kBN + r) * kPad + (tid & 7) * 4, ok ? W + (size_t)r * Kd + k : p.w, ok);
+    }
+  };
+  auto load_x = [&](int c, int slot) {
+    const int k = c * kBK + (tid & 7) * 4;
+#pragma unroll
+    for (int j = 0; j < (BM * kBK / 4 + kThreads - 1) / kThreads; ++j) {
+      const int r = (tid >> 3) + 16 * j;
+      if (r < BM) {
+        const bool ok = r < rows && k < Kd;
+        cp_async16(Xs + ((size_t)slot * BM + r) * kPad + (tid & 7) * 4, ok ? X + (size_t)r * p.ldx + k : p.x, ok);
+      }
+    }
+  };
+  // prologue: the weights of the first kStages - 1 chunks before the wait (immutable), then the
+  // token rows; group s holds chunk s's x (and, for s = 0, all the early weights)
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s)
+    if (s < nc) load_w(c0 + s, s);
+  pdl_wait();
+#pragma unroll
+  for (int s = 0; s < kStages - 1; ++s) {
+    if (s < nc) load_x(c0 + s, s);
+    cp_async_commit();
+  }
+
+  float acc[TM][4];
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+  for (int c = 0; c < nc; ++c) {
+    cp_async_wait<kStages - 2>();
+    __syncthreads();  // chunk c visible to all; the slot of chunk c - 1 free again
+    const int nxt = c + kStages - 1;
+    if (nxt < nc) {
+      load_w(c0 + nxt, nxt % kStages);
+      load_x(c0 + nxt, nxt % kStages);
+    }
+    cp_async_commit();
+    const float* ws = Ws + (size_t)(c % kStages) * kBN * kPad;
+    const float* xs = Xs + (size_t)(c % kStages) * BM * kPad;
+#pragma unroll
+    for (int kk = 0; kk < kBK; kk += 4) {
+      float4 wv[4], xv[TM];
+#pragma unroll
+      for (int j = 0; j < 4; ++j) wv[j] = *reinterpret_cast<const float4*>(ws + (tn + 16 * j) * kPad + kk);
+#pragma unroll
+      for (int i = 0; i < TM; ++i) xv[i] = *reinterpret_cast<const float4*>(xs + (tm + 8 * i) * kPad + kk);
+#pragma unroll
+      for (int i = 0; i < TM; ++i)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          float a = acc[i][j];
+          a = fmaf(xv[i].x, wv[j].x, a);
+          a = fmaf(xv[i].y, wv[j].y, a);
+          a = fmaf(xv[i].z, wv[j].z, a);
+          acc[i][j] = fmaf(xv[i].w, wv[j].w, a);
+        }
+    }
+  }
+  cp_async_wait<0>();
+
+  float* const Y = p.y + (size_t)b * p.y_batch + (size_t)m0 * p.ldy + n0;
+  auto store = [&](int m, int n, float v) {
+    if (m < rows && n0 + n < p.N) {
+      float* out = Y + (size_t)m * p.ldy + n;
+      *out = p.beta != 0.f ? fmaf(p.beta, *out, v) : v;
+    }
+  };
+  if (splits == 1) {
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) store(tm + 8 * i, tn + 16 * j, acc[i][j]);
+    return;
+  }
+  // split-k: partial tile [BM][kBN] in this block's shared memory, then slice `split` of the
+  // tile summed over the cluster's blocks in rank order
+  __syncthreads();  // every thread is done reading the stages
+  float* const part = smem;
+#pragma unroll
+  for (int i = 0; i < TM; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) part[(tm + 8 * i) * kBN + tn + 16 * j] = acc[i][j];
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();
+  constexpr int E = BM * kBN;
+  const int e0 = (int)((long long)E * split / splits), e1 = (int)((long long)E * (split + 1) / splits);
+  for (int e = e0 + tid; e < e1; e += kThreads) {
+    const int m = e / kBN, n = e % kBN;
+    if (m >= rows || n0 + n >= p.N) continue;
+    float s = 0.f;
+    for (int r = 0; r < splits; ++r) s += cluster.map_shared_rank(part, r)[e];
+    store(m, n, s);
+  }
+  cluster.sync();  // no block leaves while another still reads its shared memory
+}
+
+bool aligned16(const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15u) == 0; }
+
+int device_sm_count() {
+  static int sms = [] {
+    int dev = 0, n = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
+      n = 132;
+    return n > 0 ? n : 132;
+  }();
+  return sms;
+}
+
+template <int BM>
+cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
+  constexpr size_t smem = smem_bytes<BM>();
+  static const cudaError_t attr_err =
+      cudaFuncSetAttribute(linear_tile_kernel<BM>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+  if (attr_err != cudaSuccess) return attr_err;
+  const long long mtiles = (p.T + BM - 1) / BM, ntiles = (p.N + kBN - 1) / kBN;
+  const long long base = ntiles * mtiles * p.batch;
+  const int nchunks = (p.Kd + kBK - 1) / kBK;
+  int splits = p.tile_splits;
+  if (splits <= 0) {  // about two blocks per SM, each split at least two chunks
+    const long long want = 2LL * device_sm_count();
+    splits = (int)std::min<long long>(kMaxSplits, std::max<long long>(1, (want + base - 1) / base));
+    splits = std::max(1, std::min(splits, nchunks / 2));
+  }
+  splits = std::min(splits, nchunks);
+  const int cps = (nchunks + splits - 1) / splits;
+  splits = (nchunks + cps - 1) / cps;  // no empty split
+  if (ntiles > 65535 || base / ntiles > 65535) return cudaErrorInvalidValue;
+  cudaLaunchAttribute attr[2];
+  int na = 0;
+  if (splits > 1) {
+    attr[na].id = cudaLaunchAttributeClusterDimension;
+    attr[na].val.clusterDim.x = (unsigned)splits;
+    attr[na].val.clusterDim.y = 1;
+    attr[na].val.clusterDim.z = 1;
+    ++na;
+  }
+  if (pdl_enabled()) {
+    attr[na].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[na].val.programmaticStreamSerializationAllowed = 1;
+    ++na;
+  }
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3((unsigned)splits, (unsigned)ntiles, (unsigned)(mtiles * p.batch));
+  cfg.blockDim = dim3(kThreads);
+  cfg.dynamicSmemBytes = smem;
+  cfg.stream = stream;
+  cfg.attrs = attr;
+  cfg.numAttrs = (unsigned)na;
+  return cudaLaunchKernelEx(&cfg, linear_tile_kernel<BM>, p, cps);
+}
+
+}  // namespace
+
+bool linear_tile_supported(const LinearParams& p) {
+  return !p.norm_w && !p.x_swiglu && !p.norm_out && p.Kd % 4 == 0 && p.ldx % 4 == 0 && p.x_batch % 4 == 0 &&
+         p.w_batch % 4 == 0 && aligned16(p.x) && aligned16(p.w);
+}
+
+int linear_tile_rows(int T) { return T <= 16 ? 16 : T <= 24 ? 24 : T <= 32 ? 32 : 64; }
+
+cudaError_t linear_tile(const LinearParams& p, cudaStream_t stream) {
+  if (!p.x || !p.w || !p.y || p.T < 0 || p.N <= 0 || p.Kd <= 0 || p.batch <= 0 || p.ldx < p.Kd || p.ldy < p.N ||
+      p.x_batch < 0 || p.w_batch < 0 || p.y_batch < 0 || p.tile_splits < 0 || p.tile_splits > kMaxSplits ||
+      !linear_tile_supported(p))
+    return cudaErrorInvalidValue;
+  if (p.T == 0) return cudaSuccess;
+  switch (linear_tile_rows(p.T)) {
+    case 16: return launch_tile<16>(p, stream);
+    case 24: return launch_tile<24>(p, stream);
+    case 32: return launch_tile<32>(p, stream);
+    default: return launch_tile<64>(p, stream);
+  }
+}
+
+}  // namespace cuda
+}  // namespace kdtree
