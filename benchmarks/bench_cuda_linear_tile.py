@@ -1,8 +1,8 @@
 """The tiled linear kernel (cuda::linear_tile) against the skinny one and cuBLAS on the dense
 projections of the mini-kimi step (H200): per (projection, T) the median time of one call inside
 graphs of 20 calls (weights rotated past the L2, as in the step): linear_skinny's automatic
-configuration (T <= 64), linear_tile with its automatic k split count and with each forced count
-of --splits, and cuBLAS (torch.matmul / bmm, FP32, TF32 off) in graphs of the same length.
+configuration (T <= 64), linear_tile on the tensor cores (3xTF32) with its automatic k split
+count and with each forced count of --splits, linear_tile on the CUDA cores (FP32), and cuBLAS (torch.matmul / bmm, FP32, TF32 off) in graphs of the same length.
 Guides CudaModel's skinny_max_tokens / tile_max_tokens and linear_tile's split rule.
 
     python3 benchmarks/bench_cuda_linear_tile.py [--tokens 5 8 17 33 65 257] [--splits 1 2 4 8] [--json FILE]
@@ -63,8 +63,8 @@ def main():
 
     print(f"## linear_tile vs linear_skinny vs cuBLAS ({N.cuda_device_props()['name']}, us per call in graphs of 20)")
     head = " | ".join(f"tile s={s}" for s in args.splits)
-    print(f"| projection | T | MB | skinny | tile auto | {head} | cuBLAS | best | tile auto TB/s |")
-    print("|---|---:|---:|---:|---:|" + "---:|" * len(args.splits) + "---:|---|---:|")
+    print(f"| projection | T | MB | skinny | tile auto | {head} | tile FP32 cores | cuBLAS | best | tile auto TB/s |")
+    print("|---|---:|---:|---:|---:|" + "---:|" * len(args.splits) + "---:|---:|---|---:|")
     rows = []
     for name, n, kd, batch, _pro in SHAPES:
         if args.only and name not in args.only:
@@ -77,13 +77,15 @@ def main():
             for s in args.splits:
                 t[f"s{s}"] = N.cuda_time_linear_skinny(T, n, kd, batch, iters=args.iters, kernel="tile",
                                                        splits=s)["graph_median_ms"] * 1e3
+            t["fp32"] = N.cuda_time_linear_skinny(T, n, kd, batch, iters=args.iters, kernel="tile",
+                                                  tile_math=1)["graph_median_ms"] * 1e3
             t["cublas"] = cublas_us(torch, T, n, kd, batch, args.iters)
             best = min(t, key=t.get)
             mb = n * kd * batch * 4 / 1e6
             rows.append(dict(name=name, T=T, N=n, Kd=kd, batch=batch, us=t, best=best))
             cells = " | ".join(f"{t[f's{s}']:.1f}" for s in args.splits)
             sk = f"{t['skinny']:.1f}" if "skinny" in t else "-"
-            print(f"| {name} | {T} | {mb:.1f} | {sk} | {t['tile']:.1f} | {cells} | {t['cublas']:.1f} | {best} | "
+            print(f"| {name} | {T} | {mb:.1f} | {sk} | {t['tile']:.1f} | {cells} | {t['fp32']:.1f} | {t['cublas']:.1f} | {best} | "
                   f"{mb / t['tile']:.2f} |", flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -493,6 +493,7 @@ void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64
     check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny");
     return;
   }
+  lp.tile_math = opt_.tile_tensor_cores ? 0 : 1;
   if (T > skinny_max_t_ && T <= tile_max_t_ && cuda::linear_tile_supported(lp)) {
     check_cuda(cuda::linear_tile(lp, as_stream(stream_)), "linear_tile");
     return;
@@ -511,6 +512,7 @@ void CudaModel::gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in,
     check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny(heads)");
     return;
   }
+  lp.tile_math = opt_.tile_tensor_cores ? 0 : 1;
   if (T <= tile_max_t_ && cuda::linear_tile_supported(lp)) {
     check_cuda(cuda::linear_tile(lp, as_stream(stream_)), "linear_tile(heads)");
     return;

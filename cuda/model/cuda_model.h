@@ -50,6 +50,8 @@ struct CudaModelOptions {
   int tile_max_tokens = -1;      // steps of more than skinny_max_tokens and at most this many tokens run
                                  // the dense projections through linear_tile (shared-memory tiles, split-k
                                  // clusters) instead of cuBLAS; -1 = auto, 0 = never
+  bool tile_tensor_cores = true;  // linear_tile's products on the tensor cores as 3xTF32 (FP32-accurate,
+                                  // docs/CUDA_MODEL.md), else FP32 on the CUDA cores
   bool side_stream = true;       // run independent kernels of a step on a second stream (graph
                                  // branches): mla_prep beside the W_UK product, the shared expert's
                                  // down projection beside the routed experts (<= 4 tokens); same results

@@ -56,15 +56,33 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
+// 3xTF32: x = hi + lo with hi = tf32(x), lo = tf32(x - hi) (x - hi is exact in FP32); a product
+// is hi_a hi_b + hi_a lo_b + lo_a hi_b (the dropped lo_a lo_b is ~2^-22 of it), FP32 accumulation
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(x));
+  const float r = x - __uint_as_float(hi);
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(r));
+}
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
 // grid (splits, column tiles, batch x token tiles), cluster (splits, 1, 1); chunks_per_split
-// k-chunks per split.
-template <int BM>
+// k-chunks per split. TC: the products on the tensor cores (3xTF32, mma.sync m16n8k8: warp w owns
+// weight rows [16 w, 16 w + 16) of the tile as the A operand, the BM / 8 token groups of 8 are B
+// operands), else on the CUDA cores (thread = BM / 8 tokens x 4 rows).
+template <int BM, bool TC>
 __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, int chunks_per_split) {
   constexpr int TM = BM / 8;
   extern __shared__ __align__(16) float smem[];
   float* const Ws = smem;                              // [kStages][kBN][kPad]
   float* const Xs = smem + kStages * kBN * kPad;       // [kStages][BM][kPad]
   const int tid = threadIdx.x, tn = tid & 15, tm = tid >> 4;
+  const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;  // mma fragment coordinates
   const int splits = (int)gridDim.x, split = (int)blockIdx.x;
   const int mtiles = (p.T + BM - 1) / BM;
   const int b = (int)blockIdx.z / mtiles, m0 = ((int)blockIdx.z % mtiles) * BM, n0 = (int)blockIdx.y * kBN;
@@ -108,6 +126,8 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
     cp_async_commit();
   }
 
+  // TC: acc[j] = the m16n8 fragment of token group j (c0 (row g, token 2q), c1 (g, 2q + 1), c2 (g + 8,
+  // 2q), c3 (g + 8, 2q + 1)); else acc[i][j] = token tm + 8 i x row tn + 16 j
   float acc[TM][4];
 #pragma unroll
   for (int i = 0; i < TM; ++i)
@@ -124,59 +144,89 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
     cp_async_commit();
     const float* ws = Ws + (size_t)(c % kStages) * kBN * kPad;
     const float* xs = Xs + (size_t)(c % kStages) * BM * kPad;
+    if constexpr (TC) {
+      const float* wa = ws + (16 * warp + g) * kPad + q;  // conflict-free: bank 4 g + q
 #pragma unroll
-    for (int kk = 0; kk < kBK; kk += 4) {
-      float4 wv[4], xv[TM];
+      for (int kk = 0; kk < kBK; kk += 8) {
+        uint32_t ah[4], al[4];
+        split_tf32(wa[kk], ah[0], al[0]);
+        split_tf32(wa[8 * kPad + kk], ah[1], al[1]);
+        split_tf32(wa[kk + 4], ah[2], al[2]);
+        split_tf32(wa[8 * kPad + kk + 4], ah[3], al[3]);
 #pragma unroll
-      for (int j = 0; j < 4; ++j) wv[j] = *reinterpret_cast<const float4*>(ws + (tn + 16 * j) * kPad + kk);
-#pragma unroll
-      for (int i = 0; i < TM; ++i) xv[i] = *reinterpret_cast<const float4*>(xs + (tm + 8 * i) * kPad + kk);
-#pragma unroll
-      for (int i = 0; i < TM; ++i)
-#pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          float a = acc[i][j];
-          a = fmaf(xv[i].x, wv[j].x, a);
-          a = fmaf(xv[i].y, wv[j].y, a);
-          a = fmaf(xv[i].z, wv[j].z, a);
-          acc[i][j] = fmaf(xv[i].w, wv[j].w, a);
+        for (int j = 0; j < TM; ++j) {
+          const float* xb = xs + (8 * j + g) * kPad + q + kk;
+          uint32_t bh[2], bl[2];
+          split_tf32(xb[0], bh[0], bl[0]);
+          split_tf32(xb[4], bh[1], bl[1]);
+          mma_tf32(acc[j], al, bh);
+          mma_tf32(acc[j], ah, bl);
+          mma_tf32(acc[j], ah, bh);
         }
+      }
+    } else {
+#pragma unroll
+      for (int kk = 0; kk < kBK; kk += 4) {
+        float4 wv[4], xv[TM];
+#pragma unroll
+        for (int j = 0; j < 4; ++j) wv[j] = *reinterpret_cast<const float4*>(ws + (tn + 16 * j) * kPad + kk);
+#pragma unroll
+        for (int i = 0; i < TM; ++i) xv[i] = *reinterpret_cast<const float4*>(xs + (tm + 8 * i) * kPad + kk);
+#pragma unroll
+        for (int i = 0; i < TM; ++i)
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            float a = acc[i][j];
+            a = fmaf(xv[i].x, wv[j].x, a);
+            a = fmaf(xv[i].y, wv[j].y, a);
+            a = fmaf(xv[i].z, wv[j].z, a);
+            acc[i][j] = fmaf(xv[i].w, wv[j].w, a);
+          }
+      }
     }
   }
   cp_async_wait<0>();
 
-  float* const Y = p.y + (size_t)b * p.y_batch + (size_t)m0 * p.ldy + n0;
-  auto store = [&](int m, int n, float v) {
-    if (m < rows && n0 + n < p.N) {
-      float* out = Y + (size_t)m * p.ldy + n;
-      *out = p.beta != 0.f ? fmaf(p.beta, *out, v) : v;
-    }
-  };
-  if (splits == 1) {
-#pragma unroll
-    for (int i = 0; i < TM; ++i)
-#pragma unroll
-      for (int j = 0; j < 4; ++j) store(tm + 8 * i, tn + 16 * j, acc[i][j]);
-    return;
-  }
-  // split-k: partial tile [BM][kBN] in this block's shared memory, then slice `split` of the
-  // tile summed over the cluster's blocks in rank order
+  // the block's (partial) tile [BM tokens][kBN rows] in shared memory, then written out (one
+  // split) or summed over the cluster's blocks in rank order, slice `split` of it by this block
   __syncthreads();  // every thread is done reading the stages
   float* const part = smem;
 #pragma unroll
-  for (int i = 0; i < TM; ++i)
+  for (int i = 0; i < TM; ++i) {
+    if constexpr (TC) {
+      const int r = 16 * warp + g, t = 8 * i + 2 * q;
+      part[t * kBN + r] = acc[i][0];
+      part[(t + 1) * kBN + r] = acc[i][1];
+      part[t * kBN + r + 8] = acc[i][2];
+      part[(t + 1) * kBN + r + 8] = acc[i][3];
+    } else {
 #pragma unroll
-    for (int j = 0; j < 4; ++j) part[(tm + 8 * i) * kBN + tn + 16 * j] = acc[i][j];
+      for (int j = 0; j < 4; ++j) part[(tm + 8 * i) * kBN + tn + 16 * j] = acc[i][j];
+    }
+  }
+  float* const Y = p.y + (size_t)b * p.y_batch + (size_t)m0 * p.ldy + n0;
+  constexpr int E = BM * kBN;
+  if (splits == 1) {
+    __syncthreads();
+    for (int e = tid; e < E; e += kThreads) {
+      const int m = e / kBN, n = e % kBN;
+      if (m < rows && n0 + n < p.N) {
+        float* out = Y + (size_t)m * p.ldy + n;
+        *out = p.beta != 0.f ? fmaf(p.beta, *out, part[e]) : part[e];
+      }
+    }
+    return;
+  }
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
-  constexpr int E = BM * kBN;
   const int e0 = (int)((long long)E * split / splits), e1 = (int)((long long)E * (split + 1) / splits);
   for (int e = e0 + tid; e < e1; e += kThreads) {
     const int m = e / kBN, n = e % kBN;
     if (m >= rows || n0 + n >= p.N) continue;
     float s = 0.f;
     for (int r = 0; r < splits; ++r) s += cluster.map_shared_rank(part, r)[e];
-    store(m, n, s);
+    float* out = Y + (size_t)m * p.ldy + n;
+    *out = p.beta != 0.f ? fmaf(p.beta, *out, s) : s;
   }
   cluster.sync();  // no block leaves while another still reads its shared memory
 }
@@ -193,11 +243,11 @@ int device_sm_count() {
   return sms;
 }
 
-template <int BM>
+template <int BM, bool TC>
 cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
   constexpr size_t smem = smem_bytes<BM>();
   static const cudaError_t attr_err =
-      cudaFuncSetAttribute(linear_tile_kernel<BM>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+      cudaFuncSetAttribute(linear_tile_kernel<BM, TC>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (attr_err != cudaSuccess) return attr_err;
   const long long mtiles = (p.T + BM - 1) / BM, ntiles = (p.N + kBN - 1) / kBN;
   const long long base = ntiles * mtiles * p.batch;
@@ -233,7 +283,7 @@ cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = (unsigned)na;
-  return cudaLaunchKernelEx(&cfg, linear_tile_kernel<BM>, p, cps);
+  return cudaLaunchKernelEx(&cfg, linear_tile_kernel<BM, TC>, p, cps);
 }
 
 }  // namespace
@@ -243,20 +293,27 @@ bool linear_tile_supported(const LinearParams& p) {
          p.w_batch % 4 == 0 && aligned16(p.x) && aligned16(p.w);
 }
 
-int linear_tile_rows(int T) { return T <= 16 ? 16 : T <= 24 ? 24 : T <= 32 ? 32 : 64; }
+int linear_tile_rows(int T) { return T <= 8 ? 8 : T <= 16 ? 16 : T <= 24 ? 24 : T <= 32 ? 32 : 64; }
+
+template <bool TC>
+cudaError_t launch_rows(const LinearParams& p, cudaStream_t stream) {
+  switch (linear_tile_rows(p.T)) {
+    case 8: return launch_tile<8, TC>(p, stream);
+    case 16: return launch_tile<16, TC>(p, stream);
+    case 24: return launch_tile<24, TC>(p, stream);
+    case 32: return launch_tile<32, TC>(p, stream);
+    default: return launch_tile<64, TC>(p, stream);
+  }
+}
 
 cudaError_t linear_tile(const LinearParams& p, cudaStream_t stream) {
   if (!p.x || !p.w || !p.y || p.T < 0 || p.N <= 0 || p.Kd <= 0 || p.batch <= 0 || p.ldx < p.Kd || p.ldy < p.N ||
       p.x_batch < 0 || p.w_batch < 0 || p.y_batch < 0 || p.tile_splits < 0 || p.tile_splits > kMaxSplits ||
+      p.tile_math < 0 || p.tile_math > 1 ||
       !linear_tile_supported(p))
     return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
-  switch (linear_tile_rows(p.T)) {
-    case 16: return launch_tile<16>(p, stream);
-    case 24: return launch_tile<24>(p, stream);
-    case 32: return launch_tile<32>(p, stream);
-    default: return launch_tile<64>(p, stream);
-  }
+  return p.tile_math == 1 ? launch_rows<false>(p, stream) : launch_rows<true>(p, stream);
 }
 
 }  // namespace cuda

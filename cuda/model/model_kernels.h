@@ -47,6 +47,7 @@ struct LinearParams {
                                   // (linear_skinny_config); 0 = the automatic choice
   int tile_splits = 0;            // linear_tile: k splits (a cluster of that many blocks), 0 = auto,
                                   // else 1..kLinearTileMaxSplits (tests / benchmarks)
+  int tile_math = 0;              // linear_tile: 0 = tensor cores, 3xTF32 (FP32-accurate), 1 = FP32 CUDA cores
 };
 // One kernel configuration: RW weight rows per warp, TT token rows per slice (more tokens run in
 // balanced slices along grid.z), U k-steps of loads in flight per lane.

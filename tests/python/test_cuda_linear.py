@@ -36,7 +36,7 @@ def reference(x, w, y0, T, Nn, Kd, batch, x_batch, w_batch, y_batch, beta, x_off
 
 
 def run_case(rng, T, Nn, Kd, batch=1, beta=0.0, x_pad=0, y_pad=0, interleaved=False, x_off=0, w_off=0, kernel="skinny",
-             splits=0):
+             splits=0, tile_math=0):
     if interleaved:  # the model's head layout: x [T, batch * Kd'], head b at columns b * Kd
         ldx, x_batch = batch * Kd + x_pad, Kd
         ldy, y_batch = batch * Nn + y_pad, Nn
@@ -52,7 +52,7 @@ def run_case(rng, T, Nn, Kd, batch=1, beta=0.0, x_pad=0, y_pad=0, interleaved=Fa
     if beta == 0:
         y0[:] = np.nan  # must not be read
     got = N.cuda_linear_skinny(x, w, y0, T, Nn, Kd, batch, x_batch, w_batch, y_batch, beta, x_off, w_off,
-                               kernel=kernel, splits=splits)
+                               kernel=kernel, splits=splits, tile_math=tile_math)
     ref, scale = reference(x, w, np.nan_to_num(y0) if beta == 0 else y0, T, Nn, Kd, batch, x_batch, w_batch,
                            y_batch, beta, x_off, w_off)
     # elements the kernel must write: finite and within 1e-5 of the scale; others untouched
@@ -265,47 +265,68 @@ def test_forced_configuration_prologues(config):
 TILE_T = list(range(1, 10)) + [15, 16, 17, 23, 24, 25, 31, 32, 33, 48, 63, 64, 65, 100, 129, 257]
 
 
+@pytest.mark.parametrize("tile_math", [0, 1])
 @pytest.mark.parametrize("T", TILE_T)
-def test_tile_every_token_count(T):
-    """linear_tile at token counts around its tile heights (16 / 24 / 32 / 64, several tiles past
-    64), column counts around its 64-row tiles, k lengths around its 32-float chunks and the auto
-    split count (a cluster of k splits): beta 0 (y poisoned, must not be read) and 1."""
+def test_tile_every_token_count(T, tile_math):
+    """linear_tile (tensor cores 3xTF32 and FP32 CUDA cores) at token counts around its tile
+    heights (8 / 16 / 24 / 32 / 64, several tiles past 64), column counts around its 64-row tiles,
+    k lengths around its 32-float chunks and the auto split count (a cluster of k splits): beta 0
+    (y poisoned, must not be read) and 1; within 1e-5 of sum |x w| of the float64 result."""
     rng = np.random.default_rng(5000 + T)
     for Nn, Kd in ((64, 1024), (37, 260), (130, 128), (5, 4), (200, 36), (1, 2048)):
-        run_case(rng, T, Nn, Kd, beta=0.0, kernel="tile")
-        run_case(rng, T, Nn, Kd, beta=1.0, x_pad=4, y_pad=3, kernel="tile")
+        run_case(rng, T, Nn, Kd, beta=0.0, kernel="tile", tile_math=tile_math)
+        run_case(rng, T, Nn, Kd, beta=1.0, x_pad=4, y_pad=3, kernel="tile", tile_math=tile_math)
 
 
 @pytest.mark.parametrize("splits", list(range(1, 9)))
 @pytest.mark.parametrize("T", [3, 17, 40, 70])
 def test_tile_forced_splits(splits, T):
     """Every k split count of the cluster reduction (1..8; more splits than k chunks fold to
-    fewer): against float64, y poisoned outside the product, beta 0 and 1, batched heads."""
+    fewer), both maths: against float64, y poisoned outside the product, beta 0 and 1, batched
+    heads."""
     rng = np.random.default_rng(100 * splits + T)
-    for Nn, Kd in ((96, 1024), (64, 100), (33, 2048), (70, 32)):
-        run_case(rng, T, Nn, Kd, beta=0.0, kernel="tile", splits=splits)
-        run_case(rng, T, Nn, Kd, beta=1.0, kernel="tile", splits=splits)
-    run_case(rng, T, 64, 128, batch=4, interleaved=True, x_pad=8, kernel="tile", splits=splits)
+    for tile_math in (0, 1):
+        for Nn, Kd in ((96, 1024), (64, 100), (33, 2048), (70, 32)):
+            run_case(rng, T, Nn, Kd, beta=0.0, kernel="tile", splits=splits, tile_math=tile_math)
+            run_case(rng, T, Nn, Kd, beta=1.0, kernel="tile", splits=splits, tile_math=tile_math)
+        run_case(rng, T, 64, 128, batch=4, interleaved=True, x_pad=8, kernel="tile", splits=splits, tile_math=tile_math)
 
 
+@pytest.mark.parametrize("tile_math", [0, 1])
 @pytest.mark.parametrize("T", [1, 5, 17, 32, 50, 65])
-def test_tile_batched_head_layouts(T):
+def test_tile_batched_head_layouts(T, tile_math):
     rng = np.random.default_rng(6000 + T)
     # absorbed W_UK: x = q_nope heads inside [T, H * (Dn + R)], w = W_UK^T [H, C, Dn]
-    run_case(rng, T, 64, 16, batch=4, interleaved=True, x_pad=8, kernel="tile")
+    run_case(rng, T, 64, 16, batch=4, interleaved=True, x_pad=8, kernel="tile", tile_math=tile_math)
     # W_UV: x = o_lat [T, H * C], w = [H, Dv, C]
-    run_case(rng, T, 12, 96, batch=3, interleaved=True, kernel="tile")
-    run_case(rng, T, 9, 36, batch=5, beta=1.0, kernel="tile")
+    run_case(rng, T, 12, 96, batch=3, interleaved=True, kernel="tile", tile_math=tile_math)
+    run_case(rng, T, 9, 36, batch=5, beta=1.0, kernel="tile", tile_math=tile_math)
 
 
-def test_tile_deterministic_and_equal_across_calls():
+@pytest.mark.parametrize("tile_math", [0, 1])
+def test_tile_deterministic_and_equal_across_calls(tile_math):
     rng = np.random.default_rng(8)
     x = rng.standard_normal((33, 2048)).astype(np.float32)
     w = rng.standard_normal((1, 300 * 2048)).astype(np.float32)
     y = np.zeros((33, 300), np.float32)
-    a = N.cuda_linear_skinny(x, w, y, 33, 300, 2048, kernel="tile")
-    b = N.cuda_linear_skinny(x, w, y, 33, 300, 2048, kernel="tile")
+    a = N.cuda_linear_skinny(x, w, y, 33, 300, 2048, kernel="tile", tile_math=tile_math)
+    b = N.cuda_linear_skinny(x, w, y, 33, 300, 2048, kernel="tile", tile_math=tile_math)
     assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
+def test_tile_tensor_cores_are_fp32_accurate():
+    """The 3xTF32 split is FP32-accurate, not TF32: on wide-range values (a TF32 product alone
+    would be off by ~1e-4 of sum |x w| here) the error stays within 5e-6 of sum |x w|, the same
+    bound the CUDA-core path meets."""
+    rng = np.random.default_rng(9)
+    x = (rng.standard_normal((17, 1024)) * np.exp(rng.uniform(-3, 3, (17, 1024)))).astype(np.float32)
+    w = (rng.standard_normal((1, 96 * 1024)) * np.exp(rng.uniform(-3, 3, (1, 96 * 1024)))).astype(np.float32)
+    y = np.zeros((17, 96), np.float32)
+    wm = w.reshape(96, 1024).astype(np.float64)
+    ref, scale = x.astype(np.float64) @ wm.T, np.abs(x.astype(np.float64)) @ np.abs(wm).T
+    for tile_math in (0, 1):
+        got = N.cuda_linear_skinny(x, w, y, 17, 96, 1024, kernel="tile", tile_math=tile_math)
+        assert (np.abs(got - ref) <= 5e-6 * scale).all(), (tile_math, float((np.abs(got - ref) / scale).max()))
 
 
 def test_tile_refuses_what_it_cannot_take():
@@ -315,12 +336,12 @@ def test_tile_refuses_what_it_cannot_take():
     w = np.ones((1, 16 * 16), np.float32)
     y = np.zeros((8, 16), np.float32)
     assert np.allclose(N.cuda_linear_skinny(x, w, y, 8, 16, 16, kernel="tile"), 16.0)
-    for kw in (dict(Kd=15), dict(x_off=1), dict(w_off=2), dict(splits=9), dict(splits=-1)):
-        args = dict(Kd=16, x_off=0, w_off=0, splits=0)
+    for kw in (dict(Kd=15), dict(x_off=1), dict(w_off=2), dict(splits=9), dict(splits=-1), dict(tile_math=2)):
+        args = dict(Kd=16, x_off=0, w_off=0, splits=0, tile_math=0)
         args.update(kw)
         with pytest.raises(ValueError):
             N.cuda_linear_skinny(x, w, y, 4, 8, args["Kd"], x_off=args["x_off"], w_off=args["w_off"], kernel="tile",
-                                 splits=args["splits"])
+                                 splits=args["splits"], tile_math=args["tile_math"])
     with pytest.raises(ValueError):
         N.cuda_linear_skinny(x, w, y, 4, 8, 16, norm_w=np.ones(16, np.float32), kernel="tile")
     with pytest.raises(ValueError):
