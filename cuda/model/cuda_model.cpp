@@ -48,7 +48,7 @@ constexpr int64_t kSkinnyBigBytes = int64_t(48) << 20;
 constexpr int64_t kSkinnyBigAutoMaxT = 16;
 // Steps of more than skinny_max_tokens and up to this many tokens run the dense projections
 // through cuda::linear_tile (tile_max_tokens), cuBLAS beyond.
-constexpr int64_t kTileAutoMaxT = 64;
+constexpr int64_t kTileAutoMaxT = 20;
 
 std::string mib(int64_t bytes) {
   char b[64];
@@ -494,7 +494,7 @@ void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64
     return;
   }
   lp.tile_math = opt_.tile_tensor_cores ? 0 : 1;
-  if (T > skinny_max_t_ && T <= tile_max_t_ && cuda::linear_tile_supported(lp)) {
+  if (T <= tile_max_t_ && cuda::linear_tile_supported(lp)) {  // (incl. big weights past skinny_big_max_tokens)
     check_cuda(cuda::linear_tile(lp, as_stream(stream_)), "linear_tile");
     return;
   }
