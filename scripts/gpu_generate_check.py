@@ -3,7 +3,10 @@ two random-weight configs (one on the fast MLA-512 attention path), AR then DDTr
 n-gram, oracle, model and logits drafters (== AR), and sampling (DDTree == AR with one seed).
 Exit status non-zero on any mismatch. Run from the repository root:
 
-    compute-sanitizer --tool memcheck python3 scripts/gpu_generate_check.py
+    compute-sanitizer --tool memcheck python3 scripts/gpu_generate_check.py [NAME=VALUE ...]
+
+NAME=VALUE pairs are CudaModel options (ints, true/false), e.g. skinny_max_tokens=4 to run the
+verify steps' projections through linear_tile.
 """
 import os
 import sys
@@ -15,10 +18,17 @@ from kdtree_native.drafters import ModelDrafter, NgramDrafter, OracleDrafter
 from kdtree_native.generation import generate
 from hf_models import config_dict, random_weights
 from test_cuda_model import MLA512, load
+
+def option(text):
+    name, _, value = text.partition("=")
+    return name, (value.lower() == "true") if value.lower() in ("true", "false") else int(value)
+
+
+opts = dict(option(a) for a in sys.argv[1:])
 for name in ["kimi_like", MLA512]:
     cfg = config_from_dict(config_dict(name))
     w = {k: v.astype(np.float32) for k, v in random_weights(cfg, 0).items()}
-    g = load(_native.CudaModel(cfg.to_native(), 128), w)
+    g = load(_native.CudaModel(cfg.to_native(), 128, **opts), w)
     d = load(_native.CpuModel(cfg.to_native(), 128), {k: v.astype(np.float32) for k, v in random_weights(cfg, 5).items()})
     P = np.random.default_rng(1).integers(0, cfg.vocab_size, 12)
     ar = generate(g, P, 24)
