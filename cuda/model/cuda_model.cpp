@@ -46,9 +46,15 @@ constexpr int64_t kSkinnyAutoMaxT = 20;  // 17 = B 16 verify: 1.05x; 24: 0.95x
 // 1.309 ms with lm_head on cuBLAS; T = 5 / 8 within noise (0.830 / 0.836, 1.032 / 1.024).
 constexpr int64_t kSkinnyBigBytes = int64_t(48) << 20;
 constexpr int64_t kSkinnyBigAutoMaxT = 16;
-// Steps of more than skinny_max_tokens and up to this many tokens run the dense projections
-// through cuda::linear_tile (tile_max_tokens), cuBLAS beyond.
-constexpr int64_t kTileAutoMaxT = 20;
+// The dense projections of a step of T tokens (CudaModel::gemm_nt): linear_tile for T up to
+// kTileAutoMaxT (tile_max_tokens), and ahead of linear_skinny for kTileFirstMinT..kTileFirstMaxT
+// tokens while skinny_max_tokens is auto; linear_skinny otherwise up to skinny_max_tokens; cuBLAS
+// beyond. H200, mini-kimi in-step (bench_cuda_step_options.py, docs/BENCHMARKS.md "Tiled linear
+// layer"): tile vs skinny T = 8 / 12 / 16: 0.916 / 1.074 / 1.218 vs 1.002 / 1.156 / 1.380 ms,
+// T = 6 equal, T = 17 (skinny's two 9 + 8 token slices) 1.345 vs 1.275; T = 24 tile 1.429 vs
+// cuBLAS 1.612; T = 33 tile 4 % slower than cuBLAS.
+constexpr int64_t kTileAutoMaxT = 32;
+constexpr int64_t kTileFirstMinT = 6, kTileFirstMaxT = 16;
 
 std::string mib(int64_t bytes) {
   char b[64];
@@ -482,19 +488,25 @@ void CudaModel::reset() {
 // ---------------------------------------------------------------- building blocks
 bool CudaModel::fuse_norm(int64_t T) const { return T <= skinny_max_t_ && T <= cuda::kLinearNormMaxT; }
 
+bool CudaModel::tile_first(int64_t T) const {
+  return opt_.skinny_max_tokens < 0 && T >= kTileFirstMinT && T <= kTileFirstMaxT;
+}
+
 void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, const float* w, float* out,
                         int64_t ldo, float beta, const float* norm_w, double norm_eps, float* norm_out) {
   if (norm_w && !fuse_norm(T)) throw RuntimeFailure("CudaModel: internal error, a fused RMSNorm outside fuse_norm");
   const bool big = N * Kd * (int64_t)sizeof(float) > kSkinnyBigBytes;
   cuda::LinearParams lp{in, ldi, 0, w, 0, out, ldo, 0, (int)T, (int)N, (int)Kd, 1, beta, norm_w, norm_eps};
-  if (T <= skinny_max_t_ && (norm_w || !big || T <= skinny_big_max_t_)) {
+  lp.tile_math = opt_.tile_tensor_cores ? 0 : 1;
+  const bool tile = T <= tile_max_t_ && cuda::linear_tile_supported(lp);  // (false with norm_w)
+  const bool skinny = T <= skinny_max_t_ && (norm_w || !big || T <= skinny_big_max_t_);
+  if (skinny && !(tile && tile_first(T))) {
     lp.norm_out = norm_out;
     lp.ldn = Kd;
     check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny");
     return;
   }
-  lp.tile_math = opt_.tile_tensor_cores ? 0 : 1;
-  if (T <= tile_max_t_ && cuda::linear_tile_supported(lp)) {  // (incl. big weights past skinny_big_max_tokens)
+  if (tile) {  // (also big weights past skinny_big_max_tokens)
     check_cuda(cuda::linear_tile(lp, as_stream(stream_)), "linear_tile");
     return;
   }
@@ -508,12 +520,13 @@ void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64
 void CudaModel::gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, int64_t in_head,
                               const float* w, float* out, int64_t ldo, int64_t out_head, int64_t heads) {
   cuda::LinearParams lp{in, ldi, in_head, w, N * Kd, out, ldo, out_head, (int)T, (int)N, (int)Kd, (int)heads, 0.f};
-  if (T <= skinny_max_t_) {
+  lp.tile_math = opt_.tile_tensor_cores ? 0 : 1;
+  const bool tile = T <= tile_max_t_ && cuda::linear_tile_supported(lp);
+  if (T <= skinny_max_t_ && !(tile && tile_first(T))) {
     check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny(heads)");
     return;
   }
-  lp.tile_math = opt_.tile_tensor_cores ? 0 : 1;
-  if (T <= tile_max_t_ && cuda::linear_tile_supported(lp)) {
+  if (tile) {
     check_cuda(cuda::linear_tile(lp, as_stream(stream_)), "linear_tile(heads)");
     return;
   }

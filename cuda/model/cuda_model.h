@@ -47,9 +47,10 @@ struct CudaModelOptions {
                                    // only in steps of <= this many tokens, cuBLAS beyond (each token slice
                                    // re-reads them from HBM); -1 = auto (16: one slice); a fused RMSNorm
                                    // (<= 4 tokens) stays on the skinny kernel
-  int tile_max_tokens = -1;      // steps of more than skinny_max_tokens and at most this many tokens run
-                                 // the dense projections through linear_tile (shared-memory tiles, split-k
-                                 // clusters) instead of cuBLAS; -1 = auto, 0 = never
+  int tile_max_tokens = -1;      // steps of at most this many tokens run the dense projections through
+                                 // linear_tile (shared-memory tiles, split-k clusters) where linear_skinny
+                                 // does not take them (past skinny_max_tokens, or 6..16 tokens while
+                                 // skinny_max_tokens is auto); cuBLAS beyond; -1 = auto (32), 0 = never
   bool tile_tensor_cores = true;  // linear_tile's products on the tensor cores as 3xTF32 (FP32-accurate,
                                   // docs/CUDA_MODEL.md), else FP32 on the CUDA cores
   bool side_stream = true;       // run independent kernels of a step on a second stream (graph
@@ -175,6 +176,7 @@ class CudaModel : public TargetModel {
                       int64_t ldo, float beta = 0.f);
   // steps whose RMSNorms feeding a single projection run inside that projection's kernel
   bool fuse_norm(int64_t T) const;
+  bool tile_first(int64_t T) const;  // linear_tile ahead of linear_skinny for this step size (auto rule)
   // The forward over T <= max_tokens tokens already on the device (d_tokens_/d_positions_ or
   // the caller's), cache rows written from row0 = committed + chunk offset.
   // len_d (graph replays): the committed length is read from device memory (*len_d, rows written
