@@ -1,25 +1,26 @@
-// linear_tile.cu: the tiled linear layer for steps of a few dozen to a few hundred tokens (tree
-// verify), see model_kernels.h (linear_tile).
+// linear_tile.cu: the tiled linear layer for steps of a few to a few dozen tokens (tree verify;
+// CudaModel routes 6-16 and 21-32-token steps here by default), see model_kernels.h (linear_tile).
 //
-// Why: between the decode-sized steps (linear_skinny: one warp streams a few weight rows, the
-// token rows come through L1) and the prefill-sized ones (cuBLAS), a verify step of 17-257 tokens
-// fits neither. Nsight Compute on the H200 (mini-kimi, T = 17, docs/CUDA_MODEL.md): linear_skinny
-// ran the projections at 4-13 % of the DRAM peak with 12-18 % occupancy (160-200 registers for
-// 64 accumulators) and ~60 % of the warp cycles waiting on L1 loads of the token rows; cuBLAS was
-// no better at 17-65 tokens. Here the operands come through shared memory instead:
+// Why: linear_skinny (one warp streams a few weight rows, the token rows come through L1) is
+// built for decode; Nsight Compute on the H200 (mini-kimi, T = 17, docs/CUDA_MODEL.md): it ran the
+// projections at 4-13 % of the DRAM peak with 12-18 % occupancy (160-200 registers for 64
+// accumulators) and ~60 % of the warp cycles waiting on L1 loads of the token rows, and cuBLAS
+// was no better below ~33 tokens. Here the operands come through shared memory instead:
 //   * a block owns a tile of BM token rows x kBN = 64 weight rows; each k-chunk of kBK = 32 floats
 //     of both is copied to shared memory with cp.async (16-byte, L2 only), kStages chunks in
-//     flight, so a block keeps ~25-55 KB of loads outstanding without registers for them; the
+//     flight, so a block keeps ~25-75 KB of loads outstanding without registers for them; the
 //     first chunks of the (immutable) weights are issued before the PDL wait, while the previous
-//     kernel finishes;
-//   * 128 threads, each a TM = BM / 8 tokens x 4 rows register tile, read as float4 along k from
-//     rows padded to 36 floats (conflict-free): 2 x TM + 8 shared loads per 16 x TM FMAs x 4;
+//     kernel finishes; rows are padded to 36 floats (conflict-free fragment / float4 reads);
+//   * 128 threads; the products on the tensor cores as 3xTF32 (FP32-accurate, below: warp w owns
+//     weight rows [16 w, 16 w + 16) as the A operand, token groups of 8 are the B operands) or,
+//     tile_math = 1, in FP32 on the CUDA cores (each thread a BM / 8 tokens x 4 rows tile);
 //   * few output tiles (o_proj: 1024 rows = 16 tiles) would leave most SMs idle, so the k range is
 //     split over a thread-block cluster of up to 8 blocks (Hopper); each block leaves its partial
 //     tile in its shared memory and, after a cluster barrier, block r sums slice r of the tile over
 //     the cluster's blocks through distributed shared memory, in rank order.
-// Deterministic: per output a thread sums its k-chunk in ascending k, the partial tiles are added
-// in split order; the split count is a function of the shape and the SM count only.
+// Deterministic: per output a thread sums its k range in ascending k, the partial tiles are added
+// in split order; the split count is a function of the shape and the SM count only. Measured and
+// routed in docs/BENCHMARKS.md ("Eighth session"); what bounds it: docs/CUDA_MODEL.md.
 #include <algorithm>
 #include <cstdint>
 
