@@ -10,7 +10,7 @@
 // warps per SM). Up to 64 tokens are accepted, in balanced slices of at most the configuration's
 // token capacity TT along grid.z (each slice streams the weights again, mostly from L2); the
 // configuration (RW, TT, U) is picked per shape (auto_config below, measured per projection).
-// At T = 17 the step was 1.05x cuBLAS, 0.95x at 24, so CudaModel uses it up to 20 tokens. Here
+// At T = 17 the step was 1.05x cuBLAS, 0.95x at 24; CudaModel uses it for 1-5 and 17-20 tokens (linear_tile.cu for 6-16). Here
 // every lane streams 16-byte weight loads, U k-steps of RW rows issued before any FMA, and the
 // few token rows come through L1 (__ldg; the weight bypasses L1 so that they stay). Deterministic: no atomics; per output a lane sums its k-steps in ascending order,
 // the warp's lanes are reduced by a fixed shuffle tree and (KS > 1) the block's warps in warp

@@ -23,7 +23,7 @@ namespace cuda {
 // ---------------------------------------------------------------- skinny linear layer
 // y[b][t, n] = beta * y[b][t, n] + sum_k x[b][t, k] * w[b][n, k] for b < batch, t < T, n < N, k < Kd:
 // w row-major [N, Kd] (PyTorch's nn.Linear layout), T <= kLinearSkinnyMaxT token rows. For the
-// few-token steps (decode, small trees: CudaModel uses it up to 20 tokens) in place of cuBLAS
+// few-token steps (decode, small trees: CudaModel uses it for 1-5 and 17-20 tokens, linear_tile between) in place of cuBLAS
 // (linear_kernels.cu says why); batch
 // > 1 runs the per-head absorbed MLA products. FP32, deterministic. x and y must not overlap.
 constexpr int kLinearSkinnyMaxT = 64;  // more than 16 tokens run in slices of 16 (grid.z)
