@@ -418,10 +418,11 @@ def test_side_stream_equals_one_stream(name):
 @needs_device
 @pytest.mark.parametrize("name", ["ds3_base", "kimi_like", "no_q_lora", "odd_sizes", "mla512"])
 def test_skinny_linear_and_cublas_match_cpu(name):
-    """Steps of 1..64 tokens (and 65..300 for the tiled kernel): the dense projections through
-    linear_skinny (auto: up to 20 tokens; skinny_max_tokens=64: up to 64, in token slices),
-    through linear_tile (tile_max_tokens; skinny_max_tokens=0: from one token on, several token
-    tiles beyond 64) and through cuBLAS (both 0), all against the CPU model. odd_sizes has rows
+    """Steps of 1..64 tokens (and 65..300 for the tiled kernel): the dense projections routed
+    automatically (skinny for 1-5 and 17-20 tokens, linear_tile for 6-16 and 21-32, cuBLAS
+    beyond), through linear_skinny only (skinny_max_tokens=64: up to 64, in token slices),
+    through linear_tile only (skinny_max_tokens=0, tile_max_tokens=400: several token tiles
+    beyond 64) and through cuBLAS only (both 0), all against the CPU model. odd_sizes has rows
     that are not multiples of 4: linear_tile passes them to cuBLAS."""
     cpu, gpu, cfg = pair(spec(name), max_seq_len=400)
     variants = {"auto": gpu,
