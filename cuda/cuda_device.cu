@@ -74,6 +74,19 @@ std::atomic<int>& pdl_state() {
 }
 }  // namespace
 bool pdl_enabled() { return pdl_state().load(std::memory_order_relaxed) != 0; }
+
+int num_sms() {
+  static int n = 0;
+  if (n == 0) {
+    int dev = 0;
+    cudaGetDevice(&dev);
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
+      cudaGetLastError();
+      n = 132;
+    }
+  }
+  return n;
+}
 bool set_pdl(bool on) { return pdl_state().exchange(on ? 1 : 0) != 0; }
 
 }  // namespace cuda

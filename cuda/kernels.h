@@ -33,6 +33,9 @@ inline int tree_vis_words(int budget) { return (budget + 64) / 64; }
 // the environment sets KDTREE_CUDA_PDL=0. set_pdl returns the previous setting.
 bool pdl_enabled();
 bool set_pdl(bool on);
+// SMs of the current device (read once; 132, an H200's, if the query fails): the launchers' grid
+// sizing (verify_attention's kernel choice, linear_tile's split count).
+int num_sms();
 
 struct TreeBuildParams {
   const float* logprobs;    // [D, ld] rows sorted descending; first K columns used

@@ -943,19 +943,6 @@ __global__ void __launch_bounds__(kNaiveThreads) mla_verify_naive_kernel(VerifyA
   }
 }
 
-int num_sms() {
-  static int n = 0;
-  if (n == 0) {
-    int dev = 0;
-    cudaGetDevice(&dev);
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess || n <= 0) {
-      cudaGetLastError();
-      n = 132;
-    }
-  }
-  return n;
-}
-
 // ---------------------------------------------------------------- kernel choice (cost model)
 // Per-block time estimates for the H200 (132 SMs). They are ESTIMATES, to be tuned from
 // measurements: benchmarks/bench_cuda_verify_attention.py prints auto / tiled / split-KV per

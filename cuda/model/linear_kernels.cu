@@ -265,8 +265,6 @@ cudaError_t launch_fill(const LinearParams& p, bool vec, cudaStream_t stream) {
   return launch<RW, TT, U, 1>(p, vec, stream);
 }
 
-bool aligned16(const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15u) == 0; }
-
 // The configurations (RW, TT, U) a caller may force (LinearParams::force_config = index + 1),
 // for tests and benchmarks (bench_cuda_skinny_configs.py); the automatic choice below uses
 // entries of the same table.

@@ -28,6 +28,7 @@
 
 #include "model_kernels.h"
 #include "launch.h"
+#include "model/vec_load.h"
 
 namespace kdtree {
 namespace cuda {
@@ -232,18 +233,6 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
   cluster.sync();  // no block leaves while another still reads its shared memory
 }
 
-bool aligned16(const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15u) == 0; }
-
-int device_sm_count() {
-  static int sms = [] {
-    int dev = 0, n = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess)
-      n = 132;
-    return n > 0 ? n : 132;
-  }();
-  return sms;
-}
-
 template <int BM, bool TC>
 cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
   constexpr size_t smem = smem_bytes<BM>();
@@ -255,7 +244,7 @@ cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
   const int nchunks = (p.Kd + kBK - 1) / kBK;
   int splits = p.tile_splits;
   if (splits <= 0) {  // about two blocks per SM, each split at least two chunks
-    const long long want = 2LL * device_sm_count();
+    const long long want = 2LL * num_sms();
     splits = (int)std::min<long long>(kMaxSplits, std::max<long long>(1, (want + base - 1) / base));
     splits = std::max(1, std::min(splits, nchunks / 2));
   }

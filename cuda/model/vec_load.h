@@ -2,6 +2,8 @@
 // skinny linear kernel (linear_kernels.cu) and the expert / MoE kernels (model_kernels.cu).
 // CUDA sources only.
 #pragma once
+#include <cstdint>
+
 #include <cuda_runtime.h>
 
 namespace kdtree {
@@ -15,6 +17,8 @@ template <>
 __device__ __forceinline__ float4 ldg_vec<float4>(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
 __device__ __forceinline__ void vzero(float& v) { v = 0.f; }
 __device__ __forceinline__ void vzero(float4& v) { v = make_float4(0.f, 0.f, 0.f, 0.f); }
+// host side: whether a pointer allows the 16-byte (float4 / cp.async) paths
+inline bool aligned16(const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15u) == 0; }
 
 }  // namespace cuda
 }  // namespace kdtree
