@@ -1,9 +1,11 @@
-"""The two grouped expert kernels inside the mini-kimi step (H200): graph-replayed step time at
-T new tokens (causal, context 512) with expert_kernel="skinny" and "tiled", same weights, same
-run. CudaModel's auto switch (T*K <= 12 E -> skinny) comes from this table (docs/BENCHMARKS.md).
-Makes the mini-kimi checkpoint of bench_cuda_model.py on first use.
+"""The grouped expert kernels inside the mini-kimi step (H200): graph-replayed step time at T new
+tokens (causal, context 512) with expert_kernel = "skinny" (GEMV-style, tiles of 8 slots),
+"tiled" (SGEMM, 64 slots), "mma" / "mma16" (tensor cores 3xTF32, 8 / 16 slots) and "auto", same
+weights, same run. CudaModel's auto choice comes from this table (docs/BENCHMARKS.md). Makes the
+mini-kimi checkpoint of bench_cuda_model.py on first use.
 
-    python3 benchmarks/bench_cuda_experts.py [--tokens 9 17 33 49 65 97] [--reps 15]
+    python3 benchmarks/bench_cuda_experts.py [--tokens 1 4 9 17 33 49 65 97 129] [--reps 15]
+        [--kernels skinny tiled mma mma16 auto]
 """
 import argparse
 import os
@@ -16,19 +18,23 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests", "python"))
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--tokens", type=int, nargs="*", default=[9, 17, 33, 49, 65, 97])
+    ap.add_argument("--tokens", type=int, nargs="*", default=[1, 4, 9, 17, 33, 49, 65, 97, 129])
+    ap.add_argument("--kernels", nargs="*", default=["skinny", "tiled", "mma", "mma16", "auto"])
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--ckpt", default="/tmp/kn_mini_kimi")
     args = ap.parse_args()
     from bench_cuda_model import step_times
     from kdtree_native.config import load_config
 
-    res = step_times(args.ckpt, {"skinny": dict(expert_kernel="skinny"), "tiled": dict(expert_kernel="tiled")},
-                     args.tokens, reps=args.reps)
+    ks = args.kernels
+    res = step_times(args.ckpt, {k: dict(expert_kernel=k) for k in ks}, args.tokens, reps=args.reps)
     K = load_config(args.ckpt).num_experts_per_tok
+    print(f"## mini-kimi step by expert kernel (graph replay, context 512, median of {args.reps}, ms)")
+    print("| T | A | " + " | ".join(ks) + " | fastest |")
+    print("|---:|---:|" + "---:|" * len(ks) + "---|")
     for T in args.tokens:
-        print(f"expert kernels T={T} (A={T * K}): skinny {res[('skinny', T)] * 1e3:.3f} ms  "
-              f"tiled {res[('tiled', T)] * 1e3:.3f} ms")
+        ms = {k: res[(k, T)] * 1e3 for k in ks}
+        print(f"| {T} | {T * K} | " + " | ".join(f"{ms[k]:.3f}" for k in ks) + f" | {min(ms, key=ms.get)} |")
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 its own launch) between cudaProfilerStart / cudaProfilerStop, for Nsight Compute:
 
     ncu --profile-from-start off --section SpeedOfLight --section Occupancy --section WarpStateStats \\
-        --csv --page details python3 benchmarks/ncu_cuda_step.py [--tokens 17] > step.csv
+        --csv --page details python3 benchmarks/ncu_cuda_step.py [--tokens 17] [--option NAME=VALUE] > step.csv
 
 ncu locks the clocks (1.5 GHz on the H200), so its durations are ~1.3x the real ones; use it for
 the shares, throughputs and stall reasons, and benchmarks/bench_cuda_model.py for times.
@@ -22,7 +22,10 @@ def main():
     ap.add_argument("--context", type=int, default=512)
     ap.add_argument("--max-seq-len", type=int, default=600)
     ap.add_argument("--ckpt", default="/tmp/kn_mini_kimi")
+    ap.add_argument("--option", action="append", default=[],
+                    help="a CudaModel option NAME=VALUE (int, true/false or string), e.g. expert_kernel=mma")
     args = ap.parse_args()
+    from bench_cuda_step_options import parse_variant
     import numpy as np
     import torch
     from bench_cuda_model import MINI_KIMI, upload
@@ -37,7 +40,8 @@ def main():
     if not os.path.isfile(os.path.join(args.ckpt, "config.json")):
         make_checkpoint(args.ckpt, MINI_KIMI, seed=0)
     cfg = load_config(args.ckpt)
-    m = upload(_native.CudaModel(cfg.to_native(), max(args.max_seq_len, L + T), graphs=False),
+    opts = parse_variant("x:" + ",".join(args.option))[1] if args.option else {}
+    m = upload(_native.CudaModel(cfg.to_native(), max(args.max_seq_len, L + T), graphs=False, **opts),
                load_weights(args.ckpt, cfg))
     V = cfg.vocab_size
     m.forward(np.random.default_rng(0).integers(0, V, L).astype(np.int32), np.arange(L), None)
@@ -53,7 +57,7 @@ def main():
     m.forward_ptr(tok.data_ptr(), pos.data_ptr(), 0, 0, T, out.data_ptr())
     torch.cuda.synchronize()
     torch.cuda.profiler.stop()
-    print(f"profiled one step of T = {T} at context {L}")
+    print(f"profiled one step of T = {T} at context {L}, options {opts or 'defaults'}")
 
 
 if __name__ == "__main__":

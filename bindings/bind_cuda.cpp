@@ -900,6 +900,58 @@ py::dict moe_group_np(const py::object& idx_o, int E, int tile_rows, bool force_
   return d;
 }
 
+// The grouped expert GEMM on host arrays (tests): the schedule of topk_idx [T, K] with tile_rows
+// slots per tile (moe_group), then y[slot] = x[token(slot)] @ w[expert(slot)]^T (swiglu: w holds
+// gate rows [0, N) and up rows [N, 2N) of each expert, y = silu(gate) * up). kernel: "gemv"
+// (tile_rows 8), "tiled" (tile_rows 64, no swiglu) or "mma" (tile_rows 8 or 16). y [A, N] by slot
+// (poisoned before the call) and slot_token [A].
+py::tuple expert_gemm_np(const py::object& x_o, const py::object& w_o, const py::object& idx_o, int E, bool swiglu,
+                         int tile_rows, const std::string& kernel) {
+  auto x = as_c<float>(x_o, "x", 2);
+  auto w = as_c<float>(w_o, "w", 3);
+  auto idx = as_c<int32_t>(idx_o, "topk_idx", 2);
+  const int T = (int)idx.shape(0), K = (int)idx.shape(1), A = T * K, Kd = (int)x.shape(1);
+  if (E < 1 || K < 1 || tile_rows < 1 || x.shape(0) != T || w.shape(0) != E || w.shape(2) != Kd ||
+      (swiglu && w.shape(1) % 2))
+    throw kdtree::Error("cuda_expert_gemm: need x [T, Kd], w [E, N or 2N, Kd], topk_idx [T, K], E, K, tile_rows >= 1");
+  if (kernel != "gemv" && kernel != "tiled" && kernel != "mma")
+    throw kdtree::Error("cuda_expert_gemm: kernel must be 'gemv', 'tiled' or 'mma'");
+  const int N = (int)(swiglu ? w.shape(1) / 2 : w.shape(1));
+  for (int i = 0; i < A; ++i)
+    if (idx.data()[i] < 0 || idx.data()[i] >= E) throw kdtree::Error("cuda_expert_gemm: expert index out of range");
+  require_device();
+  const int mt = kc::moe_max_tiles(A, E, tile_rows);
+  DevBuf dx(4 * std::max<size_t>(x.size(), 1)), dw(4 * std::max<size_t>(w.size(), 1)), di(4 * std::max(A, 1)),
+      counts(4 * E), offsets(4 * (E + 1)), st(4 * std::max(A, 1)), so(4 * std::max(A, 1)), te(4 * std::max(mt, 1)),
+      tr(4 * std::max(mt, 1)), nt(4), dy(4 * std::max<size_t>((size_t)A * N, 1));
+  dx.upload(x.data(), 4 * x.size());
+  dw.upload(w.data(), 4 * w.size());
+  di.upload(idx.data(), 4 * (size_t)A);
+  dy.poison();
+  kc::MoeGroupParams gp{di.as<int32_t>(), T, K, E, tile_rows, counts.as<int32_t>(), offsets.as<int32_t>(),
+                        st.as<int32_t>(), so.as<int32_t>(), te.as<int32_t>(), tr.as<int32_t>(), nt.as<int32_t>()};
+  check_cuda(kc::moe_group(gp, nullptr), "moe_group");
+  kc::ExpertGemmParams xp{};
+  xp.x = dx.as<float>();
+  xp.ldx = Kd;
+  xp.x_row = st.as<int32_t>();
+  xp.w = dw.as<float>();
+  xp.N = N;
+  xp.Kd = Kd;
+  xp.swiglu = swiglu ? 1 : 0;
+  xp.offsets = offsets.as<int32_t>();
+  xp.tile_expert = te.as<int32_t>();
+  xp.tile_row0 = tr.as<int32_t>();
+  xp.num_tiles = nt.as<int32_t>();
+  xp.tile_rows = tile_rows;
+  xp.max_tiles = mt;
+  xp.y = dy.as<float>();
+  xp.ldy = N;
+  check_cuda(kernel == "mma" ? kc::expert_gemm_mma(xp, nullptr) : kc::expert_gemm(xp, nullptr), "expert_gemm");
+  check_cuda(cudaDeviceSynchronize(), "expert_gemm");
+  return py::make_tuple(to_numpy<float>(dy, {A, N}), to_numpy<int32_t>(st, {A}));
+}
+
 // moe_route + moe_group on host router logits [T, ldl >= E] (tests: fused = the one-launch
 // moe_route_group, else the two kernels): topk ids / weights and the schedule.
 py::dict moe_route_group_np(const py::object& lg_o, const py::object& bias_o, int E, int K, int G, int topk_group,
@@ -994,6 +1046,11 @@ void bind_cuda(py::module_& m) {
         py::arg("G"), py::arg("topk_group"), py::arg("norm_topk_prob"), py::arg("scaling"), py::arg("tile_rows"),
         py::arg("fused"),
         "MoE routing + expert schedule on router logits [T, >= E] (tests): fused = one launch (moe_route_group).");
+  m.def("cuda_expert_gemm", &expert_gemm_np, py::arg("x"), py::arg("w"), py::arg("topk_idx"), py::arg("E"),
+        py::arg("swiglu"), py::arg("tile_rows"), py::arg("kernel"),
+        "The grouped expert GEMM (tests): schedule of topk_idx [T, K] with tile_rows slots per tile, then "
+        "y[slot] = x[token] @ w[expert]^T (swiglu: silu(gate) * up); kernel 'gemv' (tile_rows 8), 'tiled' "
+        "(64, no swiglu) or 'mma' (8 or 16). Returns (y [A, N] by slot, slot_token [A]).");
   m.def("cuda_moe_group", &moe_group_np, py::arg("topk_idx"), py::arg("E"), py::arg("tile_rows"),
         py::arg("force_two_pass") = false,
         "The MoE expert schedule (moe_group) of int32 routing indices [T, K]: counts, offsets, slots, tiles.");

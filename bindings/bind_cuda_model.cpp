@@ -95,7 +95,7 @@ void bind_cuda_model(py::module_& m) {
              o.device = device;
              o.math = parse_choice(math, "math", {"default", "pedantic", "tf32"});
              o.attention_naive = attention_naive;
-             o.expert_kernel = parse_choice(expert_kernel, "expert_kernel", {"auto", "skinny", "tiled"});
+             o.expert_kernel = parse_choice(expert_kernel, "expert_kernel", {"auto", "skinny", "tiled", "mma", "mma16"});
              o.graphs = graphs;
              o.skinny_max_tokens = skinny_max_tokens;
              o.side_stream = side_stream;

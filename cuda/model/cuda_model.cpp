@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 
 #include "common.h"
@@ -100,8 +101,8 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   if (opt.math < 0 || opt.math > 2) throw Error("CudaModel: math must be 0 (default), 1 (pedantic) or 2 (tf32)");
   if (opt.attention_kernel < 0 || opt.attention_kernel > 3)
     throw Error("CudaModel: attention_kernel must be 0 (auto), 1 (tiled), 2 (split-KV) or 3 (decode)");
-  if (opt.expert_kernel < 0 || opt.expert_kernel > 2)
-    throw Error("CudaModel: expert_kernel must be 0 (auto), 1 (skinny) or 2 (tiled)");
+  if (opt.expert_kernel < 0 || opt.expert_kernel > 4)
+    throw Error("CudaModel: expert_kernel must be 0 (auto), 1 (skinny), 2 (tiled), 3 (mma) or 4 (mma16)");
   if (opt.skinny_max_tokens < -1 || opt.skinny_max_tokens > cuda::kLinearSkinnyMaxT)
     throw Error("CudaModel: skinny_max_tokens must be -1 (auto) or in [0, " + std::to_string(cuda::kLinearSkinnyMaxT) +
                 "], got " + std::to_string(opt.skinny_max_tokens));
@@ -692,10 +693,27 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
 
   // GEMV-style tiles while experts get few rows on average (decode, small trees; <= 6 per expert), SGEMM tiles
   // beyond (prefill, large trees).
-  bool skinny = A <= 12 * E;  // H200, mini-kimi, pipelined tiled kernel: skinny wins up to 65 tokens (520 rows), even at 97 (776)
-  if (opt_.expert_kernel == CudaModelOptions::kExpertSkinny) skinny = true;
-  if (opt_.expert_kernel == CudaModelOptions::kExpertTiled) skinny = false;
-  const int tile_rows = skinny ? cuda::kExpertSkinnyRows : cuda::kExpertTileRows;
+  enum { kGemv, kTiled, kMma } kind = A <= 12 * E ? kGemv : kTiled;  // H200, mini-kimi: GEMV wins up to 65 tokens
+  int tile_rows = cuda::kExpertSkinnyRows;
+  switch (opt_.expert_kernel) {
+    case CudaModelOptions::kExpertSkinny: kind = kGemv; break;
+    case CudaModelOptions::kExpertTiled: kind = kTiled; break;
+    case CudaModelOptions::kExpertMma: kind = kMma; break;
+    case CudaModelOptions::kExpertMma16: kind = kMma; tile_rows = 16; break;
+    default: break;
+  }
+  auto a16 = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15u) == 0; };
+  const bool mma_ok = Dm % 4 == 0 && Ie % 4 == 0 && a16(hn_) && a16(act_) && a16(ly.experts_gate_up) &&
+                      a16(ly.experts_down);  // what expert_mma_supported asks of both GEMMs
+  if (kind == kMma && !mma_ok) {
+    kind = kGemv;
+    tile_rows = cuda::kExpertSkinnyRows;
+  }
+  if (kind == kTiled) tile_rows = cuda::kExpertTileRows;
+  const bool swiglu_fused = kind != kTiled;
+  auto run_experts = [&](const cuda::ExpertGemmParams& xp, const char* what) {
+    check_cuda(kind == kMma ? cuda::expert_gemm_mma(xp, st) : cuda::expert_gemm(xp, st), what);
+  };
   cuda::MoeGroupParams gp{topk_idx_, (int)T, (int)K, (int)E, tile_rows, expert_counts_ + ly.moe_index * E, offsets_,
                           slot_token_, slot_of_, tile_expert_, tile_row0_, num_tiles_};
   // The shared expert's down projection (SwiGLU inside, <= 4 tokens) reads only the merged
@@ -721,18 +739,18 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   xp.x_row = slot_token_;
   xp.w = ly.experts_gate_up;
   xp.Kd = (int)Dm;
-  if (skinny) {
+  if (swiglu_fused) {
     xp.N = (int)Ie;
     xp.swiglu = 1;
     xp.y = act_;
     xp.ldy = (int)Ie;
-    check_cuda(cuda::expert_gemm(xp, st), "expert_gemm(gate_up)");
+    run_experts(xp, "expert_gemm(gate_up)");
   } else {
     xp.N = (int)(2 * Ie);
     xp.swiglu = 0;
     xp.y = gu_;
     xp.ldy = (int)(2 * Ie);
-    check_cuda(cuda::expert_gemm(xp, st), "expert_gemm(gate_up)");
+    run_experts(xp, "expert_gemm(gate_up)");
     cuda::SwigluParams sp{gu_, (int)A, (int)Ie, nullptr, act_};
     check_cuda(cuda::swiglu(sp, st), "swiglu(experts)");
   }
@@ -746,7 +764,7 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   xp.swiglu = 0;
   xp.y = ye_;
   xp.ldy = (int)Dm;
-  check_cuda(cuda::expert_gemm(xp, st), "expert_gemm(down)");
+  run_experts(xp, "expert_gemm(down)");
 
   if (shared_side) {
     join();

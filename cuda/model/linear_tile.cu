@@ -28,6 +28,7 @@
 
 #include "model_kernels.h"
 #include "launch.h"
+#include "model/tile_mma.h"
 #include "model/vec_load.h"
 
 namespace kdtree {
@@ -36,9 +37,9 @@ namespace {
 
 namespace cg = cooperative_groups;
 
-constexpr int kBN = 64;             // weight rows (outputs) per tile
-constexpr int kBK = 32;             // k floats per chunk
-constexpr int kPad = kBK + 4;       // shared row stride in floats (16-byte aligned, conflict-free float4 reads)
+constexpr int kBN = kTileBN;       // weight rows (outputs) per tile
+constexpr int kBK = kTileBK;       // k floats per chunk
+constexpr int kPad = kTilePad;     // shared row stride in floats
 constexpr int kStages = 4;          // chunks in flight
 constexpr int kThreads = 128;       // 16 row groups x 8 token groups
 constexpr int kMaxSplits = kLinearTileMaxSplits;  // a portable cluster size
@@ -48,29 +49,6 @@ constexpr size_t smem_bytes() {
   constexpr size_t stages = (size_t)kStages * (kBN + BM) * kPad * sizeof(float);
   constexpr size_t red = (size_t)BM * kBN * sizeof(float);
   return stages > red ? stages : red;
-}
-
-__device__ __forceinline__ void cp_async16(float* smem, const float* gmem, bool full) {
-  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(full ? 16 : 0) : "memory");
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
-
-// 3xTF32: x = hi + lo with hi = tf32(x), lo = tf32(x - hi) (x - hi is exact in FP32); a product
-// is hi_a hi_b + hi_a lo_b + lo_a hi_b (the dropped lo_a lo_b is ~2^-22 of it), FP32 accumulation
-__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(x));
-  const float r = x - __uint_as_float(hi);
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(r));
-}
-__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
 // grid (splits, column tiles, batch x token tiles), cluster (splits, 1, 1); chunks_per_split
@@ -147,25 +125,7 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
     const float* ws = Ws + (size_t)(c % kStages) * kBN * kPad;
     const float* xs = Xs + (size_t)(c % kStages) * BM * kPad;
     if constexpr (TC) {
-      const float* wa = ws + (16 * warp + g) * kPad + q;  // conflict-free: bank 4 g + q
-#pragma unroll
-      for (int kk = 0; kk < kBK; kk += 8) {
-        uint32_t ah[4], al[4];
-        split_tf32(wa[kk], ah[0], al[0]);
-        split_tf32(wa[8 * kPad + kk], ah[1], al[1]);
-        split_tf32(wa[kk + 4], ah[2], al[2]);
-        split_tf32(wa[8 * kPad + kk + 4], ah[3], al[3]);
-#pragma unroll
-        for (int j = 0; j < TM; ++j) {
-          const float* xb = xs + (8 * j + g) * kPad + q + kk;
-          uint32_t bh[2], bl[2];
-          split_tf32(xb[0], bh[0], bl[0]);
-          split_tf32(xb[4], bh[1], bl[1]);
-          mma_tf32(acc[j], al, bh);
-          mma_tf32(acc[j], ah, bl);
-          mma_tf32(acc[j], ah, bh);
-        }
-      }
+      mma_chunk_3xtf32<TM>(acc, ws, xs, warp, g, q);
     } else {
 #pragma unroll
       for (int kk = 0; kk < kBK; kk += 4) {

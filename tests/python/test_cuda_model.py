@@ -302,10 +302,11 @@ def test_tree_nodes_equal_sequential_decode_on_gpu(name):
 
 @pytest.mark.cuda
 @needs_device
-@pytest.mark.parametrize("expert_kernel", ["skinny", "tiled", "auto"])
+@pytest.mark.parametrize("expert_kernel", ["skinny", "tiled", "mma", "mma16", "auto"])
 @pytest.mark.parametrize("name", ["ds3_base", "neox_many_groups", "kimi_like", "odd_sizes"])
 def test_expert_kernels_match_cpu(name, expert_kernel):
-    """Both grouped expert GEMMs, with several tiles per expert (T*K >> E)."""
+    """Every grouped expert GEMM (mma / mma16 fall back to the GEMV-style kernel on odd_sizes), with
+    several tiles per expert (T*K >> E)."""
     cpu, gpu, cfg = pair(spec(name), max_seq_len=400, expert_kernel=expert_kernel)
     for T, seed in ((1, 20), (37, 21), (300, 22)):
         cpu.reset()

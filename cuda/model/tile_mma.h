@@ -1,0 +1,75 @@
+// tile_mma.h: the shared-memory tile machinery of the tiled linear layer (linear_tile.cu) and the
+// tensor-core expert GEMM (expert_mma.cu): cp.async copies, and FP32-accurate products on the
+// tensor cores as 3xTF32. CUDA sources only.
+//
+// A tile holds kTileBN = 64 weight rows x BM token rows; each k-chunk of kTileBK = 32 floats of
+// both sits in shared memory with rows padded to kTilePad = 36 floats (16-byte aligned rows,
+// conflict-free fragment reads). 128 threads = 4 warps; warp w owns weight rows [16 w, 16 w + 16)
+// as the A operand of mma.sync m16n8k8, the token groups of 8 are the B operands.
+#pragma once
+#include <cstdint>
+
+#include <cuda_runtime.h>
+
+namespace kdtree {
+namespace cuda {
+
+constexpr int kTileBN = 64;              // weight rows (outputs) per tile
+constexpr int kTileBK = 32;              // k floats per chunk
+constexpr int kTilePad = kTileBK + 4;    // shared row stride in floats
+
+// 16-byte global -> shared copy through L2 only; full = false zero-fills the 16 bytes (the source
+// address must still be valid)
+__device__ __forceinline__ void cp_async16(float* smem, const float* gmem, bool full) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(full ? 16 : 0) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
+
+// 3xTF32: x = hi + lo with hi = tf32(x), lo = tf32(x - hi) (x - hi is exact in FP32); a product
+// is hi_a hi_b + hi_a lo_b + lo_a hi_b (the dropped lo_a lo_b is ~2^-22 of it), FP32 accumulation
+__device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(x));
+  const float r = x - __uint_as_float(hi);
+  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(r));
+}
+__device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+}
+
+// One k-chunk of a warp's products: acc[j] (+)= its 16 weight rows x token group j (8 tokens),
+// 3xTF32. ws / xs: the chunk's weight rows [kTileBN][kTilePad] and token rows [8 TM][kTilePad];
+// warp, g = lane / 4, q = lane % 4: the mma fragment coordinates. acc[j] = the m16n8 fragment
+// (c0: row g, token 2q; c1: g, 2q + 1; c2: g + 8, 2q; c3: g + 8, 2q + 1).
+template <int TM>
+__device__ __forceinline__ void mma_chunk_3xtf32(float (&acc)[TM][4], const float* ws, const float* xs, int warp, int g,
+                                                 int q) {
+  const float* wa = ws + (16 * warp + g) * kTilePad + q;  // conflict-free: bank 4 g + q
+#pragma unroll
+  for (int kk = 0; kk < kTileBK; kk += 8) {
+    uint32_t ah[4], al[4];
+    split_tf32(wa[kk], ah[0], al[0]);
+    split_tf32(wa[8 * kTilePad + kk], ah[1], al[1]);
+    split_tf32(wa[kk + 4], ah[2], al[2]);
+    split_tf32(wa[8 * kTilePad + kk + 4], ah[3], al[3]);
+#pragma unroll
+    for (int j = 0; j < TM; ++j) {
+      const float* xb = xs + (8 * j + g) * kTilePad + q + kk;
+      uint32_t bh[2], bl[2];
+      split_tf32(xb[0], bh[0], bl[0]);
+      split_tf32(xb[4], bh[1], bl[1]);
+      mma_tf32(acc[j], al, bh);
+      mma_tf32(acc[j], ah, bl);
+      mma_tf32(acc[j], ah, bh);
+    }
+  }
+}
+
+}  // namespace cuda
+}  // namespace kdtree

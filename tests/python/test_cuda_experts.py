@@ -1,0 +1,114 @@
+"""The grouped expert GEMMs of the MoE layers on the device (cuda::expert_gemm / expert_gemm_mma)
+against a float64 NumPy reference: y[slot] = x[token] @ w[expert]^T, or silu(gate) * up with the
+gate and up rows of each expert in one matrix. Every kernel (GEMV-style, tiled SGEMM, tensor-core
+3xTF32 with tiles of 8 or 16 slots) on shapes with partial column blocks, partial k chunks, several
+tiles per expert and skewed routing; the outputs are poisoned (NaN) before each call, so an
+unwritten slot fails. Skipped without a usable CUDA device."""
+import numpy as np
+import pytest
+
+import kdtree_native as kn
+
+if not kn.cuda_available():
+    pytest.skip("no usable CUDA device", allow_module_level=True)
+
+from kdtree_native import _native as N  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+KERNELS = [("gemv", 8), ("tiled", 64), ("mma", 8), ("mma", 16)]
+
+
+def routing(rng, T, K, E, skewed):
+    if skewed:  # every token to the same few experts: many tiles per expert
+        return np.stack([rng.choice(min(E, max(K, 3)), K, replace=False) for _ in range(T)]).astype(np.int32)
+    return np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
+
+
+def reference(x, w, idx, swiglu):
+    """(y [A, N] float64 by slot, bound [A, N]: FP32 rounding scale of each output)."""
+    flat = idx.reshape(-1)
+    order = np.argsort(flat, kind="stable")  # slot s holds assignment order[s]
+    tok = order // idx.shape[1]
+    ex = flat[order]
+    x64, w64 = x.astype(np.float64), w.astype(np.float64)
+    prod = np.zeros((flat.size, w.shape[1]))
+    scale = np.zeros_like(prod)
+    for e in np.unique(ex):
+        s = ex == e
+        prod[s] = x64[tok[s]] @ w64[e].T
+        scale[s] = np.abs(x64[tok[s]]) @ np.abs(w64[e]).T
+    if not swiglu:
+        return prod, scale, tok
+    n = w.shape[1] // 2
+    g, u = prod[:, :n], prod[:, n:]
+    sg = g / (1.0 + np.exp(-g))
+    # d(silu(g) u) = u silu'(g) dg + silu(g) du, |silu'| <= 1.1
+    return sg * u, 1.1 * np.abs(u) * scale[:, :n] + np.abs(sg) * scale[:, n:], tok
+
+
+SHAPES = [  # T, K, E, N (outputs), Kd
+    (1, 8, 64, 64, 256),      # decode: one slot per tile
+    (17, 8, 64, 96, 256),     # a B = 16 verify: partial 64-row block (96 = 64 + 32)
+    (65, 8, 64, 40, 100),     # partial column blocks, k not a multiple of the 32-float chunk
+    (37, 4, 6, 33, 36),       # several tiles per expert, odd N
+    (5, 2, 3, 8, 4),          # one k chunk, 4 floats
+    (40, 8, 16, 128, 1024),   # mini-kimi gate/up row length
+]
+
+
+@pytest.mark.parametrize("kernel,tile_rows", KERNELS)
+@pytest.mark.parametrize("swiglu", [False, True])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_expert_gemm_matches_float64(kernel, tile_rows, swiglu, shape):
+    if kernel == "tiled" and swiglu:
+        pytest.skip("the tiled SGEMM writes gate/up; SwiGLU is a separate kernel there")
+    T, K, E, Nout, Kd = shape
+    rng = np.random.default_rng(hash(shape) % 2**32)
+    for skewed in (False, True):
+        idx = routing(rng, T, K, E, skewed)
+        x = rng.standard_normal((T, Kd)).astype(np.float32)
+        # wide dynamic range: a plain TF32 product would miss the 1e-5 bound below
+        w = (rng.standard_normal((E, 2 * Nout if swiglu else Nout, Kd)) *
+             np.exp(rng.uniform(-3, 3, (E, 1, Kd)))).astype(np.float32)
+        y, slot_token = N.cuda_expert_gemm(x, w, idx, E, swiglu, tile_rows, kernel)
+        ref, bound, tok = reference(x, w, idx, swiglu)
+        assert np.array_equal(slot_token, tok)
+        assert y.shape == ref.shape
+        assert np.isfinite(y).all(), "an output slot was not written (poisoned NaN left)"
+        err = np.abs(y - ref)
+        assert (err <= 1e-5 * bound + 1e-30).all(), f"max err / bound {np.max(err / (bound + 1e-30)):.3g}"
+
+
+@pytest.mark.parametrize("tile_rows", [8, 16])
+def test_expert_mma_deterministic_and_close_to_gemv(tile_rows):
+    """The same call twice gives the same bits; the tensor-core kernel and the GEMV-style one
+    agree to FP32 rounding (different summation orders, so not bit-equal)."""
+    rng = np.random.default_rng(5)
+    T, K, E, Nout, Kd = 33, 8, 64, 256, 1024
+    idx = routing(rng, T, K, E, False)
+    x = rng.standard_normal((T, Kd)).astype(np.float32)
+    w = rng.standard_normal((E, 2 * Nout, Kd)).astype(np.float32) * 0.03
+    a, _ = N.cuda_expert_gemm(x, w, idx, E, True, tile_rows, "mma")
+    b, _ = N.cuda_expert_gemm(x, w, idx, E, True, tile_rows, "mma")
+    c, _ = N.cuda_expert_gemm(x, w, idx, E, True, 8, "gemv")
+    assert np.array_equal(a, b)
+    assert np.abs(a - c).max() <= 1e-5 * np.abs(c).max()
+
+
+def test_expert_gemm_refusals():
+    rng = np.random.default_rng(0)
+    idx = routing(rng, 4, 2, 8, False)
+    x = rng.standard_normal((4, 64)).astype(np.float32)
+    w = rng.standard_normal((8, 32, 64)).astype(np.float32)
+    with pytest.raises(ValueError, match="invalid arguments"):
+        N.cuda_expert_gemm(x, w, idx, 8, False, 64, "mma")  # tiles of 64 slots: not the mma kernel's
+    with pytest.raises(ValueError, match="invalid arguments"):  # k not a multiple of 4 (no 16-byte copies)
+        N.cuda_expert_gemm(x[:, :62].copy(), w[:, :, :62].copy(), idx, 8, False, 8, "mma")
+    with pytest.raises(ValueError, match="kernel"):
+        N.cuda_expert_gemm(x, w, idx, 8, False, 8, "magic")
+    with pytest.raises(ValueError, match="out of range"):
+        N.cuda_expert_gemm(x, w, np.full((4, 2), 8, np.int32), 8, False, 8, "mma")
+    # still usable after the refusals
+    y, _ = N.cuda_expert_gemm(x, w, idx, 8, False, 8, "mma")
+    assert np.isfinite(y).all()
