@@ -17,6 +17,7 @@
 // schedule (which slots a tile holds) comes from moe_group and does not depend on timing.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 #include "model_kernels.h"
 #include "launch.h"
@@ -28,24 +29,30 @@ namespace kdtree {
 namespace cuda {
 namespace {
 
-constexpr int kStages = 4;
 constexpr int kThreads = 128;
 
-template <int BM>
+template <int BM, int BK, int ST>
 constexpr size_t mma_smem_bytes() {
-  constexpr size_t stages = (size_t)kStages * (kTileBN + BM) * kTilePad * sizeof(float);
+  constexpr size_t stages = (size_t)ST * (kTileBN + BM) * (BK + 4) * sizeof(float);
   constexpr size_t out = (size_t)BM * kTileBN * sizeof(float);
   return stages > out ? stages : out;
 }
 
 // grid (max_tiles, column blocks of 64 weight rows: 64 outputs, or 32 with SwiGLU), 128 threads.
-template <int BM, bool SWI>
+// BK floats of k per chunk, ST chunks in flight; ACC3: the 3xTF32 partial products in three
+// accumulators (independent mma chains).
+template <int BM, bool SWI, int BK, int ST, bool ACC3>
 __global__ void __launch_bounds__(kThreads) expert_mma_kernel(ExpertGemmParams p) {
   constexpr int TM = BM / 8;
+  constexpr int PAD = BK + 4;                  // row stride: 16-byte rows, PAD = 4 mod 32 (conflict-free)
+  constexpr int KQ = BK / 4;                   // float4s per row and chunk
+  constexpr int RSTEP = kThreads / KQ;         // rows covered by one pass of the block's threads
+  constexpr int WPASS = kTileBN / RSTEP;       // weight float4s per thread and chunk
+  constexpr int XPASS = (BM + RSTEP - 1) / RSTEP;
   constexpr int COLS = SWI ? kTileBN / 2 : kTileBN;  // outputs per block
   extern __shared__ __align__(16) float smem[];
-  float* const Ws = smem;                                  // [kStages][kTileBN][kTilePad]
-  float* const Xs = smem + kStages * kTileBN * kTilePad;   // [kStages][BM][kTilePad]
+  float* const Ws = smem;                          // [ST][kTileBN][PAD]
+  float* const Xs = smem + ST * kTileBN * PAD;     // [ST][BM][PAD]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
   pdl_trigger();
   pdl_wait();  // the schedule and the input rows come from earlier kernels
@@ -56,70 +63,79 @@ __global__ void __launch_bounds__(kThreads) expert_mma_kernel(ExpertGemmParams p
   const int N = p.N, Kd = p.Kd, n0 = (int)blockIdx.y * COLS;
   const float* const W = p.w + (size_t)e * (SWI ? 2 : 1) * N * Kd;
 
-  // this thread's copies per chunk: weight rows (tid >> 3) + 16 j (j < 4) at k offset 4 (tid & 7);
-  // tile row tid >> 3 of the slots (threads < 8 BM). Shared row r -> weight row: r (plain) or,
-  // SwiGLU, gate row r (r < 32) / up row N + r - 32, all offset by n0; rows past N zero-filled.
-  const int kq = (tid & 7) * 4;
-  const float* wsrc[4];
-  bool wok[4];
+  // this thread's copies per chunk: shared rows (tid / KQ) + RSTEP j at k offset 4 (tid % KQ).
+  // Shared row r -> weight row: r (plain) or, SwiGLU, gate row r (r < 32) / up row N + r - 32,
+  // offset by n0; rows past N zero-filled. Tile rows past `rows` zero-filled.
+  const int kq = (tid % KQ) * 4, rbase = tid / KQ;
+  const float* wsrc[WPASS];
+  bool wok[WPASS];
 #pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    const int r = (tid >> 3) + 16 * j;
+  for (int j = 0; j < WPASS; ++j) {
+    const int r = rbase + RSTEP * j;
     const int c = SWI ? (r & (COLS - 1)) : r;  // output column within the block
     wok[j] = n0 + c < N;
-    const int wr = (SWI && r >= COLS ? N : 0) + n0 + c;
-    wsrc[j] = wok[j] ? W + (size_t)wr * Kd : p.w;
+    wsrc[j] = wok[j] ? W + (size_t)((SWI && r >= COLS ? N : 0) + n0 + c) * Kd : p.w;
   }
-  const int xr = tid >> 3;
-  const bool xload = xr < BM, xok = xr < rows;
-  const float* xsrc = p.x;
-  if (xok) {
-    const int s = r0 + xr;
-    xsrc = p.x + (size_t)(p.x_row ? __ldg(p.x_row + s) : s) * p.ldx;
+  const float* xsrc[XPASS];
+  bool xok[XPASS];
+#pragma unroll
+  for (int j = 0; j < XPASS; ++j) {
+    const int r = rbase + RSTEP * j;
+    xok[j] = r < rows;
+    xsrc[j] = p.x;
+    if (xok[j]) xsrc[j] = p.x + (size_t)(p.x_row ? __ldg(p.x_row + r0 + r) : r0 + r) * p.ldx;
   }
-  const int nchunks = (Kd + kTileBK - 1) / kTileBK;
+  const int nchunks = (Kd + BK - 1) / BK;
   auto load = [&](int c, int slot) {
-    const int k = c * kTileBK + kq;
+    const int k = c * BK + kq;
     const bool kin = k < Kd;
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
+    for (int j = 0; j < WPASS; ++j) {
       const bool ok = wok[j] && kin;
-      cp_async16(Ws + ((size_t)slot * kTileBN + (tid >> 3) + 16 * j) * kTilePad + kq, ok ? wsrc[j] + k : p.w, ok);
+      cp_async16(Ws + ((size_t)slot * kTileBN + rbase + RSTEP * j) * PAD + kq, ok ? wsrc[j] + k : p.w, ok);
     }
-    if (xload) {
-      const bool ok = xok && kin;
-      cp_async16(Xs + ((size_t)slot * BM + xr) * kTilePad + kq, ok ? xsrc + k : p.x, ok);
+#pragma unroll
+    for (int j = 0; j < XPASS; ++j) {
+      if (rbase + RSTEP * j < BM) {
+        const bool ok = xok[j] && kin;
+        cp_async16(Xs + ((size_t)slot * BM + rbase + RSTEP * j) * PAD + kq, ok ? xsrc[j] + k : p.x, ok);
+      }
     }
   };
 #pragma unroll
-  for (int s = 0; s < kStages - 1; ++s) {
+  for (int s = 0; s < ST - 1; ++s) {
     if (s < nchunks) load(s, s);
     cp_async_commit();
   }
-  float acc[TM][4];
+  float acc[TM][4], s1[TM][4], s2[TM][4];
 #pragma unroll
   for (int i = 0; i < TM; ++i)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+    for (int j = 0; j < 4; ++j) acc[i][j] = s1[i][j] = s2[i][j] = 0.f;
   for (int c = 0; c < nchunks; ++c) {
-    cp_async_wait<kStages - 2>();
+    cp_async_wait<ST - 2>();
     __syncthreads();  // chunk c visible to all; the slot of chunk c - 1 free again
-    const int nxt = c + kStages - 1;
-    if (nxt < nchunks) load(nxt, nxt % kStages);
+    const int nxt = c + ST - 1;
+    if (nxt < nchunks) load(nxt, nxt % ST);
     cp_async_commit();
-    mma_chunk_3xtf32<TM>(acc, Ws + (size_t)(c % kStages) * kTileBN * kTilePad,
-                         Xs + (size_t)(c % kStages) * BM * kTilePad, warp, g, q);
+    const float* ws = Ws + (size_t)(c % ST) * kTileBN * PAD;
+    const float* xs = Xs + (size_t)(c % ST) * BM * PAD;
+    if constexpr (ACC3) mma_chunk_3xtf32_3acc<TM, BK, PAD>(acc, s1, s2, ws, xs, warp, g, q);
+    else mma_chunk_3xtf32<TM, BK, PAD>(acc, ws, xs, warp, g, q);
   }
   cp_async_wait<0>();
   __syncthreads();  // every thread is done reading the stages
   float* const part = smem;  // [BM][kTileBN]
 #pragma unroll
   for (int i = 0; i < TM; ++i) {
+    float v[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j) v[j] = ACC3 ? acc[i][j] + (s1[i][j] + s2[i][j]) : acc[i][j];
     const int r = 16 * warp + g, t = 8 * i + 2 * q;
-    part[t * kTileBN + r] = acc[i][0];
-    part[(t + 1) * kTileBN + r] = acc[i][1];
-    part[t * kTileBN + r + 8] = acc[i][2];
-    part[(t + 1) * kTileBN + r + 8] = acc[i][3];
+    part[t * kTileBN + r] = v[0];
+    part[(t + 1) * kTileBN + r] = v[1];
+    part[t * kTileBN + r + 8] = v[2];
+    part[(t + 1) * kTileBN + r + 8] = v[3];
   }
   __syncthreads();
   for (int o = tid; o < BM * COLS; o += kThreads) {
@@ -130,16 +146,31 @@ __global__ void __launch_bounds__(kThreads) expert_mma_kernel(ExpertGemmParams p
   }
 }
 
-template <int BM, bool SWI>
+template <int BM, bool SWI, int BK, int ST, bool ACC3>
 cudaError_t launch_mma(const ExpertGemmParams& p, cudaStream_t stream) {
-  constexpr size_t smem = mma_smem_bytes<BM>();
+  constexpr size_t smem = mma_smem_bytes<BM, BK, ST>();
+  auto kern = expert_mma_kernel<BM, SWI, BK, ST, ACC3>;
   static const cudaError_t attr_err =
-      cudaFuncSetAttribute(expert_mma_kernel<BM, SWI>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+      cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (attr_err != cudaSuccess) return attr_err;
   constexpr int cols = SWI ? kTileBN / 2 : kTileBN;
   const dim3 grid((unsigned)p.max_tiles, (unsigned)((p.N + cols - 1) / cols));
   if (grid.y > 65535u) return cudaErrorInvalidValue;
-  return launch_kernel(expert_mma_kernel<BM, SWI>, grid, kThreads, smem, stream, p);
+  return launch_kernel(kern, grid, kThreads, smem, stream, p);
+}
+
+template <int BM, bool SWI>
+cudaError_t launch_variant(const ExpertGemmParams& p, cudaStream_t stream) {
+  static const int v = [] {
+    const char* s = std::getenv("KDTREE_EXPERT_MMA_VARIANT");  // EXPERIMENT: removed before landing
+    return s ? std::atoi(s) : 0;
+  }();
+  switch (v) {
+    case 1: return launch_mma<BM, SWI, 32, 4, true>(p, stream);
+    case 2: return launch_mma<BM, SWI, 64, 3, true>(p, stream);
+    case 3: return launch_mma<BM, SWI, 32, 6, true>(p, stream);
+    default: return launch_mma<BM, SWI, 32, 4, false>(p, stream);
+  }
 }
 
 }  // namespace
@@ -154,8 +185,8 @@ cudaError_t expert_gemm_mma(const ExpertGemmParams& p, cudaStream_t stream) {
       p.Kd <= 0 || p.ldx < p.Kd || p.ldy < p.N || p.max_tiles < 0 || !expert_mma_supported(p))
     return cudaErrorInvalidValue;
   if (p.max_tiles == 0) return cudaSuccess;
-  if (p.tile_rows == 8) return p.swiglu ? launch_mma<8, true>(p, stream) : launch_mma<8, false>(p, stream);
-  return p.swiglu ? launch_mma<16, true>(p, stream) : launch_mma<16, false>(p, stream);
+  if (p.tile_rows == 8) return p.swiglu ? launch_variant<8, true>(p, stream) : launch_variant<8, false>(p, stream);
+  return p.swiglu ? launch_variant<16, true>(p, stream) : launch_variant<16, false>(p, stream);
 }
 
 }  // namespace cuda
