@@ -1,11 +1,11 @@
 """The grouped expert kernels inside the mini-kimi step (H200): graph-replayed step time at T new
 tokens (causal, context 512) with expert_kernel = "skinny" (GEMV-style, tiles of 8 slots),
-"tiled" (SGEMM, 64 slots), "mma" / "mma16" (tensor cores 3xTF32, 8 / 16 slots) and "auto", same
-weights, same run. CudaModel's auto choice comes from this table (docs/BENCHMARKS.md). Makes the
+"tiled" (SGEMM, 64 slots), mma8 / mma16 / mma32 / mma64 (expert_kernel="mma", the tensor cores
+3xTF32, expert_mma_rows slots per tile) and "auto", same weights, same run. CudaModel's auto choice comes from this table (docs/BENCHMARKS.md). Makes the
 mini-kimi checkpoint of bench_cuda_model.py on first use.
 
     python3 benchmarks/bench_cuda_experts.py [--tokens 1 4 9 17 33 49 65 97 129] [--reps 15]
-        [--kernels skinny tiled mma mma16 auto]
+        [--kernels skinny tiled mma8 mma16 mma32 mma64 auto]
 """
 import argparse
 import os
@@ -19,7 +19,7 @@ sys.path.insert(0, os.path.join(HERE, "..", "tests", "python"))
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="*", default=[1, 4, 9, 17, 33, 49, 65, 97, 129])
-    ap.add_argument("--kernels", nargs="*", default=["skinny", "tiled", "mma", "mma16", "auto"])
+    ap.add_argument("--kernels", nargs="*", default=["skinny", "tiled", "mma8", "mma16", "auto"])
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--ckpt", default="/tmp/kn_mini_kimi")
     args = ap.parse_args()
@@ -27,7 +27,12 @@ def main():
     from kdtree_native.config import load_config
 
     ks = args.kernels
-    res = step_times(args.ckpt, {k: dict(expert_kernel=k) for k in ks}, args.tokens, reps=args.reps)
+    def options(label):
+        if label.startswith("mma"):
+            return dict(expert_kernel="mma", expert_mma_rows=int(label[3:] or 0))
+        return dict(expert_kernel=label)
+
+    res = step_times(args.ckpt, {k: options(k) for k in ks}, args.tokens, reps=args.reps)
     K = load_config(args.ckpt).num_experts_per_tok
     print(f"## mini-kimi step by expert kernel (graph replay, context 512, median of {args.reps}, ms)")
     print("| T | A | " + " | ".join(ks) + " | fastest |")

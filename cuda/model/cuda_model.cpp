@@ -101,8 +101,11 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   if (opt.math < 0 || opt.math > 2) throw Error("CudaModel: math must be 0 (default), 1 (pedantic) or 2 (tf32)");
   if (opt.attention_kernel < 0 || opt.attention_kernel > 3)
     throw Error("CudaModel: attention_kernel must be 0 (auto), 1 (tiled), 2 (split-KV) or 3 (decode)");
-  if (opt.expert_kernel < 0 || opt.expert_kernel > 4)
-    throw Error("CudaModel: expert_kernel must be 0 (auto), 1 (skinny), 2 (tiled), 3 (mma) or 4 (mma16)");
+  if (opt.expert_kernel < 0 || opt.expert_kernel > 3)
+    throw Error("CudaModel: expert_kernel must be 0 (auto), 1 (skinny), 2 (tiled) or 3 (mma)");
+  if (opt.expert_mma_rows != 0 && opt.expert_mma_rows != 8 && opt.expert_mma_rows != 16 && opt.expert_mma_rows != 32 &&
+      opt.expert_mma_rows != 64)
+    throw Error("CudaModel: expert_mma_rows must be 0 (auto), 8, 16, 32 or 64, got " + std::to_string(opt.expert_mma_rows));
   if (opt.skinny_max_tokens < -1 || opt.skinny_max_tokens > cuda::kLinearSkinnyMaxT)
     throw Error("CudaModel: skinny_max_tokens must be -1 (auto) or in [0, " + std::to_string(cuda::kLinearSkinnyMaxT) +
                 "], got " + std::to_string(opt.skinny_max_tokens));
@@ -691,25 +694,23 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   cuda::RouteParams rp{router_logits_, ly.router_bias, (int)T, (int)E, (int)K, (int)c.n_group, (int)c.topk_group,
                        c.norm_topk_prob ? 1 : 0, (float)c.routed_scaling_factor, topk_idx_, topk_w_, (int)ldr};
 
-  // GEMV-style tiles while experts get few rows on average (decode, small trees; <= 6 per expert), SGEMM tiles
-  // beyond (prefill, large trees).
-  enum { kGemv, kTiled, kMma } kind = A <= 12 * E ? kGemv : kTiled;  // H200, mini-kimi: GEMV wins up to 65 tokens
-  int tile_rows = cuda::kExpertSkinnyRows;
-  switch (opt_.expert_kernel) {
-    case CudaModelOptions::kExpertSkinny: kind = kGemv; break;
-    case CudaModelOptions::kExpertTiled: kind = kTiled; break;
-    case CudaModelOptions::kExpertMma: kind = kMma; break;
-    case CudaModelOptions::kExpertMma16: kind = kMma; tile_rows = 16; break;
-    default: break;
-  }
+  // Which grouped GEMM (measured in-step on the H200, mini-kimi, docs/BENCHMARKS.md "Expert GEMMs on the
+  // tensor cores"): fewer assignments than experts (decode, tiny trees) -> the GEMV-style kernel; more ->
+  // the tensor-core kernel, tiles of 8 slots while experts average < 12 rows, then 16. Shapes that the
+  // tensor-core kernel cannot take (expert_mma_supported) keep the earlier rule: GEMV-style up to 12 rows
+  // per expert on average, the SGEMM tiles beyond.
   auto a16 = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15u) == 0; };
   const bool mma_ok = Dm % 4 == 0 && Ie % 4 == 0 && a16(hn_) && a16(act_) && a16(ly.experts_gate_up) &&
                       a16(ly.experts_down);  // what expert_mma_supported asks of both GEMMs
-  if (kind == kMma && !mma_ok) {
-    kind = kGemv;
-    tile_rows = cuda::kExpertSkinnyRows;
+  enum { kGemv, kTiled, kMma } kind = A < E ? kGemv : mma_ok ? kMma : A <= 12 * E ? kGemv : kTiled;
+  const int mma_rows = opt_.expert_mma_rows > 0 ? opt_.expert_mma_rows : A < 12 * E ? 8 : 16;
+  switch (opt_.expert_kernel) {
+    case CudaModelOptions::kExpertSkinny: kind = kGemv; break;
+    case CudaModelOptions::kExpertTiled: kind = kTiled; break;
+    case CudaModelOptions::kExpertMma: kind = mma_ok ? kMma : kGemv; break;
+    default: break;
   }
-  if (kind == kTiled) tile_rows = cuda::kExpertTileRows;
+  const int tile_rows = kind == kMma ? mma_rows : kind == kTiled ? cuda::kExpertTileRows : cuda::kExpertSkinnyRows;
   const bool swiglu_fused = kind != kTiled;
   auto run_experts = [&](const cuda::ExpertGemmParams& xp, const char* what) {
     check_cuda(kind == kMma ? cuda::expert_gemm_mma(xp, st) : cuda::expert_gemm(xp, st), what);

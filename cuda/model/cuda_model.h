@@ -40,9 +40,11 @@ struct CudaModelOptions {
   int attention_kernel = 0;      // verify_attention's force_kernel: 0 auto, 1 tiled, 2 split-KV, 3 decode
                                  // (benchmarks / testing; a kernel that cannot take a shape passes it on)
   int attention_rows = 0;        // verify_attention's force_splitkv_rows: 0 auto, 4, 8 or 16 (benchmarks)
-  int expert_kernel = 0;         // kExpertAuto, kExpertSkinny (GEMV-style), kExpertTiled (SGEMM tiles of 64
-                                 // slots), kExpertMma / kExpertMma16 (tensor cores, 3xTF32, tiles of 8 / 16
-                                 // slots; where expert_mma_supported refuses: the GEMV-style kernel)
+  int expert_kernel = 0;         // kExpertAuto, kExpertSkinny (GEMV-style, tiles of 8 slots), kExpertTiled (SGEMM
+                                 // tiles of 64 slots), kExpertMma (tensor cores, 3xTF32; where the shapes do not
+                                 // allow it, expert_mma_supported: the GEMV-style kernel)
+  int expert_mma_rows = 0;       // slots per tile of the tensor-core expert kernel: 0 = auto (by assignments
+                                 // per expert), 8, 16, 32 or 64
   int skinny_max_tokens = -1;    // steps of <= this many tokens run the dense projections through
                                  // linear_skinny instead of cuBLAS; -1 = auto, 0 = never (cuBLAS only)
   int skinny_big_max_tokens = -1;  // weights of more than kSkinnyBigBytes (the L2) run through linear_skinny
@@ -61,7 +63,7 @@ struct CudaModelOptions {
   bool graphs = true;            // forward_device replays a CUDA graph per (T, context bucket, buffers) from
                                  // the second call with the same shape on (docs/CUDA_MODEL.md)
   static constexpr int kMathDefault = 0, kMathPedantic = 1, kMathTf32 = 2;
-  static constexpr int kExpertAuto = 0, kExpertSkinny = 1, kExpertTiled = 2, kExpertMma = 3, kExpertMma16 = 4;
+  static constexpr int kExpertAuto = 0, kExpertSkinny = 1, kExpertTiled = 2, kExpertMma = 3;
 };
 
 class CudaModel : public TargetModel {

@@ -17,7 +17,6 @@
 // schedule (which slots a tile holds) comes from moe_group and does not depend on timing.
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 
 #include "model_kernels.h"
 #include "launch.h"
@@ -31,19 +30,22 @@ namespace {
 
 constexpr int kThreads = 128;
 
-template <int BM, int BK, int ST>
+constexpr int kBK = 64;     // k floats per chunk (256-byte row segments)
+constexpr int kStages = 3;  // chunks in flight
+
+template <int BM>
 constexpr size_t mma_smem_bytes() {
-  constexpr size_t stages = (size_t)ST * (kTileBN + BM) * (BK + 4) * sizeof(float);
+  constexpr size_t stages = (size_t)kStages * (kTileBN + BM) * (kBK + 4) * sizeof(float);
   constexpr size_t out = (size_t)BM * kTileBN * sizeof(float);
   return stages > out ? stages : out;
 }
 
 // grid (max_tiles, column blocks of 64 weight rows: 64 outputs, or 32 with SwiGLU), 128 threads.
-// BK floats of k per chunk, ST chunks in flight; ACC3: the 3xTF32 partial products in three
-// accumulators (independent mma chains).
-template <int BM, bool SWI, int BK, int ST, bool ACC3>
+// The three 3xTF32 partial products go to three accumulators: independent mma chains (a third of
+// the latency of one chain) and the small terms summed apart from the large one.
+template <int BM, bool SWI>
 __global__ void __launch_bounds__(kThreads) expert_mma_kernel(ExpertGemmParams p) {
-  constexpr int TM = BM / 8;
+  constexpr int TM = BM / 8, BK = kBK, ST = kStages;
   constexpr int PAD = BK + 4;                  // row stride: 16-byte rows, PAD = 4 mod 32 (conflict-free)
   constexpr int KQ = BK / 4;                   // float4s per row and chunk
   constexpr int RSTEP = kThreads / KQ;         // rows covered by one pass of the block's threads
@@ -120,8 +122,7 @@ __global__ void __launch_bounds__(kThreads) expert_mma_kernel(ExpertGemmParams p
     cp_async_commit();
     const float* ws = Ws + (size_t)(c % ST) * kTileBN * PAD;
     const float* xs = Xs + (size_t)(c % ST) * BM * PAD;
-    if constexpr (ACC3) mma_chunk_3xtf32_3acc<TM, BK, PAD>(acc, s1, s2, ws, xs, warp, g, q);
-    else mma_chunk_3xtf32<TM, BK, PAD>(acc, ws, xs, warp, g, q);
+    mma_chunk_3xtf32_3acc<TM, BK, PAD>(acc, s1, s2, ws, xs, warp, g, q);
   }
   cp_async_wait<0>();
   __syncthreads();  // every thread is done reading the stages
@@ -130,7 +131,7 @@ __global__ void __launch_bounds__(kThreads) expert_mma_kernel(ExpertGemmParams p
   for (int i = 0; i < TM; ++i) {
     float v[4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j) v[j] = ACC3 ? acc[i][j] + (s1[i][j] + s2[i][j]) : acc[i][j];
+    for (int j = 0; j < 4; ++j) v[j] = acc[i][j] + (s1[i][j] + s2[i][j]);
     const int r = 16 * warp + g, t = 8 * i + 2 * q;
     part[t * kTileBN + r] = v[0];
     part[(t + 1) * kTileBN + r] = v[1];
@@ -146,10 +147,10 @@ __global__ void __launch_bounds__(kThreads) expert_mma_kernel(ExpertGemmParams p
   }
 }
 
-template <int BM, bool SWI, int BK, int ST, bool ACC3>
+template <int BM, bool SWI>
 cudaError_t launch_mma(const ExpertGemmParams& p, cudaStream_t stream) {
-  constexpr size_t smem = mma_smem_bytes<BM, BK, ST>();
-  auto kern = expert_mma_kernel<BM, SWI, BK, ST, ACC3>;
+  constexpr size_t smem = mma_smem_bytes<BM>();
+  auto kern = expert_mma_kernel<BM, SWI>;
   static const cudaError_t attr_err =
       cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (attr_err != cudaSuccess) return attr_err;
@@ -159,24 +160,10 @@ cudaError_t launch_mma(const ExpertGemmParams& p, cudaStream_t stream) {
   return launch_kernel(kern, grid, kThreads, smem, stream, p);
 }
 
-template <int BM, bool SWI>
-cudaError_t launch_variant(const ExpertGemmParams& p, cudaStream_t stream) {
-  static const int v = [] {
-    const char* s = std::getenv("KDTREE_EXPERT_MMA_VARIANT");  // EXPERIMENT: removed before landing
-    return s ? std::atoi(s) : 0;
-  }();
-  switch (v) {
-    case 1: return launch_mma<BM, SWI, 32, 4, true>(p, stream);
-    case 2: return launch_mma<BM, SWI, 64, 3, true>(p, stream);
-    case 3: return launch_mma<BM, SWI, 32, 6, true>(p, stream);
-    default: return launch_mma<BM, SWI, 32, 4, false>(p, stream);
-  }
-}
-
 }  // namespace
 
 bool expert_mma_supported(const ExpertGemmParams& p) {
-  return (p.tile_rows == 8 || p.tile_rows == 16) && p.Kd % 4 == 0 && p.ldx % 4 == 0 && aligned16(p.x) &&
+  return (p.tile_rows == 8 || p.tile_rows == 16 || p.tile_rows == 32 || p.tile_rows == 64) && p.Kd % 4 == 0 && p.ldx % 4 == 0 && aligned16(p.x) &&
          aligned16(p.w);
 }
 
@@ -185,8 +172,12 @@ cudaError_t expert_gemm_mma(const ExpertGemmParams& p, cudaStream_t stream) {
       p.Kd <= 0 || p.ldx < p.Kd || p.ldy < p.N || p.max_tiles < 0 || !expert_mma_supported(p))
     return cudaErrorInvalidValue;
   if (p.max_tiles == 0) return cudaSuccess;
-  if (p.tile_rows == 8) return p.swiglu ? launch_variant<8, true>(p, stream) : launch_variant<8, false>(p, stream);
-  return p.swiglu ? launch_variant<16, true>(p, stream) : launch_variant<16, false>(p, stream);
+  switch (p.tile_rows) {
+    case 8: return p.swiglu ? launch_mma<8, true>(p, stream) : launch_mma<8, false>(p, stream);
+    case 16: return p.swiglu ? launch_mma<16, true>(p, stream) : launch_mma<16, false>(p, stream);
+    case 32: return p.swiglu ? launch_mma<32, true>(p, stream) : launch_mma<32, false>(p, stream);
+    default: return p.swiglu ? launch_mma<64, true>(p, stream) : launch_mma<64, false>(p, stream);
+  }
 }
 
 }  // namespace cuda

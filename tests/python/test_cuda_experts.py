@@ -16,7 +16,7 @@ from kdtree_native import _native as N  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
-KERNELS = [("gemv", 8), ("tiled", 64), ("mma", 8), ("mma", 16)]
+KERNELS = [("gemv", 8), ("tiled", 64), ("mma", 8), ("mma", 16), ("mma", 32), ("mma", 64)]
 
 
 def routing(rng, T, K, E, skewed):
@@ -80,10 +80,11 @@ def test_expert_gemm_matches_float64(kernel, tile_rows, swiglu, shape):
         assert (err <= 1e-5 * bound + 1e-30).all(), f"max err / bound {np.max(err / (bound + 1e-30)):.3g}"
 
 
-@pytest.mark.parametrize("tile_rows", [8, 16])
+@pytest.mark.parametrize("tile_rows", [8, 16, 32, 64])
 def test_expert_mma_deterministic_and_close_to_gemv(tile_rows):
     """The same call twice gives the same bits; the tensor-core kernel and the GEMV-style one
-    agree to FP32 rounding (different summation orders, so not bit-equal)."""
+    agree within the FP32 rounding bound of the float64 comparison (different summation orders,
+    so not bit-equal)."""
     rng = np.random.default_rng(5)
     T, K, E, Nout, Kd = 33, 8, 64, 256, 1024
     idx = routing(rng, T, K, E, False)
@@ -93,7 +94,8 @@ def test_expert_mma_deterministic_and_close_to_gemv(tile_rows):
     b, _ = N.cuda_expert_gemm(x, w, idx, E, True, tile_rows, "mma")
     c, _ = N.cuda_expert_gemm(x, w, idx, E, True, 8, "gemv")
     assert np.array_equal(a, b)
-    assert np.abs(a - c).max() <= 1e-5 * np.abs(c).max()
+    _, bound, _ = reference(x, w, idx, True)
+    assert (np.abs(a - c) <= 2e-5 * bound).all()
 
 
 def test_expert_gemm_refusals():

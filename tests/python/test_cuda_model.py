@@ -302,12 +302,13 @@ def test_tree_nodes_equal_sequential_decode_on_gpu(name):
 
 @pytest.mark.cuda
 @needs_device
-@pytest.mark.parametrize("expert_kernel", ["skinny", "tiled", "mma", "mma16", "auto"])
+@pytest.mark.parametrize("expert_kernel,mma_rows", [("skinny", 0), ("tiled", 0), ("mma", 8), ("mma", 16), ("mma", 32),
+                                                     ("mma", 64), ("auto", 0)])
 @pytest.mark.parametrize("name", ["ds3_base", "neox_many_groups", "kimi_like", "odd_sizes"])
-def test_expert_kernels_match_cpu(name, expert_kernel):
-    """Every grouped expert GEMM (mma / mma16 fall back to the GEMV-style kernel on odd_sizes), with
-    several tiles per expert (T*K >> E)."""
-    cpu, gpu, cfg = pair(spec(name), max_seq_len=400, expert_kernel=expert_kernel)
+def test_expert_kernels_match_cpu(name, expert_kernel, mma_rows):
+    """Every grouped expert GEMM (the tensor-core one at every tile height; it falls back to the
+    GEMV-style kernel on odd_sizes), with several tiles per expert (T*K >> E)."""
+    cpu, gpu, cfg = pair(spec(name), max_seq_len=400, expert_kernel=expert_kernel, expert_mma_rows=mma_rows)
     for T, seed in ((1, 20), (37, 21), (300, 22)):
         cpu.reset()
         gpu.reset()
