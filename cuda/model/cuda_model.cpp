@@ -696,14 +696,15 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
 
   // Which grouped GEMM (measured in-step on the H200, mini-kimi, docs/BENCHMARKS.md "Expert GEMMs on the
   // tensor cores"): fewer assignments than experts (decode, tiny trees) -> the GEMV-style kernel; more ->
-  // the tensor-core kernel, tiles of 8 slots while experts average < 12 rows, then 16. Shapes that the
-  // tensor-core kernel cannot take (expert_mma_supported) keep the earlier rule: GEMV-style up to 12 rows
-  // per expert on average, the SGEMM tiles beyond.
+  // the tensor-core kernel, tiles of 8 slots while experts average < 8 rows (trees up to ~64 nodes), 16
+  // below 32 rows, 32 beyond (prefill). Shapes that the tensor-core kernel cannot take
+  // (expert_mma_supported) keep the earlier rule: GEMV-style up to 12 rows per expert on average, the
+  // SGEMM tiles beyond.
   auto a16 = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15u) == 0; };
   const bool mma_ok = Dm % 4 == 0 && Ie % 4 == 0 && a16(hn_) && a16(act_) && a16(ly.experts_gate_up) &&
                       a16(ly.experts_down);  // what expert_mma_supported asks of both GEMMs
   enum { kGemv, kTiled, kMma } kind = A < E ? kGemv : mma_ok ? kMma : A <= 12 * E ? kGemv : kTiled;
-  const int mma_rows = opt_.expert_mma_rows > 0 ? opt_.expert_mma_rows : A < 12 * E ? 8 : 16;
+  const int mma_rows = opt_.expert_mma_rows > 0 ? opt_.expert_mma_rows : A < 8 * E ? 8 : A < 32 * E ? 16 : 32;
   switch (opt_.expert_kernel) {
     case CudaModelOptions::kExpertSkinny: kind = kGemv; break;
     case CudaModelOptions::kExpertTiled: kind = kTiled; break;

@@ -104,7 +104,7 @@ def test_expert_gemm_refusals():
     x = rng.standard_normal((4, 64)).astype(np.float32)
     w = rng.standard_normal((8, 32, 64)).astype(np.float32)
     with pytest.raises(ValueError, match="invalid arguments"):
-        N.cuda_expert_gemm(x, w, idx, 8, False, 64, "mma")  # tiles of 64 slots: not the mma kernel's
+        N.cuda_expert_gemm(x, w, idx, 8, False, 12, "mma")  # tiles of 12 slots: not one of the kernel's
     with pytest.raises(ValueError, match="invalid arguments"):  # k not a multiple of 4 (no 16-byte copies)
         N.cuda_expert_gemm(x[:, :62].copy(), w[:, :, :62].copy(), idx, 8, False, 8, "mma")
     with pytest.raises(ValueError, match="kernel"):
