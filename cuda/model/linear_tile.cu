@@ -23,6 +23,7 @@
 // routed in docs/BENCHMARKS.md ("Eighth session"); what bounds it: docs/CUDA_MODEL.md.
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 
 #include <cooperative_groups.h>
 
@@ -44,9 +45,9 @@ constexpr int kStages = 4;          // chunks in flight
 constexpr int kThreads = 128;       // 16 row groups x 8 token groups
 constexpr int kMaxSplits = kLinearTileMaxSplits;  // a portable cluster size
 
-template <int BM>
+template <int BM, int BK = kBK, int ST = kStages>
 constexpr size_t smem_bytes() {
-  constexpr size_t stages = (size_t)kStages * (kBN + BM) * kPad * sizeof(float);
+  constexpr size_t stages = (size_t)ST * (kBN + BM) * (BK + 4) * sizeof(float);
   constexpr size_t red = (size_t)BM * kBN * sizeof(float);
   return stages > red ? stages : red;
 }
@@ -55,9 +56,11 @@ constexpr size_t smem_bytes() {
 // k-chunks per split. TC: the products on the tensor cores (3xTF32, mma.sync m16n8k8: warp w owns
 // weight rows [16 w, 16 w + 16) of the tile as the A operand, the BM / 8 token groups of 8 are B
 // operands), else on the CUDA cores (thread = BM / 8 tokens x 4 rows).
-template <int BM, bool TC>
+template <int BM, bool TC, int BK = kBK, int ST = kStages>
 __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, int chunks_per_split) {
   constexpr int TM = BM / 8;
+  constexpr int kBK = BK, kPad = BK + 4, kStages = ST;  // (shadow the defaults)
+  constexpr int KQ = BK / 4, RSTEP = kThreads / KQ;     // float4s per row and chunk; rows per pass
   extern __shared__ __align__(16) float smem[];
   float* const Ws = smem;                              // [kStages][kBN][kPad]
   float* const Xs = smem + kStages * kBN * kPad;       // [kStages][BM][kPad]
@@ -73,24 +76,24 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
   const int c0 = split * chunks_per_split, c1 = min(nchunks, c0 + chunks_per_split), nc = max(c1 - c0, 0);
   pdl_trigger();
 
-  // this thread's copies of a chunk: weight float4 j (of 4): row (tid >> 3) + 16 j, k offset 4 (tid & 7)
+  // this thread's copies of a chunk: weight float4 j: row (tid / KQ) + RSTEP j, k offset 4 (tid % KQ)
   auto load_w = [&](int c, int slot) {
-    const int k = c * kBK + (tid & 7) * 4;
+    const int k = c * kBK + (tid % KQ) * 4;
 #pragma unroll
     for (int j = 0; j < kBN * kBK / 4 / kThreads; ++j) {
-      const int r = (tid >> 3) + 16 * j;
+      const int r = tid / KQ + RSTEP * j;
       const bool ok = n0 + r < p.N && k < Kd;
-      cp_async16(Ws + ((size_t)slot * kBN + r) * kPad + (tid & 7) * 4, ok ? W + (size_t)r * Kd + k : p.w, ok);
+      cp_async16(Ws + ((size_t)slot * kBN + r) * kPad + (tid % KQ) * 4, ok ? W + (size_t)r * Kd + k : p.w, ok);
     }
   };
   auto load_x = [&](int c, int slot) {
-    const int k = c * kBK + (tid & 7) * 4;
+    const int k = c * kBK + (tid % KQ) * 4;
 #pragma unroll
     for (int j = 0; j < (BM * kBK / 4 + kThreads - 1) / kThreads; ++j) {
-      const int r = (tid >> 3) + 16 * j;
+      const int r = tid / KQ + RSTEP * j;
       if (r < BM) {
         const bool ok = r < rows && k < Kd;
-        cp_async16(Xs + ((size_t)slot * BM + r) * kPad + (tid & 7) * 4, ok ? X + (size_t)r * p.ldx + k : p.x, ok);
+        cp_async16(Xs + ((size_t)slot * BM + r) * kPad + (tid % KQ) * 4, ok ? X + (size_t)r * p.ldx + k : p.x, ok);
       }
     }
   };
@@ -125,7 +128,7 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
     const float* ws = Ws + (size_t)(c % kStages) * kBN * kPad;
     const float* xs = Xs + (size_t)(c % kStages) * BM * kPad;
     if constexpr (TC) {
-      mma_chunk_3xtf32<TM>(acc, ws, xs, warp, g, q);
+      mma_chunk_3xtf32<TM, BK, BK + 4>(acc, ws, xs, warp, g, q);
     } else {
 #pragma unroll
       for (int kk = 0; kk < kBK; kk += 4) {
@@ -193,15 +196,15 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
   cluster.sync();  // no block leaves while another still reads its shared memory
 }
 
-template <int BM, bool TC>
+template <int BM, bool TC, int BK = kBK, int ST = kStages>
 cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
-  constexpr size_t smem = smem_bytes<BM>();
+  constexpr size_t smem = smem_bytes<BM, BK, ST>();
   static const cudaError_t attr_err =
-      cudaFuncSetAttribute(linear_tile_kernel<BM, TC>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+      cudaFuncSetAttribute(linear_tile_kernel<BM, TC, BK, ST>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (attr_err != cudaSuccess) return attr_err;
   const long long mtiles = (p.T + BM - 1) / BM, ntiles = (p.N + kBN - 1) / kBN;
   const long long base = ntiles * mtiles * p.batch;
-  const int nchunks = (p.Kd + kBK - 1) / kBK;
+  const int nchunks = (p.Kd + BK - 1) / BK;
   int splits = p.tile_splits;
   if (splits <= 0) {  // about two blocks per SM, each split at least two chunks
     const long long want = 2LL * num_sms();
@@ -233,7 +236,7 @@ cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = (unsigned)na;
-  return cudaLaunchKernelEx(&cfg, linear_tile_kernel<BM, TC>, p, cps);
+  return cudaLaunchKernelEx(&cfg, linear_tile_kernel<BM, TC, BK, ST>, p, cps);
 }
 
 }  // namespace
@@ -245,15 +248,24 @@ bool linear_tile_supported(const LinearParams& p) {
 
 int linear_tile_rows(int T) { return T <= 8 ? 8 : T <= 16 ? 16 : T <= 24 ? 24 : T <= 32 ? 32 : 64; }
 
+template <bool TC, int BK, int ST>
+cudaError_t launch_rows_v(const LinearParams& p, cudaStream_t stream) {
+  switch (linear_tile_rows(p.T)) {
+    case 8: return launch_tile<8, TC, BK, ST>(p, stream);
+    case 16: return launch_tile<16, TC, BK, ST>(p, stream);
+    case 24: return launch_tile<24, TC, BK, ST>(p, stream);
+    case 32: return launch_tile<32, TC, BK, ST>(p, stream);
+    default: return launch_tile<64, TC, BK, ST>(p, stream);
+  }
+}
 template <bool TC>
 cudaError_t launch_rows(const LinearParams& p, cudaStream_t stream) {
-  switch (linear_tile_rows(p.T)) {
-    case 8: return launch_tile<8, TC>(p, stream);
-    case 16: return launch_tile<16, TC>(p, stream);
-    case 24: return launch_tile<24, TC>(p, stream);
-    case 32: return launch_tile<32, TC>(p, stream);
-    default: return launch_tile<64, TC>(p, stream);
-  }
+  static const int v = [] {
+    const char* s = std::getenv("KDTREE_TILE_VARIANT");  // EXPERIMENT: removed before landing
+    return s ? std::atoi(s) : 0;
+  }();
+  if (v == 1) return launch_rows_v<TC, 64, 3>(p, stream);
+  return launch_rows_v<TC, kBK, kStages>(p, stream);
 }
 
 cudaError_t linear_tile(const LinearParams& p, cudaStream_t stream) {
