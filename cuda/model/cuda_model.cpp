@@ -53,8 +53,10 @@ constexpr int64_t kSkinnyBigAutoMaxT = 16;
 // beyond. H200, mini-kimi in-step (bench_cuda_step_options.py, docs/BENCHMARKS.md "Tiled linear
 // layer"): tile vs skinny T = 8 / 12 / 16: 0.916 / 1.074 / 1.218 vs 1.002 / 1.156 / 1.380 ms,
 // T = 6 equal, T = 17 (skinny's two 9 + 8 token slices) 1.345 vs 1.275; T = 24 tile 1.429 vs
-// cuBLAS 1.612; T = 33 tile 4 % slower than cuBLAS.
-constexpr int64_t kTileAutoMaxT = 32;
+// cuBLAS 1.612. With 64-float k chunks (ninth session, --variant t64:tile_max_tokens=64): T = 33 /
+// 48 tile 1.811 / 2.014 vs cuBLAS 1.862 / 2.078 ms; T = 65 (a 64-row tile + a 1-row one) not
+// measured faster, so it stays on cuBLAS.
+constexpr int64_t kTileAutoMaxT = 48;
 constexpr int64_t kTileFirstMinT = 6, kTileFirstMaxT = 16;
 
 std::string mib(int64_t bytes) {

@@ -2,10 +2,10 @@
 // tensor-core expert GEMM (expert_mma.cu): cp.async copies, and FP32-accurate products on the
 // tensor cores as 3xTF32. CUDA sources only.
 //
-// A tile holds kTileBN = 64 weight rows x BM token rows; each k-chunk of kTileBK = 32 floats of
-// both sits in shared memory with rows padded to kTilePad = 36 floats (16-byte aligned rows,
-// conflict-free fragment reads). 128 threads = 4 warps; warp w owns weight rows [16 w, 16 w + 16)
-// as the A operand of mma.sync m16n8k8, the token groups of 8 are the B operands.
+// A tile holds kTileBN = 64 weight rows x BM token rows; each k-chunk of BK floats of both sits in
+// shared memory with rows padded to PAD = BK + 4 floats (16-byte aligned rows, conflict-free
+// fragment reads). 128 threads = 4 warps; warp w owns weight rows [16 w, 16 w + 16) as the A
+// operand of mma.sync m16n8k8, the token groups of 8 are the B operands.
 #pragma once
 #include <cstdint>
 
@@ -14,9 +14,7 @@
 namespace kdtree {
 namespace cuda {
 
-constexpr int kTileBN = 64;              // weight rows (outputs) per tile
-constexpr int kTileBK = 32;              // k floats per chunk
-constexpr int kTilePad = kTileBK + 4;    // shared row stride in floats
+constexpr int kTileBN = 64;  // weight rows (outputs) per tile
 
 // 16-byte global -> shared copy through L2 only; full = false zero-fills the 16 bytes (the source
 // address must still be valid)
@@ -47,7 +45,7 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], 
 // 3xTF32. ws / xs: the chunk's weight rows [kTileBN][PAD] and token rows [8 TM][PAD] (BK floats
 // of k each); warp, g = lane / 4, q = lane % 4: the mma fragment coordinates. acc[j] = the m16n8
 // fragment (c0: row g, token 2q; c1: g, 2q + 1; c2: g + 8, 2q; c3: g + 8, 2q + 1).
-template <int TM, int BK = kTileBK, int PAD = kTilePad>
+template <int TM, int BK, int PAD>
 __device__ __forceinline__ void mma_chunk_3xtf32(float (&acc)[TM][4], const float* ws, const float* xs, int warp, int g,
                                                  int q) {
   const float* wa = ws + (16 * warp + g) * PAD + q;  // conflict-free: bank 4 g + q (PAD = 4 mod 32)
