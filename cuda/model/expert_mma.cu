@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kThreads) expert_mma_kernel(ExpertGemmParams p
     cp_async_commit();
     const float* ws = Ws + (size_t)(c % ST) * kTileBN * PAD;
     const float* xs = Xs + (size_t)(c % ST) * BM * PAD;
-    mma_chunk_3xtf32_3acc<TM, BK, PAD>(acc, s1, s2, ws, xs, warp, g, q);
+    mma_chunk_3xtf32<TM, BK, PAD, true>(acc, s1, s2, ws, xs, warp, g, q);
   }
   cp_async_wait<0>();
   __syncthreads();  // every thread is done reading the stages

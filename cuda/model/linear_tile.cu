@@ -126,7 +126,7 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
     const float* ws = Ws + (size_t)(c % kStages) * kBN * kPad;
     const float* xs = Xs + (size_t)(c % kStages) * BM * kPad;
     if constexpr (TC) {
-      mma_chunk_3xtf32<TM, BK, BK + 4>(acc, ws, xs, warp, g, q);
+      mma_chunk_3xtf32<TM, BK, BK + 4>(acc, acc, acc, ws, xs, warp, g, q);
     } else {
 #pragma unroll
       for (int kk = 0; kk < kBK; kk += 4) {

@@ -41,13 +41,16 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
-// One k-chunk of a warp's products: acc[j] (+)= its 16 weight rows x token group j (8 tokens),
-// 3xTF32. ws / xs: the chunk's weight rows [kTileBN][PAD] and token rows [8 TM][PAD] (BK floats
-// of k each); warp, g = lane / 4, q = lane % 4: the mma fragment coordinates. acc[j] = the m16n8
-// fragment (c0: row g, token 2q; c1: g, 2q + 1; c2: g + 8, 2q; c3: g + 8, 2q + 1).
-template <int TM, int BK, int PAD>
-__device__ __forceinline__ void mma_chunk_3xtf32(float (&acc)[TM][4], const float* ws, const float* xs, int warp, int g,
-                                                 int q) {
+// One k-chunk of a warp's products, 3xTF32: token group j (8 tokens) x the warp's 16 weight rows.
+// ws / xs: the chunk's weight rows [kTileBN][PAD] and token rows [8 TM][PAD] (BK floats of k each);
+// warp, g = lane / 4, q = lane % 4: the mma fragment coordinates. Each accumulator holds m16n8
+// fragments (c0: row g, token 2q; c1: g, 2q + 1; c2: g + 8, 2q; c3: g + 8, 2q + 1).
+// SPLIT = false: all three partial products (lo*hi, hi*lo, hi*hi, in that order) go to `big`
+// (s1, s2 unused: pass big again); SPLIT = true: to s1, s2 and big, three independent mma chains
+// (a third of the latency of one chain; the caller sums big + (s1 + s2)).
+template <int TM, int BK, int PAD, bool SPLIT = false>
+__device__ __forceinline__ void mma_chunk_3xtf32(float (&big)[TM][4], float (&s1)[TM][4], float (&s2)[TM][4],
+                                                 const float* ws, const float* xs, int warp, int g, int q) {
   const float* wa = ws + (16 * warp + g) * PAD + q;  // conflict-free: bank 4 g + q (PAD = 4 mod 32)
 #pragma unroll
   for (int kk = 0; kk < BK; kk += 8) {
@@ -62,35 +65,8 @@ __device__ __forceinline__ void mma_chunk_3xtf32(float (&acc)[TM][4], const floa
       uint32_t bh[2], bl[2];
       split_tf32(xb[0], bh[0], bl[0]);
       split_tf32(xb[4], bh[1], bl[1]);
-      mma_tf32(acc[j], al, bh);
-      mma_tf32(acc[j], ah, bl);
-      mma_tf32(acc[j], ah, bh);
-    }
-  }
-}
-
-// The same products with the three partial products in three accumulators (hi*hi, lo*hi, hi*lo):
-// three independent mma chains instead of one three times as long (latency); summed by the caller
-// as big + (s1 + s2).
-template <int TM, int BK, int PAD>
-__device__ __forceinline__ void mma_chunk_3xtf32_3acc(float (&big)[TM][4], float (&s1)[TM][4], float (&s2)[TM][4],
-                                                      const float* ws, const float* xs, int warp, int g, int q) {
-  const float* wa = ws + (16 * warp + g) * PAD + q;
-#pragma unroll
-  for (int kk = 0; kk < BK; kk += 8) {
-    uint32_t ah[4], al[4];
-    split_tf32(wa[kk], ah[0], al[0]);
-    split_tf32(wa[8 * PAD + kk], ah[1], al[1]);
-    split_tf32(wa[kk + 4], ah[2], al[2]);
-    split_tf32(wa[8 * PAD + kk + 4], ah[3], al[3]);
-#pragma unroll
-    for (int j = 0; j < TM; ++j) {
-      const float* xb = xs + (8 * j + g) * PAD + q + kk;
-      uint32_t bh[2], bl[2];
-      split_tf32(xb[0], bh[0], bl[0]);
-      split_tf32(xb[4], bh[1], bl[1]);
-      mma_tf32(s1[j], al, bh);
-      mma_tf32(s2[j], ah, bl);
+      mma_tf32(SPLIT ? s1[j] : big[j], al, bh);
+      mma_tf32(SPLIT ? s2[j] : big[j], ah, bl);
       mma_tf32(big[j], ah, bh);
     }
   }
