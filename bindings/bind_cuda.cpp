@@ -903,7 +903,7 @@ py::dict moe_group_np(const py::object& idx_o, int E, int tile_rows, bool force_
 // The grouped expert GEMM on host arrays (tests): the schedule of topk_idx [T, K] with tile_rows
 // slots per tile (moe_group), then y[slot] = x[token(slot)] @ w[expert(slot)]^T (swiglu: w holds
 // gate rows [0, N) and up rows [N, 2N) of each expert, y = silu(gate) * up). kernel: "gemv"
-// (tile_rows 8), "tiled" (tile_rows 64, no swiglu) or "mma" (tile_rows 8 or 16). y [A, N] by slot
+// (tile_rows 8), "tiled" (tile_rows 64, no swiglu) or "mma" (tile_rows 8, 16, 32 or 64). y [A, N] by slot
 // (poisoned before the call) and slot_token [A].
 py::tuple expert_gemm_np(const py::object& x_o, const py::object& w_o, const py::object& idx_o, int E, bool swiglu,
                          int tile_rows, const std::string& kernel) {
@@ -1050,7 +1050,7 @@ void bind_cuda(py::module_& m) {
         py::arg("swiglu"), py::arg("tile_rows"), py::arg("kernel"),
         "The grouped expert GEMM (tests): schedule of topk_idx [T, K] with tile_rows slots per tile, then "
         "y[slot] = x[token] @ w[expert]^T (swiglu: silu(gate) * up); kernel 'gemv' (tile_rows 8), 'tiled' "
-        "(64, no swiglu) or 'mma' (8 or 16). Returns (y [A, N] by slot, slot_token [A]).");
+        "(64, no swiglu) or 'mma' (8, 16, 32 or 64). Returns (y [A, N] by slot, slot_token [A]).");
   m.def("cuda_moe_group", &moe_group_np, py::arg("topk_idx"), py::arg("E"), py::arg("tile_rows"),
         py::arg("force_two_pass") = false,
         "The MoE expert schedule (moe_group) of int32 routing indices [T, K]: counts, offsets, slots, tiles.");

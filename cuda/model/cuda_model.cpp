@@ -696,8 +696,8 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   cuda::RouteParams rp{router_logits_, ly.router_bias, (int)T, (int)E, (int)K, (int)c.n_group, (int)c.topk_group,
                        c.norm_topk_prob ? 1 : 0, (float)c.routed_scaling_factor, topk_idx_, topk_w_, (int)ldr};
 
-  // Which grouped GEMM (measured in-step on the H200, mini-kimi, docs/BENCHMARKS.md "Expert GEMMs on the
-  // tensor cores"): fewer assignments than experts (decode, tiny trees) -> the GEMV-style kernel; more ->
+  // Which grouped GEMM (measured in-step on the H200, mini-kimi, docs/BENCHMARKS.md "Ninth session", the
+  // expert kernels table): fewer assignments than experts (decode, tiny trees) -> the GEMV-style kernel; more ->
   // the tensor-core kernel, tiles of 8 slots while experts average < 8 rows (trees up to ~64 nodes), 16
   // below 32 rows, 32 beyond (prefill). Shapes that the tensor-core kernel cannot take
   // (expert_mma_supported) keep the earlier rule: GEMV-style up to 12 rows per expert on average, the

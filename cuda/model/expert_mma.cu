@@ -1,19 +1,20 @@
 // expert_mma.cu: the grouped expert GEMM of the MoE layers on the tensor cores (3xTF32,
-// FP32-accurate), for tiles of 8 or 16 slots: verify steps of a few dozen tokens, where every
-// expert gets a few rows. See model_kernels.h (expert_gemm_mma).
+// FP32-accurate), for schedule tiles of 8 / 16 / 32 / 64 slots: every step with at least as many
+// expert assignments as experts (verify steps, prefill). See model_kernels.h (expert_gemm_mma).
 //
 // Why: the GEMV-style kernel (model_kernels.cu, expert_gemv_kernel) keeps its weight loads in
 // registers; a warp issues 16 float4 loads per lane, waits for them, multiplies and only then
 // issues the next ones, and a block covers only 16 weight rows (a down-projection block reads
 // 16 KB in one round trip). Nsight Compute on the H200 (mini-kimi verify of 17 tokens,
 // docs/BENCHMARKS.md): gate/up at 33 % and down at 18 % of the DRAM peak. Here a block streams 64
-// weight rows of one expert through shared memory with cp.async (kStages chunks of 32 floats in
-// flight: 24-27 KB per block without registers) and multiplies them with the tile's slots, whose
+// weight rows of one expert through shared memory with cp.async (kStages - 1 = 2 chunks of 64
+// floats ahead: 32 KB per block without registers) and multiplies them with the tile's slots, whose
 // rows are gathered by slot with the same copies, on the tensor cores (tile_mma.h, the machinery
 // of linear_tile). SwiGLU (gate rows [0, N), up rows [N, 2N) of each expert): a block takes 32
 // gate rows and the 32 matching up rows and writes silu(gate) * up.
 //
-// Deterministic: per output the products are summed in ascending k by one warp's mma chain; the
+// Deterministic: per output the products are summed in ascending k by one warp's three mma chains
+// (hi*hi, lo*hi, hi*lo: three accumulators, added as big + (s1 + s2) at the end); the
 // schedule (which slots a tile holds) comes from moe_group and does not depend on timing.
 #include <algorithm>
 #include <cstdint>

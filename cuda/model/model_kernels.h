@@ -207,7 +207,7 @@ constexpr int kExpertTileRows = 64;
 cudaError_t expert_gemm(const ExpertGemmParams& p, cudaStream_t stream);
 // The same GEMM on the tensor cores (expert_mma.cu; 3xTF32, FP32-accurate): a block streams 64
 // weight rows of the tile's expert through shared memory (cp.async) against the tile's slots,
-// for schedules of 8 or 16 slots per tile (tile_rows), SwiGLU fused as above. Needs Kd, ldx
+// for schedules of 8, 16, 32 or 64 slots per tile (tile_rows), SwiGLU fused as above. Needs Kd, ldx
 // multiples of 4 and x, w 16-byte aligned (expert_mma_supported); else cudaErrorInvalidValue.
 bool expert_mma_supported(const ExpertGemmParams& p);
 cudaError_t expert_gemm_mma(const ExpertGemmParams& p, cudaStream_t stream);

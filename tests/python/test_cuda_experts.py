@@ -1,7 +1,7 @@
 """The grouped expert GEMMs of the MoE layers on the device (cuda::expert_gemm / expert_gemm_mma)
 against a float64 NumPy reference: y[slot] = x[token] @ w[expert]^T, or silu(gate) * up with the
 gate and up rows of each expert in one matrix. Every kernel (GEMV-style, tiled SGEMM, tensor-core
-3xTF32 with tiles of 8 or 16 slots) on shapes with partial column blocks, partial k chunks, several
+3xTF32 with tiles of 8, 16, 32 or 64 slots) on shapes with partial column blocks, partial k chunks, several
 tiles per expert and skewed routing; the outputs are poisoned (NaN) before each call, so an
 unwritten slot fails. Skipped without a usable CUDA device."""
 import numpy as np
