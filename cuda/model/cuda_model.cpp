@@ -21,7 +21,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdint>
 #include <cstring>
 
 #include "common.h"
@@ -702,9 +701,16 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   // below 32 rows, 32 beyond (prefill). Shapes that the tensor-core kernel cannot take
   // (expert_mma_supported) keep the earlier rule: GEMV-style up to 12 rows per expert on average, the
   // SGEMM tiles beyond.
-  auto a16 = [](const void* q) { return (reinterpret_cast<uintptr_t>(q) & 15u) == 0; };
-  const bool mma_ok = Dm % 4 == 0 && Ie % 4 == 0 && a16(hn_) && a16(act_) && a16(ly.experts_gate_up) &&
-                      a16(ly.experts_down);  // what expert_mma_supported asks of both GEMMs
+  auto mma_takes = [](const float* x, int64_t ldx, const float* w) {  // x [*, ldx] @ w[e]^T, rows of ldx floats
+    cuda::ExpertGemmParams q{};
+    q.x = x;
+    q.ldx = (int)ldx;
+    q.w = w;
+    q.Kd = (int)ldx;
+    q.tile_rows = cuda::kExpertSkinnyRows;
+    return cuda::expert_mma_supported(q);
+  };
+  const bool mma_ok = mma_takes(hn_, Dm, ly.experts_gate_up) && mma_takes(act_, Ie, ly.experts_down);
   enum { kGemv, kTiled, kMma } kind = A < E ? kGemv : mma_ok ? kMma : A <= 12 * E ? kGemv : kTiled;
   const int mma_rows = opt_.expert_mma_rows > 0 ? opt_.expert_mma_rows : A < 8 * E ? 8 : A < 32 * E ? 16 : 32;
   switch (opt_.expert_kernel) {

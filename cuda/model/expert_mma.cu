@@ -34,13 +34,6 @@ constexpr int kThreads = 128;
 constexpr int kBK = 64;     // k floats per chunk (256-byte row segments)
 constexpr int kStages = 3;  // chunks in flight
 
-template <int BM>
-constexpr size_t mma_smem_bytes() {
-  constexpr size_t stages = (size_t)kStages * (kTileBN + BM) * (kBK + 4) * sizeof(float);
-  constexpr size_t out = (size_t)BM * kTileBN * sizeof(float);
-  return stages > out ? stages : out;
-}
-
 // grid (max_tiles, column blocks of 64 weight rows: 64 outputs, or 32 with SwiGLU), 128 threads.
 // The three 3xTF32 partial products go to three accumulators: independent mma chains (a third of
 // the latency of one chain) and the small terms summed apart from the large one.
@@ -150,7 +143,7 @@ __global__ void __launch_bounds__(kThreads) expert_mma_kernel(ExpertGemmParams p
 
 template <int BM, bool SWI>
 cudaError_t launch_mma(const ExpertGemmParams& p, cudaStream_t stream) {
-  constexpr size_t smem = mma_smem_bytes<BM>();
+  constexpr size_t smem = tile_smem_bytes<BM, kBK, kStages>();
   auto kern = expert_mma_kernel<BM, SWI>;
   static const cudaError_t attr_err =
       cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
@@ -164,8 +157,8 @@ cudaError_t launch_mma(const ExpertGemmParams& p, cudaStream_t stream) {
 }  // namespace
 
 bool expert_mma_supported(const ExpertGemmParams& p) {
-  return (p.tile_rows == 8 || p.tile_rows == 16 || p.tile_rows == 32 || p.tile_rows == 64) && p.Kd % 4 == 0 && p.ldx % 4 == 0 && aligned16(p.x) &&
-         aligned16(p.w);
+  return (p.tile_rows == 8 || p.tile_rows == 16 || p.tile_rows == 32 || p.tile_rows == 64) && p.Kd % 4 == 0 &&
+         p.ldx % 4 == 0 && aligned16(p.x) && aligned16(p.w);
 }
 
 cudaError_t expert_gemm_mma(const ExpertGemmParams& p, cudaStream_t stream) {

@@ -1,16 +1,16 @@
 // linear_tile.cu: the tiled linear layer for steps of a few to a few dozen tokens (tree verify;
-// CudaModel routes 6-16 and 21-32-token steps here by default), see model_kernels.h (linear_tile).
+// CudaModel routes 6-16 and 21-48-token steps here by default), see model_kernels.h (linear_tile).
 //
 // Why: linear_skinny (one warp streams a few weight rows, the token rows come through L1) is
 // built for decode; Nsight Compute on the H200 (mini-kimi, T = 17, docs/CUDA_MODEL.md): it ran the
 // projections at 4-13 % of the DRAM peak with 12-18 % occupancy (160-200 registers for 64
 // accumulators) and ~60 % of the warp cycles waiting on L1 loads of the token rows, and cuBLAS
 // was no better below ~33 tokens. Here the operands come through shared memory instead:
-//   * a block owns a tile of BM token rows x kBN = 64 weight rows; each k-chunk of kBK = 32 floats
-//     of both is copied to shared memory with cp.async (16-byte, L2 only), kStages chunks in
-//     flight, so a block keeps ~25-75 KB of loads outstanding without registers for them; the
+//   * a block owns a tile of BM token rows x kBN = 64 weight rows; each k-chunk of kBK = 64 floats
+//     of both is copied to shared memory with cp.async (16-byte, L2 only), kStages = 3 chunks in
+//     flight, so a block keeps ~35-65 KB of loads outstanding without registers for them; the
 //     first chunks of the (immutable) weights are issued before the PDL wait, while the previous
-//     kernel finishes; rows are padded to 36 floats (conflict-free fragment / float4 reads);
+//     kernel finishes; rows are padded to 68 floats (conflict-free fragment / float4 reads);
 //   * 128 threads; the products on the tensor cores as 3xTF32 (FP32-accurate, below: warp w owns
 //     weight rows [16 w, 16 w + 16) as the A operand, token groups of 8 are the B operands) or,
 //     tile_math = 1, in FP32 on the CUDA cores (each thread a BM / 8 tokens x 4 rows tile);
@@ -20,7 +20,7 @@
 //     the cluster's blocks through distributed shared memory, in rank order.
 // Deterministic: per output a thread sums its k range in ascending k, the partial tiles are added
 // in split order; the split count is a function of the shape and the SM count only. Measured and
-// routed in docs/BENCHMARKS.md ("Eighth session"); what bounds it: docs/CUDA_MODEL.md.
+// routed in docs/BENCHMARKS.md ("Eighth session", "Ninth session"); what bounds it: docs/CUDA_MODEL.md.
 #include <algorithm>
 #include <cstdint>
 
@@ -40,25 +40,20 @@ namespace cg = cooperative_groups;
 constexpr int kBN = kTileBN;       // weight rows (outputs) per tile
 constexpr int kBK = 64;            // k floats per chunk (256-byte row segments; 32 measured 0-5 % slower in-step)
 constexpr int kStages = 3;         // chunks in flight
+constexpr int kPad = kBK + 4;      // shared row stride in floats (= 4 mod 32: conflict-free)
+constexpr int KQ = kBK / 4;        // float4s per row and chunk
 constexpr int kThreads = 128;       // 16 row groups x 8 token groups
 constexpr int kMaxSplits = kLinearTileMaxSplits;  // a portable cluster size
 
-template <int BM, int BK = kBK, int ST = kStages>
-constexpr size_t smem_bytes() {
-  constexpr size_t stages = (size_t)ST * (kBN + BM) * (BK + 4) * sizeof(float);
-  constexpr size_t red = (size_t)BM * kBN * sizeof(float);
-  return stages > red ? stages : red;
-}
 
 // grid (splits, column tiles, batch x token tiles), cluster (splits, 1, 1); chunks_per_split
 // k-chunks per split. TC: the products on the tensor cores (3xTF32, mma.sync m16n8k8: warp w owns
 // weight rows [16 w, 16 w + 16) of the tile as the A operand, the BM / 8 token groups of 8 are B
 // operands), else on the CUDA cores (thread = BM / 8 tokens x 4 rows).
-template <int BM, bool TC, int BK = kBK, int ST = kStages>
+template <int BM, bool TC>
 __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, int chunks_per_split) {
   constexpr int TM = BM / 8;
-  constexpr int kBK = BK, kPad = BK + 4, kStages = ST;  // (shadow the defaults; kPad = 4 mod 32: conflict-free)
-  constexpr int KQ = BK / 4, RSTEP = kThreads / KQ;     // float4s per row and chunk; rows per pass
+  constexpr int RSTEP = kThreads / KQ;  // rows per pass of the block's copies
   extern __shared__ __align__(16) float smem[];
   float* const Ws = smem;                              // [kStages][kBN][kPad]
   float* const Xs = smem + kStages * kBN * kPad;       // [kStages][BM][kPad]
@@ -126,7 +121,7 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
     const float* ws = Ws + (size_t)(c % kStages) * kBN * kPad;
     const float* xs = Xs + (size_t)(c % kStages) * BM * kPad;
     if constexpr (TC) {
-      mma_chunk_3xtf32<TM, BK, BK + 4>(acc, acc, acc, ws, xs, warp, g, q);
+      mma_chunk_3xtf32<TM, kBK, kPad>(acc, acc, acc, ws, xs, warp, g, q);
     } else {
 #pragma unroll
       for (int kk = 0; kk < kBK; kk += 4) {
@@ -194,15 +189,15 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
   cluster.sync();  // no block leaves while another still reads its shared memory
 }
 
-template <int BM, bool TC, int BK = kBK, int ST = kStages>
+template <int BM, bool TC>
 cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
-  constexpr size_t smem = smem_bytes<BM, BK, ST>();
+  constexpr size_t smem = tile_smem_bytes<BM, kBK, kStages>();
   static const cudaError_t attr_err =
-      cudaFuncSetAttribute(linear_tile_kernel<BM, TC, BK, ST>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+      cudaFuncSetAttribute(linear_tile_kernel<BM, TC>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (attr_err != cudaSuccess) return attr_err;
   const long long mtiles = (p.T + BM - 1) / BM, ntiles = (p.N + kBN - 1) / kBN;
   const long long base = ntiles * mtiles * p.batch;
-  const int nchunks = (p.Kd + BK - 1) / BK;
+  const int nchunks = (p.Kd + kBK - 1) / kBK;
   int splits = p.tile_splits;
   if (splits <= 0) {  // about two blocks per SM, each split at least two chunks
     const long long want = 2LL * num_sms();
@@ -234,7 +229,7 @@ cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = (unsigned)na;
-  return cudaLaunchKernelEx(&cfg, linear_tile_kernel<BM, TC, BK, ST>, p, cps);
+  return cudaLaunchKernelEx(&cfg, linear_tile_kernel<BM, TC>, p, cps);
 }
 
 }  // namespace

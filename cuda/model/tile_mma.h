@@ -16,6 +16,15 @@ namespace cuda {
 
 constexpr int kTileBN = 64;  // weight rows (outputs) per tile
 
+// Dynamic shared memory of a tile kernel: ST stages of kTileBN weight rows + BM token rows of BK
+// floats (rows padded to BK + 4), reused afterwards for the BM x kTileBN output tile.
+template <int BM, int BK, int ST>
+constexpr size_t tile_smem_bytes() {
+  constexpr size_t stages = (size_t)ST * (kTileBN + BM) * (BK + 4) * sizeof(float);
+  constexpr size_t out = (size_t)BM * kTileBN * sizeof(float);
+  return stages > out ? stages : out;
+}
+
 // 16-byte global -> shared copy through L2 only; full = false zero-fills the 16 bytes (the source
 // address must still be valid)
 __device__ __forceinline__ void cp_async16(float* smem, const float* gmem, bool full) {
