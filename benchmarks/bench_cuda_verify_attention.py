@@ -53,7 +53,7 @@ def decode_rows(N, rng, args):
         kv = rng.standard_normal((L + T, C + R), dtype=np.float32)
         row = dict(T=T, H=H, L=L)
         for name, fk, rows in (("auto", 0, 0), ("tiled", 1, 0), ("splitkv16", 2, 16), ("splitkv8", 2, 8),
-                               ("splitkv4", 2, 4), ("decode", 3, 0)):
+                               ("splitkv4", 2, 4), ("decode", 3, 0), ("mma", 4, 0)):
             r = N.cuda_time_verify_attention(ql, qr, kv, bits, 0.0722, iters=args.iters, warmup=2, force_kernel=fk,
                                              force_rows=rows)
             row[name + "_us"] = r["graph_median_ms"] * 1e3
@@ -70,16 +70,16 @@ def decode_rows(N, rng, args):
 def print_decode(decode):
     print("## decode / small trees: time per kernel (us; graph replay median). kernel: 1 = tiled, 2 = split-KV "
           "(16, 8 or 4 query rows per block), 3 = decode (two passes, only when forced; up to 1024 rows and 16384 keys, "
-          "else split-KV)")
+          "else split-KV), 4 = tensor cores (3xTF32)")
     print("| T | H | L | auto kernel (rows) | auto splits | auto us | tiled splits | tiled us | split-KV 16 rows: splits, us "
-          "| split-KV 8 rows: splits, us | split-KV 4 rows: splits, us | decode us |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| split-KV 8 rows: splits, us | split-KV 4 rows: splits, us | decode us | tensor cores: splits, us |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in decode:
         rows = f" ({r['auto_rows']})" if r["auto_kernel"] == 2 else ""
         print(f"| {r['T']} | {r['H']} | {r['L']} | {r['auto_kernel']}{rows} | {r['auto_splits']} | {r['auto_us']:.1f} | "
               f"{r['tiled_splits']} | {r['tiled_us']:.1f} | {r['splitkv16_splits']}, {r['splitkv16_us']:.1f} | "
               f"{r['splitkv8_splits']}, {r['splitkv8_us']:.1f} | {r['splitkv4_splits']}, {r['splitkv4_us']:.1f} | "
-              f"{r['decode_us']:.1f}{'' if r['decode_kernel'] == 3 else ' (split-KV)'} |")
+              f"{r['decode_us']:.1f}{'' if r['decode_kernel'] == 3 else ' (split-KV)'} | {r['mma_splits']}, {r['mma_us']:.1f} |")
 
 
 def main():
@@ -88,7 +88,14 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--decode-only", action="store_true", help="only the decode / small-tree table")
+    ap.add_argument("--kernels", default="auto", help="comma list for the roofline table: auto, tiled, splitkv, mma "
+                    "(one table each)")
     args = ap.parse_args()
+    kernel_ids = dict(auto=0, tiled=1, splitkv=2, mma=4)
+    kernels = [k.strip() for k in args.kernels.split(",") if k.strip()]
+    for k in kernels:
+        if k not in kernel_ids:
+            raise SystemExit(f"--kernels: unknown kernel {k!r} (auto, tiled, splitkv, mma)")
     if not kn.cuda_available():
         raise SystemExit("no CUDA device")
     N = kn._native
@@ -105,6 +112,30 @@ def main():
         return
     Ls = [0, 512, 4096] if args.quick else [0, 512, 4096, 32768]
     kv_all = rng.standard_normal((max(Ls) + 257, C + R), dtype=np.float32)
+    tables = {}
+    for kname in kernels:
+        tables[kname] = roofline_rows(N, rng, args, Ls, kv_all, kernel_ids[kname], peak, bw)
+        print_roofline(tables[kname], kname, props, peak, bw)
+    rows = tables[kernels[0]]
+    decode = decode_rows(N, rng, args)
+    print()
+    print_decode(decode)
+    for kname, krows in tables.items():
+        big = [r for r in krows if r["L"] >= 4096]
+        worst = min(r["roofline_frac"] for r in big)
+        best = max(r["roofline_frac"] for r in big)
+        print(f"[{kname}] goal >= 50% of roofline at L >= 4096: min {100 * worst:.0f}%, max {100 * best:.0f}% -> "
+              f"{'MET' if worst >= 0.5 else 'NOT MET (for all sizes)'}")
+    big = [r for r in rows if r["L"] >= 4096]
+    worst = min(r["roofline_frac"] for r in big)
+    best = max(r["roofline_frac"] for r in big)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(dict(device=props, copy_bandwidth=bw, fp32_peak=peak, rows=rows, tables=tables, decode_rows=decode,
+                           goal=dict(min_frac_L4096=worst, max_frac_L4096=best, met=bool(worst >= 0.5))), f, indent=1)
+
+
+def roofline_rows(N, rng, args, Ls, kv_all, fk, peak, bw):
     rows = []
     for B in (16, 64, 256):
         vis = tree_visibility(B, B)
@@ -116,33 +147,28 @@ def main():
             qr = rng.standard_normal((T, H, R), dtype=np.float32)
             for L in Ls:
                 kv = np.ascontiguousarray(kv_all[: L + T])
-                r = N.cuda_time_verify_attention(ql, qr, kv, bits, 0.0722, iters=args.iters, warmup=2)
+                r = N.cuda_time_verify_attention(ql, qr, kv, bits, 0.0722, iters=args.iters, warmup=2, force_kernel=fk)
                 t = r["graph_median_ms"] * 1e-3
                 flops = float(H * np.sum(L + nvis) * 2 * (C + R + C))
                 nbytes = 4.0 * (T * H * (C + R) + (L + T) * (C + R) + T * H * C) + bits.nbytes
                 roof = max(flops / peak, nbytes / bw)
                 rows.append(dict(L=L, H=H, B=B, T=T, ms=r["graph_median_ms"], stream_ms=r["median_ms"], tflops=flops / t / 1e12,
                                  gbps=nbytes / t / 1e9, roofline_ms=roof * 1e3, roofline_frac=roof / t,
-                                 compute_bound=bool(flops / peak >= nbytes / bw), fast_path=bool(r["fast_path"])))
-    print(f"## verify attention FP32 ({props['name']}): FP32 peak {peak / 1e12:.1f} TFLOP/s "
+                                 compute_bound=bool(flops / peak >= nbytes / bw), fast_path=bool(r["fast_path"]),
+                                 kernel=int(r["kernel"]), splits=int(r["splits"])))
+    return rows
+
+
+def print_roofline(rows, kname, props, peak, bw):
+    print(f"## verify attention FP32, kernel {kname} ({props['name']}): FP32 peak {peak / 1e12:.1f} TFLOP/s "
           f"({props['sms']} SMs x 128 x 2 x {props['sm_clock_khz'] / 1e6:.2f} GHz), copy bandwidth {bw / 1e12:.2f} TB/s")
-    print("| L | H | B | time ms | TFLOP/s | GB/s | roofline ms | % of roofline | bound |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("| L | H | B | kernel, splits | time ms | TFLOP/s | GB/s | roofline ms | % of roofline | bound |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['L']} | {r['H']} | {r['B']} | {r['ms']:.4f} | {r['tflops']:.2f} | {r['gbps']:.0f} | "
-              f"{r['roofline_ms']:.4f} | {100 * r['roofline_frac']:.0f}% | {'FP32' if r['compute_bound'] else 'memory'} |")
-    decode = decode_rows(N, rng, args)
+        print(f"| {r['L']} | {r['H']} | {r['B']} | {r['kernel']}, {r['splits']} | {r['ms']:.4f} | {r['tflops']:.2f} | "
+              f"{r['gbps']:.0f} | {r['roofline_ms']:.4f} | {100 * r['roofline_frac']:.0f}% | "
+              f"{'FP32' if r['compute_bound'] else 'memory'} |")
     print()
-    print_decode(decode)
-    big = [r for r in rows if r["L"] >= 4096]
-    worst = min(r["roofline_frac"] for r in big)
-    best = max(r["roofline_frac"] for r in big)
-    print(f"goal >= 50% of roofline at L >= 4096: min {100 * worst:.0f}%, max {100 * best:.0f}% -> "
-          f"{'MET' if worst >= 0.5 else 'NOT MET (for all sizes)'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(dict(device=props, copy_bandwidth=bw, fp32_peak=peak, rows=rows, decode_rows=decode,
-                           goal=dict(min_frac_L4096=worst, max_frac_L4096=best, met=bool(worst >= 0.5))), f, indent=1)
 
 
 if __name__ == "__main__":

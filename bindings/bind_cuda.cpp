@@ -497,8 +497,8 @@ struct AttnDev {
     if (N < T) throw kdtree::Error("kv must have at least T rows");
     if (v.shape(0) != T || v.shape(1) < (T + 63) / 64) throw kdtree::Error("visibility must be uint64 [T, >= ceil(T/64)]");
     if (T < 1 || H < 1 || C < 1 || C > 2048) throw kdtree::Error("bad attention shapes");
-    if (force_kernel < 0 || force_kernel > 3)
-      throw kdtree::Error("force_kernel must be 0 (auto), 1 (tiled), 2 (split-KV) or 3 (decode)");
+    if (force_kernel < 0 || force_kernel > 4)
+      throw kdtree::Error("force_kernel must be 0 (auto), 1 (tiled), 2 (split-KV), 3 (decode) or 4 (tensor cores)");
     if (force_splits < 0) throw kdtree::Error("force_splits must be >= 0");
     if (force_rows != 0 && force_rows != 4 && force_rows != 8 && force_rows != 16)
       throw kdtree::Error("force_rows must be 0, 4, 8 or 16");

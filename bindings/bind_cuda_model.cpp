@@ -104,8 +104,8 @@ void bind_cuda_model(py::module_& m) {
              o.tile_tensor_cores = tile_tensor_cores;
              o.expert_mma_rows = expert_mma_rows;
              const int ak = parse_choice(attention_kernel, "attention_kernel",
-                                         {"auto", "tiled", "splitkv", "decode", "splitkv16", "splitkv8", "splitkv4"});
-             o.attention_kernel = ak >= 4 ? 2 : ak;           // splitkv16 / 8 / 4: split-KV with
+                                         {"auto", "tiled", "splitkv", "decode", "splitkv16", "splitkv8", "splitkv4", "mma"});
+             o.attention_kernel = ak == 7 ? 4 : ak >= 4 ? 2 : ak;  // splitkv16 / 8 / 4: split-KV with
              o.attention_rows = ak == 4 ? 16 : ak == 5 ? 8 : ak == 6 ? 4 : 0;  // that many query rows per block
              py::gil_scoped_release nogil;
              return new Model(c, max_seq_len, o);

@@ -30,6 +30,7 @@
 
 #include "kernels.h"
 #include "launch.h"
+#include "verify_attention_mma.h"
 #include "warp_reduce.h"
 
 namespace kdtree {
@@ -963,6 +964,12 @@ constexpr int kSmemPerSm = 228 * 1024;      // Hopper: 228 KB per SM, 1 KB of it
 constexpr int kSplitKvBlocksPerSm = kSmemPerSm / ((int)sizeof(SkSmem) + 1024);
 constexpr int kSplitKvTargetWaves = 4;      // split-KV: at most ~4 waves of (SMs x blocks/SM) blocks
 constexpr int kSplitKvMaxSplits = 128;
+constexpr double kMmaChunkUs = 1.6;         // tensor-core kernel: one 32-row x 32-key chunk on one SM
+constexpr double kMmaWaveUs = 3.0;          // ... per wave of blocks (Q load, first chunk's latency, epilogue)
+constexpr int kMmaTargetWaves = 4;
+}  // namespace cost
+constexpr bool kMmaAuto = false;  // WIP: auto choice of the tensor-core kernel (calibrate first)
+namespace cost {          // ... at most ~4 waves of (SMs x 1) blocks
 constexpr int kTiledMaxSplits = 64;
 constexpr size_t kMaxWorkspaceBytes = size_t(64) << 20;  // splits * M * (C + 2) * 4 bytes at most
 }  // namespace cost
@@ -1106,6 +1113,56 @@ int splitkv_rows(const VerifyAttentionParams& p) {
   return blocks8 * 5 <= sms * 3 ? 4 : 8;
 }
 
+// ---- tensor-core kernel (verify_attention_mma.cu): key splits over 32-key chunks, one block of
+// 32 rows per SM; the same bounds as the split-KV kernel's (each grows with L).
+int mma_max_splits(const VerifyAttentionParams& p) {
+  const int M = p.T * p.H;
+  const int rm = verify_mma_rows(), kc = verify_mma_chunk();
+  const int rg = (M + rm - 1) / rm;
+  const int nch = (p.L + p.T + kc - 1) / kc;
+  const int cap = std::min(ws_split_cap(M), nch);
+  if (p.force_splits > 0) return std::max(1, std::min(p.force_splits, cap));
+  const int wave_cap = std::max(1, (cost::kMmaTargetWaves * num_sms() + rg - 1) / rg);
+  return std::max(1, std::min(std::min(cap, wave_cap), cost::kSplitKvMaxSplits));
+}
+
+double mma_est_us(const VerifyAttentionParams& p, int s) {
+  const int M = p.T * p.H;
+  const int rm = verify_mma_rows(), kc = verify_mma_chunk();
+  const int rg = (M + rm - 1) / rm;
+  const int nch = (p.L + p.T + kc - 1) / kc;
+  const int sms = num_sms();
+  const int cps = (nch + s - 1) / s;
+  const long long blocks = (long long)rg * s;
+  const long long waves = (blocks + sms - 1) / sms;
+  const double compute = (double)waves * cps * cost::kMmaChunkUs;
+  const double memory = ((double)(p.L + p.T) * DQ * 4.0 + (double)M * (DQ + C_) * 4.0) / cost::kBytesPerUs;
+  return (compute > memory ? compute : memory) + (double)waves * cost::kMmaWaveUs + combine_us(s, M);
+}
+
+int mma_splits(const VerifyAttentionParams& p, double* est_us) {
+  const int kc = verify_mma_chunk();
+  const int nch = (p.L + p.T + kc - 1) / kc;
+  const int smax = mma_max_splits(p);
+  int best_s = 1;
+  if (p.force_splits > 0) {
+    best_s = smax;
+  } else {
+    double best = 1e30;
+    for (int s = 1; s <= smax; ++s) {
+      const int cps = (nch + s - 1) / s;
+      if ((nch + cps - 1) / cps != s) continue;  // some split would be empty: a smaller s does the same
+      const double c = mma_est_us(p, s);
+      if (c < best * (1.0 - 1e-9)) {
+        best = c;
+        best_s = s;
+      }
+    }
+  }
+  if (est_us) *est_us = mma_est_us(p, best_s);
+  return best_s;
+}
+
 // ---- decode kernels: M x (L+T) scores in the workspace. Only when forced (force_kernel = 3,
 // CudaModel(attention_kernel="decode")): measured on the H200 they are not faster than the
 // split-KV kernel + combine, alone (15.7 vs 14.1 us at T=1, H=16, L=512; slower with L) or
@@ -1127,7 +1184,7 @@ size_t decode_ws_bytes(const VerifyAttentionParams& p) {
 }
 
 struct Choice {
-  int kernel;  // 0 = plain, 1 = tiled, 2 = split-KV, 3 = decode (two passes)
+  int kernel;  // 0 = plain, 1 = tiled, 2 = split-KV, 3 = decode (two passes), 4 = tensor cores
   int splits;
   int rows;    // split-KV: query rows per block (8 or 16)
 };
@@ -1136,11 +1193,14 @@ Choice choose(const VerifyAttentionParams& p) {
   if (!splitkv_ok(p)) return {0, 1, 16};
   if (p.force_kernel == 3 && decode_ok(p)) return {3, 1, 16};
   if (p.force_kernel == 1 && tiled_ok(p)) return {1, tiled_splits(p, nullptr), 16};
+  if (p.force_kernel == 4) return {4, mma_splits(p, nullptr), verify_mma_rows()};
   const int rows = splitkv_rows(p);
   if (p.force_kernel >= 2 || !tiled_ok(p)) return {2, splitkv_splits(p, rows, nullptr), rows};
-  double ct = 0, cs = 0;
+  double ct = 0, cs = 0, cm = 0;
   const int st = tiled_splits(p, &ct);
   const int ss = splitkv_splits(p, rows, &cs);
+  const int sm = mma_splits(p, &cm);
+  if (kMmaAuto && cm < cs && cm < ct) return {4, sm, verify_mma_rows()};
   return cs < ct ? Choice{2, ss, rows} : Choice{1, st, 16};
 }
 
@@ -1148,7 +1208,7 @@ bool basic_ok(const VerifyAttentionParams& p) {
   return p.q_latent && p.q_rope && p.kv && p.out && p.visibility && p.T >= 1 && p.H >= 1 &&
          p.C >= 1 && p.R >= 0 && p.L >= 0 && p.kv_stride >= p.C + p.R &&
          p.vis_stride >= (p.T + 63) / 64 && p.C <= kNaiveThreads * kNaiveMaxCols &&
-         p.force_kernel >= 0 && p.force_kernel <= 3 &&
+         p.force_kernel >= 0 && p.force_kernel <= 4 &&
          (p.force_splitkv_rows == 0 || p.force_splitkv_rows == 4 || p.force_splitkv_rows == 8 ||
           p.force_splitkv_rows == 16);
 }
@@ -1188,6 +1248,7 @@ size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p) {
   const bool splitkv = p.force_kernel != 1 || !tiled_ok(p);
   if (tiled) s = std::max(s, tiled_max_splits(p));
   if (splitkv) s = std::max({s, splitkv_max_splits(p, 16), splitkv_max_splits(p, 8), splitkv_max_splits(p, 4)});
+  if (p.force_kernel == 0 || p.force_kernel == 4) s = std::max(s, mma_max_splits(p));
   size_t ws = s > 1 ? (size_t)s * ws_split_bytes(p.T * p.H) : 0;
   if (p.force_kernel == 3) ws = std::max(ws, decode_ws_bytes(p));
   return ws;
@@ -1211,6 +1272,13 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
     if (e != cudaSuccess) return e;
     return launch_kernel(mla_decode_pv_kernel, dim3(C_ / dk::CW, rg), dk::NT, 0, stream, p, (const float*)S, ldS,
                          (const float*)Bm, ldB);
+  }
+  if (c.kernel == 4 && verify_mma_ready()) {
+    if (c.splits > 1 && !p.workspace) return cudaErrorInvalidValue;
+    cudaError_t e = launch_verify_mma(p, c.splits, stream);
+    if (e != cudaSuccess || c.splits == 1) return e;
+    launch_kernel(mla_verify_combine_kernel, M, kCombineThreads, 0, stream, p, c.splits);
+    return cudaGetLastError();
   }
   const bool ok = c.kernel == 1   ? smem_attr_ok(mla_verify_fast_kernel<32>, (int)sizeof(Smem<32>), tiled_state, false)
                   : c.kernel == 2 && c.rows == 16

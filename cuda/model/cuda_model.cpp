@@ -100,8 +100,8 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   max_tokens_ = opt.max_tokens > 0 ? std::min<int64_t>(opt.max_tokens, max_seq_len) : std::min<int64_t>(max_seq_len, 1025);
   if (max_tokens_ > (1 << 20)) throw Error("CudaModel: max_tokens must be <= 2^20");
   if (opt.math < 0 || opt.math > 2) throw Error("CudaModel: math must be 0 (default), 1 (pedantic) or 2 (tf32)");
-  if (opt.attention_kernel < 0 || opt.attention_kernel > 3)
-    throw Error("CudaModel: attention_kernel must be 0 (auto), 1 (tiled), 2 (split-KV) or 3 (decode)");
+  if (opt.attention_kernel < 0 || opt.attention_kernel > 4)
+    throw Error("CudaModel: attention_kernel must be 0 (auto), 1 (tiled), 2 (split-KV), 3 (decode) or 4 (tensor cores)");
   if (opt.expert_kernel < 0 || opt.expert_kernel > 3)
     throw Error("CudaModel: expert_kernel must be 0 (auto), 1 (skinny), 2 (tiled) or 3 (mma)");
   if (opt.expert_mma_rows != 0 && opt.expert_mma_rows != 8 && opt.expert_mma_rows != 16 && opt.expert_mma_rows != 32 &&

@@ -37,7 +37,7 @@ struct CudaModelOptions {
   int device = 0;                // CUDA device ordinal
   int math = 0;                  // cuBLAS math: kMathDefault (FP32), kMathPedantic, kMathTf32 (opt-in)
   bool attention_naive = false;  // force verify_attention's simple reference kernel (testing)
-  int attention_kernel = 0;      // verify_attention's force_kernel: 0 auto, 1 tiled, 2 split-KV, 3 decode
+  int attention_kernel = 0;      // verify_attention's force_kernel: 0 auto, 1 tiled, 2 split-KV, 3 decode, 4 tensor cores
                                  // (benchmarks / testing; a kernel that cannot take a shape passes it on)
   int attention_rows = 0;        // verify_attention's force_splitkv_rows: 0 auto, 4, 8 or 16 (benchmarks)
   int expert_kernel = 0;         // kExpertAuto, kExpertSkinny (GEMV-style, tiles of 8 slots), kExpertTiled (SGEMM

@@ -374,9 +374,10 @@ void test_attention(bool small) {
     Dev<uint64_t> dvis(vis);
     // variants: 0 auto, 1 plain kernel, 2 three splits, 3 split-KV forced, 4 split-KV with 5
     // splits, 5 auto with L through a device int under an upper bound (graph mode), 6 tiled
-    // forced with 3 splits and a device L, 7 split-KV with 7 splits and a device L
+    // forced with 3 splits and a device L, 7 split-KV with 7 splits and a device L, 8 tensor cores
+    // forced, 9 tensor cores with 4 splits and a device L
     Dev<int> dL(std::vector<int>{L});
-    for (int variant = 0; variant < 8; ++variant) {
+    for (int variant = 0; variant < 10; ++variant) {
       Dev<float> out((size_t)T * H * C);
       kc::VerifyAttentionParams p{};
       p.q_latent = dql.p;
@@ -393,9 +394,9 @@ void test_attention(bool small) {
       p.scale = scale;
       p.out = out.p;
       p.force_naive = variant == 1;
-      p.force_splits = variant == 2 || variant == 6 ? 3 : variant == 4 ? 5 : variant == 7 ? 7 : 0;
-      p.force_kernel = variant == 3 || variant == 4 || variant == 7 ? 2 : variant == 6 ? 1 : 0;
-      if (variant >= 5) {
+      p.force_splits = variant == 2 || variant == 6 ? 3 : variant == 4 ? 5 : variant == 7 ? 7 : variant == 9 ? 4 : 0;
+      p.force_kernel = variant == 3 || variant == 4 || variant == 7 ? 2 : variant == 6 ? 1 : variant >= 8 ? 4 : 0;
+      if (variant >= 5 && variant != 8) {
         p.L_dev = dL.p;
         p.L = L + (variant == 5 ? 1000 : 300);
       }

@@ -468,7 +468,8 @@ def test_weights_bigger_than_the_l2_match_cpu():
 @pytest.mark.cuda
 @needs_device
 @pytest.mark.parametrize("opts", [{}, {"attention_naive": True}, {"attention_kernel": "tiled"},
-                                  {"attention_kernel": "splitkv"}, {"attention_kernel": "decode"}])
+                                  {"attention_kernel": "splitkv"}, {"attention_kernel": "decode"},
+                                  {"attention_kernel": "mma"}])
 def test_mla512_fast_and_simple_attention_match_cpu(opts):
     """C=512, R=64: verify_attention's kernels (auto, the simple one, each fast one forced; a
     forced kernel passes shapes it cannot take on); prefill, decode at L=300, a tree of 65

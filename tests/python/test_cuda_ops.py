@@ -404,7 +404,7 @@ def test_verify_attention_splitkv_4_8_and_16_rows(L, T, H, mask):
     assert np.array_equal(auto, forced)
 
 
-@pytest.mark.parametrize("kernel", [1, 2, 3, "naive"])
+@pytest.mark.parametrize("kernel", [1, 2, 3, 4, "naive"])
 @pytest.mark.parametrize("L,T", [(0, 5), (0, 70), (40, 9)])
 def test_verify_attention_rows_that_see_nothing_get_zero(kernel, L, T):
     # a visibility row with no bits: with L = 0 the row sees nothing and must come out 0;
@@ -488,7 +488,7 @@ def test_verify_attention_workspace_covers_choice_and_grows_with_L():
                         prev = ws
 
 
-@pytest.mark.parametrize("kernel", [0, 1, 2, 3, "naive"])
+@pytest.mark.parametrize("kernel", [0, 1, 2, 3, 4, "naive"])
 @pytest.mark.parametrize("L,l_bound", [(0, 0), (0, 1000), (33, 34), (33, 100000), (517, 600), (517, 40000),
                                        (4099, 4099 + 128 * 7)])
 def test_verify_attention_device_L(kernel, L, l_bound):
@@ -506,7 +506,7 @@ def test_verify_attention_device_L_big_rows():
     T, H, L = 65, 16, 300
     ql, qr, kvl, kr, vis, scale = attn_case_t(5, L, H, T, "tree")
     ref = ref64(ql, qr, kvl, kr, vis, scale)
-    for kernel in (0, 1, 2, 3):
+    for kernel in (0, 1, 2, 3, 4):
         for l_bound in (L, 4096, 65536):
             out = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=kernel, l_bound=l_bound)
             check_attn(out, ref, (kernel, l_bound))
@@ -517,7 +517,7 @@ def test_verify_attention_l_bound_below_L_is_rejected():
     with pytest.raises(Exception):
         cu.verify_attention(ql, qr, kvl, kr, vis, scale, l_bound=39)
     with pytest.raises(Exception):
-        cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=4)
+        cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=5)
     with pytest.raises(Exception):
         cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=2, force_rows=12)
 
@@ -548,6 +548,54 @@ def test_verify_attention_decode_kernels_awkward_sizes(L, T, H, mask):
         out = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=3, l_bound=l_bound)
         check_attn(out, ref, (L, T, H, mask, l_bound))
     assert cu.verify_attention_choice(T, H, L)[0] != 3  # never the auto pick (measured slower)
+
+
+# ----------------------------------------------------------------------------- verify attention: tensor cores
+MMA_LTH = [(0, 1, 1), (0, 2, 16), (1, 5, 3), (31, 17, 16), (32, 1, 32), (33, 65, 16), (517, 17, 16),
+           (517, 2, 64), (100, 257, 16), (0, 1025, 1), (4099, 17, 16), (4099, 65, 3), (2047, 129, 128),
+           (63, 33, 7), (700, 9, 5)]
+MMA_SIZES = [(L, T, H, ("tree", "causal")[i % 2]) for i, (L, T, H) in enumerate(MMA_LTH)]
+
+
+@pytest.mark.parametrize("L,T,H,mask", MMA_SIZES)
+def test_verify_attention_mma_awkward_sizes(L, T, H, mask):
+    """The tensor-core kernel forced (force_kernel=4): partial row blocks (M % 32), chunks cut by
+    N = L + T, tree rows masked per node, key splits (partials and the combine), L through a
+    device int; within the float64 bounds of the other kernels; outputs and partials start as
+    NaN, so an unwritten element fails."""
+    ql, qr, kvl, kr, vis, scale = attn_case_t(L * 389 + T * 13 + H, L, H, T, mask)
+    ref = ref64(ql, qr, kvl, kr, vis, scale)
+    nch = (L + T + 31) // 32
+    for splits in (0, 1, 2, 7, 128):
+        kernel, s = cu.verify_attention_choice(T, H, L, force_kernel=4, force_splits=splits)
+        assert kernel == 4 and 1 <= s <= max(1, min(128, nch)), (kernel, s)
+        if splits:
+            assert s == min(splits, nch, max(1, WS_CAP // (T * H * WS_ROW))), (splits, s)
+        for l_bound in ((None, L + 100) if splits in (0, 2) else (None,)):
+            out = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=4, force_splits=splits,
+                                      l_bound=l_bound)
+            check_attn(out, ref, (L, T, H, mask, splits, l_bound))
+    # deterministic: the same call twice gives the same bits
+    a = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=4, force_splits=3)
+    b = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=4, force_splits=3)
+    assert np.array_equal(a, b)
+
+
+def test_verify_attention_mma_large_scores_and_real_tree():
+    """Scores far from 0 (queries scaled x30: softmax close to one-hot, the running max moves
+    between chunks) and a drafter-like tree from the GPU tree build."""
+    lp, ids = realistic_case(3, 256)
+    tree = kn.ops.tree_build(lp, ids, 256, device="cuda")
+    T, H, L = tree.n + 1, 16, 1500
+    rng = np.random.default_rng(8)
+    ql = (30 * rng.standard_normal((T, H, 512))).astype(np.float32)
+    qr = (30 * rng.standard_normal((T, H, 64))).astype(np.float32)
+    kvl = rng.standard_normal((L + T, 512)).astype(np.float32)
+    kr = rng.standard_normal((L + T, 64)).astype(np.float32)
+    ref = ref64(ql, qr, kvl, kr, tree.visibility, 0.07)
+    for fk in (4, 2):
+        out = cu.verify_attention(ql, qr, kvl, kr, tree.visibility, 0.07, force_kernel=fk)
+        check_attn(out, ref, fk)
 
 
 @pytest.mark.parametrize("splits", [0, 1, 2, 3, 7])

@@ -1,0 +1,317 @@
+// verify_attention_mma.cu: MLA tree-verify attention on the tensor cores, FP32-accurate (3xTF32).
+//
+// The same problem as the CUDA-core kernels of verify_attention.cu (absorbed MLA: the T*H query
+// rows share one latent K/V row of C + R = 576 floats per key, so it is one MQA problem,
+// S = Q K^T, online softmax, O = P V with V = the first C = 512 columns of the key rows), split
+// like the split-KV kernel (grid = row groups x key splits over contiguous 32-key chunks, the
+// same partial layout and combine kernel, the same masks, L from device memory when p.L_dev is
+// set), but both products run as mma.sync m16n8k8 TF32 with each FP32 operand split into
+// hi + lo (tile_mma.h): a product is hi*hi + hi*lo + lo*hi, ~2^-22 of it dropped, FP32 sums.
+//
+// A block: 256 threads (8 warps), RM = 32 query rows (row m = node * H + head), one at a time per
+// SM (170 KB of shared memory). Per 32-key chunk:
+//  * the chunk's 32 key rows land in shared memory in three cp.async groups; group r holds the
+//    48-column slabs 3 kq + r of every k-quarter kq, so each warp can start on its own columns
+//    as soon as the first group is in (and the next chunk's rows are prefetched into L2);
+//  * phase 1, S = Q K^T: warp w = 4 rh + kq computes the 16 rows [16 rh, 16 rh + 16) x all 32
+//    keys over the 144 columns [144 kq, 144 kq + 144): 4 mma n-tiles of 8 keys per k-step, the
+//    Q fragment split once per k-step and used for all four. The three partial products go to
+//    three accumulators (hi*hi, hi*lo, lo*hi: short independent mma chains, summed in FP32 as
+//    big + (s1 + s2)); the four k-quarters are added in shared memory in a fixed order;
+//  * phase 2: 8 threads per row mask the 32 scores (key < L: visible; L <= key < L + T: the
+//    node's bitmask; beyond: none) and run the online softmax in the log2 domain (the split-KV
+//    kernel's formulas), P to shared memory;
+//  * phase 3, O = alpha O + P V: warp w = 4 rh + cq owns rows [16 rh, 16 rh + 16) x columns
+//    [128 cq, 128 cq + 128): 16 n-tiles of 8 columns, k = the 32 keys. The k index of each
+//    8-key step is permuted (slot q <-> key 2q, slot q + 4 <-> key 2q + 1), so P's A fragment is
+//    two float2 loads and V's B fragment reads are bank-conflict free (rows 580 floats apart).
+//    The chunk's product goes to a fresh accumulator that is then added to O with CUDA-core FMAs
+//    (O = alpha O + chunk): each tensor-core accumulation chain is one chunk long.
+// A chunk that no row of the block sees (tree region) is skipped whole, which is exact.
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "kernels.h"
+#include "launch.h"
+#include "model/tile_mma.h"
+#include "verify_attention_mma.h"
+
+namespace kdtree {
+namespace cuda {
+namespace {
+
+namespace mv {
+constexpr int C = 512, R = 64, DQ = C + R;
+constexpr int RM = 32;       // query rows per block
+constexpr int KC = 32;       // keys per chunk
+constexpr int NT = 256;      // threads per block (8 warps)
+constexpr int QS = DQ + 4;   // 580 floats per Q / K row in shared memory (4 banks apart)
+constexpr int PS = KC + 8;   // 40 floats per score / P row (8 banks apart: float2 fragments conflict-free)
+constexpr int SLAB = 48;     // columns of one warp's slab in one cp.async group
+constexpr int NGRP = 3;      // cp.async groups per chunk (a k-quarter = 3 slabs = 144 columns)
+constexpr int CQ = C / 4;    // phase 3: output columns per warp (128)
+constexpr float kLog2e = 1.4426950408889634f;
+static_assert(4 * NGRP * SLAB == DQ, "slabs cover the key row");
+}  // namespace mv
+
+struct __align__(16) MvSmem {
+  float q[mv::RM][mv::QS];
+  float k[mv::KC][mv::QS];
+  float ps[4][mv::RM][mv::PS];  // phase-1 partial scores of the four k-quarters
+  float p[mv::RM][mv::PS];      // the chunk's probabilities
+  float m[mv::RM], l[mv::RM], alpha[mv::RM];
+};
+
+__device__ __forceinline__ float mv_neg_inf() { return -__int_as_float(0x7f800000); }
+
+__device__ __forceinline__ bool mv_visible(const VerifyAttentionParams& p, int L, int N, int node, int j) {
+  if (j < L) return true;
+  if (j >= N) return false;
+  const int t = j - L;
+  return (p.visibility[(size_t)node * p.vis_stride + (t >> 6)] >> (t & 63)) & 1ull;
+}
+
+// wait until at most n (0..3) cp.async groups are pending (block-uniform n)
+__device__ __forceinline__ void mv_wait_le(int n) {
+  switch (n) {
+    case 0: cp_async_wait<0>(); break;
+    case 1: cp_async_wait<1>(); break;
+    case 2: cp_async_wait<2>(); break;
+    default: cp_async_wait<3>(); break;
+  }
+}
+
+__global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttentionParams p) {
+  pdl_prologue();
+  using namespace mv;
+  extern __shared__ __align__(16) unsigned char mv_smraw[];
+  MvSmem& s = *reinterpret_cast<MvSmem*>(mv_smraw);
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int g = lane >> 2, q = lane & 3;   // mma fragment coordinates
+  const int rh = warp >> 2, wq = warp & 3; // row half; k-quarter (phase 1) / column quarter (phase 3)
+  const int M = p.T * p.H;
+  const int m0 = blockIdx.x * RM;
+  const int split = blockIdx.y, nsplit = gridDim.y;
+  const int L = p.L_dev ? *p.L_dev : p.L;
+  const int N = L + p.T;
+  const int nch = (N + KC - 1) / KC;
+  const int cps = (nch + nsplit - 1) / nsplit;
+  const int c0 = min(split * cps, nch), c1 = min(c0 + cps, nch);
+  // phase 2 mapping: row pr, keys 4 pq .. 4 pq + 3 of each chunk
+  const int pr = tid >> 3, pq = tid & 7;
+  const int node2 = m0 + pr < M ? (m0 + pr) / p.H : -1;
+  const float sl2 = p.scale * kLog2e;
+  const int ra = 16 * rh + g;  // this thread's fragment rows ra and ra + 8 (block-local)
+
+  if (tid < RM) {
+    s.m[tid] = mv_neg_inf();
+    s.l[tid] = 0.f;
+  }
+  if (c0 < c1) {  // Q rows [m0, m0 + 32) -> shared (rows past M zero), one group ahead of the chunks
+    for (int i = tid; i < RM * (DQ / 4); i += NT) {
+      const int r = i / (DQ / 4), d = (i % (DQ / 4)) * 4, gm = m0 + r;
+      const bool ok = gm < M;
+      const float* src = p.q_latent;
+      if (ok) src = d < C ? p.q_latent + (size_t)gm * C + d : p.q_rope + (size_t)gm * R + (d - C);
+      cp_async16(&s.q[r][d], src, ok);
+    }
+    cp_async_commit();
+  }
+  __syncthreads();
+
+  float O[CQ / 8][4];
+#pragma unroll
+  for (int j = 0; j < CQ / 8; ++j) O[j][0] = O[j][1] = O[j][2] = O[j][3] = 0.f;
+
+  for (int ch = c0; ch < c1; ++ch) {
+    const int kbase = ch * KC;
+    if (kbase + KC > L) {  // reaches the tree rows: skip the chunk if no row of the block sees any key
+      bool any = false;
+      if (node2 >= 0) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) any |= mv_visible(p, L, N, node2, kbase + 4 * pq + e);
+      }
+      if (!__syncthreads_or(any)) continue;
+    }
+    // ---- the chunk's key rows -> shared (rows past N zero-filled), three groups
+#pragma unroll
+    for (int r = 0; r < NGRP; ++r) {
+#pragma unroll
+      for (int i = 0; i < (KC * 4 * SLAB / 4) / NT; ++i) {
+        const int idx = tid + i * NT;
+        const int kq = idx / (KC * SLAB / 4), rem = idx % (KC * SLAB / 4);
+        const int kk = rem / (SLAB / 4), f = rem % (SLAB / 4);
+        const int col = (NGRP * kq + r) * SLAB + 4 * f, j = kbase + kk;
+        const bool ok = j < N;
+        cp_async16(&s.k[kk][col], ok ? p.kv + (size_t)j * p.kv_stride + col : p.kv, ok);
+      }
+      cp_async_commit();
+    }
+    if (ch + 1 < c1) {  // L2 prefetch of the next chunk's rows
+      for (int i = tid; i < KC * (DQ / 32); i += NT) {
+        const int j = kbase + KC + i / (DQ / 32);
+        if (j < N) asm volatile("prefetch.global.L2 [%0];" ::"l"(p.kv + (size_t)j * p.kv_stride + (i % (DQ / 32)) * 32));
+      }
+    }
+    // ---------------- phase 1: partial S over this warp's k-quarter, 3xTF32
+    float big[4][4], s1[4][4], s2[4][4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) big[j][e] = s1[j][e] = s2[j][e] = 0.f;
+    for (int r = 0; r < NGRP; ++r) {
+      mv_wait_le(NGRP - 1 - r);
+      __syncthreads();
+      const int d0 = (NGRP * wq + r) * SLAB;
+#pragma unroll
+      for (int kk = 0; kk < SLAB; kk += 8) {
+        const float* qa = &s.q[ra][d0 + kk + q];
+        uint32_t ah[4], al[4];
+        split_tf32(qa[0], ah[0], al[0]);
+        split_tf32(qa[8 * QS], ah[1], al[1]);
+        split_tf32(qa[4], ah[2], al[2]);
+        split_tf32(qa[8 * QS + 4], ah[3], al[3]);
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float* kb = &s.k[8 * j + g][d0 + kk + q];
+          uint32_t bh[2], bl[2];
+          split_tf32(kb[0], bh[0], bl[0]);
+          split_tf32(kb[4], bh[1], bl[1]);
+          mma_tf32(s1[j], al, bh);
+          mma_tf32(s2[j], ah, bl);
+          mma_tf32(big[j], ah, bh);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const float2 top = make_float2(big[j][0] + (s1[j][0] + s2[j][0]), big[j][1] + (s1[j][1] + s2[j][1]));
+      const float2 bot = make_float2(big[j][2] + (s1[j][2] + s2[j][2]), big[j][3] + (s1[j][3] + s2[j][3]));
+      *reinterpret_cast<float2*>(&s.ps[wq][ra][8 * j + 2 * q]) = top;
+      *reinterpret_cast<float2*>(&s.ps[wq][ra + 8][8 * j + 2 * q]) = bot;
+    }
+    __syncthreads();
+    // ---------------- phase 2: quarters summed, mask + online softmax (log2 domain), 8 threads per row
+    {
+      const float4 a = *reinterpret_cast<const float4*>(&s.ps[0][pr][4 * pq]);
+      const float4 b = *reinterpret_cast<const float4*>(&s.ps[1][pr][4 * pq]);
+      const float4 c = *reinterpret_cast<const float4*>(&s.ps[2][pr][4 * pq]);
+      const float4 d = *reinterpret_cast<const float4*>(&s.ps[3][pr][4 * pq]);
+      float v[4] = {(a.x + b.x) + (c.x + d.x), (a.y + b.y) + (c.y + d.y), (a.z + b.z) + (c.z + d.z),
+                    (a.w + b.w) + (c.w + d.w)};
+      float mx = mv_neg_inf();
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const bool ok = node2 >= 0 && mv_visible(p, L, N, node2, kbase + 4 * pq + e);
+        v[e] = ok ? v[e] * sl2 : mv_neg_inf();
+        mx = fmaxf(mx, v[e]);
+      }
+#pragma unroll
+      for (int o = 1; o < 8; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      const float mo = s.m[pr];
+      const float mn = fmaxf(mo, mx);
+      float sum = 0.f;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        v[e] = (mn == mv_neg_inf()) ? 0.f : exp2f(v[e] - mn);
+        sum += v[e];
+      }
+      *reinterpret_cast<float4*>(&s.p[pr][4 * pq]) = make_float4(v[0], v[1], v[2], v[3]);
+#pragma unroll
+      for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      __syncwarp();  // every lane of the row has read s.m[pr] before it changes
+      if (pq == 0) {
+        const float alpha = (mo == mv_neg_inf()) ? 0.f : exp2f(mo - mn);
+        s.l[pr] = s.l[pr] * alpha + sum;
+        s.m[pr] = mn;
+        s.alpha[pr] = alpha;
+      }
+    }
+    __syncthreads();
+    // ---------------- phase 3: chunk = P V (rows ra, ra + 8; columns 128 wq ..), O = alpha O + chunk
+    {
+      float oc[CQ / 8][4];
+#pragma unroll
+      for (int j = 0; j < CQ / 8; ++j) oc[j][0] = oc[j][1] = oc[j][2] = oc[j][3] = 0.f;
+#pragma unroll
+      for (int kk = 0; kk < KC; kk += 8) {
+        const float2 x = *reinterpret_cast<const float2*>(&s.p[ra][kk + 2 * q]);
+        const float2 y = *reinterpret_cast<const float2*>(&s.p[ra + 8][kk + 2 * q]);
+        uint32_t ah[4], al[4];
+        split_tf32(x.x, ah[0], al[0]);  // slot q     <-> key kk + 2q
+        split_tf32(y.x, ah[1], al[1]);
+        split_tf32(x.y, ah[2], al[2]);  // slot q + 4 <-> key kk + 2q + 1
+        split_tf32(y.y, ah[3], al[3]);
+        const float* v0 = &s.k[kk + 2 * q][CQ * wq + g];
+#pragma unroll
+        for (int j = 0; j < CQ / 8; ++j) {
+          uint32_t bh[2], bl[2];
+          split_tf32(v0[8 * j], bh[0], bl[0]);
+          split_tf32(v0[QS + 8 * j], bh[1], bl[1]);
+          mma_tf32(oc[j], al, bh);
+          mma_tf32(oc[j], ah, bl);
+          mma_tf32(oc[j], ah, bh);
+        }
+      }
+      const float a0 = s.alpha[ra], a1 = s.alpha[ra + 8];
+#pragma unroll
+      for (int j = 0; j < CQ / 8; ++j) {
+        O[j][0] = fmaf(O[j][0], a0, oc[j][0]);
+        O[j][1] = fmaf(O[j][1], a0, oc[j][1]);
+        O[j][2] = fmaf(O[j][2], a1, oc[j][2]);
+        O[j][3] = fmaf(O[j][3], a1, oc[j][3]);
+      }
+    }
+    __syncthreads();  // the key rows and P are free for the next chunk
+  }
+  cp_async_wait<0>();
+
+  // ---------------- epilogue: normalised output (one split) or partials for the combine
+  const bool final_out = nsplit == 1;
+  float* wso = (float*)p.workspace;
+  float* wsml = wso + (size_t)nsplit * M * C;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int lr = ra + 8 * h, gm = m0 + lr;
+    if (gm >= M) continue;
+    const float l = s.l[lr];
+    const float inv = final_out ? (l > 0.f ? 1.f / l : 0.f) : 1.f;
+    float* dst = (final_out ? p.out + (size_t)gm * C : wso + ((size_t)split * M + gm) * C) + CQ * wq + 2 * q;
+#pragma unroll
+    for (int j = 0; j < CQ / 8; ++j)
+      *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(O[j][2 * h] * inv, O[j][2 * h + 1] * inv);
+  }
+  if (!final_out && tid < RM && m0 + tid < M) {
+    const int gm = m0 + tid;
+    wsml[((size_t)split * M + gm) * 2 + 0] = s.m[tid];
+    wsml[((size_t)split * M + gm) * 2 + 1] = s.l[tid];
+  }
+}
+
+}  // namespace
+
+int verify_mma_rows() { return mv::RM; }
+int verify_mma_chunk() { return mv::KC; }
+
+bool verify_mma_ready() {
+  static int state = 0;
+  if (state == 0) {
+    cudaError_t e = cudaFuncSetAttribute(mla_verify_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)sizeof(MvSmem));
+    if (e == cudaSuccess &&
+        cudaFuncSetAttribute(mla_verify_mma_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100) != cudaSuccess)
+      cudaGetLastError();  // only a hint
+    if (e != cudaSuccess) cudaGetLastError();
+    state = e == cudaSuccess ? 1 : -1;
+  }
+  return state == 1;
+}
+
+cudaError_t launch_verify_mma(const VerifyAttentionParams& p, int splits, cudaStream_t stream) {
+  const int M = p.T * p.H;
+  return launch_kernel(mla_verify_mma_kernel, dim3((M + mv::RM - 1) / mv::RM, splits), mv::NT, sizeof(MvSmem), stream, p);
+}
+
+}  // namespace cuda
+}  // namespace kdtree
