@@ -964,12 +964,11 @@ constexpr int kSmemPerSm = 228 * 1024;      // Hopper: 228 KB per SM, 1 KB of it
 constexpr int kSplitKvBlocksPerSm = kSmemPerSm / ((int)sizeof(SkSmem) + 1024);
 constexpr int kSplitKvTargetWaves = 4;      // split-KV: at most ~4 waves of (SMs x blocks/SM) blocks
 constexpr int kSplitKvMaxSplits = 128;
-constexpr double kMmaChunkUs = 1.6;         // tensor-core kernel: one 32-row x 32-key chunk on one SM
+constexpr double kMmaChunkUs = 9.0;         // tensor-core kernel: one 32-row x 32-key chunk on one SM
+                                            //   (measured 8.6-9.1 us on the H200 at L = 4096 and 32768)
 constexpr double kMmaWaveUs = 3.0;          // ... per wave of blocks (Q load, first chunk's latency, epilogue)
 constexpr int kMmaTargetWaves = 4;
-}  // namespace cost
-constexpr bool kMmaAuto = false;  // WIP: auto choice of the tensor-core kernel (calibrate first)
-namespace cost {          // ... at most ~4 waves of (SMs x 1) blocks
+          // ... at most ~4 waves of (SMs x 1) blocks
 constexpr int kTiledMaxSplits = 64;
 constexpr size_t kMaxWorkspaceBytes = size_t(64) << 20;  // splits * M * (C + 2) * 4 bytes at most
 }  // namespace cost
@@ -1183,6 +1182,19 @@ size_t decode_ws_bytes(const VerifyAttentionParams& p) {
   return (size_t)M * (decode_ld(keys) + decode_ldb(keys)) * sizeof(float);
 }
 
+// Auto choice of the tensor-core kernel: a measured rule, not the cost model (H200,
+// bench_cuda_verify_attention.py, docs/BENCHMARKS.md "Verify attention on the tensor cores"): it is
+// faster than the best CUDA-core kernel for every measured shape with M = T x H >= 256 query rows
+// and N = L + T >= 512 keys (T = 17, H = 16, L = 512: 24.7 vs 32.4 us; T = 65, L = 4096: 300 vs
+// 361; B = 256, H = 64, L = 32768: 35.5 vs 36.0 ms), with M >= 2048 at any N (B = 256, H = 16, L =
+// 0: 36 vs 77 us) and with M >= 128 rows at N >= 4096 (T = 1, H = 128, L = 4096: 50 vs 58 us), and
+// slower with fewer rows or keys (T = 1, H = 16: 15.5 vs 11.0 us at L = 512; B = 16, H = 16, L = 0:
+// 12.9 vs 7.8 us), where one 32-row block per chunk leaves too little work per block.
+bool mma_wins(const VerifyAttentionParams& p) {
+  const long long M = (long long)p.T * p.H, N = (long long)p.L + p.T;
+  return M >= 2048 || (M >= 256 && N >= 512) || (M >= 128 && N >= 4096);
+}
+
 struct Choice {
   int kernel;  // 0 = plain, 1 = tiled, 2 = split-KV, 3 = decode (two passes), 4 = tensor cores
   int splits;
@@ -1193,14 +1205,14 @@ Choice choose(const VerifyAttentionParams& p) {
   if (!splitkv_ok(p)) return {0, 1, 16};
   if (p.force_kernel == 3 && decode_ok(p)) return {3, 1, 16};
   if (p.force_kernel == 1 && tiled_ok(p)) return {1, tiled_splits(p, nullptr), 16};
-  if (p.force_kernel == 4) return {4, mma_splits(p, nullptr), verify_mma_rows()};
+  // (the tensor-core kernel needs 170 KB of shared memory per block: elsewhere the others run)
+  if ((p.force_kernel == 4 || (p.force_kernel == 0 && mma_wins(p))) && verify_mma_ready())
+    return {4, mma_splits(p, nullptr), verify_mma_rows()};
   const int rows = splitkv_rows(p);
   if (p.force_kernel >= 2 || !tiled_ok(p)) return {2, splitkv_splits(p, rows, nullptr), rows};
-  double ct = 0, cs = 0, cm = 0;
+  double ct = 0, cs = 0;
   const int st = tiled_splits(p, &ct);
   const int ss = splitkv_splits(p, rows, &cs);
-  const int sm = mma_splits(p, &cm);
-  if (kMmaAuto && cm < cs && cm < ct) return {4, sm, verify_mma_rows()};
   return cs < ct ? Choice{2, ss, rows} : Choice{1, st, 16};
 }
 
@@ -1273,7 +1285,7 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
     return launch_kernel(mla_decode_pv_kernel, dim3(C_ / dk::CW, rg), dk::NT, 0, stream, p, (const float*)S, ldS,
                          (const float*)Bm, ldB);
   }
-  if (c.kernel == 4 && verify_mma_ready()) {
+  if (c.kernel == 4) {
     if (c.splits > 1 && !p.workspace) return cudaErrorInvalidValue;
     cudaError_t e = launch_verify_mma(p, c.splits, stream);
     if (e != cudaSuccess || c.splits == 1) return e;

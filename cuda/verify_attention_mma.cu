@@ -31,6 +31,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
 
 #include "kernels.h"
 #include "launch.h"
@@ -45,21 +46,29 @@ namespace mv {
 constexpr int C = 512, R = 64, DQ = C + R;
 constexpr int RM = 32;       // query rows per block
 constexpr int KC = 32;       // keys per chunk
-constexpr int NT = 256;      // threads per block (8 warps)
 constexpr int QS = DQ + 4;   // 580 floats per Q / K row in shared memory (4 banks apart)
 constexpr int PS = KC + 8;   // 40 floats per score / P row (8 banks apart: float2 fragments conflict-free)
-constexpr int SLAB = 48;     // columns of one warp's slab in one cp.async group
-constexpr int NGRP = 3;      // cp.async groups per chunk (a k-quarter = 3 slabs = 144 columns)
-constexpr int CQ = C / 4;    // phase 3: output columns per warp (128)
+constexpr int NGRP = 3;      // cp.async groups per chunk (a k-part = 3 slabs)
 constexpr float kLog2e = 1.4426950408889634f;
-static_assert(4 * NGRP * SLAB == DQ, "slabs cover the key row");
+// NW warps: warp w = KP rh + part; KP = NW / 2 k-parts (phase 1) / column parts (phase 3)
+template <int NW>
+struct Cfg {
+  static constexpr int NT = 32 * NW;           // threads per block
+  static constexpr int KP = NW / 2;            // k-parts = column parts
+  static constexpr int SLAB = DQ / (KP * NGRP);  // columns of one k-part in one cp.async group (48 / 24)
+  static constexpr int CQ = C / KP;            // phase 3: output columns per warp (128 / 64)
+  static constexpr int TPR = NT / RM;          // phase 2: threads per row (8 / 16)
+  static constexpr int KPT = KC / TPR;         // ... and keys per thread (4 / 2)
+  static_assert(KP * NGRP * SLAB == DQ && SLAB % 8 == 0, "slabs cover the key row in whole k-steps");
+};
 }  // namespace mv
 
+template <int NW>
 struct __align__(16) MvSmem {
   float q[mv::RM][mv::QS];
   float k[mv::KC][mv::QS];
-  float ps[4][mv::RM][mv::PS];  // phase-1 partial scores of the four k-quarters
-  float p[mv::RM][mv::PS];      // the chunk's probabilities
+  float ps[NW / 2][mv::RM][mv::PS];  // phase-1 partial scores of the k-parts
+  float p[mv::RM][mv::PS];           // the chunk's probabilities
   float m[mv::RM], l[mv::RM], alpha[mv::RM];
 };
 
@@ -82,14 +91,17 @@ __device__ __forceinline__ void mv_wait_le(int n) {
   }
 }
 
-__global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttentionParams p) {
+template <int NW>
+__global__ void __launch_bounds__(32 * NW, 1) mla_verify_mma_kernel(VerifyAttentionParams p) {
   pdl_prologue();
   using namespace mv;
+  using G = Cfg<NW>;
+  constexpr int NT = G::NT, KP = G::KP, SLAB = G::SLAB, CQ = G::CQ, TPR = G::TPR, KPT = G::KPT;
   extern __shared__ __align__(16) unsigned char mv_smraw[];
-  MvSmem& s = *reinterpret_cast<MvSmem*>(mv_smraw);
+  MvSmem<NW>& s = *reinterpret_cast<MvSmem<NW>*>(mv_smraw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, q = lane & 3;   // mma fragment coordinates
-  const int rh = warp >> 2, wq = warp & 3; // row half; k-quarter (phase 1) / column quarter (phase 3)
+  const int rh = warp / KP, wq = warp % KP;  // row half; k-part (phase 1) / column part (phase 3)
   const int M = p.T * p.H;
   const int m0 = blockIdx.x * RM;
   const int split = blockIdx.y, nsplit = gridDim.y;
@@ -98,8 +110,8 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
   const int nch = (N + KC - 1) / KC;
   const int cps = (nch + nsplit - 1) / nsplit;
   const int c0 = min(split * cps, nch), c1 = min(c0 + cps, nch);
-  // phase 2 mapping: row pr, keys 4 pq .. 4 pq + 3 of each chunk
-  const int pr = tid >> 3, pq = tid & 7;
+  // phase 2 mapping: row pr, keys KPT pq .. KPT pq + KPT - 1 of each chunk
+  const int pr = tid / TPR, pq = tid % TPR;
   const int node2 = m0 + pr < M ? (m0 + pr) / p.H : -1;
   const float sl2 = p.scale * kLog2e;
   const int ra = 16 * rh + g;  // this thread's fragment rows ra and ra + 8 (block-local)
@@ -130,7 +142,7 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
       bool any = false;
       if (node2 >= 0) {
 #pragma unroll
-        for (int e = 0; e < 4; ++e) any |= mv_visible(p, L, N, node2, kbase + 4 * pq + e);
+        for (int e = 0; e < KPT; ++e) any |= mv_visible(p, L, N, node2, kbase + KPT * pq + e);
       }
       if (!__syncthreads_or(any)) continue;
     }
@@ -138,7 +150,7 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
 #pragma unroll
     for (int r = 0; r < NGRP; ++r) {
 #pragma unroll
-      for (int i = 0; i < (KC * 4 * SLAB / 4) / NT; ++i) {
+      for (int i = 0; i < (KC * KP * SLAB / 4) / NT; ++i) {
         const int idx = tid + i * NT;
         const int kq = idx / (KC * SLAB / 4), rem = idx % (KC * SLAB / 4);
         const int kk = rem / (SLAB / 4), f = rem % (SLAB / 4);
@@ -194,32 +206,43 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
     __syncthreads();
     // ---------------- phase 2: quarters summed, mask + online softmax (log2 domain), 8 threads per row
     {
-      const float4 a = *reinterpret_cast<const float4*>(&s.ps[0][pr][4 * pq]);
-      const float4 b = *reinterpret_cast<const float4*>(&s.ps[1][pr][4 * pq]);
-      const float4 c = *reinterpret_cast<const float4*>(&s.ps[2][pr][4 * pq]);
-      const float4 d = *reinterpret_cast<const float4*>(&s.ps[3][pr][4 * pq]);
-      float v[4] = {(a.x + b.x) + (c.x + d.x), (a.y + b.y) + (c.y + d.y), (a.z + b.z) + (c.z + d.z),
-                    (a.w + b.w) + (c.w + d.w)};
+      float v[KPT];
+      {
+        float part[KP][KPT];
+#pragma unroll
+        for (int k = 0; k < KP; ++k)
+#pragma unroll
+          for (int e = 0; e < KPT; ++e) part[k][e] = s.ps[k][pr][KPT * pq + e];
+#pragma unroll
+        for (int w = 1; w < KP; w *= 2)  // pairwise, fixed order: ((p0 + p1) + (p2 + p3)) + ...
+#pragma unroll
+          for (int k = 0; k < KP; k += 2 * w)
+#pragma unroll
+            for (int e = 0; e < KPT; ++e) part[k][e] += part[k + w][e];
+#pragma unroll
+        for (int e = 0; e < KPT; ++e) v[e] = part[0][e];
+      }
       float mx = mv_neg_inf();
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const bool ok = node2 >= 0 && mv_visible(p, L, N, node2, kbase + 4 * pq + e);
+      for (int e = 0; e < KPT; ++e) {
+        const bool ok = node2 >= 0 && mv_visible(p, L, N, node2, kbase + KPT * pq + e);
         v[e] = ok ? v[e] * sl2 : mv_neg_inf();
         mx = fmaxf(mx, v[e]);
       }
 #pragma unroll
-      for (int o = 1; o < 8; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
+      for (int o = 1; o < TPR; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
       const float mo = s.m[pr];
       const float mn = fmaxf(mo, mx);
       float sum = 0.f;
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
+      for (int e = 0; e < KPT; ++e) {
         v[e] = (mn == mv_neg_inf()) ? 0.f : exp2f(v[e] - mn);
         sum += v[e];
       }
-      *reinterpret_cast<float4*>(&s.p[pr][4 * pq]) = make_float4(v[0], v[1], v[2], v[3]);
 #pragma unroll
-      for (int o = 1; o < 8; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      for (int e = 0; e < KPT; ++e) s.p[pr][KPT * pq + e] = v[e];
+#pragma unroll
+      for (int o = 1; o < TPR; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
       __syncwarp();  // every lane of the row has read s.m[pr] before it changes
       if (pq == 0) {
         const float alpha = (mo == mv_neg_inf()) ? 0.f : exp2f(mo - mn);
@@ -294,13 +317,23 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
 int verify_mma_rows() { return mv::RM; }
 int verify_mma_chunk() { return mv::KC; }
 
-bool verify_mma_ready() {
+// KDTREE_MMA_WARPS = 8 or 16 (wip A/B switch)
+static int mma_warps() {
+  static int w = [] {
+    const char* e = std::getenv("KDTREE_MMA_WARPS");
+    return e && std::atoi(e) == 16 ? 16 : 8;
+  }();
+  return w;
+}
+
+template <int NW>
+static bool mma_ready_nw() {
   static int state = 0;
   if (state == 0) {
-    cudaError_t e = cudaFuncSetAttribute(mla_verify_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)sizeof(MvSmem));
+    cudaError_t e = cudaFuncSetAttribute(mla_verify_mma_kernel<NW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)sizeof(MvSmem<NW>));
     if (e == cudaSuccess &&
-        cudaFuncSetAttribute(mla_verify_mma_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100) != cudaSuccess)
+        cudaFuncSetAttribute(mla_verify_mma_kernel<NW>, cudaFuncAttributePreferredSharedMemoryCarveout, 100) != cudaSuccess)
       cudaGetLastError();  // only a hint
     if (e != cudaSuccess) cudaGetLastError();
     state = e == cudaSuccess ? 1 : -1;
@@ -308,9 +341,14 @@ bool verify_mma_ready() {
   return state == 1;
 }
 
+bool verify_mma_ready() { return mma_warps() == 16 ? mma_ready_nw<16>() : mma_ready_nw<8>(); }
+
 cudaError_t launch_verify_mma(const VerifyAttentionParams& p, int splits, cudaStream_t stream) {
   const int M = p.T * p.H;
-  return launch_kernel(mla_verify_mma_kernel, dim3((M + mv::RM - 1) / mv::RM, splits), mv::NT, sizeof(MvSmem), stream, p);
+  const dim3 grid((M + mv::RM - 1) / mv::RM, splits);
+  if (mma_warps() == 16)
+    return launch_kernel(mla_verify_mma_kernel<16>, grid, 512, sizeof(MvSmem<16>), stream, p);
+  return launch_kernel(mla_verify_mma_kernel<8>, grid, 256, sizeof(MvSmem<8>), stream, p);
 }
 
 }  // namespace cuda

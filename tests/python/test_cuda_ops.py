@@ -439,7 +439,8 @@ def test_verify_attention_auto_on_decode_shapes(H, L):
     out = cu.verify_attention(ql, qr, kvl, kr, vis, scale)
     check_attn(out, ref, (H, L))
     kernel, s = cu.verify_attention_choice(1, H, L)
-    assert kernel in (1, 2) and s >= 1
+    assert kernel in (1, 2, 4) and s >= 1
+    assert (kernel == 4) == (H >= 128 and L + 1 >= 4096), (H, L, kernel)  # the measured rule (M >= 128, N >= 4096)
     # the auto pick equals the same kernel forced with the same split count, bit for bit
     forced = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=kernel, force_splits=s)
     assert np.array_equal(out, forced)
@@ -453,9 +454,15 @@ def test_verify_attention_auto_picks_splitkv_for_ar_decode():
     assert kernel == 2 and s > 1, (kernel, s)
     kernel, s = cu.verify_attention_choice(1, 16, 4096)
     assert kernel == 2 and s > 1, (kernel, s)
-    # a big verify at long context stays on the tiled kernel
+    # verify steps of the model's trees take the tensor-core kernel (T = 17 / 65 at H = 16)
+    for T, L in ((17, 512), (65, 512), (65, 4096), (257, 512)):
+        kernel, s = cu.verify_attention_choice(T, 16, L)
+        assert kernel == 4, (T, L, kernel, s)
+    # ... and a big verify at long context; a small tree with no context stays on split-KV
     kernel, s = cu.verify_attention_choice(1025, 64, 32768)
-    assert kernel == 1, (kernel, s)
+    assert kernel == 4, (kernel, s)
+    kernel, s = cu.verify_attention_choice(17, 16, 0)
+    assert kernel == 2, (kernel, s)
 
 
 def test_verify_attention_workspace_covers_choice_and_grows_with_L():
@@ -463,7 +470,7 @@ def test_verify_attention_workspace_covers_choice_and_grows_with_L():
     for T in (1, 2, 5, 17, 65, 257, 1025, 2048, 2049):
         for H in (1, 3, 16, 64, 128):
             M = T * H
-            for fk in (0, 1, 2, 3):
+            for fk in (0, 1, 2, 3, 4):
                 for fs in (0, 2, 7, 128):
                     prev = 0
                     for L in Ls:
@@ -471,16 +478,22 @@ def test_verify_attention_workspace_covers_choice_and_grows_with_L():
                                                                     force_splits=fs)
                         kernel, s = cu.verify_attention_choice(T, H, L, force_kernel=fk, force_splits=fs)
                         what = (T, H, L, fk, fs, kernel, s, ws)
-                        assert kernel in (1, 2, 3), what
+                        assert kernel in (1, 2, 3, 4), what
+                        N_ = L + T
+                        mma_rule = M >= 2048 or (M >= 256 and N_ >= 512) or (M >= 128 and N_ >= 4096)
                         if kernel == 3:  # decode: only forced, up to 1024 rows and 16384 keys
                             assert fk == 3 and M <= 1024 and L + T <= 16384, what
                             assert s == 1 and ws >= M * ((L + T + 3) // 4 * 4) * 4, what
+                        elif fk == 4 or (fk == 0 and mma_rule):  # tensor cores: forced or the measured rule
+                            assert kernel == 4, what
                         elif fk in (2, 3) or T > 2048:  # the tiled kernel gathers at most 2048 tree rows
                             assert kernel == 2, what
                         elif fk == 1:
                             assert kernel == 1, what
+                        else:
+                            assert kernel in (1, 2), what
                         assert 1 <= s <= 128, what
-                        if kernel == 2:
+                        if kernel in (2, 4):
                             assert s <= max(1, (L + T + 31) // 32), what
                         assert ws <= WS_CAP, what
                         assert ws >= (s * M * WS_ROW if s > 1 else 0), what
@@ -523,13 +536,14 @@ def test_verify_attention_l_bound_below_L_is_rejected():
 
 
 def test_verify_attention_more_than_2048_tree_rows_use_splitkv():
-    # the tiled kernel gathers at most 2048 tree rows; auto and force_kernel=1 take split-KV
+    # the tiled kernel gathers at most 2048 tree rows: force_kernel=1 takes split-KV; auto takes
+    # the tensor-core kernel (2100 query rows), which has no tree-row limit
     T, H, L = 2100, 1, 50
     ql, qr, kvl, kr, vis, scale = attn_case_t(3, L, H, T, "causal")
-    assert cu.verify_attention_choice(T, H, L)[0] == 2
+    assert cu.verify_attention_choice(T, H, L)[0] == 4
     assert cu.verify_attention_choice(T, H, L, force_kernel=1)[0] == 2
     ref = ref64(ql, qr, kvl, kr, vis, scale)
-    for fk in (0, 1, 2):
+    for fk in (0, 1, 2, 4):
         check_attn(cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=fk), ref, fk)
 
 
