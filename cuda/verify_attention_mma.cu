@@ -46,29 +46,33 @@ namespace mv {
 constexpr int C = 512, R = 64, DQ = C + R;
 constexpr int RM = 32;       // query rows per block
 constexpr int KC = 32;       // keys per chunk
+constexpr int NW = 8;        // warps per block
+constexpr int NT = 32 * NW;  // threads per block
 constexpr int QS = DQ + 4;   // 580 floats per Q / K row in shared memory (4 banks apart)
 constexpr int PS = KC + 8;   // 40 floats per score / P row (8 banks apart: float2 fragments conflict-free)
 constexpr int NGRP = 3;      // cp.async groups per chunk (a k-part = 3 slabs)
+constexpr int TPR = NT / RM; // phase 2: threads per row (8)
+constexpr int KPT = KC / TPR;  // ... and keys per thread (4)
 constexpr float kLog2e = 1.4426950408889634f;
-// NW warps: warp w = KP rh + part; KP = NW / 2 k-parts (phase 1) / column parts (phase 3)
-template <int NW>
+// MT m-tiles (16 rows) per warp: MT = 1: warp w = 4 rh + part (row half rh, KP = 4 parts);
+// MT = 2: every warp takes all 32 rows, KP = 8 parts
+template <int MT>
 struct Cfg {
-  static constexpr int NT = 32 * NW;           // threads per block
-  static constexpr int KP = NW / 2;            // k-parts = column parts
-  static constexpr int SLAB = DQ / (KP * NGRP);  // columns of one k-part in one cp.async group (48 / 24)
-  static constexpr int CQ = C / KP;            // phase 3: output columns per warp (128 / 64)
-  static constexpr int TPR = NT / RM;          // phase 2: threads per row (8 / 16)
-  static constexpr int KPT = KC / TPR;         // ... and keys per thread (4 / 2)
+  static constexpr int RH = 2 / MT;              // row groups of warps
+  static constexpr int KP = NW / RH;             // k-parts (phase 1) = column parts (phase 3)
+  static constexpr int SLAB = DQ / (KP * NGRP);  // columns of one k-part in one cp.async group
+  static constexpr int CQ = C / KP;              // phase 3: output columns per warp
+  static constexpr int NJ = CQ / 8;              // ... in n-tiles of 8
   static_assert(KP * NGRP * SLAB == DQ && SLAB % 8 == 0, "slabs cover the key row in whole k-steps");
 };
 }  // namespace mv
 
-template <int NW>
+template <int MT>
 struct __align__(16) MvSmem {
   float q[mv::RM][mv::QS];
   float k[mv::KC][mv::QS];
-  float ps[NW / 2][mv::RM][mv::PS];  // phase-1 partial scores of the k-parts
-  float p[mv::RM][mv::PS];           // the chunk's probabilities
+  float ps[mv::Cfg<MT>::KP][mv::RM][mv::PS];  // phase-1 partial scores of the k-parts
+  float p[mv::RM][mv::PS];                    // the chunk's probabilities
   float m[mv::RM], l[mv::RM], alpha[mv::RM];
 };
 
@@ -91,17 +95,17 @@ __device__ __forceinline__ void mv_wait_le(int n) {
   }
 }
 
-template <int NW>
-__global__ void __launch_bounds__(32 * NW, 1) mla_verify_mma_kernel(VerifyAttentionParams p) {
+template <int MT>
+__global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttentionParams p) {
   pdl_prologue();
   using namespace mv;
-  using G = Cfg<NW>;
-  constexpr int NT = G::NT, KP = G::KP, SLAB = G::SLAB, CQ = G::CQ, TPR = G::TPR, KPT = G::KPT;
+  using G = Cfg<MT>;
+  constexpr int KP = G::KP, SLAB = G::SLAB, CQ = G::CQ, NJ = G::NJ;
   extern __shared__ __align__(16) unsigned char mv_smraw[];
-  MvSmem<NW>& s = *reinterpret_cast<MvSmem<NW>*>(mv_smraw);
+  MvSmem<MT>& s = *reinterpret_cast<MvSmem<MT>*>(mv_smraw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int g = lane >> 2, q = lane & 3;   // mma fragment coordinates
-  const int rh = warp / KP, wq = warp % KP;  // row half; k-part (phase 1) / column part (phase 3)
+  const int g = lane >> 2, q = lane & 3;     // mma fragment coordinates
+  const int rh = warp / KP, wq = warp % KP;  // row group of warps; k-part (phase 1) / column part (phase 3)
   const int M = p.T * p.H;
   const int m0 = blockIdx.x * RM;
   const int split = blockIdx.y, nsplit = gridDim.y;
@@ -114,7 +118,7 @@ __global__ void __launch_bounds__(32 * NW, 1) mla_verify_mma_kernel(VerifyAttent
   const int pr = tid / TPR, pq = tid % TPR;
   const int node2 = m0 + pr < M ? (m0 + pr) / p.H : -1;
   const float sl2 = p.scale * kLog2e;
-  const int ra = 16 * rh + g;  // this thread's fragment rows ra and ra + 8 (block-local)
+  const int ra = 16 * MT * rh + g;  // fragment rows of m-tile mt: ra + 16 mt and ra + 16 mt + 8 (block-local)
 
   if (tid < RM) {
     s.m[tid] = mv_neg_inf();
@@ -132,9 +136,11 @@ __global__ void __launch_bounds__(32 * NW, 1) mla_verify_mma_kernel(VerifyAttent
   }
   __syncthreads();
 
-  float O[CQ / 8][4];
+  float O[MT][NJ][4];
 #pragma unroll
-  for (int j = 0; j < CQ / 8; ++j) O[j][0] = O[j][1] = O[j][2] = O[j][3] = 0.f;
+  for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+    for (int j = 0; j < NJ; ++j) O[mt][j][0] = O[mt][j][1] = O[mt][j][2] = O[mt][j][3] = 0.f;
 
   for (int ch = c0; ch < c1; ++ch) {
     const int kbase = ch * KC;
@@ -166,53 +172,71 @@ __global__ void __launch_bounds__(32 * NW, 1) mla_verify_mma_kernel(VerifyAttent
         if (j < N) asm volatile("prefetch.global.L2 [%0];" ::"l"(p.kv + (size_t)j * p.kv_stride + (i % (DQ / 32)) * 32));
       }
     }
-    // ---------------- phase 1: partial S over this warp's k-quarter, 3xTF32
-    float big[4][4], s1[4][4], s2[4][4];
+    // ---------------- phase 1: partial S over this warp's k-part, 3xTF32 (hi*hi to big, the
+    // two cross terms to small: independent chains, summed in FP32 at the end)
+    {
+      float big[MT][4][4], small[MT][4][4];
 #pragma unroll
-    for (int j = 0; j < 4; ++j)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) big[j][e] = s1[j][e] = s2[j][e] = 0.f;
-    for (int r = 0; r < NGRP; ++r) {
-      mv_wait_le(NGRP - 1 - r);
-      __syncthreads();
-      const int d0 = (NGRP * wq + r) * SLAB;
+        for (int j = 0; j < 4; ++j)
 #pragma unroll
-      for (int kk = 0; kk < SLAB; kk += 8) {
-        const float* qa = &s.q[ra][d0 + kk + q];
-        uint32_t ah[4], al[4];
-        split_tf32(qa[0], ah[0], al[0]);
-        split_tf32(qa[8 * QS], ah[1], al[1]);
-        split_tf32(qa[4], ah[2], al[2]);
-        split_tf32(qa[8 * QS + 4], ah[3], al[3]);
+          for (int e = 0; e < 4; ++e) big[mt][j][e] = small[mt][j][e] = 0.f;
+      for (int r = 0; r < NGRP; ++r) {
+        mv_wait_le(NGRP - 1 - r);
+        __syncthreads();
+        const int d0 = (NGRP * wq + r) * SLAB;
 #pragma unroll
-        for (int j = 0; j < 4; ++j) {
-          const float* kb = &s.k[8 * j + g][d0 + kk + q];
-          uint32_t bh[2], bl[2];
-          split_tf32(kb[0], bh[0], bl[0]);
-          split_tf32(kb[4], bh[1], bl[1]);
-          mma_tf32(s1[j], al, bh);
-          mma_tf32(s2[j], ah, bl);
-          mma_tf32(big[j], ah, bh);
+        for (int kk = 0; kk < SLAB; kk += 8) {
+          uint32_t ah[MT][4], al[MT][4];
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            const float* qa = &s.q[ra + 16 * mt][d0 + kk + q];
+            split_tf32(qa[0], ah[mt][0], al[mt][0]);
+            split_tf32(qa[8 * QS], ah[mt][1], al[mt][1]);
+            split_tf32(qa[4], ah[mt][2], al[mt][2]);
+            split_tf32(qa[8 * QS + 4], ah[mt][3], al[mt][3]);
+          }
+#pragma unroll
+          for (int j = 0; j < 4; ++j) {
+            const float* kb = &s.k[8 * j + g][d0 + kk + q];
+            uint32_t bh[2], bl[2];
+            split_tf32(kb[0], bh[0], bl[0]);
+            split_tf32(kb[4], bh[1], bl[1]);
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+              mma_tf32(small[mt][j], al[mt], bh);
+              mma_tf32(small[mt][j], ah[mt], bl);
+              mma_tf32(big[mt][j], ah[mt], bh);
+            }
+          }
         }
       }
-    }
 #pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float2 top = make_float2(big[j][0] + (s1[j][0] + s2[j][0]), big[j][1] + (s1[j][1] + s2[j][1]));
-      const float2 bot = make_float2(big[j][2] + (s1[j][2] + s2[j][2]), big[j][3] + (s1[j][3] + s2[j][3]));
-      *reinterpret_cast<float2*>(&s.ps[wq][ra][8 * j + 2 * q]) = top;
-      *reinterpret_cast<float2*>(&s.ps[wq][ra + 8][8 * j + 2 * q]) = bot;
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const int row = ra + 16 * mt;
+          *reinterpret_cast<float2*>(&s.ps[wq][row][8 * j + 2 * q]) =
+              make_float2(big[mt][j][0] + small[mt][j][0], big[mt][j][1] + small[mt][j][1]);
+          *reinterpret_cast<float2*>(&s.ps[wq][row + 8][8 * j + 2 * q]) =
+              make_float2(big[mt][j][2] + small[mt][j][2], big[mt][j][3] + small[mt][j][3]);
+        }
     }
     __syncthreads();
-    // ---------------- phase 2: quarters summed, mask + online softmax (log2 domain), 8 threads per row
+    // ---------------- phase 2: k-parts summed, mask + online softmax (log2 domain), 8 threads per row
     {
       float v[KPT];
       {
         float part[KP][KPT];
 #pragma unroll
-        for (int k = 0; k < KP; ++k)
-#pragma unroll
-          for (int e = 0; e < KPT; ++e) part[k][e] = s.ps[k][pr][KPT * pq + e];
+        for (int k = 0; k < KP; ++k) {
+          const float4 x = *reinterpret_cast<const float4*>(&s.ps[k][pr][KPT * pq]);
+          part[k][0] = x.x;
+          part[k][1] = x.y;
+          part[k][2] = x.z;
+          part[k][3] = x.w;
+        }
 #pragma unroll
         for (int w = 1; w < KP; w *= 2)  // pairwise, fixed order: ((p0 + p1) + (p2 + p3)) + ...
 #pragma unroll
@@ -239,8 +263,7 @@ __global__ void __launch_bounds__(32 * NW, 1) mla_verify_mma_kernel(VerifyAttent
         v[e] = (mn == mv_neg_inf()) ? 0.f : exp2f(v[e] - mn);
         sum += v[e];
       }
-#pragma unroll
-      for (int e = 0; e < KPT; ++e) s.p[pr][KPT * pq + e] = v[e];
+      *reinterpret_cast<float4*>(&s.p[pr][KPT * pq]) = make_float4(v[0], v[1], v[2], v[3]);
 #pragma unroll
       for (int o = 1; o < TPR; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
       __syncwarp();  // every lane of the row has read s.m[pr] before it changes
@@ -252,38 +275,55 @@ __global__ void __launch_bounds__(32 * NW, 1) mla_verify_mma_kernel(VerifyAttent
       }
     }
     __syncthreads();
-    // ---------------- phase 3: chunk = P V (rows ra, ra + 8; columns 128 wq ..), O = alpha O + chunk
-    {
-      float oc[CQ / 8][4];
+    // ---------------- phase 3: chunk = P V (this warp's rows x columns CQ wq ..), O = alpha O + chunk.
+    // In MT column passes of NJ / MT n-tiles each, so the chunk's accumulator stays at 32 registers
+    // (P's fragments are re-read and re-split per pass: 8 values per k-step).
 #pragma unroll
-      for (int j = 0; j < CQ / 8; ++j) oc[j][0] = oc[j][1] = oc[j][2] = oc[j][3] = 0.f;
+    for (int jp = 0; jp < MT; ++jp) {
+      constexpr int NJP = NJ / MT;
+      float oc[MT][NJP][4];
 #pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < NJP; ++j) oc[mt][j][0] = oc[mt][j][1] = oc[mt][j][2] = oc[mt][j][3] = 0.f;
+      constexpr int KU = MT == 2 ? 1 : KC / 8;  // MT = 2: not unrolled (else 255 registers and spills)
+#pragma unroll KU
       for (int kk = 0; kk < KC; kk += 8) {
-        const float2 x = *reinterpret_cast<const float2*>(&s.p[ra][kk + 2 * q]);
-        const float2 y = *reinterpret_cast<const float2*>(&s.p[ra + 8][kk + 2 * q]);
-        uint32_t ah[4], al[4];
-        split_tf32(x.x, ah[0], al[0]);  // slot q     <-> key kk + 2q
-        split_tf32(y.x, ah[1], al[1]);
-        split_tf32(x.y, ah[2], al[2]);  // slot q + 4 <-> key kk + 2q + 1
-        split_tf32(y.y, ah[3], al[3]);
-        const float* v0 = &s.k[kk + 2 * q][CQ * wq + g];
+        uint32_t ah[MT][4], al[MT][4];
 #pragma unroll
-        for (int j = 0; j < CQ / 8; ++j) {
+        for (int mt = 0; mt < MT; ++mt) {
+          const float2 x = *reinterpret_cast<const float2*>(&s.p[ra + 16 * mt][kk + 2 * q]);
+          const float2 y = *reinterpret_cast<const float2*>(&s.p[ra + 16 * mt + 8][kk + 2 * q]);
+          split_tf32(x.x, ah[mt][0], al[mt][0]);  // slot q     <-> key kk + 2q
+          split_tf32(y.x, ah[mt][1], al[mt][1]);
+          split_tf32(x.y, ah[mt][2], al[mt][2]);  // slot q + 4 <-> key kk + 2q + 1
+          split_tf32(y.y, ah[mt][3], al[mt][3]);
+        }
+        const float* v0 = &s.k[kk + 2 * q][CQ * wq + 8 * NJP * jp + g];
+#pragma unroll
+        for (int j = 0; j < NJP; ++j) {
           uint32_t bh[2], bl[2];
           split_tf32(v0[8 * j], bh[0], bl[0]);
           split_tf32(v0[QS + 8 * j], bh[1], bl[1]);
-          mma_tf32(oc[j], al, bh);
-          mma_tf32(oc[j], ah, bl);
-          mma_tf32(oc[j], ah, bh);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            mma_tf32(oc[mt][j], al[mt], bh);
+            mma_tf32(oc[mt][j], ah[mt], bl);
+            mma_tf32(oc[mt][j], ah[mt], bh);
+          }
         }
       }
-      const float a0 = s.alpha[ra], a1 = s.alpha[ra + 8];
 #pragma unroll
-      for (int j = 0; j < CQ / 8; ++j) {
-        O[j][0] = fmaf(O[j][0], a0, oc[j][0]);
-        O[j][1] = fmaf(O[j][1], a0, oc[j][1]);
-        O[j][2] = fmaf(O[j][2], a1, oc[j][2]);
-        O[j][3] = fmaf(O[j][3], a1, oc[j][3]);
+      for (int mt = 0; mt < MT; ++mt) {
+        const float a0 = s.alpha[ra + 16 * mt], a1 = s.alpha[ra + 16 * mt + 8];
+#pragma unroll
+        for (int j = 0; j < NJP; ++j) {
+          float* o = O[mt][NJP * jp + j];
+          o[0] = fmaf(o[0], a0, oc[mt][j][0]);
+          o[1] = fmaf(o[1], a0, oc[mt][j][1]);
+          o[2] = fmaf(o[2], a1, oc[mt][j][2]);
+          o[3] = fmaf(o[3], a1, oc[mt][j][3]);
+        }
       }
     }
     __syncthreads();  // the key rows and P are free for the next chunk
@@ -295,16 +335,18 @@ __global__ void __launch_bounds__(32 * NW, 1) mla_verify_mma_kernel(VerifyAttent
   float* wso = (float*)p.workspace;
   float* wsml = wso + (size_t)nsplit * M * C;
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int lr = ra + 8 * h, gm = m0 + lr;
-    if (gm >= M) continue;
-    const float l = s.l[lr];
-    const float inv = final_out ? (l > 0.f ? 1.f / l : 0.f) : 1.f;
-    float* dst = (final_out ? p.out + (size_t)gm * C : wso + ((size_t)split * M + gm) * C) + CQ * wq + 2 * q;
+  for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-    for (int j = 0; j < CQ / 8; ++j)
-      *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(O[j][2 * h] * inv, O[j][2 * h + 1] * inv);
-  }
+    for (int h = 0; h < 2; ++h) {
+      const int lr = ra + 16 * mt + 8 * h, gm = m0 + lr;
+      if (gm >= M) continue;
+      const float l = s.l[lr];
+      const float inv = final_out ? (l > 0.f ? 1.f / l : 0.f) : 1.f;
+      float* dst = (final_out ? p.out + (size_t)gm * C : wso + ((size_t)split * M + gm) * C) + CQ * wq + 2 * q;
+#pragma unroll
+      for (int j = 0; j < NJ; ++j)
+        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(O[mt][j][2 * h] * inv, O[mt][j][2 * h + 1] * inv);
+    }
   if (!final_out && tid < RM && m0 + tid < M) {
     const int gm = m0 + tid;
     wsml[((size_t)split * M + gm) * 2 + 0] = s.m[tid];
@@ -317,23 +359,23 @@ __global__ void __launch_bounds__(32 * NW, 1) mla_verify_mma_kernel(VerifyAttent
 int verify_mma_rows() { return mv::RM; }
 int verify_mma_chunk() { return mv::KC; }
 
-// KDTREE_MMA_WARPS = 8 or 16 (wip A/B switch)
-static int mma_warps() {
+// KDTREE_MMA_MT = 1 or 2 (wip A/B switch: m-tiles per warp)
+static int mma_mt() {
   static int w = [] {
-    const char* e = std::getenv("KDTREE_MMA_WARPS");
-    return e && std::atoi(e) == 16 ? 16 : 8;
+    const char* e = std::getenv("KDTREE_MMA_MT");
+    return e && std::atoi(e) == 1 ? 1 : 2;
   }();
   return w;
 }
 
-template <int NW>
-static bool mma_ready_nw() {
+template <int MT>
+static bool mma_ready_mt() {
   static int state = 0;
   if (state == 0) {
-    cudaError_t e = cudaFuncSetAttribute(mla_verify_mma_kernel<NW>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)sizeof(MvSmem<NW>));
+    cudaError_t e = cudaFuncSetAttribute(mla_verify_mma_kernel<MT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)sizeof(MvSmem<MT>));
     if (e == cudaSuccess &&
-        cudaFuncSetAttribute(mla_verify_mma_kernel<NW>, cudaFuncAttributePreferredSharedMemoryCarveout, 100) != cudaSuccess)
+        cudaFuncSetAttribute(mla_verify_mma_kernel<MT>, cudaFuncAttributePreferredSharedMemoryCarveout, 100) != cudaSuccess)
       cudaGetLastError();  // only a hint
     if (e != cudaSuccess) cudaGetLastError();
     state = e == cudaSuccess ? 1 : -1;
@@ -341,14 +383,13 @@ static bool mma_ready_nw() {
   return state == 1;
 }
 
-bool verify_mma_ready() { return mma_warps() == 16 ? mma_ready_nw<16>() : mma_ready_nw<8>(); }
+bool verify_mma_ready() { return mma_mt() == 1 ? mma_ready_mt<1>() : mma_ready_mt<2>(); }
 
 cudaError_t launch_verify_mma(const VerifyAttentionParams& p, int splits, cudaStream_t stream) {
   const int M = p.T * p.H;
   const dim3 grid((M + mv::RM - 1) / mv::RM, splits);
-  if (mma_warps() == 16)
-    return launch_kernel(mla_verify_mma_kernel<16>, grid, 512, sizeof(MvSmem<16>), stream, p);
-  return launch_kernel(mla_verify_mma_kernel<8>, grid, 256, sizeof(MvSmem<8>), stream, p);
+  if (mma_mt() == 1) return launch_kernel(mla_verify_mma_kernel<1>, grid, mv::NT, sizeof(MvSmem<1>), stream, p);
+  return launch_kernel(mla_verify_mma_kernel<2>, grid, mv::NT, sizeof(MvSmem<2>), stream, p);
 }
 
 }  // namespace cuda
