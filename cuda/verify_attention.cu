@@ -964,8 +964,8 @@ constexpr int kSmemPerSm = 228 * 1024;      // Hopper: 228 KB per SM, 1 KB of it
 constexpr int kSplitKvBlocksPerSm = kSmemPerSm / ((int)sizeof(SkSmem) + 1024);
 constexpr int kSplitKvTargetWaves = 4;      // split-KV: at most ~4 waves of (SMs x blocks/SM) blocks
 constexpr int kSplitKvMaxSplits = 128;
-constexpr double kMmaChunkUs = 9.0;         // tensor-core kernel: one 32-row x 32-key chunk on one SM
-                                            //   (measured 8.6-9.1 us on the H200 at L = 4096 and 32768)
+constexpr double kMmaChunkUs = 7.8;         // tensor-core kernel: one 32-row x 32-key chunk on one SM
+                                            //   (measured on the H200: T = 65, H = 16, L = 4096)
 constexpr double kMmaWaveUs = 3.0;          // ... per wave of blocks (Q load, first chunk's latency, epilogue)
 constexpr int kMmaTargetWaves = 4;
           // ... at most ~4 waves of (SMs x 1) blocks
@@ -1183,16 +1183,17 @@ size_t decode_ws_bytes(const VerifyAttentionParams& p) {
 }
 
 // Auto choice of the tensor-core kernel: a measured rule, not the cost model (H200,
-// bench_cuda_verify_attention.py, docs/BENCHMARKS.md "Verify attention on the tensor cores"): it is
-// faster than the best CUDA-core kernel for every measured shape with M = T x H >= 256 query rows
-// and N = L + T >= 512 keys (T = 17, H = 16, L = 512: 24.7 vs 32.4 us; T = 65, L = 4096: 300 vs
-// 361; B = 256, H = 64, L = 32768: 35.5 vs 36.0 ms), with M >= 2048 at any N (B = 256, H = 16, L =
-// 0: 36 vs 77 us) and with M >= 128 rows at N >= 4096 (T = 1, H = 128, L = 4096: 50 vs 58 us), and
-// slower with fewer rows or keys (T = 1, H = 16: 15.5 vs 11.0 us at L = 512; B = 16, H = 16, L = 0:
-// 12.9 vs 7.8 us), where one 32-row block per chunk leaves too little work per block.
+// bench_cuda_verify_attention.py, docs/BENCHMARKS.md "Verify attention on the tensor cores"). With
+// M = T x H query rows and N = L + T keys it was faster than the best CUDA-core kernel on every
+// measured shape with M >= 256 and N >= 512 (T = 17, H = 16, L = 512: 22 vs 32 us; T = 65, L =
+// 4096: 258 vs 360; B = 256, H = 64, L = 4096: 3.96 vs 4.63 ms), M >= 1024 and N >= 64 (B = 64,
+// H = 16, L = 0: 16 vs 18 us), M >= 2048 at any N (B = 256, H = 16, L = 0: 35 vs 77 us) and M >=
+// 128 with N >= 4096 (T = 1, H = 128, L = 4096: 48 vs 58 us); slower with fewer rows or keys (T = 1,
+// H = 16, L = 512: 15 vs 11 us; B = 16, H = 16 or 64, L = 0: 12.5 vs 7.8 / 11.1 us), where one
+// 32-row block per chunk leaves too little work per block.
 bool mma_wins(const VerifyAttentionParams& p) {
   const long long M = (long long)p.T * p.H, N = (long long)p.L + p.T;
-  return M >= 2048 || (M >= 256 && N >= 512) || (M >= 128 && N >= 4096);
+  return M >= 2048 || (M >= 1024 && N >= 64) || (M >= 256 && N >= 512) || (M >= 128 && N >= 4096);
 }
 
 struct Choice {

@@ -8,30 +8,36 @@
 // set), but both products run as mma.sync m16n8k8 TF32 with each FP32 operand split into
 // hi + lo (tile_mma.h): a product is hi*hi + hi*lo + lo*hi, ~2^-22 of it dropped, FP32 sums.
 //
-// A block: 256 threads (8 warps), RM = 32 query rows (row m = node * H + head), one at a time per
-// SM (170 KB of shared memory). Per 32-key chunk:
+// A block: 256 threads (8 warps), RM = 32 query rows (row m = node * H + head), one block per SM
+// (190 KB of shared memory: Q 32 x 580, one key chunk 32 x 580, the partial scores). Per 32-key
+// chunk:
 //  * the chunk's 32 key rows land in shared memory in three cp.async groups; group r holds the
-//    48-column slabs 3 kq + r of every k-quarter kq, so each warp can start on its own columns
-//    as soon as the first group is in (and the next chunk's rows are prefetched into L2);
-//  * phase 1, S = Q K^T: warp w = 4 rh + kq computes the 16 rows [16 rh, 16 rh + 16) x all 32
-//    keys over the 144 columns [144 kq, 144 kq + 144): 4 mma n-tiles of 8 keys per k-step, the
-//    Q fragment split once per k-step and used for all four. The three partial products go to
-//    three accumulators (hi*hi, hi*lo, lo*hi: short independent mma chains, summed in FP32 as
-//    big + (s1 + s2)); the four k-quarters are added in shared memory in a fixed order;
+//    24-column slabs 3 w + r of every warp w, so each warp starts on its own columns as soon as the
+//    first group is in (and the next chunk's rows are prefetched into L2);
+//  * phase 1, S = Q K^T: warp w computes all 32 rows (two m-tiles) x all 32 keys (four n-tiles)
+//    over its 72 columns [72 w, 72 w + 72), so every Q and K element is split into hi + lo once per
+//    chunk. hi*hi goes to one accumulator, the two cross terms to another (independent mma
+//    chains, added in FP32 at the end); the eight k-parts are added in shared memory in a fixed
+//    pairwise order;
 //  * phase 2: 8 threads per row mask the 32 scores (key < L: visible; L <= key < L + T: the
 //    node's bitmask; beyond: none) and run the online softmax in the log2 domain (the split-KV
 //    kernel's formulas), P to shared memory;
-//  * phase 3, O = alpha O + P V: warp w = 4 rh + cq owns rows [16 rh, 16 rh + 16) x columns
-//    [128 cq, 128 cq + 128): 16 n-tiles of 8 columns, k = the 32 keys. The k index of each
-//    8-key step is permuted (slot q <-> key 2q, slot q + 4 <-> key 2q + 1), so P's A fragment is
-//    two float2 loads and V's B fragment reads are bank-conflict free (rows 580 floats apart).
-//    The chunk's product goes to a fresh accumulator that is then added to O with CUDA-core FMAs
-//    (O = alpha O + chunk): each tensor-core accumulation chain is one chunk long.
+//  * phase 3, O = alpha O + P V: warp w owns all 32 rows x columns [64 w, 64 w + 64), in two
+//    passes of four 8-column n-tiles; k = the 32 keys. The k index of each 8-key step is permuted
+//    (slot q <-> key 2q, slot q + 4 <-> key 2q + 1), so P's A fragment is two float2 loads and V's
+//    B fragment reads are bank-conflict free (rows 580 floats apart). The chunk's product goes to
+//    a fresh accumulator that is then added to O with CUDA-core FMAs (O = alpha O + chunk), so a
+//    tensor-core accumulation chain is one chunk long, whatever L is.
 // A chunk that no row of the block sees (tree region) is skipped whole, which is exact.
+// Measured (H200, docs/BENCHMARKS.md): issue-bound on the hi/lo splits more than on the mma
+// (ncu, first version: 2 warps per scheduler issuing every 3.9 cycles, 50 % of the SM's issue
+// rate; the SASS showed cvt.rna.tf32.f32 emulated in four instructions plus an inf test). Taking
+// all 32 rows per warp (each K / V element split once per chunk, not twice) gained ~5 %,
+// tile_mma.h's two-instruction rounding (the same bits) another 8-10 %; 16 warps per block (128
+// registers) lost 5-8 %.
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 
 #include "kernels.h"
 #include "launch.h"
@@ -54,24 +60,18 @@ constexpr int NGRP = 3;      // cp.async groups per chunk (a k-part = 3 slabs)
 constexpr int TPR = NT / RM; // phase 2: threads per row (8)
 constexpr int KPT = KC / TPR;  // ... and keys per thread (4)
 constexpr float kLog2e = 1.4426950408889634f;
-// MT m-tiles (16 rows) per warp: MT = 1: warp w = 4 rh + part (row half rh, KP = 4 parts);
-// MT = 2: every warp takes all 32 rows, KP = 8 parts
-template <int MT>
-struct Cfg {
-  static constexpr int RH = 2 / MT;              // row groups of warps
-  static constexpr int KP = NW / RH;             // k-parts (phase 1) = column parts (phase 3)
-  static constexpr int SLAB = DQ / (KP * NGRP);  // columns of one k-part in one cp.async group
-  static constexpr int CQ = C / KP;              // phase 3: output columns per warp
-  static constexpr int NJ = CQ / 8;              // ... in n-tiles of 8
-  static_assert(KP * NGRP * SLAB == DQ && SLAB % 8 == 0, "slabs cover the key row in whole k-steps");
-};
+constexpr int MT = 2;         // m-tiles of 16 rows per warp: every warp takes all 32 rows
+constexpr int KP = NW;        // k-parts (phase 1) = column parts (phase 3): one per warp
+constexpr int SLAB = DQ / (KP * NGRP);  // 24 columns of one k-part in one cp.async group
+constexpr int CQ = C / KP;    // phase 3: 64 output columns per warp
+constexpr int NJ = CQ / 8;    // ... in 8 n-tiles
+static_assert(KP * NGRP * SLAB == DQ && SLAB % 8 == 0, "slabs cover the key row in whole k-steps");
 }  // namespace mv
 
-template <int MT>
 struct __align__(16) MvSmem {
   float q[mv::RM][mv::QS];
   float k[mv::KC][mv::QS];
-  float ps[mv::Cfg<MT>::KP][mv::RM][mv::PS];  // phase-1 partial scores of the k-parts
+  float ps[mv::KP][mv::RM][mv::PS];  // phase-1 partial scores of the k-parts
   float p[mv::RM][mv::PS];                    // the chunk's probabilities
   float m[mv::RM], l[mv::RM], alpha[mv::RM];
 };
@@ -95,17 +95,14 @@ __device__ __forceinline__ void mv_wait_le(int n) {
   }
 }
 
-template <int MT>
 __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttentionParams p) {
   pdl_prologue();
   using namespace mv;
-  using G = Cfg<MT>;
-  constexpr int KP = G::KP, SLAB = G::SLAB, CQ = G::CQ, NJ = G::NJ;
   extern __shared__ __align__(16) unsigned char mv_smraw[];
-  MvSmem<MT>& s = *reinterpret_cast<MvSmem<MT>*>(mv_smraw);
+  MvSmem& s = *reinterpret_cast<MvSmem*>(mv_smraw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, q = lane & 3;     // mma fragment coordinates
-  const int rh = warp / KP, wq = warp % KP;  // row group of warps; k-part (phase 1) / column part (phase 3)
+  const int wq = warp;  // k-part (phase 1) / column part (phase 3)
   const int M = p.T * p.H;
   const int m0 = blockIdx.x * RM;
   const int split = blockIdx.y, nsplit = gridDim.y;
@@ -118,7 +115,7 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
   const int pr = tid / TPR, pq = tid % TPR;
   const int node2 = m0 + pr < M ? (m0 + pr) / p.H : -1;
   const float sl2 = p.scale * kLog2e;
-  const int ra = 16 * MT * rh + g;  // fragment rows of m-tile mt: ra + 16 mt and ra + 16 mt + 8 (block-local)
+  const int ra = g;  // fragment rows of m-tile mt: ra + 16 mt and ra + 16 mt + 8 (block-local)
 
   if (tid < RM) {
     s.m[tid] = mv_neg_inf();
@@ -276,18 +273,18 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
     }
     __syncthreads();
     // ---------------- phase 3: chunk = P V (this warp's rows x columns CQ wq ..), O = alpha O + chunk.
-    // In MT column passes of NJ / MT n-tiles each, so the chunk's accumulator stays at 32 registers
-    // (P's fragments are re-read and re-split per pass: 8 values per k-step).
+    // In NPASS column passes of NJ / NPASS n-tiles each, so the chunk's accumulator stays at 32
+    // registers (P's fragments are re-read and re-split per pass: 8 values per k-step).
+    constexpr int NPASS = 2;
 #pragma unroll
-    for (int jp = 0; jp < MT; ++jp) {
-      constexpr int NJP = NJ / MT;
+    for (int jp = 0; jp < NPASS; ++jp) {
+      constexpr int NJP = NJ / NPASS;
       float oc[MT][NJP][4];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
         for (int j = 0; j < NJP; ++j) oc[mt][j][0] = oc[mt][j][1] = oc[mt][j][2] = oc[mt][j][3] = 0.f;
-      constexpr int KU = MT == 2 ? 1 : KC / 8;  // MT = 2: not unrolled (else 255 registers and spills)
-#pragma unroll KU
+#pragma unroll 1  // unrolled: 255 registers and spills
       for (int kk = 0; kk < KC; kk += 8) {
         uint32_t ah[MT][4], al[MT][4];
 #pragma unroll
@@ -359,23 +356,13 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
 int verify_mma_rows() { return mv::RM; }
 int verify_mma_chunk() { return mv::KC; }
 
-// KDTREE_MMA_MT = 1 or 2 (wip A/B switch: m-tiles per warp)
-static int mma_mt() {
-  static int w = [] {
-    const char* e = std::getenv("KDTREE_MMA_MT");
-    return e && std::atoi(e) == 1 ? 1 : 2;
-  }();
-  return w;
-}
-
-template <int MT>
-static bool mma_ready_mt() {
+bool verify_mma_ready() {
   static int state = 0;
   if (state == 0) {
-    cudaError_t e = cudaFuncSetAttribute(mla_verify_mma_kernel<MT>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         (int)sizeof(MvSmem<MT>));
+    cudaError_t e = cudaFuncSetAttribute(mla_verify_mma_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         (int)sizeof(MvSmem));
     if (e == cudaSuccess &&
-        cudaFuncSetAttribute(mla_verify_mma_kernel<MT>, cudaFuncAttributePreferredSharedMemoryCarveout, 100) != cudaSuccess)
+        cudaFuncSetAttribute(mla_verify_mma_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100) != cudaSuccess)
       cudaGetLastError();  // only a hint
     if (e != cudaSuccess) cudaGetLastError();
     state = e == cudaSuccess ? 1 : -1;
@@ -383,13 +370,9 @@ static bool mma_ready_mt() {
   return state == 1;
 }
 
-bool verify_mma_ready() { return mma_mt() == 1 ? mma_ready_mt<1>() : mma_ready_mt<2>(); }
-
 cudaError_t launch_verify_mma(const VerifyAttentionParams& p, int splits, cudaStream_t stream) {
   const int M = p.T * p.H;
-  const dim3 grid((M + mv::RM - 1) / mv::RM, splits);
-  if (mma_mt() == 1) return launch_kernel(mla_verify_mma_kernel<1>, grid, mv::NT, sizeof(MvSmem<1>), stream, p);
-  return launch_kernel(mla_verify_mma_kernel<2>, grid, mv::NT, sizeof(MvSmem<2>), stream, p);
+  return launch_kernel(mla_verify_mma_kernel, dim3((M + mv::RM - 1) / mv::RM, splits), mv::NT, sizeof(MvSmem), stream, p);
 }
 
 }  // namespace cuda

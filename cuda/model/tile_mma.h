@@ -35,12 +35,18 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
+// x rounded to TF32 (10 mantissa bits), to nearest with ties away from zero: for finite x the
+// bits cvt.rna.tf32.f32 gives, in two integer instructions (sm_90 has no single instruction for
+// that cvt; ptxas emulates it in four plus an inf/NaN test). An infinite x stays infinite; a NaN
+// stays a NaN except a mantissa of all ones, which rounds into the sign bit (the split below
+// still carries the NaN in lo).
+__device__ __forceinline__ uint32_t tf32_rna(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
+
 // 3xTF32: x = hi + lo with hi = tf32(x), lo = tf32(x - hi) (x - hi is exact in FP32); a product
 // is hi_a hi_b + hi_a lo_b + lo_a hi_b (the dropped lo_a lo_b is ~2^-22 of it), FP32 accumulation
 __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(hi) : "f"(x));
-  const float r = x - __uint_as_float(hi);
-  asm("cvt.rna.tf32.f32 %0, %1;\n" : "=r"(lo) : "f"(r));
+  hi = tf32_rna(x);
+  lo = tf32_rna(x - __uint_as_float(hi));
 }
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm volatile(

@@ -480,7 +480,8 @@ def test_verify_attention_workspace_covers_choice_and_grows_with_L():
                         what = (T, H, L, fk, fs, kernel, s, ws)
                         assert kernel in (1, 2, 3, 4), what
                         N_ = L + T
-                        mma_rule = M >= 2048 or (M >= 256 and N_ >= 512) or (M >= 128 and N_ >= 4096)
+                        mma_rule = (M >= 2048 or (M >= 1024 and N_ >= 64) or (M >= 256 and N_ >= 512)
+                                    or (M >= 128 and N_ >= 4096))
                         if kernel == 3:  # decode: only forced, up to 1024 rows and 16384 keys
                             assert fk == 3 and M <= 1024 and L + T <= 16384, what
                             assert s == 1 and ws >= M * ((L + T + 3) // 4 * 4) * 4, what
