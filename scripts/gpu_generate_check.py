@@ -5,8 +5,8 @@ Exit status non-zero on any mismatch. Run from the repository root:
 
     compute-sanitizer --tool memcheck python3 scripts/gpu_generate_check.py [NAME=VALUE ...]
 
-NAME=VALUE pairs are CudaModel options (ints, true/false), e.g. skinny_max_tokens=4 to run the
-verify steps' projections through linear_tile.
+NAME=VALUE pairs are CudaModel options (ints, true/false or strings), e.g. skinny_max_tokens=4 to run the
+verify steps' projections through linear_tile, attention_kernel=mma for the tensor-core attention.
 """
 import os
 import sys
@@ -21,7 +21,9 @@ from test_cuda_model import MLA512, load
 
 def option(text):
     name, _, value = text.partition("=")
-    return name, (value.lower() == "true") if value.lower() in ("true", "false") else int(value)
+    if value.lower() in ("true", "false"):
+        return name, value.lower() == "true"
+    return name, int(value) if value.lstrip("-").isdigit() else value  # e.g. attention_kernel=mma
 
 
 opts = dict(option(a) for a in sys.argv[1:])
