@@ -143,9 +143,10 @@ struct VerifyAttentionParams {
   int force_naive;              // testing: 1 = the simple reference kernel
   int force_splits;             // testing: > 0 forces the number of key splits (of whichever fast
                                 //   kernel runs; clamped to its key tiles/chunks and the workspace cap)
-  int force_kernel;             // 0 = auto (cost model), 1 = tiled kernel, 2 = split-KV kernel,
+  int force_kernel;             // 0 = auto (rule + cost model), 1 = tiled kernel, 2 = split-KV kernel,
                                 //   3 = the two-pass decode kernels (M <= 1024 rows, L+T <= 16384;
-                                //   else split-KV); 1 with T > 2048 runs split-KV; force_naive wins
+                                //   else split-KV), 4 = tensor cores (3xTF32, verify_attention_mma.cu);
+                                //   1 with T > 2048 runs split-KV; force_naive wins
   const int* L_dev;             // optional device int: the real committed length, read by the
                                 //   kernels (CUDA graph capture); then 0 <= *L_dev <= L and L is the
                                 //   host's upper bound (grid, split count, workspace size only)
@@ -158,8 +159,8 @@ size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p);
 // True when a fast kernel handles these shapes (C = 512, R = 64, 16-byte aligned rows, not
 // force_naive); the tiled one also needs T <= 2048.
 bool verify_attention_fast_path(const VerifyAttentionParams& p);
-// The cost model's pick for these params: kernel 0 = plain, 1 = tiled, 2 = split-KV, 3 = decode
-// (two passes, no splits); key splits; query rows per split-KV block (4, 8 or 16).
+// The pick for these params: kernel 0 = plain, 1 = tiled, 2 = split-KV, 3 = decode (two passes,
+// no splits), 4 = tensor cores; key splits; query rows per block (split-KV: 4, 8 or 16; tensor cores: 32).
 void verify_attention_choice(const VerifyAttentionParams& p, int* kernel, int* splits, int* rows = nullptr);
 cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream);
 

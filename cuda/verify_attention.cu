@@ -18,8 +18,11 @@
 // A second fast kernel, the split-KV decode kernel (flash-decoding style), serves few query rows
 // and short contexts, where the 64 x 128 tiles above leave most SMs idle and each block's tile
 // is long: a block owns 16 query rows and a contiguous range of 32-key chunks; the grid is
-// (row groups, key splits) and the same combine kernel merges the splits. verify_attention()
-// picks the cheaper of the two from a small cost model (constants in `namespace cost`).
+// (row groups, key splits) and the same combine kernel merges the splits. A third, on the tensor
+// cores (3xTF32, FP32-accurate; verify_attention_mma.cu), has the split-KV structure with 32-row
+// blocks and runs where a measured rule says it is faster (mma_wins: trees of 17+ tokens at H = 16
+// and every big problem); otherwise verify_attention() picks the cheaper CUDA-core kernel from a
+// small cost model (constants in `namespace cost`).
 // With p.L_dev set, every kernel reads the committed length from device memory (p.L is then the
 // host's upper bound, used for the grid, the split count and the workspace only), so one
 // launch can be captured in a CUDA graph and replayed as L grows.

@@ -171,7 +171,7 @@ def verify_attention(q_latent, q_rope, kv_latent, k_rope, visibility, scale, for
     q_latent [T,H,C], q_rope [T,H,R], kv_latent [L+T,C], k_rope [L+T,R], visibility bool [T,T]
     (or uint64 words [T, W]), scale. Returns out_latent float32 [T,H,C].
     Testing knobs: force_naive (the plain kernel), force_splits (> 0: key splits), force_kernel
-    (0 = auto, 1 = tiled, 2 = split-KV, 3 = decode), l_bound (int >= L: L reaches the kernels through a
+    (0 = auto, 1 = tiled, 2 = split-KV, 3 = decode, 4 = tensor cores), l_bound (int >= L: L reaches the kernels through a
     device int and l_bound is the host's upper bound, as under CUDA-graph capture), force_rows (4, 8 or
     16 query rows per split-KV block; 0 = the cost model's pick).
     """
@@ -190,8 +190,8 @@ def verify_attention(q_latent, q_rope, kv_latent, k_rope, visibility, scale, for
 
 def verify_attention_choice(T, H, L, force_kernel=0, force_splits=0, force_rows=0, rows=False):
     """verify_attention's pick for C=512, R=64 aligned buffers: (kernel, splits), with rows=True
-    also the split-KV kernel's query rows per block (8 or 16); kernel 0 = plain, 1 = tiled,
-    2 = split-KV, 3 = decode (two passes)."""
+    also the query rows per block (split-KV: 4, 8 or 16; tensor cores: 32); kernel 0 = plain,
+    1 = tiled, 2 = split-KV, 3 = decode (two passes), 4 = tensor cores (3xTF32)."""
     _require()
     r = tuple(_native.cuda_verify_attention_choice(int(T), int(H), int(L), force_kernel=int(force_kernel),
                                                    force_splits=int(force_splits), force_rows=int(force_rows)))
