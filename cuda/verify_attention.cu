@@ -970,8 +970,7 @@ constexpr int kSplitKvMaxSplits = 128;
 constexpr double kMmaChunkUs = 7.8;         // tensor-core kernel: one 32-row x 32-key chunk on one SM
                                             //   (measured on the H200: T = 65, H = 16, L = 4096)
 constexpr double kMmaWaveUs = 3.0;          // ... per wave of blocks (Q load, first chunk's latency, epilogue)
-constexpr int kMmaTargetWaves = 4;
-          // ... at most ~4 waves of (SMs x 1) blocks
+constexpr int kMmaTargetWaves = 4;          // ... at most ~4 waves of (SMs x 1) blocks
 constexpr int kTiledMaxSplits = 64;
 constexpr size_t kMaxWorkspaceBytes = size_t(64) << 20;  // splits * M * (C + 2) * 4 bytes at most
 }  // namespace cost
@@ -1202,14 +1201,15 @@ bool mma_wins(const VerifyAttentionParams& p) {
 struct Choice {
   int kernel;  // 0 = plain, 1 = tiled, 2 = split-KV, 3 = decode (two passes), 4 = tensor cores
   int splits;
-  int rows;    // split-KV: query rows per block (8 or 16)
+  int rows;    // query rows per block (split-KV: 4, 8 or 16; tensor cores: 32)
 };
 
 Choice choose(const VerifyAttentionParams& p) {
   if (!splitkv_ok(p)) return {0, 1, 16};
   if (p.force_kernel == 3 && decode_ok(p)) return {3, 1, 16};
   if (p.force_kernel == 1 && tiled_ok(p)) return {1, tiled_splits(p, nullptr), 16};
-  // (the tensor-core kernel needs 170 KB of shared memory per block: elsewhere the others run)
+  // (the tensor-core kernel needs 190 KB of shared memory per block: where a GPU cannot give it,
+  // the CUDA-core kernels run)
   if ((p.force_kernel == 4 || (p.force_kernel == 0 && mma_wins(p))) && verify_mma_ready())
     return {4, mma_splits(p, nullptr), verify_mma_rows()};
   const int rows = splitkv_rows(p);

@@ -37,16 +37,18 @@ __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_gr
 
 // x rounded to TF32 (10 mantissa bits), to nearest with ties away from zero: for finite x the
 // bits cvt.rna.tf32.f32 gives, in two integer instructions (sm_90 has no single instruction for
-// that cvt; ptxas emulates it in four plus an inf/NaN test). An infinite x stays infinite; a NaN
-// stays a NaN except a mantissa of all ones, which rounds into the sign bit (the split below
-// still carries the NaN in lo).
+// that cvt: ptxas emulates it in four plus an inf/NaN test). An infinite x stays infinite; a NaN
+// whose top 11 mantissa bits are all ones (CUDA's canonical NaN is one) carries into the sign
+// and comes out as a zero: split_tf32 below keeps such a NaN in lo.
 __device__ __forceinline__ uint32_t tf32_rna(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
 
 // 3xTF32: x = hi + lo with hi = tf32(x), lo = tf32(x - hi) (x - hi is exact in FP32); a product
-// is hi_a hi_b + hi_a lo_b + lo_a hi_b (the dropped lo_a lo_b is ~2^-22 of it), FP32 accumulation
+// is hi_a hi_b + hi_a lo_b + lo_a hi_b (the dropped lo_a lo_b is ~2^-22 of it), FP32 accumulation.
+// A NaN x gives a NaN lo (x - hi is NaN whatever hi became), so NaN inputs still give NaN products.
 __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
   hi = tf32_rna(x);
-  lo = tf32_rna(x - __uint_as_float(hi));
+  const float r = x - __uint_as_float(hi);
+  lo = r != r ? __float_as_uint(r) : tf32_rna(r);
 }
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm volatile(

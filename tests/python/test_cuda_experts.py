@@ -80,6 +80,25 @@ def test_expert_gemm_matches_float64(kernel, tile_rows, swiglu, shape):
         assert (err <= 1e-5 * bound + 1e-30).all(), f"max err / bound {np.max(err / (bound + 1e-30)):.3g}"
 
 
+@pytest.mark.parametrize("nan_bits", [0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000])
+@pytest.mark.parametrize("kernel,tile_rows", KERNELS)
+def test_expert_nan_weight_propagates(kernel, tile_rows, nan_bits):
+    """A NaN in one weight row of one expert gives NaN in that output column of exactly the slots
+    routed to that expert, in every kernel (the tensor cores' TF32 rounding must keep CUDA's
+    canonical NaN, all mantissa bits set, a NaN)."""
+    rng = np.random.default_rng(12)
+    T, K, E, Nout, Kd = 33, 8, 64, 64, 256
+    idx = routing(rng, T, K, E, False)
+    x = rng.standard_normal((T, Kd)).astype(np.float32)
+    w = rng.standard_normal((E, Nout, Kd)).astype(np.float32)
+    e = int(idx[0, 0])
+    w[e, 9, 17] = np.array([nan_bits], np.uint32).view(np.float32)[0]
+    y, slot_token = N.cuda_expert_gemm(x, w, idx, E, False, tile_rows, kernel)
+    slot_expert = np.sort(idx.reshape(-1), kind="stable")
+    hit = slot_expert == e
+    assert np.isnan(y[hit, 9]).all() and np.isfinite(y[~hit]).all() and np.isfinite(np.delete(y, 9, axis=1)).all()
+
+
 @pytest.mark.parametrize("tile_rows", [8, 16, 32, 64])
 def test_expert_mma_deterministic_and_close_to_gemv(tile_rows):
     """The same call twice gives the same bits; the tensor-core kernel and the GEMV-style one

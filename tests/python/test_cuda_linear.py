@@ -329,6 +329,21 @@ def test_tile_tensor_cores_are_fp32_accurate():
         assert (np.abs(got - ref) <= 5e-6 * scale).all(), (tile_math, float((np.abs(got - ref) / scale).max()))
 
 
+@pytest.mark.parametrize("nan_bits", [0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000])
+def test_tile_nan_weight_propagates(nan_bits):
+    """A NaN weight gives a NaN in its output column and nowhere else, on the tensor cores too
+    (their TF32 rounding must not turn CUDA's canonical NaN, all mantissa bits set, into 0)."""
+    rng = np.random.default_rng(10)
+    x = rng.standard_normal((17, 256)).astype(np.float32)
+    w = rng.standard_normal((1, 40 * 256)).astype(np.float32)
+    w[0, 7 * 256 + 100] = np.array([nan_bits], np.uint32).view(np.float32)[0]
+    y = np.zeros((17, 40), np.float32)
+    for tile_math in (0, 1):
+        got = N.cuda_linear_skinny(x, w, y, 17, 40, 256, kernel="tile", tile_math=tile_math)
+        assert np.isnan(got[:, 7]).all(), (tile_math, hex(nan_bits))
+        assert np.isfinite(np.delete(got, 7, axis=1)).all(), (tile_math, hex(nan_bits))
+
+
 def test_tile_refuses_what_it_cannot_take():
     """Unaligned rows or pointers, the prologues, a split count past 8 and an unknown kernel name
     are refused (ValueError), not computed wrongly."""

@@ -613,6 +613,24 @@ def test_verify_attention_mma_large_scores_and_real_tree():
         check_attn(out, ref, fk)
 
 
+CANONICAL_NANS = (0x7FFFFFFF, 0xFFFFFFFF, 0x7FC00000)  # CUDA's canonical NaN (all mantissa bits), negated, numpy's
+
+
+@pytest.mark.parametrize("nan_bits", CANONICAL_NANS)
+@pytest.mark.parametrize("kernel", [1, 2, 4, "naive"])
+def test_verify_attention_nan_key_propagates(kernel, nan_bits):
+    """A NaN in a committed key row reaches every output row, in every kernel: the tensor-core
+    kernel's TF32 rounding must not turn a NaN into a number (a NaN whose top mantissa bits are
+    all ones carries into the sign bit when rounded)."""
+    T, H, L = 17, 16, 600
+    ql, qr, kvl, kr, vis, scale = attn_case_t(77, L, H, T, "tree")
+    kvl = kvl.copy()
+    kvl[5, 3] = np.array([nan_bits], np.uint32).view(np.float32)[0]
+    kw = dict(force_naive=True) if kernel == "naive" else dict(force_kernel=kernel)
+    out = cu.verify_attention(ql, qr, kvl, kr, vis, scale, **kw)
+    assert np.isnan(out).all(), (kernel, hex(nan_bits), int(np.isnan(out).sum()), out.size)
+
+
 @pytest.mark.parametrize("splits", [0, 1, 2, 3, 7])
 def test_verify_attention_tiled_forced_matches(splits):
     ql, qr, kvl, kr, vis, scale = attn_case(10, 1000, 3, 40, tree=False)
