@@ -1187,10 +1187,11 @@ size_t decode_ws_bytes(const VerifyAttentionParams& p) {
 // Auto choice of the tensor-core kernel: a measured rule, not the cost model (H200,
 // bench_cuda_verify_attention.py, docs/BENCHMARKS.md "Verify attention on the tensor cores"). With
 // M = T x H query rows and N = L + T keys it was faster than the best CUDA-core kernel on every
-// measured shape with M >= 256 and N >= 512 (T = 17, H = 16, L = 512: 22 vs 32 us; T = 65, L =
-// 4096: 258 vs 360; B = 256, H = 64, L = 4096: 3.96 vs 4.63 ms), M >= 1024 and N >= 64 (B = 64,
-// H = 16, L = 0: 16 vs 18 us), M >= 2048 at any N (B = 256, H = 16, L = 0: 35 vs 77 us) and M >=
-// 128 with N >= 4096 (T = 1, H = 128, L = 4096: 48 vs 58 us); slower with fewer rows or keys (T = 1,
+// measured shape with M >= 256 and N >= 512 (T = 17, H = 16, L = 512: 23 vs 32 us; T = 65, L =
+// 4096: 277 vs 360; B = 256, H = 64, L = 4096: 4.26 vs 4.63 ms), M >= 1024 and N >= 64 (B = 64,
+// H = 16, L = 0: 15 vs 18 us), M >= 2048 at any N (B = 256, H = 16, L = 0: 32 vs 77 us) and M >=
+// 128 with N >= 4096 (T = 1, H = 128, L = 4096: 45 vs 58 us; the last three measured before the
+// split's NaN guard, which costs ~7 %); slower with fewer rows or keys (T = 1,
 // H = 16, L = 512: 15 vs 11 us; B = 16, H = 16 or 64, L = 0: 12.5 vs 7.8 / 11.1 us), where one
 // 32-row block per chunk leaves too little work per block.
 bool mma_wins(const VerifyAttentionParams& p) {
