@@ -72,7 +72,7 @@ struct __align__(16) MvSmem {
   float q[mv::RM][mv::QS];
   float k[mv::KC][mv::QS];
   float ps[mv::KP][mv::RM][mv::PS];  // phase-1 partial scores of the k-parts
-  float p[mv::RM][mv::PS];                    // the chunk's probabilities
+  float p[mv::RM][mv::PS];           // the chunk's probabilities
   float m[mv::RM], l[mv::RM], alpha[mv::RM];
 };
 
@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
   MvSmem& s = *reinterpret_cast<MvSmem*>(mv_smraw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, q = lane & 3;     // mma fragment coordinates
-  const int wq = warp;  // k-part (phase 1) / column part (phase 3)
+  const int wq = warp;                       // k-part (phase 1) / column part (phase 3)
   const int M = p.T * p.H;
   const int m0 = blockIdx.x * RM;
   const int split = blockIdx.y, nsplit = gridDim.y;
@@ -115,7 +115,7 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
   const int pr = tid / TPR, pq = tid % TPR;
   const int node2 = m0 + pr < M ? (m0 + pr) / p.H : -1;
   const float sl2 = p.scale * kLog2e;
-  const int ra = g;  // fragment rows of m-tile mt: ra + 16 mt and ra + 16 mt + 8 (block-local)
+  const int ra = g;  // the fragment rows of m-tile mt: ra + 16 mt and ra + 16 mt + 8 (block-local)
 
   if (tid < RM) {
     s.m[tid] = mv_neg_inf();
