@@ -33,6 +33,7 @@
 
 #include "kernels.h"
 #include "launch.h"
+#include "verify_attention_common.h"
 #include "verify_attention_mma.h"
 #include "warp_reduce.h"
 
@@ -73,12 +74,6 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 __device__ __forceinline__ void cp_async_wait1() { asm volatile("cp.async.wait_group 1;\n" ::); }
 __device__ __forceinline__ void cp_async_wait0() { asm volatile("cp.async.wait_group 0;\n" ::); }
 
-__device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000); }
-
-// the committed length: from device memory when p.L_dev is set (graph capture), else p.L
-__device__ __forceinline__ int committed_len(const VerifyAttentionParams& p) {
-  return p.L_dev ? *p.L_dev : p.L;
-}
 
 struct Tiles {
   int tb, te;   // committed tiles [tb, te) of this split
@@ -148,7 +143,7 @@ __global__ void __launch_bounds__(NT, 1) mla_verify_fast_kernel(VerifyAttentionP
   const int M = p.T * p.H;
   const int m0 = blockIdx.x * BM;
   const int split = blockIdx.y, nsplit = gridDim.y;
-  const int Lc = committed_len(p);  // the split ranges follow the device length (<= p.L)
+  const int Lc = attn_committed_len(p);  // the split ranges follow the device length (<= p.L)
   const int nLt = (Lc + BN - 1) / BN;
   const int tps = (nLt + nsplit - 1) / nsplit;
   Tiles tiles;
@@ -184,7 +179,7 @@ __global__ void __launch_bounds__(NT, 1) mla_verify_fast_kernel(VerifyAttentionP
     s.ntree = 0;
   }
   if (tid < BM) {
-    s.m[tid] = neg_inf();
+    s.m[tid] = attn_neg_inf();
     s.l[tid] = 0.f;
   }
   if (tid == 0) s.L = Lc;
@@ -252,7 +247,7 @@ __global__ void __launch_bounds__(NT, 1) mla_verify_fast_kernel(VerifyAttentionP
       const int r = 16 * wr + lr + 4 * i;
       const int g = m0 + r;
       const int node = g < M ? g / p.H : -1;
-      float mx = neg_inf();
+      float mx = attn_neg_inf();
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int kk = 64 * wk + lk + 8 * j;
@@ -262,7 +257,7 @@ __global__ void __launch_bounds__(NT, 1) mla_verify_fast_kernel(VerifyAttentionP
           const int t = row - s.L;
           ok = node >= 0 && ((p.visibility[(size_t)node * p.vis_stride + (t >> 6)] >> (t & 63)) & 1ull);
         }
-        acc[i][j] = ok ? acc[i][j] * sl2 : neg_inf();
+        acc[i][j] = ok ? acc[i][j] * sl2 : attn_neg_inf();
         mx = fmaxf(mx, acc[i][j]);
       }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
@@ -279,7 +274,7 @@ __global__ void __launch_bounds__(NT, 1) mla_verify_fast_kernel(VerifyAttentionP
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
         const int kk = 64 * wk + lk + 8 * j;
-        float pv = (mn == neg_inf()) ? 0.f : exp2f(acc[i][j] - mn);
+        float pv = (mn == attn_neg_inf()) ? 0.f : exp2f(acc[i][j] - mn);
         s.p[r][kk] = pv;
         sum += pv;
       }
@@ -293,7 +288,7 @@ __global__ void __launch_bounds__(NT, 1) mla_verify_fast_kernel(VerifyAttentionP
       const int r = tid;
       const float mo = s.m[r];
       const float mn = fmaxf(mo, fmaxf(s.red_max[0][r], s.red_max[1][r]));
-      const float alpha = (mo == neg_inf()) ? 0.f : exp2f(mo - mn);
+      const float alpha = (mo == attn_neg_inf()) ? 0.f : exp2f(mo - mn);
       s.l[r] = s.l[r] * alpha + s.red_sum[0][r] + s.red_sum[1][r];
       s.m[r] = mn;
       s.alpha[r] = alpha;
@@ -388,7 +383,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(Ver
   const int tid = threadIdx.x;
   const float* wso = (const float*)p.workspace;
   const float* wsml = wso + (size_t)nsplit * M * C_;
-  float mx = neg_inf();
+  float mx = attn_neg_inf();
   for (int sp = tid; sp < nsplit; sp += kCombineThreads) mx = fmaxf(mx, wsml[((size_t)sp * M + g) * 2]);
   for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
   if ((tid & 31) == 0) red[tid >> 5] = mx;
@@ -402,7 +397,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(Ver
     const int sp = base + tid;
     if (sp < nsplit) {
       const float m = wsml[((size_t)sp * M + g) * 2], l = wsml[((size_t)sp * M + g) * 2 + 1];
-      const float w = m == neg_inf() ? 0.f : exp2f(m - mx);
+      const float w = m == attn_neg_inf() ? 0.f : exp2f(m - mx);
       sw[tid] = w;
       swl[tid] = w * l;
     }
@@ -486,13 +481,6 @@ __device__ __forceinline__ void cp_async_wait_le(int n) {
   }
 }
 
-// key j (0 <= j) visible to tree node `node` (>= 0)? N = L + T keys.
-__device__ __forceinline__ bool sk_visible(const VerifyAttentionParams& p, int L, int N, int node, int j) {
-  if (j < L) return true;
-  if (j >= N) return false;
-  const int t = j - L;
-  return (p.visibility[(size_t)node * p.vis_stride + (t >> 6)] >> (t & 63)) & 1ull;
-}
 
 __device__ __forceinline__ float4 lds4(const float* x) { return *reinterpret_cast<const float4*>(x); }
 
@@ -510,7 +498,7 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
   const int M = p.T * p.H;
   const int m0 = blockIdx.x * RG;
   const int split = blockIdx.y, nsplit = gridDim.y;
-  const int L = committed_len(p);
+  const int L = attn_committed_len(p);
   const int N = L + p.T;                            // keys: L committed + T tree rows
   const int nch = (N + KC - 1) / KC;
   const int cps = (nch + nsplit - 1) / nsplit;       // chunks per split (from the device length)
@@ -525,7 +513,7 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
   const float sl2 = p.scale * kLog2e;
 
   if (tid < RG) {
-    s.m[tid] = neg_inf();
+    s.m[tid] = attn_neg_inf();
     s.l[tid] = 0.f;
   }
   if (c0 < c1) {  // Q rows [m0, m0+16) -> shared, one cp.async group ahead of the first chunk's
@@ -546,14 +534,8 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
 
   for (int ch = c0; ch < c1; ++ch) {
     const int kbase = ch * KC;
-    if (kbase + KC > L) {  // reaches the tree rows: skip the chunk if no row of the group sees any key
-      bool any = false;
-      if (node2 >= 0) {
-#pragma unroll
-        for (int e = 0; e < KPT; ++e) any |= sk_visible(p, L, N, node2, kbase + KPT * pq + e);
-      }
-      if (!__syncthreads_or(any)) continue;
-    }
+    // reaches the tree rows: skip the chunk if no row of the group sees any key
+    if (kbase + KC > L && !__syncthreads_or(attn_sees_any<KPT>(p, L, N, node2, kbase, KPT * pq))) continue;
     // ---- K chunk -> shared (rows past N zero-filled), 9 groups of 64 columns
 #pragma unroll
     for (int sl = 0; sl < NSL; ++sl) {
@@ -625,34 +607,11 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
       float v[KPT];
 #pragma unroll
       for (int e = 0; e < KPT; ++e) v[e] = s.p[pr][KPT * pq + e];
-      float mx = neg_inf();
-#pragma unroll
-      for (int e = 0; e < KPT; ++e) {
-        const bool ok = node2 >= 0 && sk_visible(p, L, N, node2, kbase + KPT * pq + e);
-        v[e] = ok ? v[e] * sl2 : neg_inf();
-        mx = fmaxf(mx, v[e]);
-      }
-#pragma unroll
-      for (int o = 1; o < TPR; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-      const float mo = s.m[pr];
-      const float mn = fmaxf(mo, mx);
-      float sum = 0.f;
-#pragma unroll
-      for (int e = 0; e < KPT; ++e) {
-        v[e] = (mn == neg_inf()) ? 0.f : exp2f(v[e] - mn);
-        sum += v[e];
-      }
+      float mo, sum;
+      const float mn = attn_softmax_exp<KPT, TPR>(p, L, N, node2, kbase, KPT * pq, sl2, v, s.m[pr], mo, sum);
 #pragma unroll
       for (int e = 0; e < KPT; ++e) s.p[pr][KPT * pq + e] = v[e];
-#pragma unroll
-      for (int o = 1; o < TPR; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      __syncwarp();  // every lane of the row has read s.m[pr] before it changes
-      if (pq == 0) {
-        const float alpha = (mo == neg_inf()) ? 0.f : exp2f(mo - mn);
-        s.l[pr] = s.l[pr] * alpha + sum;
-        s.m[pr] = mn;
-        s.alpha[pr] = alpha;
-      }
+      attn_softmax_commit<TPR>(sum, mo, mn, pq == 0, s.m[pr], s.l[pr], s.alpha[pr]);
     }
     __syncthreads();
     // ---------------- phase 3: O = alpha * O + P V (columns 4*tid .. 4*tid+3)
@@ -747,7 +706,7 @@ __global__ void __launch_bounds__(dk::NT) mla_decode_scores_kernel(VerifyAttenti
   __shared__ float bmax[dk::NT / 32][32];
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int M = p.T * p.H, m0 = blockIdx.y * dk::RG;
-  const int L = committed_len(p), N = L + p.T;
+  const int L = attn_committed_len(p), N = L + p.T;
   const int j0 = blockIdx.x * dk::KB;
   if (j0 >= N) return;  // grid sized for the host's bound on L
   for (int i = tid; i < dk::RG * dk::QF4; i += dk::NT) {
@@ -791,7 +750,7 @@ __global__ void __launch_bounds__(dk::NT) mla_decode_scores_kernel(VerifyAttenti
     }
   const float v = reduce_scatter32(acc, lane);
   const int g = m0 + (lane & (dk::RG - 1)), j = j0 + 2 * warp + (lane >> 4);
-  float sc = neg_inf();
+  float sc = attn_neg_inf();
   if (g < M && j < N) {
     bool vis = j < L;
     if (!vis) {
@@ -804,7 +763,7 @@ __global__ void __launch_bounds__(dk::NT) mla_decode_scores_kernel(VerifyAttenti
   bmax[warp][lane] = sc;
   __syncthreads();
   if (tid < dk::RG && m0 + tid < M) {  // the row's maximum over the block's 16 keys
-    float mx = neg_inf();
+    float mx = attn_neg_inf();
 #pragma unroll
     for (int w = 0; w < dk::NT / 32; ++w) mx = fmaxf(mx, fmaxf(bmax[w][tid], bmax[w][tid + 16]));
     Bm[(size_t)(m0 + tid) * ldB + blockIdx.x] = mx;
@@ -818,12 +777,12 @@ __global__ void __launch_bounds__(dk::NT) mla_decode_pv_kernel(VerifyAttentionPa
   __shared__ __align__(16) float vt[dk::CW][dk::PSW];  // V^T chunk: 4 columns x 256 keys
   const int tid = threadIdx.x;
   const int M = p.T * p.H, m0 = blockIdx.y * dk::RG, c0 = blockIdx.x * dk::CW;
-  const int L = committed_len(p), N = L + p.T;
+  const int L = attn_committed_len(p), N = L + p.T;
   // a half warp per row: row r = tid / 16; for the sums, column c4 = (tid / 4) % 4 and key
   // quarter qk = tid % 4 (keys 4i + qk of each chunk)
   const int r = tid >> 4, c4 = (tid >> 2) & 3, qk = tid & 3, g = m0 + r, h16 = tid & 15;
   const float* srow = S + (size_t)(g < M ? g : 0) * ldS;
-  float mx = neg_inf();
+  float mx = attn_neg_inf();
   if (g < M) {
     const float* brow = Bm + (size_t)g * ldB;
     const int nb = (N + dk::KB - 1) / dk::KB;
@@ -831,7 +790,7 @@ __global__ void __launch_bounds__(dk::NT) mla_decode_pv_kernel(VerifyAttentionPa
   }
 #pragma unroll
   for (int o = 8; o >= 1; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-  const bool live = g < M && mx != neg_inf();  // a row that sees nothing gets 0
+  const bool live = g < M && mx != attn_neg_inf();  // a row that sees nothing gets 0
   // chunk loader (registers): V row k0 + tid, columns [c0, c0 + 4); the row's scores
   // k0 + h16 + 16 e (e < 16), coalesced across the half warp
   float4 vn;
@@ -843,7 +802,7 @@ __global__ void __launch_bounds__(dk::NT) mla_decode_pv_kernel(VerifyAttentionPa
 #pragma unroll
     for (int e = 0; e < dk::VC / 16; ++e) {
       const int jj = k0 + h16 + 16 * e;
-      sn[e] = (live && jj < N) ? srow[jj] : neg_inf();
+      sn[e] = (live && jj < N) ? srow[jj] : attn_neg_inf();
     }
   };
   load(0);
@@ -900,9 +859,9 @@ __global__ void __launch_bounds__(kNaiveThreads) mla_verify_naive_kernel(VerifyA
   const int g = blockIdx.x, t = g / p.H;
   const float* ql = p.q_latent + (size_t)g * p.C;
   const float* qr = p.q_rope + (size_t)g * p.R;
-  const int L = committed_len(p);
+  const int L = attn_committed_len(p);
   const int N = L + p.T;
-  float mx = neg_inf();
+  float mx = attn_neg_inf();
   for (int j = threadIdx.x; j < N; j += kNaiveThreads)
     if (naive_visible(p, L, t, j)) mx = fmaxf(mx, naive_score(p, ql, qr, j));
   for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
@@ -917,7 +876,7 @@ __global__ void __launch_bounds__(kNaiveThreads) mla_verify_naive_kernel(VerifyA
   for (int base = 0; base < N; base += kNaiveThreads) {
     const int j = base + threadIdx.x;
     float pv = 0.f;
-    if (j < N && mx != neg_inf() && naive_visible(p, L, t, j)) pv = expf(naive_score(p, ql, qr, j) - mx);
+    if (j < N && mx != attn_neg_inf() && naive_visible(p, L, t, j)) pv = expf(naive_score(p, ql, qr, j) - mx);
     pbuf[threadIdx.x] = pv;
     lsum += pv;
     __syncthreads();
@@ -1074,24 +1033,29 @@ double splitkv_est_us(const VerifyAttentionParams& p, int s, int RG) {
   return (compute > memory ? compute : memory) + (double)waves * cost::kSplitKvWaveUs + combine_us(s, M);
 }
 
-int splitkv_splits(const VerifyAttentionParams& p, int RG, double* est_us) {
-  const int nch = (p.L + p.T + sk::KC - 1) / sk::KC;
-  const int smax = splitkv_max_splits(p, RG);
+// The split count in [1, smax] over nch chunks with the lowest estimate est(s) (ties: fewer),
+// skipping counts that would leave a split empty (a smaller count does the same); forced: smax.
+template <class Est>
+int best_split_count(int nch, int smax, bool forced, Est est) {
+  if (forced) return smax;
   int best_s = 1;
-  if (p.force_splits > 0) {
-    best_s = smax;
-  } else {
-    double best = 1e30;
-    for (int s = 1; s <= smax; ++s) {
-      const int cps = (nch + s - 1) / s;
-      if ((nch + cps - 1) / cps != s) continue;  // some split would be empty: a smaller s does the same
-      const double c = splitkv_est_us(p, s, RG);
-      if (c < best * (1.0 - 1e-9)) {
-        best = c;
-        best_s = s;
-      }
+  double best = 1e30;
+  for (int s = 1; s <= smax; ++s) {
+    const int cps = (nch + s - 1) / s;
+    if ((nch + cps - 1) / cps != s) continue;
+    const double c = est(s);
+    if (c < best * (1.0 - 1e-9)) {
+      best = c;
+      best_s = s;
     }
   }
+  return best_s;
+}
+
+int splitkv_splits(const VerifyAttentionParams& p, int RG, double* est_us) {
+  const int nch = (p.L + p.T + sk::KC - 1) / sk::KC;
+  const int best_s = best_split_count(nch, splitkv_max_splits(p, RG), p.force_splits > 0,
+                                      [&](int s) { return splitkv_est_us(p, s, RG); });
   if (est_us) *est_us = splitkv_est_us(p, best_s, RG);
   return best_s;
 }
@@ -1141,27 +1105,10 @@ double mma_est_us(const VerifyAttentionParams& p, int s) {
   return (compute > memory ? compute : memory) + (double)waves * cost::kMmaWaveUs + combine_us(s, M);
 }
 
-int mma_splits(const VerifyAttentionParams& p, double* est_us) {
+int mma_splits(const VerifyAttentionParams& p) {
   const int kc = verify_mma_chunk();
   const int nch = (p.L + p.T + kc - 1) / kc;
-  const int smax = mma_max_splits(p);
-  int best_s = 1;
-  if (p.force_splits > 0) {
-    best_s = smax;
-  } else {
-    double best = 1e30;
-    for (int s = 1; s <= smax; ++s) {
-      const int cps = (nch + s - 1) / s;
-      if ((nch + cps - 1) / cps != s) continue;  // some split would be empty: a smaller s does the same
-      const double c = mma_est_us(p, s);
-      if (c < best * (1.0 - 1e-9)) {
-        best = c;
-        best_s = s;
-      }
-    }
-  }
-  if (est_us) *est_us = mma_est_us(p, best_s);
-  return best_s;
+  return best_split_count(nch, mma_max_splits(p), p.force_splits > 0, [&](int s) { return mma_est_us(p, s); });
 }
 
 // ---- decode kernels: M x (L+T) scores in the workspace. Only when forced (force_kernel = 3,
@@ -1212,7 +1159,7 @@ Choice choose(const VerifyAttentionParams& p) {
   // (the tensor-core kernel needs 190 KB of shared memory per block: where a GPU cannot give it,
   // the CUDA-core kernels run)
   if ((p.force_kernel == 4 || (p.force_kernel == 0 && mma_wins(p))) && verify_mma_ready())
-    return {4, mma_splits(p, nullptr), verify_mma_rows()};
+    return {4, mma_splits(p), verify_mma_rows()};
   const int rows = splitkv_rows(p);
   if (p.force_kernel >= 2 || !tiled_ok(p)) return {2, splitkv_splits(p, rows, nullptr), rows};
   double ct = 0, cs = 0;

@@ -42,6 +42,7 @@
 #include "kernels.h"
 #include "launch.h"
 #include "model/tile_mma.h"
+#include "verify_attention_common.h"
 #include "verify_attention_mma.h"
 
 namespace kdtree {
@@ -76,15 +77,6 @@ struct __align__(16) MvSmem {
   float m[mv::RM], l[mv::RM], alpha[mv::RM];
 };
 
-__device__ __forceinline__ float mv_neg_inf() { return -__int_as_float(0x7f800000); }
-
-__device__ __forceinline__ bool mv_visible(const VerifyAttentionParams& p, int L, int N, int node, int j) {
-  if (j < L) return true;
-  if (j >= N) return false;
-  const int t = j - L;
-  return (p.visibility[(size_t)node * p.vis_stride + (t >> 6)] >> (t & 63)) & 1ull;
-}
-
 // wait until at most n (0..3) cp.async groups are pending (block-uniform n)
 __device__ __forceinline__ void mv_wait_le(int n) {
   switch (n) {
@@ -106,7 +98,7 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
   const int M = p.T * p.H;
   const int m0 = blockIdx.x * RM;
   const int split = blockIdx.y, nsplit = gridDim.y;
-  const int L = p.L_dev ? *p.L_dev : p.L;
+  const int L = attn_committed_len(p);
   const int N = L + p.T;
   const int nch = (N + KC - 1) / KC;
   const int cps = (nch + nsplit - 1) / nsplit;
@@ -118,7 +110,7 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
   const int ra = g;  // the fragment rows of m-tile mt: ra + 16 mt and ra + 16 mt + 8 (block-local)
 
   if (tid < RM) {
-    s.m[tid] = mv_neg_inf();
+    s.m[tid] = attn_neg_inf();
     s.l[tid] = 0.f;
   }
   if (c0 < c1) {  // Q rows [m0, m0 + 32) -> shared (rows past M zero), one group ahead of the chunks
@@ -141,14 +133,8 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
 
   for (int ch = c0; ch < c1; ++ch) {
     const int kbase = ch * KC;
-    if (kbase + KC > L) {  // reaches the tree rows: skip the chunk if no row of the block sees any key
-      bool any = false;
-      if (node2 >= 0) {
-#pragma unroll
-        for (int e = 0; e < KPT; ++e) any |= mv_visible(p, L, N, node2, kbase + KPT * pq + e);
-      }
-      if (!__syncthreads_or(any)) continue;
-    }
+    // reaches the tree rows: skip the chunk if no row of the block sees any key
+    if (kbase + KC > L && !__syncthreads_or(attn_sees_any<KPT>(p, L, N, node2, kbase, KPT * pq))) continue;
     // ---- the chunk's key rows -> shared (rows past N zero-filled), three groups
 #pragma unroll
     for (int r = 0; r < NGRP; ++r) {
@@ -243,33 +229,10 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
 #pragma unroll
         for (int e = 0; e < KPT; ++e) v[e] = part[0][e];
       }
-      float mx = mv_neg_inf();
-#pragma unroll
-      for (int e = 0; e < KPT; ++e) {
-        const bool ok = node2 >= 0 && mv_visible(p, L, N, node2, kbase + KPT * pq + e);
-        v[e] = ok ? v[e] * sl2 : mv_neg_inf();
-        mx = fmaxf(mx, v[e]);
-      }
-#pragma unroll
-      for (int o = 1; o < TPR; o <<= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, o));
-      const float mo = s.m[pr];
-      const float mn = fmaxf(mo, mx);
-      float sum = 0.f;
-#pragma unroll
-      for (int e = 0; e < KPT; ++e) {
-        v[e] = (mn == mv_neg_inf()) ? 0.f : exp2f(v[e] - mn);
-        sum += v[e];
-      }
+      float mo, sum;
+      const float mn = attn_softmax_exp<KPT, TPR>(p, L, N, node2, kbase, KPT * pq, sl2, v, s.m[pr], mo, sum);
       *reinterpret_cast<float4*>(&s.p[pr][KPT * pq]) = make_float4(v[0], v[1], v[2], v[3]);
-#pragma unroll
-      for (int o = 1; o < TPR; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
-      __syncwarp();  // every lane of the row has read s.m[pr] before it changes
-      if (pq == 0) {
-        const float alpha = (mo == mv_neg_inf()) ? 0.f : exp2f(mo - mn);
-        s.l[pr] = s.l[pr] * alpha + sum;
-        s.m[pr] = mn;
-        s.alpha[pr] = alpha;
-      }
+      attn_softmax_commit<TPR>(sum, mo, mn, pq == 0, s.m[pr], s.l[pr], s.alpha[pr]);
     }
     __syncthreads();
     // ---------------- phase 3: chunk = P V (this warp's rows x columns CQ wq ..), O = alpha O + chunk.
