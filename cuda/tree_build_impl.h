@@ -3,8 +3,8 @@
 // Where it sits: included by cuda/tree_kernels.cu (GPU, one block of up to 1024 threads) and
 // also compilable as plain host C++ (a "Ctx" that runs the block's threads on the CPU with a
 // barrier), so the parallel logic can be checked without a GPU. No CUDA-only constructs here
-// except behind KD_HD / __CUDA_ARCH__; the Ctx supplies thread id, barrier, atomics and three
-// warp primitives (inclusive warp sum, shuffle, warp barrier; full mask: every lane of a warp
+// except behind KD_HD / __CUDA_ARCH__; the Ctx supplies thread id, barrier, atomics and four
+// warp primitives (inclusive warp sum, shuffle, ballot, warp barrier; full mask: every lane of a warp
 // calls them).
 // ctx.step(n) marks n units of dependent serial work of the calling thread (a loop iteration,
 // a binary-search step): a no-op on the GPU, the latency proxy of the CPU emulation.
@@ -51,8 +51,23 @@
 #endif
 #endif
 
+// KDTREE_TREE_PROFILE (GPU builds only, off by default): thread 0 adds the clock64() cycles since
+// its previous mark to one of kProfCats categories at each mark (right after a block barrier, so
+// an interval is the slowest thread's time for that part) and the kernel prints them per launch.
+// A measuring aid for benchmarks/ncu-less breakdowns; never compiled into the shipped module.
+#if defined(KDTREE_TREE_PROFILE) && defined(__CUDA_ARCH__)
+#define KD_TREE_MARK(cat) prof_mark(cat)
+#elif defined(KDTREE_EMU_MARKS) && !defined(__CUDA_ARCH__)
+#define KD_TREE_MARK(cat) ctx.mark(cat)  // the block emulation's latency proxy per phase
+#else
+#define KD_TREE_MARK(cat) ((void)0)
+#endif
+
 namespace kdtree {
 namespace treeimpl {
+
+constexpr int kProfCats = 12;  // phase0, level1, count, probe, materialise, gscan, rank (counting sort), outputs,
+                                // other paths, levels/probes, rank (comparisons), rank (parents)
 
 constexpr int kMaxDepth = 16;      // D limit of the CUDA tree build
 constexpr int kMaxBudget = 1024;   // B limit of the CUDA tree build (one block)
@@ -174,6 +189,23 @@ KD_HD inline int ctz32(uint32_t x) {  // x != 0
   return __builtin_ctz(x);
 #endif
 }
+KD_HD inline int ctz64(uint64_t x) {  // x != 0
+#ifdef __CUDA_ARCH__
+  return __ffsll((long long)x) - 1;
+#else
+  return __builtin_ctzll(x);
+#endif
+}
+// bit i of v -> bit 2i of the result
+KD_HD inline uint64_t spread_bits(uint32_t v) {
+  uint64_t x = v;
+  x = (x | (x << 16)) & 0x0000FFFF0000FFFFull;
+  x = (x | (x << 8)) & 0x00FF00FF00FF00FFull;
+  x = (x | (x << 4)) & 0x0F0F0F0F0F0F0F0Full;
+  x = (x | (x << 2)) & 0x3333333333333333ull;
+  x = (x | (x << 1)) & 0x5555555555555555ull;
+  return x;
+}
 KD_HD inline int clz32(uint32_t x) {  // x != 0
 #ifdef __CUDA_ARCH__
   return __clz((int)x);
@@ -238,6 +270,17 @@ struct TreeBlock {
   uint16_t* nid;
   uint8_t* odp; uint16_t* ork; int16_t* opar; int* misc; int* scan_tmp;
   double smax;
+#if defined(KDTREE_TREE_PROFILE) && defined(__CUDA_ARCH__)
+  long long prof_acc[kProfCats] = {0};
+  long long prof_last = 0;
+  __device__ void prof_mark(int cat) {
+    if (tid == 0) {
+      const long long t = clock64();
+      if (cat >= 0) prof_acc[cat] += t - prof_last;
+      prof_last = t;
+    }
+  }
+#endif
 
   KD_HD TreeBlock(Ctx& c, const TreeArgs& args, unsigned char* smem) : ctx(c), a(args), sm(smem) {
     tid = ctx.tid();
@@ -285,9 +328,14 @@ struct TreeBlock {
   KD_HD void gscan(int* h, const int* gc, int* pre, int mask, int slot, bool clear_level) {
     const int ga = gc[2 * lane], gb = gc[2 * lane + 1];  // kNG = 64 = 2 per lane
     const int gx = ctx.warp_incl_sum(ga + gb) - ga - gb;  // prefix of group 2*lane
-    for (int g = warp; g < kNG; g += nw) {              // warp-uniform trip count and branches
+    // this warp's groups (g = warp mod nw) that are nonempty, as a 64-bit mask (warp-uniform)
+    uint64_t mine = 0;
+    for (int g = warp; g < kNG; g += nw) mine |= (uint64_t)1 << g;
+    mine &= spread_bits(ctx.warp_ballot(ga != 0)) | (spread_bits(ctx.warp_ballot(gb != 0)) << 1);
+    while (mine) {
+      const int g = ctz64(mine);
+      mine &= mine - 1;
       ctx.step(1);
-      if (gc[g] == 0) continue;
       const int base = ctx.warp_shfl((g & 1) ? gx + ga : gx, g >> 1);
       const int b = g * 32 + lane;
       const int v = h[b];
@@ -369,24 +417,21 @@ struct TreeBlock {
     if (dx == dy) return x < y;
     if (dx < dy) {
       int yy = y;
+      ctx.step(dy - dx);
       for (int k = dy; k > dx; --k) yy = par[yy];
       if (yy == x) return true;
       return x < yy;
     }
     int xx = x;
+    ctx.step(dx - dy);
     for (int k = dx; k > dy; --k) xx = par[xx];
     if (xx == y) return false;
     return xx < y;
   }
 
-  KD_HD bool key_less(int x, int y) const {  // x pops before y
-    double sx = sc[x], sy = sc[y];
-    if (sx != sy) return sx > sy;
-    return lex_less(x, y);
-  }
-
   // Returns n >= 0, or -1 when the parallel path cannot be used (then nothing is output yet).
   KD_HD int parallel_build() {
+    KD_TREE_MARK(-1);
     // ---- phase 0: one pass over the inputs: the exactness / monotonicity / sortedness checks
     // (rows must be finite-descending then -inf; NaN, +inf, a finite after -inf, or
     // lp[d][0] > 0 for d >= 1 send us to the fallback), first -inf rank per row, exponents.
@@ -435,6 +480,7 @@ struct TreeBlock {
       if (misc[M_FAIL] || inexact || misc[M_FB + 0] == 0) return -1;  // lp[0][0] = -inf too
     }
     smax = (double)lpc[0];
+    KD_TREE_MARK(0);
 
     // ---- level 1: every rank < Keff (rank r has r better siblings, r < B)
     for (int r = tid; r < keff; r += nt) {
@@ -447,6 +493,7 @@ struct TreeBlock {
     }
     ctx.sync();
     gscan(hist, gcnt, hpre, kLo, M_BT, true);
+    KD_TREE_MARK(1);
 
     // ---- levels 2..D (4 block barriers per level on the common path: 2 count + offsets,
     // 1 materialise, 1 histogram scan)
@@ -465,6 +512,10 @@ struct TreeBlock {
         s += c;
       }
       int T = offsets(false, s, j0, j1);
+      KD_TREE_MARK(2);
+#if defined(KDTREE_TREE_PROFILE) && defined(__CUDA_ARCH__)
+      if (tid == 0) prof_acc[9] += 1;
+#endif
       if (T == 0) break;
       const float* row = lpc + (size_t)(d - 1) * keff;
       if (T > B || used + T > cap) {
@@ -503,6 +554,10 @@ struct TreeBlock {
           s2 += c;
         }
         T = offsets(true, s2, j0, j1);
+        KD_TREE_MARK(3);
+#if defined(KDTREE_TREE_PROFILE) && defined(__CUDA_ARCH__)
+        if (tid == 0) prof_acc[9] += 1000;
+#endif
         if (used + T > cap) return -1;  // candidate store overflow: exact fallback
         if (T == 0) break;
       }
@@ -523,7 +578,9 @@ struct TreeBlock {
         misc[M_BT] = kBottom;
       }
       ctx.sync();
+      KD_TREE_MARK(4);
       gscan(hist, gcnt, hpre, kLo, M_BT, true);
+      KD_TREE_MARK(5);
     }
 
     // ---- final ranking: counting sort by bucket, exact comparisons inside a bucket
@@ -538,15 +595,37 @@ struct TreeBlock {
       if (b <= bt) ord[(hpre[b] & kLo) + ctx.atomic_add(&cur[b], 1)] = (uint16_t)x;
     }
     ctx.sync();
+    KD_TREE_MARK(6);
     for (int x = tid; x < used; x += nt) {
       int b = bk[x];
       if (b > bt) continue;
-      int s0 = hpre[b] & kLo, cb = hist[b] & kLo;
+      const int s0 = hpre[b] & kLo, cb = hist[b] & kLo, ke = s0 + cb;
+      // rank = s0 + the bucket's members that pop before x: better scores (a branch-free count
+      // over four independent loads at a time), then, only if some member ties x's score, the
+      // rank-tuple order among the ties (lex_less)
+      const double sx = sc[x];
       int rank = s0;
-      ctx.step(1 + cb);
-      for (int k = s0; k < s0 + cb; ++k) {
-        int y = ord[k];
-        if (y != x && key_less(y, x)) ++rank;
+      bool tie = false;
+      int k = s0;
+      ctx.step(1 + cb / 4);
+      for (; k + 4 <= ke; k += 4) {
+        const int y0 = ord[k], y1 = ord[k + 1], y2 = ord[k + 2], y3 = ord[k + 3];
+        const double a0 = sc[y0], a1 = sc[y1], a2 = sc[y2], a3 = sc[y3];
+        rank += (a0 > sx) + (a1 > sx) + (a2 > sx) + (a3 > sx);
+        tie |= (a0 == sx && y0 != x) | (a1 == sx && y1 != x) | (a2 == sx && y2 != x) | (a3 == sx && y3 != x);
+      }
+      for (; k < ke; ++k) {
+        const int y = ord[k];
+        const double ay = sc[y];
+        rank += ay > sx;
+        tie |= ay == sx && y != x;
+      }
+      if (tie) {
+        ctx.step(cb);
+        for (k = s0; k < ke; ++k) {
+          const int y = ord[k];
+          if (y != x && sc[y] == sx && lex_less(y, x)) ++rank;
+        }
       }
       if (rank < n) {
         odp[rank] = dp[x];
@@ -556,6 +635,7 @@ struct TreeBlock {
       }
     }
     ctx.sync();
+    KD_TREE_MARK(10);
     for (int i = tid; i < n; i += nt) {
       ctx.step(1);
       int x = opar[i];
@@ -563,6 +643,7 @@ struct TreeBlock {
       opar[i] = (int16_t)(p == kRoot ? 0 : nid[p]);
     }
     ctx.sync();
+    KD_TREE_MARK(11);
     return n;
   }
 
@@ -793,23 +874,43 @@ struct TreeBlock {
       a.n_out[0] = n;
       if (a.path_out) a.path_out[0] = path;
     }
+    // Visibility: one ancestor walk per row (ancestors have smaller indices, so the walk meets
+    // the row's words in descending order and each word is complete when the walk leaves it),
+    // staged in the shared memory the build no longer needs (everything below o_odp), then
+    // copied out coalesced. Without room (B near 1024 with tiny D x K), rows go straight out.
     const int words = (B + 1) * W;
-    for (int idx = tid; idx < words; idx += nt) {
+    const bool stage = (size_t)words * sizeof(uint64_t) <= L.o_odp;
+    uint64_t* vs = stage ? reinterpret_cast<uint64_t*>(sm) : a.visibility;
+    for (int i = tid; i <= B; i += nt) {
       ctx.step(1);
-      int i = idx / W, w = idx - i * W;
-      uint64_t v = 0;
+      uint64_t* row = vs + (size_t)i * W;
+      int w = W - 1;  // the next word to write, descending
+      uint64_t cur = 0;
       if (i <= n) {
         int x = i;
         for (;;) {
           ctx.step(1);
-          int xw = x >> 6;
-          if (xw < w) break;
-          if (xw == w) v |= (uint64_t)1 << (x & 63);
+          const int xw = x >> 6;
+          for (; w > xw; --w) {  // the walk has left word w: it is complete (or empty)
+            row[w] = cur;
+            cur = 0;
+          }
+          cur |= (uint64_t)1 << (x & 63);
           if (x == 0) break;
           x = opar[x - 1];
         }
       }
-      a.visibility[idx] = v;
+      for (; w >= 0; --w) {  // word 0 (the root's) and, for rows past n, every word = 0
+        row[w] = cur;
+        cur = 0;
+      }
+    }
+    if (stage) {
+      ctx.sync();
+      for (int idx = tid; idx < words; idx += nt) {
+        ctx.step(1);
+        a.visibility[idx] = vs[idx];
+      }
     }
   }
 
@@ -817,24 +918,35 @@ struct TreeBlock {
   // (then the fallback if its checks fail), 0 = auto: the one-warp path for B <= kWarpPathMaxB,
   // else the parallel path.
   KD_HD void run() {
+    KD_TREE_MARK(-1);
     int n = 0, path = 0;
     if (B > 0 && D > 0 && a.K > 0) {
       const int f = a.force_fallback;
       if (f == 2 || (f == 0 && B <= kWarpPathMaxB)) {
         path = 2;
         n = warp_build();
+        KD_TREE_MARK(8);
       } else {
         int r = f == 1 ? -1 : parallel_build();
         if (r < 0) {
           path = 1;
           ctx.sync();  // everyone is done with the candidate store before the heap reuses it
           n = sequential_build();
+          KD_TREE_MARK(8);
         } else {
           n = r;
         }
       }
     }
     write_outputs(n, path);
+    KD_TREE_MARK(7);
+#if defined(KDTREE_TREE_PROFILE) && defined(__CUDA_ARCH__)
+    if (tid == 0)
+      printf("TREEPROF B=%d D=%d K=%d nt=%d path=%d n=%d levels=%lld probes=%lld | phase0 %lld level1 %lld count %lld "
+             "probe %lld mat %lld gscan %lld rank %lld+%lld+%lld out %lld other %lld\n",
+             B, D, a.K, nt, path, n, prof_acc[9] % 1000, prof_acc[9] / 1000, prof_acc[0], prof_acc[1], prof_acc[2],
+             prof_acc[3], prof_acc[4], prof_acc[5], prof_acc[6], prof_acc[10], prof_acc[11], prof_acc[7], prof_acc[8]);
+#endif
   }
 };
 

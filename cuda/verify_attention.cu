@@ -1140,10 +1140,15 @@ size_t decode_ws_bytes(const VerifyAttentionParams& p) {
 // 128 with N >= 4096 (T = 1, H = 128, L = 4096: 45 vs 58 us; the last three measured before the
 // split's NaN guard, which costs ~7 %); slower with fewer rows or keys (T = 1,
 // H = 16, L = 512: 15 vs 11 us; B = 16, H = 16 or 64, L = 0: 12.5 vs 7.8 / 11.1 us), where one
-// 32-row block per chunk leaves too little work per block.
+// 32-row block per chunk leaves too little work per block. Eleventh session (decode table, NaN-
+// guarded kernel): also M >= 128 with N >= 2048 (T = 1, H = 128, L = 2048: 31.4 vs 35.2 us), M >= 64
+// with N >= 4096 (T = 1, H = 64, L = 4096: 38.5 vs 40.4; L = 32768: 155 vs 195; T = 4, H = 16, L =
+// 4096: 38.5 vs 40.6) and long contexts from M = 16 (T = 1, H = 16, L = 32768: 97 vs 116 us; N >=
+// 16384: MEASURE).
 bool mma_wins(const VerifyAttentionParams& p) {
   const long long M = (long long)p.T * p.H, N = (long long)p.L + p.T;
-  return M >= 2048 || (M >= 1024 && N >= 64) || (M >= 256 && N >= 512) || (M >= 128 && N >= 4096);
+  return M >= 2048 || (M >= 1024 && N >= 64) || (M >= 256 && N >= 512) || (M >= 128 && N >= 2048) ||
+         (M >= 64 && N >= 4096) || (M >= 16 && N >= 16384);
 }
 
 struct Choice {

@@ -28,6 +28,7 @@
 #include <vector>
 
 #include "tree.h"
+#define KDTREE_EMU_MARKS 1  // per-phase latency proxy (ctx.mark)
 #include "tree_build_impl.h"
 
 namespace {
@@ -66,6 +67,7 @@ struct Block {  // what the threads of one emulated block share
   std::vector<long> steps;
   std::vector<Warp> warps;  // nthreads / 32
   long gpu_barriers = 0, scan_elems = 0, crit = 0;
+  long phase[16] = {}, phase_last = 0;  // KD_TREE_MARK: critical-path steps per phase (thread 0 marks)
 
   // gpu = false: a barrier of the emulation only (the GPU has none there): not counted.
   void barrier(bool gpu = true) {
@@ -94,6 +96,12 @@ struct HostCtx {
   int nthreads() const { return blk->nthreads; }
   void sync() const { blk->barrier(); }
   void step(int n) const { blk->steps[t] += n; }
+  void mark(int cat) const {  // right after a block barrier: blk->crit is the path so far
+    if (t != 0) return;
+    std::lock_guard<std::mutex> lk(blk->mu);
+    if (cat >= 0 && cat < 16) blk->phase[cat] += blk->crit - blk->phase_last;
+    blk->phase_last = blk->crit;
+  }
   int atomic_add(int* p, int v) const { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
   void atomic_min(int* p, int v) const {
     int cur = __atomic_load_n(p, __ATOMIC_SEQ_CST);
@@ -128,6 +136,16 @@ struct HostCtx {
     step(1);
     blk->warps[t >> 5].barrier();
   }
+  uint32_t warp_ballot(bool pred) const {
+    step(1);
+    Warp& w = blk->warps[t >> 5];
+    w.buf[t & 31] = pred ? 1 : 0;
+    w.barrier();
+    uint32_t r = 0;
+    for (int i = 0; i < 32; ++i) r |= (uint32_t)(w.buf[i] != 0) << i;
+    w.barrier();
+    return r;
+  }
   int warp_shfl(int v, int src) const {
     step(1);
     Warp& w = blk->warps[t >> 5];
@@ -145,6 +163,7 @@ struct Out {
   std::vector<int32_t> tokens, depths, parents, positions, n, path;
   std::vector<uint64_t> vis;
   long gpu_barriers = 0, scan_elems = 0, crit = 0;
+  long phase[16] = {};
 };
 
 // mode: TreeArgs::force_fallback (0 auto, 1 sequential fallback, 2 one-warp path, 3 parallel path)
@@ -197,6 +216,7 @@ Out run_block(const std::vector<float>& lp, const std::vector<int32_t>& ids, int
   long m = 0;
   for (long v : blk.steps) m = std::max(m, v);
   o.crit = blk.crit + m;  // the tail after the last barrier
+  for (int i = 0; i < 16; ++i) o.phase[i] = blk.phase[i];
   return o;
 }
 
@@ -314,6 +334,20 @@ void drafter_rows(uint64_t seed, bool peaked, int D, int V, int K, std::vector<f
   }
 }
 
+// critical-path steps per phase (KD_TREE_MARK categories), for the proxy table
+std::string phases(const Out& o) {
+  static const char* names[] = {"phase0", "level1", "count", "probe", "mat", "gscan", "rank-sort", "out", "other", "",
+                                "rank-cmp", "rank-par"};
+  std::string r;
+  char buf[64];
+  for (int i = 0; i < 12; ++i)
+    if (o.phase[i]) {
+      std::snprintf(buf, sizeof buf, " %s %ld", names[i], o.phase[i]);
+      r += buf;
+    }
+  return r;
+}
+
 // KDTREE_EMU_PROXY=1: the latency proxy per budget on the benchmark's drafters (D = 15, K = B).
 int proxy_table() {
   kdtree::Tree tree;
@@ -331,9 +365,9 @@ int proxy_table() {
         const Out o = run_block(lp, ids, D, K, B, 0, mode);
         int depth = 0;
         for (int i = 0; i < o.n[0]; ++i) depth = std::max(depth, o.depths[i]);
-        std::printf("| %s | %d | %d | %d | %d | %s | %ld | %ld | %ld |\n", peaked ? "peaked" : "flat", B,
+        std::printf("| %s | %d | %d | %d | %d | %s | %ld | %ld | %ld |%s\n", peaked ? "peaked" : "flat", B,
                     tree_threads(B), o.n[0], depth, o.path[0] == 0 ? "parallel" : o.path[0] == 2 ? "one warp" : "fallback",
-                    o.gpu_barriers, o.scan_elems, o.crit);
+                    o.gpu_barriers, o.scan_elems, o.crit, phases(o).c_str());
       }
     }
   // OracleDrafter's rows (python/kdtree_native/drafters.py): the same [-0.01, -4, -5, ...] at every
@@ -352,9 +386,9 @@ int proxy_table() {
       const Out o = run_block(lp, ids, D, K, B, 0, mode);
       int depth = 0;
       for (int i = 0; i < o.n[0]; ++i) depth = std::max(depth, o.depths[i]);
-      std::printf("| oracle K=8 | %d | %d | %d | %d | %s | %ld | %ld | %ld |\n", B, tree_threads(B), o.n[0], depth,
+      std::printf("| oracle K=8 | %d | %d | %d | %d | %s | %ld | %ld | %ld |%s\n", B, tree_threads(B), o.n[0], depth,
                   o.path[0] == 0 ? "parallel" : o.path[0] == 2 ? "one warp" : "fallback", o.gpu_barriers,
-                  o.scan_elems, o.crit);
+                  o.scan_elems, o.crit, phases(o).c_str());
     }
   }
   std::printf("proxy cases: %d failures\n", failures);

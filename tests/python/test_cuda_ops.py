@@ -440,7 +440,7 @@ def test_verify_attention_auto_on_decode_shapes(H, L):
     check_attn(out, ref, (H, L))
     kernel, s = cu.verify_attention_choice(1, H, L)
     assert kernel in (1, 2, 4) and s >= 1
-    assert (kernel == 4) == (H >= 128 and L + 1 >= 4096), (H, L, kernel)  # the measured rule (M >= 128, N >= 4096)
+    assert (kernel == 4) == (H >= 64 and L + 1 >= 4096), (H, L, kernel)  # the measured rule (M >= 64, N >= 4096)
     # the auto pick equals the same kernel forced with the same split count, bit for bit
     forced = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=kernel, force_splits=s)
     assert np.array_equal(out, forced)
@@ -481,7 +481,7 @@ def test_verify_attention_workspace_covers_choice_and_grows_with_L():
                         assert kernel in (1, 2, 3, 4), what
                         N_ = L + T
                         mma_rule = (M >= 2048 or (M >= 1024 and N_ >= 64) or (M >= 256 and N_ >= 512)
-                                    or (M >= 128 and N_ >= 4096))
+                                    or (M >= 128 and N_ >= 2048) or (M >= 64 and N_ >= 4096) or (M >= 16 and N_ >= 16384))
                         if kernel == 3:  # decode: only forced, up to 1024 rows and 16384 keys
                             assert fk == 3 and M <= 1024 and L + T <= 16384, what
                             assert s == 1 and ws >= M * ((L + T + 3) // 4 * 4) * 4, what
