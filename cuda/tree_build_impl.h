@@ -504,14 +504,26 @@ struct TreeBlock {
       if (tid < kNG) gcnt[tid] &= kLo;  // the level halves of hist were cleared by gscan
       const int per = (np + nt - 1) / nt;  // this thread's parents: [j0, j1)
       const int j0 = tid * per < np ? tid * per : np, j1 = j0 + per < np ? j0 + per : np;
-      int s = 0;
-      for (int j = j0; j < j1; ++j) {
-        ctx.step(1);
-        const int c = count_children(p0 + j, d, bt);
-        cnt[j] = c;
-        s += c;
+      int T;
+      if (np <= 32) {  // warp 0 counts (lane j = parent j, as j0 = tid here), scans and publishes: one barrier
+        if (warp == 0) {
+          const int c = lane < np ? count_children(p0 + lane, d, bt) : 0;
+          const int incl = ctx.warp_incl_sum(c);
+          if (lane < np) cnt[lane] = incl - c;
+          if (lane == 31) misc[M_T] = incl;
+        }
+        ctx.sync();
+        T = misc[M_T];
+      } else {
+        int s = 0;
+        for (int j = j0; j < j1; ++j) {
+          ctx.step(1);
+          const int c = count_children(p0 + j, d, bt);
+          cnt[j] = c;
+          s += c;
+        }
+        T = offsets(false, s, j0, j1);
       }
-      int T = offsets(false, s, j0, j1);
       KD_TREE_MARK(2);
 #if defined(KDTREE_TREE_PROFILE) && defined(__CUDA_ARCH__)
       if (tid == 0) prof_acc[9] += 1;
@@ -620,11 +632,18 @@ struct TreeBlock {
         rank += ay > sx;
         tie |= ay == sx && y != x;
       }
-      if (tie) {
-        ctx.step(cb);
-        for (k = s0; k < ke; ++k) {
-          const int y = ord[k];
-          if (y != x && sc[y] == sx && lex_less(y, x)) ++rank;
+      if (tie) {  // the same loads again (four at a time); rank-tuple walks for the ties only
+        ctx.step(cb / 4);
+        for (k = s0; k < ke; k += 4) {
+          int y[4];
+          double ay[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) y[e] = k + e < ke ? (int)ord[k + e] : x;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) ay[e] = sc[y[e]];
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (y[e] != x && ay[e] == sx && lex_less(y[e], x)) ++rank;
         }
       }
       if (rank < n) {
