@@ -3,8 +3,8 @@
 // Where it sits: included by cuda/tree_kernels.cu (GPU, one block of up to 1024 threads) and
 // also compilable as plain host C++ (a "Ctx" that runs the block's threads on the CPU with a
 // barrier), so the parallel logic can be checked without a GPU. No CUDA-only constructs here
-// except behind KD_HD / __CUDA_ARCH__; the Ctx supplies thread id, barrier, atomics and four
-// warp primitives (inclusive warp sum, shuffle, ballot, warp barrier; full mask: every lane of a warp
+// except behind KD_HD / __CUDA_ARCH__; the Ctx supplies thread id, barrier, atomics and three
+// warp primitives (inclusive warp sum, shuffle, warp barrier; full mask: every lane of a warp
 // calls them).
 // ctx.step(n) marks n units of dependent serial work of the calling thread (a loop iteration,
 // a binary-search step): a no-op on the GPU, the latency proxy of the CPU emulation.
@@ -189,23 +189,6 @@ KD_HD inline int ctz32(uint32_t x) {  // x != 0
   return __builtin_ctz(x);
 #endif
 }
-KD_HD inline int ctz64(uint64_t x) {  // x != 0
-#ifdef __CUDA_ARCH__
-  return __ffsll((long long)x) - 1;
-#else
-  return __builtin_ctzll(x);
-#endif
-}
-// bit i of v -> bit 2i of the result
-KD_HD inline uint64_t spread_bits(uint32_t v) {
-  uint64_t x = v;
-  x = (x | (x << 16)) & 0x0000FFFF0000FFFFull;
-  x = (x | (x << 8)) & 0x00FF00FF00FF00FFull;
-  x = (x | (x << 4)) & 0x0F0F0F0F0F0F0F0Full;
-  x = (x | (x << 2)) & 0x3333333333333333ull;
-  x = (x | (x << 1)) & 0x5555555555555555ull;
-  return x;
-}
 KD_HD inline int clz32(uint32_t x) {  // x != 0
 #ifdef __CUDA_ARCH__
   return __clz((int)x);
@@ -248,6 +231,30 @@ KD_HD inline int bucket_of(double smax, double s) {
   if (idx < 1) idx = 1;
   if (idx > kNB - 2) idx = kNB - 2;
   return idx;
+}
+
+KD_HD inline float u2f(uint32_t u) {
+#ifdef __CUDA_ARCH__
+  return __uint_as_float(u);
+#else
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+// The same test without the float conversion: for bt < kBottom and any s (finite or -inf),
+// bucket_of(smax, s) <= bt  <=>  smax - s < bucket_limit(bt). bucket_of rounds delta = smax - s
+// to float (nearest, ties to even) and keeps bits >> 17; bucket <= bt (1 <= bt <= kNB - 3) means
+// (float)delta < F = the float with bits (bt + (127 - 23) * 64) << 17, i.e. delta below the midpoint
+// of F and its predecessor (a tie there rounds to F, whose last mantissa bit is 0). bt = 0 holds
+// only delta <= 0 (the clamp puts every positive delta in bucket >= 1), bt >= kNB - 2 every finite
+// delta (the top clamp). s = -inf gives delta = +inf: never below the limit (bucket kBottom).
+KD_HD inline double bucket_limit(int bt) {
+  if (bt <= 0) return u2d(1);  // the smallest positive double: delta < it <=> delta <= 0
+  if (bt >= kNB - 2) return pos_inf_d();
+  const uint32_t U = (uint32_t)(bt + ((127 - 23) << 6)) << 17;
+  return ((double)u2f(U - 1) + (double)u2f(U)) * 0.5;  // exact: two adjacent floats
 }
 
 // misc[] slots in shared memory
@@ -328,14 +335,9 @@ struct TreeBlock {
   KD_HD void gscan(int* h, const int* gc, int* pre, int mask, int slot, bool clear_level) {
     const int ga = gc[2 * lane], gb = gc[2 * lane + 1];  // kNG = 64 = 2 per lane
     const int gx = ctx.warp_incl_sum(ga + gb) - ga - gb;  // prefix of group 2*lane
-    // this warp's groups (g = warp mod nw) that are nonempty, as a 64-bit mask (warp-uniform)
-    uint64_t mine = 0;
-    for (int g = warp; g < kNG; g += nw) mine |= (uint64_t)1 << g;
-    mine &= spread_bits(ctx.warp_ballot(ga != 0)) | (spread_bits(ctx.warp_ballot(gb != 0)) << 1);
-    while (mine) {
-      const int g = ctz64(mine);
-      mine &= mine - 1;
+    for (int g = warp; g < kNG; g += nw) {              // warp-uniform trip count and branches
       ctx.step(1);
+      if (gc[g] == 0) continue;
       const int base = ctx.warp_shfl((g & 1) ? gx + ga : gx, g >> 1);
       const int b = g * 32 + lane;
       const int v = h[b];
@@ -390,13 +392,12 @@ struct TreeBlock {
     }
     if (bt == kBottom) return c;
     const float* row = lpc + (size_t)(d - 1) * keff;
-    const double s = sc[p];
+    const double s = sc[p], lim = bucket_limit(bt);
     int lo = 0, hi = c;
-    while (lo < hi) {  // children keep a bucket <= bt
+    while (lo < hi) {  // children keep a bucket <= bt (bucket_limit: the same test)
       ctx.step(1);
       const int mid = (lo + hi) >> 1;
-      const double cs = s + (double)row[mid];
-      if (bucket_of(smax, cs) <= bt) lo = mid + 1; else hi = mid;
+      if (smax - (s + (double)row[mid]) < lim) lo = mid + 1; else hi = mid;
     }
     return lo;
   }
@@ -449,6 +450,9 @@ struct TreeBlock {
     if (tid < kNG) gcnt[tid] = 0;
     ctx.sync();
     const int nin = D * keff;
+    // the exponent range and the failure flag: per thread, then per warp (one atomic per warp:
+    // the same two words updated by every element contended heavily at D x K = 15 x 1024)
+    int maxe = -100000, minq = 100000, bad_any = 0;
     for (int idx = tid; idx < nin; idx += nt) {
       ctx.step(1);
       const int d = idx / keff, r = idx - d * keff;
@@ -458,7 +462,7 @@ struct TreeBlock {
       if (r > 0 && !(x <= a.lp[(size_t)d * a.ld + r - 1])) bad = true; // not sorted (or NaN before)
       if (d > 0 && r == 0 && x > 0.0f) bad = true;                    // child would beat parent
       if (x == neg_inf_f()) ctx.atomic_min(&misc[M_FB + d], r);
-      if (bad) ctx.atomic_max(&misc[M_FAIL], 1);
+      bad_any |= bad ? 1 : 0;
       const uint32_t bits = f2u(x) & 0x7FFFFFFFu;
       if (bits != 0 && bits < 0x7F800000u) {
         const int e = (int)(bits >> 23);
@@ -466,9 +470,20 @@ struct TreeBlock {
         int qe, me;
         if (e == 0) { qe = -149 + ctz32(m); me = -149 + (31 - clz32(m)); }
         else { qe = (e - 150) + ctz32(m | 0x800000u); me = e - 127; }
-        ctx.atomic_max(&misc[M_MAXE], me);
-        ctx.atomic_min(&misc[M_MINQ], qe);
+        maxe = me > maxe ? me : maxe;
+        minq = qe < minq ? qe : minq;
       }
+    }
+    for (int o = 16; o >= 1; o >>= 1) {
+      const int m2 = ctx.warp_shfl(maxe, lane ^ o), q2 = ctx.warp_shfl(minq, lane ^ o), b2 = ctx.warp_shfl(bad_any, lane ^ o);
+      maxe = m2 > maxe ? m2 : maxe;
+      minq = q2 < minq ? q2 : minq;
+      bad_any |= b2;
+    }
+    if (lane == 0) {
+      if (maxe > -100000) ctx.atomic_max(&misc[M_MAXE], maxe);
+      if (minq < 100000) ctx.atomic_min(&misc[M_MINQ], minq);
+      if (bad_any) ctx.atomic_max(&misc[M_FAIL], 1);
     }
     ctx.sync();
     {
@@ -548,6 +563,7 @@ struct TreeBlock {
         ctx.sync();
         gscan(phist, pgc, nullptr, -1, M_BT2, false);
         const int bt2 = misc[M_BT2];
+        const double lim2 = bucket_limit(bt2);
         int s2 = 0;
         for (int j = j0; j < j1; ++j) {  // new counts into nid (free until the end)
           ctx.step(1);
@@ -558,7 +574,7 @@ struct TreeBlock {
             while (lo < hi) {
               ctx.step(1);
               const int mid = (lo + hi) >> 1;
-              if (bucket_of(smax, sp + (double)row[mid]) <= bt2) lo = mid + 1; else hi = mid;
+              if (smax - (sp + (double)row[mid]) < lim2) lo = mid + 1; else hi = mid;
             }
             c = lo;
           }
@@ -615,35 +631,36 @@ struct TreeBlock {
       // rank = s0 + the bucket's members that pop before x: better scores (a branch-free count
       // over four independent loads at a time), then, only if some member ties x's score, the
       // rank-tuple order among the ties (lex_less)
+      // A tie at x's depth is decided by the store index (within a level, store order is
+      // rank-tuple order); only ties at other depths need the rank-tuple walk (a second pass).
       const double sx = sc[x];
+      const int dx = dp[x];
       int rank = s0;
-      bool tie = false;
-      int k = s0;
+      bool walk = false;
       ctx.step(1 + cb / 4);
-      for (; k + 4 <= ke; k += 4) {
-        const int y0 = ord[k], y1 = ord[k + 1], y2 = ord[k + 2], y3 = ord[k + 3];
-        const double a0 = sc[y0], a1 = sc[y1], a2 = sc[y2], a3 = sc[y3];
-        rank += (a0 > sx) + (a1 > sx) + (a2 > sx) + (a3 > sx);
-        tie |= (a0 == sx && y0 != x) | (a1 == sx && y1 != x) | (a2 == sx && y2 != x) | (a3 == sx && y3 != x);
+      for (int k = s0; k < ke; k += 4) {
+        int y[4];
+        double ay[4];
+        int dy[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) y[e] = k + e < ke ? (int)ord[k + e] : x;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          ay[e] = sc[y[e]];
+          dy[e] = dp[y[e]];
+        }
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const bool eq = ay[e] == sx;
+          rank += (ay[e] > sx) + (eq && dy[e] == dx && y[e] < x);
+          walk |= eq && dy[e] != dx;
+        }
       }
-      for (; k < ke; ++k) {
-        const int y = ord[k];
-        const double ay = sc[y];
-        rank += ay > sx;
-        tie |= ay == sx && y != x;
-      }
-      if (tie) {  // the same loads again (four at a time); rank-tuple walks for the ties only
-        ctx.step(cb / 4);
-        for (k = s0; k < ke; k += 4) {
-          int y[4];
-          double ay[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) y[e] = k + e < ke ? (int)ord[k + e] : x;
-#pragma unroll
-          for (int e = 0; e < 4; ++e) ay[e] = sc[y[e]];
-#pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (y[e] != x && ay[e] == sx && lex_less(y[e], x)) ++rank;
+      if (walk) {
+        ctx.step(cb);
+        for (int k = s0; k < ke; ++k) {
+          const int y = ord[k];
+          if (sc[y] == sx && dp[y] != dx && lex_less(y, x)) ++rank;
         }
       }
       if (rank < n) {

@@ -38,7 +38,6 @@ struct GpuCtx {
     return v;
   }
   __device__ int warp_shfl(int v, int src) const { return __shfl_sync(0xffffffffu, v, src); }
-  __device__ uint32_t warp_ballot(bool pred) const { return __ballot_sync(0xffffffffu, pred); }
   __device__ void warp_sync() const { __syncwarp(); }  // orders the warp's shared-memory accesses
 };
 

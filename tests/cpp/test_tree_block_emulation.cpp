@@ -136,16 +136,6 @@ struct HostCtx {
     step(1);
     blk->warps[t >> 5].barrier();
   }
-  uint32_t warp_ballot(bool pred) const {
-    step(1);
-    Warp& w = blk->warps[t >> 5];
-    w.buf[t & 31] = pred ? 1 : 0;
-    w.barrier();
-    uint32_t r = 0;
-    for (int i = 0; i < 32; ++i) r |= (uint32_t)(w.buf[i] != 0) << i;
-    w.barrier();
-    return r;
-  }
   int warp_shfl(int v, int src) const {
     step(1);
     Warp& w = blk->warps[t >> 5];
@@ -397,8 +387,43 @@ int proxy_table() {
 
 }  // namespace
 
+// bucket_limit(bt) is the threshold form of bucket_of(smax, s) <= bt used by the binary searches:
+// check it on random deltas, on the exact bucket boundaries (the float midpoints) and next to them.
+int check_bucket_limit() {
+  using namespace kdtree::treeimpl;
+  std::mt19937_64 rng(7);
+  int bad = 0;
+  long n = 0;
+  auto check = [&](double smax, double s) {
+    const int b = bucket_of(smax, s);
+    for (int bt : {0, 1, 2, b - 1, b, b + 1, kNB - 3, kNB - 2, kNB - 1 - 1}) {
+      if (bt < 0 || bt >= kBottom) continue;
+      ++n;
+      if ((b <= bt) != (smax - s < bucket_limit(bt))) {
+        if (++bad < 5) std::printf("bucket_limit mismatch: smax %.17g s %.17g bucket %d bt %d\n", smax, s, b, bt);
+      }
+    }
+  };
+  std::uniform_real_distribution<double> u(-1.0, 1.0);
+  for (int i = 0; i < 200000; ++i) {
+    const double smax = -std::ldexp(std::abs(u(rng)), (int)(rng() % 10) - 5);
+    const double delta = std::ldexp(std::abs(u(rng)), (int)(rng() % 80) - 40);
+    check(smax, smax - delta);
+    check(smax, smax + delta);  // delta <= 0 side
+  }
+  for (int bt = 1; bt < kNB - 2; ++bt) {  // every boundary, exactly and one double either side
+    const double m = bucket_limit(bt);
+    for (double d : {m, std::nextafter(m, 0.0), std::nextafter(m, 1e300)}) check(0.0, -d);
+  }
+  check(0.0, -__builtin_huge_val());
+  check(0.0, 0.0);
+  std::printf("bucket_limit: %ld checks, %d mismatches\n", n, bad);
+  return bad;
+}
+
 int main() {
   if (std::getenv("KDTREE_EMU_PROXY")) return proxy_table();
+  if (check_bucket_limit()) return 1;
   const char* env = std::getenv("KDTREE_EMU_CASES");
   const int cases = env ? std::atoi(env) : 60;
   std::mt19937_64 rng(20261130);
