@@ -450,9 +450,6 @@ struct TreeBlock {
     if (tid < kNG) gcnt[tid] = 0;
     ctx.sync();
     const int nin = D * keff;
-    // the exponent range and the failure flag: per thread, then per warp (one atomic per warp:
-    // the same two words updated by every element contended heavily at D x K = 15 x 1024)
-    int maxe = -100000, minq = 100000, bad_any = 0;
     for (int idx = tid; idx < nin; idx += nt) {
       ctx.step(1);
       const int d = idx / keff, r = idx - d * keff;
@@ -462,7 +459,7 @@ struct TreeBlock {
       if (r > 0 && !(x <= a.lp[(size_t)d * a.ld + r - 1])) bad = true; // not sorted (or NaN before)
       if (d > 0 && r == 0 && x > 0.0f) bad = true;                    // child would beat parent
       if (x == neg_inf_f()) ctx.atomic_min(&misc[M_FB + d], r);
-      bad_any |= bad ? 1 : 0;
+      if (bad) ctx.atomic_max(&misc[M_FAIL], 1);
       const uint32_t bits = f2u(x) & 0x7FFFFFFFu;
       if (bits != 0 && bits < 0x7F800000u) {
         const int e = (int)(bits >> 23);
@@ -470,20 +467,9 @@ struct TreeBlock {
         int qe, me;
         if (e == 0) { qe = -149 + ctz32(m); me = -149 + (31 - clz32(m)); }
         else { qe = (e - 150) + ctz32(m | 0x800000u); me = e - 127; }
-        maxe = me > maxe ? me : maxe;
-        minq = qe < minq ? qe : minq;
+        ctx.atomic_max(&misc[M_MAXE], me);
+        ctx.atomic_min(&misc[M_MINQ], qe);
       }
-    }
-    for (int o = 16; o >= 1; o >>= 1) {
-      const int m2 = ctx.warp_shfl(maxe, lane ^ o), q2 = ctx.warp_shfl(minq, lane ^ o), b2 = ctx.warp_shfl(bad_any, lane ^ o);
-      maxe = m2 > maxe ? m2 : maxe;
-      minq = q2 < minq ? q2 : minq;
-      bad_any |= b2;
-    }
-    if (lane == 0) {
-      if (maxe > -100000) ctx.atomic_max(&misc[M_MAXE], maxe);
-      if (minq < 100000) ctx.atomic_min(&misc[M_MINQ], minq);
-      if (bad_any) ctx.atomic_max(&misc[M_FAIL], 1);
     }
     ctx.sync();
     {
@@ -628,39 +614,55 @@ struct TreeBlock {
       int b = bk[x];
       if (b > bt) continue;
       const int s0 = hpre[b] & kLo, cb = hist[b] & kLo, ke = s0 + cb;
-      // rank = s0 + the bucket's members that pop before x: better scores (a branch-free count
-      // over four independent loads at a time), then, only if some member ties x's score, the
-      // rank-tuple order among the ties (lex_less)
-      // A tie at x's depth is decided by the store index (within a level, store order is
-      // rank-tuple order); only ties at other depths need the rank-tuple walk (a second pass).
+      // rank = s0 + the bucket's members that pop before x. First pass: the better scores (loads of the scores only, four at a time, branch-free).
+      // Only if some other member ties x's score, a second pass over the ties: one at x's depth
+      // is decided by the store index (within a level, store order is rank-tuple order), one at
+      // another depth by the rank-tuple walk (lex_less).
       const double sx = sc[x];
-      const int dx = dp[x];
       int rank = s0;
-      bool walk = false;
+      bool tie = false;
       ctx.step(1 + cb / 4);
       for (int k = s0; k < ke; k += 4) {
         int y[4];
         double ay[4];
-        int dy[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) y[e] = k + e < ke ? (int)ord[k + e] : x;
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          ay[e] = sc[y[e]];
-          dy[e] = dp[y[e]];
-        }
+        for (int e = 0; e < 4; ++e) ay[e] = sc[y[e]];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const bool eq = ay[e] == sx;
-          rank += (ay[e] > sx) + (eq && dy[e] == dx && y[e] < x);
-          walk |= eq && dy[e] != dx;
+          rank += ay[e] > sx;
+          tie |= ay[e] == sx && y[e] != x;
         }
       }
-      if (walk) {
-        ctx.step(cb);
-        for (int k = s0; k < ke; ++k) {
-          const int y = ord[k];
-          if (sc[y] == sx && dp[y] != dx && lex_less(y, x)) ++rank;
+      if (tie) {
+        const int dx = dp[x];
+        bool walk = false;
+        ctx.step(cb / 4);
+        for (int k = s0; k < ke; k += 4) {
+          int y[4];
+          double ay[4];
+          int dy[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) y[e] = k + e < ke ? (int)ord[k + e] : x;
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            ay[e] = sc[y[e]];
+            dy[e] = dp[y[e]];
+          }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const bool eq = ay[e] == sx;
+            rank += eq && dy[e] == dx && y[e] < x;
+            walk |= eq && dy[e] != dx;
+          }
+        }
+        if (walk) {
+          ctx.step(cb);
+          for (int k = s0; k < ke; ++k) {
+            const int y = ord[k];
+            if (sc[y] == sx && dp[y] != dx && lex_less(y, x)) ++rank;
+          }
         }
       }
       if (rank < n) {
