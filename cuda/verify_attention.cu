@@ -1143,8 +1143,9 @@ size_t decode_ws_bytes(const VerifyAttentionParams& p) {
 // 32-row block per chunk leaves too little work per block. Eleventh session (decode table, NaN-
 // guarded kernel): also M >= 128 with N >= 2048 (T = 1, H = 128, L = 2048: 31.4 vs 35.2 us), M >= 64
 // with N >= 4096 (T = 1, H = 64, L = 4096: 38.5 vs 40.4; L = 32768: 155 vs 195; T = 4, H = 16, L =
-// 4096: 38.5 vs 40.6) and long contexts from M = 16 (T = 1, H = 16, L = 32768: 97 vs 116 us; N >=
-// 16384: MEASURE).
+// 4096: 38.5 vs 40.6) and long contexts from M = 16 (T = 1, H = 16, L = 16384: 61.2 vs 64.2 us, L =
+// 32768: 96 vs 98 (8-row split-KV; 116 with the 16 rows the cost model picks); at L = 8192 split-KV
+// still wins, 35.8 vs 42.3).
 bool mma_wins(const VerifyAttentionParams& p) {
   const long long M = (long long)p.T * p.H, N = (long long)p.L + p.T;
   return M >= 2048 || (M >= 1024 && N >= 64) || (M >= 256 && N >= 512) || (M >= 128 && N >= 2048) ||
