@@ -450,28 +450,13 @@ struct TreeBlock {
     if (tid < kNG) gcnt[tid] = 0;
     ctx.sync();
     const int nin = D * keff;
-    // the rows into shared memory first, four global loads in flight per thread (checking while
-    // loading put one global round trip per element on the critical path: ~7 us at 15 x 1024)
-    for (int i0 = tid; i0 < nin; i0 += 4 * nt) {
-      ctx.step(1);
-      float v[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int idx = i0 + e * nt;
-        const int d = idx / keff, r = idx - d * keff;
-        v[e] = idx < nin ? a.lp[(size_t)d * a.ld + r] : 0.0f;
-      }
-#pragma unroll
-      for (int e = 0; e < 4; ++e)
-        if (i0 + e * nt < nin) lpc[i0 + e * nt] = v[e];
-    }
-    ctx.sync();
     for (int idx = tid; idx < nin; idx += nt) {
       ctx.step(1);
       const int d = idx / keff, r = idx - d * keff;
-      const float x = lpc[idx];
+      const float x = a.lp[(size_t)d * a.ld + r];
+      lpc[idx] = x;
       bool bad = is_nan_f(x) || x == -neg_inf_f();                    // NaN, +inf
-      if (r > 0 && !(x <= lpc[idx - 1])) bad = true;                  // not sorted (or NaN before)
+      if (r > 0 && !(x <= a.lp[(size_t)d * a.ld + r - 1])) bad = true; // not sorted (or NaN before)
       if (d > 0 && r == 0 && x > 0.0f) bad = true;                    // child would beat parent
       if (x == neg_inf_f()) ctx.atomic_min(&misc[M_FB + d], r);
       if (bad) ctx.atomic_max(&misc[M_FAIL], 1);
