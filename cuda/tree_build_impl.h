@@ -54,7 +54,7 @@
 // KDTREE_TREE_PROFILE (GPU builds only, off by default): thread 0 adds the clock64() cycles since
 // its previous mark to one of kProfCats categories at each mark (right after a block barrier, so
 // an interval is the slowest thread's time for that part) and the kernel prints them per launch.
-// A measuring aid for benchmarks/ncu-less breakdowns; never compiled into the shipped module.
+// A measuring aid (benchmarks/profile_cuda_tree_build.py); never compiled into the shipped module.
 #if defined(KDTREE_TREE_PROFILE) && defined(__CUDA_ARCH__)
 #define KD_TREE_MARK(cat) prof_mark(cat)
 #elif defined(KDTREE_EMU_MARKS) && !defined(__CUDA_ARCH__)
@@ -614,10 +614,11 @@ struct TreeBlock {
       int b = bk[x];
       if (b > bt) continue;
       const int s0 = hpre[b] & kLo, cb = hist[b] & kLo, ke = s0 + cb;
-      // rank = s0 + the bucket's members that pop before x. First pass: the better scores (loads of the scores only, four at a time, branch-free).
-      // Only if some other member ties x's score, a second pass over the ties: one at x's depth
-      // is decided by the store index (within a level, store order is rank-tuple order), one at
-      // another depth by the rank-tuple walk (lex_less).
+      // rank = s0 + the bucket's members that pop before x. First pass: the better scores (the
+      // scores only, four independent loads at a time, branch-free). Only if another member ties
+      // x's score, a second pass over the ties: one at x's depth is decided by the store index
+      // (within a level, store order is rank-tuple order), one at another depth by the
+      // rank-tuple walk (lex_less).
       const double sx = sc[x];
       int rank = s0;
       bool tie = false;
