@@ -66,8 +66,14 @@
 namespace kdtree {
 namespace treeimpl {
 
-constexpr int kProfCats = 12;  // phase0, level1, count, probe, materialise, gscan, rank (counting sort), outputs,
-                                // other paths, levels/probes, rank (comparisons), rank (parents)
+// KD_TREE_MARK categories (a mark adds the time since the previous one to its category; P_START
+// only restarts the clock) and two event counters (levels counted, probes run)
+enum ProfCat {
+  P_START = -1, P_PHASE0 = 0, P_LEVEL1, P_COUNT, P_PROBE, P_MAT, P_GSCAN, P_RANK_SORT, P_RANK_CMP, P_RANK_PAR,
+  P_OUT, P_OTHER, kProfTimed, P_LEVELS = kProfTimed, P_PROBES, kProfCats
+};
+constexpr const char* kProfNames[kProfTimed] = {"phase0", "level1", "count", "probe", "mat", "gscan",
+                                                "rank-sort", "rank-cmp", "rank-par", "out", "other"};
 
 constexpr int kMaxDepth = 16;      // D limit of the CUDA tree build
 constexpr int kMaxBudget = 1024;   // B limit of the CUDA tree build (one block)
@@ -287,6 +293,9 @@ struct TreeBlock {
       prof_last = t;
     }
   }
+#define KD_TREE_COUNT(ev) (tid == 0 ? (void)++prof_acc[ev] : (void)0)
+#else
+#define KD_TREE_COUNT(ev) ((void)0)
 #endif
 
   KD_HD TreeBlock(Ctx& c, const TreeArgs& args, unsigned char* smem) : ctx(c), a(args), sm(smem) {
@@ -432,7 +441,7 @@ struct TreeBlock {
 
   // Returns n >= 0, or -1 when the parallel path cannot be used (then nothing is output yet).
   KD_HD int parallel_build() {
-    KD_TREE_MARK(-1);
+    KD_TREE_MARK(P_START);
     // ---- phase 0: one pass over the inputs: the exactness / monotonicity / sortedness checks
     // (rows must be finite-descending then -inf; NaN, +inf, a finite after -inf, or
     // lp[d][0] > 0 for d >= 1 send us to the fallback), first -inf rank per row, exponents.
@@ -481,7 +490,7 @@ struct TreeBlock {
       if (misc[M_FAIL] || inexact || misc[M_FB + 0] == 0) return -1;  // lp[0][0] = -inf too
     }
     smax = (double)lpc[0];
-    KD_TREE_MARK(0);
+    KD_TREE_MARK(P_PHASE0);
 
     // ---- level 1: every rank < Keff (rank r has r better siblings, r < B)
     for (int r = tid; r < keff; r += nt) {
@@ -494,7 +503,7 @@ struct TreeBlock {
     }
     ctx.sync();
     gscan(hist, gcnt, hpre, kLo, M_BT, true);
-    KD_TREE_MARK(1);
+    KD_TREE_MARK(P_LEVEL1);
 
     // ---- levels 2..D (4 block barriers per level on the common path: 2 count + offsets,
     // 1 materialise, 1 histogram scan)
@@ -525,10 +534,8 @@ struct TreeBlock {
         }
         T = offsets(false, s, j0, j1);
       }
-      KD_TREE_MARK(2);
-#if defined(KDTREE_TREE_PROFILE) && defined(__CUDA_ARCH__)
-      if (tid == 0) prof_acc[9] += 1;
-#endif
+      KD_TREE_MARK(P_COUNT);
+      KD_TREE_COUNT(P_LEVELS);
       if (T == 0) break;
       const float* row = lpc + (size_t)(d - 1) * keff;
       if (T > B || used + T > cap) {
@@ -568,10 +575,8 @@ struct TreeBlock {
           s2 += c;
         }
         T = offsets(true, s2, j0, j1);
-        KD_TREE_MARK(3);
-#if defined(KDTREE_TREE_PROFILE) && defined(__CUDA_ARCH__)
-        if (tid == 0) prof_acc[9] += 1000;
-#endif
+        KD_TREE_MARK(P_PROBE);
+        KD_TREE_COUNT(P_PROBES);
         if (used + T > cap) return -1;  // candidate store overflow: exact fallback
         if (T == 0) break;
       }
@@ -592,9 +597,9 @@ struct TreeBlock {
         misc[M_BT] = kBottom;
       }
       ctx.sync();
-      KD_TREE_MARK(4);
+      KD_TREE_MARK(P_MAT);
       gscan(hist, gcnt, hpre, kLo, M_BT, true);
-      KD_TREE_MARK(5);
+      KD_TREE_MARK(P_GSCAN);
     }
 
     // ---- final ranking: counting sort by bucket, exact comparisons inside a bucket
@@ -609,7 +614,7 @@ struct TreeBlock {
       if (b <= bt) ord[(hpre[b] & kLo) + ctx.atomic_add(&cur[b], 1)] = (uint16_t)x;
     }
     ctx.sync();
-    KD_TREE_MARK(6);
+    KD_TREE_MARK(P_RANK_SORT);
     for (int x = tid; x < used; x += nt) {
       int b = bk[x];
       if (b > bt) continue;
@@ -620,14 +625,17 @@ struct TreeBlock {
       // (within a level, store order is rank-tuple order), one at another depth by the
       // rank-tuple walk (lex_less).
       const double sx = sc[x];
+      auto members4 = [&](int k, int (&y)[4]) {  // the bucket's members k .. k+3 (x itself past the end)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) y[e] = k + e < ke ? (int)ord[k + e] : x;
+      };
       int rank = s0;
       bool tie = false;
       ctx.step(1 + cb / 4);
       for (int k = s0; k < ke; k += 4) {
         int y[4];
         double ay[4];
-#pragma unroll
-        for (int e = 0; e < 4; ++e) y[e] = k + e < ke ? (int)ord[k + e] : x;
+        members4(k, y);
 #pragma unroll
         for (int e = 0; e < 4; ++e) ay[e] = sc[y[e]];
 #pragma unroll
@@ -644,8 +652,7 @@ struct TreeBlock {
           int y[4];
           double ay[4];
           int dy[4];
-#pragma unroll
-          for (int e = 0; e < 4; ++e) y[e] = k + e < ke ? (int)ord[k + e] : x;
+          members4(k, y);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             ay[e] = sc[y[e]];
@@ -674,7 +681,7 @@ struct TreeBlock {
       }
     }
     ctx.sync();
-    KD_TREE_MARK(10);
+    KD_TREE_MARK(P_RANK_CMP);
     for (int i = tid; i < n; i += nt) {
       ctx.step(1);
       int x = opar[i];
@@ -682,7 +689,7 @@ struct TreeBlock {
       opar[i] = (int16_t)(p == kRoot ? 0 : nid[p]);
     }
     ctx.sync();
-    KD_TREE_MARK(11);
+    KD_TREE_MARK(P_RANK_PAR);
     return n;
   }
 
@@ -957,34 +964,35 @@ struct TreeBlock {
   // (then the fallback if its checks fail), 0 = auto: the one-warp path for B <= kWarpPathMaxB,
   // else the parallel path.
   KD_HD void run() {
-    KD_TREE_MARK(-1);
+    KD_TREE_MARK(P_START);
     int n = 0, path = 0;
     if (B > 0 && D > 0 && a.K > 0) {
       const int f = a.force_fallback;
       if (f == 2 || (f == 0 && B <= kWarpPathMaxB)) {
         path = 2;
         n = warp_build();
-        KD_TREE_MARK(8);
+        KD_TREE_MARK(P_OTHER);
       } else {
         int r = f == 1 ? -1 : parallel_build();
         if (r < 0) {
           path = 1;
           ctx.sync();  // everyone is done with the candidate store before the heap reuses it
           n = sequential_build();
-          KD_TREE_MARK(8);
+          KD_TREE_MARK(P_OTHER);
         } else {
           n = r;
         }
       }
     }
     write_outputs(n, path);
-    KD_TREE_MARK(7);
+    KD_TREE_MARK(P_OUT);
 #if defined(KDTREE_TREE_PROFILE) && defined(__CUDA_ARCH__)
     if (tid == 0)
       printf("TREEPROF B=%d D=%d K=%d nt=%d path=%d n=%d levels=%lld probes=%lld | phase0 %lld level1 %lld count %lld "
              "probe %lld mat %lld gscan %lld rank %lld+%lld+%lld out %lld other %lld\n",
-             B, D, a.K, nt, path, n, prof_acc[9] % 1000, prof_acc[9] / 1000, prof_acc[0], prof_acc[1], prof_acc[2],
-             prof_acc[3], prof_acc[4], prof_acc[5], prof_acc[6], prof_acc[10], prof_acc[11], prof_acc[7], prof_acc[8]);
+             B, D, a.K, nt, path, n, prof_acc[P_LEVELS], prof_acc[P_PROBES], prof_acc[P_PHASE0], prof_acc[P_LEVEL1],
+             prof_acc[P_COUNT], prof_acc[P_PROBE], prof_acc[P_MAT], prof_acc[P_GSCAN], prof_acc[P_RANK_SORT],
+             prof_acc[P_RANK_CMP], prof_acc[P_RANK_PAR], prof_acc[P_OUT], prof_acc[P_OTHER]);
 #endif
   }
 };

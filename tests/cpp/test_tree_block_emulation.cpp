@@ -67,7 +67,7 @@ struct Block {  // what the threads of one emulated block share
   std::vector<long> steps;
   std::vector<Warp> warps;  // nthreads / 32
   long gpu_barriers = 0, scan_elems = 0, crit = 0;
-  long phase[16] = {}, phase_last = 0;  // KD_TREE_MARK: critical-path steps per phase (thread 0 marks)
+  long phase[kdtree::treeimpl::kProfCats] = {}, phase_last = 0;  // KD_TREE_MARK: critical-path steps per phase (thread 0 marks)
 
   // gpu = false: a barrier of the emulation only (the GPU has none there): not counted.
   void barrier(bool gpu = true) {
@@ -99,7 +99,7 @@ struct HostCtx {
   void mark(int cat) const {  // right after a block barrier: blk->crit is the path so far
     if (t != 0) return;
     std::lock_guard<std::mutex> lk(blk->mu);
-    if (cat >= 0 && cat < 16) blk->phase[cat] += blk->crit - blk->phase_last;
+    if (cat >= 0 && cat < kdtree::treeimpl::kProfTimed) blk->phase[cat] += blk->crit - blk->phase_last;
     blk->phase_last = blk->crit;
   }
   int atomic_add(int* p, int v) const { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
@@ -153,7 +153,7 @@ struct Out {
   std::vector<int32_t> tokens, depths, parents, positions, n, path;
   std::vector<uint64_t> vis;
   long gpu_barriers = 0, scan_elems = 0, crit = 0;
-  long phase[16] = {};
+  long phase[kdtree::treeimpl::kProfCats] = {};
 };
 
 // mode: TreeArgs::force_fallback (0 auto, 1 sequential fallback, 2 one-warp path, 3 parallel path)
@@ -206,7 +206,7 @@ Out run_block(const std::vector<float>& lp, const std::vector<int32_t>& ids, int
   long m = 0;
   for (long v : blk.steps) m = std::max(m, v);
   o.crit = blk.crit + m;  // the tail after the last barrier
-  for (int i = 0; i < 16; ++i) o.phase[i] = blk.phase[i];
+  for (int i = 0; i < kdtree::treeimpl::kProfCats; ++i) o.phase[i] = blk.phase[i];
   return o;
 }
 
@@ -326,13 +326,11 @@ void drafter_rows(uint64_t seed, bool peaked, int D, int V, int K, std::vector<f
 
 // critical-path steps per phase (KD_TREE_MARK categories), for the proxy table
 std::string phases(const Out& o) {
-  static const char* names[] = {"phase0", "level1", "count", "probe", "mat", "gscan", "rank-sort", "out", "other", "",
-                                "rank-cmp", "rank-par"};
   std::string r;
   char buf[64];
-  for (int i = 0; i < 12; ++i)
+  for (int i = 0; i < kdtree::treeimpl::kProfTimed; ++i)
     if (o.phase[i]) {
-      std::snprintf(buf, sizeof buf, " %s %ld", names[i], o.phase[i]);
+      std::snprintf(buf, sizeof buf, " %s %ld", kdtree::treeimpl::kProfNames[i], o.phase[i]);
       r += buf;
     }
   return r;
