@@ -18,7 +18,7 @@ ap.add_argument("--context", type=int, default=512)
 ap.add_argument("--rows", type=int, default=18)
 ap.add_argument("--ckpt", default="/tmp/kn_mini_kimi")
 ap.add_argument("--sequence", action="store_true",
-                help="also list one step's kernels in launch order with their times (read with KDTREE_CUDA_PDL=0)")
+                help="also list one step's kernels in launch order: duration, start / end from the step's start, and how far each moved the latest end (the timeline; with KDTREE_CUDA_PDL=0 the durations are the kernels' own)")
 args = ap.parse_args()
 import kdtree_native as kn
 from kdtree_native import _native
@@ -64,8 +64,16 @@ for label, T, vis in [("AR", 1, None), (f"verify B={B}", B + 1, real_tree(B, 1)[
     print(f"== {label}: wall {wall * 1e3:.3f} ms/step, GPU kernel time {tot / 1e3:.3f} ms/step, "
           f"kernels/step {len(ev) / 10:.0f}")
     if args.sequence:
+        # one step's kernels in launch order; start / end in us from the step's first kernel start.
+        # With PDL a kernel starts (its blocks resident, waiting) before its predecessor ends, so the
+        # end times are the timeline: "+end" = this kernel's end minus the latest end before it.
         seq = sorted(ev, key=lambda e: e.time_range.start)[: len(ev) // 10]
+        t0 = seq[0].time_range.start
+        last_end = t0
+        print(f"  {'#':>4} {'dur us':>7} {'start':>7} {'end':>7} {'+end':>6}  kernel")
         for i, e in enumerate(seq):
             name = e.name.replace("kdtree::cuda::", "").replace("(anonymous namespace)::", "")
-            print(f"  {i:4d} {e.device_time:7.1f} us  {name[:110]}")
+            st, en = e.time_range.start - t0, e.time_range.end - t0
+            print(f"  {i:4d} {e.device_time:7.1f} {st:7.1f} {en:7.1f} {e.time_range.end - last_end:6.1f}  {name[:100]}")
+            last_end = max(last_end, e.time_range.end)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.rows, max_name_column_width=70))
