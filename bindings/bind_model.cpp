@@ -98,6 +98,12 @@ void bind_model(py::module_& m) {
       .def_property_readonly("device", [](const Model& self) { return std::string(self.device()); })
       .def_property_readonly("memory_bytes", &Model::memory_bytes)
       .def(
+          "use_bf16_weights", [](Model& self, bool on) { self.use_bf16_weights(on); }, py::arg("on"),
+          "Keep BF16 copies of the projection weights that are exactly BF16 (the default, made at finalize) "
+          "for the few-row GEMMs (the same results, half the bytes read), or drop them (False).")
+      .def_property_readonly("bf16_weight_bytes", &Model::bf16_weight_bytes,
+                             "Bytes of the BF16 weight copies held (0: every GEMM reads FP32).")
+      .def(
           "read_cache",
           [](const Model& self, int64_t layer, int64_t begin, int64_t n) {
             const int64_t CR = self.config().kv_lora_rank + self.config().qk_rope_head_dim;

@@ -164,6 +164,7 @@ void CpuModel::set_weight(const std::string& name, const float* data, const std:
   }
   s.set = true;
   finalized_ = false;
+  bf16_.clear();  // stale now; finalize() makes them again
 }
 
 std::vector<std::string> CpuModel::missing_weights() const {
@@ -178,7 +179,9 @@ void CpuModel::finalize() {
   std::lock_guard<std::mutex> lock(mu_);
   check_no_missing_weights(missing);
   // The absorbed matrices W_UK / W_UV were split from kv_b_proj as it arrived (set_weight);
-  // nothing else is derived on the CPU. The cache starts empty.
+  // the only derived data are the BF16 copies of the weights that are exactly BF16. The cache
+  // starts empty.
+  if (bf16_on_) build_bf16_weights();
   finalized_ = true;
   cache_len_ = 0;
   pending_ = 0;
@@ -259,7 +262,7 @@ void CpuModel::forward(const int32_t* tokens, const int32_t* positions, const ui
   }
   KD_PARALLEL_FOR_IF(T * Dm >= kParallelWork)
   for (int64_t t = 0; t < T; ++t) rmsnorm_row(x + t * Dm, final_ln_.data(), Dm, c.rms_norm_eps, hn_.data() + t * Dm);
-  sgemm(true, T, c.vocab_size, Dm, 1.f, hn_.data(), Dm, lm_head_ptr_, Dm, 0.f, logits_out, c.vocab_size);
+  wgemm(T, c.vocab_size, Dm, hn_.data(), Dm, lm_head_ptr_, Dm, logits_out, c.vocab_size);
   pending_ = T;
 }
 
@@ -278,13 +281,13 @@ void CpuModel::attention(Layer& ly, const int32_t* positions, const uint8_t* vis
   // Projections over all T tokens.
   if (c.q_lora_rank > 0) {
     const int64_t qr = c.q_lora_rank;
-    sgemm(true, T, qr, Dm, 1.f, hn, Dm, ly.q_a.data(), Dm, 0.f, qa_.data(), qr);
+    wgemm(T, qr, Dm, hn, Dm, ly.q_a.data(), Dm, qa_.data(), qr);
     for (int64_t t = 0; t < T; ++t) rmsnorm_row(qa_.data() + t * qr, ly.q_a_ln.data(), qr, c.latent_norm_eps, qa_.data() + t * qr);
-    sgemm(true, T, H * Dqk, qr, 1.f, qa_.data(), qr, ly.q_b.data(), qr, 0.f, q, H * Dqk);
+    wgemm(T, H * Dqk, qr, qa_.data(), qr, ly.q_b.data(), qr, q, H * Dqk);
   } else {
-    sgemm(true, T, H * Dqk, Dm, 1.f, hn, Dm, ly.q_proj.data(), Dm, 0.f, q, H * Dqk);
+    wgemm(T, H * Dqk, Dm, hn, Dm, ly.q_proj.data(), Dm, q, H * Dqk);
   }
-  sgemm(true, T, CR, Dm, 1.f, hn, Dm, ly.kv_a.data(), Dm, 0.f, kv, CR);
+  wgemm(T, CR, Dm, hn, Dm, ly.kv_a.data(), Dm, kv, CR);
 
   // RoPE tables, the new cache rows (normed latent | roped k_rope) and the roped query parts.
   KD_PARALLEL_FOR_IF(T * H * R >= kParallelWork)
@@ -334,10 +337,9 @@ void CpuModel::attention(Layer& ly, const int32_t* positions, const uint8_t* vis
   }
   // Values: o[:, h, :] = o_lat[:, h, :] @ W_UV[h]^T, then o_proj; x += out.
   for (int64_t h = 0; h < H; ++h)
-    sgemm(true, T, Dv, C, 1.f, olat_.data() + h * C, H * C, ly.w_uv.data() + h * Dv * C, C, 0.f,
-          ov_.data() + h * Dv, H * Dv);
+    wgemm(T, Dv, C, olat_.data() + h * C, H * C, ly.w_uv.data() + h * Dv * C, C, ov_.data() + h * Dv, H * Dv);
   float* out = mlp_out_.data();
-  sgemm(true, T, Dm, H * Dv, 1.f, ov_.data(), H * Dv, ly.o_proj.data(), H * Dv, 0.f, out, Dm);
+  wgemm(T, Dm, H * Dv, ov_.data(), H * Dv, ly.o_proj.data(), H * Dv, out, Dm);
   float* x = x_.data();
   KD_PARALLEL_FOR_IF(T * Dm >= kParallelWork)
   for (int64_t i = 0; i < T * Dm; ++i) x[i] += out[i];
@@ -346,10 +348,10 @@ void CpuModel::attention(Layer& ly, const int32_t* positions, const uint8_t* vis
 void CpuModel::swiglu_mlp(const float* x, int64_t n, const float* gate_up, const float* down, int64_t I, float* y,
                           float* gu, float* act) {
   const int64_t Dm = cfg_.hidden_size;
-  sgemm(true, n, 2 * I, Dm, 1.f, x, Dm, gate_up, Dm, 0.f, gu, 2 * I);
+  wgemm(n, 2 * I, Dm, x, Dm, gate_up, Dm, gu, 2 * I);
   KD_PARALLEL_FOR_IF(n * I >= kParallelWork)
   for (int64_t r = 0; r < n; ++r) swiglu_row(gu + r * 2 * I, I, act + r * I);
-  sgemm(true, n, Dm, I, 1.f, act, I, down, I, 0.f, y, Dm);
+  wgemm(n, Dm, I, act, I, down, I, y, Dm);
 }
 
 void CpuModel::dense_mlp(const Layer& ly, int64_t T) {
@@ -366,7 +368,7 @@ void CpuModel::route(const Layer& ly, int64_t T) {
   const int64_t Dm = c.hidden_size, E = c.n_routed_experts, K = c.num_experts_per_tok;
   const int64_t G = c.n_group, per = E / G, TG = c.topk_group;
   float* logits = router_logits_.data();
-  sgemm(true, T, E, Dm, 1.f, hn_.data(), Dm, ly.router.data(), Dm, 0.f, logits, E);
+  wgemm(T, E, Dm, hn_.data(), Dm, ly.router.data(), Dm, logits, E);
   const float* bias = ly.router_bias.data();
   const float rsf = (float)c.routed_scaling_factor;
   KD_PARALLEL_FOR_IF(T * E >= kParallelWork)
@@ -505,8 +507,67 @@ void CpuModel::read_cache(int64_t layer, int64_t begin, int64_t n, float* out) c
   std::memcpy(out, layers_[(size_t)layer].cache.data() + begin * CR, (size_t)(n * CR) * sizeof(float));
 }
 
+void CpuModel::build_bf16_weights() {
+  bf16_.clear();
+  auto add = [&](const std::vector<float>& w) {
+    if (w.empty()) return;
+    for (float f : w) {
+      uint32_t u;
+      std::memcpy(&u, &f, sizeof u);
+      if (u & 0xffffu) return;  // not exactly a BF16 value: this tensor stays FP32 only
+    }
+    Bf16Copy c;
+    c.begin = w.data();
+    c.end = w.data() + w.size();
+    c.bits.resize(w.size());
+    for (size_t i = 0; i < w.size(); ++i) {
+      uint32_t u;
+      std::memcpy(&u, &w[i], sizeof u);
+      c.bits[i] = (uint16_t)(u >> 16);
+    }
+    bf16_.push_back(std::move(c));
+  };
+  for (const Layer& ly : layers_)
+    for (const std::vector<float>* v : {&ly.q_a, &ly.q_b, &ly.q_proj, &ly.kv_a, &ly.w_uv, &ly.o_proj, &ly.mlp_gate_up,
+                                        &ly.mlp_down, &ly.router, &ly.experts_gate_up, &ly.experts_down,
+                                        &ly.shared_gate_up, &ly.shared_down})
+      add(*v);
+  add(lm_head_ptr_ == embed_.data() ? embed_ : lm_head_);
+  std::sort(bf16_.begin(), bf16_.end(), [](const Bf16Copy& a, const Bf16Copy& b) { return a.begin < b.begin; });
+}
+
+void CpuModel::use_bf16_weights(bool on) {
+  std::lock_guard<std::mutex> lock(mu_);
+  bf16_on_ = on;
+  if (!on) {
+    bf16_.clear();
+    bf16_.shrink_to_fit();
+  } else if (finalized_ && bf16_.empty()) {
+    build_bf16_weights();
+  }
+}
+
+int64_t CpuModel::bf16_weight_bytes() const {
+  int64_t n = 0;
+  for (const Bf16Copy& c : bf16_) n += (int64_t)c.bits.size() * (int64_t)sizeof(uint16_t);
+  return n;
+}
+
+void CpuModel::wgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* W, int64_t ldw,
+                     float* C, int64_t ldc, float alpha) const {
+  // the copy whose tensor holds W (the last one starting at or before it)
+  auto it = std::upper_bound(bf16_.begin(), bf16_.end(), W,
+                             [](const float* p, const Bf16Copy& c) { return p < c.begin; });
+  if (it != bf16_.begin()) {
+    const Bf16Copy& c = *(it - 1);
+    if (W < c.end && sgemm_bf16_weights(M, N, K, alpha, A, lda, c.bits.data() + (W - c.begin), ldw, 0.f, C, ldc))
+      return;
+  }
+  sgemm(true, M, N, K, alpha, A, lda, W, ldw, 0.f, C, ldc);
+}
+
 int64_t CpuModel::memory_bytes() const {
-  size_t n = embed_.size() + final_ln_.size() + lm_head_.size();
+  size_t n = embed_.size() + final_ln_.size() + lm_head_.size() + (size_t)bf16_weight_bytes() / sizeof(float);
   for (const Layer& ly : layers_) {
     for (const std::vector<float>* v :
          {&ly.input_ln, &ly.post_ln, &ly.q_a, &ly.q_a_ln, &ly.q_b, &ly.q_proj, &ly.kv_a, &ly.kv_a_ln, &ly.w_uk, &ly.w_uv,

@@ -40,8 +40,17 @@ class CpuModel : public TargetModel {
   // Test access: copy n cache rows [begin, begin + n) of `layer` into out [n, C + R]
   // (normed latent, then roped k_rope). Rows past cache_len + pending are refused.
   void read_cache(int64_t layer, int64_t begin, int64_t n, float* out) const;
-  // Bytes held by weights + cache + workspaces.
+  // Bytes held by weights + cache + workspaces (the BF16 copies below included).
   int64_t memory_bytes() const;
+
+  // BF16 copies of the projection weights (on by default, made at finalize): a weight matrix
+  // whose every FP32 value is exactly a BF16 value (a BF16 checkpoint widened by the loader) is
+  // also kept as BF16, and the few-row GEMMs (decode, tree verify, experts: sgemm's skinny kernels)
+  // read that copy: half the bytes, the same results (widening is exact and the kernels, tiles and
+  // threads are the same). Larger GEMMs (prefill) and matrices with other values use FP32.
+  // use_bf16_weights(false) drops the copies (A/B, tests); bf16_weight_bytes() = bytes held.
+  void use_bf16_weights(bool on);
+  int64_t bf16_weight_bytes() const;
 
  private:
   struct Layer {
@@ -69,6 +78,18 @@ class CpuModel : public TargetModel {
   static constexpr int kCopy = 0, kKvB = 1;
 
   void ensure_workspace(int64_t T);
+  // C[M, N] = A[M, K] @ W^T for a weight W [N, K] (row stride ldw) inside one of the model's
+  // weight tensors: through its BF16 copy when it has one and the skinny kernels take the shape.
+  void wgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* W, int64_t ldw, float* C,
+             int64_t ldc, float alpha = 1.f) const;
+  void build_bf16_weights();
+  struct Bf16Copy {
+    const float* begin = nullptr;  // the FP32 tensor [begin, end)
+    const float* end = nullptr;
+    std::vector<uint16_t> bits;    // its BF16 copy, same layout
+  };
+  std::vector<Bf16Copy> bf16_;  // sorted by begin
+  bool bf16_on_ = true;          // use_bf16_weights: make the copies at finalize
   void route(const Layer& ly, int64_t T);
   void attention(Layer& ly, const int32_t* positions, const uint8_t* vis, int64_t T);
   void dense_mlp(const Layer& ly, int64_t T);

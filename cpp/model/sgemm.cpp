@@ -12,8 +12,10 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #ifdef KDTREE_HAVE_CBLAS
@@ -266,12 +268,28 @@ KD_AVX2_INLINE __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
 
+// Weight elements: FP32, or BF16 (uint16, the high half of an FP32 value; widening is exact, so
+// a kernel on BF16 weights computes exactly what it computes on the widened FP32 copy).
+KD_AVX2_INLINE __m256 ldw8(const float* b) { return _mm256_loadu_ps(b); }
+KD_AVX2_INLINE __m256 ldw8(const uint16_t* b) {
+  const __m256i w = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(w, 16));
+}
+KD_AVX2_INLINE float widen(float b) { return b; }
+KD_AVX2_INLINE float widen(uint16_t b) {
+  const uint32_t u = (uint32_t)b << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 // C[MB, NB] (+)= A[MB, K] . B[NB, K]^T. With PF, the k range [pk0, pk1) of the same NB weight
 // rows `pf` rows further on is prefetched (64-byte lines), so later blocks arrive while this one
 // computes.
-template <int MB, int NB, bool PF>
-KD_AVX2_INLINE void tile_tb(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float alpha,
+template <int MB, int NB, bool PF, class BT>
+KD_AVX2_INLINE void tile_tb(int64_t K, const float* A, int64_t lda, const BT* B, int64_t ldb, float alpha,
                             float beta, float* C, int64_t ldc, int64_t pf, int64_t pk0, int64_t pk1) {
+  constexpr int64_t kLine = 64 / sizeof(BT);  // elements per 64-byte line (prefetch step)
   __m256 acc[MB][NB];
   for (int i = 0; i < MB; ++i)
     for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
@@ -285,11 +303,11 @@ KD_AVX2_INLINE void tile_tb(int64_t K, const float* A, int64_t lda, const float*
     __m256 a[MB];
     for (int i = 0; i < MB; ++i) a[i] = _mm256_loadu_ps(A + i * lda + k);
     if constexpr (PF) {
-      if ((k & 15) == 0 && k >= pk0 && k < pk1)
+      if ((k & (kLine - 1)) == 0 && k >= pk0 && k < pk1)
         for (int j = 0; j < NB; ++j) _mm_prefetch((const char*)(B + (pf + j) * ldb + k), _MM_HINT_T0);
     }
     for (int j = 0; j < NB; ++j) {
-      const __m256 b = _mm256_loadu_ps(B + j * ldb + k);
+      const __m256 b = ldw8(B + j * ldb + k);
       for (int i = 0; i < MB; ++i) acc[i][j] = _mm256_fmadd_ps(a[i], b, acc[i][j]);
     }
   }
@@ -298,7 +316,7 @@ KD_AVX2_INLINE void tile_tb(int64_t K, const float* A, int64_t lda, const float*
     for (int j = 0; j < NB; ++j) tail[i][j] = 0.f;
   for (; k < K; ++k)
     for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NB; ++j) tail[i][j] += A[i * lda + k] * B[j * ldb + k];
+      for (int j = 0; j < NB; ++j) tail[i][j] = std::fma(A[i * lda + k], widen(B[j * ldb + k]), tail[i][j]);
   for (int i = 0; i < MB; ++i) {
     float s[NB];
     if constexpr (NB % 4 == 0) {
@@ -317,13 +335,14 @@ constexpr int64_t kPrefetchMaxM = 20;
 
 // All M rows against NB weight rows: 3-row tiles, then 2 or 1. When prefetching, each tile issues
 // an equal share of the prefetches for the block `pf` rows on, so they are spread out in time.
-template <int NB>
-KD_AVX2_INLINE void rows_tb(int64_t M, int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb,
+template <int NB, class BT>
+KD_AVX2_INLINE void rows_tb(int64_t M, int64_t K, const float* A, int64_t lda, const BT* B, int64_t ldb,
                             float alpha, float beta, float* C, int64_t ldc, int64_t pf) {
   const int64_t ntiles = (M + 2) / 3;
   int64_t m = 0, t = 0;
   if (pf > 0) {
-    auto share = [&](int64_t i) { return i >= ntiles ? K : ((K * i / ntiles) & ~int64_t(15)); };
+    constexpr int64_t kLine = 64 / sizeof(BT);
+    auto share = [&](int64_t i) { return i >= ntiles ? K : ((K * i / ntiles) & ~(kLine - 1)); };
     for (; m + 3 <= M; m += 3, ++t)
       tile_tb<3, NB, true>(K, A + m * lda, lda, B, ldb, alpha, beta, C + m * ldc, ldc, pf, share(t), share(t + 1));
     if (M - m == 2)
@@ -338,10 +357,12 @@ KD_AVX2_INLINE void rows_tb(int64_t M, int64_t K, const float* A, int64_t lda, c
 }
 
 // Columns [n0, n1) of C = alpha * A @ B^T + beta * C.
+template <class BT>
 KD_AVX2 void skinny_tb(int64_t M, int64_t n0, int64_t n1, int64_t K, float alpha, const float* A, int64_t lda,
-                       const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+                       const BT* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   // Prefetch distance: ~8 KB of weights ahead, in whole rows (at least one 8-row block).
-  const int64_t pf = M > kPrefetchMaxM ? 0 : std::min<int64_t>(64, std::max<int64_t>(8, 2048 / std::max<int64_t>(ldb, 1)));
+  const int64_t row_bytes = std::max<int64_t>(ldb, 1) * (int64_t)sizeof(BT);
+  const int64_t pf = M > kPrefetchMaxM ? 0 : std::min<int64_t>(64, std::max<int64_t>(8, 8192 / row_bytes));
   int64_t n = n0;
   if (M == 1)  // one row (decode): 8 weight rows per pass, 8 independent accumulators
     for (; n + 8 <= n1; n += 8) tile_tb<1, 8, true>(K, A, lda, B + n * ldb, ldb, alpha, beta, C + n, ldc, pf, 0, K);
@@ -485,13 +506,20 @@ constexpr int64_t kParallelB = 1 << 15;     // floats of B (128 KiB): ~15 us to 
 constexpr int64_t kParallelWork = 1 << 20;  // multiply-adds: ~20 us of compute
 constexpr int64_t kSkinnyMaxB = 1 << 18;  // floats of B (1 MiB) above which many rows go to BLAS
 
-bool sgemm_skinny(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
-                  const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+bool skinny_takes(int64_t M, int64_t N, int64_t K) {
   if (kSkinnyMaxM <= 0 || K <= 0 || !cpu_has_avx2_fma()) return false;
-  if (M > std::min(kSkinnyAlwaysM, kSkinnyMaxM) && (M > kSkinnyMaxM || N * K > kSkinnyMaxB)) return false;
+  return !(M > std::min(kSkinnyAlwaysM, kSkinnyMaxM) && (M > kSkinnyMaxM || N * K > kSkinnyMaxB));
+}
+
+// BT = uint16_t (BF16 weights): trans_b only, and the same tiles, chunks and threads as FP32 B of
+// the same shape, hence the same results as on the widened copy.
+template <class BT>
+bool sgemm_skinny(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+                  const BT* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (!skinny_takes(M, N, K)) return false;
   auto cols = [&](int64_t n0, int64_t n1) {
     if (!trans_b) {
-      skinny_nn(M, n0, n1, K, alpha, A, lda, B, ldb, beta, C, ldc);
+      if constexpr (std::is_same_v<BT, float>) skinny_nn(M, n0, n1, K, alpha, A, lda, B, ldb, beta, C, ldc);
     } else if (M <= kSkinnyAlwaysM) {  // weights: B streamed once
       skinny_tb(M, n0, n1, K, alpha, A, lda, B, ldb, beta, C, ldc);
     } else {  // many rows (attention scores: H per token): 48-row chunks keep A's chunk in L2
@@ -550,6 +578,17 @@ void sgemm(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const flo
 }
 
 void sgemm_force_portable(bool on) { g_force_portable.store(on); }
+
+bool sgemm_bf16_weights(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const uint16_t* B,
+                        int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (g_force_portable.load(std::memory_order_relaxed)) return false;
+  if (M <= 0 || N <= 0) return true;
+#ifdef KD_SKINNY
+  return alpha != 0.f && sgemm_skinny(true, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+#else
+  return false;
+#endif
+}
 
 const char* sgemm_backend() {
 #ifdef KDTREE_HAVE_CBLAS

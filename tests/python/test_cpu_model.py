@@ -439,3 +439,81 @@ def test_portable_sgemm_through_the_model(name):
         assert rel_to_scale(eng.forward(toks, 19 + depths, vis), ref.forward(toks, 19 + depths, vis)) < 1e-5
     finally:
         _native.sgemm_force_portable(False)
+
+
+def _bf16_exact(w):
+    """The same tensors rounded to BF16 values (kept as float64): what a BF16 checkpoint loads as."""
+    out = {}
+    for k, v in w.items():
+        u = np.asarray(v, np.float32).view(np.uint32) & np.uint32(0xFFFF0000)
+        out[k] = u.view(np.float32).astype(np.float64)
+    return out
+
+
+@pytest.mark.parametrize("name", ["ds3_base", "tied_nonorm", "kimi_like", "no_q_lora"])
+def test_bf16_weight_copies_give_the_same_logits(name):
+    """A model whose weights are exactly BF16 keeps BF16 copies of its projections for the few-row
+    GEMMs (half the bytes): the logits equal the FP32-only model's bit for bit, for a prefill,
+    decode steps, tree verifies of 2..33 tokens and after commits, with the copies dropped and
+    made again (use_bf16_weights)."""
+    cfg = config_from_dict(config_dict(name))
+    eng = kn.Engine.from_weights(cfg, _bf16_exact(random_weights(cfg, 3)), device="cpu", max_seq_len=256)
+    m = eng.model
+    copies = m.bf16_weight_bytes
+    assert copies > 0
+
+    def run():
+        eng.reset()
+        outs = [eng.prefill(prompt(cfg.vocab_size, 40, seed=1))]
+        for i, T in enumerate((1, 2, 3, 5, 9, 17, 33)):
+            parents, depths, vis = random_tree(T, seed=20 + i)
+            outs.append(eng.forward(prompt(cfg.vocab_size, T, seed=30 + i), eng.cache_len + depths, vis))
+            eng.commit(path_to(parents, T - 1))
+        return outs
+
+    a = run()
+    with_copies = m.memory_bytes
+    m.use_bf16_weights(False)
+    assert m.bf16_weight_bytes == 0 and abs(with_copies - m.memory_bytes - copies) <= 4
+    b = run()
+    m.use_bf16_weights(True)
+    assert m.bf16_weight_bytes > 0
+    c = run()
+    for x, y, z in zip(a, b, c):
+        assert np.isfinite(x).all()
+        np.testing.assert_array_equal(x, y)
+        np.testing.assert_array_equal(x, z)
+
+
+def test_fp32_weights_get_no_bf16_copies():
+    """Weights that are not all BF16 values (an FP32 checkpoint) are not copied: nothing rounds."""
+    eng, _, _ = numpy_engine("ds3_base")
+    assert eng.model.bf16_weight_bytes == 0
+
+
+def test_embedded_default_model_reads_bf16_copies():
+    """The shipped default is a BF16 checkpoint: its projections are copied (the demo's fast path)."""
+    eng = kn.Engine.from_pretrained(kn.default_model_dir(), device="cpu")
+    assert eng.model.bf16_weight_bytes > 0
+
+
+def test_bf16_copies_follow_set_weight():
+    """Replacing a weight after finalize drops its stale BF16 copy; the next finalize copies the new
+    values: the logits equal those of a model built with the new weight and no copies at all."""
+    cfg = config_from_dict(config_dict("ds3_base"))
+    w = _bf16_exact(random_weights(cfg, 3))
+    name = "model.layers.1.self_attn.o_proj.weight"
+    new = _bf16_exact(random_weights(cfg, 4))[name]
+    eng = kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=64)
+    before = eng.model.bf16_weight_bytes
+    eng.model.set_weight(name, new.astype(np.float32))
+    assert eng.model.bf16_weight_bytes == 0  # dropped until finalize
+    eng.model.finalize()
+    assert eng.model.bf16_weight_bytes == before
+    ref = kn.Engine.from_weights(cfg, {**w, name: new}, device="cpu", max_seq_len=64)
+    ref.model.use_bf16_weights(False)
+    ids = prompt(cfg.vocab_size, 12, seed=5)
+    for T in (12, 1, 4):
+        toks = ids[:T]
+        pos = np.arange(T)
+        np.testing.assert_array_equal(eng.forward(toks, pos), ref.forward(toks, pos))
