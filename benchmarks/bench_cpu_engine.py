@@ -5,7 +5,7 @@ tokens/s per drafter (what `kdtree-native demo` uses by default).
     python benchmarks/bench_cpu_engine.py [-n 128] [--prompts 4] [--prompt-tokens 64]
         [--drafters ngram model] [--budgets 4 8 16 32 64] [--depths 4 6 8 15]
         [--min-chain-prob 0] [--repeats 1] [--demo-prompt] [--json PATH]
-    python benchmarks/bench_cpu_engine.py --forward-sizes 1 2 4 8 16 33 [--context 100] [--repeats 30]
+    python benchmarks/bench_cpu_engine.py --forward-sizes 1 2 4 8 16 33 [--context 100] [--repeats 30] [--fp32-only]
 
 Prompts: the beginnings of --prompts held-out files spread over `kdtree_native.models.heldout_sample()`
 (path order), tokenised with the shipped tokenizer.json (HF `tokenizers`, <|bos|> prepended) and cut
@@ -107,9 +107,16 @@ def main():
     ap.add_argument("--forward-sizes", type=int, nargs="*", default=None,
                     help="time single target forwards of these T instead of the generation sweep")
     ap.add_argument("--context", type=int, default=100, help="committed tokens before the --forward-sizes forwards")
+    ap.add_argument("--fp32-only", action="store_true",
+                    help="drop the models' BF16 weight copies (CpuModel.use_bf16_weights(False)): every GEMM reads FP32")
     args = ap.parse_args()
     args.prompt = None
     eng, draft_eng, tok, what = _demo_models(args)
+    if args.fp32_only:
+        for e in (eng, draft_eng):
+            if e is not None and hasattr(e.model, "use_bf16_weights"):
+                e.model.use_bf16_weights(False)
+        what += ", FP32 weights only"
     if args.forward_sizes:
         print(f"model: {what}")
         return forward_sizes(eng, args.forward_sizes, args.context, max(args.repeats, 1))
