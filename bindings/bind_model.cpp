@@ -85,13 +85,16 @@ void bind_model(py::module_& m) {
       py::arg("config"), "[(HF name, shape)] of every tensor the native model needs for this config.");
 
   kdtree_py::def_model_common(py::class_<Model>(m, "CpuModel",
-                    "The CPU target model (DeepSeek-V3 / Kimi-K2, FP32). CpuModel(config_dict, max_seq_len) with "
-                    "config_dict = ModelConfig.to_native()."))
-      .def(py::init([](const py::dict& cfg, int64_t max_seq_len) {
+                    "The CPU target model (DeepSeek-V3 / Kimi-K2, FP32). CpuModel(config_dict, max_seq_len, "
+                    "bf16_weight_copies=True) with config_dict = ModelConfig.to_native(); bf16_weight_copies: see "
+                    "use_bf16_weights."))
+      .def(py::init([](const py::dict& cfg, int64_t max_seq_len, bool bf16_weight_copies) {
              kdtree::ModelConfig c = config_from_dict(cfg);
-             return new Model(c, max_seq_len);
+             auto* m = new Model(c, max_seq_len);
+             m->use_bf16_weights(bf16_weight_copies);  // before finalize: whether it makes them
+             return m;
            }),
-           py::arg("config"), py::arg("max_seq_len"))
+           py::arg("config"), py::arg("max_seq_len"), py::arg("bf16_weight_copies") = true)
       .def("forward", &model_forward<Model>, py::arg("tokens"), py::arg("positions"), py::arg("visibility") = py::none(),
            "Logits float32 [T, V] of T new tokens at `positions` against the cache; visibility bool/uint8 "
            "[T, T] (None = causal). The new entries stay pending until commit().")

@@ -34,15 +34,27 @@ _CUDA_OPTIONS = ("max_tokens", "device", "math", "attention_naive", "expert_kern
                  "tile_tensor_cores", "expert_mma_rows")
 
 
-def _check_cuda_options(options) -> dict:
+# keyword arguments of _native.CpuModel that an Engine passes through (docs/MODEL.md)
+_CPU_OPTIONS = ("bf16_weight_copies",)
+
+
+def _check_options(options, known, what) -> dict:
     if options is None:
         return {}
     if not isinstance(options, dict):
-        raise ValueError(f"cuda_options must be a dict or None, got {type(options).__name__}")
-    unknown = sorted(k for k in options if k not in _CUDA_OPTIONS)
+        raise ValueError(f"{what} must be a dict or None, got {type(options).__name__}")
+    unknown = sorted(k for k in options if k not in known)
     if unknown:
-        raise ValueError(f"unknown cuda_options {unknown}; known: {list(_CUDA_OPTIONS)}")
+        raise ValueError(f"unknown {what} {unknown}; known: {list(known)}")
     return dict(options)
+
+
+def _check_cuda_options(options) -> dict:
+    return _check_options(options, _CUDA_OPTIONS, "cuda_options")
+
+
+def _check_cpu_options(options) -> dict:
+    return _check_options(options, _CPU_OPTIONS, "cpu_options")
 
 
 def _progress_printer(done: int, total: int) -> None:
@@ -87,7 +99,7 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model_dir, device: str = "auto", max_seq_len: int = 4096,
                         progress: Union[None, bool, Callable[[int, int], None]] = None,
-                        cuda_options: Optional[dict] = None) -> "Engine":
+                        cuda_options: Optional[dict] = None, cpu_options: Optional[dict] = None) -> "Engine":
         """Load an HF DeepSeek-V3 / Kimi-K2 checkpoint directory (config.json +
         model.safetensors or shards with model.safetensors.index.json; F32/BF16/F16).
 
@@ -99,6 +111,9 @@ class Engine:
         on the CPU), e.g. {"device": 1} for the second GPU, {"max_tokens": 257} for trees of up
         to 256 nodes, {"skinny_max_tokens": 0, "tile_max_tokens": 0} for cuBLAS only (docs/CUDA_MODEL.md); unknown
         names are a ValueError.
+        cpu_options: keyword arguments for the CPU model (ignored on CUDA):
+        {"bf16_weight_copies": False} keeps no BF16 copies of a BF16 checkpoint's weights (less
+        memory, slower decode; docs/MODEL.md). Unknown names are a ValueError.
         Raises FileNotFoundError / ValueError naming the problem for a bad directory, config
         or checkpoint.
         """
@@ -113,32 +128,34 @@ class Engine:
             raise ValueError("progress must be None, True/False or a callable(done, total)")
         device = _resolve_device(device)
         cuda_options = _check_cuda_options(cuda_options)
+        cpu_options = _check_cpu_options(cpu_options)
         if not os.path.isdir(model_dir):
             raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
         cfg = load_config(model_dir)
         weights = load_weights(model_dir, cfg, progress=progress)
-        eng = cls._build(cfg, weights, device, int(max_seq_len), cuda_options)
+        eng = cls._build(cfg, weights, device, int(max_seq_len), cuda_options, cpu_options)
         eng.model_dir = model_dir
         return eng
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict, device: str = "cpu", max_seq_len: int = 4096,
-                     cuda_options: Optional[dict] = None) -> "Engine":
+                     cuda_options: Optional[dict] = None, cpu_options: Optional[dict] = None) -> "Engine":
         """An engine from a parsed config and {HF name: array} (any float dtype; converted to
         float32). The dict is left intact. For tests and tools that make weights in memory.
-        cuda_options: as in from_pretrained."""
+        cuda_options, cpu_options: as in from_pretrained."""
         if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer)) or max_seq_len <= 0:
             raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
         options = _check_cuda_options(cuda_options)
-        return cls._build(config, dict(weights), _resolve_device(device), int(max_seq_len), options)
+        cpu = _check_cpu_options(cpu_options)
+        return cls._build(config, dict(weights), _resolve_device(device), int(max_seq_len), options, cpu)
 
     @classmethod
     def _build(cls, cfg: ModelConfig, weights: dict, device: str, max_seq_len: int,
-               cuda_options: Optional[dict] = None) -> "Engine":
+               cuda_options: Optional[dict] = None, cpu_options: Optional[dict] = None) -> "Engine":
         if device == "cuda":
             model = _native.CudaModel(cfg.to_native(), max_seq_len, **(cuda_options or {}))
         else:
-            model = _native.CpuModel(cfg.to_native(), max_seq_len)
+            model = _native.CpuModel(cfg.to_native(), max_seq_len, **(cpu_options or {}))
         missing = [n for n, _ in _native.model_weight_specs(cfg.to_native()) if n not in weights]
         if missing:
             raise ValueError(f"{len(missing)} weight tensor(s) missing: " + ", ".join(missing[:20])

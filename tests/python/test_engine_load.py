@@ -221,3 +221,26 @@ def test_cuda_options_name_the_gpu_models_keyword_arguments():
     for name in _CUDA_OPTIONS:
         assert f" {name}: " in sig, name
 
+
+
+def test_cpu_options_are_checked_and_reach_the_cpu_model(tmp_path):
+    """cpu_options: unknown names / non-dicts are a ValueError; bf16_weight_copies=False reaches
+    _native.CpuModel before finalize (no copies are made, the logits are the same); every name
+    the engine passes through is a keyword argument of _native.CpuModel."""
+    from kdtree_native import _native
+    from kdtree_native.engine import _CPU_OPTIONS
+    root, cfg, w = make_dir(str(tmp_path / "c"))
+    for bad, what in (({"threads": 4}, "unknown cpu_options"), ([("bf16_weight_copies", False)], "dict")):
+        with pytest.raises(ValueError, match=what):
+            kn.Engine.from_pretrained(root, device="cpu", cpu_options=bad)
+        with pytest.raises(ValueError, match=what):
+            kn.Engine.from_weights(cfg, w, device="cpu", cpu_options=bad)
+    bf = {k: (np.asarray(v, np.float32).view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32) for k, v in w.items()}
+    on = kn.Engine.from_weights(cfg, bf, device="cpu", max_seq_len=32)
+    off = kn.Engine.from_weights(cfg, bf, device="cpu", max_seq_len=32, cpu_options={"bf16_weight_copies": False})
+    assert on.model.bf16_weight_bytes > 0 and off.model.bf16_weight_bytes == 0
+    ids = np.arange(9) * 5 % cfg.vocab_size
+    np.testing.assert_array_equal(on.prefill(ids), off.prefill(ids))
+    sig = _native.CpuModel.__init__.__doc__
+    for name in _CPU_OPTIONS:
+        assert f" {name}: " in sig, name
