@@ -208,12 +208,13 @@ def _demo_models(args):
 DEMO_PROMPT = ('class Stack:\n    """A last-in, first-out stack."""\n\n    def __init__(self):\n'
                '        self.items = []\n\n    def push(self, item):\n        self.items.append(item)')
 
-# Default tree budget / depth per drafter: the best CPU tokens/s of the sweep over budgets
-# {4, 8, 16, 32, 64} x depths {4, 6, 8, 15} on held-out prompts (benchmarks/bench_cpu_engine.py,
-# results in docs/BENCHMARKS.md). The model drafter also stops its chain early once the product of
-# its top-1 probabilities falls below DEMO_MODEL_MIN_CHAIN_PROB.
-DEMO_NGRAM = (8, 15)
-DEMO_MODEL = (8, 8)
+# Default tree budget / depth per drafter: the best CPU tokens/s, on average over three sweeps of
+# budgets x depths on held-out prompts after the CPU model's BF16 weight copies made every step
+# faster, 1-token steps most (benchmarks/bench_cpu_engine.py, docs/BENCHMARKS.md "BF16 weight
+# copies on the CPU"; before them: n-gram 8 / 15, model 8 / 8). The model drafter also stops its
+# chain early once the product of its top-1 probabilities falls below DEMO_MODEL_MIN_CHAIN_PROB.
+DEMO_NGRAM = (4, 8)
+DEMO_MODEL = (4, 4)
 DEMO_MODEL_MIN_CHAIN_PROB = 0.1
 
 
