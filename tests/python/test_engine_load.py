@@ -194,13 +194,18 @@ def test_bad_arguments(tmp_path):
     assert eng.prefill([1, 2, 3]).shape == (3, cfg.vocab_size)
 
 
+def check_bad_options(root, cfg, w, kwarg, a_name):
+    """An unknown name and a non-dict under `kwarg` are ValueErrors in both constructors."""
+    for bad, what in (({"threads": 4}, f"unknown {kwarg}"), ([(a_name, False)], "dict")):
+        with pytest.raises(ValueError, match=what):
+            kn.Engine.from_pretrained(root, device="cpu", **{kwarg: bad})
+        with pytest.raises(ValueError, match=what):
+            kn.Engine.from_weights(cfg, w, device="cpu", **{kwarg: bad})
+
+
 def test_cuda_options_are_checked_and_ignored_on_the_cpu(tmp_path):
     root, cfg, w = make_dir(str(tmp_path / "o"))
-    for bad, what in (({"threads": 4}, "unknown cuda_options"), ([("graphs", False)], "dict")):
-        with pytest.raises(ValueError, match=what):
-            kn.Engine.from_pretrained(root, device="cpu", cuda_options=bad)
-        with pytest.raises(ValueError, match=what):
-            kn.Engine.from_weights(cfg, w, device="cpu", cuda_options=bad)
+    check_bad_options(root, cfg, w, "cuda_options", "graphs")
     opts = {"graphs": False, "skinny_max_tokens": 0, "max_tokens": 17, "device": 0, "attention_kernel": "splitkv",
             "side_stream": False, "skinny_big_max_tokens": 4, "tile_max_tokens": 0}
     eng = kn.Engine.from_pretrained(root, device="cpu", max_seq_len=32, cuda_options=opts)
@@ -230,11 +235,7 @@ def test_cpu_options_are_checked_and_reach_the_cpu_model(tmp_path):
     from kdtree_native import _native
     from kdtree_native.engine import _CPU_OPTIONS
     root, cfg, w = make_dir(str(tmp_path / "c"))
-    for bad, what in (({"threads": 4}, "unknown cpu_options"), ([("bf16_weight_copies", False)], "dict")):
-        with pytest.raises(ValueError, match=what):
-            kn.Engine.from_pretrained(root, device="cpu", cpu_options=bad)
-        with pytest.raises(ValueError, match=what):
-            kn.Engine.from_weights(cfg, w, device="cpu", cpu_options=bad)
+    check_bad_options(root, cfg, w, "cpu_options", "bf16_weight_copies")
     bf = {k: (np.asarray(v, np.float32).view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32) for k, v in w.items()}
     on = kn.Engine.from_weights(cfg, bf, device="cpu", max_seq_len=32)
     off = kn.Engine.from_weights(cfg, bf, device="cpu", max_seq_len=32, cpu_options={"bf16_weight_copies": False})
