@@ -766,13 +766,28 @@ py::array_t<int32_t> choose_tokens_np(const py::object& logits_o, const py::obje
 }
 
 
+// The exact BF16 copy of a float32 array (its high halves) for the kernels' w_bf16 paths; throws
+// unless every value is exactly a BF16.
+DevBuf bf16_copy(const float* w, size_t n, const char* what) {
+  std::vector<uint16_t> h(n);
+  const uint32_t* u = reinterpret_cast<const uint32_t*>(w);
+  for (size_t i = 0; i < n; ++i) {
+    if (u[i] & 0xffffu) throw kdtree::Error(std::string(what) + ": bf16_weights needs every weight exactly a BF16");
+    h[i] = (uint16_t)(u[i] >> 16);
+  }
+  DevBuf d(sizeof(uint16_t) * (n + 8));
+  d.upload(h.data(), sizeof(uint16_t) * n);
+  return d;
+}
+
 // linear_skinny on host arrays: x [rx, ldx], w [rw, cw] (flat, batch b at w_off + b * w_batch, row
 // n at + n * Kd), y [ry, ldy] (uploaded as given: beta = 0 must not read it). Returns the y array
 // after the kernel.
 py::object linear_skinny_np(const py::object& x_o, const py::object& w_o, const py::object& y_o, int T, int N, int Kd,
                             int batch, long long x_batch, long long w_batch, long long y_batch, double beta,
                             long long x_off, long long w_off, const py::object& norm_o, double norm_eps, bool x_swiglu,
-                            bool norm_out, int config, const std::string& kernel, int splits, int tile_math) {
+                            bool norm_out, int config, const std::string& kernel, int splits, int tile_math,
+                            bool bf16_weights) {
   if (kernel != "skinny" && kernel != "tile") throw kdtree::Error("cuda_linear_skinny: kernel must be 'skinny' or 'tile'");
   auto x = as_c<float>(x_o, "x", 2);
   auto w = as_c<float>(w_o, "w", 2);
@@ -799,6 +814,11 @@ py::object linear_skinny_np(const py::object& x_o, const py::object& w_o, const 
   lp.force_config = config;
   lp.tile_splits = splits;
   lp.tile_math = tile_math;
+  DevBuf dwb;
+  if (bf16_weights) {  // the kernel reads the BF16 copy (same layout, same offsets)
+    dwb = bf16_copy(w.data(), w.size(), "cuda_linear_skinny");
+    lp.w_bf16 = dwb.as<uint16_t>() + w_off;
+  }
   DevBuf dn;
   if (!norm_o.is_none()) {
     auto g = as_c<float>(norm_o, "norm_w", 1);
@@ -906,7 +926,7 @@ py::dict moe_group_np(const py::object& idx_o, int E, int tile_rows, bool force_
 // (tile_rows 8), "tiled" (tile_rows 64, no swiglu) or "mma" (tile_rows 8, 16, 32 or 64). y [A, N] by slot
 // (poisoned before the call) and slot_token [A].
 py::tuple expert_gemm_np(const py::object& x_o, const py::object& w_o, const py::object& idx_o, int E, bool swiglu,
-                         int tile_rows, const std::string& kernel) {
+                         int tile_rows, const std::string& kernel, bool bf16_weights) {
   auto x = as_c<float>(x_o, "x", 2);
   auto w = as_c<float>(w_o, "w", 3);
   auto idx = as_c<int32_t>(idx_o, "topk_idx", 2);
@@ -947,6 +967,11 @@ py::tuple expert_gemm_np(const py::object& x_o, const py::object& w_o, const py:
   xp.max_tiles = mt;
   xp.y = dy.as<float>();
   xp.ldy = N;
+  DevBuf dwb;
+  if (bf16_weights) {
+    dwb = bf16_copy(w.data(), w.size(), "cuda_expert_gemm");
+    xp.w_bf16 = dwb.as<uint16_t>();
+  }
   check_cuda(kernel == "mma" ? kc::expert_gemm_mma(xp, nullptr) : kc::expert_gemm(xp, nullptr), "expert_gemm");
   check_cuda(cudaDeviceSynchronize(), "expert_gemm");
   return py::make_tuple(to_numpy<float>(dy, {A, N}), to_numpy<int32_t>(st, {A}));
@@ -1019,11 +1044,13 @@ void bind_cuda(py::module_& m) {
         py::arg("beta") = 0.0, py::arg("x_off") = 0, py::arg("w_off") = 0, py::arg("norm_w") = py::none(),
         py::arg("norm_eps") = 1e-6, py::arg("x_swiglu") = false, py::arg("norm_out") = false,
         py::arg("config") = 0, py::arg("kernel") = "skinny", py::arg("splits") = 0, py::arg("tile_math") = 0,
+        py::arg("bf16_weights") = false,
         "The skinny linear kernel on host arrays (tests): y[b][t, n] = beta y + sum_k x[b][t, k] w[b][n, k]; "
         "norm_w: the x rows RMSNorm-ed first (T <= 4); x_swiglu: x rows are [gate | up] (2 Kd) and "
         "silu(gate) * up is the input; config: 1 + an index of cuda_linear_skinny_configs() (0 = auto). "
         "kernel='tile': the same product through linear_tile (no prologues; splits: 0 auto, else 1..8 k splits; tile_math: 0 tensor cores "
-        "3xTF32, 1 FP32 CUDA cores).");
+        "3xTF32, 1 FP32 CUDA cores); bf16_weights: the kernel reads an exact BF16 copy of w (every value must be "
+        "a BF16; the vector path only, else w).");
   m.def("cuda_linear_skinny_configs", []() {
         py::list l;
         for (int i = 0; i < kc::linear_skinny_num_configs(); ++i) {
@@ -1047,10 +1074,11 @@ void bind_cuda(py::module_& m) {
         py::arg("fused"),
         "MoE routing + expert schedule on router logits [T, >= E] (tests): fused = one launch (moe_route_group).");
   m.def("cuda_expert_gemm", &expert_gemm_np, py::arg("x"), py::arg("w"), py::arg("topk_idx"), py::arg("E"),
-        py::arg("swiglu"), py::arg("tile_rows"), py::arg("kernel"),
+        py::arg("swiglu"), py::arg("tile_rows"), py::arg("kernel"), py::arg("bf16_weights") = false,
         "The grouped expert GEMM (tests): schedule of topk_idx [T, K] with tile_rows slots per tile, then "
         "y[slot] = x[token] @ w[expert]^T (swiglu: silu(gate) * up); kernel 'gemv' (tile_rows 8), 'tiled' "
-        "(64, no swiglu) or 'mma' (8, 16, 32 or 64). Returns (y [A, N] by slot, slot_token [A]).");
+        "(64, no swiglu) or 'mma' (8, 16, 32 or 64). Returns (y [A, N] by slot, slot_token [A]). bf16_weights: "
+        "the GEMV kernel reads an exact BF16 copy of w (every value must be a BF16).");
   m.def("cuda_moe_group", &moe_group_np, py::arg("topk_idx"), py::arg("E"), py::arg("tile_rows"),
         py::arg("force_two_pass") = false,
         "The MoE expert schedule (moe_group) of int32 routing indices [T, K]: counts, offsets, slots, tiles.");

@@ -83,12 +83,12 @@ void bind_cuda_model(py::module_& m) {
                     "The GPU target model (DeepSeek-V3 / Kimi-K2, FP32, cuBLAS). CudaModel(config_dict, max_seq_len, "
                     "max_tokens=0, device=0, math='default', attention_naive=False, expert_kernel='auto', graphs=True, skinny_max_tokens=-1, "
                     "attention_kernel='auto', side_stream=True, skinny_big_max_tokens=-1, tile_max_tokens=-1, "
-                    "tile_tensor_cores=True, expert_mma_rows=0) with "
+                    "tile_tensor_cores=True, expert_mma_rows=0, bf16_weight_copies=True) with "
                     "config_dict = ModelConfig.to_native(); the same methods as CpuModel."))
       .def(py::init([](const py::dict& cfg, int64_t max_seq_len, int64_t max_tokens, int device, const std::string& math,
                        bool attention_naive, const std::string& expert_kernel, bool graphs, int skinny_max_tokens,
                        const std::string& attention_kernel, bool side_stream, int skinny_big_max_tokens, int tile_max_tokens,
-                       bool tile_tensor_cores, int expert_mma_rows) {
+                       bool tile_tensor_cores, int expert_mma_rows, bool bf16_weight_copies) {
              kdtree::ModelConfig c = config_from_dict(cfg);
              kdtree::CudaModelOptions o;
              o.max_tokens = max_tokens;
@@ -103,6 +103,7 @@ void bind_cuda_model(py::module_& m) {
              o.tile_max_tokens = tile_max_tokens;
              o.tile_tensor_cores = tile_tensor_cores;
              o.expert_mma_rows = expert_mma_rows;
+             o.bf16_weight_copies = bf16_weight_copies;
              const int ak = parse_choice(attention_kernel, "attention_kernel",
                                          {"auto", "tiled", "splitkv", "decode", "splitkv16", "splitkv8", "splitkv4", "mma"});
              o.attention_kernel = ak == 7 ? 4 : ak >= 4 ? 2 : ak;  // splitkv16 / 8 / 4: split-KV with
@@ -114,7 +115,8 @@ void bind_cuda_model(py::module_& m) {
            py::arg("math") = "default", py::arg("attention_naive") = false, py::arg("expert_kernel") = "auto",
            py::arg("graphs") = true, py::arg("skinny_max_tokens") = -1, py::arg("attention_kernel") = "auto",
            py::arg("side_stream") = true, py::arg("skinny_big_max_tokens") = -1,
-           py::arg("tile_max_tokens") = -1, py::arg("tile_tensor_cores") = true, py::arg("expert_mma_rows") = 0)
+           py::arg("tile_max_tokens") = -1, py::arg("tile_tensor_cores") = true, py::arg("expert_mma_rows") = 0,
+           py::arg("bf16_weight_copies") = true)
       .def_property_readonly("graph_replays", &Model::graph_replays,
                              "forward_device calls served by a CUDA graph replay so far")
       .def_property_readonly("graph_captures", &Model::graph_captures, "CUDA graphs captured so far")
@@ -129,6 +131,11 @@ void bind_cuda_model(py::module_& m) {
       .def_property_readonly("weight_bytes", &Model::weight_bytes)
       .def_property_readonly("cache_bytes", &Model::cache_bytes)
       .def_property_readonly("workspace_bytes", &Model::workspace_bytes)
+      .def_property_readonly("bf16_weight_bytes", &Model::bf16_weight_bytes,
+                             "Device bytes of the BF16 weight copies (0 without a BF16-exact weight or with "
+                             "bf16_weight_copies=False); made at finalize()")
+      .def_property_readonly("bf16_weight_elements", &Model::bf16_weight_elements,
+                             "How many weight values the BF16 copies cover (those read as BF16 by the few-token kernels)")
       .def(
           "read_cache",
           [](Model& self, int64_t layer, int64_t begin, int64_t n) {

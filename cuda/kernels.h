@@ -152,6 +152,11 @@ struct VerifyAttentionParams {
                                 //   host's upper bound (grid, split count, workspace size only)
   int force_splitkv_rows;       // testing: query rows per split-KV block, 4, 8 or 16 (0 = the cost
                                 //   model's pick: 8 or 4 when 16-row blocks would leave SMs idle)
+  int committed_ready;          // 1: the committed rows [0, L) and *L_dev were complete before this
+                                //   launch's chain of PDL launches began (the model launches a step's
+                                //   first kernel without PDL and writes no committed row within a
+                                //   step), so the kernels may load them before their PDL wait
+                                //   (launch.h); 0: only after it
 };
 // Bytes of workspace for these params: the most splits either kernel can use at any L' <= L
 // (deterministic, non-decreasing in L, at most 64 MiB); 0 when no split is possible.

@@ -63,5 +63,16 @@ cudaError_t launch_kernel(void (*kernel)(Params...), dim3 grid, dim3 block, size
   return cudaLaunchKernelEx(&cfg, kernel, std::forward<Args>(args)...);
 }
 
+// The same launch without the PDL attribute: the kernel starts only after everything before it in
+// the stream has completed. A model step's first kernel is launched so, which makes every row of
+// the cache committed before the step (and the committed length) safe to read before pdl_wait()
+// anywhere in the step: each later kernel can only start after this one has started.
+template <class... Params, class... Args>
+cudaError_t launch_kernel_ordered(void (*kernel)(Params...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream,
+                                  Args&&... args) {
+  kernel<<<grid, block, smem, stream>>>(std::forward<Args>(args)...);
+  return cudaGetLastError();
+}
+
 }  // namespace cuda
 }  // namespace kdtree

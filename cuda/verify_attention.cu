@@ -486,7 +486,7 @@ __device__ __forceinline__ float4 lds4(const float* x) { return *reinterpret_cas
 
 template <int RG>
 __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAttentionParams p) {
-  pdl_prologue();
+  pdl_trigger();
   using namespace sk;
   constexpr int RI = RG / 4;     // phase 1: rows rt + 4i, i < RI, per thread
   constexpr int TPR = sk::NT / RG;  // phase 2: threads per row (8, 16 or 32)
@@ -498,6 +498,7 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
   const int M = p.T * p.H;
   const int m0 = blockIdx.x * RG;
   const int split = blockIdx.y, nsplit = gridDim.y;
+  if (!p.committed_ready) pdl_wait();  // *L_dev may come from the previous kernel (waiting twice is free)
   const int L = attn_committed_len(p);
   const int N = L + p.T;                            // keys: L committed + T tree rows
   const int nch = (N + KC - 1) / KC;
@@ -511,6 +512,24 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
   const int h = lane & 3, kt = (lane >> 2) & 1, rt = lane >> 3;
   const int key0 = 8 * warp + kt;
   const float sl2 = p.scale * kLog2e;
+
+  // The first chunk's keys before the PDL wait when they are committed rows that were complete
+  // before the step began (committed_ready): their loads then overlap the previous kernels
+  // instead of following them. The queries come after the wait (the previous kernel wrote them).
+  const bool pre = p.committed_ready && c0 < c1 && (c0 + 1) * KC <= L;
+  if (pre) {
+#pragma unroll
+    for (int sl = 0; sl < NSL; ++sl) {
+#pragma unroll
+      for (int r2 = 0; r2 < (KC * SLW / 4) / sk::NT; ++r2) {
+        const int idx = tid + r2 * sk::NT;
+        const int kk = idx >> 4, f = idx & 15;
+        cp_async16(&s.k[kk][sl * SLW + f * 4], p.kv + (size_t)(c0 * KC + kk) * p.kv_stride + sl * SLW + f * 4, true);
+      }
+    }
+    cp_async_commit();
+  }
+  pdl_wait();
 
   if (tid < RG) {
     s.m[tid] = attn_neg_inf();
@@ -536,9 +555,10 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
     const int kbase = ch * KC;
     // reaches the tree rows: skip the chunk if no row of the group sees any key
     if (kbase + KC > L && !__syncthreads_or(attn_sees_any<KPT>(p, L, N, node2, kbase, KPT * pq))) continue;
+    const bool loaded = pre && ch == c0;  // issued before the PDL wait (one group, before Q's)
     // ---- K chunk -> shared (rows past N zero-filled), 9 groups of 64 columns
 #pragma unroll
-    for (int sl = 0; sl < NSL; ++sl) {
+    for (int sl = 0; sl < NSL && !loaded; ++sl) {
 #pragma unroll
       for (int r2 = 0; r2 < (KC * SLW / 4) / sk::NT; ++r2) {
         const int idx = tid + r2 * sk::NT;
@@ -566,7 +586,7 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
       }
     }
     for (int sl = 0; sl < NSL; ++sl) {
-      cp_async_wait_le(NSL - 1 - sl);
+      cp_async_wait_le(loaded ? 0 : NSL - 1 - sl);  // preloaded: Q's group came last, wait for all
       __syncthreads();
 #pragma unroll
       for (int st = 0; st < 4; ++st) {

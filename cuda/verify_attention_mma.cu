@@ -88,7 +88,7 @@ __device__ __forceinline__ void mv_wait_le(int n) {
 }
 
 __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttentionParams p) {
-  pdl_prologue();
+  pdl_trigger();
   using namespace mv;
   extern __shared__ __align__(16) unsigned char mv_smraw[];
   MvSmem& s = *reinterpret_cast<MvSmem*>(mv_smraw);
@@ -98,6 +98,7 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
   const int M = p.T * p.H;
   const int m0 = blockIdx.x * RM;
   const int split = blockIdx.y, nsplit = gridDim.y;
+  if (!p.committed_ready) pdl_wait();  // *L_dev may come from the previous kernel (waiting twice is free)
   const int L = attn_committed_len(p);
   const int N = L + p.T;
   const int nch = (N + KC - 1) / KC;
@@ -108,6 +109,18 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
   const int node2 = m0 + pr < M ? (m0 + pr) / p.H : -1;
   const float sl2 = p.scale * kLog2e;
   const int ra = g;  // the fragment rows of m-tile mt: ra + 16 mt and ra + 16 mt + 8 (block-local)
+
+  // The first chunk's keys before the PDL wait when they are committed rows complete before the
+  // step began (committed_ready; as in the split-KV kernel), in one cp.async group before Q's.
+  const bool pre = p.committed_ready && c0 < c1 && (c0 + 1) * KC <= L;
+  if (pre) {
+    for (int i = tid; i < KC * (DQ / 4); i += NT) {
+      const int kk = i / (DQ / 4), col = (i % (DQ / 4)) * 4;
+      cp_async16(&s.k[kk][col], p.kv + (size_t)(c0 * KC + kk) * p.kv_stride + col, true);
+    }
+    cp_async_commit();
+  }
+  pdl_wait();
 
   if (tid < RM) {
     s.m[tid] = attn_neg_inf();
@@ -135,9 +148,10 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
     const int kbase = ch * KC;
     // reaches the tree rows: skip the chunk if no row of the block sees any key
     if (kbase + KC > L && !__syncthreads_or(attn_sees_any<KPT>(p, L, N, node2, kbase, KPT * pq))) continue;
+    const bool loaded = pre && ch == c0;  // issued before the PDL wait (one group, before Q's)
     // ---- the chunk's key rows -> shared (rows past N zero-filled), three groups
 #pragma unroll
-    for (int r = 0; r < NGRP; ++r) {
+    for (int r = 0; r < NGRP && !loaded; ++r) {
 #pragma unroll
       for (int i = 0; i < (KC * KP * SLAB / 4) / NT; ++i) {
         const int idx = tid + i * NT;
@@ -166,7 +180,7 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
 #pragma unroll
           for (int e = 0; e < 4; ++e) big[mt][j][e] = small[mt][j][e] = 0.f;
       for (int r = 0; r < NGRP; ++r) {
-        mv_wait_le(NGRP - 1 - r);
+        mv_wait_le(loaded ? 0 : NGRP - 1 - r);  // preloaded: Q's group came last, wait for all
         __syncthreads();
         const int d0 = (NGRP * wq + r) * SLAB;
 #pragma unroll

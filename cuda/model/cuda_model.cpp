@@ -408,6 +408,7 @@ CudaModel::~CudaModel() {
   if (work_mem_) cudaFree(work_mem_);
   if (cache_mem_) cudaFree(cache_mem_);
   if (weights_mem_) cudaFree(weights_mem_);
+  if (bf16_mem_) cudaFree(bf16_mem_);
   if (stream_) cudaStreamDestroy(as_stream(stream_));
   if (side_) cudaStreamDestroy(as_stream(side_));
   if (ev_fork_) cudaEventDestroy(static_cast<cudaEvent_t>(ev_fork_));
@@ -445,6 +446,12 @@ void CudaModel::set_weight(const std::string& name, const float* data, const std
   for (int64_t d : shape) n *= d;
   if (n > 0 && data == nullptr) throw Error("set_weight: null data for '" + name + "'");
   DeviceGuard guard(opt_.device);
+  {  // exactly BF16 (low halves all zero: a BF16 checkpoint widened to float32)? The copies come at finalize.
+    uint32_t low = 0;
+    const uint32_t* u = reinterpret_cast<const uint32_t*>(data);
+    for (int64_t i = 0; i < n; ++i) low |= u[i] & 0xffffu;
+    s.bf16_exact = low == 0;
+  }
   if (s.kind == kCopy) {
     check_cuda(cudaMemcpy(s.dst, data, (size_t)n * sizeof(float), cudaMemcpyHostToDevice), "set_weight upload");
   } else {
@@ -479,9 +486,95 @@ void CudaModel::finalize() {
   check_no_missing_weights(missing);
   DeviceGuard guard(opt_.device);
   check_cuda(cudaStreamSynchronize(as_stream(stream_)), "finalize");
+  make_bf16_copies();
   finalized_ = true;
   cache_len_ = 0;
   pending_ = 0;
+}
+
+// BF16 copies (opt_.bf16_weight_copies): every weight matrix whose values are all exactly BF16 (a
+// BF16 checkpoint widened to float32) gets a BF16 copy in one device allocation, made here and
+// refreshed at every finalize(). The few-token kernels read the copy and widen it, which gives the
+// same values and so the same results from half the bytes. Vectors (norm weights, biases) are left
+// out: no kernel that streams weights reads them. When the set of exact ranges changes (a
+// set_weight with values of another kind), captured graphs that baked in the old choice are
+// dropped, and the allocation is redone when it no longer fits.
+void CudaModel::make_bf16_copies() {
+  std::vector<std::pair<const float*, const float*>> r;
+  if (opt_.bf16_weight_copies) {
+    const int64_t H = cfg_.num_attention_heads, C = cfg_.kv_lora_rank;
+    const int64_t Dn = cfg_.qk_nope_head_dim, Dv = cfg_.v_head_dim;
+    for (const auto& kv : slots_) {
+      const Slot& sl = kv.second;
+      if (!sl.set || !sl.bf16_exact || sl.shape.size() < 2) continue;
+      if (sl.kind == kCopy) {
+        int64_t n = 1;
+        for (int64_t d : sl.shape) n *= d;
+        if (n > 0) r.emplace_back(sl.dst, sl.dst + n);
+      } else {
+        const Layer& ly = layers_[(size_t)sl.layer];
+        if (H * Dn * C > 0) r.emplace_back(ly.w_ukT, ly.w_ukT + H * Dn * C);
+        if (H * Dv * C > 0) r.emplace_back(ly.w_uv, ly.w_uv + H * Dv * C);
+      }
+    }
+    std::sort(r.begin(), r.end());
+  }
+  std::vector<Bf16Range> m;
+  int64_t total = 0;  // uint16 elements
+  for (const auto& x : r) {  // merge touching ranges (the router and the shared gate/up rows are one block)
+    if (!m.empty() && x.first <= m.back().end) {
+      const int64_t grow = std::max<int64_t>(x.second - m.back().end, 0);
+      m.back().end += grow;
+      total += grow;
+    } else {
+      total = cuda::arena_align_up(total * 2) / 2;
+      m.push_back(Bf16Range{x.first, x.second, total});
+      total += x.second - x.first;
+    }
+  }
+  if (!(m == bf16_ranges_)) clear_graphs();
+  bf16_ranges_.clear();
+  if (m.empty()) return;
+  const int64_t bytes = cuda::arena_align_up(total * 2);
+  if (bytes > bf16_bytes_) {
+    if (bf16_mem_) cudaFree(bf16_mem_);
+    bf16_mem_ = nullptr;
+    bf16_bytes_ = 0;
+    const cudaError_t e = cudaMalloc(&bf16_mem_, (size_t)bytes);
+    if (e != cudaSuccess) {
+      bf16_mem_ = nullptr;
+      cudaGetLastError();
+      size_t fr = 0, tot = 0;
+      cudaMemGetInfo(&fr, &tot);
+      cudaGetLastError();
+      throw RuntimeFailure("CudaModel: cannot allocate the BF16 weight copies (" + mib(bytes) + ") on " + device_name_ +
+                           ": " + cudaGetErrorString(e) + "; the device has " + mib((int64_t)fr) + " free of " +
+                           mib((int64_t)tot) + ". Pass bf16_weight_copies=False (cuda_options) to run without them.");
+    }
+    bf16_bytes_ = bytes;
+  }
+  cudaStream_t st = as_stream(stream_);
+  for (const Bf16Range& x : m)
+    check_cuda(cuda::f32_to_bf16_high(x.begin, static_cast<uint16_t*>(bf16_mem_) + x.off, (long long)(x.end - x.begin), st),
+               "f32_to_bf16_high");
+  check_cuda(cudaStreamSynchronize(st), "finalize(bf16 copies)");
+  bf16_ranges_ = std::move(m);
+}
+
+const uint16_t* CudaModel::bf16_of(const float* w, int64_t n) const {
+  if (!bf16_mem_ || !w || bf16_ranges_.empty()) return nullptr;
+  auto it = std::upper_bound(bf16_ranges_.begin(), bf16_ranges_.end(), w,
+                             [](const float* v, const Bf16Range& x) { return v < x.begin; });
+  if (it == bf16_ranges_.begin()) return nullptr;
+  --it;
+  if (w < it->begin || w + n > it->end) return nullptr;
+  return static_cast<const uint16_t*>(bf16_mem_) + it->off + (w - it->begin);
+}
+
+int64_t CudaModel::bf16_weight_elements() const {
+  int64_t n = 0;
+  for (const Bf16Range& x : bf16_ranges_) n += x.end - x.begin;
+  return n;
 }
 
 void CudaModel::reset() {
@@ -508,6 +601,7 @@ void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64
   if (skinny && !(tile && tile_first(T))) {
     lp.norm_out = norm_out;
     lp.ldn = Kd;
+    lp.w_bf16 = bf16_of(w, N * Kd);
     check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny");
     return;
   }
@@ -528,6 +622,7 @@ void CudaModel::gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in,
   lp.tile_math = opt_.tile_tensor_cores ? 0 : 1;
   const bool tile = T <= tile_max_t_ && cuda::linear_tile_supported(lp);
   if (T <= skinny_max_t_ && !(tile && tile_first(T))) {
+    lp.w_bf16 = bf16_of(w, heads * N * Kd);
     check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny(heads)");
     return;
   }
@@ -547,6 +642,7 @@ void CudaModel::swiglu_gemm_nt(int64_t T, int64_t N, int64_t I, const float* gu,
   if (T <= skinny_max_t_ && T <= cuda::kLinearSwigluFuseMaxT) {
     cuda::LinearParams lp{gu, ldg, 0, w, 0, out, ldo, 0, (int)T, (int)N, (int)I, 1, beta};
     lp.x_swiglu = 1;
+    lp.w_bf16 = bf16_of(w, N * I);
     check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny(swiglu)");
     return;
   }
@@ -663,6 +759,7 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
   vp.force_naive = opt_.attention_naive ? 1 : 0;
   vp.force_kernel = opt_.attention_kernel;
   vp.force_splitkv_rows = opt_.attention_rows;
+  vp.committed_ready = 1;  // the step's first kernel is ordered and no kernel of it writes rows < L
   if ((int64_t)cuda::verify_attention_workspace_bytes(vp) > attn_ws_bytes_)
     throw RuntimeFailure("CudaModel: internal error, verify_attention needs more workspace than was sized");
   check_cuda(cuda::verify_attention(vp, st), "verify_attention");
@@ -732,6 +829,7 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   if (shared_side) {
     cuda::LinearParams lp{router_logits_ + E, ldr, 0, ly.shared_down, 0, ys_, Dm, 0, (int)T, (int)Dm, (int)Is, 1, 0.f};
     lp.x_swiglu = 1;
+    lp.w_bf16 = bf16_of(ly.shared_down, Dm * Is);
     check_cuda(cuda::linear_skinny(lp, as_stream(fork())), "linear_skinny(shared down, side)");
   }
   check_cuda(cuda::moe_route_group(rp, gp, st), "moe_route + moe_group");  // one launch for few tokens
@@ -748,6 +846,7 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   xp.ldx = (int)Dm;
   xp.x_row = slot_token_;
   xp.w = ly.experts_gate_up;
+  xp.w_bf16 = kind == kGemv ? bf16_of(ly.experts_gate_up, E * 2 * Ie * Dm) : nullptr;
   xp.Kd = (int)Dm;
   if (swiglu_fused) {
     xp.N = (int)Ie;
@@ -769,6 +868,7 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   xp.ldx = (int)Ie;
   xp.x_row = nullptr;
   xp.w = ly.experts_down;
+  xp.w_bf16 = kind == kGemv ? bf16_of(ly.experts_down, E * Dm * Ie) : nullptr;
   xp.N = (int)Dm;
   xp.Kd = (int)Ie;
   xp.swiglu = 0;

@@ -60,6 +60,10 @@ struct CudaModelOptions {
   bool side_stream = true;       // run independent kernels of a step on a second stream (graph
                                  // branches): mla_prep beside the W_UK product, the shared expert's
                                  // down projection beside the routed experts (<= 4 tokens); same results
+  bool bf16_weight_copies = true;  // weights whose every value is exactly a BF16 (a BF16 checkpoint) also get a
+                                   // BF16 copy on the device, made at finalize(), which the few-token kernels
+                                   // (linear_skinny, the expert GEMV) read instead: the same results from half
+                                   // the bytes, for +50 % weight memory (docs/CUDA_MODEL.md)
   bool graphs = true;            // forward_device replays a CUDA graph per (T, context bucket, buffers) from
                                  // the second call with the same shape on (docs/CUDA_MODEL.md)
   static constexpr int kMathDefault = 0, kMathPedantic = 1, kMathTf32 = 2;
@@ -125,8 +129,12 @@ class CudaModel : public TargetModel {
   // Routed-expert token counts of the last forward, [MoE layers, E] (host), for the benchmark's
   // "experts touched" and bytes-read accounting.
   std::vector<int32_t> last_expert_counts();
-  int64_t memory_bytes() const { return weight_bytes_ + cache_bytes_ + workspace_bytes_; }
+  int64_t memory_bytes() const { return weight_bytes_ + bf16_bytes_ + cache_bytes_ + workspace_bytes_; }
   int64_t weight_bytes() const { return weight_bytes_; }
+  // device bytes of the BF16 weight copies (0 until finalize() found a BF16-exact weight, or with
+  // bf16_weight_copies off) and how many of the weights' floats they cover
+  int64_t bf16_weight_bytes() const { return bf16_bytes_; }
+  int64_t bf16_weight_elements() const;
   int64_t cache_bytes() const { return cache_bytes_; }
   int64_t workspace_bytes() const { return workspace_bytes_; }
   std::string device_name() const { return device_name_; }
@@ -158,6 +166,7 @@ class CudaModel : public TargetModel {
     int kind = 0;  // kCopy, or kKvB (split into w_ukT / w_uv)
     int64_t layer = -1;
     bool set = false;
+    bool bf16_exact = false;  // every value set is exactly a BF16 (its low 16 bits zero)
   };
   static constexpr int kCopy = 0, kKvB = 1;
 
@@ -217,6 +226,10 @@ class CudaModel : public TargetModel {
   void dense_mlp(const Layer& ly, int64_t T, bool fused_norm);
   void moe_mlp(const Layer& ly, int64_t T, bool fused_norm);
   void launch_compact(const int32_t* keep_d, const int32_t* count_d);
+  // The BF16 copy of the weights [w, w + n) when they lie in one BF16-exact range and the copies
+  // exist (finalize), else nullptr.
+  const uint16_t* bf16_of(const float* w, int64_t n) const;
+  void make_bf16_copies();  // finalize(): the exact ranges, the copy arena (once), the conversion
 
   ModelConfig cfg_;
   int64_t max_seq_len_ = 0, max_tokens_ = 0;
@@ -239,6 +252,14 @@ class CudaModel : public TargetModel {
 
   // one allocation each: weights, cache, workspace; pinned host staging
   void* weights_mem_ = nullptr;
+  struct Bf16Range {
+    const float *begin, *end;  // a merged run of BF16-exact weight matrices in the weights arena
+    int64_t off;               // its copy at bf16_mem_ + off (uint16 elements, 256-byte aligned)
+    bool operator==(const Bf16Range& o) const { return begin == o.begin && end == o.end; }
+  };
+  void* bf16_mem_ = nullptr;        // the BF16 copies (bf16_ranges_), one allocation
+  int64_t bf16_bytes_ = 0;
+  std::vector<Bf16Range> bf16_ranges_;  // sorted by begin
   void* cache_mem_ = nullptr;
   void* work_mem_ = nullptr;
   void* host_mem_ = nullptr;

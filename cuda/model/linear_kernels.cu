@@ -92,9 +92,12 @@ __device__ __forceinline__ void scale(float4& v, const float4& g) {
   v.w *= g.w;
 }
 
-// PRO: the x prologue: 0 none, 1 RMSNorm (norm_w), 2 SwiGLU of [gate | up] rows (x_swiglu)
-template <int RW, int TT, int U, int KS, bool VEC, int PRO>
+// PRO: the x prologue: 0 none, 1 RMSNorm (norm_w), 2 SwiGLU of [gate | up] rows (x_swiglu).
+// BF (with VEC): the weights come from w_bf16 (exact BF16 copies), widened as they are loaded; the
+// arithmetic is the FP32 path's, on the same values, so the results are the same bits.
+template <int RW, int TT, int U, int KS, bool VEC, int PRO, bool BF = false>
 __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearParams p) {
+  static_assert(!BF || VEC, "BF16 weights on the vector path only");
   constexpr bool NORM = PRO == 1, SWI = PRO == 2;
   using WT = typename std::conditional<VEC, float4, float>::type;
   constexpr int VW = VEC ? 4 : 1;
@@ -110,6 +113,7 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
   const int t0 = blockIdx.z * ts, T = min(ts, p.T - t0), Kd = p.Kd, N = p.N;
   const float* X = p.x + (size_t)blockIdx.y * p.x_batch + (size_t)t0 * p.ldx;
   const float* W = p.w + (size_t)blockIdx.y * p.w_batch;
+  const uint16_t* Wb = BF ? p.w_bf16 + (size_t)blockIdx.y * p.w_batch : nullptr;
   float* Y = p.y + (size_t)blockIdx.y * p.y_batch + (size_t)t0 * p.ldy;
   const bool live = n0 < N;  // (KS > 1: every warp reaches the block barrier below)
   pdl_trigger();
@@ -118,9 +122,9 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
 #pragma unroll
   for (int v = 0; v < NV; ++v) acc[v] = 0.f;
   if (live) {
-    const float* wrow[RW];
+    size_t wrow[RW];  // row offsets (elements) in W / Wb
 #pragma unroll
-    for (int i = 0; i < RW; ++i) wrow[i] = W + (size_t)min(n0 + i, N - 1) * Kd;  // rows >= N: unused copies
+    for (int i = 0; i < RW; ++i) wrow[i] = (size_t)min(n0 + i, N - 1) * Kd;  // rows >= N: unused copies
     constexpr int STEP = 32 * VW;
     WT wv[U][RW];
     auto load_w = [&](int k0) {
@@ -129,8 +133,12 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
         const int k = k0 + u * STEP + lane * VW;
 #pragma unroll
         for (int i = 0; i < RW; ++i) {
-          if (k < Kd) wv[u][i] = ld_weight<WT>(wrow[i] + k);
-          else vzero(wv[u][i]);
+          if (k < Kd) {
+            if constexpr (BF) wv[u][i] = ldg_bf16x4(Wb + wrow[i] + k);
+            else wv[u][i] = ld_weight<WT>(W + wrow[i] + k);
+          } else {
+            vzero(wv[u][i]);
+          }
         }
       }
     };
@@ -232,25 +240,28 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
   }
 }
 
+// the vector path with FP32 or (bf) BF16 weights, or the scalar path (FP32 weights)
+template <int RW, int TT, int U, int KS, int PRO>
+void launch_pro(const LinearParams& p, bool vec, bool bf, dim3 grid, cudaStream_t stream) {
+  if (vec && bf) launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, PRO, true>, grid, kLinWarps * 32, 0, stream, p);
+  else if (vec) launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, PRO>, grid, kLinWarps * 32, 0, stream, p);
+  else launch_kernel(linear_skinny_kernel<RW, TT, U, KS, false, PRO>, grid, kLinWarps * 32, 0, stream, p);
+}
+
 template <int RW, int TT, int U, int KS>
 cudaError_t launch(const LinearParams& p, bool vec, cudaStream_t stream) {
   constexpr int rows_per_block = RW * kLinWarps / KS;
   const dim3 grid((unsigned)((p.N + rows_per_block - 1) / rows_per_block), (unsigned)p.batch,
                   (unsigned)((p.T + TT - 1) / TT));  // balanced slices of <= TT tokens
+  const bool bf = vec && p.w_bf16 && aligned8(p.w_bf16);
   if constexpr (TT <= kLinearNormMaxT) {
     if (p.norm_w) {
-      if (vec) launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, 1>, grid, kLinWarps * 32, 0, stream, p);
-      else launch_kernel(linear_skinny_kernel<RW, TT, U, KS, false, 1>, grid, kLinWarps * 32, 0, stream, p);
+      launch_pro<RW, TT, U, KS, 1>(p, vec, bf, grid, stream);
       return cudaGetLastError();
     }
   }
-  if (p.x_swiglu) {
-    if (vec) launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, 2>, grid, kLinWarps * 32, 0, stream, p);
-    else launch_kernel(linear_skinny_kernel<RW, TT, U, KS, false, 2>, grid, kLinWarps * 32, 0, stream, p);
-    return cudaGetLastError();
-  }
-  if (vec) launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, 0>, grid, kLinWarps * 32, 0, stream, p);
-  else launch_kernel(linear_skinny_kernel<RW, TT, U, KS, false, 0>, grid, kLinWarps * 32, 0, stream, p);
+  if (p.x_swiglu) launch_pro<RW, TT, U, KS, 2>(p, vec, bf, grid, stream);
+  else launch_pro<RW, TT, U, KS, 0>(p, vec, bf, grid, stream);
   return cudaGetLastError();
 }
 

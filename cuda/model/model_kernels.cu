@@ -5,6 +5,7 @@
 // two backends within a few ulps of each other outside the GEMMs.
 #include "model/model_kernels.h"
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 #include "launch.h"
@@ -470,8 +471,10 @@ __device__ __forceinline__ float wdot(const float4& g4, const float4& x4, float 
   return acc + (g4.x * x4.x + g4.y * x4.y + g4.z * x4.z + g4.w * x4.w);
 }
 
-template <int MS, int U, bool SWI, bool VEC>
+// BF (with VEC): the weights from w_bf16 (exact BF16 copies), widened as loaded: the same results.
+template <int MS, int U, bool SWI, bool VEC, bool BF = false>
 __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(ExpertGemmParams p) {
+  static_assert(!BF || VEC, "BF16 weights on the vector path only");
   pdl_prologue();
   using WT = typename std::conditional<VEC, float4, float>::type;
   constexpr int CPW = SWI ? kSkinnyRW / 2 : kSkinnyRW;  // output columns per warp
@@ -487,12 +490,12 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
   const int nb = (blockIdx.y * kSkinnyWarps + warp) * CPW;
   if (nb >= N) return;  // no block barrier below
   const int ncol = min(CPW, N - nb);
-  const float* W = p.w + (size_t)e * (SWI ? 2 : 1) * N * Kd;
-  const float* wrow[RW];  // gate rows nb.., then (SwiGLU) up rows N + nb..; rows >= N clamped, unused
+  const size_t wbase = (size_t)e * (SWI ? 2 : 1) * N * Kd;
+  size_t wrow[RW];  // gate rows nb.., then (SwiGLU) up rows N + nb..; rows >= N clamped, unused (offsets)
 #pragma unroll
   for (int i = 0; i < RW; ++i) {
     const int c = min(SWI ? i % CPW : i, ncol - 1);
-    wrow[i] = W + (size_t)((SWI && i >= CPW ? N : 0) + nb + c) * Kd;
+    wrow[i] = wbase + (size_t)((SWI && i >= CPW ? N : 0) + nb + c) * Kd;
   }
   const int nsteps = (Kd + 32 * VW - 1) / (32 * VW);
   WT wv[U][RW];
@@ -503,8 +506,12 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
 #pragma unroll
       for (int i = 0; i < RW; ++i) {
         const int c = SWI ? i % CPW : i;
-        if (k < Kd && c < ncol) wv[u][i] = ldg_vec<WT>(wrow[i] + k);
-        else vzero(wv[u][i]);
+        if (k < Kd && c < ncol) {
+          if constexpr (BF) wv[u][i] = ldg_bf16x4(p.w_bf16 + wrow[i] + k);
+          else wv[u][i] = ldg_vec<WT>(p.w + wrow[i] + k);
+        } else {
+          vzero(wv[u][i]);
+        }
       }
     }
   };
@@ -776,6 +783,12 @@ __global__ void cache_compact_kernel(CompactParams p) {
   }
 }
 
+__global__ void f32_to_bf16_high_kernel(const float* src, uint16_t* dst, long long n) {
+  pdl_prologue();
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+    dst[i] = (uint16_t)(__float_as_uint(src[i]) >> 16);
+}
+
 __global__ void causal_bits_kernel(uint64_t* bits, int T, int W) {
   pdl_prologue();
   const int i = blockIdx.x;
@@ -788,12 +801,12 @@ __global__ void causal_bits_kernel(uint64_t* bits, int T, int W) {
   }
 }
 
-template <bool SWI, bool VEC>
+template <bool SWI, bool VEC, bool BF = false>
 void launch_gemv(int U, dim3 grid, const ExpertGemmParams& p, cudaStream_t stream) {
   constexpr int MS = kExpertSkinnyRows, TH = kSkinnyWarps * 32;
-  if (U == 4) launch_kernel(expert_gemv_kernel<MS, 4, SWI, VEC>, grid, TH, 0, stream, p);
-  else if (U == 2) launch_kernel(expert_gemv_kernel<MS, 2, SWI, VEC>, grid, TH, 0, stream, p);
-  else launch_kernel(expert_gemv_kernel<MS, 1, SWI, VEC>, grid, TH, 0, stream, p);
+  if (U == 4) launch_kernel(expert_gemv_kernel<MS, 4, SWI, VEC, BF>, grid, TH, 0, stream, p);
+  else if (U == 2) launch_kernel(expert_gemv_kernel<MS, 2, SWI, VEC, BF>, grid, TH, 0, stream, p);
+  else launch_kernel(expert_gemv_kernel<MS, 1, SWI, VEC, BF>, grid, TH, 0, stream, p);
 }
 
 int threads_for(int n) {
@@ -808,7 +821,9 @@ int threads_for(int n) {
 cudaError_t embed(const EmbedParams& p, cudaStream_t stream) {
   if (!p.tokens || !p.table || !p.out || p.T < 0 || p.V <= 0 || p.Dm <= 0) return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
-  launch_kernel(embed_kernel, p.T, threads_for(p.Dm), 0, stream, p);
+  // the step's first kernel: ordered (no PDL) so that the committed cache is complete for every
+  // later kernel of the step (launch.h, VerifyAttentionParams::committed_ready)
+  launch_kernel_ordered(embed_kernel, p.T, threads_for(p.Dm), 0, stream, p);
   return cudaGetLastError();
 }
 
@@ -911,11 +926,14 @@ cudaError_t expert_gemm(const ExpertGemmParams& p, cudaStream_t stream) {
     if (grid.y > 65535u) return cudaErrorInvalidValue;
     const int steps = (p.Kd + (vec ? 127 : 31)) / (vec ? 128 : 32);  // k-steps of a warp over one row
     const int U = steps >= 4 ? 4 : steps >= 2 ? 2 : 1;
+    const bool bf = vec && p.w_bf16 && aligned8(p.w_bf16);
     if (p.swiglu) {
-      if (vec) launch_gemv<true, true>(U, grid, p, stream);
+      if (bf) launch_gemv<true, true, true>(U, grid, p, stream);
+      else if (vec) launch_gemv<true, true>(U, grid, p, stream);
       else launch_gemv<true, false>(U, grid, p, stream);
     } else {
-      if (vec) launch_gemv<false, true>(U, grid, p, stream);
+      if (bf) launch_gemv<false, true, true>(U, grid, p, stream);
+      else if (vec) launch_gemv<false, true>(U, grid, p, stream);
       else launch_gemv<false, false>(U, grid, p, stream);
     }
     return cudaGetLastError();
@@ -950,6 +968,14 @@ cudaError_t cache_compact(const CompactParams& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (p.num_layers == 0) return cudaSuccess;
   launch_kernel(cache_compact_kernel, p.num_layers, kCompactThreads, 0, stream, p);
+  return cudaGetLastError();
+}
+
+cudaError_t f32_to_bf16_high(const float* src, uint16_t* dst, long long n, cudaStream_t stream) {
+  if (!src || !dst || n < 0) return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
+  const long long blocks = std::min<long long>((n + 255) / 256, 4096);
+  launch_kernel(f32_to_bf16_high_kernel, (int)blocks, 256, 0, stream, src, dst, n);
   return cudaGetLastError();
 }
 

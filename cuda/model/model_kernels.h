@@ -48,6 +48,10 @@ struct LinearParams {
   int tile_splits = 0;            // linear_tile: k splits (a cluster of that many blocks), 0 = auto,
                                   // else 1..kLinearTileMaxSplits (tests / benchmarks)
   int tile_math = 0;              // linear_tile: 0 = tensor cores, 3xTF32 (FP32-accurate), 1 = FP32 CUDA cores
+  const uint16_t* w_bf16 = nullptr;  // linear_skinny: the same weights as BF16 (same layout; every value of w
+                                     // exactly a BF16), read instead of w and widened: the same results
+                                     // from half the bytes (used with 16-byte aligned rows, 8-byte aligned
+                                     // w_bf16; else w)
 };
 // One kernel configuration: RW weight rows per warp, TT token rows per slice (more tokens run in
 // balanced slices along grid.z), U k-steps of loads in flight per lane.
@@ -198,6 +202,7 @@ struct ExpertGemmParams {
   int max_tiles;           // grid bound (moe_max_tiles)
   float* y;                // [A, ldy]
   int ldy;
+  const uint16_t* w_bf16 = nullptr;  // the GEMV-style kernel: w as exact BF16 (as LinearParams::w_bf16)
 };
 // Two kernels: a GEMV-style one for tiles of <= kExpertSkinnyRows slots (weights streamed once
 // per tile; decode and small verify steps) and a shared-memory tiled SGEMM for tiles of
@@ -242,6 +247,10 @@ cudaError_t cache_compact(const CompactParams& p, cudaStream_t stream);
 
 // Causal visibility bitmask: row i has bits j <= i set, [T, W] words.
 cudaError_t causal_bits(uint64_t* bits, int T, int W, cudaStream_t stream);
+
+// dst[i] = the high 16 bits of src[i] (its BF16 value when src[i] is exactly a BF16), n elements:
+// the BF16 weight copies of CudaModel.
+cudaError_t f32_to_bf16_high(const float* src, uint16_t* dst, long long n, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace kdtree
