@@ -606,6 +606,7 @@ void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64
     return;
   }
   if (tile) {  // (also big weights past skinny_big_max_tokens)
+    lp.w_bf16 = bf16_of(w, N * Kd);
     check_cuda(cuda::linear_tile(lp, as_stream(stream_)), "linear_tile");
     return;
   }
@@ -627,6 +628,7 @@ void CudaModel::gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in,
     return;
   }
   if (tile) {
+    lp.w_bf16 = bf16_of(w, heads * N * Kd);
     check_cuda(cuda::linear_tile(lp, as_stream(stream_)), "linear_tile(heads)");
     return;
   }
@@ -846,7 +848,7 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   xp.ldx = (int)Dm;
   xp.x_row = slot_token_;
   xp.w = ly.experts_gate_up;
-  xp.w_bf16 = kind == kGemv ? bf16_of(ly.experts_gate_up, E * 2 * Ie * Dm) : nullptr;
+  xp.w_bf16 = kind != kTiled ? bf16_of(ly.experts_gate_up, E * 2 * Ie * Dm) : nullptr;
   xp.Kd = (int)Dm;
   if (swiglu_fused) {
     xp.N = (int)Ie;
@@ -868,7 +870,7 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   xp.ldx = (int)Ie;
   xp.x_row = nullptr;
   xp.w = ly.experts_down;
-  xp.w_bf16 = kind == kGemv ? bf16_of(ly.experts_down, E * Dm * Ie) : nullptr;
+  xp.w_bf16 = kind != kTiled ? bf16_of(ly.experts_down, E * Dm * Ie) : nullptr;
   xp.N = (int)Dm;
   xp.Kd = (int)Ie;
   xp.swiglu = 0;

@@ -34,10 +34,25 @@ constexpr int kThreads = 128;
 constexpr int kBK = 64;     // k floats per chunk (256-byte row segments)
 constexpr int kStages = 3;  // chunks in flight
 
+constexpr int kPadB = kBK + 8;  // BF16 weight rows in shared memory: 144 bytes (16-byte rows, conflict-free)
+
+// Shared memory: ST stages of the weight rows (FP32 [kTileBN][BK + 4], or BF16 [kTileBN][kPadB]) and the
+// slot rows (FP32 [BM][BK + 4]), reused afterwards for the BM x kTileBN output tile.
+template <int BM, bool BF>
+constexpr size_t expert_smem_bytes() {
+  if constexpr (!BF) return tile_smem_bytes<BM, kBK, kStages>();
+  constexpr size_t stages = (size_t)kStages * (kTileBN * kPadB * sizeof(uint16_t) + (size_t)BM * (kBK + 4) * sizeof(float));
+  constexpr size_t out = (size_t)BM * kTileBN * sizeof(float);
+  return stages > out ? stages : out;
+}
+
 // grid (max_tiles, column blocks of 64 weight rows: 64 outputs, or 32 with SwiGLU), 128 threads.
 // The three 3xTF32 partial products go to three accumulators: independent mma chains (a third of
 // the latency of one chain) and the small terms summed apart from the large one.
-template <int BM, bool SWI>
+// BF: the weights come from the exact BF16 copy (p.w_bf16, Kd a multiple of 8): half the bytes
+// copied, no split of the weights and two mma per product instead of three (tile_mma.h,
+// mma_chunk_bf16w), the same results.
+template <int BM, bool SWI, bool BF = false>
 __global__ void __launch_bounds__(kThreads) expert_mma_kernel(ExpertGemmParams p) {
   constexpr int TM = BM / 8, BK = kBK, ST = kStages;
   constexpr int PAD = BK + 4;                  // row stride: 16-byte rows, PAD = 4 mod 32 (conflict-free)
@@ -46,9 +61,13 @@ __global__ void __launch_bounds__(kThreads) expert_mma_kernel(ExpertGemmParams p
   constexpr int WPASS = kTileBN / RSTEP;       // weight float4s per thread and chunk
   constexpr int XPASS = (BM + RSTEP - 1) / RSTEP;
   constexpr int COLS = SWI ? kTileBN / 2 : kTileBN;  // outputs per block
+  constexpr int KQB = BK / 8;                  // BF: 16-byte pieces (8 weights) per row and chunk
+  constexpr int RSTEPB = kThreads / KQB;       // BF: rows per pass
+  constexpr int WPASSB = kTileBN / RSTEPB;     // BF: weight pieces per thread and chunk
   extern __shared__ __align__(16) float smem[];
   float* const Ws = smem;                          // [ST][kTileBN][PAD]
-  float* const Xs = smem + ST * kTileBN * PAD;     // [ST][BM][PAD]
+  uint16_t* const Wsb = reinterpret_cast<uint16_t*>(smem);  // BF: [ST][kTileBN][kPadB]
+  float* const Xs = BF ? smem + ST * kTileBN * kPadB / 2 : smem + ST * kTileBN * PAD;  // [ST][BM][PAD]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
   pdl_trigger();
   pdl_wait();  // the schedule and the input rows come from earlier kernels
@@ -72,6 +91,18 @@ __global__ void __launch_bounds__(kThreads) expert_mma_kernel(ExpertGemmParams p
     wok[j] = n0 + c < N;
     wsrc[j] = wok[j] ? W + (size_t)((SWI && r >= COLS ? N : 0) + n0 + c) * Kd : p.w;
   }
+  const int kqb = (tid % KQB) * 8, rbaseb = tid / KQB;  // BF: the weight copies' mapping
+  size_t wsrcb[BF ? WPASSB : 1];
+  bool wokb[BF ? WPASSB : 1];
+  if constexpr (BF) {
+#pragma unroll
+    for (int j = 0; j < WPASSB; ++j) {
+      const int r = rbaseb + RSTEPB * j;
+      const int c = SWI ? (r & (COLS - 1)) : r;
+      wokb[j] = n0 + c < N;
+      wsrcb[j] = wokb[j] ? (size_t)e * (SWI ? 2 : 1) * N * Kd + (size_t)((SWI && r >= COLS ? N : 0) + n0 + c) * Kd : 0;
+    }
+  }
   const float* xsrc[XPASS];
   bool xok[XPASS];
 #pragma unroll
@@ -85,10 +116,20 @@ __global__ void __launch_bounds__(kThreads) expert_mma_kernel(ExpertGemmParams p
   auto load = [&](int c, int slot) {
     const int k = c * BK + kq;
     const bool kin = k < Kd;
+    if constexpr (BF) {
+      const int kb = c * BK + kqb;
 #pragma unroll
-    for (int j = 0; j < WPASS; ++j) {
-      const bool ok = wok[j] && kin;
-      cp_async16(Ws + ((size_t)slot * kTileBN + rbase + RSTEP * j) * PAD + kq, ok ? wsrc[j] + k : p.w, ok);
+      for (int j = 0; j < WPASSB; ++j) {
+        const bool ok = wokb[j] && kb < Kd;
+        cp_async16(reinterpret_cast<float*>(Wsb + ((size_t)slot * kTileBN + rbaseb + RSTEPB * j) * kPadB + kqb),
+                   reinterpret_cast<const float*>(ok ? p.w_bf16 + wsrcb[j] + kb : p.w_bf16), ok);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < WPASS; ++j) {
+        const bool ok = wok[j] && kin;
+        cp_async16(Ws + ((size_t)slot * kTileBN + rbase + RSTEP * j) * PAD + kq, ok ? wsrc[j] + k : p.w, ok);
+      }
     }
 #pragma unroll
     for (int j = 0; j < XPASS; ++j) {
@@ -114,9 +155,13 @@ __global__ void __launch_bounds__(kThreads) expert_mma_kernel(ExpertGemmParams p
     const int nxt = c + ST - 1;
     if (nxt < nchunks) load(nxt, nxt % ST);
     cp_async_commit();
-    const float* ws = Ws + (size_t)(c % ST) * kTileBN * PAD;
     const float* xs = Xs + (size_t)(c % ST) * BM * PAD;
-    mma_chunk_3xtf32<TM, BK, PAD, true>(acc, s1, s2, ws, xs, warp, g, q);
+    if constexpr (BF) {
+      mma_chunk_bf16w<TM, BK, kPadB, PAD>(acc, s2, Wsb + (size_t)(c % ST) * kTileBN * kPadB, xs, warp, g, q);
+    } else {
+      const float* ws = Ws + (size_t)(c % ST) * kTileBN * PAD;
+      mma_chunk_3xtf32<TM, BK, PAD, true>(acc, s1, s2, ws, xs, warp, g, q);
+    }
   }
   cp_async_wait<0>();
   __syncthreads();  // every thread is done reading the stages
@@ -141,10 +186,10 @@ __global__ void __launch_bounds__(kThreads) expert_mma_kernel(ExpertGemmParams p
   }
 }
 
-template <int BM, bool SWI>
-cudaError_t launch_mma(const ExpertGemmParams& p, cudaStream_t stream) {
-  constexpr size_t smem = tile_smem_bytes<BM, kBK, kStages>();
-  auto kern = expert_mma_kernel<BM, SWI>;
+template <int BM, bool SWI, bool BF>
+cudaError_t launch_mma_as(const ExpertGemmParams& p, cudaStream_t stream) {
+  constexpr size_t smem = expert_smem_bytes<BM, BF>();
+  auto kern = expert_mma_kernel<BM, SWI, BF>;
   static const cudaError_t attr_err =
       cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (attr_err != cudaSuccess) return attr_err;
@@ -152,6 +197,13 @@ cudaError_t launch_mma(const ExpertGemmParams& p, cudaStream_t stream) {
   const dim3 grid((unsigned)p.max_tiles, (unsigned)((p.N + cols - 1) / cols));
   if (grid.y > 65535u) return cudaErrorInvalidValue;
   return launch_kernel(kern, grid, kThreads, smem, stream, p);
+}
+
+// the BF16-weight kernel when the exact copy is there and its rows are whole 16-byte pieces
+template <int BM, bool SWI>
+cudaError_t launch_mma(const ExpertGemmParams& p, cudaStream_t stream) {
+  if (p.w_bf16 && p.Kd % 8 == 0 && aligned16(p.w_bf16)) return launch_mma_as<BM, SWI, true>(p, stream);
+  return launch_mma_as<BM, SWI, false>(p, stream);
 }
 
 }  // namespace

@@ -50,13 +50,30 @@ constexpr int kMaxSplits = kLinearTileMaxSplits;  // a portable cluster size
 // k-chunks per split. TC: the products on the tensor cores (3xTF32, mma.sync m16n8k8: warp w owns
 // weight rows [16 w, 16 w + 16) of the tile as the A operand, the BM / 8 token groups of 8 are B
 // operands), else on the CUDA cores (thread = BM / 8 tokens x 4 rows).
-template <int BM, bool TC>
+constexpr int kPadB = kBK + 8;     // BF: BF16 weight rows in shared memory (144 bytes, conflict-free reads)
+
+// shared memory: kStages of the weight rows (FP32 [kBN][kPad] or BF16 [kBN][kPadB]) and the token
+// rows ([BM][kPad]), reused for the output tile
+template <int BM, bool BF>
+constexpr size_t tile_bytes() {
+  if constexpr (!BF) return tile_smem_bytes<BM, kBK, kStages>();
+  constexpr size_t stages = (size_t)kStages * (kBN * kPadB * sizeof(uint16_t) + (size_t)BM * kPad * sizeof(float));
+  constexpr size_t out = (size_t)BM * kBN * sizeof(float);
+  return stages > out ? stages : out;
+}
+
+// BF (with TC): the weights from the exact BF16 copy p.w_bf16 (Kd, w_batch multiples of 8): half the
+// bytes copied, no split of the weights, two mma per product (tile_mma.h, mma_chunk_bf16w): the same sums.
+template <int BM, bool TC, bool BF = false>
 __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, int chunks_per_split) {
+  static_assert(!BF || TC, "BF16 weights on the tensor-core path only");
   constexpr int TM = BM / 8;
   constexpr int RSTEP = kThreads / KQ;  // rows per pass of the block's copies
+  constexpr int KQB = kBK / 8, RSTEPB = kThreads / KQB;  // BF: 16-byte pieces per row and chunk, rows per pass
   extern __shared__ __align__(16) float smem[];
   float* const Ws = smem;                              // [kStages][kBN][kPad]
-  float* const Xs = smem + kStages * kBN * kPad;       // [kStages][BM][kPad]
+  uint16_t* const Wsb = reinterpret_cast<uint16_t*>(smem);  // BF: [kStages][kBN][kPadB]
+  float* const Xs = BF ? smem + kStages * kBN * kPadB / 2 : smem + kStages * kBN * kPad;  // [kStages][BM][kPad]
   const int tid = threadIdx.x, tn = tid & 15, tm = tid >> 4;
   const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;  // mma fragment coordinates
   const int splits = (int)gridDim.x, split = (int)blockIdx.x;
@@ -64,6 +81,7 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
   const int b = (int)blockIdx.z / mtiles, m0 = ((int)blockIdx.z % mtiles) * BM, n0 = (int)blockIdx.y * kBN;
   const int Kd = p.Kd, rows = min(BM, p.T - m0);
   const float* const W = p.w + (size_t)b * p.w_batch + (size_t)n0 * Kd;
+  const uint16_t* const Wb = BF ? p.w_bf16 + (size_t)b * p.w_batch + (size_t)n0 * Kd : nullptr;
   const float* const X = p.x + (size_t)b * p.x_batch + (size_t)m0 * p.ldx;
   const int nchunks = (Kd + kBK - 1) / kBK;
   const int c0 = split * chunks_per_split, c1 = min(nchunks, c0 + chunks_per_split), nc = max(c1 - c0, 0);
@@ -71,12 +89,23 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
 
   // this thread's copies of a chunk: weight float4 j: row (tid / KQ) + RSTEP j, k offset 4 (tid % KQ)
   auto load_w = [&](int c, int slot) {
-    const int k = c * kBK + (tid % KQ) * 4;
+    if constexpr (BF) {
+      const int k = c * kBK + (tid % KQB) * 8;
 #pragma unroll
-    for (int j = 0; j < kBN * kBK / 4 / kThreads; ++j) {
-      const int r = tid / KQ + RSTEP * j;
-      const bool ok = n0 + r < p.N && k < Kd;
-      cp_async16(Ws + ((size_t)slot * kBN + r) * kPad + (tid % KQ) * 4, ok ? W + (size_t)r * Kd + k : p.w, ok);
+      for (int j = 0; j < kBN * kBK / 8 / kThreads; ++j) {
+        const int r = tid / KQB + RSTEPB * j;
+        const bool ok = n0 + r < p.N && k < Kd;
+        cp_async16(reinterpret_cast<float*>(Wsb + ((size_t)slot * kBN + r) * kPadB + (tid % KQB) * 8),
+                   reinterpret_cast<const float*>(ok ? Wb + (size_t)r * Kd + k : p.w_bf16), ok);
+      }
+    } else {
+      const int k = c * kBK + (tid % KQ) * 4;
+#pragma unroll
+      for (int j = 0; j < kBN * kBK / 4 / kThreads; ++j) {
+        const int r = tid / KQ + RSTEP * j;
+        const bool ok = n0 + r < p.N && k < Kd;
+        cp_async16(Ws + ((size_t)slot * kBN + r) * kPad + (tid % KQ) * 4, ok ? W + (size_t)r * Kd + k : p.w, ok);
+      }
     }
   };
   auto load_x = [&](int c, int slot) {
@@ -120,7 +149,9 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
     cp_async_commit();
     const float* ws = Ws + (size_t)(c % kStages) * kBN * kPad;
     const float* xs = Xs + (size_t)(c % kStages) * BM * kPad;
-    if constexpr (TC) {
+    if constexpr (BF) {  // the FP32 path's order in one accumulator: (lo*hi = 0, skipped), hi*lo, hi*hi
+      mma_chunk_bf16w<TM, kBK, kPadB, kPad>(acc, acc, Wsb + (size_t)(c % kStages) * kBN * kPadB, xs, warp, g, q);
+    } else if constexpr (TC) {
       mma_chunk_3xtf32<TM, kBK, kPad>(acc, acc, acc, ws, xs, warp, g, q);
     } else {
 #pragma unroll
@@ -189,11 +220,11 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
   cluster.sync();  // no block leaves while another still reads its shared memory
 }
 
-template <int BM, bool TC>
+template <int BM, bool TC, bool BF>
 cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
-  constexpr size_t smem = tile_smem_bytes<BM, kBK, kStages>();
+  constexpr size_t smem = tile_bytes<BM, BF>();
   static const cudaError_t attr_err =
-      cudaFuncSetAttribute(linear_tile_kernel<BM, TC>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+      cudaFuncSetAttribute(linear_tile_kernel<BM, TC, BF>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (attr_err != cudaSuccess) return attr_err;
   const long long mtiles = (p.T + BM - 1) / BM, ntiles = (p.N + kBN - 1) / kBN;
   const long long base = ntiles * mtiles * p.batch;
@@ -229,7 +260,7 @@ cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = (unsigned)na;
-  return cudaLaunchKernelEx(&cfg, linear_tile_kernel<BM, TC>, p, cps);
+  return cudaLaunchKernelEx(&cfg, linear_tile_kernel<BM, TC, BF>, p, cps);
 }
 
 }  // namespace
@@ -241,14 +272,14 @@ bool linear_tile_supported(const LinearParams& p) {
 
 int linear_tile_rows(int T) { return T <= 8 ? 8 : T <= 16 ? 16 : T <= 24 ? 24 : T <= 32 ? 32 : 64; }
 
-template <bool TC>
+template <bool TC, bool BF = false>
 cudaError_t launch_rows(const LinearParams& p, cudaStream_t stream) {
   switch (linear_tile_rows(p.T)) {
-    case 8: return launch_tile<8, TC>(p, stream);
-    case 16: return launch_tile<16, TC>(p, stream);
-    case 24: return launch_tile<24, TC>(p, stream);
-    case 32: return launch_tile<32, TC>(p, stream);
-    default: return launch_tile<64, TC>(p, stream);
+    case 8: return launch_tile<8, TC, BF>(p, stream);
+    case 16: return launch_tile<16, TC, BF>(p, stream);
+    case 24: return launch_tile<24, TC, BF>(p, stream);
+    case 32: return launch_tile<32, TC, BF>(p, stream);
+    default: return launch_tile<64, TC, BF>(p, stream);
   }
 }
 
@@ -259,7 +290,9 @@ cudaError_t linear_tile(const LinearParams& p, cudaStream_t stream) {
       !linear_tile_supported(p))
     return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
-  return p.tile_math == 1 ? launch_rows<false>(p, stream) : launch_rows<true>(p, stream);
+  if (p.tile_math == 1) return launch_rows<false>(p, stream);
+  if (p.w_bf16 && p.Kd % 8 == 0 && p.w_batch % 8 == 0 && aligned16(p.w_bf16)) return launch_rows<true, true>(p, stream);
+  return launch_rows<true>(p, stream);
 }
 
 }  // namespace cuda

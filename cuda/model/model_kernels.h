@@ -48,10 +48,11 @@ struct LinearParams {
   int tile_splits = 0;            // linear_tile: k splits (a cluster of that many blocks), 0 = auto,
                                   // else 1..kLinearTileMaxSplits (tests / benchmarks)
   int tile_math = 0;              // linear_tile: 0 = tensor cores, 3xTF32 (FP32-accurate), 1 = FP32 CUDA cores
-  const uint16_t* w_bf16 = nullptr;  // linear_skinny: the same weights as BF16 (same layout; every value of w
-                                     // exactly a BF16), read instead of w and widened: the same results
-                                     // from half the bytes (used with 16-byte aligned rows, 8-byte aligned
-                                     // w_bf16; else w)
+  const uint16_t* w_bf16 = nullptr;  // the same weights as BF16 (same layout; every value of w exactly a
+                                     // BF16), read instead of w and widened: the same results from half the
+                                     // bytes. linear_skinny: with 16-byte aligned rows and an 8-byte aligned
+                                     // w_bf16; linear_tile: tensor-core math, Kd and w_batch multiples of 8,
+                                     // w_bf16 16-byte aligned; else w
 };
 // One kernel configuration: RW weight rows per warp, TT token rows per slice (more tokens run in
 // balanced slices along grid.z), U k-steps of loads in flight per lane.

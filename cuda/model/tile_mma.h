@@ -89,5 +89,34 @@ __device__ __forceinline__ void mma_chunk_3xtf32(float (&big)[TM][4], float (&s1
   }
 }
 
+// The same chunk with BF16 weights (exact BF16 copies, rows of PADB uint16 in shared memory): a BF16
+// value widened to FP32 is exactly its TF32 high part and its low part is zero, so of the three
+// products only hi*hi (to big) and hi*lo (x's low part, to s2) are left; the lo*hi chain of the FP32
+// weights adds only zeros there (s1 stays +0 for finite inputs). Same operand bits in the two
+// remaining chains as mma_chunk_3xtf32<..., true>: the same sums. PADB = 8 mod 64 keeps the
+// fragment reads conflict-free (row g at bank 4 g, the q pairs share a word).
+template <int TM, int BK, int PADB, int PAD>
+__device__ __forceinline__ void mma_chunk_bf16w(float (&big)[TM][4], float (&s2)[TM][4], const uint16_t* ws,
+                                                const float* xs, int warp, int g, int q) {
+  const uint16_t* wa = ws + (16 * warp + g) * PADB + q;
+#pragma unroll
+  for (int kk = 0; kk < BK; kk += 8) {
+    uint32_t ah[4];
+    ah[0] = (uint32_t)wa[kk] << 16;
+    ah[1] = (uint32_t)wa[8 * PADB + kk] << 16;
+    ah[2] = (uint32_t)wa[kk + 4] << 16;
+    ah[3] = (uint32_t)wa[8 * PADB + kk + 4] << 16;
+#pragma unroll
+    for (int j = 0; j < TM; ++j) {
+      const float* xb = xs + (8 * j + g) * PAD + q + kk;
+      uint32_t bh[2], bl[2];
+      split_tf32(xb[0], bh[0], bl[0]);
+      split_tf32(xb[4], bh[1], bl[1]);
+      mma_tf32(s2[j], ah, bl);
+      mma_tf32(big[j], ah, bh);
+    }
+  }
+}
+
 }  // namespace cuda
 }  // namespace kdtree

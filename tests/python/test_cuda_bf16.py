@@ -1,12 +1,14 @@
 """BF16 weight copies on the GPU (CudaModel bf16_weight_copies, docs/CUDA_MODEL.md): a weight matrix
-whose every value is exactly a BF16 also lives on the device as BF16, and the few-token kernels
-(linear_skinny, the expert GEMV) read that copy and widen it. Widening is exact and the arithmetic
-is the FP32 path's, so every result must be the same bits as with the FP32 weights:
-* the kernels on host arrays (every linear_skinny configuration and prologue, batched offsets;
-  the expert GEMV with and without SwiGLU) with bf16_weights on and off: equal bit for bit;
+whose every value is exactly a BF16 also lives on the device as BF16, and the kernels of the
+steps up to 48 tokens (linear_skinny, linear_tile, the expert GEMV and tensor-core kernels) read
+that copy and widen it. Widening is exact and the arithmetic is the FP32 path's, so every result
+must be the same bits as with the FP32 weights:
+* the kernels on host arrays, bf16_weights on and off, equal bit for bit: every linear_skinny
+  configuration and prologue (batched, at an offset); linear_tile's tile heights and k splits;
+  the expert GEMV and tensor-core kernels with and without SwiGLU;
 * the model on BF16-rounded weights, copies on and off: equal logits and caches, eager and
-  graph-replayed, for the step sizes that use the skinny kernels; the copies cover exactly the
-  weight matrices; float32 weights get none;
+  graph-replayed, over decode, tree and 17-65-token steps; the copies cover exactly the weight
+  matrices; float32 weights get none;
 * set_weight with non-BF16 values after graphs were captured: the copy is dropped for that
   matrix (and the graphs that used it), results still equal the copy-less model's; and back.
 Skipped without a usable CUDA device."""
@@ -70,6 +72,24 @@ def test_linear_skinny_bf16_weights_same_bits(config, prologue):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"T={T}"
 
 
+@pytest.mark.parametrize("T", [1, 7, 16, 21, 33, 64])
+@pytest.mark.parametrize("splits", [0, 1, 3])
+def test_linear_tile_bf16_weights_same_bits(T, splits):
+    """linear_tile (tensor cores) on the BF16 copy: two mma per product instead of three, the
+    FP32 path's bits; every tile height (8..64 tokens), k splits over a cluster, two batches at an
+    offset, Kd = 320 (a partial k chunk), a partial weight-row tile (N = 100)."""
+    rng = np.random.default_rng(T * 10 + splits)
+    Kd, Nn, batch, w_off = 320, 100, 2, 8
+    x = rng.standard_normal((batch * T, Kd)).astype(np.float32)
+    w = to_bf16(rng.standard_normal((1, w_off + batch * Nn * Kd)).astype(np.float32) * 0.1)
+    y = np.full((batch * T, Nn), np.nan, np.float32)
+    kw = dict(batch=batch, x_batch=T * Kd, w_batch=Nn * Kd, y_batch=T * Nn, w_off=w_off, kernel="tile", splits=splits)
+    a = N.cuda_linear_skinny(x, w, y, T, Nn, Kd, **kw)
+    b = N.cuda_linear_skinny(x, w, y, T, Nn, Kd, bf16_weights=True, **kw)
+    assert np.isfinite(a).all()
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
 def test_linear_skinny_bf16_weights_rejects_inexact_values():
     x = np.ones((1, 128), np.float32)
     w = np.full((1, 128 * 4), 0.1, np.float32)  # 0.1 is not a BF16
@@ -77,16 +97,19 @@ def test_linear_skinny_bf16_weights_rejects_inexact_values():
         N.cuda_linear_skinny(x, w, np.zeros((1, 4), np.float32), 1, 4, 128, bf16_weights=True)
 
 
+@pytest.mark.parametrize("kernel,tile_rows", [("gemv", 8), ("mma", 8), ("mma", 16), ("mma", 32), ("mma", 64)])
 @pytest.mark.parametrize("swiglu", [False, True])
-@pytest.mark.parametrize("T,K,E", [(1, 4, 16), (3, 2, 8), (9, 6, 64)])
-def test_expert_gemv_bf16_weights_same_bits(swiglu, T, K, E):
-    rng = np.random.default_rng(T * 100 + K + swiglu)
+@pytest.mark.parametrize("T,K,E", [(1, 4, 16), (3, 2, 8), (9, 6, 64), (40, 8, 16)])
+def test_expert_kernels_bf16_weights_same_bits(kernel, tile_rows, swiglu, T, K, E):
+    """The GEMV kernel and the tensor-core one (tiles of 8-64 slots; 2 mma per product with BF16
+    weights instead of 3) on the BF16 copy: the FP32 path's bits. Kd = 264: a partial k chunk."""
+    rng = np.random.default_rng(T * 100 + K + swiglu + tile_rows)
     Kd, Nn = 264, 36
     x = rng.standard_normal((T, Kd)).astype(np.float32)
     w = to_bf16(rng.standard_normal((E, 2 * Nn if swiglu else Nn, Kd)).astype(np.float32) * 0.1)
     idx = np.stack([rng.permutation(E)[:K] for _ in range(T)]).astype(np.int32)
-    a, sa = N.cuda_expert_gemm(x, w, idx, E, swiglu, 8, "gemv")
-    b, sb = N.cuda_expert_gemm(x, w, idx, E, swiglu, 8, "gemv", bf16_weights=True)
+    a, sa = N.cuda_expert_gemm(x, w, idx, E, swiglu, tile_rows, kernel)
+    b, sb = N.cuda_expert_gemm(x, w, idx, E, swiglu, tile_rows, kernel, bf16_weights=True)
     assert np.isfinite(a).all()
     assert np.array_equal(sa, sb)
     assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
@@ -111,7 +134,7 @@ def run_steps(models, V, torch=None):
     outs = [[] for _ in models]
     for m in models:
         prefill(m, prompt(V, 30, seed=51))
-    for T in (1, 2, 4, 5, 17, 20):
+    for T in (1, 2, 4, 5, 9, 17, 20, 33, 65):
         toks = prompt(V, T, seed=60 + T)
         vis = np.tril(np.ones((T, T), dtype=bool))
         if T >= 3:
