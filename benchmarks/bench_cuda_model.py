@@ -21,7 +21,12 @@ Also AR and DDTree decode tokens/s with OracleDrafter (noise 0, 0.3, 0.6) throug
 overhead (round time - the verify forward of that tree size - the drafter), and HF generate()
 tokens/s on the same checkpoint as the ratio.
 
-    python benchmarks/bench_cuda_model.py [--reps 20] [--json out.json] [--ckpt DIR] [--quick]
+With --bf16-weights the checkpoint's weights are rounded to BF16 first (what a BF16 checkpoint of
+the same model holds): the model then keeps BF16 copies of them (bf16_weight_copies, the steps
+of <= 48 tokens read those) and the limits count 2 bytes per weight (no HF rows: HF would run
+the unrounded checkpoint).
+
+    python benchmarks/bench_cuda_model.py [--reps 20] [--json out.json] [--ckpt DIR] [--quick] [--bf16-weights]
 """
 import argparse
 import json
@@ -146,11 +151,13 @@ def vis_bits(vis):
 
 
 class Costs:
-    """Bytes and FLOPs of one step of the mini-kimi model (FP32)."""
+    """Bytes and FLOPs of one step of the mini-kimi model: FP32 weights (weight_bytes 4), or a BF16
+    checkpoint read as BF16 (2); the latent cache is FP32 either way."""
 
-    def __init__(self, cfg):
+    def __init__(self, cfg, weight_bytes=4):
         c = cfg
         self.c = c
+        self.wb = weight_bytes
         Dm, H = c.hidden_size, c.num_attention_heads
         C, R, Dn, Dv = c.kv_lora_rank, c.qk_rope_head_dim, c.qk_nope_head_dim, c.v_head_dim
         qr = c.q_lora_rank or 0
@@ -172,7 +179,7 @@ class Costs:
         p += self.n_moe * (self.router + self.shared) + int(experts_touched) * self.expert + self.lm_head
         p += T * c.hidden_size                                                      # embedding rows
         cache = c.num_hidden_layers * (L + T) * (c.kv_lora_rank + c.qk_rope_head_dim)
-        return 4 * (p + cache)
+        return self.wb * p + 4 * cache
 
     def flops(self, T, L, visible_keys=None):
         c = self.c
@@ -192,7 +199,12 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer cases (context 512 only, no HF 4096)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--budget", type=int, default=64, help="tree budget of the DDTree runs")
+    ap.add_argument("--bf16-weights", action="store_true",
+                    help="round the checkpoint's weights to BF16 (a BF16 checkpoint): the model keeps BF16 copies "
+                         "(bf16_weight_copies) and the limits count 2 bytes per weight; no HF rows")
     args = ap.parse_args()
+    if args.bf16_weights:
+        args.no_hf = True
     import torch
 
     if not (kn.cuda_available() and hasattr(_native, "CudaModel") and torch.cuda.is_available()):
@@ -225,11 +237,19 @@ def main():
         make_checkpoint(args.ckpt, MINI_KIMI, seed=0)
         print(f"made the mini-kimi checkpoint in {time.time() - t0:.1f} s")
     cfg = load_config(args.ckpt)
-    costs = Costs(cfg)
+    costs = Costs(cfg, 2 if args.bf16_weights else 4)
     max_ctx = 512 if args.quick else 4096
     t0 = time.time()
-    model = upload(_native.CudaModel(cfg.to_native(), max_ctx + 512), load_weights(args.ckpt, cfg))
-    print(f"CudaModel: {model.device_name}, weights {model.weight_bytes / 2**20:.0f} MiB, cache "
+    weights = load_weights(args.ckpt, cfg)
+    if args.bf16_weights:  # nearest BF16, ties to even: what a BF16 checkpoint of this model holds
+        for k, v in weights.items():
+            u = np.ascontiguousarray(v, np.float32).view(np.uint32).astype(np.uint64)
+            weights[k] = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+    out["bf16_weights"] = bool(args.bf16_weights)
+    model = upload(_native.CudaModel(cfg.to_native(), max_ctx + 512), weights)
+    del weights
+    print(f"CudaModel: {model.device_name}, weights {model.weight_bytes / 2**20:.0f} MiB (BF16 copies "
+          f"{model.bf16_weight_bytes / 2**20:.0f} MiB), cache "
           f"{model.cache_bytes / 2**20:.0f} MiB, workspaces {model.workspace_bytes / 2**20:.0f} MiB; "
           f"loaded in {time.time() - t0:.1f} s; cuBLAS {model.cublas_library}")
     V = cfg.vocab_size
