@@ -1097,13 +1097,18 @@ int splitkv_splits(const VerifyAttentionParams& p, int RG, double* est_us, int K
   return best_s;
 }
 
-// Keys per split-KV chunk: 16 (4-row blocks only) when forced, or by the rule below; else 32.
-// Auto: 16-key chunks when the 4-row grid of 32-key chunks leaves SMs idle (rg x splits < SMs),
-// which doubles the blocks and halves each one's work (decode at short contexts).
+// Keys per split-KV chunk: 32, or 16 with 4-row blocks (forced, or auto: always). The 4-row blocks
+// are picked where 8-row grids would leave most SMs idle (splitkv_rows); 16-key chunks double the
+// blocks again and halve each one's work, which a block alone on its SM (one warp per scheduler,
+// ncu: ~5 cycles per instruction, 80 % of the cycles with no eligible warp) turns into time.
+// Measured in the mini-kimi step on the H200 (thirteenth session, CudaModel(attention_chunk=16) vs
+// 32, graph replay, max_seq_len 8192): T = 1 / 2 / 4 at context 256 0.505 / 0.593 / 0.790 ->
+// 0.488 / 0.582 / 0.783 ms, 512 0.513 / 0.618 / 0.823 -> 0.491 / 0.616 / 0.824, 2048 0.574 / 0.693
+// / 0.905 -> 0.530 / 0.649 / 0.865; equal at 1024 and 4096 (8- or 16-row blocks there).
 int splitkv_chunk(const VerifyAttentionParams& p, int rows) {
   if (rows != 4) return sk::KC;
   if (p.force_splitkv_chunk == 16 || p.force_splitkv_chunk == 32) return p.force_splitkv_chunk;
-  return sk::KC;
+  return 16;
 }
 
 // Rows per split-KV block: forced (testing), else 8 when the 16-row grid (row groups x its
