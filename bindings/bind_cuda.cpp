@@ -485,7 +485,7 @@ struct AttnDev {
   kc::VerifyAttentionParams p{};
   AttnDev(const py::object& ql_o, const py::object& qr_o, const py::object& kv_o, const py::object& vis_o,
           double scale, bool force_naive, int force_splits, int force_kernel = 0, int64_t l_bound = -1,
-          int force_rows = 0, int force_chunk = 0) {
+          int force_rows = 0) {
     auto a = as_c<float>(ql_o, "q_latent", 3);
     auto b = as_c<float>(qr_o, "q_rope", 3);
     auto c = as_c<float>(kv_o, "kv", 2);
@@ -502,8 +502,6 @@ struct AttnDev {
     if (force_splits < 0) throw kdtree::Error("force_splits must be >= 0");
     if (force_rows != 0 && force_rows != 4 && force_rows != 8 && force_rows != 16)
       throw kdtree::Error("force_rows must be 0, 4, 8 or 16");
-    if (force_chunk != 0 && force_chunk != 16 && force_chunk != 32)
-      throw kdtree::Error("force_chunk must be 0, 16 or 32");
     if (l_bound != -1 && (l_bound < N - T || l_bound > (int64_t)1 << 30))
       throw kdtree::Error("l_bound must be >= L (the committed length) and <= 2^30");
     ql = DevBuf(sizeof(float) * a.size());
@@ -533,7 +531,6 @@ struct AttnDev {
     p.force_splits = force_splits;
     p.force_kernel = force_kernel;
     p.force_splitkv_rows = force_rows;
-    p.force_splitkv_chunk = force_chunk;
     if (l_bound >= 0) {
       const int32_t L = (int32_t)(N - T);
       ldev = DevBuf(sizeof(int32_t));
@@ -567,11 +564,10 @@ kc::VerifyAttentionParams attn_shape_params(int T, int H, int C, int R, int L, i
 
 py::array_t<float> verify_attention_np(const py::object& ql, const py::object& qr, const py::object& kv,
                                        const py::object& vis, double scale, bool force_naive, int force_splits,
-                                       int force_kernel, const py::object& l_bound, int force_rows,
-                                       int force_chunk) {
+                                       int force_kernel, const py::object& l_bound, int force_rows) {
   require_device();
   AttnDev d(ql, qr, kv, vis, scale, force_naive, force_splits, force_kernel,
-            l_bound.is_none() ? -1 : l_bound.cast<int64_t>(), force_rows, force_chunk);
+            l_bound.is_none() ? -1 : l_bound.cast<int64_t>(), force_rows);
   {
     py::gil_scoped_release nogil;
     check_cuda(kc::verify_attention(d.p, 0), "verify_attention");
@@ -649,19 +645,18 @@ py::dict time_tree_from_logits(const py::object& x_o, int64_t budget, int64_t to
 
 py::dict time_verify_attention(const py::object& ql, const py::object& qr, const py::object& kv,
                                const py::object& vis, double scale, int iters, int warmup, bool force_naive,
-                               int force_kernel, int force_splits, int force_rows, int force_chunk) {
+                               int force_kernel, int force_splits, int force_rows) {
   require_device();
-  AttnDev d(ql, qr, kv, vis, scale, force_naive, force_splits, force_kernel, -1, force_rows, force_chunk);
+  AttnDev d(ql, qr, kv, vis, scale, force_naive, force_splits, force_kernel, -1, force_rows);
   Timing t = time_op([&](cudaStream_t s) { return kc::verify_attention(d.p, s); }, iters, warmup);
   py::dict r;
   put_timing(r, "", t);
   r["fast_path"] = kc::verify_attention_fast_path(d.p);
-  int kernel = 0, splits = 1, rows = 16, chunk = 0;
-  kc::verify_attention_choice(d.p, &kernel, &splits, &rows, &chunk);
+  int kernel = 0, splits = 1, rows = 16;
+  kc::verify_attention_choice(d.p, &kernel, &splits, &rows);
   r["kernel"] = kernel;
   r["splits"] = splits;
   r["rows"] = rows;
-  r["chunk"] = chunk;
   r["out"] = to_numpy<float>(d.out, {d.p.T, d.p.H, d.p.C});
   return r;
 }
@@ -1098,11 +1093,9 @@ void bind_cuda(py::module_& m) {
   m.def("cuda_verify_attention", &verify_attention_np, py::arg("q_latent"), py::arg("q_rope"), py::arg("kv"),
         py::arg("visibility"), py::arg("scale"), py::arg("force_naive") = false, py::arg("force_splits") = 0,
         py::arg("force_kernel") = 0, py::arg("l_bound") = py::none(), py::arg("force_rows") = 0,
-        py::arg("force_chunk") = 0,
         "GPU MLA verify attention (FP32): out_latent float32 [T,H,C]. force_kernel: 0 auto, 1 tiled, "
         "2 split-KV, 3 decode (two passes); l_bound (int >= L): pass L through a device int, with p.L = l_bound (graph mode); "
-        "force_rows: 4, 8 or 16 query rows per split-KV block (0 auto); force_chunk: 16 or 32 keys per "
-        "split-KV chunk (16 with 4-row blocks only; 0 auto).");
+        "force_rows: 4, 8 or 16 query rows per split-KV block (0 auto).");
   m.def("cuda_device_props", &device_props, "Device name, SMs, peak SM clock and FP32 CUDA-core peak FLOP/s.");
   m.def("cuda_copy_bandwidth", &copy_bandwidth, py::arg("nbytes") = (int64_t)1 << 31, py::arg("iters") = 20,
         "Measured device-to-device copy bandwidth, bytes/s (read + write counted).");
@@ -1113,7 +1106,7 @@ void bind_cuda(py::module_& m) {
   m.def("cuda_time_verify_attention", &time_verify_attention, py::arg("q_latent"), py::arg("q_rope"), py::arg("kv"),
         py::arg("visibility"), py::arg("scale"), py::arg("iters") = 20, py::arg("warmup") = 3,
         py::arg("force_naive") = false, py::arg("force_kernel") = 0, py::arg("force_splits") = 0,
-        py::arg("force_rows") = 0, py::arg("force_chunk") = 0);
+        py::arg("force_rows") = 0);
   m.def("cuda_time_accept_compact", &time_accept_compact, py::arg("tokens"), py::arg("parents"), py::arg("choice"),
         py::arg("layers"), py::arg("slots"), py::arg("row"), py::arg("cache_len"), py::arg("iters") = 200,
         py::arg("warmup") = 20);
@@ -1204,18 +1197,17 @@ void bind_cuda(py::module_& m) {
       py::arg("force_kernel") = 0, py::arg("force_splits") = 0);
   m.def(
       "cuda_verify_attention_choice",
-      [](int T, int H, int L, int C, int R, int force_kernel, int force_splits, int force_rows, int force_chunk) {
+      [](int T, int H, int L, int C, int R, int force_kernel, int force_splits, int force_rows) {
         kc::VerifyAttentionParams p = attn_shape_params(T, H, C, R, L, C + R, force_kernel, force_splits);
         p.force_splitkv_rows = force_rows;
-        p.force_splitkv_chunk = force_chunk;
-        int kernel = 0, splits = 1, rows = 16, chunk = 0;
-        kc::verify_attention_choice(p, &kernel, &splits, &rows, &chunk);
-        return py::make_tuple(kernel, splits, rows, chunk);
+        int kernel = 0, splits = 1, rows = 16;
+        kc::verify_attention_choice(p, &kernel, &splits, &rows);
+        return py::make_tuple(kernel, splits, rows);
       },
       py::arg("T"), py::arg("H"), py::arg("L"), py::arg("C") = 512, py::arg("R") = 64, py::arg("force_kernel") = 0,
-      py::arg("force_splits") = 0, py::arg("force_rows") = 0, py::arg("force_chunk") = 0,
-      "verify_attention's pick for aligned buffers of these shapes: (kernel, splits, split-KV rows per block, "
-      "split-KV keys per chunk or 0); kernel 0 = plain, 1 = tiled, 2 = split-KV, 3 = decode, 4 = tensor cores.");
+      py::arg("force_splits") = 0, py::arg("force_rows") = 0,
+      "verify_attention's pick for aligned buffers of these shapes: (kernel, splits, split-KV rows per block); "
+      "kernel 0 = plain, 1 = tiled, 2 = split-KV, 3 = decode.");
   (void)as_ptr;
 }
 

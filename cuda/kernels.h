@@ -152,7 +152,6 @@ struct VerifyAttentionParams {
                                 //   host's upper bound (grid, split count, workspace size only)
   int force_splitkv_rows;       // testing: query rows per split-KV block, 4, 8 or 16 (0 = the cost
                                 //   model's pick: 8 or 4 when 16-row blocks would leave SMs idle)
-  int force_splitkv_chunk;      // testing: keys per split-KV chunk, 16 (4-row blocks only) or 32 (0 = auto)
   int committed_ready;          // 1: the committed rows [0, L) and *L_dev were complete before this
                                 //   launch's chain of PDL launches began (the model launches a step's
                                 //   first kernel without PDL and writes no committed row within a
@@ -167,8 +166,7 @@ size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p);
 bool verify_attention_fast_path(const VerifyAttentionParams& p);
 // The pick for these params: kernel 0 = plain, 1 = tiled, 2 = split-KV, 3 = decode (two passes,
 // no splits), 4 = tensor cores; key splits; query rows per block (split-KV: 4, 8 or 16; tensor cores: 32).
-void verify_attention_choice(const VerifyAttentionParams& p, int* kernel, int* splits, int* rows = nullptr,
-                             int* chunk = nullptr);  // chunk: split-KV keys per chunk (16 or 32), else 0
+void verify_attention_choice(const VerifyAttentionParams& p, int* kernel, int* splits, int* rows = nullptr);
 cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------- benchmark helper

@@ -456,14 +456,12 @@ constexpr int NSL = DQ / SLW;     // 9 groups per chunk
 }  // namespace sk
 
 // RG query rows per block: 16, or 8 / 4 when there are few rows (two / four times the blocks, a
-// half / a quarter of the work each: decode and small trees leave most SMs idle with 16). KC keys
-// per chunk: 32, or 16 with 4 rows (thirteenth session: twice the blocks again for decode grids
-// that leave SMs idle even with 4-row blocks; the same code with half the keys per warp).
-template <int RG, int KC = sk::KC>
+// half / a quarter of the work each: decode and small trees leave most SMs idle with 16).
+template <int RG>
 struct __align__(16) SkSmemT {
   float q[RG][sk::QS];
-  float k[KC][sk::QS];
-  float p[RG][KC + 4];
+  float k[sk::KC][sk::QS];
+  float p[RG][sk::PS];
   float m[RG], l[RG], alpha[RG];
 };
 using SkSmem = SkSmemT<16>;
@@ -486,20 +484,16 @@ __device__ __forceinline__ void cp_async_wait_le(int n) {
 
 __device__ __forceinline__ float4 lds4(const float* x) { return *reinterpret_cast<const float4*>(x); }
 
-template <int RG, int KC = sk::KC>
+template <int RG>
 __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAttentionParams p) {
   pdl_trigger();
-  using sk::QS;
-  using sk::SLW;
-  using sk::NSL;
+  using namespace sk;
   constexpr int RI = RG / 4;     // phase 1: rows rt + 4i, i < RI, per thread
-  constexpr int KW = KC / 8;     // phase 1: keys key0 + 2j, j < KW, per thread (KC / 4 per warp)
-  constexpr int TPR = sk::NT / RG < KC ? sk::NT / RG : KC;  // phase 2: threads per row (8, 16 or 32; <= KC)
+  constexpr int TPR = sk::NT / RG;  // phase 2: threads per row (8, 16 or 32)
   constexpr int KPT = KC / TPR;  // ... and keys per thread (4, 2 or 1)
   static_assert(RG == 4 || RG == 8 || RG == 16, "split-KV rows per block");
-  static_assert(KC == 32 || (KC == 16 && RG == 4), "split-KV keys per chunk");
   extern __shared__ __align__(16) unsigned char smraw[];
-  SkSmemT<RG, KC>& s = *reinterpret_cast<SkSmemT<RG, KC>*>(smraw);
+  SkSmemT<RG>& s = *reinterpret_cast<SkSmemT<RG>*>(smraw);
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int M = p.T * p.H;
   const int m0 = blockIdx.x * RG;
@@ -512,14 +506,11 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
   const int c0 = min(split * cps, nch), c1 = min(c0 + cps, nch);
 
   // phase-2 / mask mapping (fixed per thread): row pr, keys KPT*pq .. KPT*pq+KPT-1 of each chunk
-  // (KC = 16: threads past RG rows have none: node -1, no writes)
   const int pr = tid / TPR, pq = tid % TPR;
-  const bool prow = pr < RG;
-  const int pr_c = prow ? pr : RG - 1;
-  const int node2 = prow && m0 + pr < M ? (m0 + pr) / p.H : -1;
-  // phase-1 mapping: rows rt + 4i, keys (KC/4)*warp + kt + 2j (i < RI, j < KW), d-part h of each slice
+  const int node2 = m0 + pr < M ? (m0 + pr) / p.H : -1;
+  // phase-1 mapping: rows rt + 4i, keys 8*warp + kt + 2j (i, j = 0..3), d-part h of each slice
   const int h = lane & 3, kt = (lane >> 2) & 1, rt = lane >> 3;
-  const int key0 = (KC / 4) * warp + kt;
+  const int key0 = 8 * warp + kt;
   const float sl2 = p.scale * kLog2e;
 
   // The first chunk's keys before the PDL wait when they are committed rows that were complete
@@ -582,11 +573,11 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
     // every slice's columns (float4 columns 2h, 2h+1, 2h+8, 2h+9 of 16), then the 4 quarters are
     // summed across lanes. Per step 4 Q + 4 K float4 loads feed 64 FMAs; Q loads: 2 wavefronts,
     // K loads: 1 (rows start one bank quad apart: 580 floats = 145 quads).
-    float acc[RI][KW];
+    float acc[RI][4];
 #pragma unroll
     for (int i = 0; i < RI; ++i)
 #pragma unroll
-      for (int j = 0; j < KW; ++j) acc[i][j] = 0.f;
+      for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
     // L2 prefetch of the next chunk's rows (it then lands from L2, not HBM)
     if (ch + 1 < c1) {
       for (int i = tid; i < KC * (DQ / 32); i += sk::NT) {
@@ -600,15 +591,15 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
 #pragma unroll
       for (int st = 0; st < 4; ++st) {
         const int d = sl * SLW + 4 * (2 * h + (st & 1) + 8 * (st >> 1));
-        float4 q[RI], k[KW];
+        float4 q[RI], k[4];
 #pragma unroll
         for (int i = 0; i < RI; ++i) q[i] = lds4(&s.q[rt + 4 * i][d]);
 #pragma unroll
-        for (int j = 0; j < KW; ++j) k[j] = lds4(&s.k[key0 + 2 * j][d]);
+        for (int j = 0; j < 4; ++j) k[j] = lds4(&s.k[key0 + 2 * j][d]);
 #pragma unroll
         for (int i = 0; i < RI; ++i)
 #pragma unroll
-          for (int j = 0; j < KW; ++j) {
+          for (int j = 0; j < 4; ++j) {
             acc[i][j] = fmaf(q[i].x, k[j].x, acc[i][j]);
             acc[i][j] = fmaf(q[i].y, k[j].y, acc[i][j]);
             acc[i][j] = fmaf(q[i].z, k[j].z, acc[i][j]);
@@ -616,39 +607,31 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
           }
       }
     }
-    // sum the 4 column quarters (lanes h = 0..3); lane h < KW then stores key column j = h
+    // sum the 4 column quarters (lanes h = 0..3); lane h then stores key column j = h
 #pragma unroll
     for (int i = 0; i < RI; ++i)
 #pragma unroll
-      for (int j = 0; j < KW; ++j) {
+      for (int j = 0; j < 4; ++j) {
         acc[i][j] += __shfl_xor_sync(0xffffffffu, acc[i][j], 1);
         acc[i][j] += __shfl_xor_sync(0xffffffffu, acc[i][j], 2);
       }
     // raw scores -> P tile (the previous chunk's phase 3 finished reading it: barrier below)
 #pragma unroll
     for (int i = 0; i < RI; ++i) {
-      if constexpr (KW == 4) {
-        const float v = h == 0 ? acc[i][0] : h == 1 ? acc[i][1] : h == 2 ? acc[i][2] : acc[i][3];
-        s.p[rt + 4 * i][key0 + 2 * h] = v;
-      } else {
-        if (h < 2) s.p[rt + 4 * i][key0 + 2 * h] = h == 0 ? acc[i][0] : acc[i][1];
-      }
+      const float v = h == 0 ? acc[i][0] : h == 1 ? acc[i][1] : h == 2 ? acc[i][2] : acc[i][3];
+      s.p[rt + 4 * i][key0 + 2 * h] = v;
     }
     __syncthreads();
     // ---------------- phase 2: mask + online softmax (log2 domain), TPR threads per row
     {
       float v[KPT];
 #pragma unroll
-      for (int e = 0; e < KPT; ++e) v[e] = s.p[pr_c][KPT * pq + e];
+      for (int e = 0; e < KPT; ++e) v[e] = s.p[pr][KPT * pq + e];
       float mo, sum;
-      const float mn = attn_softmax_exp<KPT, TPR>(p, L, N, node2, kbase, KPT * pq, sl2, v, s.m[pr_c], mo, sum);
-      if (prow) {
+      const float mn = attn_softmax_exp<KPT, TPR>(p, L, N, node2, kbase, KPT * pq, sl2, v, s.m[pr], mo, sum);
 #pragma unroll
-        for (int e = 0; e < KPT; ++e) s.p[pr][KPT * pq + e] = v[e];
-      }
-      float m_, l_, a_;  // rows past RG (KC = 16): their lanes commit into scratch
-      attn_softmax_commit<TPR>(sum, mo, mn, pq == 0, prow ? s.m[pr] : m_, prow ? s.l[pr] : l_,
-                               prow ? s.alpha[pr] : a_);
+      for (int e = 0; e < KPT; ++e) s.p[pr][KPT * pq + e] = v[e];
+      attn_softmax_commit<TPR>(sum, mo, mn, pq == 0, s.m[pr], s.l[pr], s.alpha[pr]);
     }
     __syncthreads();
     // ---------------- phase 3: O = alpha * O + P V (columns 4*tid .. 4*tid+3)
@@ -1041,12 +1024,12 @@ int tiled_splits(const VerifyAttentionParams& p, double* est_us) {
   return best_s;
 }
 
-// ---- split-KV kernel: key splits (whole chunks of KC = 32 or 16 keys). Bounded by 128, the chunk
-// count, ~4 waves of blocks and the workspace cap; each bound grows with L (workspace sizing).
-int splitkv_max_splits(const VerifyAttentionParams& p, int RG, int KC = sk::KC) {
+// ---- split-KV kernel: key splits (whole 32-key chunks). Bounded by 128, the chunk count,
+// ~4 waves of blocks and the workspace cap; each bound grows with L (workspace sizing).
+int splitkv_max_splits(const VerifyAttentionParams& p, int RG) {
   const int M = p.T * p.H;
   const int rg = (M + RG - 1) / RG;
-  const int nch = (p.L + p.T + KC - 1) / KC;
+  const int nch = (p.L + p.T + sk::KC - 1) / sk::KC;
   const int cap = std::min(ws_split_cap(M), nch);
   if (p.force_splits > 0) return std::max(1, std::min(p.force_splits, cap));
   const int slots = num_sms() * cost::kSplitKvBlocksPerSm;
@@ -1054,17 +1037,17 @@ int splitkv_max_splits(const VerifyAttentionParams& p, int RG, int KC = sk::KC) 
   return std::max(1, std::min(std::min(cap, wave_cap), cost::kSplitKvMaxSplits));
 }
 
-double splitkv_est_us(const VerifyAttentionParams& p, int s, int RG, int KC = sk::KC) {
+double splitkv_est_us(const VerifyAttentionParams& p, int s, int RG) {
   const int M = p.T * p.H;
   const int rg = (M + RG - 1) / RG;
-  const int nch = (p.L + p.T + KC - 1) / KC;
+  const int nch = (p.L + p.T + sk::KC - 1) / sk::KC;
   const int sms = num_sms();
   const int cps = (nch + s - 1) / s;
   const long long blocks = (long long)rg * s;
   const long long per_sm = (blocks + sms - 1) / sms;  // blocks one SM runs (side by side share it)
   const long long waves = (blocks + (long long)sms * cost::kSplitKvBlocksPerSm - 1) / ((long long)sms * cost::kSplitKvBlocksPerSm);
   const double eff = per_sm >= 2 ? cost::kSplitKvEff2 : cost::kSplitKvEff1;  // SM throughput shared by its blocks
-  const double chunk_us = RG * KC * cost::kFlopPerRowKey / (eff * cost::kSmFp32Flops) * 1e6;
+  const double chunk_us = RG * sk::KC * cost::kFlopPerRowKey / (eff * cost::kSmFp32Flops) * 1e6;
   const double compute = (double)per_sm * cps * chunk_us;
   const double memory = ((double)(p.L + p.T) * DQ * 4.0 + (double)M * (DQ + C_) * 4.0) / cost::kBytesPerUs;
   return (compute > memory ? compute : memory) + (double)waves * cost::kSplitKvWaveUs + combine_us(s, M);
@@ -1089,26 +1072,12 @@ int best_split_count(int nch, int smax, bool forced, Est est) {
   return best_s;
 }
 
-int splitkv_splits(const VerifyAttentionParams& p, int RG, double* est_us, int KC = sk::KC) {
-  const int nch = (p.L + p.T + KC - 1) / KC;
-  const int best_s = best_split_count(nch, splitkv_max_splits(p, RG, KC), p.force_splits > 0,
-                                      [&](int s) { return splitkv_est_us(p, s, RG, KC); });
-  if (est_us) *est_us = splitkv_est_us(p, best_s, RG, KC);
+int splitkv_splits(const VerifyAttentionParams& p, int RG, double* est_us) {
+  const int nch = (p.L + p.T + sk::KC - 1) / sk::KC;
+  const int best_s = best_split_count(nch, splitkv_max_splits(p, RG), p.force_splits > 0,
+                                      [&](int s) { return splitkv_est_us(p, s, RG); });
+  if (est_us) *est_us = splitkv_est_us(p, best_s, RG);
   return best_s;
-}
-
-// Keys per split-KV chunk: 32, or 16 with 4-row blocks (forced, or auto: always). The 4-row blocks
-// are picked where 8-row grids would leave most SMs idle (splitkv_rows); 16-key chunks double the
-// blocks again and halve each one's work, which a block alone on its SM (one warp per scheduler,
-// ncu: ~5 cycles per instruction, 80 % of the cycles with no eligible warp) turns into time.
-// Measured in the mini-kimi step on the H200 (thirteenth session, CudaModel(attention_chunk=16) vs
-// 32, graph replay, max_seq_len 8192): T = 1 / 2 / 4 at context 256 0.505 / 0.593 / 0.790 ->
-// 0.488 / 0.582 / 0.783 ms, 512 0.513 / 0.618 / 0.823 -> 0.491 / 0.616 / 0.824, 2048 0.574 / 0.693
-// / 0.905 -> 0.530 / 0.649 / 0.865; equal at 1024 and 4096 (8- or 16-row blocks there).
-int splitkv_chunk(const VerifyAttentionParams& p, int rows) {
-  if (rows != 4) return sk::KC;
-  if (p.force_splitkv_chunk == 16 || p.force_splitkv_chunk == 32) return p.force_splitkv_chunk;
-  return 16;
 }
 
 // Rows per split-KV block: forced (testing), else 8 when the 16-row grid (row groups x its
@@ -1207,7 +1176,6 @@ struct Choice {
   int kernel;  // 0 = plain, 1 = tiled, 2 = split-KV, 3 = decode (two passes), 4 = tensor cores
   int splits;
   int rows;    // query rows per block (split-KV: 4, 8 or 16; tensor cores: 32)
-  int chunk = 32;  // split-KV: keys per chunk (32, or 16 with 4 rows)
 };
 
 Choice choose(const VerifyAttentionParams& p) {
@@ -1219,12 +1187,10 @@ Choice choose(const VerifyAttentionParams& p) {
   if ((p.force_kernel == 4 || (p.force_kernel == 0 && mma_wins(p))) && verify_mma_ready())
     return {4, mma_splits(p), verify_mma_rows()};
   const int rows = splitkv_rows(p);
-  const int kc = splitkv_chunk(p, rows);
-  if (p.force_kernel >= 2 || !tiled_ok(p)) return {2, splitkv_splits(p, rows, nullptr, kc), rows, kc};
+  if (p.force_kernel >= 2 || !tiled_ok(p)) return {2, splitkv_splits(p, rows, nullptr), rows};
   double ct = 0, cs = 0;
   const int st = tiled_splits(p, &ct);
   const int ss = splitkv_splits(p, rows, &cs);
-  if (kc != sk::KC) return {2, splitkv_splits(p, rows, nullptr, kc), rows, kc};
   return cs < ct ? Choice{2, ss, rows} : Choice{1, st, 16};
 }
 
@@ -1234,8 +1200,7 @@ bool basic_ok(const VerifyAttentionParams& p) {
          p.vis_stride >= (p.T + 63) / 64 && p.C <= kNaiveThreads * kNaiveMaxCols &&
          p.force_kernel >= 0 && p.force_kernel <= 4 &&
          (p.force_splitkv_rows == 0 || p.force_splitkv_rows == 4 || p.force_splitkv_rows == 8 ||
-          p.force_splitkv_rows == 16) &&
-         (p.force_splitkv_chunk == 0 || p.force_splitkv_chunk == 16 || p.force_splitkv_chunk == 32);
+          p.force_splitkv_rows == 16);
 }
 
 // raise a kernel's dynamic shared memory limit once; false on a GPU with less shared memory
@@ -1257,12 +1222,11 @@ bool smem_attr_ok(Kernel k, int bytes, int& state, bool max_carveout) {
 
 bool verify_attention_fast_path(const VerifyAttentionParams& p) { return splitkv_ok(p); }
 
-void verify_attention_choice(const VerifyAttentionParams& p, int* kernel, int* splits, int* rows, int* chunk) {
+void verify_attention_choice(const VerifyAttentionParams& p, int* kernel, int* splits, int* rows) {
   const Choice c = choose(p);
   if (kernel) *kernel = c.kernel;
   if (splits) *splits = c.splits;
   if (rows) *rows = c.rows;
-  if (chunk) *chunk = c.kernel == 2 ? c.chunk : 0;
 }
 
 size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p) {
@@ -1273,9 +1237,7 @@ size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p) {
   const bool tiled = tiled_ok(p) && p.force_kernel != 2;
   const bool splitkv = p.force_kernel != 1 || !tiled_ok(p);
   if (tiled) s = std::max(s, tiled_max_splits(p));
-  if (splitkv)
-    s = std::max({s, splitkv_max_splits(p, 16), splitkv_max_splits(p, 8), splitkv_max_splits(p, 4),
-                  splitkv_max_splits(p, 4, 16)});
+  if (splitkv) s = std::max({s, splitkv_max_splits(p, 16), splitkv_max_splits(p, 8), splitkv_max_splits(p, 4)});
   if (p.force_kernel == 0 || p.force_kernel == 4) s = std::max(s, mma_max_splits(p));
   size_t ws = s > 1 ? (size_t)s * ws_split_bytes(p.T * p.H) : 0;
   if (p.force_kernel == 3) ws = std::max(ws, decode_ws_bytes(p));
@@ -1286,7 +1248,7 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
   if (!basic_ok(p)) return cudaErrorInvalidValue;
   const int M = p.T * p.H;
   const Choice c = choose(p);
-  static int tiled_state = 0, splitkv_state = 0, splitkv8_state = 0, splitkv4_state = 0, splitkv4h_state = 0;
+  static int tiled_state = 0, splitkv_state = 0, splitkv8_state = 0, splitkv4_state = 0;
   // DK = 32-wide d-chunks: measured on the H200 a little faster than 64 (which spills a few
   // registers), so it is the only instantiation of the tiled kernel.
   if (c.kernel == 3) {
@@ -1313,8 +1275,6 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
                       ? smem_attr_ok(mla_verify_splitkv_kernel<16>, (int)sizeof(SkSmemT<16>), splitkv_state, true)
                   : c.kernel == 2 && c.rows == 8
                       ? smem_attr_ok(mla_verify_splitkv_kernel<8>, (int)sizeof(SkSmemT<8>), splitkv8_state, true)
-                  : c.kernel == 2 && c.chunk == 16
-                      ? smem_attr_ok(mla_verify_splitkv_kernel<4, 16>, (int)sizeof(SkSmemT<4, 16>), splitkv4h_state, true)
                   : c.kernel == 2 ? smem_attr_ok(mla_verify_splitkv_kernel<4>, (int)sizeof(SkSmemT<4>), splitkv4_state, true)
                                   : false;
   if (!ok) {  // other shapes, forced, or a GPU with less shared memory per block: the plain kernel
@@ -1329,8 +1289,6 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
     launch_kernel(mla_verify_splitkv_kernel<16>, dim3((M + 15) / 16, c.splits), sk::NT, sizeof(SkSmemT<16>), stream, p);
   } else if (c.rows == 8) {
     launch_kernel(mla_verify_splitkv_kernel<8>, dim3((M + 7) / 8, c.splits), sk::NT, sizeof(SkSmemT<8>), stream, p);
-  } else if (c.chunk == 16) {
-    launch_kernel(mla_verify_splitkv_kernel<4, 16>, dim3((M + 3) / 4, c.splits), sk::NT, sizeof(SkSmemT<4, 16>), stream, p);
   } else {
     launch_kernel(mla_verify_splitkv_kernel<4>, dim3((M + 3) / 4, c.splits), sk::NT, sizeof(SkSmemT<4>), stream, p);
   }

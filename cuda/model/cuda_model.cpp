@@ -102,8 +102,6 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   if (opt.math < 0 || opt.math > 2) throw Error("CudaModel: math must be 0 (default), 1 (pedantic) or 2 (tf32)");
   if (opt.attention_kernel < 0 || opt.attention_kernel > 4)
     throw Error("CudaModel: attention_kernel must be 0 (auto), 1 (tiled), 2 (split-KV), 3 (decode) or 4 (tensor cores)");
-  if (opt.attention_chunk != 0 && opt.attention_chunk != 16 && opt.attention_chunk != 32)
-    throw Error("CudaModel: attention_chunk must be 0 (auto), 16 or 32, got " + std::to_string(opt.attention_chunk));
   if (opt.expert_kernel < 0 || opt.expert_kernel > 3)
     throw Error("CudaModel: expert_kernel must be 0 (auto), 1 (skinny), 2 (tiled) or 3 (mma)");
   if (opt.expert_mma_rows != 0 && opt.expert_mma_rows != 8 && opt.expert_mma_rows != 16 && opt.expert_mma_rows != 32 &&
@@ -763,7 +761,6 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
   vp.force_naive = opt_.attention_naive ? 1 : 0;
   vp.force_kernel = opt_.attention_kernel;
   vp.force_splitkv_rows = opt_.attention_rows;
-  vp.force_splitkv_chunk = opt_.attention_chunk;
   vp.committed_ready = 1;  // the step's first kernel is ordered and no kernel of it writes rows < L
   if ((int64_t)cuda::verify_attention_workspace_bytes(vp) > attn_ws_bytes_)
     throw RuntimeFailure("CudaModel: internal error, verify_attention needs more workspace than was sized");

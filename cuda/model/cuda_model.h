@@ -40,8 +40,6 @@ struct CudaModelOptions {
   int attention_kernel = 0;      // verify_attention's force_kernel: 0 auto, 1 tiled, 2 split-KV, 3 decode, 4 tensor cores
                                  // (benchmarks / testing; a kernel that cannot take a shape passes it on)
   int attention_rows = 0;        // verify_attention's force_splitkv_rows: 0 auto, 4, 8 or 16 (benchmarks)
-  int attention_chunk = 0;       // verify_attention's force_splitkv_chunk: 0 auto, 16 or 32 keys per split-KV
-                                 // chunk (16 only where 4-row blocks run; benchmarks)
   int expert_kernel = 0;         // kExpertAuto, kExpertSkinny (GEMV-style, tiles of 8 slots), kExpertTiled (SGEMM
                                  // tiles of 64 slots), kExpertMma (tensor cores, 3xTF32; where the shapes do not
                                  // allow it, expert_mma_supported: the GEMV-style kernel)

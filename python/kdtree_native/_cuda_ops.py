@@ -165,7 +165,7 @@ def accept_compact(tree, target_choice, cache, cache_len, round_outputs=False):
 
 
 def verify_attention(q_latent, q_rope, kv_latent, k_rope, visibility, scale, force_naive=False,
-                     force_splits=0, force_kernel=0, l_bound=None, force_rows=0, force_chunk=0):
+                     force_splits=0, force_kernel=0, l_bound=None, force_rows=0):
     """MLA tree-verify attention (FP32) on the GPU, the signature of reference.verify_attention.
 
     q_latent [T,H,C], q_rope [T,H,R], kv_latent [L+T,C], k_rope [L+T,R], visibility bool [T,T]
@@ -173,8 +173,7 @@ def verify_attention(q_latent, q_rope, kv_latent, k_rope, visibility, scale, for
     Testing knobs: force_naive (the plain kernel), force_splits (> 0: key splits), force_kernel
     (0 = auto, 1 = tiled, 2 = split-KV, 3 = decode, 4 = tensor cores), l_bound (int >= L: L reaches the kernels through a
     device int and l_bound is the host's upper bound, as under CUDA-graph capture), force_rows (4, 8 or
-    16 query rows per split-KV block; 0 = the cost model's pick), force_chunk (16 or 32 keys per
-    split-KV chunk; 16 only with 4-row blocks; 0 = the rule's pick).
+    16 query rows per split-KV block; 0 = the cost model's pick).
     """
     _require()
     ql = np.ascontiguousarray(q_latent, dtype=np.float32)
@@ -186,18 +185,14 @@ def verify_attention(q_latent, q_rope, kv_latent, k_rope, visibility, scale, for
         vis = pack_visibility(vis)
     return _native.cuda_verify_attention(ql, qr, kv, np.ascontiguousarray(vis), float(scale),
                                          bool(force_naive), int(force_splits), int(force_kernel),
-                                         None if l_bound is None else int(l_bound), int(force_rows),
-                                         int(force_chunk))
+                                         None if l_bound is None else int(l_bound), int(force_rows))
 
 
-def verify_attention_choice(T, H, L, force_kernel=0, force_splits=0, force_rows=0, rows=False, force_chunk=0,
-                            chunk=False):
+def verify_attention_choice(T, H, L, force_kernel=0, force_splits=0, force_rows=0, rows=False):
     """verify_attention's pick for C=512, R=64 aligned buffers: (kernel, splits), with rows=True
-    also the query rows per block (split-KV: 4, 8 or 16; tensor cores: 32), with chunk=True also
-    the split-KV keys per chunk (16 or 32; 0 for the other kernels); kernel 0 = plain, 1 = tiled,
-    2 = split-KV, 3 = decode (two passes), 4 = tensor cores (3xTF32)."""
+    also the query rows per block (split-KV: 4, 8 or 16; tensor cores: 32); kernel 0 = plain,
+    1 = tiled, 2 = split-KV, 3 = decode (two passes), 4 = tensor cores (3xTF32)."""
     _require()
     r = tuple(_native.cuda_verify_attention_choice(int(T), int(H), int(L), force_kernel=int(force_kernel),
-                                                   force_splits=int(force_splits), force_rows=int(force_rows),
-                                                   force_chunk=int(force_chunk)))
-    return r[:2] + (r[2:3] if rows else ()) + (r[3:4] if chunk else ())
+                                                   force_splits=int(force_splits), force_rows=int(force_rows)))
+    return r if rows else r[:2]

@@ -404,33 +404,6 @@ def test_verify_attention_splitkv_4_8_and_16_rows(L, T, H, mask):
     assert np.array_equal(auto, forced)
 
 
-@pytest.mark.parametrize("L,T,H,mask", SPLITKV_SIZES[1::2])
-def test_verify_attention_splitkv_16_key_chunks(L, T, H, mask):
-    """The split-KV kernel with 16-key chunks (4-row blocks; force_chunk=16) within the bound of the
-    float64 reference, with key splits and L through a device int; forced with 8 or 16 rows it
-    stays at 32 keys; the auto pick equals the same choice forced, bit for bit."""
-    ql, qr, kvl, kr, vis, scale = attn_case_t(L * 311 + T * 7 + H, L, H, T, mask)
-    ref = ref64(ql, qr, kvl, kr, vis, scale)
-    nch16 = (L + T + 15) // 16
-    for splits in (0, 1, 3, 128):
-        k, s, rows, chunk = cu.verify_attention_choice(T, H, L, force_kernel=2, force_splits=splits, force_rows=4,
-                                                       rows=True, force_chunk=16, chunk=True)
-        assert (k, rows, chunk) == (2, 4, 16) and 1 <= s <= max(1, min(128, nch16)), (k, s, rows, chunk)
-        for l_bound in (None, L + 100):
-            out = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=2, force_splits=splits,
-                                      l_bound=l_bound, force_rows=4, force_chunk=16)
-            check_attn(out, ref, (L, T, H, mask, splits, l_bound))
-    for rows in (8, 16):
-        assert cu.verify_attention_choice(T, H, L, force_kernel=2, force_rows=rows, force_chunk=16,
-                                          chunk=True)[2] == 32
-    k, s, rows, chunk = cu.verify_attention_choice(T, H, L, rows=True, chunk=True)
-    if k == 2:
-        auto = cu.verify_attention(ql, qr, kvl, kr, vis, scale)
-        forced = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=2, force_splits=s, force_rows=rows,
-                                     force_chunk=chunk)
-        assert np.array_equal(auto, forced)
-
-
 @pytest.mark.parametrize("kernel", [1, 2, 3, 4, "naive"])
 @pytest.mark.parametrize("L,T", [(0, 5), (0, 70), (40, 9)])
 def test_verify_attention_rows_that_see_nothing_get_zero(kernel, L, T):
@@ -503,9 +476,8 @@ def test_verify_attention_workspace_covers_choice_and_grows_with_L():
                     for L in Ls:
                         ws = N.cuda_verify_attention_workspace_bytes(T, H, 512, 64, L, 576, force_kernel=fk,
                                                                     force_splits=fs)
-                        kernel, s, chunk = cu.verify_attention_choice(T, H, L, force_kernel=fk, force_splits=fs,
-                                                                      chunk=True)
-                        what = (T, H, L, fk, fs, kernel, s, ws, chunk)
+                        kernel, s = cu.verify_attention_choice(T, H, L, force_kernel=fk, force_splits=fs)
+                        what = (T, H, L, fk, fs, kernel, s, ws)
                         assert kernel in (1, 2, 3, 4), what
                         N_ = L + T
                         mma_rule = (M >= 2048 or (M >= 1024 and N_ >= 64) or (M >= 256 and N_ >= 512)
@@ -522,10 +494,8 @@ def test_verify_attention_workspace_covers_choice_and_grows_with_L():
                         else:
                             assert kernel in (1, 2), what
                         assert 1 <= s <= 128, what
-                        if kernel == 4:
+                        if kernel in (2, 4):
                             assert s <= max(1, (L + T + 31) // 32), what
-                        if kernel == 2:
-                            assert chunk in (16, 32) and s <= max(1, (L + T + chunk - 1) // chunk), what
                         assert ws <= WS_CAP, what
                         assert ws >= (s * M * WS_ROW if s > 1 else 0), what
                         assert ws >= prev, what  # sized at the longest L, it covers every shorter one
