@@ -58,6 +58,26 @@ __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 }
 
+// One k-step (8 k) of a warp's products against every token group j (8 tokens): the x fragments
+// split into TF32 hi + lo, then lo(w)*hi(x) (LO: only when the weights have a low part), hi*lo and
+// hi*hi, in that order, to s1 / s2 / big (SPLIT: three independent chains) or all to big. xs: the
+// chunk's token rows [8 TM][PAD]; g = lane / 4, q = lane % 4: the mma fragment coordinates.
+template <int TM, int PAD, bool LO, bool SPLIT>
+__device__ __forceinline__ void mma_kstep(float (&big)[TM][4], float (&s1)[TM][4], float (&s2)[TM][4],
+                                          const uint32_t (&ah)[4], const uint32_t (&al)[4], const float* xs, int g,
+                                          int q, int kk) {
+#pragma unroll
+  for (int j = 0; j < TM; ++j) {
+    const float* xb = xs + (8 * j + g) * PAD + q + kk;
+    uint32_t bh[2], bl[2];
+    split_tf32(xb[0], bh[0], bl[0]);
+    split_tf32(xb[4], bh[1], bl[1]);
+    if constexpr (LO) mma_tf32(SPLIT ? s1[j] : big[j], al, bh);
+    mma_tf32(SPLIT ? s2[j] : big[j], ah, bl);
+    mma_tf32(big[j], ah, bh);
+  }
+}
+
 // One k-chunk of a warp's products, 3xTF32: token group j (8 tokens) x the warp's 16 weight rows.
 // ws / xs: the chunk's weight rows [kTileBN][PAD] and token rows [8 TM][PAD] (BK floats of k each);
 // warp, g = lane / 4, q = lane % 4: the mma fragment coordinates. Each accumulator holds m16n8
@@ -76,16 +96,7 @@ __device__ __forceinline__ void mma_chunk_3xtf32(float (&big)[TM][4], float (&s1
     split_tf32(wa[8 * PAD + kk], ah[1], al[1]);
     split_tf32(wa[kk + 4], ah[2], al[2]);
     split_tf32(wa[8 * PAD + kk + 4], ah[3], al[3]);
-#pragma unroll
-    for (int j = 0; j < TM; ++j) {
-      const float* xb = xs + (8 * j + g) * PAD + q + kk;
-      uint32_t bh[2], bl[2];
-      split_tf32(xb[0], bh[0], bl[0]);
-      split_tf32(xb[4], bh[1], bl[1]);
-      mma_tf32(SPLIT ? s1[j] : big[j], al, bh);
-      mma_tf32(SPLIT ? s2[j] : big[j], ah, bl);
-      mma_tf32(big[j], ah, bh);
-    }
+    mma_kstep<TM, PAD, true, SPLIT>(big, s1, s2, ah, al, xs, g, q, kk);
   }
 }
 
@@ -106,15 +117,7 @@ __device__ __forceinline__ void mma_chunk_bf16w(float (&big)[TM][4], float (&s2)
     ah[1] = (uint32_t)wa[8 * PADB + kk] << 16;
     ah[2] = (uint32_t)wa[kk + 4] << 16;
     ah[3] = (uint32_t)wa[8 * PADB + kk + 4] << 16;
-#pragma unroll
-    for (int j = 0; j < TM; ++j) {
-      const float* xb = xs + (8 * j + g) * PAD + q + kk;
-      uint32_t bh[2], bl[2];
-      split_tf32(xb[0], bh[0], bl[0]);
-      split_tf32(xb[4], bh[1], bl[1]);
-      mma_tf32(s2[j], ah, bl);
-      mma_tf32(big[j], ah, bh);
-    }
+    mma_kstep<TM, PAD, false, true>(big, s2, s2, ah, ah, xs, g, q, kk);
   }
 }
 
