@@ -242,9 +242,8 @@ def main():
     t0 = time.time()
     weights = load_weights(args.ckpt, cfg)
     if args.bf16_weights:  # nearest BF16, ties to even: what a BF16 checkpoint of this model holds
-        for k, v in weights.items():
-            u = np.ascontiguousarray(v, np.float32).view(np.uint32).astype(np.uint64)
-            weights[k] = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32).view(np.float32)
+        from hf_models import to_bf16
+        weights = {k: to_bf16(v) for k, v in weights.items()}
     out["bf16_weights"] = bool(args.bf16_weights)
     model = upload(_native.CudaModel(cfg.to_native(), max_ctx + 512), weights)
     del weights

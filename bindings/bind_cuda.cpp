@@ -25,6 +25,7 @@ namespace py = pybind11;
 #include <vector>
 
 #include "common.h"
+#include "model/bf16.h"
 #include "kernels.h"
 #include "engine/choose_kernels.h"
 #include "model/model_kernels.h"
@@ -769,12 +770,10 @@ py::array_t<int32_t> choose_tokens_np(const py::object& logits_o, const py::obje
 // The exact BF16 copy of a float32 array (its high halves) for the kernels' w_bf16 paths; throws
 // unless every value is exactly a BF16.
 DevBuf bf16_copy(const float* w, size_t n, const char* what) {
+  if (!kdtree::bf16_exact(w, (int64_t)n))
+    throw kdtree::Error(std::string(what) + ": bf16_weights needs every weight exactly a BF16");
   std::vector<uint16_t> h(n);
-  const uint32_t* u = reinterpret_cast<const uint32_t*>(w);
-  for (size_t i = 0; i < n; ++i) {
-    if (u[i] & 0xffffu) throw kdtree::Error(std::string(what) + ": bf16_weights needs every weight exactly a BF16");
-    h[i] = (uint16_t)(u[i] >> 16);
-  }
+  kdtree::bf16_high_halves(w, (int64_t)n, h.data());
   DevBuf d(sizeof(uint16_t) * (n + 8));
   d.upload(h.data(), sizeof(uint16_t) * n);
   return d;

@@ -19,6 +19,7 @@
 #include <limits>
 
 #include "common.h"
+#include "model/bf16.h"
 #include "model/ops.h"
 #include "model/parallel.h"
 #include "model/sgemm.h"
@@ -510,21 +511,13 @@ void CpuModel::read_cache(int64_t layer, int64_t begin, int64_t n, float* out) c
 void CpuModel::build_bf16_weights() {
   bf16_.clear();
   auto add = [&](const std::vector<float>& w) {
-    if (w.empty()) return;
-    for (float f : w) {
-      uint32_t u;
-      std::memcpy(&u, &f, sizeof u);
-      if (u & 0xffffu) return;  // not exactly a BF16 value: this tensor stays FP32 only
-    }
+    const int64_t n = (int64_t)w.size();
+    if (n == 0 || !bf16_exact(w.data(), n)) return;  // not exactly BF16: this tensor stays FP32 only
     Bf16Copy c;
     c.begin = w.data();
-    c.end = w.data() + w.size();
+    c.end = w.data() + n;
     c.bits.resize(w.size());
-    for (size_t i = 0; i < w.size(); ++i) {
-      uint32_t u;
-      std::memcpy(&u, &w[i], sizeof u);
-      c.bits[i] = (uint16_t)(u >> 16);
-    }
+    bf16_high_halves(w.data(), n, c.bits.data());
     bf16_.push_back(std::move(c));
   };
   for (const Layer& ly : layers_)

@@ -25,6 +25,7 @@
 
 #include "common.h"
 #include "device_util.h"
+#include "model/bf16.h"
 #include "kernels.h"
 #include "model/cublas_api.h"
 #include "engine/round_kernels.h"
@@ -446,12 +447,8 @@ void CudaModel::set_weight(const std::string& name, const float* data, const std
   for (int64_t d : shape) n *= d;
   if (n > 0 && data == nullptr) throw Error("set_weight: null data for '" + name + "'");
   DeviceGuard guard(opt_.device);
-  {  // exactly BF16 (low halves all zero: a BF16 checkpoint widened to float32)? The copies come at finalize.
-    uint32_t low = 0;
-    const uint32_t* u = reinterpret_cast<const uint32_t*>(data);
-    for (int64_t i = 0; i < n; ++i) low |= u[i] & 0xffffu;
-    s.bf16_exact = low == 0;
-  }
+  // exactly BF16 (a BF16 checkpoint widened to float32)? Its copy comes at finalize (with the option on).
+  s.bf16_exact = opt_.bf16_weight_copies && kdtree::bf16_exact(data, n);
   if (s.kind == kCopy) {
     check_cuda(cudaMemcpy(s.dst, data, (size_t)n * sizeof(float), cudaMemcpyHostToDevice), "set_weight upload");
   } else {
@@ -596,17 +593,16 @@ void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64
   const bool big = N * Kd * (int64_t)sizeof(float) > kSkinnyBigBytes;
   cuda::LinearParams lp{in, ldi, 0, w, 0, out, ldo, 0, (int)T, (int)N, (int)Kd, 1, beta, norm_w, norm_eps};
   lp.tile_math = opt_.tile_tensor_cores ? 0 : 1;
+  lp.w_bf16 = bf16_of(w, N * Kd);  // read by linear_skinny / linear_tile, not by cuBLAS
   const bool tile = T <= tile_max_t_ && cuda::linear_tile_supported(lp);  // (false with norm_w)
   const bool skinny = T <= skinny_max_t_ && (norm_w || !big || T <= skinny_big_max_t_);
   if (skinny && !(tile && tile_first(T))) {
     lp.norm_out = norm_out;
     lp.ldn = Kd;
-    lp.w_bf16 = bf16_of(w, N * Kd);
     check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny");
     return;
   }
   if (tile) {  // (also big weights past skinny_big_max_tokens)
-    lp.w_bf16 = bf16_of(w, N * Kd);
     check_cuda(cuda::linear_tile(lp, as_stream(stream_)), "linear_tile");
     return;
   }
@@ -621,14 +617,13 @@ void CudaModel::gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in,
                               const float* w, float* out, int64_t ldo, int64_t out_head, int64_t heads) {
   cuda::LinearParams lp{in, ldi, in_head, w, N * Kd, out, ldo, out_head, (int)T, (int)N, (int)Kd, (int)heads, 0.f};
   lp.tile_math = opt_.tile_tensor_cores ? 0 : 1;
+  lp.w_bf16 = bf16_of(w, heads * N * Kd);  // read by linear_skinny / linear_tile, not by cuBLAS
   const bool tile = T <= tile_max_t_ && cuda::linear_tile_supported(lp);
   if (T <= skinny_max_t_ && !(tile && tile_first(T))) {
-    lp.w_bf16 = bf16_of(w, heads * N * Kd);
     check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny(heads)");
     return;
   }
   if (tile) {
-    lp.w_bf16 = bf16_of(w, heads * N * Kd);
     check_cuda(cuda::linear_tile(lp, as_stream(stream_)), "linear_tile(heads)");
     return;
   }

@@ -61,9 +61,10 @@ struct CudaModelOptions {
                                  // branches): mla_prep beside the W_UK product, the shared expert's
                                  // down projection beside the routed experts (<= 4 tokens); same results
   bool bf16_weight_copies = true;  // weights whose every value is exactly a BF16 (a BF16 checkpoint) also get a
-                                   // BF16 copy on the device, made at finalize(), which the few-token kernels
-                                   // (linear_skinny, the expert GEMV) read instead: the same results from half
-                                   // the bytes, for +50 % weight memory (docs/CUDA_MODEL.md)
+                                   // BF16 copy on the device, made at finalize(), which the kernels of steps up
+                                   // to 48 tokens (linear_skinny, linear_tile, both expert kernels) read instead:
+                                   // the same results from half the bytes, for +50 % weight memory
+                                   // (docs/CUDA_MODEL.md)
   bool graphs = true;            // forward_device replays a CUDA graph per (T, context bucket, buffers) from
                                  // the second call with the same shape on (docs/CUDA_MODEL.md)
   static constexpr int kMathDefault = 0, kMathPedantic = 1, kMathTf32 = 2;

@@ -34,17 +34,7 @@ constexpr int kThreads = 128;
 constexpr int kBK = 64;     // k floats per chunk (256-byte row segments)
 constexpr int kStages = 3;  // chunks in flight
 
-constexpr int kPadB = kBK + 8;  // BF16 weight rows in shared memory: 144 bytes (16-byte rows, conflict-free)
-
-// Shared memory: ST stages of the weight rows (FP32 [kTileBN][BK + 4], or BF16 [kTileBN][kPadB]) and the
-// slot rows (FP32 [BM][BK + 4]), reused afterwards for the BM x kTileBN output tile.
-template <int BM, bool BF>
-constexpr size_t expert_smem_bytes() {
-  if constexpr (!BF) return tile_smem_bytes<BM, kBK, kStages>();
-  constexpr size_t stages = (size_t)kStages * (kTileBN * kPadB * sizeof(uint16_t) + (size_t)BM * (kBK + 4) * sizeof(float));
-  constexpr size_t out = (size_t)BM * kTileBN * sizeof(float);
-  return stages > out ? stages : out;
-}
+constexpr int kPadB = kTilePadB<kBK>;  // BF16 weight rows in shared memory (tile_mma.h)
 
 // grid (max_tiles, column blocks of 64 weight rows: 64 outputs, or 32 with SwiGLU), 128 threads.
 // The three 3xTF32 partial products go to three accumulators: independent mma chains (a third of
@@ -188,7 +178,7 @@ __global__ void __launch_bounds__(kThreads) expert_mma_kernel(ExpertGemmParams p
 
 template <int BM, bool SWI, bool BF>
 cudaError_t launch_mma_as(const ExpertGemmParams& p, cudaStream_t stream) {
-  constexpr size_t smem = expert_smem_bytes<BM, BF>();
+  constexpr size_t smem = tile_smem_bytes<BM, kBK, kStages, BF>();
   auto kern = expert_mma_kernel<BM, SWI, BF>;
   static const cudaError_t attr_err =
       cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);

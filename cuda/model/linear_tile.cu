@@ -50,17 +50,7 @@ constexpr int kMaxSplits = kLinearTileMaxSplits;  // a portable cluster size
 // k-chunks per split. TC: the products on the tensor cores (3xTF32, mma.sync m16n8k8: warp w owns
 // weight rows [16 w, 16 w + 16) of the tile as the A operand, the BM / 8 token groups of 8 are B
 // operands), else on the CUDA cores (thread = BM / 8 tokens x 4 rows).
-constexpr int kPadB = kBK + 8;     // BF: BF16 weight rows in shared memory (144 bytes, conflict-free reads)
-
-// shared memory: kStages of the weight rows (FP32 [kBN][kPad] or BF16 [kBN][kPadB]) and the token
-// rows ([BM][kPad]), reused for the output tile
-template <int BM, bool BF>
-constexpr size_t tile_bytes() {
-  if constexpr (!BF) return tile_smem_bytes<BM, kBK, kStages>();
-  constexpr size_t stages = (size_t)kStages * (kBN * kPadB * sizeof(uint16_t) + (size_t)BM * kPad * sizeof(float));
-  constexpr size_t out = (size_t)BM * kBN * sizeof(float);
-  return stages > out ? stages : out;
-}
+constexpr int kPadB = kTilePadB<kBK>;  // BF: BF16 weight rows in shared memory (tile_mma.h)
 
 // BF (with TC): the weights from the exact BF16 copy p.w_bf16 (Kd, w_batch multiples of 8): half the
 // bytes copied, no split of the weights, two mma per product (tile_mma.h, mma_chunk_bf16w): the same sums.
@@ -222,7 +212,7 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
 
 template <int BM, bool TC, bool BF>
 cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
-  constexpr size_t smem = tile_bytes<BM, BF>();
+  constexpr size_t smem = tile_smem_bytes<BM, kBK, kStages, BF>();
   static const cudaError_t attr_err =
       cudaFuncSetAttribute(linear_tile_kernel<BM, TC, BF>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (attr_err != cudaSuccess) return attr_err;

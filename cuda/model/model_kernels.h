@@ -203,7 +203,8 @@ struct ExpertGemmParams {
   int max_tiles;           // grid bound (moe_max_tiles)
   float* y;                // [A, ldy]
   int ldy;
-  const uint16_t* w_bf16 = nullptr;  // the GEMV-style kernel: w as exact BF16 (as LinearParams::w_bf16)
+  const uint16_t* w_bf16 = nullptr;  // w as exact BF16 (as LinearParams::w_bf16), read by the GEMV-style kernel
+                                     // (8-byte aligned) and the tensor-core one (Kd % 8 == 0, 16-byte aligned)
 };
 // Two kernels: a GEMV-style one for tiles of <= kExpertSkinnyRows slots (weights streamed once
 // per tile; decode and small verify steps) and a shared-memory tiled SGEMM for tiles of

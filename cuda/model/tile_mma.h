@@ -16,11 +16,18 @@ namespace cuda {
 
 constexpr int kTileBN = 64;  // weight rows (outputs) per tile
 
-// Dynamic shared memory of a tile kernel: ST stages of kTileBN weight rows + BM token rows of BK
-// floats (rows padded to BK + 4), reused afterwards for the BM x kTileBN output tile.
-template <int BM, int BK, int ST>
+// BF16 weight rows in shared memory (the exact BF16 copies): BK + 8 uint16, 16-byte rows whose
+// fragment reads are conflict-free (mma_chunk_bf16w)
+template <int BK>
+constexpr int kTilePadB = BK + 8;
+
+// Dynamic shared memory of a tile kernel: ST stages of kTileBN weight rows (BK floats padded to
+// BK + 4, or with BF the BF16 rows of kTilePadB) + BM token rows of BK floats (padded to BK + 4),
+// reused afterwards for the BM x kTileBN output tile.
+template <int BM, int BK, int ST, bool BF = false>
 constexpr size_t tile_smem_bytes() {
-  constexpr size_t stages = (size_t)ST * (kTileBN + BM) * (BK + 4) * sizeof(float);
+  constexpr size_t wrow = BF ? kTilePadB<BK> * sizeof(uint16_t) : (BK + 4) * sizeof(float);
+  constexpr size_t stages = (size_t)ST * (kTileBN * wrow + (size_t)BM * (BK + 4) * sizeof(float));
   constexpr size_t out = (size_t)BM * kTileBN * sizeof(float);
   return stages > out ? stages : out;
 }

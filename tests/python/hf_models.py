@@ -143,6 +143,18 @@ def _init_tensor(rng, name, shape, cfg):
     return rng.standard_normal(shape) / math.sqrt(fan_in)
 
 
+def to_bf16_bits(x):
+    """float -> bfloat16 bits (round to nearest even), as uint16."""
+    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
+
+
+def to_bf16(x):
+    """float32 array rounded to the nearest BF16 (ties to even), as float32: every value exactly a
+    BF16 (what a BF16 checkpoint of the same tensor holds, widened by the loader)."""
+    return (to_bf16_bits(x).astype(np.uint32) << 16).view(np.float32).reshape(np.shape(x))
+
+
 def random_weights(cfg, seed=0) -> dict:
     """{HF name: float64 array} for every tensor the forward reads (kdtree_native.checkpoint
     names), random at a sensible scale. For tests that run without torch."""

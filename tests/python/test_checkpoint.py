@@ -7,7 +7,7 @@ import struct
 import numpy as np
 import pytest
 
-from hf_models import cached_checkpoint, config_dict, random_weights, require_hf
+from hf_models import cached_checkpoint, config_dict, random_weights, require_hf, to_bf16_bits
 from kdtree_native import checkpoint as ckpt
 from kdtree_native.checkpoint import expected_weight_shapes, load_weights
 from kdtree_native.config import config_from_dict
@@ -35,12 +35,6 @@ def write_safetensors(path, tensors, metadata=None):
     with open(path, "wb") as f:
         f.write(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
     return path
-
-
-def to_bf16_bits(x):
-    """float -> bfloat16 bits (round to nearest even), as uint16."""
-    u = np.asarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    return ((u + 0x7FFF + ((u >> 16) & 1)) >> 16).astype(np.uint16)
 
 
 @pytest.fixture(scope="module")

@@ -23,17 +23,10 @@ if not kn.cuda_available():
 from kdtree_native import _native as N  # noqa: E402
 from kdtree_native.config import config_from_dict  # noqa: E402
 
-from hf_models import config_dict, random_weights  # noqa: E402
+from hf_models import config_dict, random_weights, to_bf16  # noqa: E402
 from test_cuda_model import load, prefill, prompt, spec  # noqa: E402
 
 pytestmark = pytest.mark.cuda
-
-
-def to_bf16(a):
-    """float32 array rounded to the nearest BF16 (ties to even), as float32: exactly BF16."""
-    u = np.ascontiguousarray(a, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    r = ((u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000).astype(np.uint32)
-    return r.view(np.float32)
 
 
 def test_to_bf16_is_exact_and_close():

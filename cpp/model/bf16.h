@@ -1,0 +1,30 @@
+// bf16.h: exact BF16 copies of float32 weights (host side), shared by the CPU model's copies
+// (cpu_model.cpp), the GPU model's exactness test (cuda/model/cuda_model.cpp) and the kernel test
+// bindings. A float32 is exactly a BF16 value when its low 16 bits are zero; its BF16 is then the
+// high 16 bits, and widening them back gives the same float.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+namespace kdtree {
+
+// whether every one of the n values is exactly a BF16 (stops at the first that is not)
+inline bool bf16_exact(const float* w, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, w + i, sizeof u);
+    if (u & 0xffffu) return false;
+  }
+  return true;
+}
+
+// out[i] = the high 16 bits of w[i] (the BF16 value of an exact w[i])
+inline void bf16_high_halves(const float* w, int64_t n, uint16_t* out) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t u;
+    std::memcpy(&u, w + i, sizeof u);
+    out[i] = (uint16_t)(u >> 16);
+  }
+}
+
+}  // namespace kdtree
