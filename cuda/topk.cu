@@ -1,24 +1,29 @@
 // topk.cu: top-k + log-softmax of drafter logits [D, V] on the device (V up to 512K, k <= 1024).
 //
-// Three launches.
+// Three launches (fourteenth session: ~32 chunks of <= 6144 logits per row instead of 8 of ~20K,
+// loads issued eight at a time, a two-pass bound in the filter, a register bitonic sort in the
+// select; docs/CUDA.md "Top-k + log-softmax").
 //  topk_stats (grid chunks x D): a block loads a chunk of a row into shared memory as
 //    order-preserving uint32 keys, writes the chunk's max and sum exp(x - max) (float64, so the
 //    log-sum-exp rounds to the same float32 as the NumPy reference's float64 sum), and the max
 //    key of each of the row's NG groups of gs consecutive logits (NG >= 8k, a power of 2); the
 //    row's first block also zeroes the row's candidate count.
-//  topk_filter (grid chunks x D): every block finds the k-th largest group max g of its row (a
-//    radix select over the NG group maxima, redundant per block but parallel): g is a lower
-//    bound of the row's k-th largest logit (k groups reach g), so the top k are among the logits
-//    >= g, typically ~1.5k. The block appends its chunk's logits >= g (key, id) to the row's
+//  topk_filter (grid chunks x D): every block finds a lower bound g of the k-th largest group
+//    max of its row (the first 22 bits of it from two radix passes over the NG group maxima,
+//    redundant per block but parallel): the k-th largest group max is a lower bound of the row's
+//    k-th largest logit (k groups reach it), so the top k are among the logits >= g, typically
+//    a few hundred to ~1.5k. The block appends its chunk's logits >= g (key, id) to the row's
 //    candidate list in the workspace (warp-aggregated atomics; the order does not matter, the
 //    select below orders by (key, id)). Before this pass existed the select kernel scanned the
 //    whole row from one block per row (~20 us of its time at V = 163840).
-//  topk_select (one block per row): the candidates (<= kCap) into shared memory, a radix select
-//    (11/11/10 bits, warp-aggregated shared atomics) finds the k-th key among them, ties at it
-//    are resolved by a second radix select on the ids (lower id first), the k winners are sorted
-//    (bitonic on 64-bit (key, ~id)) and written as logprob = logit - float32(max + log(sum)). If
-//    more than kCap logits passed the filter (long runs of equal or sorted logits), the same
-//    select runs over the whole row in global memory.
+//  topk_select (one block per row): the candidates (<= kCap), as 64-bit (key, ~id), eight per
+//    thread in registers, padded to a power of two P, are sorted descending by a bitonic network
+//    (strides inside a thread in registers, inside a warp by shuffles, across warps through
+//    shared memory; only the P / 8 threads it needs take part) and the first k written as
+//    logprob = logit - float32(max + log(sum)): the k largest logits, ties by lower id. If more
+//    than kCap logits passed the filter (long runs of equal or sorted logits), a radix select
+//    (11/11/10 bits, then on the ids for ties) runs over the whole row in global memory and its
+//    k winners are sorted the same way.
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -31,11 +36,13 @@ namespace kdtree {
 namespace cuda {
 namespace {
 
-constexpr int kStatsThreads = 512;
-constexpr int kSelectThreads = 512;
-constexpr int kMaxChunks = 8;
-constexpr int kCap = 8192;          // candidate store of the select kernel
+constexpr int kStatsThreads = 256;   // topk_stats and topk_filter
+constexpr int kSelectThreads = 1024;
+constexpr int kSortE = 8;            // sort elements per thread
+constexpr int kCap = kSelectThreads * kSortE;  // candidates the select sorts (8192)
 constexpr int kMaxGroups = 16384;
+constexpr int kChunkMax = 6144;      // logits per topk_stats / topk_filter block (at most)
+constexpr int kLoadBatch = 8;        // global loads issued together per thread
 
 __device__ __forceinline__ uint32_t float_key(float x) {
   if (x == 0.0f) x = 0.0f;  // -0 and +0 tie (as in the reference's stable argsort)
@@ -83,9 +90,9 @@ inline Plan make_plan(int V, int k) {
   p.NG = ng;
   p.gs = (V + ng - 1) / ng;
   if (p.gs < 1) p.gs = 1;
-  p.nchunk = kMaxChunks;
-  while ((p.NG / p.nchunk) * p.gs > 40960 && p.nchunk < p.NG) p.nchunk <<= 1;
-  p.gpc = p.NG / p.nchunk;
+  p.gpc = p.NG;  // groups per chunk: a power of 2, the largest whose chunk fits kChunkMax
+  while (p.gpc > 1 && (long long)p.gpc * p.gs > kChunkMax) p.gpc >>= 1;
+  p.nchunk = p.NG / p.gpc;
   p.chunk = p.gpc * p.gs;
   return p;
 }
@@ -168,14 +175,16 @@ __device__ void scan2048(int* h, int* tmp) {
 
 // Radix select: among items i < n with keyfn(i, &key) true, the `need`-th largest key
 // (1-based). Returns it; *need_eq = how many items equal to it belong to the top `need`.
-// Shared: hist[2048], tmp[32], misc[4]. All threads call it; n uniform.
-template <int NT, class KeyFn>
+// NPASS = 2 stops after the first 22 bits: the result (low 10 bits zero) is then a lower bound
+// of that key and *need_eq means nothing. Shared: hist[2048], tmp[32], misc[4]. All threads
+// call it; n uniform.
+template <int NT, int NPASS = 3, class KeyFn>
 __device__ uint32_t radix_select(int n, int need, KeyFn keyfn, int* hist, int* tmp, int* misc,
                                  int* need_eq) {
   uint32_t prefix = 0, mask = 0;
   const int lane = threadIdx.x & 31;
 #pragma unroll 1
-  for (int pass = 0; pass < 3; ++pass) {
+  for (int pass = 0; pass < NPASS; ++pass) {
     const int sh = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
     const int nb = pass == 2 ? 1024 : 2048;
     for (int i = threadIdx.x; i < 2048; i += NT) hist[i] = 0;
@@ -227,10 +236,22 @@ __global__ void __launch_bounds__(kStatsThreads) topk_stats_kernel(TopkParams p,
   if (n < 0) n = 0;
   const float* x = p.logits + (size_t)row * p.ld + c0;
   uint32_t mk = 0;
-  for (int i = threadIdx.x; i < n; i += kStatsThreads) {
-    const uint32_t k = float_key(x[i]);
-    keys[i] = k;
-    mk = max(mk, k);
+  for (int base = 0; base < n; base += kStatsThreads * kLoadBatch) {  // kLoadBatch loads in flight
+    float v[kLoadBatch];
+#pragma unroll
+    for (int j = 0; j < kLoadBatch; ++j) {
+      const int i = base + j * kStatsThreads + (int)threadIdx.x;
+      v[j] = i < n ? __ldg(x + i) : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < kLoadBatch; ++j) {
+      const int i = base + j * kStatsThreads + (int)threadIdx.x;
+      if (i < n) {
+        const uint32_t k = float_key(v[j]);
+        keys[i] = k;
+        mk = max(mk, k);
+      }
+    }
   }
   mk = block_max_u<kStatsThreads>(mk, (uint32_t*)red);
   const double mx = (double)key_float(mk);
@@ -260,7 +281,7 @@ __global__ void __launch_bounds__(kStatsThreads) topk_stats_kernel(TopkParams p,
 
 // ---------------------------------------------------------------- kernel 2: candidate filter
 // Shared (dynamic): gk [NG], hist [2048], tmp [32], misc [8].
-__global__ void __launch_bounds__(kSelectThreads) topk_filter_kernel(TopkParams p, Plan pl, WsLayout wl) {
+__global__ void __launch_bounds__(kStatsThreads) topk_filter_kernel(TopkParams p, Plan pl, WsLayout wl) {
   pdl_prologue();
   extern __shared__ __align__(16) unsigned char sm[];
   uint32_t* gk = (uint32_t*)sm;
@@ -270,10 +291,10 @@ __global__ void __launch_bounds__(kSelectThreads) topk_filter_kernel(TopkParams 
   const int row = blockIdx.y, ch = blockIdx.x;
   unsigned char* ws = (unsigned char*)p.workspace;
   const uint32_t* gsrc = (const uint32_t*)(ws + wl.o_gmax) + (size_t)row * pl.NG;
-  for (int g = threadIdx.x; g < pl.NG; g += kSelectThreads) gk[g] = gsrc[g];
+  for (int g = threadIdx.x; g < pl.NG; g += kStatsThreads) gk[g] = gsrc[g];
   __syncthreads();
   int ne = 0;
-  const uint32_t g = radix_select<kSelectThreads>(
+  const uint32_t g = radix_select<kStatsThreads, 2>(
       pl.NG, p.k, [&](int i, uint32_t* kk) { *kk = gk[i]; return true; }, hist, tmp, misc, &ne);
   const long long c0 = (long long)ch * pl.chunk;
   int n = (int)((long long)p.V - c0);
@@ -284,26 +305,97 @@ __global__ void __launch_bounds__(kSelectThreads) topk_filter_kernel(TopkParams 
   uint32_t* ck = (uint32_t*)(ws + wl.o_ck) + (size_t)row * kCap;
   int32_t* ci = (int32_t*)(ws + wl.o_ci) + (size_t)row * kCap;
   const int lane = threadIdx.x & 31;
-  for (int base = 0; base < n; base += kSelectThreads) {  // uniform trip count: whole warps vote
-    const int i = base + threadIdx.x;
-    const uint32_t kk = i < n ? float_key(x[i]) : 0u;
-    const bool take = i < n && kk >= g;
-    const unsigned vote = __ballot_sync(0xffffffffu, take);
-    if (vote == 0u) continue;
-    int o0 = 0;
-    if (lane == 0) o0 = atomicAdd(cnt, __popc(vote));
-    o0 = __shfl_sync(0xffffffffu, o0, 0);
-    if (take) {
-      const int o = o0 + __popc(vote & ((1u << lane) - 1u));
-      if (o < kCap) {
-        ck[o] = kk;
-        ci[o] = (int32_t)(c0 + i);
+  for (int base = 0; base < n; base += kStatsThreads * kLoadBatch) {  // uniform trip count: whole warps vote
+    float v[kLoadBatch];
+#pragma unroll
+    for (int j = 0; j < kLoadBatch; ++j) {
+      const int i = base + j * kStatsThreads + (int)threadIdx.x;
+      v[j] = i < n ? __ldg(x + i) : 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < kLoadBatch; ++j) {
+      const int i = base + j * kStatsThreads + (int)threadIdx.x;
+      const uint32_t kk = float_key(v[j]);
+      const bool take = i < n && kk >= g;
+      const unsigned vote = __ballot_sync(0xffffffffu, take);
+      if (vote == 0u) continue;
+      int o0 = 0;
+      if (lane == 0) o0 = atomicAdd(cnt, __popc(vote));
+      o0 = __shfl_sync(0xffffffffu, o0, 0);
+      if (take) {
+        const int o = o0 + __popc(vote & ((1u << lane) - 1u));
+        if (o < kCap) {
+          ck[o] = kk;
+          ci[o] = (int32_t)(c0 + i);
+        }
       }
     }
   }
 }
 
 // ---------------------------------------------------------------- kernel 3: select + sort
+// Named barrier 1 over the first `nthreads` threads (a multiple of 32).
+__device__ __forceinline__ void bar_first(int nthreads) {
+  asm volatile("bar.sync 1, %0;" ::"r"(nthreads) : "memory");
+}
+
+// One compare-exchange of the bitonic network, seen from element i whose partner is j = i ^ stride:
+// in a descending run ((i & size) == 0) the lower index keeps the larger value.
+__device__ __forceinline__ unsigned long long bitonic_keep(unsigned long long a, unsigned long long o, int i,
+                                                           int j, int size) {
+  const bool desc = (i & size) == 0;
+  const bool lower = i < j;
+  return (desc == lower) ? (a > o ? a : o) : (a < o ? a : o);
+}
+
+// Sorts P = nthreads * E values descending; thread t holds elements t*E .. t*E+E-1 in v. Strides
+// below E run inside the thread, up to 32*E by warp shuffles, the rest through xs[P] in shared
+// memory with barrier 1 over the nthreads taking part (threads >= nthreads do not call it).
+template <int E>
+__device__ void bitonic_sort_desc(unsigned long long (&v)[E], unsigned long long* xs, int P, int nthreads) {
+  const int t = (int)threadIdx.x;
+  for (int size = 2; size <= P; size <<= 1) {
+    for (int stride = size >> 1; stride >= E; stride >>= 1) {
+      if (stride >= 32 * E) {
+#pragma unroll
+        for (int r = 0; r < E; ++r) xs[t * E + r] = v[r];
+        bar_first(nthreads);
+#pragma unroll
+        for (int r = 0; r < E; ++r) {
+          const int i = t * E + r, j = i ^ stride;
+          v[r] = bitonic_keep(v[r], xs[j], i, j, size);
+        }
+        bar_first(nthreads);
+      } else {
+        const int lm = stride / E;  // partner lane
+#pragma unroll
+        for (int r = 0; r < E; ++r) {
+          const unsigned long long o = __shfl_xor_sync(0xffffffffu, v[r], lm);
+          const int i = t * E + r;
+          v[r] = bitonic_keep(v[r], o, i, i ^ stride, size);
+        }
+      }
+    }
+#pragma unroll
+    for (int st = E / 2; st > 0; st >>= 1) {
+      if (st < size) {
+#pragma unroll
+        for (int r = 0; r < E; ++r) {
+          if ((r & st) == 0) {
+            const int i = t * E + r;  // the pair's lower index
+            const unsigned long long a = v[r], b = v[r | st];
+            const bool desc = (i & size) == 0;
+            if (desc ? (a < b) : (a > b)) {
+              v[r] = b;
+              v[r | st] = a;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 struct SelectSmem {
   int* hist;      // [2048]
   int* tmp;       // [32]
@@ -395,38 +487,54 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(TopkParams 
   s.tmp = s.hist + 2048;                              // [32]
   s.misc = s.tmp + 32;                                // [8]
   const int row = blockIdx.x;
+  const int lane = threadIdx.x & 31;
   const unsigned char* ws = (const unsigned char*)p.workspace;
-  // log-sum-exp from the chunk partials (float64), rounded to float32 like the reference
+  // log-sum-exp from the chunk partials (float64), rounded to float32 like the reference; every
+  // warp computes it (lane-strided partials, then a butterfly: the same bits in every lane)
+  const double* pm = (const double*)(ws + wl.o_max) + (size_t)row * pl.nchunk;
+  const double* ps = (const double*)(ws + wl.o_sum) + (size_t)row * pl.nchunk;
   double m = -__longlong_as_double(0x7ff0000000000000LL);
-  for (int c = 0; c < pl.nchunk; ++c) m = fmax(m, ((const double*)(ws + wl.o_max))[(size_t)row * pl.nchunk + c]);
+  for (int c = lane; c < pl.nchunk; c += 32) m = fmax(m, pm[c]);
+  for (int off = 16; off > 0; off >>= 1) m = fmax(m, __shfl_xor_sync(0xffffffffu, m, off));
   double ssum = 0.0;
-  for (int c = 0; c < pl.nchunk; ++c) {
-    const size_t slot = (size_t)row * pl.nchunk + c;
-    const double sc = ((const double*)(ws + wl.o_sum))[slot];
-    if (sc > 0.0) ssum += sc * exp(((const double*)(ws + wl.o_max))[slot] - m);
+  for (int c = lane; c < pl.nchunk; c += 32) {
+    const double sc = ps[c];
+    if (sc > 0.0) ssum += sc * exp(pm[c] - m);
   }
+  for (int off = 16; off > 0; off >>= 1) ssum += __shfl_xor_sync(0xffffffffu, ssum, off);
   const float lse = (float)(m + log(ssum));
-  // the candidates topk_filter found (logits >= the k-th largest group max), in any order
+  // the candidates topk_filter found (logits >= its bound, at least k of them), in any order
   const float* x = p.logits + (size_t)row * p.ld;
   const int nc = ((const int*)(ws + wl.o_cnt))[row];
-  if (nc <= kCap) {
+  if (nc <= kCap && nc >= p.k) {  // sort them all in registers; the first k are the answer
+    int P = 32 * kSortE;
+    while (P < nc) P <<= 1;
+    const int na = P / kSortE;  // threads taking part
+    const int t = threadIdx.x;
+    if (t >= na) return;
     const uint32_t* cks = (const uint32_t*)(ws + wl.o_ck) + (size_t)row * kCap;
     const int32_t* cis = (const int32_t*)(ws + wl.o_ci) + (size_t)row * kCap;
-    for (int i = threadIdx.x; i < nc; i += kSelectThreads) {
-      s.ck[i] = cks[i];
-      s.ci[i] = cis[i];
+    unsigned long long v[kSortE];
+#pragma unroll
+    for (int r = 0; r < kSortE; ++r) {
+      const int i = t * kSortE + r;  // padding 0 sorts below every candidate (their ~id is > 0)
+      v[r] = i < nc ? ((unsigned long long)cks[i] << 32) | (unsigned long long)(~(uint32_t)cis[i]) : 0ull;
     }
+    bitonic_sort_desc<kSortE>(v, (unsigned long long*)s.ck, P, na);
+#pragma unroll
+    for (int r = 0; r < kSortE; ++r) {
+      const int i = t * kSortE + r;
+      if (i < p.k) {
+        p.logprobs[(size_t)row * p.k + i] = key_float((uint32_t)(v[r] >> 32)) - lse;
+        p.ids[(size_t)row * p.k + i] = (int32_t)(~(uint32_t)(v[r] & 0xffffffffull));
+      }
+    }
+    return;
   }
-  __syncthreads();
-  if (nc <= kCap) {
-    select_write(
-        p, row, nc, [&](int i, uint32_t* kk) { *kk = s.ck[i]; return true; },
-        [&](int i) { return s.ci[i]; }, lse, s);
-  } else {  // too many ties / a sorted row: select over the whole row in global memory
-    select_write(
-        p, row, p.V, [&](int i, uint32_t* kk) { *kk = float_key(x[i]); return true; },
-        [&](int i) { return (int32_t)i; }, lse, s);
-  }
+  // too many ties / a sorted row: select over the whole row in global memory
+  select_write(
+      p, row, p.V, [&](int i, uint32_t* kk) { *kk = float_key(x[i]); return true; },
+      [&](int i) { return (int32_t)i; }, lse, s);
 }
 
 size_t stats_smem(const Plan& pl) { return ((size_t)pl.chunk * 4 + 15) / 16 * 16 + 32 * 8; }

@@ -161,6 +161,15 @@ def logits_cases():
     yield "chunks", rng.standard_normal((16, 100003)).astype(np.float32) * 4, 777
     yield "kimi", (rng.standard_normal((15, 163840)) * 3).astype(np.float32), 1024
     yield "kimi-k16", (rng.standard_normal((15, 163840)) * 3).astype(np.float32), 16
+    # Zipf-like rows (what a confident drafter gives; the benchmark's "peaked" rows): few candidates
+    ranks = np.log(np.arange(1, 163841, dtype=np.float64))
+    yield "peaked", np.stack([(-s * ranks + rng.standard_normal(163840) * 0.5)[rng.permutation(163840)]
+                              for s in rng.uniform(1.3, 2.3, 15)]).astype(np.float32), 256
+    # sorted rows: ~20K logits pass the group-max bound, more than the select's store (8192):
+    # the select then runs over the whole row in global memory
+    srt = np.stack([np.arange(163840, dtype=np.float32), -np.arange(163840, dtype=np.float32)])
+    yield "sorted", srt, 1024
+    yield "sorted-k256", srt, 256
 
 
 @pytest.mark.parametrize("name,logits,k", list(logits_cases()), ids=lambda v: v if isinstance(v, str) else "")
