@@ -577,7 +577,7 @@ cudaError_t topk_logsoftmax(const TopkParams& p, cudaStream_t stream) {
     return v && v[0] == '1';
   }();
   if (stats_only) return cudaSuccess;
-  e = launch_kernel(topk_filter_kernel, dim3(pl.nchunk, p.D), kSelectThreads, filter_smem(pl), stream, p, pl, wl);
+  e = launch_kernel(topk_filter_kernel, dim3(pl.nchunk, p.D), kStatsThreads, filter_smem(pl), stream, p, pl, wl);
   if (e != cudaSuccess) return e;
   launch_kernel(topk_select_kernel, p.D, kSelectThreads, select_smem(pl), stream, p, pl, wl);
   return cudaGetLastError();
