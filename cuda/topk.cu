@@ -28,6 +28,7 @@
 
 #include <cstdint>
 #include <cstdlib>
+#include <cstdio>
 
 #include "kernels.h"
 #include "launch.h"
@@ -82,7 +83,12 @@ struct Plan {
   int nchunk;  // blocks per row in topk_stats
   int gpc;     // groups per chunk
   int chunk;   // logits per chunk = gpc * gs
+  int prof;
 };
+__device__ __forceinline__ long long clk() { return clock64(); }
+#define PROF_MARK(i) if (pl.prof && threadIdx.x == 0) tmark[i] = clk();
+#define PROF_PRINT(name, n) if (pl.prof && threadIdx.x == 0 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1) && blockIdx.y == 0) { \
+    printf("%s b%d", name, (int)blockIdx.x); for (int q = 1; q < n; ++q) printf(" %lld", tmark[q] - tmark[q - 1]); printf(" tot %lld\n", tmark[n - 1] - tmark[0]); }
 inline Plan make_plan(int V, int k) {
   Plan p;
   int ng = 1024;
@@ -94,6 +100,8 @@ inline Plan make_plan(int V, int k) {
   while (p.gpc > 1 && (long long)p.gpc * p.gs > kChunkMax) p.gpc >>= 1;
   p.nchunk = p.NG / p.gpc;
   p.chunk = p.gpc * p.gs;
+  static const int prof = [] { const char* v = std::getenv("KDTREE_TOPK_PROF"); return v && v[0] == '1' ? 1 : 0; }();
+  p.prof = prof;
   return p;
 }
 
@@ -226,6 +234,8 @@ __device__ uint32_t radix_select(int n, int need, KeyFn keyfn, int* hist, int* t
 // ---------------------------------------------------------------- kernel 1: stats + group maxima
 __global__ void __launch_bounds__(kStatsThreads) topk_stats_kernel(TopkParams p, Plan pl, WsLayout wl) {
   pdl_prologue();
+  long long tmark[8];
+  PROF_MARK(0)
   extern __shared__ __align__(16) unsigned char sm[];
   uint32_t* keys = (uint32_t*)sm;                                      // [chunk]
   double* red = (double*)(sm + ((size_t)pl.chunk * 4 + 15) / 16 * 16); // [32]
@@ -253,13 +263,17 @@ __global__ void __launch_bounds__(kStatsThreads) topk_stats_kernel(TopkParams p,
       }
     }
   }
+  PROF_MARK(1)
   mk = block_max_u<kStatsThreads>(mk, (uint32_t*)red);
+  PROF_MARK(2)
   const double mx = (double)key_float(mk);
   double s = 0.0;
   if (n > 0 && mk > float_key(-__int_as_float(0x7f800000))) {
     for (int i = threadIdx.x; i < n; i += kStatsThreads) s += exp_nonpos((double)key_float(keys[i]) - mx);
   }
+  PROF_MARK(3)
   s = block_sum_d<kStatsThreads>(s, red);
+  PROF_MARK(4)
   unsigned char* ws = (unsigned char*)p.workspace;
   const size_t slot = (size_t)row * pl.nchunk + ch;
   if (threadIdx.x == 0 && ch == 0) ((int*)(ws + wl.o_cnt))[row] = 0;  // topk_filter appends after this kernel
@@ -277,6 +291,8 @@ __global__ void __launch_bounds__(kStatsThreads) topk_stats_kernel(TopkParams p,
     for (int off = 16; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
     if (lane == 0) gmax[g] = m;  // 0 (below every key) for an empty group
   }
+  PROF_MARK(5)
+  PROF_PRINT("stats", 6)
 }
 
 // ---------------------------------------------------------------- kernel 2: candidate filter
@@ -288,14 +304,18 @@ __global__ void __launch_bounds__(kStatsThreads) topk_filter_kernel(TopkParams p
   int* hist = (int*)(gk + pl.NG);
   int* tmp = hist + 2048;
   int* misc = tmp + 32;
+  long long tmark[8];
+  PROF_MARK(0)
   const int row = blockIdx.y, ch = blockIdx.x;
   unsigned char* ws = (unsigned char*)p.workspace;
   const uint32_t* gsrc = (const uint32_t*)(ws + wl.o_gmax) + (size_t)row * pl.NG;
   for (int g = threadIdx.x; g < pl.NG; g += kStatsThreads) gk[g] = gsrc[g];
   __syncthreads();
+  PROF_MARK(1)
   int ne = 0;
   const uint32_t g = radix_select<kStatsThreads, 2>(
       pl.NG, p.k, [&](int i, uint32_t* kk) { *kk = gk[i]; return true; }, hist, tmp, misc, &ne);
+  PROF_MARK(2)
   const long long c0 = (long long)ch * pl.chunk;
   int n = (int)((long long)p.V - c0);
   if (n > pl.chunk) n = pl.chunk;
@@ -331,6 +351,8 @@ __global__ void __launch_bounds__(kStatsThreads) topk_filter_kernel(TopkParams p
       }
     }
   }
+  PROF_MARK(3)
+  PROF_PRINT("filter", 4)
 }
 
 // ---------------------------------------------------------------- kernel 3: select + sort
@@ -488,6 +510,8 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(TopkParams 
   s.misc = s.tmp + 32;                                // [8]
   const int row = blockIdx.x;
   const int lane = threadIdx.x & 31;
+  long long tmark[8];
+  PROF_MARK(0)
   const unsigned char* ws = (const unsigned char*)p.workspace;
   // log-sum-exp from the chunk partials (float64), rounded to float32 like the reference; every
   // warp computes it (lane-strided partials, then a butterfly: the same bits in every lane)
@@ -503,6 +527,7 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(TopkParams 
   }
   for (int off = 16; off > 0; off >>= 1) ssum += __shfl_xor_sync(0xffffffffu, ssum, off);
   const float lse = (float)(m + log(ssum));
+  PROF_MARK(1)
   // the candidates topk_filter found (logits >= its bound, at least k of them), in any order
   const float* x = p.logits + (size_t)row * p.ld;
   const int nc = ((const int*)(ws + wl.o_cnt))[row];
@@ -520,7 +545,9 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(TopkParams 
       const int i = t * kSortE + r;  // padding 0 sorts below every candidate (their ~id is > 0)
       v[r] = i < nc ? ((unsigned long long)cks[i] << 32) | (unsigned long long)(~(uint32_t)cis[i]) : 0ull;
     }
+    PROF_MARK(2)
     bitonic_sort_desc<kSortE>(v, (unsigned long long*)s.ck, P, na);
+    PROF_MARK(3)
 #pragma unroll
     for (int r = 0; r < kSortE; ++r) {
       const int i = t * kSortE + r;
@@ -529,6 +556,8 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(TopkParams 
         p.ids[(size_t)row * p.k + i] = (int32_t)(~(uint32_t)(v[r] & 0xffffffffull));
       }
     }
+    PROF_MARK(4)
+    if (pl.prof && threadIdx.x == 0 && blockIdx.x == 0) printf("select nc %d P %d: %lld %lld %lld %lld tot %lld\n", nc, P, tmark[1]-tmark[0], tmark[2]-tmark[1], tmark[3]-tmark[2], tmark[4]-tmark[3], tmark[4]-tmark[0]);
     return;
   }
   // too many ties / a sorted row: select over the whole row in global memory
