@@ -43,7 +43,7 @@ constexpr int kSortE = 8;            // sort elements per thread
 constexpr int kCap = kSelectThreads * kSortE;  // candidates the select sorts (8192)
 constexpr int kMaxGroups = 16384;
 constexpr int kChunkMax = 6144;      // logits per topk_stats / topk_filter block (at most)
-constexpr int kLoadBatch = 8;        // global loads issued together per thread
+constexpr int kLoadBatch = kChunkMax / kStatsThreads;  // global loads in flight per thread (a chunk: 24)
 
 __device__ __forceinline__ uint32_t float_key(float x) {
   if (x == 0.0f) x = 0.0f;  // -0 and +0 tie (as in the reference's stable argsort)
@@ -281,29 +281,79 @@ __global__ void __launch_bounds__(kStatsThreads) topk_stats_kernel(TopkParams p,
     ((double*)(ws + wl.o_max))[slot] = n > 0 ? mx : -__longlong_as_double(0x7ff0000000000000LL);
     ((double*)(ws + wl.o_sum))[slot] = s;
   }
-  // group maxima: one warp per group, lanes over the group's logits
+  // group maxima: tpg threads per group (<= 32, a power of 2; the lanes of a group stride over its
+  // logits), reduced by shuffles
   uint32_t* gmax = (uint32_t*)(ws + wl.o_gmax) + (size_t)row * pl.NG + (size_t)ch * pl.gpc;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int g = warp; g < pl.gpc; g += kStatsThreads / 32) {
-    const int b = g * pl.gs;
+  const int tpg = pl.gpc >= kStatsThreads / 32 ? (pl.gpc >= kStatsThreads ? 1 : kStatsThreads / pl.gpc) : 32;
+  for (int g0 = 0; g0 < pl.gpc; g0 += kStatsThreads / tpg) {  // uniform trip count
+    const int g = g0 + (int)threadIdx.x / tpg, sub = (int)threadIdx.x % tpg;
+    const int b = g * pl.gs, e = g < pl.gpc ? min(pl.gs, n - b) : 0;
     uint32_t m = 0;
-    for (int i = b + lane; i < b + pl.gs && i < n; i += 32) m = max(m, keys[i]);
-    for (int off = 16; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
-    if (lane == 0) gmax[g] = m;  // 0 (below every key) for an empty group
+#pragma unroll 4
+    for (int i = sub; i < e; i += tpg) m = max(m, keys[b + i]);
+    for (int off = tpg >> 1; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
+    if (sub == 0 && g < pl.gpc) gmax[g] = m;  // 0 (below every key) for an empty group
   }
   PROF_MARK(5)
   PROF_PRINT("stats", 6)
 }
 
 // ---------------------------------------------------------------- kernel 2: candidate filter
-// Shared (dynamic): gk [NG], hist [2048], tmp [32], misc [8].
+// A lower bound of the k-th largest of v[0..n) (1 <= k <= n): the k-th largest with its low 10
+// bits cleared (the same value as two 11-bit radix passes give). Quaternary bisection over the
+// key space: 11 steps, each counting the values at or above three thresholds (warp reductions,
+// shared atomics into one of three rotating counter triples, one barrier). cnt: 9 ints of shared
+// memory. All threads call it.
+template <int NT>
+__device__ uint32_t kth_bound(const uint32_t* v, int n, int k, int* cnt) {
+  if (threadIdx.x < 9) cnt[threadIdx.x] = 0;
+  __syncthreads();
+  unsigned long long lo = 0, hi = 1ull << 32;  // count(>= lo) >= k > count(>= hi)
+#pragma unroll 1
+  for (int step = 0; step < 11; ++step) {
+    const unsigned long long q = (hi - lo) >> 2;
+    const uint32_t t1 = (uint32_t)(lo + q), t2 = (uint32_t)(lo + 2 * q), t3 = (uint32_t)(lo + 3 * q);
+    unsigned c1 = 0, c2 = 0, c3 = 0;
+    for (int i = threadIdx.x; i < n; i += NT) {
+      const uint32_t x = v[i];
+      c1 += x >= t1;
+      c2 += x >= t2;
+      c3 += x >= t3;
+    }
+    c1 = __reduce_add_sync(0xffffffffu, c1);
+    c2 = __reduce_add_sync(0xffffffffu, c2);
+    c3 = __reduce_add_sync(0xffffffffu, c3);
+    int* cb = cnt + 3 * (step % 3);
+    if ((threadIdx.x & 31) == 0) {
+      atomicAdd(cb + 0, (int)c1);
+      atomicAdd(cb + 1, (int)c2);
+      atomicAdd(cb + 2, (int)c3);
+    }
+    // the triple of step + 1 was last read in step - 2: every thread is past that (barrier of step - 1)
+    if (threadIdx.x < 3) cnt[3 * ((step + 1) % 3) + threadIdx.x] = 0;
+    __syncthreads();
+    const int C1 = cb[0], C2 = cb[1], C3 = cb[2];
+    if (C3 >= k) {
+      lo = lo + 3 * q;
+    } else if (C2 >= k) {
+      lo = lo + 2 * q;
+      hi = lo + q;
+    } else if (C1 >= k) {
+      lo = lo + q;
+      hi = lo + q;
+    } else {
+      hi = lo + q;
+    }
+  }
+  return (uint32_t)lo;
+}
+
+// Shared (dynamic): gk [NG], misc [16].
 __global__ void __launch_bounds__(kStatsThreads) topk_filter_kernel(TopkParams p, Plan pl, WsLayout wl) {
   pdl_prologue();
   extern __shared__ __align__(16) unsigned char sm[];
   uint32_t* gk = (uint32_t*)sm;
-  int* hist = (int*)(gk + pl.NG);
-  int* tmp = hist + 2048;
-  int* misc = tmp + 32;
+  int* misc = (int*)(gk + pl.NG);
   long long tmark[8];
   PROF_MARK(0)
   const int row = blockIdx.y, ch = blockIdx.x;
@@ -312,9 +362,7 @@ __global__ void __launch_bounds__(kStatsThreads) topk_filter_kernel(TopkParams p
   for (int g = threadIdx.x; g < pl.NG; g += kStatsThreads) gk[g] = gsrc[g];
   __syncthreads();
   PROF_MARK(1)
-  int ne = 0;
-  const uint32_t g = radix_select<kStatsThreads, 2>(
-      pl.NG, p.k, [&](int i, uint32_t* kk) { *kk = gk[i]; return true; }, hist, tmp, misc, &ne);
+  const uint32_t g = kth_bound<kStatsThreads>(gk, pl.NG, p.k, misc);
   PROF_MARK(2)
   const long long c0 = (long long)ch * pl.chunk;
   int n = (int)((long long)p.V - c0);
@@ -418,6 +466,76 @@ __device__ void bitonic_sort_desc(unsigned long long (&v)[E], unsigned long long
   }
 }
 
+// The row's log-sum-exp from the chunk partials (float64), rounded to float32 like the
+// reference; computed by a whole warp (lane-strided partials, then butterflies: every lane ends
+// with the same bits).
+__device__ float row_lse(const Plan& pl, const WsLayout& wl, int row, const unsigned char* ws) {
+  const int lane = threadIdx.x & 31;
+  const double* pm = (const double*)(ws + wl.o_max) + (size_t)row * pl.nchunk;
+  const double* ps = (const double*)(ws + wl.o_sum) + (size_t)row * pl.nchunk;
+  double m = -__longlong_as_double(0x7ff0000000000000LL);
+  for (int c = lane; c < pl.nchunk; c += 32) m = fmax(m, pm[c]);
+  for (int off = 16; off > 0; off >>= 1) m = fmax(m, __shfl_xor_sync(0xffffffffu, m, off));
+  double ssum = 0.0;
+  for (int c = lane; c < pl.nchunk; c += 32) {
+    const double sc = ps[c];
+    if (sc > 0.0) ssum += sc * exp(pm[c] - m);
+  }
+  for (int off = 16; off > 0; off >>= 1) ssum += __shfl_xor_sync(0xffffffffu, ssum, off);
+  return (float)(m + log(ssum));
+}
+
+// The sort path of topk_select: the nc candidates (k <= nc <= P) as (key, ~id), E per thread for
+// the first P / E threads, sorted descending; the first k written with the row's log-sum-exp.
+// That is computed meanwhile by the first warp the sort leaves idle (handed over through shared
+// memory at named barrier 2), or by every sorting warp after the sort when none is idle.
+template <int E>
+__device__ void sort_write(const TopkParams& p, const Plan& pl, const WsLayout& wl, int row, int nc, int P,
+                           unsigned long long* xs, float* lse_s) {
+  const unsigned char* ws = (const unsigned char*)p.workspace;
+  const int na = P / E;  // threads taking part (a multiple of 32)
+  const int t = threadIdx.x;
+  const int lse_warp = na < kSelectThreads ? na / 32 : -1;
+  if (lse_warp >= 0 && t / 32 == lse_warp) {
+    const float lse = row_lse(pl, wl, row, ws);
+    if ((t & 31) == 0) *lse_s = lse;
+    asm volatile("bar.arrive 2, %0;" ::"r"(na + 32) : "memory");
+    return;
+  }
+  if (t >= na) return;
+  long long tmark[8];
+  PROF_MARK(0)
+  const uint32_t* cks = (const uint32_t*)(ws + wl.o_ck) + (size_t)row * kCap;
+  const int32_t* cis = (const int32_t*)(ws + wl.o_ci) + (size_t)row * kCap;
+  unsigned long long v[E];
+#pragma unroll
+  for (int r = 0; r < E; ++r) {
+    const int i = t * E + r;  // padding 0 sorts below every candidate (their ~id is > 0)
+    v[r] = i < nc ? ((unsigned long long)cks[i] << 32) | (unsigned long long)(~(uint32_t)cis[i]) : 0ull;
+  }
+  PROF_MARK(1)
+  bitonic_sort_desc<E>(v, xs, P, na);
+  PROF_MARK(2)
+  float lse;
+  if (lse_warp >= 0) {
+    asm volatile("bar.sync 2, %0;" ::"r"(na + 32) : "memory");
+    lse = *lse_s;
+  } else {
+    lse = row_lse(pl, wl, row, ws);
+  }
+  PROF_MARK(3)
+#pragma unroll
+  for (int r = 0; r < E; ++r) {
+    const int i = t * E + r;
+    if (i < p.k) {
+      p.logprobs[(size_t)row * p.k + i] = key_float((uint32_t)(v[r] >> 32)) - lse;
+      p.ids[(size_t)row * p.k + i] = (int32_t)(~(uint32_t)(v[r] & 0xffffffffull));
+    }
+  }
+  PROF_MARK(4)
+  if (pl.prof && threadIdx.x == 0 && blockIdx.x == 0) printf("select nc %d P %d E %d: load %lld sort %lld lse %lld write %lld tot %lld\n", nc, P, E, tmark[1]-tmark[0], tmark[2]-tmark[1], tmark[3]-tmark[2], tmark[4]-tmark[3], tmark[4]-tmark[0]);
+}
+
 struct SelectSmem {
   int* hist;      // [2048]
   int* tmp;       // [32]
@@ -509,57 +627,23 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(TopkParams 
   s.tmp = s.hist + 2048;                              // [32]
   s.misc = s.tmp + 32;                                // [8]
   const int row = blockIdx.x;
-  const int lane = threadIdx.x & 31;
-  long long tmark[8];
-  PROF_MARK(0)
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned char* ws = (const unsigned char*)p.workspace;
-  // log-sum-exp from the chunk partials (float64), rounded to float32 like the reference; every
-  // warp computes it (lane-strided partials, then a butterfly: the same bits in every lane)
-  const double* pm = (const double*)(ws + wl.o_max) + (size_t)row * pl.nchunk;
-  const double* ps = (const double*)(ws + wl.o_sum) + (size_t)row * pl.nchunk;
-  double m = -__longlong_as_double(0x7ff0000000000000LL);
-  for (int c = lane; c < pl.nchunk; c += 32) m = fmax(m, pm[c]);
-  for (int off = 16; off > 0; off >>= 1) m = fmax(m, __shfl_xor_sync(0xffffffffu, m, off));
-  double ssum = 0.0;
-  for (int c = lane; c < pl.nchunk; c += 32) {
-    const double sc = ps[c];
-    if (sc > 0.0) ssum += sc * exp(pm[c] - m);
-  }
-  for (int off = 16; off > 0; off >>= 1) ssum += __shfl_xor_sync(0xffffffffu, ssum, off);
-  const float lse = (float)(m + log(ssum));
-  PROF_MARK(1)
-  // the candidates topk_filter found (logits >= its bound, at least k of them), in any order
-  const float* x = p.logits + (size_t)row * p.ld;
   const int nc = ((const int*)(ws + wl.o_cnt))[row];
-  if (nc <= kCap && nc >= p.k) {  // sort them all in registers; the first k are the answer
-    int P = 32 * kSortE;
+  if (nc <= kCap && nc >= p.k) {  // the candidates topk_filter found (>= its bound, at least k): sort them all
+    int P = 64;
     while (P < nc) P <<= 1;
-    const int na = P / kSortE;  // threads taking part
-    const int t = threadIdx.x;
-    if (t >= na) return;
-    const uint32_t* cks = (const uint32_t*)(ws + wl.o_ck) + (size_t)row * kCap;
-    const int32_t* cis = (const int32_t*)(ws + wl.o_ci) + (size_t)row * kCap;
-    unsigned long long v[kSortE];
-#pragma unroll
-    for (int r = 0; r < kSortE; ++r) {
-      const int i = t * kSortE + r;  // padding 0 sorts below every candidate (their ~id is > 0)
-      v[r] = i < nc ? ((unsigned long long)cks[i] << 32) | (unsigned long long)(~(uint32_t)cis[i]) : 0ull;
+    if (P <= 2 * kSelectThreads) {
+      sort_write<2>(p, pl, wl, row, nc, P, (unsigned long long*)s.ck, (float*)s.misc);
+    } else {
+      sort_write<kSortE>(p, pl, wl, row, nc, P, (unsigned long long*)s.ck, (float*)s.misc);
     }
-    PROF_MARK(2)
-    bitonic_sort_desc<kSortE>(v, (unsigned long long*)s.ck, P, na);
-    PROF_MARK(3)
-#pragma unroll
-    for (int r = 0; r < kSortE; ++r) {
-      const int i = t * kSortE + r;
-      if (i < p.k) {
-        p.logprobs[(size_t)row * p.k + i] = key_float((uint32_t)(v[r] >> 32)) - lse;
-        p.ids[(size_t)row * p.k + i] = (int32_t)(~(uint32_t)(v[r] & 0xffffffffull));
-      }
-    }
-    PROF_MARK(4)
-    if (pl.prof && threadIdx.x == 0 && blockIdx.x == 0) printf("select nc %d P %d: %lld %lld %lld %lld tot %lld\n", nc, P, tmark[1]-tmark[0], tmark[2]-tmark[1], tmark[3]-tmark[2], tmark[4]-tmark[3], tmark[4]-tmark[0]);
     return;
   }
+  (void)lane;
+  (void)warp;
+  const float lse = row_lse(pl, wl, row, ws);
+  const float* x = p.logits + (size_t)row * p.ld;
   // too many ties / a sorted row: select over the whole row in global memory
   select_write(
       p, row, p.V, [&](int i, uint32_t* kk) { *kk = float_key(x[i]); return true; },
@@ -567,7 +651,7 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(TopkParams 
 }
 
 size_t stats_smem(const Plan& pl) { return ((size_t)pl.chunk * 4 + 15) / 16 * 16 + 32 * 8; }
-size_t filter_smem(const Plan& pl) { return (size_t)pl.NG * 4 + (2048 + 32 + 8) * 4; }
+size_t filter_smem(const Plan& pl) { return (size_t)pl.NG * 4 + 16 * 4; }
 size_t select_smem(const Plan&) { return 1024 * 8 + (size_t)kCap * 8 + (2048 + 32 + 8) * 4; }
 
 template <class K>
