@@ -88,7 +88,8 @@ struct Plan {
 __device__ __forceinline__ long long clk() { return clock64(); }
 #define PROF_MARK(i) if (pl.prof && threadIdx.x == 0) tmark[i] = clk();
 #define PROF_PRINT(name, n) if (pl.prof && threadIdx.x == 0 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1) && blockIdx.y == 0) { \
-    printf("%s b%d", name, (int)blockIdx.x); for (int q = 1; q < n; ++q) printf(" %lld", tmark[q] - tmark[q - 1]); printf(" tot %lld\n", tmark[n - 1] - tmark[0]); }
+    long long d[5] = {0, 0, 0, 0, 0}; for (int q = 1; q < n; ++q) d[q - 1] = tmark[q] - tmark[q - 1]; \
+    printf("%s b%d: %lld %lld %lld %lld %lld tot %lld\n", name, (int)blockIdx.x, d[0], d[1], d[2], d[3], d[4], tmark[n - 1] - tmark[0]); }
 inline Plan make_plan(int V, int k) {
   Plan p;
   int ng = 1024;
