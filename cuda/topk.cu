@@ -598,7 +598,6 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(TopkParams 
   s.tmp = s.hist + 2048;                              // [32]
   s.misc = s.tmp + 32;                                // [8]
   const int row = blockIdx.x;
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const unsigned char* ws = (const unsigned char*)p.workspace;
   const int nc = ((const int*)(ws + wl.o_cnt))[row];
   if (nc <= kCap && nc >= p.k) {  // the candidates topk_filter found (>= its bound, at least k): sort them all
@@ -611,8 +610,6 @@ __global__ void __launch_bounds__(kSelectThreads) topk_select_kernel(TopkParams 
     }
     return;
   }
-  (void)lane;
-  (void)warp;
   const float lse = row_lse(pl, wl, row, ws);
   const float* x = p.logits + (size_t)row * p.ld;
   // too many ties / a sorted row: select over the whole row in global memory
