@@ -175,16 +175,14 @@ __device__ void scan2048(int* h, int* tmp) {
 
 // Radix select: among items i < n with keyfn(i, &key) true, the `need`-th largest key
 // (1-based). Returns it; *need_eq = how many items equal to it belong to the top `need`.
-// NPASS = 2 stops after the first 22 bits: the result (low 10 bits zero) is then a lower bound
-// of that key and *need_eq means nothing. Shared: hist[2048], tmp[32], misc[4]. All threads
-// call it; n uniform.
-template <int NT, int NPASS = 3, class KeyFn>
+// Shared: hist[2048], tmp[32], misc[4]. All threads call it; n uniform.
+template <int NT, class KeyFn>
 __device__ uint32_t radix_select(int n, int need, KeyFn keyfn, int* hist, int* tmp, int* misc,
                                  int* need_eq) {
   uint32_t prefix = 0, mask = 0;
   const int lane = threadIdx.x & 31;
 #pragma unroll 1
-  for (int pass = 0; pass < NPASS; ++pass) {
+  for (int pass = 0; pass < 3; ++pass) {
     const int sh = pass == 0 ? 21 : (pass == 1 ? 10 : 0);
     const int nb = pass == 2 ? 1024 : 2048;
     for (int i = threadIdx.x; i < 2048; i += NT) hist[i] = 0;
