@@ -221,6 +221,27 @@ __device__ uint32_t radix_select(int n, int need, KeyFn keyfn, int* hist, int* t
   return prefix;
 }
 
+// The logits of chunk ch of a row (n of them, 0 past the end of the row) and the loads of one
+// batch: kLoadBatch per thread, all in flight before the first use (0 past n).
+struct ChunkSpan {
+  const float* x;  // the chunk's first logit
+  int n;
+};
+__device__ __forceinline__ ChunkSpan chunk_span(const TopkParams& p, const Plan& pl, int row, int ch) {
+  const long long c0 = (long long)ch * pl.chunk;
+  int n = (int)((long long)p.V - c0);
+  if (n > pl.chunk) n = pl.chunk;
+  if (n < 0) n = 0;
+  return {p.logits + (size_t)row * p.ld + c0, n};
+}
+__device__ __forceinline__ void load_batch(const float* x, int base, int n, float (&v)[kLoadBatch]) {
+#pragma unroll
+  for (int j = 0; j < kLoadBatch; ++j) {
+    const int i = base + j * kStatsThreads + (int)threadIdx.x;
+    v[j] = i < n ? __ldg(x + i) : 0.f;
+  }
+}
+
 // ---------------------------------------------------------------- kernel 1: stats + group maxima
 __global__ void __launch_bounds__(kStatsThreads) topk_stats_kernel(TopkParams p, Plan pl, WsLayout wl) {
   pdl_prologue();
@@ -228,19 +249,12 @@ __global__ void __launch_bounds__(kStatsThreads) topk_stats_kernel(TopkParams p,
   uint32_t* keys = (uint32_t*)sm;                                      // [chunk]
   double* red = (double*)(sm + ((size_t)pl.chunk * 4 + 15) / 16 * 16); // [32]
   const int row = blockIdx.y, ch = blockIdx.x;
-  const long long c0 = (long long)ch * pl.chunk;
-  int n = (int)((long long)p.V - c0);
-  if (n > pl.chunk) n = pl.chunk;
-  if (n < 0) n = 0;
-  const float* x = p.logits + (size_t)row * p.ld + c0;
+  const ChunkSpan cs = chunk_span(p, pl, row, ch);
+  const int n = cs.n;
   uint32_t mk = 0;
   for (int base = 0; base < n; base += kStatsThreads * kLoadBatch) {  // kLoadBatch loads in flight
     float v[kLoadBatch];
-#pragma unroll
-    for (int j = 0; j < kLoadBatch; ++j) {
-      const int i = base + j * kStatsThreads + (int)threadIdx.x;
-      v[j] = i < n ? __ldg(x + i) : 0.f;
-    }
+    load_batch(cs.x, base, n, v);
 #pragma unroll
     for (int j = 0; j < kLoadBatch; ++j) {
       const int i = base + j * kStatsThreads + (int)threadIdx.x;
@@ -343,21 +357,15 @@ __global__ void __launch_bounds__(kStatsThreads) topk_filter_kernel(TopkParams p
   __syncthreads();
   const uint32_t g = kth_bound<kStatsThreads>(gk, pl.NG, p.k, misc);
   const long long c0 = (long long)ch * pl.chunk;
-  int n = (int)((long long)p.V - c0);
-  if (n > pl.chunk) n = pl.chunk;
-  if (n < 0) n = 0;
-  const float* x = p.logits + (size_t)row * p.ld + c0;
+  const ChunkSpan cs = chunk_span(p, pl, row, ch);
+  const int n = cs.n;
   int* cnt = (int*)(ws + wl.o_cnt) + row;
   uint32_t* ck = (uint32_t*)(ws + wl.o_ck) + (size_t)row * kCap;
   int32_t* ci = (int32_t*)(ws + wl.o_ci) + (size_t)row * kCap;
   const int lane = threadIdx.x & 31;
   for (int base = 0; base < n; base += kStatsThreads * kLoadBatch) {  // uniform trip count: whole warps vote
     float v[kLoadBatch];
-#pragma unroll
-    for (int j = 0; j < kLoadBatch; ++j) {
-      const int i = base + j * kStatsThreads + (int)threadIdx.x;
-      v[j] = i < n ? __ldg(x + i) : 0.f;
-    }
+    load_batch(cs.x, base, n, v);
 #pragma unroll
     for (int j = 0; j < kLoadBatch; ++j) {
       const int i = base + j * kStatsThreads + (int)threadIdx.x;
