@@ -27,6 +27,7 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 
 #include "kernels.h"
@@ -83,6 +84,27 @@ struct Plan {
   int gpc;     // groups per chunk
   int chunk;   // logits per chunk = gpc * gs
 };
+// KDTREE_TOPK_PROFILE (GPU builds only, off by default; build with
+// -Ccmake.define.CMAKE_CUDA_FLAGS=-DKDTREE_TOPK_PROFILE): thread 0 of the first and the last block
+// of row 0 reads clock64() at the marks below and prints one "TOPKPROF <kernel>" line of cycles
+// between them per launch (the select: row 0's block). docs/CUDA.md "Top-k + log-softmax".
+#if defined(KDTREE_TOPK_PROFILE) && defined(__CUDA_ARCH__)
+#define TOPK_PROF_DECL long long tmark[6];
+#define TOPK_PROF_MARK(i) \
+  if (threadIdx.x == 0) tmark[i] = clock64();
+#define TOPK_PROF_PRINT(name, n, cond)                                                                    \
+  if (threadIdx.x == 0 && (cond)) {                                                                       \
+    long long d[5] = {0, 0, 0, 0, 0};                                                                     \
+    for (int q = 1; q < n; ++q) d[q - 1] = tmark[q] - tmark[q - 1];                                       \
+    printf("TOPKPROF %s block %d: %lld %lld %lld %lld %lld total %lld\n", name, (int)blockIdx.x, d[0], d[1], \
+           d[2], d[3], d[4], tmark[n - 1] - tmark[0]);                                                    \
+  }
+#else
+#define TOPK_PROF_DECL
+#define TOPK_PROF_MARK(i)
+#define TOPK_PROF_PRINT(name, n, cond)
+#endif
+
 inline Plan make_plan(int V, int k) {
   Plan p;
   int ng = 1024;
@@ -245,6 +267,8 @@ __device__ __forceinline__ void load_batch(const float* x, int base, int n, floa
 // ---------------------------------------------------------------- kernel 1: stats + group maxima
 __global__ void __launch_bounds__(kStatsThreads) topk_stats_kernel(TopkParams p, Plan pl, WsLayout wl) {
   pdl_prologue();
+  TOPK_PROF_DECL
+  TOPK_PROF_MARK(0)
   extern __shared__ __align__(16) unsigned char sm[];
   uint32_t* keys = (uint32_t*)sm;                                      // [chunk]
   double* red = (double*)(sm + ((size_t)pl.chunk * 4 + 15) / 16 * 16); // [32]
@@ -265,13 +289,16 @@ __global__ void __launch_bounds__(kStatsThreads) topk_stats_kernel(TopkParams p,
       }
     }
   }
+  TOPK_PROF_MARK(1)  // loads
   mk = block_max_u<kStatsThreads>(mk, (uint32_t*)red);
   const double mx = (double)key_float(mk);
   double s = 0.0;
   if (n > 0 && mk > float_key(-__int_as_float(0x7f800000))) {
     for (int i = threadIdx.x; i < n; i += kStatsThreads) s += exp_nonpos((double)key_float(keys[i]) - mx);
   }
+  TOPK_PROF_MARK(2)  // max + exp
   s = block_sum_d<kStatsThreads>(s, red);
+  TOPK_PROF_MARK(3)  // sum
   unsigned char* ws = (unsigned char*)p.workspace;
   const size_t slot = (size_t)row * pl.nchunk + ch;
   if (threadIdx.x == 0 && ch == 0) ((int*)(ws + wl.o_cnt))[row] = 0;  // topk_filter appends after this kernel
@@ -292,6 +319,8 @@ __global__ void __launch_bounds__(kStatsThreads) topk_stats_kernel(TopkParams p,
     for (int off = tpg >> 1; off > 0; off >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, off));
     if (sub == 0 && g < pl.gpc) gmax[g] = m;  // 0 (below every key) for an empty group
   }
+  TOPK_PROF_MARK(4)  // group maxima
+  TOPK_PROF_PRINT("stats", 5, blockIdx.y == 0 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1))
 }
 
 // ---------------------------------------------------------------- kernel 2: candidate filter
@@ -347,6 +376,8 @@ __device__ uint32_t kth_bound(const uint32_t* v, int n, int k, int* cnt) {
 // Shared (dynamic): gk [NG], misc [16].
 __global__ void __launch_bounds__(kStatsThreads) topk_filter_kernel(TopkParams p, Plan pl, WsLayout wl) {
   pdl_prologue();
+  TOPK_PROF_DECL
+  TOPK_PROF_MARK(0)
   extern __shared__ __align__(16) unsigned char sm[];
   uint32_t* gk = (uint32_t*)sm;
   int* misc = (int*)(gk + pl.NG);
@@ -355,7 +386,9 @@ __global__ void __launch_bounds__(kStatsThreads) topk_filter_kernel(TopkParams p
   const uint32_t* gsrc = (const uint32_t*)(ws + wl.o_gmax) + (size_t)row * pl.NG;
   for (int g = threadIdx.x; g < pl.NG; g += kStatsThreads) gk[g] = gsrc[g];
   __syncthreads();
+  TOPK_PROF_MARK(1)  // group maxima in
   const uint32_t g = kth_bound<kStatsThreads>(gk, pl.NG, p.k, misc);
+  TOPK_PROF_MARK(2)  // bound
   const long long c0 = (long long)ch * pl.chunk;
   const ChunkSpan cs = chunk_span(p, pl, row, ch);
   const int n = cs.n;
@@ -385,6 +418,8 @@ __global__ void __launch_bounds__(kStatsThreads) topk_filter_kernel(TopkParams p
       }
     }
   }
+  TOPK_PROF_MARK(3)  // scan + appends
+  TOPK_PROF_PRINT("filter", 4, blockIdx.y == 0 && (blockIdx.x == 0 || blockIdx.x == gridDim.x - 1))
 }
 
 // ---------------------------------------------------------------- kernel 3: select + sort
@@ -487,6 +522,8 @@ __device__ void sort_write(const TopkParams& p, const Plan& pl, const WsLayout& 
     return;
   }
   if (t >= na) return;
+  TOPK_PROF_DECL
+  TOPK_PROF_MARK(0)
   const uint32_t* cks = (const uint32_t*)(ws + wl.o_ck) + (size_t)row * kCap;
   const int32_t* cis = (const int32_t*)(ws + wl.o_ci) + (size_t)row * kCap;
   unsigned long long v[E];
@@ -495,7 +532,9 @@ __device__ void sort_write(const TopkParams& p, const Plan& pl, const WsLayout& 
     const int i = t * E + r;  // padding 0 sorts below every candidate (their ~id is > 0)
     v[r] = i < nc ? ((unsigned long long)cks[i] << 32) | (unsigned long long)(~(uint32_t)cis[i]) : 0ull;
   }
+  TOPK_PROF_MARK(1)  // candidates in
   bitonic_sort_desc<E>(v, xs, P, na);
+  TOPK_PROF_MARK(2)  // sort
   float lse;
   if (lse_warp >= 0) {
     asm volatile("bar.sync 2, %0;" ::"r"(na + 32) : "memory");
@@ -503,6 +542,7 @@ __device__ void sort_write(const TopkParams& p, const Plan& pl, const WsLayout& 
   } else {
     lse = row_lse(pl, wl, row, ws);
   }
+  TOPK_PROF_MARK(3)  // lse (waited for, or computed)
 #pragma unroll
   for (int r = 0; r < E; ++r) {
     const int i = t * E + r;
@@ -511,6 +551,8 @@ __device__ void sort_write(const TopkParams& p, const Plan& pl, const WsLayout& 
       p.ids[(size_t)row * p.k + i] = (int32_t)(~(uint32_t)(v[r] & 0xffffffffull));
     }
   }
+  TOPK_PROF_MARK(4)  // write
+  TOPK_PROF_PRINT(E == 2 ? "select(E=2)" : "select(E=8)", 5, row == 0)
 }
 
 struct SelectSmem {
