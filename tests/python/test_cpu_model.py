@@ -21,7 +21,7 @@ from kdtree_native.checkpoint import expected_weight_shapes
 from kdtree_native.config import config_from_dict
 from kdtree_native.reference import ReferenceModel
 
-from hf_models import PARITY_CONFIGS, cached_checkpoint, config_dict, hf_greedy, hf_logits, random_weights
+from hf_models import PARITY_CONFIGS, cached_checkpoint, config_dict, hf_greedy, hf_logits, random_weights, to_bf16
 
 NAMES = list(PARITY_CONFIGS)
 
@@ -443,11 +443,7 @@ def test_portable_sgemm_through_the_model(name):
 
 def _bf16_exact(w):
     """The same tensors rounded to BF16 values (kept as float64): what a BF16 checkpoint loads as."""
-    out = {}
-    for k, v in w.items():
-        u = np.asarray(v, np.float32).view(np.uint32) & np.uint32(0xFFFF0000)
-        out[k] = u.view(np.float32).astype(np.float64)
-    return out
+    return {k: to_bf16(v).astype(np.float64) for k, v in w.items()}
 
 
 @pytest.mark.parametrize("name", ["ds3_base", "tied_nonorm", "kimi_like", "no_q_lora"])

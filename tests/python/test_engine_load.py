@@ -12,7 +12,7 @@ import pytest
 import kdtree_native as kn
 from kdtree_native.config import config_from_dict
 
-from hf_models import config_dict, random_weights
+from hf_models import config_dict, random_weights, to_bf16
 
 NAME = "ds3_base"
 
@@ -227,7 +227,6 @@ def test_cuda_options_name_the_gpu_models_keyword_arguments():
         assert f" {name}: " in sig, name
 
 
-
 def test_cpu_options_are_checked_and_reach_the_cpu_model(tmp_path):
     """cpu_options: unknown names / non-dicts are a ValueError; bf16_weight_copies=False reaches
     _native.CpuModel before finalize (no copies are made, the logits are the same); every name
@@ -236,7 +235,7 @@ def test_cpu_options_are_checked_and_reach_the_cpu_model(tmp_path):
     from kdtree_native.engine import _CPU_OPTIONS
     root, cfg, w = make_dir(str(tmp_path / "c"))
     check_bad_options(root, cfg, w, "cpu_options", "bf16_weight_copies")
-    bf = {k: (np.asarray(v, np.float32).view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32) for k, v in w.items()}
+    bf = {k: to_bf16(v) for k, v in w.items()}
     on = kn.Engine.from_weights(cfg, bf, device="cpu", max_seq_len=32)
     off = kn.Engine.from_weights(cfg, bf, device="cpu", max_seq_len=32, cpu_options={"bf16_weight_copies": False})
     assert on.model.bf16_weight_bytes > 0 and off.model.bf16_weight_bytes == 0
