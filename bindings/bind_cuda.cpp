@@ -977,9 +977,10 @@ py::tuple expert_gemm_np(const py::object& x_o, const py::object& w_o, const py:
 }
 
 // moe_route + moe_group on host router logits [T, ldl >= E] (tests: fused = the one-launch
-// moe_route_group, else the two kernels): topk ids / weights and the schedule.
+// moe_route_group, else the two kernels; block_path: moe_route_group's block-per-token path even
+// where its two-barrier path applies): topk ids / weights and the schedule.
 py::dict moe_route_group_np(const py::object& lg_o, const py::object& bias_o, int E, int K, int G, int topk_group,
-                            bool norm_topk_prob, double scaling, int tile_rows, bool fused) {
+                            bool norm_topk_prob, double scaling, int tile_rows, bool fused, bool block_path) {
   auto lg = as_c<float>(lg_o, "logits", 2);
   auto bias = as_c<float>(bias_o, "bias", 1);
   const int T = (int)lg.shape(0), ldl = (int)lg.shape(1), A = T * K;
@@ -995,6 +996,7 @@ py::dict moe_route_group_np(const py::object& lg_o, const py::object& bias_o, in
   for (DevBuf* b : {&di, &dw, &counts, &offsets, &st, &so, &te, &tr, &nt}) b->poison();
   kc::RouteParams rp{dl.as<float>(), db.as<float>(), T, E, K, G, topk_group, norm_topk_prob ? 1 : 0, (float)scaling,
                      di.as<int32_t>(), dw.as<float>(), ldl};
+  rp.force_block = block_path ? 1 : 0;
   kc::MoeGroupParams gp{di.as<int32_t>(), T, K, E, tile_rows, counts.as<int32_t>(), offsets.as<int32_t>(),
                         st.as<int32_t>(), so.as<int32_t>(), te.as<int32_t>(), tr.as<int32_t>(), nt.as<int32_t>()};
   if (fused) {
@@ -1070,8 +1072,10 @@ void bind_cuda(py::module_& m) {
         "weight_copies and bytes (of one weight copy).");
   m.def("cuda_moe_route_group", &moe_route_group_np, py::arg("logits"), py::arg("bias"), py::arg("E"), py::arg("K"),
         py::arg("G"), py::arg("topk_group"), py::arg("norm_topk_prob"), py::arg("scaling"), py::arg("tile_rows"),
-        py::arg("fused"),
-        "MoE routing + expert schedule on router logits [T, >= E] (tests): fused = one launch (moe_route_group).");
+        py::arg("fused"), py::arg("block_path") = false,
+        "MoE routing + expert schedule on router logits [T, >= E] (tests): fused = one launch (moe_route_group); "
+        "block_path: its block-per-token path even where the two-barrier path (T <= 4, topk_group == G, K <= 32) "
+        "would run.");
   m.def("cuda_expert_gemm", &expert_gemm_np, py::arg("x"), py::arg("w"), py::arg("topk_idx"), py::arg("E"),
         py::arg("swiglu"), py::arg("tile_rows"), py::arg("kernel"), py::arg("bf16_weights") = false,
         "The grouped expert GEMM (tests): schedule of topk_idx [T, K] with tile_rows slots per tile, then "

@@ -451,6 +451,136 @@ __global__ void __launch_bounds__(kGroupSmallMax) moe_route_group_kernel(RoutePa
   group_small(gp);
 }
 
+// The same outputs for the common decode case in two block barriers instead of about ten: T <=
+// kRouteGroupMaxT tokens, no group masking (topk_group == G: mini-kimi, Kimi-K2), K <= 32. Thread
+// e (one per expert, blockDim = max(E, A) rounded up to a warp) routes expert e for every token at
+// once (in-warp rank by shuffles, then the rank among the warps' candidates, as route_token) and
+// so knows which tokens chose it (tmask); the schedule follows without a scan: expert e's slots
+// start after every assignment to a lower expert, its tiles after the tiles of the lower chosen
+// experts (each counted once, at its first token), and its slot for token t after the earlier
+// tokens that chose it (a token chooses an expert at most once). The router bias is read before
+// the PDL wait (a weight). moe_route_group_fast_ok says when it applies.
+constexpr int kFastRouteMaxK = 32;
+
+__global__ void __launch_bounds__(kGroupSmallMax) moe_route_group_fast_kernel(RouteParams rp, MoeGroupParams gp) {
+  pdl_trigger();
+  extern __shared__ float sm[];
+  const int E = rp.E, K = rp.K, T = rp.T, A = T * K, TR = gp.tile_rows;
+  const int e = threadIdx.x, lane = e & 31, warp = e >> 5, nw = blockDim.x >> 5, NC = nw * K;
+  float* cand_v = sm;                                          // [T][NC] candidate keys (NaN = empty)
+  int* cand_i = reinterpret_cast<int*>(cand_v + T * NC);      // [T][NC] candidate experts
+  float* sel_s = reinterpret_cast<float*>(cand_i + T * NC);   // [T][K] s of the chosen, by rank
+  int* sel_i = reinterpret_cast<int*>(sel_s + T * K);         // [T][K] chosen experts, by rank
+  int* cnt_s = sel_i + T * K;                                  // [E] tokens that chose expert e
+  int* tm_s = cnt_s + E;                                       // [E] their mask (bit t)
+  const float nanv = __int_as_float(0x7fffffff);
+  const float bias = e < E ? __ldg(rp.bias + e) : 0.f;
+  pdl_wait();
+  const int ldl = rp.ldl > 0 ? rp.ldl : E;
+  float sv[kRouteGroupMaxT], key[kRouteGroupMaxT];
+#pragma unroll
+  for (int t = 0; t < kRouteGroupMaxT; ++t) {
+    sv[t] = 0.f;
+    key[t] = nanv;
+    if (t < T && e < E) sv[t] = rp.logits[(size_t)t * ldl + e];
+  }
+#pragma unroll
+  for (int t = 0; t < kRouteGroupMaxT; ++t) {
+    if (t < T && e < E) {
+      sv[t] = 1.f / (1.f + expf(-sv[t]));
+      key[t] = nan_to_neg_inf(__fadd_rn(sv[t], bias));
+    }
+  }
+  // 1. in-warp ranks; the candidates (in-warp rank < K) go to fixed slots of their warp
+  int rw[kRouteGroupMaxT];
+#pragma unroll
+  for (int t = 0; t < kRouteGroupMaxT; ++t) rw[t] = 0;
+  for (int j = 0; j < 32; ++j) {
+#pragma unroll
+    for (int t = 0; t < kRouteGroupMaxT; ++t) {
+      const float v = __shfl_sync(kFull, key[t], j);
+      rw[t] += rank_before(v, j, key[t], lane);
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < kRouteGroupMaxT; ++t) {
+    if (t >= T) break;
+    const bool cand = key[t] == key[t] && rw[t] < K;
+    const int ncand = __popc(__ballot_sync(kFull, cand));
+    if (cand) {
+      cand_v[t * NC + warp * K + rw[t]] = key[t];
+      cand_i[t * NC + warp * K + rw[t]] = e;
+    }
+    if (lane >= ncand && lane < K) cand_v[t * NC + warp * K + lane] = nanv;
+  }
+  __syncthreads();
+  // 2. rank among all candidates: exact for the top-K
+  int tmask = 0;
+#pragma unroll
+  for (int t = 0; t < kRouteGroupMaxT; ++t) {
+    if (t >= T) break;
+    if (key[t] == key[t] && rw[t] < K) {
+      int r = 0;
+      for (int j = 0; j < NC; ++j) r += rank_before(cand_v[t * NC + j], cand_i[t * NC + j], key[t], e);
+      if (r < K) {
+        sel_i[t * K + r] = e;
+        sel_s[t * K + r] = sv[t];
+        tmask |= 1 << t;
+      }
+    }
+  }
+  if (e < E) {
+    cnt_s[e] = __popc(tmask);
+    tm_s[e] = tmask;
+  }
+  __syncthreads();
+  // weights, in selection order as the CPU
+  if (e < A) {
+    const int t = e / K, k = e % K;
+    float sum = 0.f;
+    for (int j = 0; j < K; ++j) sum = __fadd_rn(sum, sel_s[t * K + j]);
+    float w = sel_s[t * K + k];
+    if (rp.norm_topk_prob) w = __fdiv_rn(w, __fadd_rn(sum, 1e-20f));
+    rp.topk_idx[e] = sel_i[t * K + k];
+    rp.topk_w[e] = __fmul_rn(w, rp.routed_scaling_factor);
+  }
+  // the schedule: assignments and tiles of the lower experts (each chosen expert's tiles counted
+  // at its first token's entry)
+  if (e < E) {  // thread 0 is one of them (E >= 1)
+    int below = 0, tiles_below = 0, tiles_all = 0;
+    for (int j = 0; j < A; ++j) {
+      const int x = sel_i[j], t = j / K;
+      const bool first = (__ffs(tm_s[x]) - 1) == t;
+      const int nt = first ? (cnt_s[x] + TR - 1) / TR : 0;
+      below += x < e;
+      tiles_below += x < e ? nt : 0;
+      tiles_all += nt;
+    }
+    if (e == 0) {
+      gp.offsets[0] = 0;
+      *gp.num_tiles = tiles_all;
+    }
+    if (e < E) {
+      const int c = __popc(tmask);
+      gp.counts[e] = c;
+      gp.offsets[e + 1] = below + c;
+      for (int j = 0; j * TR < c; ++j) {
+        gp.tile_expert[tiles_below + j] = e;
+        gp.tile_row0[tiles_below + j] = below + j * TR;
+      }
+      int before = 0;  // earlier tokens that chose e
+      for (int t = 0; t < T; ++t) {
+        if (!(tmask >> t & 1)) continue;
+        const int slot = below + before++;
+        gp.slot_token[slot] = t;
+        int r = 0;  // e's rank for token t: its position in sel_i[t]
+        while (sel_i[t * K + r] != e) ++r;
+        gp.slot_of[t * K + r] = slot;
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- grouped expert GEMM, skinny
 // GEMV-style, for tiles of <= MS slots (decode: one slot per tile). Memory-bound: the point is to
 // have many of the tile's weight bytes in flight, each streamed once per tile.
@@ -871,6 +1001,9 @@ bool group_invalid(const MoeGroupParams& p) {
   return !p.topk_idx || !p.counts || !p.offsets || !p.slot_token || !p.slot_of || !p.tile_expert || !p.tile_row0 ||
          !p.num_tiles || p.T < 0 || p.K < 1 || p.E < 1 || p.tile_rows < 1;
 }
+bool moe_route_group_fast_ok(const RouteParams& p) {
+  return p.T >= 1 && p.T <= kRouteGroupMaxT && p.topk_group == p.G && p.K <= kFastRouteMaxK;
+}
 // dynamic shared memory of route_token for a block of `threads` (< 48 KiB for E <= 1024)
 size_t route_smem(const RouteParams& p, int threads) {
   const int nc = threads / 32 * (p.K < 32 ? p.K : 32);
@@ -895,6 +1028,11 @@ cudaError_t moe_route_group(const RouteParams& rp, const MoeGroupParams& gp, cud
   }
   if (route_invalid(rp) || group_invalid(gp)) return cudaErrorInvalidValue;
   const int n = A > rp.E ? A : rp.E, threads = (n + 31) / 32 * 32;
+  if (moe_route_group_fast_ok(rp) && !rp.force_block) {
+    const size_t smem = (size_t)(2 * rp.T * (threads / 32) * rp.K + 2 * rp.T * rp.K + 2 * rp.E) * 4;
+    launch_kernel(moe_route_group_fast_kernel, 1, threads, smem, stream, rp, gp);
+    return cudaGetLastError();
+  }
   launch_kernel(moe_route_group_kernel, 1, threads, route_smem(rp, threads), stream, rp, gp);
   return cudaGetLastError();
 }

@@ -155,6 +155,8 @@ struct RouteParams {
   int32_t* topk_idx;       // [T, K] in selection order
   float* topk_w;           // [T, K]
   int ldl = 0;             // logits row stride (0: E)
+  int force_block = 0;     // testing / A/B: moe_route_group's block-per-token path even where its two-barrier
+                           // path (T <= kRouteGroupMaxT, topk_group == G, K <= 32) would run; same results
 };
 cudaError_t moe_route(const RouteParams& p, cudaStream_t stream);
 

@@ -49,32 +49,52 @@ def test_schedule_equals_reference_and_two_pass(T, K, E, TR):
             assert got == [(int(e), int(r)) for e, r in tiles]
 
 
-@pytest.mark.parametrize("T,E,K,G,tg", [(1, 64, 8, 1, 1), (2, 64, 8, 1, 1), (4, 64, 8, 8, 4), (3, 256, 8, 8, 4),
-                                        (1, 6, 2, 2, 1), (4, 16, 8, 1, 1), (5, 64, 8, 1, 1), (17, 64, 8, 1, 1)])
-def test_route_group_one_launch_equals_two(T, E, K, G, tg):
+ROUTE_CASES = [(1, 64, 8, 1, 1), (2, 64, 8, 1, 1), (4, 64, 8, 8, 4), (3, 256, 8, 8, 4), (1, 6, 2, 2, 1),
+               (4, 16, 8, 1, 1), (5, 64, 8, 1, 1), (17, 64, 8, 1, 1),
+               # the two-barrier path (T <= 4, topk_group == G, K <= 32) at its edges: K = 32, more
+               # assignments than experts, Kimi-K2's 384 experts, all 1024, groups all kept
+               (1, 64, 32, 1, 1), (4, 6, 4, 1, 1), (3, 6, 6, 1, 1), (1, 384, 8, 1, 1), (4, 1024, 8, 1, 1),
+               (2, 64, 8, 4, 4), (4, 40, 32, 1, 1), (1, 2, 1, 1, 1)]
+
+
+@pytest.mark.parametrize("T,E,K,G,tg", ROUTE_CASES)
+@pytest.mark.parametrize("kind", ["normal", "ties", "nan"])
+def test_route_group_one_launch_equals_two(T, E, K, G, tg, kind):
     """moe_route_group (one block routes the few tokens, then builds the schedule; T <= 4) gives
-    bit for bit what moe_route + moe_group give, the ids agree with the float64 reference router,
-    and the schedule with the NumPy construction; logits with a row stride (the model's merged
-    [router | shared gate/up] rows) and T > 4 (the two-launch fallback) included."""
+    bit for bit what moe_route + moe_group give, with its two-barrier path (no group masking, K <=
+    32) and with its block-per-token path; the ids agree with the float64 reference router and the
+    schedule with the NumPy construction; logits with a row stride (the model's merged [router |
+    shared gate/up] rows), tied and NaN logits, tiles of 1 / 3 / 8 rows, and T > 4 (the two-launch
+    fallback) included."""
     from kdtree_native.reference.model import moe_route
     from types import SimpleNamespace
-    rng = np.random.default_rng(T * 100 + E)
+    rng = np.random.default_rng(T * 100 + E + K)
     pad = 7 if T % 2 else 0
     lg = (rng.standard_normal((T, E + pad)) * 2).astype(np.float32)
     bias = (rng.standard_normal(E) * 0.1).astype(np.float32)
-    one = N.cuda_moe_route_group(lg, bias, E, K, G, tg, True, 2.5, 8, True)
-    two = N.cuda_moe_route_group(lg, bias, E, K, G, tg, True, 2.5, 8, False)
-    for key in one:
-        assert np.array_equal(one[key], two[key]), key
+    if kind == "ties":  # few distinct selection values: the order falls to the expert index
+        lg = np.round(lg).astype(np.float32)
+        bias[:] = 0.0
+    elif kind == "nan":  # a NaN logit ranks as -inf (never chosen unless K needs it)
+        lg[:, rng.integers(0, E, max(1, E // 8))] = np.nan
+    for TR in (1, 3, 8):
+        one = N.cuda_moe_route_group(lg, bias, E, K, G, tg, True, 2.5, TR, True)
+        blk = N.cuda_moe_route_group(lg, bias, E, K, G, tg, True, 2.5, TR, True, block_path=True)
+        two = N.cuda_moe_route_group(lg, bias, E, K, G, tg, True, 2.5, TR, False)
+        for key in one:
+            assert np.array_equal(one[key], two[key], equal_nan=key == "topk_w"), (TR, key)
+            assert np.array_equal(blk[key], two[key], equal_nan=key == "topk_w"), (TR, key)
+        counts, offsets, slot_token, slot_of, tiles = reference(one["topk_idx"], E, TR)
+        assert np.array_equal(one["counts"], counts) and np.array_equal(one["offsets"], offsets)
+        assert np.array_equal(one["slot_token"], slot_token) and np.array_equal(one["slot_of"], slot_of)
+        n = int(one["num_tiles"][0])
+        assert list(zip(one["tile_expert"][:n].tolist(), one["tile_row0"][:n].tolist())) == \
+            [(int(e), int(r)) for e, r in tiles]
+    if kind == "nan":
+        return  # the float64 reference's order of NaN scores is not the kernels' (-inf) one
     cfg = SimpleNamespace(n_routed_experts=E, n_group=G, topk_group=tg, num_experts_per_tok=K, norm_topk_prob=True,
                           routed_scaling_factor=2.5)
     # the router's logits as x @ w^T with w = I: the reference routes the same scores
     ids, w = moe_route(cfg, lg[:, :E].astype(np.float64), np.eye(E), bias.astype(np.float64))
     assert np.array_equal(one["topk_idx"], ids.astype(np.int32))
     assert np.allclose(one["topk_w"], w, rtol=1e-5)
-    counts, offsets, slot_token, slot_of, tiles = reference(one["topk_idx"], E, 8)
-    assert np.array_equal(one["counts"], counts) and np.array_equal(one["offsets"], offsets)
-    assert np.array_equal(one["slot_token"], slot_token) and np.array_equal(one["slot_of"], slot_of)
-    n = int(one["num_tiles"][0])
-    assert list(zip(one["tile_expert"][:n].tolist(), one["tile_row0"][:n].tolist())) == \
-        [(int(e), int(r)) for e, r in tiles]
