@@ -44,6 +44,9 @@ constexpr int kCap = kSelectThreads * kSortE;  // candidates the select sorts (8
 constexpr int kMaxGroups = 16384;
 constexpr int kChunkMax = 6144;      // logits per topk_stats / topk_filter block (at most)
 constexpr int kLoadBatch = kChunkMax / kStatsThreads;  // global loads in flight per thread (a chunk: 24)
+// a chunk is at most one batch: at least 1024 groups per row, so a group (and a one-group chunk)
+// holds at most kTopkMaxV / 1024 logits
+static_assert(kTopkMaxV / 1024 <= kChunkMax, "topk_filter loads its chunk as one batch");
 
 __device__ __forceinline__ uint32_t float_key(float x) {
   if (x == 0.0f) x = 0.0f;  // -0 and +0 tie (as in the reference's stable argsort)
@@ -83,6 +86,7 @@ struct Plan {
   int nchunk;  // blocks per row in topk_stats
   int gpc;     // groups per chunk
   int chunk;   // logits per chunk = gpc * gs
+  int early = 1;  // EXPERIMENT knob (A/B), removed after
 };
 // KDTREE_TOPK_PROFILE (GPU builds only, off by default; build with
 // -Ccmake.define.CMAKE_CUDA_FLAGS=-DKDTREE_TOPK_PROFILE): thread 0 of the first and the last block
@@ -324,13 +328,14 @@ __global__ void __launch_bounds__(kStatsThreads) topk_stats_kernel(TopkParams p,
 }
 
 // ---------------------------------------------------------------- kernel 2: candidate filter
-// A lower bound of the k-th largest of v[0..n) (1 <= k <= n): the k-th largest with its low 10
-// bits cleared (the same value as two 11-bit radix passes give). Quaternary bisection over the
-// key space: 11 steps, each counting the values at or above three thresholds (warp reductions,
-// shared atomics into one of three rotating counter triples, one barrier). cnt: 9 ints of shared
-// memory. All threads call it.
+// A lower bound of the k-th largest of v[0..n) (1 <= k <= n): a key with at least k and at most
+// k + k/8 values at or above it, or else the k-th largest with its low 10 bits cleared (the same
+// value as two 11-bit radix passes give). Quaternary bisection over the key space: up to 11
+// steps, each counting the values at or above three thresholds (warp reductions, shared atomics
+// into one of three rotating counter triples, one barrier). cnt: 9 ints of shared memory. All
+// threads call it.
 template <int NT>
-__device__ uint32_t kth_bound(const uint32_t* v, int n, int k, int* cnt) {
+__device__ uint32_t kth_bound(const uint32_t* v, int n, int k, int* cnt, int early) {
   if (threadIdx.x < 9) cnt[threadIdx.x] = 0;
   __syncthreads();
   unsigned long long lo = 0, hi = 1ull << 32;  // count(>= lo) >= k > count(>= hi)
@@ -358,6 +363,12 @@ __device__ uint32_t kth_bound(const uint32_t* v, int n, int k, int* cnt) {
     if (threadIdx.x < 3) cnt[3 * ((step + 1) % 3) + threadIdx.x] = 0;
     __syncthreads();
     const int C1 = cb[0], C2 = cb[1], C3 = cb[2];
+    // close enough: a threshold with k .. k + k/8 values at or above it bounds as well as the exact
+    // one (at most k/8 more groups pass the filter); stop early (block-uniform: the same counts)
+    const int slack = early ? k + (k >> 3) : -1;  // EXPERIMENT knob (A/B), removed after
+    if (C3 >= k && C3 <= slack) return t3;
+    if (C2 >= k && C2 <= slack) return t2;
+    if (C1 >= k && C1 <= slack) return t1;
     if (C3 >= k) {
       lo = lo + 3 * q;
     } else if (C2 >= k) {
@@ -385,20 +396,22 @@ __global__ void __launch_bounds__(kStatsThreads) topk_filter_kernel(TopkParams p
   unsigned char* ws = (unsigned char*)p.workspace;
   const uint32_t* gsrc = (const uint32_t*)(ws + wl.o_gmax) + (size_t)row * pl.NG;
   for (int g = threadIdx.x; g < pl.NG; g += kStatsThreads) gk[g] = gsrc[g];
-  __syncthreads();
-  TOPK_PROF_MARK(1)  // group maxima in
-  const uint32_t g = kth_bound<kStatsThreads>(gk, pl.NG, p.k, misc);
-  TOPK_PROF_MARK(2)  // bound
+  // the chunk (one batch: chunk <= kChunkMax) is loaded while the bound is searched
   const long long c0 = (long long)ch * pl.chunk;
   const ChunkSpan cs = chunk_span(p, pl, row, ch);
   const int n = cs.n;
+  float v[kLoadBatch];
+  load_batch(cs.x, 0, n, v);
+  __syncthreads();
+  TOPK_PROF_MARK(1)  // group maxima in
+  const uint32_t g = kth_bound<kStatsThreads>(gk, pl.NG, p.k, misc, pl.early);
+  TOPK_PROF_MARK(2)  // bound
   int* cnt = (int*)(ws + wl.o_cnt) + row;
   uint32_t* ck = (uint32_t*)(ws + wl.o_ck) + (size_t)row * kCap;
   int32_t* ci = (int32_t*)(ws + wl.o_ci) + (size_t)row * kCap;
   const int lane = threadIdx.x & 31;
-  for (int base = 0; base < n; base += kStatsThreads * kLoadBatch) {  // uniform trip count: whole warps vote
-    float v[kLoadBatch];
-    load_batch(cs.x, base, n, v);
+  {
+    constexpr int base = 0;
 #pragma unroll
     for (int j = 0; j < kLoadBatch; ++j) {
       const int i = base + j * kStatsThreads + (int)threadIdx.x;
@@ -689,7 +702,8 @@ cudaError_t topk_logsoftmax(const TopkParams& p, cudaStream_t stream) {
   if (!p.logits || !p.logprobs || !p.ids || !p.workspace || p.D < 1 || p.D > kTreeMaxDepth ||
       p.V < 1 || p.V > kTopkMaxV || p.ld < p.V || p.k < 1 || p.k > p.V || p.k > kTopkMaxK)
     return cudaErrorInvalidValue;
-  const Plan pl = make_plan(p.V, p.k);
+  Plan pl = make_plan(p.V, p.k);
+  { const char* v = std::getenv("KDTREE_EXP_TOPK_EXACT"); pl.early = !(v && v[0] == '1'); }
   const WsLayout wl = ws_layout(p.D, pl);
   static size_t done1 = 48 * 1024, done2 = 48 * 1024, done3 = 48 * 1024;
   cudaError_t e = ensure_smem(topk_stats_kernel, stats_smem(pl), &done1);

@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 #include "launch.h"
 #include "model/vec_load.h"
@@ -127,15 +128,20 @@ __device__ __forceinline__ void rope_store(float a, float b, const float* cs, in
 // blockDim. Every global input is loaded up front (the first kPrepRegs of each kind per thread
 // into registers; longer rows re-read the rest), so the loads overlap each other and the cos/sin
 // computation; the barrier of the latent's sum of squares also publishes cos/sin. Same
-// arithmetic and reduction order as before.
+// arithmetic and reduction order as before. p.part 1 does the cache row only (latent and key
+// pairs), part 2 the query pairs only (pair u = half + i for thread slot i): the model runs the
+// two as separate launches so that the cache row need not wait for the q projection.
 constexpr int kPrepRegs = 4;
 
 __global__ void __launch_bounds__(256) mla_prep_kernel(MlaPrepParams p) {
   pdl_prologue();
   extern __shared__ float cs[];  // [R]: cos | sin
   __shared__ double red[32];
-  const int t = blockIdx.x, half = p.R / 2, C = p.C, H = p.H, Dn = p.Dn, Dqk = p.Dn + p.R;
-  const int tid = threadIdx.x, bd = blockDim.x, P = (H + 1) * half;
+  const int t = blockIdx.x, half = p.R / 2, H = p.H, Dn = p.Dn, Dqk = p.Dn + p.R;
+  // part 1: the cache row only (latent, key pairs u < half); part 2: the query pairs only
+  const int C = p.part == 2 ? 0 : p.C;
+  const int pb = p.part == 2 ? half : 0;  // pair u of thread slot i is pb + i
+  const int tid = threadIdx.x, bd = blockDim.x, P = (p.part == 1 ? 1 : H + 1) * half;
   const float* kv = p.kv + (size_t)t * p.ldkv;
   const float* q = p.q + (size_t)t * p.ldq;
   const int interleaved = p.interleaved;
@@ -145,7 +151,7 @@ __global__ void __launch_bounds__(256) mla_prep_kernel(MlaPrepParams p) {
   float lv[kPrepRegs], lw[kPrepRegs], ra[kPrepRegs], rb[kPrepRegs];
 #pragma unroll
   for (int m = 0; m < kPrepRegs; ++m) {
-    const int i = tid + m * bd, u = i;
+    const int i = tid + m * bd, u = pb + i;
     lv[m] = i < C ? kv[i] : 0.f;
     lw[m] = i < C ? __ldg(p.kv_norm_w + i) : 0.f;
     ra[m] = rb[m] = 0.f;
@@ -167,12 +173,12 @@ __global__ void __launch_bounds__(256) mla_prep_kernel(MlaPrepParams p) {
   float* qr = p.q_rope + (size_t)t * H * p.R;
 #pragma unroll
   for (int m = 0; m < kPrepRegs; ++m) {
-    const int i = tid + m * bd, u = i;
+    const int i = tid + m * bd, u = pb + i;
     if (i < C) row[i] = __fmul_rn(lw[m], __fmul_rn(lv[m], inv));
     if (u < P) rope_store(ra[m], rb[m], cs, half, u % half, u < half ? row + C : qr + (size_t)(u / half - 1) * p.R);
   }
   for (int i = tid + kPrepRegs * bd; i < C; i += bd) row[i] = __fmul_rn(p.kv_norm_w[i], __fmul_rn(kv[i], inv));
-  for (int u = tid + kPrepRegs * bd; u < P; u += bd) {
+  for (int u = pb + tid + kPrepRegs * bd; u < P; u += bd) {
     float a, b;
     rope_load(pair_src(u), half, u % half, interleaved, a, b);
     rope_store(a, b, cs, half, u % half, u < half ? row + C : qr + (size_t)(u / half - 1) * p.R);
@@ -977,6 +983,7 @@ cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream) {
       p.ldkv < p.C + p.R || p.ldq < p.H * (p.Dn + p.R) || p.row0 < 0)
     return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
+  if (p.part < 0 || p.part > 2) return cudaErrorInvalidValue;
   launch_kernel(mla_prep_kernel, p.T, threads_for(p.C), p.R * sizeof(float), stream, p);
   return cudaGetLastError();
 }
@@ -1028,7 +1035,8 @@ cudaError_t moe_route_group(const RouteParams& rp, const MoeGroupParams& gp, cud
   }
   if (route_invalid(rp) || group_invalid(gp)) return cudaErrorInvalidValue;
   const int n = A > rp.E ? A : rp.E, threads = (n + 31) / 32 * 32;
-  if (moe_route_group_fast_ok(rp) && !rp.force_block) {
+  const char* exp_env = std::getenv("KDTREE_EXP_ROUTE_BLOCK");  // EXPERIMENT knob (A/B), removed after
+  if (moe_route_group_fast_ok(rp) && !rp.force_block && !(exp_env && exp_env[0] == '1')) {
     const size_t smem = (size_t)(2 * rp.T * (threads / 32) * rp.K + 2 * rp.T * rp.K + 2 * rp.E) * 4;
     launch_kernel(moe_route_group_fast_kernel, 1, threads, smem, stream, rp, gp);
     return cudaGetLastError();
