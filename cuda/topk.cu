@@ -8,9 +8,10 @@
 //    log-sum-exp rounds to the same float32 as the NumPy reference's float64 sum), and the max
 //    key of each of the row's NG groups of gs consecutive logits (NG >= 8k, a power of 2); the
 //    row's first block also zeroes the row's candidate count.
-//  topk_filter (grid chunks x D): every block finds the same lower bound g of the k-th largest
-//    group max of its row (its first 22 bits, by 11 steps of a 4-way bisection of the key
-//    space over the NG group maxima; redundant per block but parallel): the k-th largest group
+//  topk_filter (grid chunks x D): every block loads its chunk and meanwhile finds the same lower
+//    bound g of the k-th largest group max of its row (a key with k .. k + k/8 group maxima at or
+//    above it, else the k-th largest's first 22 bits, by up to 11 steps of a 4-way bisection of
+//    the key space over the NG group maxima; redundant per block but parallel): the k-th largest group
 //    max is a lower bound of the row's k-th largest logit (k groups reach it), so the top k are
 //    among the logits >= g, ~1.07k for i.i.d. rows. The block appends its chunk's logits >= g
 //    (key, id) to the row's candidate list in the workspace (warp-aggregated atomics; the order
@@ -86,7 +87,6 @@ struct Plan {
   int nchunk;  // blocks per row in topk_stats
   int gpc;     // groups per chunk
   int chunk;   // logits per chunk = gpc * gs
-  int early = 1;  // EXPERIMENT knob (A/B), removed after
 };
 // KDTREE_TOPK_PROFILE (GPU builds only, off by default; build with
 // -Ccmake.define.CMAKE_CUDA_FLAGS=-DKDTREE_TOPK_PROFILE): thread 0 of the first and the last block
@@ -335,7 +335,7 @@ __global__ void __launch_bounds__(kStatsThreads) topk_stats_kernel(TopkParams p,
 // into one of three rotating counter triples, one barrier). cnt: 9 ints of shared memory. All
 // threads call it.
 template <int NT>
-__device__ uint32_t kth_bound(const uint32_t* v, int n, int k, int* cnt, int early) {
+__device__ uint32_t kth_bound(const uint32_t* v, int n, int k, int* cnt) {
   if (threadIdx.x < 9) cnt[threadIdx.x] = 0;
   __syncthreads();
   unsigned long long lo = 0, hi = 1ull << 32;  // count(>= lo) >= k > count(>= hi)
@@ -365,7 +365,7 @@ __device__ uint32_t kth_bound(const uint32_t* v, int n, int k, int* cnt, int ear
     const int C1 = cb[0], C2 = cb[1], C3 = cb[2];
     // close enough: a threshold with k .. k + k/8 values at or above it bounds as well as the exact
     // one (at most k/8 more groups pass the filter); stop early (block-uniform: the same counts)
-    const int slack = early ? k + (k >> 3) : -1;  // EXPERIMENT knob (A/B), removed after
+    const int slack = k + (k >> 3);
     if (C3 >= k && C3 <= slack) return t3;
     if (C2 >= k && C2 <= slack) return t2;
     if (C1 >= k && C1 <= slack) return t1;
@@ -404,17 +404,16 @@ __global__ void __launch_bounds__(kStatsThreads) topk_filter_kernel(TopkParams p
   load_batch(cs.x, 0, n, v);
   __syncthreads();
   TOPK_PROF_MARK(1)  // group maxima in
-  const uint32_t g = kth_bound<kStatsThreads>(gk, pl.NG, p.k, misc, pl.early);
+  const uint32_t g = kth_bound<kStatsThreads>(gk, pl.NG, p.k, misc);
   TOPK_PROF_MARK(2)  // bound
   int* cnt = (int*)(ws + wl.o_cnt) + row;
   uint32_t* ck = (uint32_t*)(ws + wl.o_ck) + (size_t)row * kCap;
   int32_t* ci = (int32_t*)(ws + wl.o_ci) + (size_t)row * kCap;
   const int lane = threadIdx.x & 31;
-  {
-    constexpr int base = 0;
+  {  // every thread runs every j (whole warps vote)
 #pragma unroll
     for (int j = 0; j < kLoadBatch; ++j) {
-      const int i = base + j * kStatsThreads + (int)threadIdx.x;
+      const int i = j * kStatsThreads + (int)threadIdx.x;
       const uint32_t kk = float_key(v[j]);
       const bool take = i < n && kk >= g;
       const unsigned vote = __ballot_sync(0xffffffffu, take);
@@ -702,8 +701,7 @@ cudaError_t topk_logsoftmax(const TopkParams& p, cudaStream_t stream) {
   if (!p.logits || !p.logprobs || !p.ids || !p.workspace || p.D < 1 || p.D > kTreeMaxDepth ||
       p.V < 1 || p.V > kTopkMaxV || p.ld < p.V || p.k < 1 || p.k > p.V || p.k > kTopkMaxK)
     return cudaErrorInvalidValue;
-  Plan pl = make_plan(p.V, p.k);
-  { const char* v = std::getenv("KDTREE_EXP_TOPK_EXACT"); pl.early = !(v && v[0] == '1'); }
+  const Plan pl = make_plan(p.V, p.k);
   const WsLayout wl = ws_layout(p.D, pl);
   static size_t done1 = 48 * 1024, done2 = 48 * 1024, done3 = 48 * 1024;
   cudaError_t e = ensure_smem(topk_stats_kernel, stats_smem(pl), &done1);

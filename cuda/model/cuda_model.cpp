@@ -21,7 +21,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 
 #include "common.h"
@@ -694,10 +693,18 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
 
   // [qa | kv] in one GEMM, then q.
   gemm_nt(T, lda, Dm, in, Dm, ly.qkv_a, qkv_a_out_, lda, 0.f, in_norm, c.rms_norm_eps);
-  // Cache rows (normed latent | roped key) and roped queries (mla_prep). The cache rows need only
-  // the kv part of qkv_a_out_: they are made beside the q projection and the W_UK product (on the
-  // side stream with opt_.side_stream), the roped queries once q_ is there, beside W_UK; joined
-  // before the attention. Same kernels on the same data either way, so the same bits.
+  if (qr > 0) {
+    if (in_norm) {  // fused: q_a's latent norm inside the q_b projection
+      gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk, 0.f, ly.q_a_ln, c.latent_norm_eps);
+    } else {
+      cuda::RmsNormParams np{qkv_a_out_, ly.q_a_ln, (int)T, (int)qr, (int)lda, (int)lda, c.latent_norm_eps, qkv_a_out_};
+      check_cuda(cuda::rmsnorm(np, st), "rmsnorm(q_a)");
+      gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk);
+    }
+  } else {
+    gemm_nt(T, H * Dqk, Dm, in, Dm, ly.q_b, q_, H * Dqk, 0.f, in_norm, c.rms_norm_eps);
+  }
+  // Cache rows (normed latent | roped key) and roped queries.
   cuda::MlaPrepParams mp{};
   mp.q = q_;
   mp.ldq = (int)(H * Dqk);
@@ -719,25 +726,8 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
   mp.row0 = len_d ? 0 : row0;  // graph replay: rows from *len_d
   mp.row0_dev = len_d;
   mp.q_rope = q_rope_;
-  const char* exp_env = std::getenv("KDTREE_EXP_PREP_SPLIT");  // EXPERIMENT knob (A/B), removed after
-  const bool split_prep = !(exp_env && exp_env[0] == '0');
-  if (split_prep) {
-    mp.part = 1;
-    check_cuda(cuda::mla_prep(mp, as_stream(fork())), "mla_prep(cache rows)");
-  }
-  if (qr > 0) {
-    if (in_norm) {  // fused: q_a's latent norm inside the q_b projection
-      gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk, 0.f, ly.q_a_ln, c.latent_norm_eps);
-    } else {
-      cuda::RmsNormParams np{qkv_a_out_, ly.q_a_ln, (int)T, (int)qr, (int)lda, (int)lda, c.latent_norm_eps, qkv_a_out_};
-      check_cuda(cuda::rmsnorm(np, st), "rmsnorm(q_a)");
-      gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk);
-    }
-  } else {
-    gemm_nt(T, H * Dqk, Dm, in, Dm, ly.q_b, q_, H * Dqk, 0.f, in_norm, c.rms_norm_eps);
-  }
-  // the roped queries (and the cache rows unless made above) beside the W_UK product
-  mp.part = split_prep ? 2 : 0;
+  // mla_prep (cache rows, roped queries) and the W_UK product both only read q_ / qkv_a_out_:
+  // with opt_.side_stream the prep runs beside the product, joined before the attention.
   check_cuda(cuda::mla_prep(mp, as_stream(fork())), "mla_prep");
   // Absorption: q_lat[t, h, :] = W_UK[h]^T q_nope[t, h, :], with W_UK[h]^T stored row-major [C, Dn] (w_ukT).
   if (Dn > 0) {

@@ -128,20 +128,15 @@ __device__ __forceinline__ void rope_store(float a, float b, const float* cs, in
 // blockDim. Every global input is loaded up front (the first kPrepRegs of each kind per thread
 // into registers; longer rows re-read the rest), so the loads overlap each other and the cos/sin
 // computation; the barrier of the latent's sum of squares also publishes cos/sin. Same
-// arithmetic and reduction order as before. p.part 1 does the cache row only (latent and key
-// pairs), part 2 the query pairs only (pair u = half + i for thread slot i): the model runs the
-// two as separate launches so that the cache row need not wait for the q projection.
+// arithmetic and reduction order as before.
 constexpr int kPrepRegs = 4;
 
 __global__ void __launch_bounds__(256) mla_prep_kernel(MlaPrepParams p) {
   pdl_prologue();
   extern __shared__ float cs[];  // [R]: cos | sin
   __shared__ double red[32];
-  const int t = blockIdx.x, half = p.R / 2, H = p.H, Dn = p.Dn, Dqk = p.Dn + p.R;
-  // part 1: the cache row only (latent, key pairs u < half); part 2: the query pairs only
-  const int C = p.part == 2 ? 0 : p.C;
-  const int pb = p.part == 2 ? half : 0;  // pair u of thread slot i is pb + i
-  const int tid = threadIdx.x, bd = blockDim.x, P = (p.part == 1 ? 1 : H + 1) * half;
+  const int t = blockIdx.x, half = p.R / 2, C = p.C, H = p.H, Dn = p.Dn, Dqk = p.Dn + p.R;
+  const int tid = threadIdx.x, bd = blockDim.x, P = (H + 1) * half;
   const float* kv = p.kv + (size_t)t * p.ldkv;
   const float* q = p.q + (size_t)t * p.ldq;
   const int interleaved = p.interleaved;
@@ -151,7 +146,7 @@ __global__ void __launch_bounds__(256) mla_prep_kernel(MlaPrepParams p) {
   float lv[kPrepRegs], lw[kPrepRegs], ra[kPrepRegs], rb[kPrepRegs];
 #pragma unroll
   for (int m = 0; m < kPrepRegs; ++m) {
-    const int i = tid + m * bd, u = pb + i;
+    const int i = tid + m * bd, u = i;
     lv[m] = i < C ? kv[i] : 0.f;
     lw[m] = i < C ? __ldg(p.kv_norm_w + i) : 0.f;
     ra[m] = rb[m] = 0.f;
@@ -173,12 +168,12 @@ __global__ void __launch_bounds__(256) mla_prep_kernel(MlaPrepParams p) {
   float* qr = p.q_rope + (size_t)t * H * p.R;
 #pragma unroll
   for (int m = 0; m < kPrepRegs; ++m) {
-    const int i = tid + m * bd, u = pb + i;
+    const int i = tid + m * bd, u = i;
     if (i < C) row[i] = __fmul_rn(lw[m], __fmul_rn(lv[m], inv));
     if (u < P) rope_store(ra[m], rb[m], cs, half, u % half, u < half ? row + C : qr + (size_t)(u / half - 1) * p.R);
   }
   for (int i = tid + kPrepRegs * bd; i < C; i += bd) row[i] = __fmul_rn(p.kv_norm_w[i], __fmul_rn(kv[i], inv));
-  for (int u = pb + tid + kPrepRegs * bd; u < P; u += bd) {
+  for (int u = tid + kPrepRegs * bd; u < P; u += bd) {
     float a, b;
     rope_load(pair_src(u), half, u % half, interleaved, a, b);
     rope_store(a, b, cs, half, u % half, u < half ? row + C : qr + (size_t)(u / half - 1) * p.R);
@@ -468,49 +463,50 @@ __global__ void __launch_bounds__(kGroupSmallMax) moe_route_group_kernel(RoutePa
 // the PDL wait (a weight). moe_route_group_fast_ok says when it applies.
 constexpr int kFastRouteMaxK = 32;
 
+template <int T>
 __global__ void __launch_bounds__(kGroupSmallMax) moe_route_group_fast_kernel(RouteParams rp, MoeGroupParams gp) {
   pdl_trigger();
   extern __shared__ float sm[];
-  const int E = rp.E, K = rp.K, T = rp.T, A = T * K, TR = gp.tile_rows;
+  const int E = rp.E, K = rp.K, A = T * K, TR = gp.tile_rows;
   const int e = threadIdx.x, lane = e & 31, warp = e >> 5, nw = blockDim.x >> 5, NC = nw * K;
   float* cand_v = sm;                                          // [T][NC] candidate keys (NaN = empty)
   int* cand_i = reinterpret_cast<int*>(cand_v + T * NC);      // [T][NC] candidate experts
   float* sel_s = reinterpret_cast<float*>(cand_i + T * NC);   // [T][K] s of the chosen, by rank
   int* sel_i = reinterpret_cast<int*>(sel_s + T * K);         // [T][K] chosen experts, by rank
-  int* cnt_s = sel_i + T * K;                                  // [E] tokens that chose expert e
-  int* tm_s = cnt_s + E;                                       // [E] their mask (bit t)
+  int* ent_nt = sel_i + T * K;                                // [T][K] tiles of the entry's expert at its
+                                                              // first token's entry, else 0
   const float nanv = __int_as_float(0x7fffffff);
   const float bias = e < E ? __ldg(rp.bias + e) : 0.f;
   pdl_wait();
   const int ldl = rp.ldl > 0 ? rp.ldl : E;
-  float sv[kRouteGroupMaxT], key[kRouteGroupMaxT];
+  float sv[T], key[T];
 #pragma unroll
-  for (int t = 0; t < kRouteGroupMaxT; ++t) {
+  for (int t = 0; t < T; ++t) {
     sv[t] = 0.f;
     key[t] = nanv;
-    if (t < T && e < E) sv[t] = rp.logits[(size_t)t * ldl + e];
+    if (e < E) sv[t] = rp.logits[(size_t)t * ldl + e];
   }
 #pragma unroll
-  for (int t = 0; t < kRouteGroupMaxT; ++t) {
-    if (t < T && e < E) {
+  for (int t = 0; t < T; ++t) {
+    if (e < E) {
       sv[t] = 1.f / (1.f + expf(-sv[t]));
       key[t] = nan_to_neg_inf(__fadd_rn(sv[t], bias));
     }
   }
   // 1. in-warp ranks; the candidates (in-warp rank < K) go to fixed slots of their warp
-  int rw[kRouteGroupMaxT];
+  int rw[T];
 #pragma unroll
-  for (int t = 0; t < kRouteGroupMaxT; ++t) rw[t] = 0;
+  for (int t = 0; t < T; ++t) rw[t] = 0;
+#pragma unroll 8
   for (int j = 0; j < 32; ++j) {
 #pragma unroll
-    for (int t = 0; t < kRouteGroupMaxT; ++t) {
+    for (int t = 0; t < T; ++t) {
       const float v = __shfl_sync(kFull, key[t], j);
       rw[t] += rank_before(v, j, key[t], lane);
     }
   }
 #pragma unroll
-  for (int t = 0; t < kRouteGroupMaxT; ++t) {
-    if (t >= T) break;
+  for (int t = 0; t < T; ++t) {
     const bool cand = key[t] == key[t] && rw[t] < K;
     const int ncand = __popc(__ballot_sync(kFull, cand));
     if (cand) {
@@ -521,13 +517,14 @@ __global__ void __launch_bounds__(kGroupSmallMax) moe_route_group_fast_kernel(Ro
   }
   __syncthreads();
   // 2. rank among all candidates: exact for the top-K
-  int tmask = 0;
+  int tmask = 0, rk[T];
 #pragma unroll
-  for (int t = 0; t < kRouteGroupMaxT; ++t) {
-    if (t >= T) break;
+  for (int t = 0; t < T; ++t) {
+    rk[t] = K;
     if (key[t] == key[t] && rw[t] < K) {
       int r = 0;
       for (int j = 0; j < NC; ++j) r += rank_before(cand_v[t * NC + j], cand_i[t * NC + j], key[t], e);
+      rk[t] = r;
       if (r < K) {
         sel_i[t * K + r] = e;
         sel_s[t * K + r] = sv[t];
@@ -535,10 +532,10 @@ __global__ void __launch_bounds__(kGroupSmallMax) moe_route_group_fast_kernel(Ro
       }
     }
   }
-  if (e < E) {
-    cnt_s[e] = __popc(tmask);
-    tm_s[e] = tmask;
-  }
+  const int c = __popc(tmask), first_t = __ffs(tmask) - 1;
+#pragma unroll
+  for (int t = 0; t < T; ++t)
+    if (rk[t] < K) ent_nt[t * K + rk[t]] = t == first_t ? (c + TR - 1) / TR : 0;
   __syncthreads();
   // weights, in selection order as the CPU
   if (e < A) {
@@ -554,10 +551,9 @@ __global__ void __launch_bounds__(kGroupSmallMax) moe_route_group_fast_kernel(Ro
   // at its first token's entry)
   if (e < E) {  // thread 0 is one of them (E >= 1)
     int below = 0, tiles_below = 0, tiles_all = 0;
+#pragma unroll 8
     for (int j = 0; j < A; ++j) {
-      const int x = sel_i[j], t = j / K;
-      const bool first = (__ffs(tm_s[x]) - 1) == t;
-      const int nt = first ? (cnt_s[x] + TR - 1) / TR : 0;
+      const int x = sel_i[j], nt = ent_nt[j];
       below += x < e;
       tiles_below += x < e ? nt : 0;
       tiles_all += nt;
@@ -566,23 +562,19 @@ __global__ void __launch_bounds__(kGroupSmallMax) moe_route_group_fast_kernel(Ro
       gp.offsets[0] = 0;
       *gp.num_tiles = tiles_all;
     }
-    if (e < E) {
-      const int c = __popc(tmask);
-      gp.counts[e] = c;
-      gp.offsets[e + 1] = below + c;
-      for (int j = 0; j * TR < c; ++j) {
-        gp.tile_expert[tiles_below + j] = e;
-        gp.tile_row0[tiles_below + j] = below + j * TR;
-      }
-      int before = 0;  // earlier tokens that chose e
-      for (int t = 0; t < T; ++t) {
-        if (!(tmask >> t & 1)) continue;
-        const int slot = below + before++;
-        gp.slot_token[slot] = t;
-        int r = 0;  // e's rank for token t: its position in sel_i[t]
-        while (sel_i[t * K + r] != e) ++r;
-        gp.slot_of[t * K + r] = slot;
-      }
+    gp.counts[e] = c;
+    gp.offsets[e + 1] = below + c;
+    for (int j = 0; j * TR < c; ++j) {
+      gp.tile_expert[tiles_below + j] = e;
+      gp.tile_row0[tiles_below + j] = below + j * TR;
+    }
+    int before = 0;  // earlier tokens that chose e
+#pragma unroll
+    for (int t = 0; t < T; ++t) {
+      if (rk[t] >= K) continue;
+      const int slot = below + before++;
+      gp.slot_token[slot] = t;
+      gp.slot_of[t * K + rk[t]] = slot;
     }
   }
 }
@@ -983,7 +975,6 @@ cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream) {
       p.ldkv < p.C + p.R || p.ldq < p.H * (p.Dn + p.R) || p.row0 < 0)
     return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
-  if (p.part < 0 || p.part > 2) return cudaErrorInvalidValue;
   launch_kernel(mla_prep_kernel, p.T, threads_for(p.C), p.R * sizeof(float), stream, p);
   return cudaGetLastError();
 }
@@ -1037,8 +1028,13 @@ cudaError_t moe_route_group(const RouteParams& rp, const MoeGroupParams& gp, cud
   const int n = A > rp.E ? A : rp.E, threads = (n + 31) / 32 * 32;
   const char* exp_env = std::getenv("KDTREE_EXP_ROUTE_BLOCK");  // EXPERIMENT knob (A/B), removed after
   if (moe_route_group_fast_ok(rp) && !rp.force_block && !(exp_env && exp_env[0] == '1')) {
-    const size_t smem = (size_t)(2 * rp.T * (threads / 32) * rp.K + 2 * rp.T * rp.K + 2 * rp.E) * 4;
-    launch_kernel(moe_route_group_fast_kernel, 1, threads, smem, stream, rp, gp);
+    const size_t smem = (size_t)(2 * rp.T * (threads / 32) * rp.K + 3 * rp.T * rp.K) * 4;
+    switch (rp.T) {
+      case 1: launch_kernel(moe_route_group_fast_kernel<1>, 1, threads, smem, stream, rp, gp); break;
+      case 2: launch_kernel(moe_route_group_fast_kernel<2>, 1, threads, smem, stream, rp, gp); break;
+      case 3: launch_kernel(moe_route_group_fast_kernel<3>, 1, threads, smem, stream, rp, gp); break;
+      default: launch_kernel(moe_route_group_fast_kernel<4>, 1, threads, smem, stream, rp, gp); break;
+    }
     return cudaGetLastError();
   }
   launch_kernel(moe_route_group_kernel, 1, threads, route_smem(rp, threads), stream, rp, gp);

@@ -124,7 +124,6 @@ struct MlaPrepParams {
                            // row0_dev: the offset added to *row0_dev (>= 0 either way)
   float* q_rope;           // [T, H, R]
   const int32_t* row0_dev; // [1] device base row (committed length), or nullptr (default)
-  int part = 0;            // 0 = all; 1 = the cache rows only (reads kv, not q); 2 = the roped queries only
 };
 cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream);
 
