@@ -1019,6 +1019,35 @@ py::dict moe_route_group_np(const py::object& lg_o, const py::object& bias_o, in
   return d;
 }
 
+// uv_combine on host arrays (tests): partials [S, T*H, C] (unnormalised O of each key split), ml [S,
+// T*H, 2] (max in the log2 domain, sum), w_uv [H, Dv, C] -> out [T, H * Dv]. w_bf16: the weights'
+// exact BF16 copy (uint16 high halves, every value of w_uv must be a BF16) is read instead.
+py::array_t<float> uv_combine_np(const py::object& part_o, const py::object& ml_o, const py::object& w_o, int T,
+                                 bool w_bf16) {
+  auto part = as_c<float>(part_o, "partials", 3);
+  auto ml = as_c<float>(ml_o, "ml", 3);
+  auto w = as_c<float>(w_o, "w_uv", 3);
+  const int S = (int)part.shape(0), M = (int)part.shape(1), C = (int)part.shape(2);
+  const int H = (int)w.shape(0), Dv = (int)w.shape(1);
+  if (T < 1 || M != T * H || ml.shape(0) != S || ml.shape(1) != M || ml.shape(2) != 2 || w.shape(2) != C ||
+      !kc::uv_combine_ok(T, S, C, Dv))
+    throw kdtree::Error("cuda_uv_combine: need partials [S, T*H, 512], ml [S, T*H, 2], w_uv [H, Dv, 512] with "
+                        "2 <= S <= 128, T <= 8, Dv a multiple of 16");
+  require_device();
+  const size_t np = (size_t)S * M * C, nm = (size_t)S * M * 2, nw = (size_t)H * Dv * C;
+  DevBuf ws(sizeof(float) * (np + nm)), dw(sizeof(float) * nw), db(w_bf16 ? 2 * nw : 0), dout(sizeof(float) * T * H * Dv);
+  check_cuda(cudaMemcpy(ws.p, part.data(), sizeof(float) * np, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+  check_cuda(cudaMemcpy(ws.as<float>() + np, ml.data(), sizeof(float) * nm, cudaMemcpyHostToDevice), "cudaMemcpy H2D");
+  dw.upload(w.data(), sizeof(float) * nw);
+  if (w_bf16) check_cuda(kc::f32_to_bf16_high(dw.as<float>(), db.as<uint16_t>(), (long long)nw, nullptr), "f32_to_bf16_high");
+  dout.poison();
+  kc::UvCombineParams p{ws.as<float>(), S, T, H, C, Dv, w_bf16 ? nullptr : dw.as<float>(),
+                        w_bf16 ? db.as<uint16_t>() : nullptr, dout.as<float>()};
+  check_cuda(kc::uv_combine(p, nullptr), "uv_combine");
+  check_cuda(cudaDeviceSynchronize(), "uv_combine");
+  return to_numpy<float>(dout, {T, H * Dv});
+}
+
 void bind_cuda(py::module_& m) {
   m.attr("cuda_kernels_compiled") = true;
   m.attr("CUDA_TREE_WARP_PATH_MAX_B") = kdtree::cuda::kTreeWarpPathMaxB;
@@ -1082,6 +1111,10 @@ void bind_cuda(py::module_& m) {
         "y[slot] = x[token] @ w[expert]^T (swiglu: silu(gate) * up); kernel 'gemv' (tile_rows 8), 'tiled' "
         "(64, no swiglu) or 'mma' (8, 16, 32 or 64). Returns (y [A, N] by slot, slot_token [A]). bf16_weights: "
         "the GEMV kernel reads an exact BF16 copy of w (every value must be a BF16).");
+  m.def("cuda_uv_combine", &uv_combine_np, py::arg("partials"), py::arg("ml"), py::arg("w_uv"), py::arg("T"),
+        py::arg("w_bf16") = false,
+        "The attention's split merge fused into the W_UV product (tests): partials [S, T*H, 512], ml [S, T*H, 2], "
+        "w_uv [H, Dv, 512] -> [T, H * Dv].");
   m.def("cuda_moe_group", &moe_group_np, py::arg("topk_idx"), py::arg("E"), py::arg("tile_rows"),
         py::arg("force_two_pass") = false,
         "The MoE expert schedule (moe_group) of int32 routing indices [T, K]: counts, offsets, slots, tiles.");

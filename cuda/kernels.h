@@ -157,6 +157,12 @@ struct VerifyAttentionParams {
                                 //   first kernel without PDL and writes no committed row within a
                                 //   step), so the kernels may load them before their PDL wait
                                 //   (launch.h); 0: only after it
+  int* defer_splits;            // optional HOST int: when set and the chosen kernel splits the keys
+                                //   into 2..defer_max_splits, the merge of the splits is left to the
+                                //   caller (no combine launch, `out` not written): the partials stay
+                                //   in the workspace as [S][T*H][C] unnormalised O, then [S][T*H][2]
+                                //   (max in the log2 domain, sum), and *defer_splits = S; else 0
+  int defer_max_splits;
 };
 // Bytes of workspace for these params: the most splits either kernel can use at any L' <= L
 // (deterministic, non-decreasing in L, at most 64 MiB); 0 when no split is possible.

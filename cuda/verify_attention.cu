@@ -1248,6 +1248,16 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
   if (!basic_ok(p)) return cudaErrorInvalidValue;
   const int M = p.T * p.H;
   const Choice c = choose(p);
+  if (p.defer_splits) *p.defer_splits = 0;
+  // the caller merges the splits (p.defer_splits): leave the partials, launch no combine
+  auto combine = [&](int splits) {
+    if (p.defer_splits && splits <= p.defer_max_splits) {
+      *p.defer_splits = splits;
+      return cudaSuccess;
+    }
+    launch_kernel(mla_verify_combine_kernel, M, kCombineThreads, 0, stream, p, splits);
+    return cudaGetLastError();
+  };
   static int tiled_state = 0, splitkv_state = 0, splitkv8_state = 0, splitkv4_state = 0;
   // DK = 32-wide d-chunks: measured on the H200 a little faster than 64 (which spills a few
   // registers), so it is the only instantiation of the tiled kernel.
@@ -1267,8 +1277,7 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
     if (c.splits > 1 && !p.workspace) return cudaErrorInvalidValue;
     cudaError_t e = launch_verify_mma(p, c.splits, stream);
     if (e != cudaSuccess || c.splits == 1) return e;
-    launch_kernel(mla_verify_combine_kernel, M, kCombineThreads, 0, stream, p, c.splits);
-    return cudaGetLastError();
+    return combine(c.splits);
   }
   const bool ok = c.kernel == 1   ? smem_attr_ok(mla_verify_fast_kernel<32>, (int)sizeof(Smem<32>), tiled_state, false)
                   : c.kernel == 2 && c.rows == 16
@@ -1294,8 +1303,7 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
   }
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || c.splits == 1) return e;
-  launch_kernel(mla_verify_combine_kernel, M, kCombineThreads, 0, stream, p, c.splits);
-  return cudaGetLastError();
+  return combine(c.splits);
 }
 
 }  // namespace cuda

@@ -759,9 +759,21 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
   vp.committed_ready = 1;  // the step's first kernel is ordered and no kernel of it writes rows < L
   if ((int64_t)cuda::verify_attention_workspace_bytes(vp) > attn_ws_bytes_)
     throw RuntimeFailure("CudaModel: internal error, verify_attention needs more workspace than was sized");
+  // Few tokens: the merge of the attention's key splits moves into the W_UV product (uv_combine).
+  int deferred = 0;
+  if (opt_.uv_combine && cuda::uv_combine_ok((int)T, 2, (int)C, (int)Dv)) {
+    vp.defer_splits = &deferred;
+    vp.defer_max_splits = cuda::kUvMaxS;
+  }
   check_cuda(cuda::verify_attention(vp, st), "verify_attention");
   // Values: ov[t, h, :] = o_lat[t, h, :] @ W_UV[h]^T, then x += ov @ o_proj^T.
-  gemm_nt_heads(T, Dv, C, o_lat_, H * C, C, ly.w_uv, ov_, H * Dv, Dv, H);
+  if (deferred > 1) {
+    cuda::UvCombineParams up{static_cast<const float*>(attn_ws_), deferred, (int)T, (int)H, (int)C, (int)Dv, ly.w_uv,
+                             bf16_of(ly.w_uv, H * Dv * C), ov_};
+    check_cuda(cuda::uv_combine(up, st), "uv_combine");
+  } else {
+    gemm_nt_heads(T, Dv, C, o_lat_, H * C, C, ly.w_uv, ov_, H * Dv, Dv, H);
+  }
   gemm_nt(T, Dm, H * Dv, ov_, H * Dv, ly.o_proj, x_, Dm, 1.f);
 }
 

@@ -65,6 +65,9 @@ struct CudaModelOptions {
                                    // to 48 tokens (linear_skinny, linear_tile, both expert kernels) read instead:
                                    // the same results from half the bytes, for +50 % weight memory
                                    // (docs/CUDA_MODEL.md)
+  bool uv_combine = true;        // steps of <= 8 tokens whose attention splits the keys merge the splits inside
+                                 // the W_UV product (uv_combine kernel: one launch instead of two; the same
+                                 // attention output, the W_UV sums in another order than linear_skinny's)
   bool graphs = true;            // forward_device replays a CUDA graph per (T, context bucket, buffers) from
                                  // the second call with the same shape on (docs/CUDA_MODEL.md)
   static constexpr int kMathDefault = 0, kMathPedantic = 1, kMathTf32 = 2;

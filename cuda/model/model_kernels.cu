@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 #include "launch.h"
 #include "model/vec_load.h"
@@ -579,6 +578,93 @@ __global__ void __launch_bounds__(kGroupSmallMax) moe_route_group_fast_kernel(Ro
   }
 }
 
+// ---------------------------------------------------------------- attention combine + W_UV
+// Block (h, y): head h, value rows v0 = 16 y + 2 w (+1) of warp w. The weights (16 floats of each
+// row per lane) are loaded before the PDL wait. Then warp t < T turns token t's split maxima and
+// sums into weights w_s = 2^(m_s - max) (0 for a split that saw no key) and w_s * l_s, thread i
+// merges columns 2i, 2i + 1 of each token's o_lat row over the splits in split order exactly as
+// mla_verify_combine_kernel does (den += w l; acc = fma(w, o, acc) where w != 0; acc * (1 / den)),
+// into shared memory, and each warp takes its two rows' dot products with the merged rows
+// (lane-strided float4 columns, a butterfly sum).
+constexpr int kUvThreads = 256, kUvRows = 16, kUvBatch = 8;
+
+template <bool BF>
+__global__ void __launch_bounds__(kUvThreads) uv_combine_kernel(UvCombineParams p) {
+  pdl_trigger();
+  __shared__ float sw[kUvMaxT][kUvMaxS], swl[kUvMaxT][kUvMaxS];
+  __shared__ __align__(16) float xs[kUvMaxT][512];
+  const int h = blockIdx.x, tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int C = 512, Dv = p.Dv, T = p.T, S = p.S, H = p.H, M = T * H;
+  const int v0 = blockIdx.y * kUvRows + 2 * warp;
+  float4 w[2][4];
+#pragma unroll
+  for (int r = 0; r < 2; ++r)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const size_t o = ((size_t)h * Dv + v0 + r) * C + 4 * lane + 128 * i;
+      if constexpr (BF) w[r][i] = ldg_bf16x4(p.w_uv_bf16 + o);
+      else w[r][i] = ldg_vec<float4>(p.w_uv + o);
+    }
+  pdl_wait();
+  const float* wso = p.partials;
+  const float* wsml = wso + (size_t)S * M * C;
+  if (warp < T) {
+    const int g = warp * H + h;
+    float mx = neg_inf();
+    for (int sp = lane; sp < S; sp += 32) mx = fmaxf(mx, wsml[((size_t)sp * M + g) * 2]);
+    for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, off));
+    for (int sp = lane; sp < S; sp += 32) {
+      const float m = wsml[((size_t)sp * M + g) * 2], l = wsml[((size_t)sp * M + g) * 2 + 1];
+      const float ws = m == neg_inf() ? 0.f : exp2f(m - mx);
+      sw[warp][sp] = ws;
+      swl[warp][sp] = ws * l;
+    }
+  }
+  __syncthreads();
+  for (int t = 0; t < T; ++t) {
+    const int g = t * H + h;
+    const float* src = wso + (size_t)g * C + 2 * tid;
+    float den = 0.f, a0 = 0.f, a1 = 0.f;
+    for (int s0 = 0; s0 < S; s0 += kUvBatch) {  // the batch's loads in flight together
+      float2 o[kUvBatch];
+#pragma unroll
+      for (int j = 0; j < kUvBatch; ++j)
+        o[j] = s0 + j < S ? *reinterpret_cast<const float2*>(src + (size_t)(s0 + j) * M * C) : make_float2(0.f, 0.f);
+#pragma unroll
+      for (int j = 0; j < kUvBatch; ++j) {
+        if (s0 + j < S) {
+          const float ws = sw[t][s0 + j];
+          den += swl[t][s0 + j];
+          if (ws != 0.f) {
+            a0 = fmaf(ws, o[j].x, a0);
+            a1 = fmaf(ws, o[j].y, a1);
+          }
+        }
+      }
+    }
+    const float inv = den > 0.f ? 1.f / den : 0.f;
+    xs[t][2 * tid] = a0 * inv;
+    xs[t][2 * tid + 1] = a1 * inv;
+  }
+  __syncthreads();
+  for (int t = 0; t < T; ++t) {
+    float acc[2] = {0.f, 0.f};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const float4 x = *reinterpret_cast<const float4*>(&xs[t][4 * lane + 128 * i]);
+#pragma unroll
+      for (int r = 0; r < 2; ++r)
+        acc[r] = acc[r] + (w[r][i].x * x.x + w[r][i].y * x.y + w[r][i].z * x.z + w[r][i].w * x.w);
+    }
+#pragma unroll
+    for (int r = 0; r < 2; ++r) {
+      float a = acc[r];
+      for (int off = 16; off > 0; off >>= 1) a += __shfl_xor_sync(kFull, a, off);
+      if (lane == 0) p.out[(size_t)t * H * Dv + (size_t)h * Dv + v0 + r] = a;
+    }
+  }
+}
+
 // ---------------------------------------------------------------- grouped expert GEMM, skinny
 // GEMV-style, for tiles of <= MS slots (decode: one slot per tile). Memory-bound: the point is to
 // have many of the tile's weight bytes in flight, each streamed once per tile.
@@ -979,6 +1065,20 @@ cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+bool uv_combine_ok(int T, int S, int C, int Dv) {
+  return T >= 1 && T <= kUvMaxT && S >= 2 && S <= kUvMaxS && C == 512 && Dv >= kUvRows && Dv % kUvRows == 0;
+}
+
+cudaError_t uv_combine(const UvCombineParams& p, cudaStream_t stream) {
+  if (!p.partials || !p.out || (!p.w_uv && !p.w_uv_bf16) || p.H < 1 || !uv_combine_ok(p.T, p.S, p.C, p.Dv) ||
+      !aligned16(p.partials) || (p.w_uv_bf16 ? !aligned8(p.w_uv_bf16) : !aligned16(p.w_uv)))
+    return cudaErrorInvalidValue;
+  const dim3 grid(p.H, p.Dv / kUvRows);
+  if (p.w_uv_bf16) launch_kernel(uv_combine_kernel<true>, grid, kUvThreads, 0, stream, p);
+  else launch_kernel(uv_combine_kernel<false>, grid, kUvThreads, 0, stream, p);
+  return cudaGetLastError();
+}
+
 cudaError_t swiglu(const SwigluParams& p, cudaStream_t stream) {
   if (!p.gu || !p.out || p.rows < 0 || p.I <= 0 || (p.ldg != 0 && p.ldg < 2LL * p.I)) return cudaErrorInvalidValue;
   const long long n = (long long)p.rows * p.I;
@@ -1026,8 +1126,7 @@ cudaError_t moe_route_group(const RouteParams& rp, const MoeGroupParams& gp, cud
   }
   if (route_invalid(rp) || group_invalid(gp)) return cudaErrorInvalidValue;
   const int n = A > rp.E ? A : rp.E, threads = (n + 31) / 32 * 32;
-  const char* exp_env = std::getenv("KDTREE_EXP_ROUTE_BLOCK");  // EXPERIMENT knob (A/B), removed after
-  if (moe_route_group_fast_ok(rp) && !rp.force_block && !(exp_env && exp_env[0] == '1')) {
+  if (moe_route_group_fast_ok(rp) && !rp.force_block) {
     const size_t smem = (size_t)(2 * rp.T * (threads / 32) * rp.K + 3 * rp.T * rp.K) * 4;
     switch (rp.T) {
       case 1: launch_kernel(moe_route_group_fast_kernel<1>, 1, threads, smem, stream, rp, gp); break;

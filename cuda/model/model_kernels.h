@@ -79,6 +79,22 @@ bool linear_tile_supported(const LinearParams& p);
 int linear_tile_rows(int T);  // token rows per tile for a T-token step (16, 24, 32 or 64)
 cudaError_t linear_tile(const LinearParams& p, cudaStream_t stream);
 
+// ---------------------------------------------------------------- attention combine + W_UV
+// out[t, h, :] = o_lat[t, h, :] @ W_UV[h]^T where o_lat is the merge of the attention's key splits
+// (verify_attention with defer_splits: partials [S][T*H][C] then [S][T*H][2]), merged with the
+// combine kernel's arithmetic (the same o_lat bits) inside this kernel: one launch instead of
+// two for steps of few tokens. Grid (H, Dv / 16), 256 threads; limits in uv_combine_ok.
+constexpr int kUvMaxT = 8, kUvMaxS = 128;
+struct UvCombineParams {
+  const float* partials;       // the attention workspace
+  int S, T, H, C, Dv;          // splits (2..kUvMaxS), tokens (<= kUvMaxT), heads, C = 512, Dv % 16 == 0
+  const float* w_uv;           // [H, Dv, C]
+  const uint16_t* w_uv_bf16;   // its exact BF16 copy or nullptr (then w_uv is read)
+  float* out;                  // [T, H * Dv]
+};
+bool uv_combine_ok(int T, int S, int C, int Dv);
+cudaError_t uv_combine(const UvCombineParams& p, cudaStream_t stream);
+
 // ---------------------------------------------------------------- embedding
 struct EmbedParams {
   const int32_t* tokens;   // [T]

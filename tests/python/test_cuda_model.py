@@ -733,3 +733,73 @@ def test_engine_on_cuda_equals_cpu(tmp_path):
     assert rel_to_scale(opt.prefill(ids), ref.prefill(ids)) < TOL
     with pytest.raises(ValueError, match="skinny_max_tokens"):
         kn.Engine.from_weights(cfg, w, device="cuda", max_seq_len=64, cuda_options={"skinny_max_tokens": 99})
+
+
+# ---- the attention's split merge inside the W_UV product (uv_combine) -----------------------
+
+def _uv_reference(part, ml, w, T):
+    """float64: o = sum_s 2^(m_s - max m) O_s / sum_s 2^(m_s - max m) l_s per row (0 where no split
+    saw a key), then out[t, h] = o[t * H + h] @ w[h]^T."""
+    m = ml[..., 0].astype(np.float64)
+    mx = m.max(axis=0)
+    wt = np.where(np.isneginf(m), 0.0, np.exp2(m - np.where(np.isneginf(mx), 0.0, mx)))
+    den = (wt * ml[..., 1]).sum(axis=0)
+    o = (wt[..., None] * part.astype(np.float64)).sum(axis=0)
+    o = np.where(den[:, None] > 0, o / np.where(den > 0, den, 1.0)[:, None], 0.0)
+    H = w.shape[0]
+    return np.einsum("thc,hvc->thv", o.reshape(T, H, -1), w.astype(np.float64)).reshape(T, -1)
+
+
+@pytest.mark.cuda
+@needs_device
+@pytest.mark.parametrize("T,S,H,Dv", [(1, 2, 16, 128), (1, 17, 16, 128), (2, 33, 4, 32), (4, 65, 16, 128),
+                                      (8, 128, 2, 16), (3, 9, 128, 128)])
+def test_uv_combine_kernel_matches_float64(T, S, H, Dv):
+    """The split merge + W_UV kernel against float64, with splits that saw no key (max -inf, also
+    every split of one row: that row's output is 0); the BF16-copy path equals the FP32 one bit
+    for bit on BF16-exact weights."""
+    from hf_models import to_bf16
+    rng = np.random.default_rng(T * 1000 + S)
+    M, C = T * H, 512
+    part = rng.standard_normal((S, M, C)).astype(np.float32)
+    ml = np.stack([rng.uniform(-8, 4, (S, M)), rng.uniform(0.5, 30, (S, M))], axis=-1).astype(np.float32)
+    ml[rng.random((S, M)) < 0.2, 0] = -np.inf  # empty splits (their partials are ignored)
+    part[np.isneginf(ml[..., 0])] = np.nan
+    ml[np.isneginf(ml[..., 0]), 1] = 0.0
+    ml[:, M - 1, 0] = -np.inf  # a row that saw nothing
+    ml[:, M - 1, 1] = 0.0
+    w = to_bf16((rng.standard_normal((H, Dv, C)) * 0.05).astype(np.float32))
+    got = _native.cuda_uv_combine(part, ml, w, T)
+    ref = _uv_reference(np.nan_to_num(part), ml, w, T)
+    assert np.isfinite(got).all()
+    assert np.abs(got - ref).max() <= 1e-5 * np.abs(ref).max()
+    assert np.all(got.reshape(T, H, Dv)[-1, -1] == 0.0)
+    assert np.array_equal(_native.cuda_uv_combine(part, ml, w, T, w_bf16=True), got)
+    with pytest.raises(ValueError):
+        _native.cuda_uv_combine(part[:1], ml[:1], w, T)  # one split: nothing to merge
+
+
+@pytest.mark.cuda
+@needs_device
+@pytest.mark.parametrize("attention_kernel", ["auto", "splitkv", "splitkv4", "mma", "tiled"])
+def test_uv_combine_model_matches_cpu_and_separate_kernels(attention_kernel):
+    """uv_combine=True (the default: steps of <= 8 tokens whose attention splits the keys merge the
+    splits in the W_UV product) against the CPU model and against uv_combine=False (the combine
+    kernel, then the W_UV projection): decode and trees of 2-8 tokens at a context long enough for
+    key splits, then a commit; caches within the parity bound."""
+    cpu, gpu, cfg = pair(MLA512, max_seq_len=512, attention_kernel=attention_kernel)
+    _, sep, _ = pair(MLA512, max_seq_len=512, attention_kernel=attention_kernel, uv_combine=False)
+    ids = prompt(cfg.vocab_size, 400, seed=40)
+    for m in (cpu, gpu, sep):
+        prefill(m, ids)
+    for T in (1, 2, 4, 8, 9):
+        parents, depths, vis = random_tree(T, seed=41 + T)
+        toks = prompt(cfg.vocab_size, T, seed=50 + T)
+        pos = cpu.cache_len + depths
+        a, b, c = cpu.forward(toks, pos, vis), gpu.forward(toks, pos, vis), sep.forward(toks, pos, vis)
+        assert rel_to_scale(b, a) < TOL, f"T={T} vs CPU"
+        assert rel_to_scale(b, c) < 1e-5, f"T={T} vs the separate kernels"
+        keep = path_to(parents, int(np.argmax(depths)))
+        for m in (cpu, gpu, sep):
+            m.commit(keep)
+    assert_same_cache(cpu, gpu, cfg)
