@@ -108,6 +108,9 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   if (opt.expert_mma_rows != 0 && opt.expert_mma_rows != 8 && opt.expert_mma_rows != 16 && opt.expert_mma_rows != 32 &&
       opt.expert_mma_rows != 64)
     throw Error("CudaModel: expert_mma_rows must be 0 (auto), 8, 16, 32 or 64, got " + std::to_string(opt.expert_mma_rows));
+  if (opt.uv_combine_max_tokens < 0 || opt.uv_combine_max_tokens > cuda::kUvMaxT)
+    throw Error("CudaModel: uv_combine_max_tokens must be 0.." + std::to_string(cuda::kUvMaxT) + ", got " +
+                std::to_string(opt.uv_combine_max_tokens));
   if (opt.skinny_max_tokens < -1 || opt.skinny_max_tokens > cuda::kLinearSkinnyMaxT)
     throw Error("CudaModel: skinny_max_tokens must be -1 (auto) or in [0, " + std::to_string(cuda::kLinearSkinnyMaxT) +
                 "], got " + std::to_string(opt.skinny_max_tokens));
@@ -761,7 +764,7 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
     throw RuntimeFailure("CudaModel: internal error, verify_attention needs more workspace than was sized");
   // Few tokens: the merge of the attention's key splits moves into the W_UV product (uv_combine).
   int deferred = 0;
-  if (opt_.uv_combine && cuda::uv_combine_ok((int)T, 2, (int)C, (int)Dv)) {
+  if (T <= opt_.uv_combine_max_tokens && cuda::uv_combine_ok((int)T, 2, (int)C, (int)Dv)) {
     vp.defer_splits = &deferred;
     vp.defer_max_splits = cuda::kUvMaxS;
   }

@@ -65,9 +65,10 @@ struct CudaModelOptions {
                                    // to 48 tokens (linear_skinny, linear_tile, both expert kernels) read instead:
                                    // the same results from half the bytes, for +50 % weight memory
                                    // (docs/CUDA_MODEL.md)
-  bool uv_combine = true;        // steps of <= 8 tokens whose attention splits the keys merge the splits inside
-                                 // the W_UV product (uv_combine kernel: one launch instead of two; the same
-                                 // attention output, the W_UV sums in another order than linear_skinny's)
+  int uv_combine_max_tokens = 1;  // steps of at most this many tokens (<= cuda::kUvMaxT; 0 = never) whose attention
+                                  // splits the keys merge the splits inside the W_UV product (uv_combine kernel:
+                                  // one launch instead of two; the same attention output, the W_UV sums in another
+                                  // order than linear_skinny's); decode only by default (docs/CUDA_MODEL.md)
   bool graphs = true;            // forward_device replays a CUDA graph per (T, context bucket, buffers) from
                                  // the second call with the same shape on (docs/CUDA_MODEL.md)
   static constexpr int kMathDefault = 0, kMathPedantic = 1, kMathTf32 = 2;

@@ -580,13 +580,14 @@ __global__ void __launch_bounds__(kGroupSmallMax) moe_route_group_fast_kernel(Ro
 
 // ---------------------------------------------------------------- attention combine + W_UV
 // Block (h, y): head h, value rows v0 = 16 y + 2 w (+1) of warp w. The weights (16 floats of each
-// row per lane) are loaded before the PDL wait. Then warp t < T turns token t's split maxima and
-// sums into weights w_s = 2^(m_s - max) (0 for a split that saw no key) and w_s * l_s, thread i
+// row per lane) are loaded before the PDL wait, the first batch of split partials (up to 32
+// splits of token 0) right after it, beside warp t < T turning token t's split maxima and sums
+// into weights w_s = 2^(m_s - max) (0 for a split that saw no key) and w_s * l_s. Thread i then
 // merges columns 2i, 2i + 1 of each token's o_lat row over the splits in split order exactly as
 // mla_verify_combine_kernel does (den += w l; acc = fma(w, o, acc) where w != 0; acc * (1 / den)),
 // into shared memory, and each warp takes its two rows' dot products with the merged rows
 // (lane-strided float4 columns, a butterfly sum).
-constexpr int kUvThreads = 256, kUvRows = 16, kUvBatch = 8;
+constexpr int kUvThreads = 256, kUvRows = 16, kUvBatch = 32;
 
 template <bool BF>
 __global__ void __launch_bounds__(kUvThreads) uv_combine_kernel(UvCombineParams p) {
@@ -608,28 +609,41 @@ __global__ void __launch_bounds__(kUvThreads) uv_combine_kernel(UvCombineParams 
   pdl_wait();
   const float* wso = p.partials;
   const float* wsml = wso + (size_t)S * M * C;
+  float2 o[kUvBatch];
+  auto load_batch = [&](int t, int s0) {  // splits s0 .. s0 + kUvBatch - 1 of token t, all in flight
+    const float* src = wso + (size_t)(t * H + h) * C + 2 * tid;
+#pragma unroll
+    for (int j = 0; j < kUvBatch; ++j)
+      o[j] = s0 + j < S ? *reinterpret_cast<const float2*>(src + (size_t)(s0 + j) * M * C) : make_float2(0.f, 0.f);
+  };
+  load_batch(0, 0);
   if (warp < T) {
     const int g = warp * H + h;
+    float mv[kUvMaxS / 32], lv[kUvMaxS / 32];
     float mx = neg_inf();
-    for (int sp = lane; sp < S; sp += 32) mx = fmaxf(mx, wsml[((size_t)sp * M + g) * 2]);
+#pragma unroll
+    for (int j = 0; j < kUvMaxS / 32; ++j) {
+      const int sp = lane + 32 * j;
+      mv[j] = sp < S ? wsml[((size_t)sp * M + g) * 2] : neg_inf();
+      lv[j] = sp < S ? wsml[((size_t)sp * M + g) * 2 + 1] : 0.f;
+      mx = fmaxf(mx, mv[j]);
+    }
     for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, off));
-    for (int sp = lane; sp < S; sp += 32) {
-      const float m = wsml[((size_t)sp * M + g) * 2], l = wsml[((size_t)sp * M + g) * 2 + 1];
-      const float ws = m == neg_inf() ? 0.f : exp2f(m - mx);
-      sw[warp][sp] = ws;
-      swl[warp][sp] = ws * l;
+#pragma unroll
+    for (int j = 0; j < kUvMaxS / 32; ++j) {
+      const int sp = lane + 32 * j;
+      if (sp < S) {
+        const float ws = mv[j] == neg_inf() ? 0.f : exp2f(mv[j] - mx);
+        sw[warp][sp] = ws;
+        swl[warp][sp] = ws * lv[j];
+      }
     }
   }
   __syncthreads();
   for (int t = 0; t < T; ++t) {
-    const int g = t * H + h;
-    const float* src = wso + (size_t)g * C + 2 * tid;
     float den = 0.f, a0 = 0.f, a1 = 0.f;
-    for (int s0 = 0; s0 < S; s0 += kUvBatch) {  // the batch's loads in flight together
-      float2 o[kUvBatch];
-#pragma unroll
-      for (int j = 0; j < kUvBatch; ++j)
-        o[j] = s0 + j < S ? *reinterpret_cast<const float2*>(src + (size_t)(s0 + j) * M * C) : make_float2(0.f, 0.f);
+    for (int s0 = 0; s0 < S; s0 += kUvBatch) {
+      if (t > 0 || s0 > 0) load_batch(t, s0);
 #pragma unroll
       for (int j = 0; j < kUvBatch; ++j) {
         if (s0 + j < S) {

@@ -783,12 +783,12 @@ def test_uv_combine_kernel_matches_float64(T, S, H, Dv):
 @needs_device
 @pytest.mark.parametrize("attention_kernel", ["auto", "splitkv", "splitkv4", "mma", "tiled"])
 def test_uv_combine_model_matches_cpu_and_separate_kernels(attention_kernel):
-    """uv_combine=True (the default: steps of <= 8 tokens whose attention splits the keys merge the
-    splits in the W_UV product) against the CPU model and against uv_combine=False (the combine
-    kernel, then the W_UV projection): decode and trees of 2-8 tokens at a context long enough for
-    key splits, then a commit; caches within the parity bound."""
-    cpu, gpu, cfg = pair(MLA512, max_seq_len=512, attention_kernel=attention_kernel)
-    _, sep, _ = pair(MLA512, max_seq_len=512, attention_kernel=attention_kernel, uv_combine=False)
+    """uv_combine_max_tokens (default 1: decode steps whose attention splits the keys merge the
+    splits in the W_UV product; here 8, every size it takes) against the CPU model and against 0
+    (the combine kernel, then the W_UV projection): decode and trees of 2-8 tokens at a context
+    long enough for key splits, then a commit; caches within the parity bound."""
+    cpu, gpu, cfg = pair(MLA512, max_seq_len=512, attention_kernel=attention_kernel, uv_combine_max_tokens=8)
+    _, sep, _ = pair(MLA512, max_seq_len=512, attention_kernel=attention_kernel, uv_combine_max_tokens=0)
     ids = prompt(cfg.vocab_size, 400, seed=40)
     for m in (cpu, gpu, sep):
         prefill(m, ids)
@@ -803,3 +803,5 @@ def test_uv_combine_model_matches_cpu_and_separate_kernels(attention_kernel):
         for m in (cpu, gpu, sep):
             m.commit(keep)
     assert_same_cache(cpu, gpu, cfg)
+    with pytest.raises(ValueError):
+        _native.CudaModel(cfg.to_native(), 64, uv_combine_max_tokens=9)
