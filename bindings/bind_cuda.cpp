@@ -1041,8 +1041,8 @@ py::array_t<float> uv_combine_np(const py::object& part_o, const py::object& ml_
   dw.upload(w.data(), sizeof(float) * nw);
   if (w_bf16) check_cuda(kc::f32_to_bf16_high(dw.as<float>(), db.as<uint16_t>(), (long long)nw, nullptr), "f32_to_bf16_high");
   dout.poison();
-  kc::UvCombineParams p{ws.as<float>(), S, T, H, C, Dv, w_bf16 ? nullptr : dw.as<float>(),
-                        w_bf16 ? db.as<uint16_t>() : nullptr, dout.as<float>()};
+  kc::UvCombineParams p{ws.as<float>(), S, T, H, C, Dv, dw.as<float>(), w_bf16 ? db.as<uint16_t>() : nullptr,
+                        dout.as<float>()};
   check_cuda(kc::uv_combine(p, nullptr), "uv_combine");
   check_cuda(cudaDeviceSynchronize(), "uv_combine");
   return to_numpy<float>(dout, {T, H * Dv});

@@ -771,10 +771,8 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
   check_cuda(cuda::verify_attention(vp, st), "verify_attention");
   // Values: ov[t, h, :] = o_lat[t, h, :] @ W_UV[h]^T, then x += ov @ o_proj^T.
   if (deferred > 1) {
-    const uint16_t* wb = bf16_of(ly.w_uv, H * Dv * C);
-    if (reinterpret_cast<uintptr_t>(wb) % 8 != 0) wb = nullptr;  // the kernel's 8-byte loads (always aligned here)
     cuda::UvCombineParams up{static_cast<const float*>(attn_ws_), deferred, (int)T, (int)H, (int)C, (int)Dv, ly.w_uv,
-                             wb, ov_};
+                             bf16_of(ly.w_uv, H * Dv * C), ov_};
     check_cuda(cuda::uv_combine(up, st), "uv_combine");
   } else {
     gemm_nt_heads(T, Dv, C, o_lat_, H * C, C, ly.w_uv, ov_, H * Dv, Dv, H);

@@ -212,6 +212,36 @@ __device__ __forceinline__ bool rank_before(float v, int i, float w, int j) {
 }
 __device__ __forceinline__ float nan_to_neg_inf(float v) { return v != v ? neg_inf() : v; }
 
+// A selectable expert (key not NaN) of in-warp rank rw < KC takes slot rw of its warp's KC candidate
+// slots; the warp's unused slots get NaN keys (they compare false). Whole warps call it.
+__device__ __forceinline__ void place_candidate(float key, int rw, int KC, int e, float* cand_v, int* cand_i) {
+  const int lane = e & 31, base = (e >> 5) * KC;
+  const bool cand = key == key && rw < KC;
+  const int ncand = __popc(__ballot_sync(kFull, cand));
+  if (cand) {  // candidates fill slots [0, ncand) of the warp's KC
+    cand_v[base + rw] = key;
+    cand_i[base + rw] = e;
+  }
+  if (lane >= ncand && lane < KC) cand_v[base + lane] = __int_as_float(0x7fffffff);
+}
+// The rank of expert e (key) among the NC candidates: exact for the top-K (all experts before one
+// of them are candidates), >= K for the rest.
+__device__ __forceinline__ int candidate_rank(const float* cand_v, const int* cand_i, int NC, float key, int e) {
+  int r = 0;
+  for (int j = 0; j < NC; ++j) r += rank_before(cand_v[j], cand_i[j], key, e);
+  return r;
+}
+// topk_idx / topk_w of a token's k-th choice from its choices by rank (sel_i, sel_s [K]): the
+// weight normalised by their sum in selection order (as the CPU), times the scaling factor.
+__device__ __forceinline__ void write_choice(const RouteParams& p, const float* sel_s, const int* sel_i, int t, int k) {
+  float sum = 0.f;
+  for (int j = 0; j < p.K; ++j) sum = __fadd_rn(sum, sel_s[j]);
+  float w = sel_s[k];
+  if (p.norm_topk_prob) w = __fdiv_rn(w, __fadd_rn(sum, 1e-20f));
+  p.topk_idx[(size_t)t * p.K + k] = sel_i[k];
+  p.topk_w[(size_t)t * p.K + k] = __fmul_rn(w, p.routed_scaling_factor);
+}
+
 // The routing of token t by one block of >= E threads (threads past E take part in the barriers
 // and scans only); sm: the dynamic shared memory sized by moe_route.
 __device__ void route_token(const RouteParams& p, int t, float* sm) {
@@ -224,7 +254,7 @@ __device__ void route_token(const RouteParams& p, int t, float* sm) {
   float* bsh = reinterpret_cast<float*>(sel_i + K);              // [E]  b (group path only)
   float* gs = bsh + E;                                            // [G]  group scores
   int* gsel = reinterpret_cast<int*>(gs + G);                     // [G]  group kept
-  const int e = threadIdx.x, lane = e & 31, warp = e >> 5;
+  const int e = threadIdx.x, lane = e & 31;
   const float nanv = __int_as_float(0x7fffffff);
   float sv = 0.f, key = nanv;  // key: the selection value b (NaN: not an expert / not selectable)
   if (e < E) {
@@ -265,31 +295,18 @@ __device__ void route_token(const RouteParams& p, int t, float* sm) {
     rw += rank_before(v, j, key, lane);
   }
   const bool cand = key == key && rw < KC;  // key == key: selectable
-  const int ncand = __popc(__ballot_sync(kFull, cand));
-  if (cand) {  // candidates fill slots [0, ncand) of the warp's KC
-    cand_v[warp * KC + rw] = key;
-    cand_i[warp * KC + rw] = e;
-  }
-  if (lane >= ncand && lane < KC) cand_v[warp * KC + lane] = nanv;
+  place_candidate(key, rw, KC, e, cand_v, cand_i);
   __syncthreads();
   // 2. rank among all candidates
   if (cand) {
-    int r = 0;
-    for (int j = 0; j < NC; ++j) r += rank_before(cand_v[j], cand_i[j], key, e);
+    const int r = candidate_rank(cand_v, cand_i, NC, key, e);
     if (r < K) {
       sel_i[r] = e;
       sel_s[r] = sv;
     }
   }
   __syncthreads();
-  for (int k = e; k < K; k += blockDim.x) {
-    float sum = 0.f;  // in selection order, as the CPU
-    for (int j = 0; j < K; ++j) sum = __fadd_rn(sum, sel_s[j]);
-    float w = sel_s[k];
-    if (p.norm_topk_prob) w = __fdiv_rn(w, __fadd_rn(sum, 1e-20f));
-    p.topk_idx[(size_t)t * K + k] = sel_i[k];
-    p.topk_w[(size_t)t * K + k] = __fmul_rn(w, p.routed_scaling_factor);
-  }
+  for (int k = e; k < K; k += blockDim.x) write_choice(p, sel_s, sel_i, t, k);
 }
 
 __global__ void __launch_bounds__(1024) moe_route_kernel(RouteParams p) {
@@ -467,7 +484,7 @@ __global__ void __launch_bounds__(kGroupSmallMax) moe_route_group_fast_kernel(Ro
   pdl_trigger();
   extern __shared__ float sm[];
   const int E = rp.E, K = rp.K, A = T * K, TR = gp.tile_rows;
-  const int e = threadIdx.x, lane = e & 31, warp = e >> 5, nw = blockDim.x >> 5, NC = nw * K;
+  const int e = threadIdx.x, lane = e & 31, nw = blockDim.x >> 5, NC = nw * K;
   float* cand_v = sm;                                          // [T][NC] candidate keys (NaN = empty)
   int* cand_i = reinterpret_cast<int*>(cand_v + T * NC);      // [T][NC] candidate experts
   float* sel_s = reinterpret_cast<float*>(cand_i + T * NC);   // [T][K] s of the chosen, by rank
@@ -505,15 +522,7 @@ __global__ void __launch_bounds__(kGroupSmallMax) moe_route_group_fast_kernel(Ro
     }
   }
 #pragma unroll
-  for (int t = 0; t < T; ++t) {
-    const bool cand = key[t] == key[t] && rw[t] < K;
-    const int ncand = __popc(__ballot_sync(kFull, cand));
-    if (cand) {
-      cand_v[t * NC + warp * K + rw[t]] = key[t];
-      cand_i[t * NC + warp * K + rw[t]] = e;
-    }
-    if (lane >= ncand && lane < K) cand_v[t * NC + warp * K + lane] = nanv;
-  }
+  for (int t = 0; t < T; ++t) place_candidate(key[t], rw[t], K, e, cand_v + t * NC, cand_i + t * NC);
   __syncthreads();
   // 2. rank among all candidates: exact for the top-K
   int tmask = 0, rk[T];
@@ -521,8 +530,7 @@ __global__ void __launch_bounds__(kGroupSmallMax) moe_route_group_fast_kernel(Ro
   for (int t = 0; t < T; ++t) {
     rk[t] = K;
     if (key[t] == key[t] && rw[t] < K) {
-      int r = 0;
-      for (int j = 0; j < NC; ++j) r += rank_before(cand_v[t * NC + j], cand_i[t * NC + j], key[t], e);
+      const int r = candidate_rank(cand_v + t * NC, cand_i + t * NC, NC, key[t], e);
       rk[t] = r;
       if (r < K) {
         sel_i[t * K + r] = e;
@@ -537,15 +545,7 @@ __global__ void __launch_bounds__(kGroupSmallMax) moe_route_group_fast_kernel(Ro
     if (rk[t] < K) ent_nt[t * K + rk[t]] = t == first_t ? (c + TR - 1) / TR : 0;
   __syncthreads();
   // weights, in selection order as the CPU
-  if (e < A) {
-    const int t = e / K, k = e % K;
-    float sum = 0.f;
-    for (int j = 0; j < K; ++j) sum = __fadd_rn(sum, sel_s[t * K + j]);
-    float w = sel_s[t * K + k];
-    if (rp.norm_topk_prob) w = __fdiv_rn(w, __fadd_rn(sum, 1e-20f));
-    rp.topk_idx[e] = sel_i[t * K + k];
-    rp.topk_w[e] = __fmul_rn(w, rp.routed_scaling_factor);
-  }
+  if (e < A) write_choice(rp, sel_s + (e / K) * K, sel_i + (e / K) * K, e / K, e % K);
   // the schedule: assignments and tiles of the lower experts (each chosen expert's tiles counted
   // at its first token's entry)
   if (e < E) {  // thread 0 is one of them (E >= 1)
@@ -576,6 +576,12 @@ __global__ void __launch_bounds__(kGroupSmallMax) moe_route_group_fast_kernel(Ro
       gp.slot_of[t * K + rk[t]] = slot;
     }
   }
+}
+
+// acc + the weights' products with x (one float, or four summed first): the GEMV kernels' step
+__device__ __forceinline__ float wdot(float w, float x, float acc) { return acc + w * x; }
+__device__ __forceinline__ float wdot(const float4& g4, const float4& x4, float acc) {
+  return acc + (g4.x * x4.x + g4.y * x4.y + g4.z * x4.z + g4.w * x4.w);
 }
 
 // ---------------------------------------------------------------- attention combine + W_UV
@@ -667,8 +673,7 @@ __global__ void __launch_bounds__(kUvThreads) uv_combine_kernel(UvCombineParams 
     for (int i = 0; i < 4; ++i) {
       const float4 x = *reinterpret_cast<const float4*>(&xs[t][4 * lane + 128 * i]);
 #pragma unroll
-      for (int r = 0; r < 2; ++r)
-        acc[r] = acc[r] + (w[r][i].x * x.x + w[r][i].y * x.y + w[r][i].z * x.z + w[r][i].w * x.w);
+      for (int r = 0; r < 2; ++r) acc[r] = wdot(w[r][i], x, acc[r]);
     }
 #pragma unroll
     for (int r = 0; r < 2; ++r) {
@@ -694,10 +699,6 @@ __global__ void __launch_bounds__(kUvThreads) uv_combine_kernel(UvCombineParams 
 // of the previous (shared-staged) kernel, so the same results.
 constexpr int kSkinnyWarps = 4, kSkinnyRW = 4;
 
-__device__ __forceinline__ float wdot(float w, float x, float acc) { return acc + w * x; }
-__device__ __forceinline__ float wdot(const float4& g4, const float4& x4, float acc) {
-  return acc + (g4.x * x4.x + g4.y * x4.y + g4.z * x4.z + g4.w * x4.w);
-}
 
 // BF (with VEC): the weights from w_bf16 (exact BF16 copies), widened as loaded: the same results.
 template <int MS, int U, bool SWI, bool VEC, bool BF = false>
@@ -1084,11 +1085,11 @@ bool uv_combine_ok(int T, int S, int C, int Dv) {
 }
 
 cudaError_t uv_combine(const UvCombineParams& p, cudaStream_t stream) {
-  if (!p.partials || !p.out || (!p.w_uv && !p.w_uv_bf16) || p.H < 1 || !uv_combine_ok(p.T, p.S, p.C, p.Dv) ||
-      !aligned16(p.partials) || (p.w_uv_bf16 ? !aligned8(p.w_uv_bf16) : !aligned16(p.w_uv)))
+  if (!p.partials || !p.out || !p.w_uv || p.H < 1 || !uv_combine_ok(p.T, p.S, p.C, p.Dv) || !aligned16(p.partials) ||
+      !aligned16(p.w_uv))
     return cudaErrorInvalidValue;
   const dim3 grid(p.H, p.Dv / kUvRows);
-  if (p.w_uv_bf16) launch_kernel(uv_combine_kernel<true>, grid, kUvThreads, 0, stream, p);
+  if (p.w_uv_bf16 && aligned8(p.w_uv_bf16)) launch_kernel(uv_combine_kernel<true>, grid, kUvThreads, 0, stream, p);
   else launch_kernel(uv_combine_kernel<false>, grid, kUvThreads, 0, stream, p);
   return cudaGetLastError();
 }

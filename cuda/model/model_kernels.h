@@ -89,7 +89,7 @@ struct UvCombineParams {
   const float* partials;       // the attention workspace
   int S, T, H, C, Dv;          // splits (2..kUvMaxS), tokens (<= kUvMaxT), heads, C = 512, Dv % 16 == 0
   const float* w_uv;           // [H, Dv, C]
-  const uint16_t* w_uv_bf16;   // its exact BF16 copy or nullptr (then w_uv is read)
+  const uint16_t* w_uv_bf16;   // its exact BF16 copy, read instead when given and 8-byte aligned, or nullptr
   float* out;                  // [T, H * Dv]
 };
 bool uv_combine_ok(int T, int S, int C, int Dv);
