@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "common.h"
@@ -154,6 +155,8 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   cudaStream_t stream;
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   stream_ = stream;
+  if (const char* e = std::getenv("KDTREE_EXP_PREP")) fuse_prep_ = std::strcmp(e, "0") != 0;  // EXPERIMENT
+  if (const char* e = std::getenv("KDTREE_EXP_NORM")) exp_old_norm_ = std::strcmp(e, "1") == 0 ? 1 : 0;  // EXPERIMENT
   if (opt.side_stream) {
     cudaStream_t side;
     check_cuda(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate(side)");
@@ -218,6 +221,7 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   ws.add(&q_, Tm * H * Dqk);
   ws.add(&q_lat_, Tm * H * C);
   ws.add(&q_rope_, Tm * H * R);
+  ws.add(&rope_cs_, Tm * R);
   ws.add(&o_lat_, Tm * H * C);
   ws.add(&ov_, Tm * H * Dv);
   ws.add(&gu_, gu_rows_cols);
@@ -597,6 +601,7 @@ void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64
   cuda::LinearParams lp{in, ldi, 0, w, 0, out, ldo, 0, (int)T, (int)N, (int)Kd, 1, beta, norm_w, norm_eps};
   lp.tile_math = opt_.tile_tensor_cores ? 0 : 1;
   lp.w_bf16 = bf16_of(w, N * Kd);  // read by linear_skinny / linear_tile, not by cuBLAS
+  lp.exp_old_norm = exp_old_norm_;  // EXPERIMENT
   const bool tile = T <= tile_max_t_ && cuda::linear_tile_supported(lp);  // (false with norm_w)
   const bool skinny = T <= skinny_max_t_ && (norm_w || !big || T <= skinny_big_max_t_);
   if (skinny && !(tile && tile_first(T))) {
@@ -616,17 +621,31 @@ void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64
                "sgemm");
 }
 
-void CudaModel::gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, int64_t in_head,
-                              const float* w, float* out, int64_t ldo, int64_t out_head, int64_t heads) {
+cuda::LinearParams CudaModel::heads_params(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi,
+                                           int64_t in_head, const float* w, float* out, int64_t ldo, int64_t out_head,
+                                           int64_t heads) const {
   cuda::LinearParams lp{in, ldi, in_head, w, N * Kd, out, ldo, out_head, (int)T, (int)N, (int)Kd, (int)heads, 0.f};
   lp.tile_math = opt_.tile_tensor_cores ? 0 : 1;
   lp.w_bf16 = bf16_of(w, heads * N * Kd);  // read by linear_skinny / linear_tile, not by cuBLAS
-  const bool tile = T <= tile_max_t_ && cuda::linear_tile_supported(lp);
-  if (T <= skinny_max_t_ && !(tile && tile_first(T))) {
+  return lp;
+}
+
+bool CudaModel::heads_skinny(const cuda::LinearParams& lp) const {
+  const bool tile = lp.T <= tile_max_t_ && cuda::linear_tile_supported(lp);
+  return lp.T <= skinny_max_t_ && !(tile && tile_first(lp.T));
+}
+
+void CudaModel::gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, int64_t in_head,
+                              const float* w, float* out, int64_t ldo, int64_t out_head, int64_t heads,
+                              const cuda::MlaPrepParams* prep) {
+  cuda::LinearParams lp = heads_params(T, N, Kd, in, ldi, in_head, w, out, ldo, out_head, heads);
+  if (heads_skinny(lp)) {
+    if (prep) lp.prep = *prep;
     check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny(heads)");
     return;
   }
-  if (tile) {
+  if (prep) throw RuntimeFailure("CudaModel: internal error, mla_prep fused into a product off the skinny kernel");
+  if (T <= tile_max_t_ && cuda::linear_tile_supported(lp)) {
     check_cuda(cuda::linear_tile(lp, as_stream(stream_)), "linear_tile(heads)");
     return;
   }
@@ -657,6 +676,11 @@ void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, co
   const int64_t Dm = c.hidden_size;
   cudaStream_t st = as_stream(stream_);
   cuda::EmbedParams ep{tokens_d, embed_, (int)T, (int)c.vocab_size, (int)Dm, x_};
+  ep.positions = positions_d;  // + the step's RoPE table, read by every layer's mla_prep
+  ep.inv_freq = inv_freq_;
+  ep.half = (int)(c.qk_rope_head_dim / 2);
+  ep.attention_factor = (float)c.rope_attention_factor;
+  ep.cs = rope_cs_;
   check_cuda(cuda::embed(ep, st), "embed");
   const bool fuse = fuse_norm(T);  // few tokens: the norms before q_a/kv_a, q_b and lm_head run in those kernels
   for (Layer& ly : layers_) {
@@ -714,31 +738,34 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
   mp.kv = qkv_a_out_ + qr;
   mp.ldkv = (int)lda;
   mp.kv_norm_w = ly.kv_a_ln;
-  mp.inv_freq = inv_freq_;
-  mp.positions = positions_d;
+  mp.cs = rope_cs_;
   mp.T = (int)T;
   mp.H = (int)H;
   mp.Dn = (int)Dn;
   mp.C = (int)C;
   mp.R = (int)R;
   mp.eps = c.latent_norm_eps;
-  mp.attention_factor = (float)c.rope_attention_factor;
   mp.interleaved = c.rope_interleave ? 1 : 0;
   mp.cache = ly.cache;
   mp.ldc = (int)CR;
   mp.row0 = len_d ? 0 : row0;  // graph replay: rows from *len_d
   mp.row0_dev = len_d;
   mp.q_rope = q_rope_;
-  // mla_prep (cache rows, roped queries) and the W_UK product both only read q_ / qkv_a_out_:
-  // with opt_.side_stream the prep runs beside the product, joined before the attention.
-  check_cuda(cuda::mla_prep(mp, as_stream(fork())), "mla_prep");
+  // mla_prep (cache rows, roped queries) and the W_UK product both only read q_ / qkv_a_out_. When
+  // the product runs on the skinny kernel, the preparation runs as extra blocks of that launch;
+  // else (opt_.side_stream) beside it on the side stream, joined before the attention.
   // Absorption: q_lat[t, h, :] = W_UK[h]^T q_nope[t, h, :], with W_UK[h]^T stored row-major [C, Dn] (w_ukT).
-  if (Dn > 0) {
-    gemm_nt_heads(T, C, Dn, q_, H * Dqk, Dqk, ly.w_ukT, q_lat_, H * C, C, H);
+  if (Dn > 0 && fuse_prep_ && heads_skinny(heads_params(T, C, Dn, q_, H * Dqk, Dqk, ly.w_ukT, q_lat_, H * C, C, H))) {
+    gemm_nt_heads(T, C, Dn, q_, H * Dqk, Dqk, ly.w_ukT, q_lat_, H * C, C, H, &mp);
   } else {
-    check_cuda(cudaMemsetAsync(q_lat_, 0, (size_t)(T * H * C) * sizeof(float), st), "cudaMemset(q_lat)");
+    check_cuda(cuda::mla_prep(mp, as_stream(fork())), "mla_prep");
+    if (Dn > 0) {
+      gemm_nt_heads(T, C, Dn, q_, H * Dqk, Dqk, ly.w_ukT, q_lat_, H * C, C, H);
+    } else {
+      check_cuda(cudaMemsetAsync(q_lat_, 0, (size_t)(T * H * C) * sizeof(float), st), "cudaMemset(q_lat)");
+    }
+    join();
   }
-  join();
   // Attention over the latent cache rows [0, row0) (all visible) and the T new rows (mask).
   cuda::VerifyAttentionParams vp{};
   vp.q_latent = q_lat_;

@@ -31,6 +31,10 @@
 #include "model/model.h"
 
 namespace kdtree {
+namespace cuda {
+struct LinearParams;
+struct MlaPrepParams;
+}  // namespace cuda
 
 struct CudaModelOptions {
   int64_t max_tokens = 0;        // most tokens per forward step; 0 = min(max_seq_len, 1025)
@@ -185,8 +189,13 @@ class CudaModel : public TargetModel {
                float* norm_out = nullptr);
   // per head h < heads: out[T, N] (ldo, at h * out_head) = in[T, Kd] (ldi, at h * in_head) @ w_h^T,
   // w_h = w + h * N * Kd row-major [N, Kd] (the absorbed MLA products W_UK, W_UV)
+  // (the absorbed MLA products W_UK, W_UV). prep: mla_prep's blocks in the same launch (only where
+  // heads_skinny says the product runs on linear_skinny).
   void gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, int64_t in_head, const float* w,
-                     float* out, int64_t ldo, int64_t out_head, int64_t heads);
+                     float* out, int64_t ldo, int64_t out_head, int64_t heads, const cuda::MlaPrepParams* prep = nullptr);
+  cuda::LinearParams heads_params(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, int64_t in_head,
+                                  const float* w, float* out, int64_t ldo, int64_t out_head, int64_t heads) const;
+  bool heads_skinny(const cuda::LinearParams& lp) const;  // gemm_nt_heads takes linear_skinny for lp
   // out[T, N] (ld ldo) = beta * out + swiglu(gu) @ w^T with gu [T, 2I] = [gate | up] rows, row
   // stride ldg (the down projection of an MLP): the SwiGLU inside linear_skinny for a few tokens
   // (kLinearSwigluFuseMaxT), else swiglu into act_ then a GEMM.
@@ -245,6 +254,8 @@ class CudaModel : public TargetModel {
   std::string device_name_;
   void* stream_ = nullptr;          // cudaStream_t
   void* side_ = nullptr;            // cudaStream_t: the second stream (opt_.side_stream), else nullptr
+  bool fuse_prep_ = true;           // EXPERIMENT (A/B): mla_prep inside the W_UK launch
+  int exp_old_norm_ = 0;            // EXPERIMENT (A/B): the previous RMSNorm prologue
   void* ev_fork_ = nullptr;         // cudaEvent_t: main -> side
   void* ev_join_ = nullptr;         // cudaEvent_t: side -> main
   // Side work: fork() makes the side stream wait for the main stream's work so far and returns the
@@ -285,6 +296,7 @@ class CudaModel : public TargetModel {
   float* qkv_a_out_ = nullptr;             // [Tm, qr + C + R]
   float* q_ = nullptr;                     // [Tm, H*Dqk]
   float *q_lat_ = nullptr, *q_rope_ = nullptr, *o_lat_ = nullptr;  // [Tm, H, C], [Tm, H, R], [Tm, H, C]
+  float* rope_cs_ = nullptr;               // [Tm, R] the step's RoPE cos | sin per token (embed writes it)
   float* ov_ = nullptr;                    // [Tm, H*Dv]
   float *gu_ = nullptr, *act_ = nullptr;   // dense / shared / tiled-expert [rows, 2I], [rows, I]
   float *ye_ = nullptr, *ys_ = nullptr;    // [Tm*K, Dm] expert outputs by slot, [Tm, Dm] shared

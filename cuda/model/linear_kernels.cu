@@ -28,12 +28,14 @@
 #include "warp_reduce.h"
 #include "model/vec_load.h"
 #include "model/device_math.h"
+#include "model/mla_prep.h"
 
 namespace kdtree {
 namespace cuda {
 namespace {
 
 constexpr int kLinWarps = 4;
+static_assert(kLinWarps * 32 == kPrepThreads, "mla_prep blocks inside a linear_skinny launch take its block size");
 
 template <class WT>
 __device__ __forceinline__ WT ld_weight(const float* p);
@@ -64,9 +66,11 @@ __device__ __forceinline__ float warp_sum(float v) {
 // RMSNorm prologue (NORM, p.norm_w): the x rows are normalised on the fly, x'[t, k] = norm_w[k] *
 // x[t, k] / rms(x[t]) (the sum of squares in double, as the rmsnorm kernel); each warp computes
 // the few rows' 1/rms itself (no barrier), after its first weight loads are issued, and scales
-// its sums by it.
+// its sums by it. Lane l sums x[t, l + 32 j] in ascending j; the loads of a chunk of CH j's of
+// every row are issued before any is summed (a loop of dependent L2 round trips before: Kd / 128
+// of them per row with the compiler's unroll by 4), the sums keep their order.
 template <int TT>
-__device__ __forceinline__ void row_inv_rms(const LinearParams& p, const float* X, int T, float* inv, int lane) {
+__device__ __forceinline__ void row_inv_rms_old(const LinearParams& p, const float* X, int T, float* inv, int lane) {
 #pragma unroll
   for (int t = 0; t < TT; ++t) {
     inv[t] = 1.f;
@@ -84,6 +88,39 @@ __device__ __forceinline__ void row_inv_rms(const LinearParams& p, const float* 
     }
   }
 }
+template <int TT>
+__device__ __forceinline__ void row_inv_rms(const LinearParams& p, const float* X, int T, float* inv, int lane) {
+  if (p.exp_old_norm) { row_inv_rms_old<TT>(p, X, T, inv, lane); return; }
+  constexpr int CH = TT == 1 ? 32 : TT == 2 ? 16 : 8;  // loads in flight per lane: CH * TT <= 32
+  double ss[TT];
+#pragma unroll
+  for (int t = 0; t < TT; ++t) ss[t] = 0.0;
+  for (int k0 = lane; k0 < p.Kd; k0 += 32 * CH) {
+    float v[TT][CH];
+#pragma unroll
+    for (int t = 0; t < TT; ++t)
+#pragma unroll
+      for (int j = 0; j < CH; ++j) {
+        const int k = k0 + 32 * j;
+        v[t][j] = t < T && k < p.Kd ? __ldg(X + (size_t)t * p.ldx + k) : 0.f;
+      }
+#pragma unroll
+    for (int t = 0; t < TT; ++t)
+#pragma unroll
+      for (int j = 0; j < CH; ++j)
+        if (k0 + 32 * j < p.Kd) ss[t] += (double)v[t][j] * (double)v[t][j];
+  }
+#pragma unroll
+  for (int t = 0; t < TT; ++t) {
+    inv[t] = 1.f;
+    if (t < T) {
+#pragma unroll
+      for (int o = 16; o >= 1; o >>= 1) ss[t] += __shfl_xor_sync(0xffffffffu, ss[t], o);
+      const float var = (float)(ss[t] / (double)p.Kd);
+      inv[t] = (float)(1.0 / sqrt((double)var + p.norm_eps));
+    }
+  }
+}
 __device__ __forceinline__ void scale(float& v, float g) { v *= g; }
 __device__ __forceinline__ void scale(float4& v, const float4& g) {
   v.x *= g.x;
@@ -95,7 +132,9 @@ __device__ __forceinline__ void scale(float4& v, const float4& g) {
 // PRO: the x prologue: 0 none, 1 RMSNorm (norm_w), 2 SwiGLU of [gate | up] rows (x_swiglu).
 // BF (with VEC): the weights come from w_bf16 (exact BF16 copies), widened as they are loaded; the
 // arithmetic is the FP32 path's, on the same values, so the results are the same bits.
-template <int RW, int TT, int U, int KS, bool VEC, int PRO, bool BF = false>
+// PREP (PRO 0, VEC): the launch has extra blocks that run mla_prep (LinearParams::prep); a template
+// parameter so that the other instantiations do not carry its registers.
+template <int RW, int TT, int U, int KS, bool VEC, int PRO, bool BF = false, bool PREP = false>
 __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearParams p) {
   static_assert(!BF || VEC, "BF16 weights on the vector path only");
   constexpr bool NORM = PRO == 1, SWI = PRO == 2;
@@ -103,6 +142,16 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
   constexpr int VW = VEC ? 4 : 1;
   constexpr int NV = RW * TT;            // outputs per row group: value i * TT + t
   constexpr int GROUPS = kLinWarps / KS; // row groups per block
+  if constexpr (PREP) {  // blocks past the product's nx columns: one token's MLA preparation each (mla_prep.h)
+    const int nx = (p.N + GROUPS * RW - 1) / (GROUPS * RW);
+    if ((int)blockIdx.x >= nx) {
+      __shared__ double red[32];
+      pdl_prologue();
+      const int t = ((blockIdx.x - nx) * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z;
+      if (t < p.prep.T) mla_prep_token(p.prep, t, red);
+      return;
+    }
+  }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int grp = warp / KS, kw = warp % KS;
   const int n0 = (blockIdx.x * GROUPS + grp) * RW;
@@ -142,24 +191,8 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
         }
       }
     };
-    int k0 = kw * U * STEP;
-    if (k0 < Kd) load_w(k0);  // in flight while the previous kernel finishes and the norm (if any) runs
-    pdl_wait();               // the weights are immutable; x, norm_w's rows and y come after the wait
-    float inv[NORM ? TT : 1];
-    if constexpr (NORM) {
-      row_inv_rms<TT>(p, X, T, inv, lane);
-      if (p.norm_out && blockIdx.x == 0 && blockIdx.y == 0 && warp == 0) {  // each slice its rows
-        // the normalised rows for later kernels, rounded as the rmsnorm kernel rounds them
-#pragma unroll
-        for (int t = 0; t < TT; ++t)
-          if (t < T)
-            for (int k = lane; k < Kd; k += 32)
-              p.norm_out[(size_t)(t0 + t) * p.ldn + k] =
-                  __fmul_rn(__ldg(p.norm_w + k), __fmul_rn(__ldg(X + (size_t)t * p.ldx + k), inv[t]));
-      }
-    }
-    while (k0 < Kd) {
-      WT gv[U];  // norm weights of the k-steps (NORM)
+    WT gv[NORM ? U : 1];  // norm weights of the k-steps (NORM; immutable like the weights)
+    auto load_g = [&](int k0) {
       if constexpr (NORM) {
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -168,6 +201,31 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
           else vzero(gv[u]);
         }
       }
+    };
+    int k0 = kw * U * STEP;
+    const bool oldn = p.exp_old_norm;
+    if (k0 < Kd) {  // in flight while the previous kernel finishes and the norm (if any) runs
+      load_w(k0);
+      if (!oldn) load_g(k0);
+    }
+    pdl_wait();  // the weights are immutable; x and y come after the wait
+    float inv[NORM ? TT : 1];
+    if constexpr (NORM) {
+      row_inv_rms<TT>(p, X, T, inv, lane);
+      if (p.norm_out && blockIdx.x == 0 && blockIdx.y == 0) {  // each slice its rows
+        // the normalised rows for later kernels, rounded as the rmsnorm kernel rounds them; split
+        // over block 0's live warps (warp w < nlive: its row group starts below N)
+        const int nlive = p.exp_old_norm ? 1 : min(kLinWarps, ((N + RW - 1) / RW) * KS);
+#pragma unroll
+        for (int t = 0; t < TT; ++t)
+          if (t < T)
+            for (int k = warp * 32 + lane; k < Kd && warp < nlive; k += nlive * 32)
+              p.norm_out[(size_t)(t0 + t) * p.ldn + k] =
+                  __fmul_rn(__ldg(p.norm_w + k), __fmul_rn(__ldg(X + (size_t)t * p.ldx + k), inv[t]));
+      }
+    }
+    while (k0 < Kd) {
+      if (oldn) load_g(k0);
 #pragma unroll
       for (int t = 0; t < TT; ++t) {
         if (t < T) {  // warp-uniform
@@ -191,7 +249,10 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
         }
       }
       k0 += KS * U * STEP;
-      if (k0 < Kd) load_w(k0);
+      if (k0 < Kd) {
+        load_w(k0);
+        if (!oldn) load_g(k0);
+      }
     }
     if constexpr (NORM) {
 #pragma unroll
@@ -243,6 +304,14 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
 // the vector path with FP32 or (bf) BF16 weights, or the scalar path (FP32 weights)
 template <int RW, int TT, int U, int KS, int PRO>
 void launch_pro(const LinearParams& p, bool vec, bool bf, dim3 grid, cudaStream_t stream) {
+  if constexpr (PRO == 0) {
+    if (vec && p.prep.T > 0) {  // + the mla_prep blocks
+      grid.x += (unsigned)((p.prep.T + grid.y * grid.z - 1) / (grid.y * grid.z));
+      if (bf) launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, 0, true, true>, grid, kLinWarps * 32, 0, stream, p);
+      else launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, 0, false, true>, grid, kLinWarps * 32, 0, stream, p);
+      return;
+    }
+  }
   if (vec && bf) launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, PRO, true>, grid, kLinWarps * 32, 0, stream, p);
   else if (vec) launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, PRO>, grid, kLinWarps * 32, 0, stream, p);
   else launch_kernel(linear_skinny_kernel<RW, TT, U, KS, false, PRO>, grid, kLinWarps * 32, 0, stream, p);
@@ -356,9 +425,17 @@ cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream) {
   if (p.force_config < 0 || p.force_config > kNumConfigs) return cudaErrorInvalidValue;
   // a forced configuration with the RMSNorm prologue needs a token capacity that has it
   if (p.force_config > 0 && p.norm_w && kConfigs[p.force_config - 1].TT > kLinearNormMaxT) return cudaErrorInvalidValue;
+  if (p.prep.T < 0 || (p.prep.T > 0 && (!mla_prep_valid(p.prep) || p.T == 0))) return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
   const bool vec = p.Kd % 4 == 0 && p.ldx % 4 == 0 && p.x_batch % 4 == 0 && p.w_batch % 4 == 0 && aligned16(p.x) &&
                    aligned16(p.w) && (!p.norm_w || aligned16(p.norm_w));
+  if (p.prep.T > 0 && (!vec || p.norm_w || p.x_swiglu)) {  // no fused blocks on these paths: its own launch first
+    const cudaError_t e = mla_prep(p.prep, stream);
+    if (e != cudaSuccess) return e;
+    LinearParams q = p;
+    q.prep.T = 0;
+    return linear_skinny(q, stream);
+  }
   if (p.force_config > 0) return launch_config(p.force_config - 1, p, vec, stream);
   return launch_config(auto_config(p, vec), p, vec, stream);
 }

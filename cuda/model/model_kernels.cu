@@ -11,6 +11,7 @@
 #include "launch.h"
 #include "model/vec_load.h"
 #include "model/device_math.h"
+#include "model/mla_prep.h"
 
 namespace kdtree {
 namespace cuda {
@@ -37,6 +38,15 @@ __device__ V block_sum(V v, V* red /* [32] shared */) {
 __global__ void embed_kernel(EmbedParams p) {
   pdl_prologue();
   const int t = blockIdx.x;
+  if (p.cs) {  // the step's RoPE table (ops.cpp rope_cos_sin)
+    const float pos = (float)p.positions[t];
+    float* cs = p.cs + (size_t)t * 2 * p.half;
+    for (int j = threadIdx.x; j < p.half; j += blockDim.x) {
+      const float ang = __fmul_rn(pos, p.inv_freq[j]);
+      cs[j] = __fmul_rn((float)cos((double)ang), p.attention_factor);
+      cs[p.half + j] = __fmul_rn((float)sin((double)ang), p.attention_factor);
+    }
+  }
   const int tok = p.tokens[t];
   float* o = p.out + (size_t)t * p.Dm;
   if (tok < 0 || tok >= p.V) {
@@ -48,22 +58,7 @@ __global__ void embed_kernel(EmbedParams p) {
 }
 
 // ---------------------------------------------------------------- RMSNorm (ops.cpp rmsnorm_row)
-__device__ __forceinline__ float rms_inv(double ss, int D, double eps) {
-  const float var = (float)(ss / (double)D);
-  return (float)(1.0 / sqrt((double)var + eps));
-}
-
-// block_sum for a block that reduces once (no barrier needed before the shared writes).
-template <class V>
-__device__ __forceinline__ V block_sum_once(V v, V* red /* [32] shared */) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  V t = V(0);
-  for (int w = 0; w < nw; ++w) t += red[w];
-  return t;
-}
+// (rms_inv, block_sum_once: device_math.h)
 
 // One block per row, threads_for(D) threads; thread i owns elements i + j * blockDim (j < NPT),
 // x and w both loaded into registers up front (the weight fetch overlaps the reduction; one pass
@@ -111,72 +106,11 @@ __global__ void rmsnorm_kernel(RmsNormParams p) {
 }
 
 // ---------------------------------------------------------------- MLA preparation
-// RoPE of one pair (ops.cpp rope_row): (a, b) = (x[2j], x[2j+1]) interleaved or (x[j], x[j+half]).
-__device__ __forceinline__ void rope_load(const float* x, int half, int j, int interleaved, float& a, float& b) {
-  a = interleaved ? x[2 * j] : x[j];
-  b = interleaved ? x[2 * j + 1] : x[j + half];
-}
-__device__ __forceinline__ void rope_store(float a, float b, const float* cs, int half, int j, float* y) {
-  const float c = cs[j], s = cs[half + j];
-  y[j] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-  y[j + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
-}
-
-// One block per token, threads_for(C) threads. Latent element i and rope pair u (u < half: the
-// key's pair u; else head h = u / half - 1, pair u % half) belong to thread i % blockDim, u %
-// blockDim. Every global input is loaded up front (the first kPrepRegs of each kind per thread
-// into registers; longer rows re-read the rest), so the loads overlap each other and the cos/sin
-// computation; the barrier of the latent's sum of squares also publishes cos/sin. Same
-// arithmetic and reduction order as before.
-constexpr int kPrepRegs = 4;
-
-__global__ void __launch_bounds__(256) mla_prep_kernel(MlaPrepParams p) {
+// One block of kPrepThreads per token (the block code in mla_prep.h).
+__global__ void __launch_bounds__(kPrepThreads) mla_prep_kernel(MlaPrepParams p) {
   pdl_prologue();
-  extern __shared__ float cs[];  // [R]: cos | sin
   __shared__ double red[32];
-  const int t = blockIdx.x, half = p.R / 2, C = p.C, H = p.H, Dn = p.Dn, Dqk = p.Dn + p.R;
-  const int tid = threadIdx.x, bd = blockDim.x, P = (H + 1) * half;
-  const float* kv = p.kv + (size_t)t * p.ldkv;
-  const float* q = p.q + (size_t)t * p.ldq;
-  const int interleaved = p.interleaved;
-  const float pos = (float)p.positions[t];
-  const long long row0 = p.row0_dev ? (long long)*p.row0_dev + p.row0 : p.row0;
-  auto pair_src = [&](int u) { return u < half ? kv + C : q + (size_t)(u / half - 1) * Dqk + Dn; };
-  float lv[kPrepRegs], lw[kPrepRegs], ra[kPrepRegs], rb[kPrepRegs];
-#pragma unroll
-  for (int m = 0; m < kPrepRegs; ++m) {
-    const int i = tid + m * bd, u = i;
-    lv[m] = i < C ? kv[i] : 0.f;
-    lw[m] = i < C ? __ldg(p.kv_norm_w + i) : 0.f;
-    ra[m] = rb[m] = 0.f;
-    if (u < P) rope_load(pair_src(u), half, u % half, interleaved, ra[m], rb[m]);
-  }
-  for (int j = tid; j < half; j += bd) {  // ops.cpp rope_cos_sin
-    const float ang = __fmul_rn(pos, p.inv_freq[j]);
-    cs[j] = __fmul_rn((float)cos((double)ang), p.attention_factor);
-    cs[half + j] = __fmul_rn((float)sin((double)ang), p.attention_factor);
-  }
-  double ss = 0.0;
-#pragma unroll
-  for (int m = 0; m < kPrepRegs; ++m)
-    if (tid + m * bd < C) ss += (double)lv[m] * (double)lv[m];
-  for (int i = tid + kPrepRegs * bd; i < C; i += bd) ss += (double)kv[i] * (double)kv[i];
-  ss = block_sum_once(ss, red);  // also orders the cs writes before the reads below
-  const float inv = rms_inv(ss, C, p.eps);
-  float* row = p.cache + (size_t)(row0 + t) * p.ldc;
-  float* qr = p.q_rope + (size_t)t * H * p.R;
-#pragma unroll
-  for (int m = 0; m < kPrepRegs; ++m) {
-    const int i = tid + m * bd, u = i;
-    if (i < C) row[i] = __fmul_rn(lw[m], __fmul_rn(lv[m], inv));
-    if (u < P) rope_store(ra[m], rb[m], cs, half, u % half, u < half ? row + C : qr + (size_t)(u / half - 1) * p.R);
-  }
-  for (int i = tid + kPrepRegs * bd; i < C; i += bd) row[i] = __fmul_rn(p.kv_norm_w[i], __fmul_rn(kv[i], inv));
-  for (int u = tid + kPrepRegs * bd; u < P; u += bd) {
-    float a, b;
-    rope_load(pair_src(u), half, u % half, interleaved, a, b);
-    rope_store(a, b, cs, half, u % half, u < half ? row + C : qr + (size_t)(u / half - 1) * p.R);
-  }
+  mla_prep_token(p, blockIdx.x, red);
 }
 
 // ---------------------------------------------------------------- SwiGLU (ops.cpp swiglu_row)
@@ -1049,6 +983,7 @@ int threads_for(int n) {
 // ---------------------------------------------------------------- launchers
 cudaError_t embed(const EmbedParams& p, cudaStream_t stream) {
   if (!p.tokens || !p.table || !p.out || p.T < 0 || p.V <= 0 || p.Dm <= 0) return cudaErrorInvalidValue;
+  if (p.cs && (!p.positions || !p.inv_freq || p.half <= 0)) return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
   // the step's first kernel: ordered (no PDL) so that the committed cache is complete for every
   // later kernel of the step (launch.h, VerifyAttentionParams::committed_ready)
@@ -1070,13 +1005,16 @@ cudaError_t rmsnorm(const RmsNormParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+bool mla_prep_valid(const MlaPrepParams& p) {
+  return p.q && p.kv && p.kv_norm_w && p.cs && p.cache && p.q_rope && p.T >= 0 && p.H > 0 && p.C > 0 && p.R > 0 &&
+         p.R % 2 == 0 && p.Dn >= 0 && p.ldc >= p.C + p.R && p.ldkv >= p.C + p.R && p.ldq >= p.H * (p.Dn + p.R) &&
+         p.row0 >= 0;
+}
+
 cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream) {
-  if (!p.q || !p.kv || !p.kv_norm_w || !p.inv_freq || !p.positions || !p.cache || !p.q_rope) return cudaErrorInvalidValue;
-  if (p.T < 0 || p.H <= 0 || p.C <= 0 || p.R <= 0 || p.R % 2 || p.Dn < 0 || p.ldc < p.C + p.R ||
-      p.ldkv < p.C + p.R || p.ldq < p.H * (p.Dn + p.R) || p.row0 < 0)
-    return cudaErrorInvalidValue;
+  if (!mla_prep_valid(p)) return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
-  launch_kernel(mla_prep_kernel, p.T, threads_for(p.C), p.R * sizeof(float), stream, p);
+  launch_kernel(mla_prep_kernel, p.T, kPrepThreads, 0, stream, p);
   return cudaGetLastError();
 }
 

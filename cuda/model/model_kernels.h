@@ -20,6 +20,36 @@
 namespace kdtree {
 namespace cuda {
 
+// ---------------------------------------------------------------- MLA preparation
+// Per token t: cache[r0 + t] = [kv_norm_w * rmsnorm(kv[t, :C]) | rope(kv[t, C:C+R])] with r0 =
+// row0, or r0 = *row0_dev + row0 when row0_dev is given (the committed length read on the device
+// at run time, so that the launch can be captured in a CUDA graph); q_rope[t, h] = rope(q[t, h,
+// Dn:Dn+R]). The rotation's cos / sin come from the step's RoPE table cs (written by embed,
+// EmbedParams::cs). RoPE input layout: interleaved pairs or NeoX halves; output layout: halves
+// (HF's for both). One block of kPrepThreads per token, standalone (mla_prep) or as extra blocks
+// of the W_UK product's linear_skinny launch (LinearParams::prep): the same block code, the same
+// bits.
+struct MlaPrepParams {
+  const float* q;          // [T, ldq] per head h: [nope (Dn) | rope (R)] at h * Dqk
+  int ldq;
+  const float* kv;         // [T, ldkv] [latent (C) | k_rope (R)]
+  int ldkv;
+  const float* kv_norm_w;  // [C]
+  const float* cs;         // [T, R] per token: cos (R/2) | sin (R/2), times the attention factor
+  int T, H, Dn, C, R;
+  double eps;              // latent norm eps
+  int interleaved;         // 1 = rope_interleave (pairs), 0 = NeoX halves
+  float* cache;            // [>= row0 + T, ldc] this layer's latent cache
+  int ldc;
+  long long row0;          // first cache row written (committed length + chunk offset); with
+                           // row0_dev: the offset added to *row0_dev (>= 0 either way)
+  float* q_rope;           // [T, H, R]
+  const int32_t* row0_dev; // [1] device base row (committed length), or nullptr (default)
+};
+constexpr int kPrepThreads = 128;
+bool mla_prep_valid(const MlaPrepParams& p);
+cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream);
+
 // ---------------------------------------------------------------- skinny linear layer
 // y[b][t, n] = beta * y[b][t, n] + sum_k x[b][t, k] * w[b][n, k] for b < batch, t < T, n < N, k < Kd:
 // w row-major [N, Kd] (PyTorch's nn.Linear layout), T <= kLinearSkinnyMaxT token rows. For the
@@ -53,6 +83,10 @@ struct LinearParams {
                                      // bytes. linear_skinny: with 16-byte aligned rows and an 8-byte aligned
                                      // w_bf16; linear_tile: tensor-core math, Kd and w_batch multiples of 8,
                                      // w_bf16 16-byte aligned; else w
+  int exp_old_norm = 0;           // EXPERIMENT (A/B): the previous RMSNorm prologue
+  MlaPrepParams prep{};           // linear_skinny: prep.T > 0 adds blocks to the launch that run mla_prep
+                                  // for the prep.T tokens beside the product (the W_UK product and the
+                                  // MLA preparation read the same inputs; one launch instead of two)
 };
 // One kernel configuration: RW weight rows per warp, TT token rows per slice (more tokens run in
 // balanced slices along grid.z), U k-steps of loads in flight per lane.
@@ -101,6 +135,14 @@ struct EmbedParams {
   const float* table;      // [V, Dm]
   int T, V, Dm;
   float* out;              // [T, Dm]; a token outside [0, V) gives a row of NaN
+  // optional, the step's RoPE table for mla_prep: cs[t] = [cos | sin](angle_j) * attention_factor
+  // with angle_j = float(positions[t]) * inv_freq[j] rounded to float, cos / sin in double (ops.cpp
+  // rope_cos_sin); computed once per step instead of once per layer
+  const int32_t* positions = nullptr;  // [T]
+  const float* inv_freq = nullptr;     // [half]
+  int half = 0;
+  float attention_factor = 1.f;
+  float* cs = nullptr;                 // [T, 2 half]
 };
 cudaError_t embed(const EmbedParams& p, cudaStream_t stream);
 
@@ -116,32 +158,7 @@ struct RmsNormParams {
 cudaError_t rmsnorm(const RmsNormParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------- MLA preparation
-// Per token t: cos/sin of positions[t] (angle rounded to float, cos/sin in double, times
-// attention_factor); cache[r0 + t] = [kv_norm_w * rmsnorm(kv[t, :C]) | rope(kv[t, C:C+R])] with
-// r0 = row0, or r0 = *row0_dev + row0 when row0_dev is given (the committed length read on the
-// device at run time, so that the launch can be captured in a CUDA graph);
-// q_rope[t, h] = rope(q[t, h, Dn:Dn+R]). RoPE input layout: interleaved pairs or NeoX halves;
-// output layout: halves (HF's for both).
-struct MlaPrepParams {
-  const float* q;          // [T, ldq] per head h: [nope (Dn) | rope (R)] at h * Dqk
-  int ldq;
-  const float* kv;         // [T, ldkv] [latent (C) | k_rope (R)]
-  int ldkv;
-  const float* kv_norm_w;  // [C]
-  const float* inv_freq;   // [R/2]
-  const int32_t* positions;// [T]
-  int T, H, Dn, C, R;
-  double eps;              // latent norm eps
-  float attention_factor;
-  int interleaved;         // 1 = rope_interleave (pairs), 0 = NeoX halves
-  float* cache;            // [>= row0 + T, ldc] this layer's latent cache
-  int ldc;
-  long long row0;          // first cache row written (committed length + chunk offset); with
-                           // row0_dev: the offset added to *row0_dev (>= 0 either way)
-  float* q_rope;           // [T, H, R]
-  const int32_t* row0_dev; // [1] device base row (committed length), or nullptr (default)
-};
-cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream);
+// mla_prep (cuda/model/mla_prep.h, declared above with the skinny linear layer, which can run it).
 
 // ---------------------------------------------------------------- SwiGLU
 // out[r, i] = silu(gu[r, i]) * gu[r, I + i]; rows r < *n_rows when n_rows (device) is given,
