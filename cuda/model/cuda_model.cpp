@@ -156,6 +156,7 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   stream_ = stream;
   if (const char* e = std::getenv("KDTREE_EXP_PREP")) fuse_prep_ = std::strcmp(e, "0") != 0;  // EXPERIMENT
+  if (const char* e = std::getenv("KDTREE_EXP_ATTN")) exp_attn_ordered_ = std::strcmp(e, "1") == 0 ? 1 : 0;  // EXPERIMENT
   if (const char* e = std::getenv("KDTREE_EXP_NORM")) exp_old_norm_ = std::strcmp(e, "1") == 0 ? 1 : 0;  // EXPERIMENT
   if (opt.side_stream) {
     cudaStream_t side;
@@ -786,7 +787,8 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
   vp.force_naive = opt_.attention_naive ? 1 : 0;
   vp.force_kernel = opt_.attention_kernel;
   vp.force_splitkv_rows = opt_.attention_rows;
-  vp.committed_ready = 1;  // the step's first kernel is ordered and no kernel of it writes rows < L
+  vp.committed_ready = 1;
+  vp.exp_ordered = exp_attn_ordered_;  // EXPERIMENT  // the step's first kernel is ordered and no kernel of it writes rows < L
   if ((int64_t)cuda::verify_attention_workspace_bytes(vp) > attn_ws_bytes_)
     throw RuntimeFailure("CudaModel: internal error, verify_attention needs more workspace than was sized");
   // Few tokens: the merge of the attention's key splits moves into the W_UV product (uv_combine).

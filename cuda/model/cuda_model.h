@@ -255,6 +255,7 @@ class CudaModel : public TargetModel {
   void* stream_ = nullptr;          // cudaStream_t
   void* side_ = nullptr;            // cudaStream_t: the second stream (opt_.side_stream), else nullptr
   bool fuse_prep_ = true;           // EXPERIMENT (A/B): mla_prep inside the W_UK launch
+  int exp_attn_ordered_ = 0;        // EXPERIMENT (A/B): the attention launched without PDL
   int exp_old_norm_ = 0;            // EXPERIMENT (A/B): the previous RMSNorm prologue
   void* ev_fork_ = nullptr;         // cudaEvent_t: main -> side
   void* ev_join_ = nullptr;         // cudaEvent_t: side -> main
