@@ -157,6 +157,7 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   stream_ = stream;
   if (const char* e = std::getenv("KDTREE_EXP_PREP")) fuse_prep_ = std::strcmp(e, "0") != 0;  // EXPERIMENT
   if (const char* e = std::getenv("KDTREE_EXP_ATTN")) exp_attn_ordered_ = std::strcmp(e, "1") == 0 ? 1 : 0;  // EXPERIMENT
+  if (const char* e = std::getenv("KDTREE_EXP_ONE")) exp_one_ = std::strcmp(e, "0") != 0;  // EXPERIMENT
   if (const char* e = std::getenv("KDTREE_EXP_NORM")) exp_old_norm_ = std::strcmp(e, "1") == 0 ? 1 : 0;  // EXPERIMENT
   if (opt.side_stream) {
     cudaStream_t side;
@@ -228,7 +229,8 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   ws.add(&gu_, gu_rows_cols);
   ws.add(&act_, gu_rows_cols / 2);
   if (any_moe) {
-    max_tiles_ = cuda::moe_max_tiles((int)A, (int)E, cuda::kExpertSkinnyRows);
+    max_tiles_ = std::max(cuda::moe_max_tiles((int)A, (int)E, cuda::kExpertSkinnyRows),
+                          cuda::moe_max_tiles((int)K, (int)E, 1));  // (one-slot tiles for one token)
     ws.add(&ye_, A * Dm);
     if (Is > 0) ws.add(&ys_, Tm * Dm);
     ws.add(&router_logits_, Tm * (E + 2 * Is));  // [T, E] or, merged, [T, E + 2 Is]
@@ -596,7 +598,8 @@ bool CudaModel::tile_first(int64_t T) const {
 }
 
 void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, const float* w, float* out,
-                        int64_t ldo, float beta, const float* norm_w, double norm_eps, float* norm_out) {
+                        int64_t ldo, float beta, const float* norm_w, double norm_eps, float* norm_out,
+                        const cuda::MlaPrepParams* prep) {
   if (norm_w && !fuse_norm(T)) throw RuntimeFailure("CudaModel: internal error, a fused RMSNorm outside fuse_norm");
   const bool big = N * Kd * (int64_t)sizeof(float) > kSkinnyBigBytes;
   cuda::LinearParams lp{in, ldi, 0, w, 0, out, ldo, 0, (int)T, (int)N, (int)Kd, 1, beta, norm_w, norm_eps};
@@ -608,9 +611,11 @@ void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64
   if (skinny && !(tile && tile_first(T))) {
     lp.norm_out = norm_out;
     lp.ldn = Kd;
+    if (prep) lp.prep = *prep;
     check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny");
     return;
   }
+  if (prep) throw RuntimeFailure("CudaModel: internal error, mla_prep fused into a product off the skinny kernel");
   if (tile) {  // (also big weights past skinny_big_max_tokens)
     check_cuda(cuda::linear_tile(lp, as_stream(stream_)), "linear_tile");
     return;
@@ -622,31 +627,17 @@ void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64
                "sgemm");
 }
 
-cuda::LinearParams CudaModel::heads_params(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi,
-                                           int64_t in_head, const float* w, float* out, int64_t ldo, int64_t out_head,
-                                           int64_t heads) const {
+void CudaModel::gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, int64_t in_head,
+                              const float* w, float* out, int64_t ldo, int64_t out_head, int64_t heads) {
   cuda::LinearParams lp{in, ldi, in_head, w, N * Kd, out, ldo, out_head, (int)T, (int)N, (int)Kd, (int)heads, 0.f};
   lp.tile_math = opt_.tile_tensor_cores ? 0 : 1;
   lp.w_bf16 = bf16_of(w, heads * N * Kd);  // read by linear_skinny / linear_tile, not by cuBLAS
-  return lp;
-}
-
-bool CudaModel::heads_skinny(const cuda::LinearParams& lp) const {
-  const bool tile = lp.T <= tile_max_t_ && cuda::linear_tile_supported(lp);
-  return lp.T <= skinny_max_t_ && !(tile && tile_first(lp.T));
-}
-
-void CudaModel::gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, int64_t in_head,
-                              const float* w, float* out, int64_t ldo, int64_t out_head, int64_t heads,
-                              const cuda::MlaPrepParams* prep) {
-  cuda::LinearParams lp = heads_params(T, N, Kd, in, ldi, in_head, w, out, ldo, out_head, heads);
-  if (heads_skinny(lp)) {
-    if (prep) lp.prep = *prep;
+  const bool tile = T <= tile_max_t_ && cuda::linear_tile_supported(lp);
+  if (T <= skinny_max_t_ && !(tile && tile_first(T))) {
     check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny(heads)");
     return;
   }
-  if (prep) throw RuntimeFailure("CudaModel: internal error, mla_prep fused into a product off the skinny kernel");
-  if (T <= tile_max_t_ && cuda::linear_tile_supported(lp)) {
+  if (tile) {
     check_cuda(cuda::linear_tile(lp, as_stream(stream_)), "linear_tile(heads)");
     return;
   }
@@ -719,20 +710,7 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
   const int64_t qr = c.q_lora_rank, lda = qr + CR;
   cudaStream_t st = as_stream(stream_);
 
-  // [qa | kv] in one GEMM, then q.
-  gemm_nt(T, lda, Dm, in, Dm, ly.qkv_a, qkv_a_out_, lda, 0.f, in_norm, c.rms_norm_eps);
-  if (qr > 0) {
-    if (in_norm) {  // fused: q_a's latent norm inside the q_b projection
-      gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk, 0.f, ly.q_a_ln, c.latent_norm_eps);
-    } else {
-      cuda::RmsNormParams np{qkv_a_out_, ly.q_a_ln, (int)T, (int)qr, (int)lda, (int)lda, c.latent_norm_eps, qkv_a_out_};
-      check_cuda(cuda::rmsnorm(np, st), "rmsnorm(q_a)");
-      gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk);
-    }
-  } else {
-    gemm_nt(T, H * Dqk, Dm, in, Dm, ly.q_b, q_, H * Dqk, 0.f, in_norm, c.rms_norm_eps);
-  }
-  // Cache rows (normed latent | roped key) and roped queries.
+  // Cache rows (normed latent | roped key) and roped queries: mla_prep.
   cuda::MlaPrepParams mp{};
   mp.q = q_;
   mp.ldq = (int)(H * Dqk);
@@ -752,21 +730,37 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
   mp.row0 = len_d ? 0 : row0;  // graph replay: rows from *len_d
   mp.row0_dev = len_d;
   mp.q_rope = q_rope_;
-  // mla_prep (cache rows, roped queries) and the W_UK product both only read q_ / qkv_a_out_. When
-  // the product runs on the skinny kernel, the preparation runs as extra blocks of that launch;
-  // else (opt_.side_stream) beside it on the side stream, joined before the attention.
-  // Absorption: q_lat[t, h, :] = W_UK[h]^T q_nope[t, h, :], with W_UK[h]^T stored row-major [C, Dn] (w_ukT).
-  if (Dn > 0 && fuse_prep_ && heads_skinny(heads_params(T, C, Dn, q_, H * Dqk, Dqk, ly.w_ukT, q_lat_, H * C, C, H))) {
-    gemm_nt_heads(T, C, Dn, q_, H * Dqk, Dqk, ly.w_ukT, q_lat_, H * C, C, H, &mp);
-  } else {
-    check_cuda(cuda::mla_prep(mp, as_stream(fork())), "mla_prep");
-    if (Dn > 0) {
-      gemm_nt_heads(T, C, Dn, q_, H * Dqk, Dqk, ly.w_ukT, q_lat_, H * C, C, H);
+
+  // [qa | kv] in one GEMM, then q. The cache rows need only kv: with the fused norm (few tokens) they
+  // are written by extra blocks of the q_b launch, and only the roped queries are left for mla_prep.
+  gemm_nt(T, lda, Dm, in, Dm, ly.qkv_a, qkv_a_out_, lda, 0.f, in_norm, c.rms_norm_eps);
+  bool rows_done = false;
+  if (qr > 0) {
+    if (in_norm) {  // fused: q_a's latent norm inside the q_b projection
+      cuda::MlaPrepParams rows = mp;
+      rows.parts = cuda::kPrepCacheRows;
+      rows_done = fuse_prep_;
+      gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk, 0.f, ly.q_a_ln, c.latent_norm_eps, nullptr,
+              rows_done ? &rows : nullptr);
     } else {
-      check_cuda(cudaMemsetAsync(q_lat_, 0, (size_t)(T * H * C) * sizeof(float), st), "cudaMemset(q_lat)");
+      cuda::RmsNormParams np{qkv_a_out_, ly.q_a_ln, (int)T, (int)qr, (int)lda, (int)lda, c.latent_norm_eps, qkv_a_out_};
+      check_cuda(cuda::rmsnorm(np, st), "rmsnorm(q_a)");
+      gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk);
     }
-    join();
+  } else {
+    gemm_nt(T, H * Dqk, Dm, in, Dm, ly.q_b, q_, H * Dqk, 0.f, in_norm, c.rms_norm_eps);
   }
+  if (rows_done) mp.parts = cuda::kPrepQueries;
+  // mla_prep and the W_UK product both only read q_ / qkv_a_out_: with opt_.side_stream the prep runs
+  // beside the product, joined before the attention.
+  check_cuda(cuda::mla_prep(mp, as_stream(fork())), "mla_prep");
+  // Absorption: q_lat[t, h, :] = W_UK[h]^T q_nope[t, h, :], with W_UK[h]^T stored row-major [C, Dn] (w_ukT).
+  if (Dn > 0) {
+    gemm_nt_heads(T, C, Dn, q_, H * Dqk, Dqk, ly.w_ukT, q_lat_, H * C, C, H);
+  } else {
+    check_cuda(cudaMemsetAsync(q_lat_, 0, (size_t)(T * H * C) * sizeof(float), st), "cudaMemset(q_lat)");
+  }
+  join();
   // Attention over the latent cache rows [0, row0) (all visible) and the T new rows (mask).
   cuda::VerifyAttentionParams vp{};
   vp.q_latent = q_lat_;
@@ -857,7 +851,11 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
     case CudaModelOptions::kExpertMma: kind = mma_ok ? kMma : kGemv; break;
     default: break;
   }
-  const int tile_rows = kind == kMma ? mma_rows : kind == kTiled ? cuda::kExpertTileRows : cuda::kExpertSkinnyRows;
+  // the GEMV kernel for one token: one-slot tiles (each expert has at most one slot)
+  const int tile_rows = kind == kMma     ? mma_rows
+                        : kind == kTiled ? cuda::kExpertTileRows
+                        : T == 1 && exp_one_ ? 1
+                                         : cuda::kExpertSkinnyRows;
   const bool swiglu_fused = kind != kTiled;
   auto run_experts = [&](const cuda::ExpertGemmParams& xp, const char* what) {
     check_cuda(kind == kMma ? cuda::expert_gemm_mma(xp, st) : cuda::expert_gemm(xp, st), what);

@@ -32,7 +32,6 @@
 
 namespace kdtree {
 namespace cuda {
-struct LinearParams;
 struct MlaPrepParams;
 }  // namespace cuda
 
@@ -186,16 +185,11 @@ class CudaModel : public TargetModel {
   // norm_out (with norm_w): the normalised rows are also written there [T, Kd], for other consumers.
   void gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, const float* w, float* out,
                int64_t ldo, float beta = 0.f, const float* norm_w = nullptr, double norm_eps = 0.0,
-               float* norm_out = nullptr);
+               float* norm_out = nullptr, const cuda::MlaPrepParams* prep = nullptr);  // prep: LinearParams::prep
   // per head h < heads: out[T, N] (ldo, at h * out_head) = in[T, Kd] (ldi, at h * in_head) @ w_h^T,
   // w_h = w + h * N * Kd row-major [N, Kd] (the absorbed MLA products W_UK, W_UV)
-  // (the absorbed MLA products W_UK, W_UV). prep: mla_prep's blocks in the same launch (only where
-  // heads_skinny says the product runs on linear_skinny).
   void gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, int64_t in_head, const float* w,
-                     float* out, int64_t ldo, int64_t out_head, int64_t heads, const cuda::MlaPrepParams* prep = nullptr);
-  cuda::LinearParams heads_params(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, int64_t in_head,
-                                  const float* w, float* out, int64_t ldo, int64_t out_head, int64_t heads) const;
-  bool heads_skinny(const cuda::LinearParams& lp) const;  // gemm_nt_heads takes linear_skinny for lp
+                     float* out, int64_t ldo, int64_t out_head, int64_t heads);
   // out[T, N] (ld ldo) = beta * out + swiglu(gu) @ w^T with gu [T, 2I] = [gate | up] rows, row
   // stride ldg (the down projection of an MLP): the SwiGLU inside linear_skinny for a few tokens
   // (kLinearSwigluFuseMaxT), else swiglu into act_ then a GEMM.
@@ -254,8 +248,9 @@ class CudaModel : public TargetModel {
   std::string device_name_;
   void* stream_ = nullptr;          // cudaStream_t
   void* side_ = nullptr;            // cudaStream_t: the second stream (opt_.side_stream), else nullptr
-  bool fuse_prep_ = true;           // EXPERIMENT (A/B): mla_prep inside the W_UK launch
+  bool fuse_prep_ = true;           // EXPERIMENT (A/B): the cache rows inside the q_b launch
   int exp_attn_ordered_ = 0;        // EXPERIMENT (A/B): the attention launched without PDL
+  bool exp_one_ = true;             // EXPERIMENT (A/B): one-slot expert tiles for one token
   int exp_old_norm_ = 0;            // EXPERIMENT (A/B): the previous RMSNorm prologue
   void* ev_fork_ = nullptr;         // cudaEvent_t: main -> side
   void* ev_join_ = nullptr;         // cudaEvent_t: side -> main

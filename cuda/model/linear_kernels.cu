@@ -132,8 +132,9 @@ __device__ __forceinline__ void scale(float4& v, const float4& g) {
 // PRO: the x prologue: 0 none, 1 RMSNorm (norm_w), 2 SwiGLU of [gate | up] rows (x_swiglu).
 // BF (with VEC): the weights come from w_bf16 (exact BF16 copies), widened as they are loaded; the
 // arithmetic is the FP32 path's, on the same values, so the results are the same bits.
-// PREP (PRO 0, VEC): the launch has extra blocks that run mla_prep (LinearParams::prep); a template
-// parameter so that the other instantiations do not carry its registers.
+// PREP (PRO 1, VEC: the q_b projection): the launch has extra blocks that run mla_prep's parts
+// (LinearParams::prep); a template parameter so that the other instantiations do not carry its
+// registers.
 template <int RW, int TT, int U, int KS, bool VEC, int PRO, bool BF = false, bool PREP = false>
 __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearParams p) {
   static_assert(!BF || VEC, "BF16 weights on the vector path only");
@@ -304,11 +305,11 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
 // the vector path with FP32 or (bf) BF16 weights, or the scalar path (FP32 weights)
 template <int RW, int TT, int U, int KS, int PRO>
 void launch_pro(const LinearParams& p, bool vec, bool bf, dim3 grid, cudaStream_t stream) {
-  if constexpr (PRO == 0) {
+  if constexpr (PRO == 1) {
     if (vec && p.prep.T > 0) {  // + the mla_prep blocks
       grid.x += (unsigned)((p.prep.T + grid.y * grid.z - 1) / (grid.y * grid.z));
-      if (bf) launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, 0, true, true>, grid, kLinWarps * 32, 0, stream, p);
-      else launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, 0, false, true>, grid, kLinWarps * 32, 0, stream, p);
+      if (bf) launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, 1, true, true>, grid, kLinWarps * 32, 0, stream, p);
+      else launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, 1, false, true>, grid, kLinWarps * 32, 0, stream, p);
       return;
     }
   }
@@ -429,7 +430,7 @@ cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream) {
   if (p.T == 0) return cudaSuccess;
   const bool vec = p.Kd % 4 == 0 && p.ldx % 4 == 0 && p.x_batch % 4 == 0 && p.w_batch % 4 == 0 && aligned16(p.x) &&
                    aligned16(p.w) && (!p.norm_w || aligned16(p.norm_w));
-  if (p.prep.T > 0 && (!vec || p.norm_w || p.x_swiglu)) {  // no fused blocks on these paths: its own launch first
+  if (p.prep.T > 0 && (!vec || !p.norm_w)) {  // no fused blocks on these paths: its own launch first
     const cudaError_t e = mla_prep(p.prep, stream);
     if (e != cudaSuccess) return e;
     LinearParams q = p;

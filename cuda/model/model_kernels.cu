@@ -106,8 +106,9 @@ __global__ void rmsnorm_kernel(RmsNormParams p) {
 }
 
 // ---------------------------------------------------------------- MLA preparation
-// One block of kPrepThreads per token (the block code in mla_prep.h).
-__global__ void __launch_bounds__(kPrepThreads) mla_prep_kernel(MlaPrepParams p) {
+// One block per token (the block code in mla_prep.h): kPrepThreads threads when it writes cache
+// rows, else enough for the queries' pairs kPrepRegs per thread.
+__global__ void __launch_bounds__(1024) mla_prep_kernel(MlaPrepParams p) {
   pdl_prologue();
   __shared__ double red[32];
   mla_prep_token(p, blockIdx.x, red);
@@ -967,6 +968,13 @@ __global__ void causal_bits_kernel(uint64_t* bits, int T, int W) {
 template <bool SWI, bool VEC, bool BF = false>
 void launch_gemv(int U, dim3 grid, const ExpertGemmParams& p, cudaStream_t stream) {
   constexpr int MS = kExpertSkinnyRows, TH = kSkinnyWarps * 32;
+  if (p.tile_rows == 1) {  // one slot per tile (decode): U up to 8, all of a 1024-float row's loads in one go
+    if (U == 8) launch_kernel(expert_gemv_kernel<1, 8, SWI, VEC, BF>, grid, TH, 0, stream, p);
+    else if (U == 4) launch_kernel(expert_gemv_kernel<1, 4, SWI, VEC, BF>, grid, TH, 0, stream, p);
+    else if (U == 2) launch_kernel(expert_gemv_kernel<1, 2, SWI, VEC, BF>, grid, TH, 0, stream, p);
+    else launch_kernel(expert_gemv_kernel<1, 1, SWI, VEC, BF>, grid, TH, 0, stream, p);
+    return;
+  }
   if (U == 4) launch_kernel(expert_gemv_kernel<MS, 4, SWI, VEC, BF>, grid, TH, 0, stream, p);
   else if (U == 2) launch_kernel(expert_gemv_kernel<MS, 2, SWI, VEC, BF>, grid, TH, 0, stream, p);
   else launch_kernel(expert_gemv_kernel<MS, 1, SWI, VEC, BF>, grid, TH, 0, stream, p);
@@ -1008,13 +1016,16 @@ cudaError_t rmsnorm(const RmsNormParams& p, cudaStream_t stream) {
 bool mla_prep_valid(const MlaPrepParams& p) {
   return p.q && p.kv && p.kv_norm_w && p.cs && p.cache && p.q_rope && p.T >= 0 && p.H > 0 && p.C > 0 && p.R > 0 &&
          p.R % 2 == 0 && p.Dn >= 0 && p.ldc >= p.C + p.R && p.ldkv >= p.C + p.R && p.ldq >= p.H * (p.Dn + p.R) &&
-         p.row0 >= 0;
+         p.row0 >= 0 && p.parts >= 1 && p.parts <= 3;
 }
 
 cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream) {
   if (!mla_prep_valid(p)) return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
-  launch_kernel(mla_prep_kernel, p.T, kPrepThreads, 0, stream, p);
+  const int pairs = p.H * (p.R / 2);
+  const int th = p.parts & kPrepCacheRows ? kPrepThreads
+                                          : std::min(1024, std::max(32, (pairs + kPrepRegs * 32 - 1) / (kPrepRegs * 32) * 32));
+  launch_kernel(mla_prep_kernel, p.T, th, 0, stream, p);
   return cudaGetLastError();
 }
 
@@ -1114,12 +1125,12 @@ cudaError_t expert_gemm(const ExpertGemmParams& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (p.max_tiles == 0) return cudaSuccess;
   const bool vec = p.Kd % 4 == 0 && p.ldx % 4 == 0 && ((uintptr_t)p.x % 16) == 0 && ((uintptr_t)p.w % 16) == 0;
-  if (p.tile_rows == kExpertSkinnyRows) {
+  if (p.tile_rows == kExpertSkinnyRows || p.tile_rows == 1) {
     const int cols = kSkinnyWarps * (p.swiglu ? kSkinnyRW / 2 : kSkinnyRW);  // output columns per block
     dim3 grid(p.max_tiles, (p.N + cols - 1) / cols);
     if (grid.y > 65535u) return cudaErrorInvalidValue;
     const int steps = (p.Kd + (vec ? 127 : 31)) / (vec ? 128 : 32);  // k-steps of a warp over one row
-    const int U = steps >= 4 ? 4 : steps >= 2 ? 2 : 1;
+    const int U = steps >= 8 && p.tile_rows == 1 ? 8 : steps >= 4 ? 4 : steps >= 2 ? 2 : 1;
     const bool bf = vec && p.w_bf16 && aligned8(p.w_bf16);
     if (p.swiglu) {
       if (bf) launch_gemv<true, true, true>(U, grid, p, stream);

@@ -26,9 +26,10 @@ namespace cuda {
 // at run time, so that the launch can be captured in a CUDA graph); q_rope[t, h] = rope(q[t, h,
 // Dn:Dn+R]). The rotation's cos / sin come from the step's RoPE table cs (written by embed,
 // EmbedParams::cs). RoPE input layout: interleaved pairs or NeoX halves; output layout: halves
-// (HF's for both). One block of kPrepThreads per token, standalone (mla_prep) or as extra blocks
-// of the W_UK product's linear_skinny launch (LinearParams::prep): the same block code, the same
-// bits.
+// (HF's for both). One block per token, standalone (mla_prep) or as extra blocks of the q_b
+// projection's linear_skinny launch (LinearParams::prep: the cache rows, which need only kv; the
+// roped queries are then left to a standalone launch). Blocks that write cache rows have
+// kPrepThreads threads on either path, so the latent's sum of squares, and every bit, is the same.
 struct MlaPrepParams {
   const float* q;          // [T, ldq] per head h: [nope (Dn) | rope (R)] at h * Dqk
   int ldq;
@@ -45,7 +46,9 @@ struct MlaPrepParams {
                            // row0_dev: the offset added to *row0_dev (>= 0 either way)
   float* q_rope;           // [T, H, R]
   const int32_t* row0_dev; // [1] device base row (committed length), or nullptr (default)
+  int parts = 3;           // what to do: kPrepCacheRows | kPrepQueries
 };
+constexpr int kPrepCacheRows = 1, kPrepQueries = 2;
 constexpr int kPrepThreads = 128;
 bool mla_prep_valid(const MlaPrepParams& p);
 cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream);
@@ -85,8 +88,8 @@ struct LinearParams {
                                      // w_bf16 16-byte aligned; else w
   int exp_old_norm = 0;           // EXPERIMENT (A/B): the previous RMSNorm prologue
   MlaPrepParams prep{};           // linear_skinny: prep.T > 0 adds blocks to the launch that run mla_prep
-                                  // for the prep.T tokens beside the product (the W_UK product and the
-                                  // MLA preparation read the same inputs; one launch instead of two)
+                                  // (its parts) for the prep.T tokens beside the product (the q_b projection
+                                  // and the cache rows read the same kernel's output: no launch of their own)
 };
 // One kernel configuration: RW weight rows per warp, TT token rows per slice (more tokens run in
 // balanced slices along grid.z), U k-steps of loads in flight per lane.
