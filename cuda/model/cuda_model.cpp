@@ -157,7 +157,8 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   stream_ = stream;
   if (const char* e = std::getenv("KDTREE_EXP_PREP")) fuse_prep_ = std::strcmp(e, "0") != 0;  // EXPERIMENT
   if (const char* e = std::getenv("KDTREE_EXP_ATTN")) exp_attn_ordered_ = std::strcmp(e, "1") == 0 ? 1 : 0;  // EXPERIMENT
-  if (const char* e = std::getenv("KDTREE_EXP_ONE")) exp_one_ = std::strcmp(e, "0") != 0;  // EXPERIMENT
+  if (const char* e = std::getenv("KDTREE_EXP_ONE")) exp_one_ = std::strcmp(e, "1") == 0;  // EXPERIMENT
+  if (const char* e = std::getenv("KDTREE_EXP_CMB")) exp_cmb_ = std::strcmp(e, "0") != 0;  // EXPERIMENT
   if (const char* e = std::getenv("KDTREE_EXP_NORM")) exp_old_norm_ = std::strcmp(e, "1") == 0 ? 1 : 0;  // EXPERIMENT
   if (opt.side_stream) {
     cudaStream_t side;
@@ -864,7 +865,12 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
                           slot_token_, slot_of_, tile_expert_, tile_row0_, num_tiles_};
   // The shared expert's down projection (SwiGLU inside, <= 4 tokens) reads only the merged
   // projection's output: with opt_.side_stream it runs beside the routed experts.
-  const bool shared_side = side_ && merged && T <= cuda::kLinearSwigluFuseMaxT;
+  // With few tokens the shared expert's down projection runs after the routed experts with the MoE
+  // combine as its epilogue (one launch for both, no side-stream join; the same bits); else beside the
+  // routed experts on the side stream (opt_.side_stream) and moe_combine after both.
+  const bool combine_fused = exp_cmb_ && merged && T <= cuda::kLinearSwigluFuseMaxT && T <= cuda::kLinearCombineMaxT &&
+                             K <= cuda::kLinearCombineMaxK;
+  const bool shared_side = !combine_fused && side_ && merged && T <= cuda::kLinearSwigluFuseMaxT;
   if (shared_side) {
     cuda::LinearParams lp{router_logits_ + E, ldr, 0, ly.shared_down, 0, ys_, Dm, 0, (int)T, (int)Dm, (int)Is, 1, 0.f};
     lp.x_swiglu = 1;
@@ -915,6 +921,18 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   xp.ldy = (int)Dm;
   run_experts(xp, "expert_gemm(down)");
 
+  if (combine_fused) {
+    cuda::LinearParams lp{router_logits_ + E, ldr, 0, ly.shared_down, 0, x_, Dm, 0, (int)T, (int)Dm, (int)Is, 1, 0.f};
+    lp.x_swiglu = 1;
+    lp.w_bf16 = bf16_of(ly.shared_down, Dm * Is);
+    lp.cmb_y = ye_;
+    lp.cmb_idx = topk_idx_;
+    lp.cmb_w = topk_w_;
+    lp.cmb_slot = slot_of_;
+    lp.cmb_K = (int)K;
+    check_cuda(cuda::linear_skinny(lp, st), "linear_skinny(shared down + combine)");
+    return;
+  }
   if (shared_side) {
     join();
   } else if (merged) {

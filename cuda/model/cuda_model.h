@@ -250,7 +250,8 @@ class CudaModel : public TargetModel {
   void* side_ = nullptr;            // cudaStream_t: the second stream (opt_.side_stream), else nullptr
   bool fuse_prep_ = true;           // EXPERIMENT (A/B): the cache rows inside the q_b launch
   int exp_attn_ordered_ = 0;        // EXPERIMENT (A/B): the attention launched without PDL
-  bool exp_one_ = true;             // EXPERIMENT (A/B): one-slot expert tiles for one token
+  bool exp_one_ = false;            // EXPERIMENT (A/B): one-slot expert tiles for one token
+  bool exp_cmb_ = true;             // EXPERIMENT (A/B): the MoE combine inside the shared down projection
   int exp_old_norm_ = 0;            // EXPERIMENT (A/B): the previous RMSNorm prologue
   void* ev_fork_ = nullptr;         // cudaEvent_t: main -> side
   void* ev_join_ = nullptr;         // cudaEvent_t: side -> main

@@ -171,6 +171,8 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
   float acc[NV];
 #pragma unroll
   for (int v = 0; v < NV; ++v) acc[v] = 0.f;
+  int cmb_i = 0x7fffffff, cmb_s = 0;  // combine epilogue (SWI, p.cmb_y): this lane's assignment
+  float cmb_w = 0.f;
   if (live) {
     size_t wrow[RW];  // row offsets (elements) in W / Wb
 #pragma unroll
@@ -210,6 +212,16 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
       if (!oldn) load_g(k0);
     }
     pdl_wait();  // the weights are immutable; x and y come after the wait
+    if constexpr (SWI) {
+      if (p.cmb_y) {  // the combine epilogue's lists: lane j holds token j / K's assignment j % K
+        const int K = p.cmb_K, tj = lane / K, a = (t0 + tj) * K + lane % K;
+        if (tj < T) {
+          cmb_i = __ldg(p.cmb_idx + a);
+          cmb_s = __ldg(p.cmb_slot + a);
+          cmb_w = __ldg(p.cmb_w + a);
+        }
+      }
+    }
     float inv[NORM ? TT : 1];
     if constexpr (NORM) {
       row_inv_rms<TT>(p, X, T, inv, lane);
@@ -290,6 +302,42 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
     }
   }
   if (!live) return;
+  if constexpr (SWI) {
+    if (p.cmb_y) {  // the MoE combine (moe_combine's arithmetic and order): y[t] += sum_k w_k ye[slot_k] + product
+      __shared__ int cslot[kLinWarps][32];
+      __shared__ float cw[kLinWarps][32];
+      const int K = p.cmb_K, tj = lane / K, kj = lane % K;
+      int rank = 0;  // among the token's assignments: ascending expert index, ties by position
+      for (int k = 0; k < K; ++k) {
+        const int o = __shfl_sync(0xffffffffu, cmb_i, min(tj * K + k, 31));
+        rank += (o < cmb_i || (o == cmb_i && k < kj)) ? 1 : 0;
+      }
+      if (tj < T) {
+        cslot[warp][tj * K + rank] = cmb_s;
+        cw[warp][tj * K + rank] = cmb_w;
+      }
+      __syncwarp();
+#pragma unroll
+      for (int r = 0; r < NR; ++r) {
+        const int v = NV >= 32 ? r * 32 + lane : r;
+        if (NV < 32 && lane != 0) continue;
+        const int i = v / TT, t = v % TT, n = n0 + i;
+        if (t < T && n < N) {
+          float ye[kLinearCombineMaxK];
+#pragma unroll
+          for (int k = 0; k < kLinearCombineMaxK; ++k)
+            ye[k] = k < K ? __ldg(p.cmb_y + (size_t)cslot[warp][t * K + k] * N + n) : 0.f;
+          float a = 0.f;
+#pragma unroll
+          for (int k = 0; k < kLinearCombineMaxK; ++k)
+            if (k < K) a = __fadd_rn(a, __fmul_rn(ye[k], cw[warp][t * K + k]));
+          float* out = Y + (size_t)t * p.ldy + n;
+          *out = __fadd_rn(*out, __fadd_rn(a, red[r]));
+        }
+      }
+      return;
+    }
+  }
 #pragma unroll
   for (int r = 0; r < NR; ++r) {
     const int v = NV >= 32 ? r * 32 + lane : r;
@@ -427,6 +475,9 @@ cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream) {
   // a forced configuration with the RMSNorm prologue needs a token capacity that has it
   if (p.force_config > 0 && p.norm_w && kConfigs[p.force_config - 1].TT > kLinearNormMaxT) return cudaErrorInvalidValue;
   if (p.prep.T < 0 || (p.prep.T > 0 && (!mla_prep_valid(p.prep) || p.T == 0))) return cudaErrorInvalidValue;
+  if (p.cmb_y && (!p.x_swiglu || !p.cmb_idx || !p.cmb_w || !p.cmb_slot || p.cmb_K < 1 ||
+                  p.cmb_K > kLinearCombineMaxK || p.T > kLinearCombineMaxT || p.batch != 1))
+    return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
   const bool vec = p.Kd % 4 == 0 && p.ldx % 4 == 0 && p.x_batch % 4 == 0 && p.w_batch % 4 == 0 && aligned16(p.x) &&
                    aligned16(p.w) && (!p.norm_w || aligned16(p.norm_w));

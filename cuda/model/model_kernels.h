@@ -87,6 +87,15 @@ struct LinearParams {
                                      // w_bf16; linear_tile: tensor-core math, Kd and w_batch multiples of 8,
                                      // w_bf16 16-byte aligned; else w
   int exp_old_norm = 0;           // EXPERIMENT (A/B): the previous RMSNorm prologue
+  // The MoE combine as the epilogue of the shared expert's down projection (x_swiglu, T <=
+  // kLinearCombineMaxT, K <= kLinearCombineMaxK): y[t, n] = y[t, n] + (sum over token t's experts in
+  // ascending index (ties by position) of w * cmb_y[slot, n] + the product), moe_combine's arithmetic,
+  // so the same bits as the projection into a buffer followed by moe_combine; cmb_y is [A, N].
+  const float* cmb_y = nullptr;
+  const int32_t* cmb_idx = nullptr;   // [T, K] (absolute tokens)
+  const float* cmb_w = nullptr;       // [T, K]
+  const int32_t* cmb_slot = nullptr;  // [T * K]
+  int cmb_K = 0;
   MlaPrepParams prep{};           // linear_skinny: prep.T > 0 adds blocks to the launch that run mla_prep
                                   // (its parts) for the prep.T tokens beside the product (the q_b projection
                                   // and the cache rows read the same kernel's output: no launch of their own)
@@ -99,6 +108,7 @@ struct LinearSkinnyConfig {
 int linear_skinny_num_configs();
 LinearSkinnyConfig linear_skinny_config(int i);
 constexpr int kLinearNormMaxT = 4;
+constexpr int kLinearCombineMaxT = 4, kLinearCombineMaxK = 8;  // T * K <= 32: one warp holds the lists
 // x_swiglu is exact for any T, but every warp recomputes the SwiGLU of its token rows: it pays
 // only for a few tokens (H200, mini-kimi: the T = 17 dense down projection took 57 us fused
 // against ~25 us for swiglu + linear), so the model fuses it up to this many tokens.
