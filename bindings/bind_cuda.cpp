@@ -922,7 +922,7 @@ py::dict moe_group_np(const py::object& idx_o, int E, int tile_rows, bool force_
 // The grouped expert GEMM on host arrays (tests): the schedule of topk_idx [T, K] with tile_rows
 // slots per tile (moe_group), then y[slot] = x[token(slot)] @ w[expert(slot)]^T (swiglu: w holds
 // gate rows [0, N) and up rows [N, 2N) of each expert, y = silu(gate) * up). kernel: "gemv"
-// (tile_rows 8, or 1: one slot per tile, what the model runs for one token), "tiled" (tile_rows 64, no swiglu) or "mma" (tile_rows 8, 16, 32 or 64). y [A, N] by slot
+// (tile_rows 8), "tiled" (tile_rows 64, no swiglu) or "mma" (tile_rows 8, 16, 32 or 64). y [A, N] by slot
 // (poisoned before the call) and slot_token [A].
 py::tuple expert_gemm_np(const py::object& x_o, const py::object& w_o, const py::object& idx_o, int E, bool swiglu,
                          int tile_rows, const std::string& kernel, bool bf16_weights) {

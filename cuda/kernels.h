@@ -152,7 +152,6 @@ struct VerifyAttentionParams {
                                 //   host's upper bound (grid, split count, workspace size only)
   int force_splitkv_rows;       // testing: query rows per split-KV block, 4, 8 or 16 (0 = the cost
                                 //   model's pick: 8 or 4 when 16-row blocks would leave SMs idle)
-  int exp_ordered = 0;          // EXPERIMENT (A/B): the attention kernel launched without PDL
   int committed_ready;          // 1: the committed rows [0, L) and *L_dev were complete before this
                                 //   launch's chain of PDL launches began (the model launches a step's
                                 //   first kernel without PDL and writes no committed row within a

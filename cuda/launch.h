@@ -30,19 +30,13 @@
 namespace kdtree {
 namespace cuda {
 
-#ifndef KDTREE_PDL_LATE  // EXPERIMENT (A/B build): 1 = trigger the dependents after the wait, not at the start
-#define KDTREE_PDL_LATE 0
-#endif
 __device__ __forceinline__ void pdl_wait() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;" ::: "memory");
-#if KDTREE_PDL_LATE
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
 #endif
 }
 __device__ __forceinline__ void pdl_trigger() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && !KDTREE_PDL_LATE
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }

@@ -1293,17 +1293,13 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
   if (c.splits > 1 && !p.workspace) return cudaErrorInvalidValue;
   if (c.kernel == 1) {
     dim3 grid((M + BM - 1) / BM, c.splits);
-    if (p.exp_ordered) launch_kernel_ordered(mla_verify_fast_kernel<32>, grid, NT, sizeof(Smem<32>), stream, p);
-    else launch_kernel(mla_verify_fast_kernel<32>, grid, NT, sizeof(Smem<32>), stream, p);
+    launch_kernel(mla_verify_fast_kernel<32>, grid, NT, sizeof(Smem<32>), stream, p);
   } else if (c.rows == 16) {
-    if (p.exp_ordered) launch_kernel_ordered(mla_verify_splitkv_kernel<16>, dim3((M + 15) / 16, c.splits), sk::NT, sizeof(SkSmemT<16>), stream, p);
-    else launch_kernel(mla_verify_splitkv_kernel<16>, dim3((M + 15) / 16, c.splits), sk::NT, sizeof(SkSmemT<16>), stream, p);
+    launch_kernel(mla_verify_splitkv_kernel<16>, dim3((M + 15) / 16, c.splits), sk::NT, sizeof(SkSmemT<16>), stream, p);
   } else if (c.rows == 8) {
-    if (p.exp_ordered) launch_kernel_ordered(mla_verify_splitkv_kernel<8>, dim3((M + 7) / 8, c.splits), sk::NT, sizeof(SkSmemT<8>), stream, p);
-    else launch_kernel(mla_verify_splitkv_kernel<8>, dim3((M + 7) / 8, c.splits), sk::NT, sizeof(SkSmemT<8>), stream, p);
+    launch_kernel(mla_verify_splitkv_kernel<8>, dim3((M + 7) / 8, c.splits), sk::NT, sizeof(SkSmemT<8>), stream, p);
   } else {
-    if (p.exp_ordered) launch_kernel_ordered(mla_verify_splitkv_kernel<4>, dim3((M + 3) / 4, c.splits), sk::NT, sizeof(SkSmemT<4>), stream, p);
-    else launch_kernel(mla_verify_splitkv_kernel<4>, dim3((M + 3) / 4, c.splits), sk::NT, sizeof(SkSmemT<4>), stream, p);
+    launch_kernel(mla_verify_splitkv_kernel<4>, dim3((M + 3) / 4, c.splits), sk::NT, sizeof(SkSmemT<4>), stream, p);
   }
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || c.splits == 1) return e;

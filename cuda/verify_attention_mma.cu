@@ -349,7 +349,6 @@ bool verify_mma_ready() {
 
 cudaError_t launch_verify_mma(const VerifyAttentionParams& p, int splits, cudaStream_t stream) {
   const int M = p.T * p.H;
-  if (p.exp_ordered) return launch_kernel_ordered(mla_verify_mma_kernel, dim3((M + mv::RM - 1) / mv::RM, splits), mv::NT, sizeof(MvSmem), stream, p);
   return launch_kernel(mla_verify_mma_kernel, dim3((M + mv::RM - 1) / mv::RM, splits), mv::NT, sizeof(MvSmem), stream, p);
 }
 

@@ -1,7 +1,7 @@
 // cuda_model.cpp: the GPU forward of the DeepSeek-V3 / Kimi-K2 target model (see cuda_model.h
 // and docs/CUDA_MODEL.md). One step over T <= max_tokens new tokens, all on one stream:
 //
-//   x = embed(tokens)                                            embed kernel
+//   x = embed(tokens); RoPE cos / sin of the positions            embed kernel (once per step)
 //   per layer:  hn = rmsnorm(x)                                  rmsnorm kernel
 //     [qa | kv] = hn @ [q_a_proj; kv_a_proj]^T                    one SGEMM (fused weights)
 //     q = rmsnorm(qa) @ q_b_proj^T   (or hn @ q_proj^T)           rmsnorm + SGEMM
@@ -21,7 +21,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 
 #include "common.h"
@@ -155,11 +154,6 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   cudaStream_t stream;
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   stream_ = stream;
-  if (const char* e = std::getenv("KDTREE_EXP_PREP")) fuse_prep_ = std::strcmp(e, "0") != 0;  // EXPERIMENT
-  if (const char* e = std::getenv("KDTREE_EXP_ATTN")) exp_attn_ordered_ = std::strcmp(e, "1") == 0 ? 1 : 0;  // EXPERIMENT
-  if (const char* e = std::getenv("KDTREE_EXP_ONE")) exp_one_ = std::strcmp(e, "1") == 0;  // EXPERIMENT
-  if (const char* e = std::getenv("KDTREE_EXP_CMB")) exp_cmb_ = std::strcmp(e, "0") != 0;  // EXPERIMENT
-  if (const char* e = std::getenv("KDTREE_EXP_NORM")) exp_old_norm_ = std::strcmp(e, "1") == 0 ? 1 : 0;  // EXPERIMENT
   if (opt.side_stream) {
     cudaStream_t side;
     check_cuda(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate(side)");
@@ -230,8 +224,7 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   ws.add(&gu_, gu_rows_cols);
   ws.add(&act_, gu_rows_cols / 2);
   if (any_moe) {
-    max_tiles_ = std::max(cuda::moe_max_tiles((int)A, (int)E, cuda::kExpertSkinnyRows),
-                          cuda::moe_max_tiles((int)K, (int)E, 1));  // (one-slot tiles for one token)
+    max_tiles_ = cuda::moe_max_tiles((int)A, (int)E, cuda::kExpertSkinnyRows);
     ws.add(&ye_, A * Dm);
     if (Is > 0) ws.add(&ys_, Tm * Dm);
     ws.add(&router_logits_, Tm * (E + 2 * Is));  // [T, E] or, merged, [T, E + 2 Is]
@@ -599,24 +592,20 @@ bool CudaModel::tile_first(int64_t T) const {
 }
 
 void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, const float* w, float* out,
-                        int64_t ldo, float beta, const float* norm_w, double norm_eps, float* norm_out,
-                        const cuda::MlaPrepParams* prep) {
+                        int64_t ldo, float beta, const float* norm_w, double norm_eps, float* norm_out) {
   if (norm_w && !fuse_norm(T)) throw RuntimeFailure("CudaModel: internal error, a fused RMSNorm outside fuse_norm");
   const bool big = N * Kd * (int64_t)sizeof(float) > kSkinnyBigBytes;
   cuda::LinearParams lp{in, ldi, 0, w, 0, out, ldo, 0, (int)T, (int)N, (int)Kd, 1, beta, norm_w, norm_eps};
   lp.tile_math = opt_.tile_tensor_cores ? 0 : 1;
   lp.w_bf16 = bf16_of(w, N * Kd);  // read by linear_skinny / linear_tile, not by cuBLAS
-  lp.exp_old_norm = exp_old_norm_;  // EXPERIMENT
   const bool tile = T <= tile_max_t_ && cuda::linear_tile_supported(lp);  // (false with norm_w)
   const bool skinny = T <= skinny_max_t_ && (norm_w || !big || T <= skinny_big_max_t_);
   if (skinny && !(tile && tile_first(T))) {
     lp.norm_out = norm_out;
     lp.ldn = Kd;
-    if (prep) lp.prep = *prep;
     check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny");
     return;
   }
-  if (prep) throw RuntimeFailure("CudaModel: internal error, mla_prep fused into a product off the skinny kernel");
   if (tile) {  // (also big weights past skinny_big_max_tokens)
     check_cuda(cuda::linear_tile(lp, as_stream(stream_)), "linear_tile");
     return;
@@ -679,10 +668,10 @@ void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, co
   for (Layer& ly : layers_) {
     cuda::RmsNormParams np{x_, ly.input_ln, (int)T, (int)Dm, (int)Dm, (int)Dm, c.rms_norm_eps, hn_};
     if (fuse) {
-      attention(ly, positions_d, vis_d, vis_stride, T, row0, len_d, x_, ly.input_ln);
+      attention(ly, vis_d, vis_stride, T, row0, len_d, x_, ly.input_ln);
     } else {
       check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
-      attention(ly, positions_d, vis_d, vis_stride, T, row0, len_d, hn_, nullptr);
+      attention(ly, vis_d, vis_stride, T, row0, len_d, hn_, nullptr);
     }
     // post-attention RMSNorm: fused into the MLP's first projection for few tokens (which also
     // writes hn_ for the routed experts), else its own kernel
@@ -703,7 +692,7 @@ void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, co
   }
 }
 
-void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t* vis_d, int64_t vis_stride, int64_t T,
+void CudaModel::attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, int64_t T,
                           int64_t row0, const int32_t* len_d, const float* in, const float* in_norm) {
   const ModelConfig& c = cfg_;
   const int64_t Dm = c.hidden_size, H = c.num_attention_heads, C = c.kv_lora_rank, R = c.qk_rope_head_dim;
@@ -711,7 +700,20 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
   const int64_t qr = c.q_lora_rank, lda = qr + CR;
   cudaStream_t st = as_stream(stream_);
 
-  // Cache rows (normed latent | roped key) and roped queries: mla_prep.
+  // [qa | kv] in one GEMM, then q.
+  gemm_nt(T, lda, Dm, in, Dm, ly.qkv_a, qkv_a_out_, lda, 0.f, in_norm, c.rms_norm_eps);
+  if (qr > 0) {
+    if (in_norm) {  // fused: q_a's latent norm inside the q_b projection
+      gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk, 0.f, ly.q_a_ln, c.latent_norm_eps);
+    } else {
+      cuda::RmsNormParams np{qkv_a_out_, ly.q_a_ln, (int)T, (int)qr, (int)lda, (int)lda, c.latent_norm_eps, qkv_a_out_};
+      check_cuda(cuda::rmsnorm(np, st), "rmsnorm(q_a)");
+      gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk);
+    }
+  } else {
+    gemm_nt(T, H * Dqk, Dm, in, Dm, ly.q_b, q_, H * Dqk, 0.f, in_norm, c.rms_norm_eps);
+  }
+  // Cache rows (normed latent | roped key) and roped queries.
   cuda::MlaPrepParams mp{};
   mp.q = q_;
   mp.ldq = (int)(H * Dqk);
@@ -731,29 +733,8 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
   mp.row0 = len_d ? 0 : row0;  // graph replay: rows from *len_d
   mp.row0_dev = len_d;
   mp.q_rope = q_rope_;
-
-  // [qa | kv] in one GEMM, then q. The cache rows need only kv: with the fused norm (few tokens) they
-  // are written by extra blocks of the q_b launch, and only the roped queries are left for mla_prep.
-  gemm_nt(T, lda, Dm, in, Dm, ly.qkv_a, qkv_a_out_, lda, 0.f, in_norm, c.rms_norm_eps);
-  bool rows_done = false;
-  if (qr > 0) {
-    if (in_norm) {  // fused: q_a's latent norm inside the q_b projection
-      cuda::MlaPrepParams rows = mp;
-      rows.parts = cuda::kPrepCacheRows;
-      rows_done = fuse_prep_;
-      gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk, 0.f, ly.q_a_ln, c.latent_norm_eps, nullptr,
-              rows_done ? &rows : nullptr);
-    } else {
-      cuda::RmsNormParams np{qkv_a_out_, ly.q_a_ln, (int)T, (int)qr, (int)lda, (int)lda, c.latent_norm_eps, qkv_a_out_};
-      check_cuda(cuda::rmsnorm(np, st), "rmsnorm(q_a)");
-      gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk);
-    }
-  } else {
-    gemm_nt(T, H * Dqk, Dm, in, Dm, ly.q_b, q_, H * Dqk, 0.f, in_norm, c.rms_norm_eps);
-  }
-  if (rows_done) mp.parts = cuda::kPrepQueries;
-  // mla_prep and the W_UK product both only read q_ / qkv_a_out_: with opt_.side_stream the prep runs
-  // beside the product, joined before the attention.
+  // mla_prep (cache rows, roped queries) and the W_UK product both only read q_ / qkv_a_out_:
+  // with opt_.side_stream the prep runs beside the product, joined before the attention.
   check_cuda(cuda::mla_prep(mp, as_stream(fork())), "mla_prep");
   // Absorption: q_lat[t, h, :] = W_UK[h]^T q_nope[t, h, :], with W_UK[h]^T stored row-major [C, Dn] (w_ukT).
   if (Dn > 0) {
@@ -782,8 +763,7 @@ void CudaModel::attention(Layer& ly, const int32_t* positions_d, const uint64_t*
   vp.force_naive = opt_.attention_naive ? 1 : 0;
   vp.force_kernel = opt_.attention_kernel;
   vp.force_splitkv_rows = opt_.attention_rows;
-  vp.committed_ready = 1;
-  vp.exp_ordered = exp_attn_ordered_;  // EXPERIMENT  // the step's first kernel is ordered and no kernel of it writes rows < L
+  vp.committed_ready = 1;  // the step's first kernel is ordered and no kernel of it writes rows < L
   if ((int64_t)cuda::verify_attention_workspace_bytes(vp) > attn_ws_bytes_)
     throw RuntimeFailure("CudaModel: internal error, verify_attention needs more workspace than was sized");
   // Few tokens: the merge of the attention's key splits moves into the W_UV product (uv_combine).
@@ -852,11 +832,7 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
     case CudaModelOptions::kExpertMma: kind = mma_ok ? kMma : kGemv; break;
     default: break;
   }
-  // the GEMV kernel for one token: one-slot tiles (each expert has at most one slot)
-  const int tile_rows = kind == kMma     ? mma_rows
-                        : kind == kTiled ? cuda::kExpertTileRows
-                        : T == 1 && exp_one_ ? 1
-                                         : cuda::kExpertSkinnyRows;
+  const int tile_rows = kind == kMma ? mma_rows : kind == kTiled ? cuda::kExpertTileRows : cuda::kExpertSkinnyRows;
   const bool swiglu_fused = kind != kTiled;
   auto run_experts = [&](const cuda::ExpertGemmParams& xp, const char* what) {
     check_cuda(kind == kMma ? cuda::expert_gemm_mma(xp, st) : cuda::expert_gemm(xp, st), what);
@@ -865,12 +841,7 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
                           slot_token_, slot_of_, tile_expert_, tile_row0_, num_tiles_};
   // The shared expert's down projection (SwiGLU inside, <= 4 tokens) reads only the merged
   // projection's output: with opt_.side_stream it runs beside the routed experts.
-  // With few tokens the shared expert's down projection runs after the routed experts with the MoE
-  // combine as its epilogue (one launch for both, no side-stream join; the same bits); else beside the
-  // routed experts on the side stream (opt_.side_stream) and moe_combine after both.
-  const bool combine_fused = exp_cmb_ && merged && T <= cuda::kLinearSwigluFuseMaxT && T <= cuda::kLinearCombineMaxT &&
-                             K <= cuda::kLinearCombineMaxK;
-  const bool shared_side = !combine_fused && side_ && merged && T <= cuda::kLinearSwigluFuseMaxT;
+  const bool shared_side = side_ && merged && T <= cuda::kLinearSwigluFuseMaxT;
   if (shared_side) {
     cuda::LinearParams lp{router_logits_ + E, ldr, 0, ly.shared_down, 0, ys_, Dm, 0, (int)T, (int)Dm, (int)Is, 1, 0.f};
     lp.x_swiglu = 1;
@@ -921,18 +892,6 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   xp.ldy = (int)Dm;
   run_experts(xp, "expert_gemm(down)");
 
-  if (combine_fused) {
-    cuda::LinearParams lp{router_logits_ + E, ldr, 0, ly.shared_down, 0, x_, Dm, 0, (int)T, (int)Dm, (int)Is, 1, 0.f};
-    lp.x_swiglu = 1;
-    lp.w_bf16 = bf16_of(ly.shared_down, Dm * Is);
-    lp.cmb_y = ye_;
-    lp.cmb_idx = topk_idx_;
-    lp.cmb_w = topk_w_;
-    lp.cmb_slot = slot_of_;
-    lp.cmb_K = (int)K;
-    check_cuda(cuda::linear_skinny(lp, st), "linear_skinny(shared down + combine)");
-    return;
-  }
   if (shared_side) {
     join();
   } else if (merged) {

@@ -31,9 +31,6 @@
 #include "model/model.h"
 
 namespace kdtree {
-namespace cuda {
-struct MlaPrepParams;
-}  // namespace cuda
 
 struct CudaModelOptions {
   int64_t max_tokens = 0;        // most tokens per forward step; 0 = min(max_seq_len, 1025)
@@ -185,7 +182,7 @@ class CudaModel : public TargetModel {
   // norm_out (with norm_w): the normalised rows are also written there [T, Kd], for other consumers.
   void gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, const float* w, float* out,
                int64_t ldo, float beta = 0.f, const float* norm_w = nullptr, double norm_eps = 0.0,
-               float* norm_out = nullptr, const cuda::MlaPrepParams* prep = nullptr);  // prep: LinearParams::prep
+               float* norm_out = nullptr);
   // per head h < heads: out[T, N] (ldo, at h * out_head) = in[T, Kd] (ldi, at h * in_head) @ w_h^T,
   // w_h = w + h * N * Kd row-major [N, Kd] (the absorbed MLA products W_UK, W_UV)
   void gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, int64_t in_head, const float* w,
@@ -211,7 +208,7 @@ class CudaModel : public TargetModel {
   int64_t context_bucket(int64_t L, int64_t T) const;
   // in: the layer input x_ with its RMSNorm (in_norm) fused into the projections (fuse_norm(T)),
   // or the normed hn_ (in_norm = nullptr)
-  void attention(Layer& ly, const int32_t* positions_d, const uint64_t* vis_d, int64_t vis_stride, int64_t T,
+  void attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, int64_t T,
                  int64_t row0, const int32_t* len_d, const float* in, const float* in_norm);
   // CUDA graphs of forward_device: one per key, captured on the key's second use.
   struct GraphKey {
@@ -248,11 +245,6 @@ class CudaModel : public TargetModel {
   std::string device_name_;
   void* stream_ = nullptr;          // cudaStream_t
   void* side_ = nullptr;            // cudaStream_t: the second stream (opt_.side_stream), else nullptr
-  bool fuse_prep_ = true;           // EXPERIMENT (A/B): the cache rows inside the q_b launch
-  int exp_attn_ordered_ = 0;        // EXPERIMENT (A/B): the attention launched without PDL
-  bool exp_one_ = false;            // EXPERIMENT (A/B): one-slot expert tiles for one token
-  bool exp_cmb_ = true;             // EXPERIMENT (A/B): the MoE combine inside the shared down projection
-  int exp_old_norm_ = 0;            // EXPERIMENT (A/B): the previous RMSNorm prologue
   void* ev_fork_ = nullptr;         // cudaEvent_t: main -> side
   void* ev_join_ = nullptr;         // cudaEvent_t: side -> main
   // Side work: fork() makes the side stream wait for the main stream's work so far and returns the

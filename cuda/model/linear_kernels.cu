@@ -28,14 +28,12 @@
 #include "warp_reduce.h"
 #include "model/vec_load.h"
 #include "model/device_math.h"
-#include "model/mla_prep.h"
 
 namespace kdtree {
 namespace cuda {
 namespace {
 
 constexpr int kLinWarps = 4;
-static_assert(kLinWarps * 32 == kPrepThreads, "mla_prep blocks inside a linear_skinny launch take its block size");
 
 template <class WT>
 __device__ __forceinline__ WT ld_weight(const float* p);
@@ -67,30 +65,10 @@ __device__ __forceinline__ float warp_sum(float v) {
 // x[t, k] / rms(x[t]) (the sum of squares in double, as the rmsnorm kernel); each warp computes
 // the few rows' 1/rms itself (no barrier), after its first weight loads are issued, and scales
 // its sums by it. Lane l sums x[t, l + 32 j] in ascending j; the loads of a chunk of CH j's of
-// every row are issued before any is summed (a loop of dependent L2 round trips before: Kd / 128
-// of them per row with the compiler's unroll by 4), the sums keep their order.
-template <int TT>
-__device__ __forceinline__ void row_inv_rms_old(const LinearParams& p, const float* X, int T, float* inv, int lane) {
-#pragma unroll
-  for (int t = 0; t < TT; ++t) {
-    inv[t] = 1.f;
-    if (t < T) {
-      const float* xr = X + (size_t)t * p.ldx;
-      double ss = 0.0;
-      for (int k = lane; k < p.Kd; k += 32) {
-        const double v = (double)__ldg(xr + k);
-        ss += v * v;
-      }
-#pragma unroll
-      for (int o = 16; o >= 1; o >>= 1) ss += __shfl_xor_sync(0xffffffffu, ss, o);
-      const float var = (float)(ss / (double)p.Kd);
-      inv[t] = (float)(1.0 / sqrt((double)var + p.norm_eps));
-    }
-  }
-}
+// every row are issued before any of them is summed (before: a loop with the compiler's unroll by
+// 4, Kd / 128 dependent L2 round trips per row), the sums keep their order (the same bits).
 template <int TT>
 __device__ __forceinline__ void row_inv_rms(const LinearParams& p, const float* X, int T, float* inv, int lane) {
-  if (p.exp_old_norm) { row_inv_rms_old<TT>(p, X, T, inv, lane); return; }
   constexpr int CH = TT == 1 ? 32 : TT == 2 ? 16 : 8;  // loads in flight per lane: CH * TT <= 32
   double ss[TT];
 #pragma unroll
@@ -113,7 +91,7 @@ __device__ __forceinline__ void row_inv_rms(const LinearParams& p, const float* 
 #pragma unroll
   for (int t = 0; t < TT; ++t) {
     inv[t] = 1.f;
-    if (t < T) {
+    if (t < T) {  // warp-uniform
 #pragma unroll
       for (int o = 16; o >= 1; o >>= 1) ss[t] += __shfl_xor_sync(0xffffffffu, ss[t], o);
       const float var = (float)(ss[t] / (double)p.Kd);
@@ -132,10 +110,7 @@ __device__ __forceinline__ void scale(float4& v, const float4& g) {
 // PRO: the x prologue: 0 none, 1 RMSNorm (norm_w), 2 SwiGLU of [gate | up] rows (x_swiglu).
 // BF (with VEC): the weights come from w_bf16 (exact BF16 copies), widened as they are loaded; the
 // arithmetic is the FP32 path's, on the same values, so the results are the same bits.
-// PREP (PRO 1, VEC: the q_b projection): the launch has extra blocks that run mla_prep's parts
-// (LinearParams::prep); a template parameter so that the other instantiations do not carry its
-// registers.
-template <int RW, int TT, int U, int KS, bool VEC, int PRO, bool BF = false, bool PREP = false>
+template <int RW, int TT, int U, int KS, bool VEC, int PRO, bool BF = false>
 __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearParams p) {
   static_assert(!BF || VEC, "BF16 weights on the vector path only");
   constexpr bool NORM = PRO == 1, SWI = PRO == 2;
@@ -143,16 +118,6 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
   constexpr int VW = VEC ? 4 : 1;
   constexpr int NV = RW * TT;            // outputs per row group: value i * TT + t
   constexpr int GROUPS = kLinWarps / KS; // row groups per block
-  if constexpr (PREP) {  // blocks past the product's nx columns: one token's MLA preparation each (mla_prep.h)
-    const int nx = (p.N + GROUPS * RW - 1) / (GROUPS * RW);
-    if ((int)blockIdx.x >= nx) {
-      __shared__ double red[32];
-      pdl_prologue();
-      const int t = ((blockIdx.x - nx) * gridDim.y + blockIdx.y) * gridDim.z + blockIdx.z;
-      if (t < p.prep.T) mla_prep_token(p.prep, t, red);
-      return;
-    }
-  }
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int grp = warp / KS, kw = warp % KS;
   const int n0 = (blockIdx.x * GROUPS + grp) * RW;
@@ -171,8 +136,6 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
   float acc[NV];
 #pragma unroll
   for (int v = 0; v < NV; ++v) acc[v] = 0.f;
-  int cmb_i = 0x7fffffff, cmb_s = 0;  // combine epilogue (SWI, p.cmb_y): this lane's assignment
-  float cmb_w = 0.f;
   if (live) {
     size_t wrow[RW];  // row offsets (elements) in W / Wb
 #pragma unroll
@@ -206,39 +169,27 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
       }
     };
     int k0 = kw * U * STEP;
-    const bool oldn = p.exp_old_norm;
     if (k0 < Kd) {  // in flight while the previous kernel finishes and the norm (if any) runs
       load_w(k0);
-      if (!oldn) load_g(k0);
+      load_g(k0);
     }
     pdl_wait();  // the weights are immutable; x and y come after the wait
-    if constexpr (SWI) {
-      if (p.cmb_y) {  // the combine epilogue's lists: lane j holds token j / K's assignment j % K
-        const int K = p.cmb_K, tj = lane / K, a = (t0 + tj) * K + lane % K;
-        if (tj < T) {
-          cmb_i = __ldg(p.cmb_idx + a);
-          cmb_s = __ldg(p.cmb_slot + a);
-          cmb_w = __ldg(p.cmb_w + a);
-        }
-      }
-    }
     float inv[NORM ? TT : 1];
     if constexpr (NORM) {
       row_inv_rms<TT>(p, X, T, inv, lane);
       if (p.norm_out && blockIdx.x == 0 && blockIdx.y == 0) {  // each slice its rows
         // the normalised rows for later kernels, rounded as the rmsnorm kernel rounds them; split
         // over block 0's live warps (warp w < nlive: its row group starts below N)
-        const int nlive = p.exp_old_norm ? 1 : min(kLinWarps, ((N + RW - 1) / RW) * KS);
+        const int nlive = min(kLinWarps, ((N + RW - 1) / RW) * KS);
 #pragma unroll
         for (int t = 0; t < TT; ++t)
           if (t < T)
-            for (int k = warp * 32 + lane; k < Kd && warp < nlive; k += nlive * 32)
+            for (int k = warp * 32 + lane; k < Kd; k += nlive * 32)
               p.norm_out[(size_t)(t0 + t) * p.ldn + k] =
                   __fmul_rn(__ldg(p.norm_w + k), __fmul_rn(__ldg(X + (size_t)t * p.ldx + k), inv[t]));
       }
     }
     while (k0 < Kd) {
-      if (oldn) load_g(k0);
 #pragma unroll
       for (int t = 0; t < TT; ++t) {
         if (t < T) {  // warp-uniform
@@ -264,7 +215,7 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
       k0 += KS * U * STEP;
       if (k0 < Kd) {
         load_w(k0);
-        if (!oldn) load_g(k0);
+        load_g(k0);
       }
     }
     if constexpr (NORM) {
@@ -302,42 +253,6 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
     }
   }
   if (!live) return;
-  if constexpr (SWI) {
-    if (p.cmb_y) {  // the MoE combine (moe_combine's arithmetic and order): y[t] += sum_k w_k ye[slot_k] + product
-      __shared__ int cslot[kLinWarps][32];
-      __shared__ float cw[kLinWarps][32];
-      const int K = p.cmb_K, tj = lane / K, kj = lane % K;
-      int rank = 0;  // among the token's assignments: ascending expert index, ties by position
-      for (int k = 0; k < K; ++k) {
-        const int o = __shfl_sync(0xffffffffu, cmb_i, min(tj * K + k, 31));
-        rank += (o < cmb_i || (o == cmb_i && k < kj)) ? 1 : 0;
-      }
-      if (tj < T) {
-        cslot[warp][tj * K + rank] = cmb_s;
-        cw[warp][tj * K + rank] = cmb_w;
-      }
-      __syncwarp();
-#pragma unroll
-      for (int r = 0; r < NR; ++r) {
-        const int v = NV >= 32 ? r * 32 + lane : r;
-        if (NV < 32 && lane != 0) continue;
-        const int i = v / TT, t = v % TT, n = n0 + i;
-        if (t < T && n < N) {
-          float ye[kLinearCombineMaxK];
-#pragma unroll
-          for (int k = 0; k < kLinearCombineMaxK; ++k)
-            ye[k] = k < K ? __ldg(p.cmb_y + (size_t)cslot[warp][t * K + k] * N + n) : 0.f;
-          float a = 0.f;
-#pragma unroll
-          for (int k = 0; k < kLinearCombineMaxK; ++k)
-            if (k < K) a = __fadd_rn(a, __fmul_rn(ye[k], cw[warp][t * K + k]));
-          float* out = Y + (size_t)t * p.ldy + n;
-          *out = __fadd_rn(*out, __fadd_rn(a, red[r]));
-        }
-      }
-      return;
-    }
-  }
 #pragma unroll
   for (int r = 0; r < NR; ++r) {
     const int v = NV >= 32 ? r * 32 + lane : r;
@@ -353,14 +268,6 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
 // the vector path with FP32 or (bf) BF16 weights, or the scalar path (FP32 weights)
 template <int RW, int TT, int U, int KS, int PRO>
 void launch_pro(const LinearParams& p, bool vec, bool bf, dim3 grid, cudaStream_t stream) {
-  if constexpr (PRO == 1) {
-    if (vec && p.prep.T > 0) {  // + the mla_prep blocks
-      grid.x += (unsigned)((p.prep.T + grid.y * grid.z - 1) / (grid.y * grid.z));
-      if (bf) launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, 1, true, true>, grid, kLinWarps * 32, 0, stream, p);
-      else launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, 1, false, true>, grid, kLinWarps * 32, 0, stream, p);
-      return;
-    }
-  }
   if (vec && bf) launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, PRO, true>, grid, kLinWarps * 32, 0, stream, p);
   else if (vec) launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, PRO>, grid, kLinWarps * 32, 0, stream, p);
   else launch_kernel(linear_skinny_kernel<RW, TT, U, KS, false, PRO>, grid, kLinWarps * 32, 0, stream, p);
@@ -474,20 +381,9 @@ cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream) {
   if (p.force_config < 0 || p.force_config > kNumConfigs) return cudaErrorInvalidValue;
   // a forced configuration with the RMSNorm prologue needs a token capacity that has it
   if (p.force_config > 0 && p.norm_w && kConfigs[p.force_config - 1].TT > kLinearNormMaxT) return cudaErrorInvalidValue;
-  if (p.prep.T < 0 || (p.prep.T > 0 && (!mla_prep_valid(p.prep) || p.T == 0))) return cudaErrorInvalidValue;
-  if (p.cmb_y && (!p.x_swiglu || !p.cmb_idx || !p.cmb_w || !p.cmb_slot || p.cmb_K < 1 ||
-                  p.cmb_K > kLinearCombineMaxK || p.T > kLinearCombineMaxT || p.batch != 1))
-    return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
   const bool vec = p.Kd % 4 == 0 && p.ldx % 4 == 0 && p.x_batch % 4 == 0 && p.w_batch % 4 == 0 && aligned16(p.x) &&
                    aligned16(p.w) && (!p.norm_w || aligned16(p.norm_w));
-  if (p.prep.T > 0 && (!vec || !p.norm_w)) {  // no fused blocks on these paths: its own launch first
-    const cudaError_t e = mla_prep(p.prep, stream);
-    if (e != cudaSuccess) return e;
-    LinearParams q = p;
-    q.prep.T = 0;
-    return linear_skinny(q, stream);
-  }
   if (p.force_config > 0) return launch_config(p.force_config - 1, p, vec, stream);
   return launch_config(auto_config(p, vec), p, vec, stream);
 }

@@ -256,7 +256,7 @@ cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
 }  // namespace
 
 bool linear_tile_supported(const LinearParams& p) {
-  return !p.norm_w && !p.x_swiglu && !p.norm_out && p.prep.T == 0 && p.Kd % 4 == 0 && p.ldx % 4 == 0 && p.x_batch % 4 == 0 &&
+  return !p.norm_w && !p.x_swiglu && !p.norm_out && p.Kd % 4 == 0 && p.ldx % 4 == 0 && p.x_batch % 4 == 0 &&
          p.w_batch % 4 == 0 && aligned16(p.x) && aligned16(p.w);
 }
 

@@ -11,7 +11,6 @@
 #include "launch.h"
 #include "model/vec_load.h"
 #include "model/device_math.h"
-#include "model/mla_prep.h"
 
 namespace kdtree {
 namespace cuda {
@@ -58,7 +57,22 @@ __global__ void embed_kernel(EmbedParams p) {
 }
 
 // ---------------------------------------------------------------- RMSNorm (ops.cpp rmsnorm_row)
-// (rms_inv, block_sum_once: device_math.h)
+__device__ __forceinline__ float rms_inv(double ss, int D, double eps) {
+  const float var = (float)(ss / (double)D);
+  return (float)(1.0 / sqrt((double)var + eps));
+}
+
+// block_sum for a block that reduces once (no barrier needed before the shared writes).
+template <class V>
+__device__ __forceinline__ V block_sum_once(V v, V* red /* [32] shared */) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  V t = V(0);
+  for (int w = 0; w < nw; ++w) t += red[w];
+  return t;
+}
 
 // One block per row, threads_for(D) threads; thread i owns elements i + j * blockDim (j < NPT),
 // x and w both loaded into registers up front (the weight fetch overlaps the reduction; one pass
@@ -106,12 +120,70 @@ __global__ void rmsnorm_kernel(RmsNormParams p) {
 }
 
 // ---------------------------------------------------------------- MLA preparation
-// One block per token (the block code in mla_prep.h): kPrepThreads threads when it writes cache
-// rows, else enough for the queries' pairs kPrepRegs per thread.
-__global__ void __launch_bounds__(1024) mla_prep_kernel(MlaPrepParams p) {
+// RoPE of one pair (ops.cpp rope_row): (a, b) = (x[2j], x[2j+1]) interleaved or (x[j], x[j+half]).
+__device__ __forceinline__ void rope_load(const float* x, int half, int j, int interleaved, float& a, float& b) {
+  a = interleaved ? x[2 * j] : x[j];
+  b = interleaved ? x[2 * j + 1] : x[j + half];
+}
+__device__ __forceinline__ void rope_store(float a, float b, float c, float s, int half, int j, float* y) {
+  y[j] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+  y[j + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+}
+
+// One block per token, threads_for(C) threads. Latent element i and rope pair u (u < half: the
+// key's pair u; else head h = u / half - 1, pair u % half) belong to thread i % blockDim, u %
+// blockDim. Every global input is loaded up front (the first kPrepRegs of each kind per thread,
+// with the pairs' cos / sin from the step's RoPE table, into registers; longer rows re-read the
+// rest), so the loads overlap each other. One barrier (the latent's sum of squares); the same
+// arithmetic and reduction order as when the kernel computed cos / sin itself.
+constexpr int kPrepRegs = 4;
+
+__global__ void __launch_bounds__(256) mla_prep_kernel(MlaPrepParams p) {
   pdl_prologue();
   __shared__ double red[32];
-  mla_prep_token(p, blockIdx.x, red);
+  const int t = blockIdx.x, half = p.R / 2, C = p.C, H = p.H, Dn = p.Dn, Dqk = p.Dn + p.R;
+  const int tid = threadIdx.x, bd = blockDim.x, P = (H + 1) * half;
+  const float* kv = p.kv + (size_t)t * p.ldkv;
+  const float* q = p.q + (size_t)t * p.ldq;
+  const float* cs = p.cs + (size_t)t * p.R;
+  const int interleaved = p.interleaved;
+  const long long row0 = p.row0_dev ? (long long)*p.row0_dev + p.row0 : p.row0;
+  auto pair_src = [&](int u) { return u < half ? kv + C : q + (size_t)(u / half - 1) * Dqk + Dn; };
+  float lv[kPrepRegs], lw[kPrepRegs], ra[kPrepRegs], rb[kPrepRegs], rc[kPrepRegs], rs[kPrepRegs];
+#pragma unroll
+  for (int m = 0; m < kPrepRegs; ++m) {
+    const int i = tid + m * bd, u = i;
+    lv[m] = i < C ? kv[i] : 0.f;
+    lw[m] = i < C ? __ldg(p.kv_norm_w + i) : 0.f;
+    ra[m] = rb[m] = rc[m] = rs[m] = 0.f;
+    if (u < P) {
+      rope_load(pair_src(u), half, u % half, interleaved, ra[m], rb[m]);
+      rc[m] = cs[u % half];
+      rs[m] = cs[half + u % half];
+    }
+  }
+  double ss = 0.0;
+#pragma unroll
+  for (int m = 0; m < kPrepRegs; ++m)
+    if (tid + m * bd < C) ss += (double)lv[m] * (double)lv[m];
+  for (int i = tid + kPrepRegs * bd; i < C; i += bd) ss += (double)kv[i] * (double)kv[i];
+  ss = block_sum_once(ss, red);
+  const float inv = rms_inv(ss, C, p.eps);
+  float* row = p.cache + (size_t)(row0 + t) * p.ldc;
+  float* qr = p.q_rope + (size_t)t * H * p.R;
+  auto dst = [&](int u) { return u < half ? row + C : qr + (size_t)(u / half - 1) * p.R; };
+#pragma unroll
+  for (int m = 0; m < kPrepRegs; ++m) {
+    const int i = tid + m * bd, u = i;
+    if (i < C) row[i] = __fmul_rn(lw[m], __fmul_rn(lv[m], inv));
+    if (u < P) rope_store(ra[m], rb[m], rc[m], rs[m], half, u % half, dst(u));
+  }
+  for (int i = tid + kPrepRegs * bd; i < C; i += bd) row[i] = __fmul_rn(p.kv_norm_w[i], __fmul_rn(kv[i], inv));
+  for (int u = tid + kPrepRegs * bd; u < P; u += bd) {
+    float a, b;
+    rope_load(pair_src(u), half, u % half, interleaved, a, b);
+    rope_store(a, b, cs[u % half], cs[half + u % half], half, u % half, dst(u));
+  }
 }
 
 // ---------------------------------------------------------------- SwiGLU (ops.cpp swiglu_row)
@@ -968,13 +1040,6 @@ __global__ void causal_bits_kernel(uint64_t* bits, int T, int W) {
 template <bool SWI, bool VEC, bool BF = false>
 void launch_gemv(int U, dim3 grid, const ExpertGemmParams& p, cudaStream_t stream) {
   constexpr int MS = kExpertSkinnyRows, TH = kSkinnyWarps * 32;
-  if (p.tile_rows == 1) {  // one slot per tile (decode): U up to 8, all of a 1024-float row's loads in one go
-    if (U == 8) launch_kernel(expert_gemv_kernel<1, 8, SWI, VEC, BF>, grid, TH, 0, stream, p);
-    else if (U == 4) launch_kernel(expert_gemv_kernel<1, 4, SWI, VEC, BF>, grid, TH, 0, stream, p);
-    else if (U == 2) launch_kernel(expert_gemv_kernel<1, 2, SWI, VEC, BF>, grid, TH, 0, stream, p);
-    else launch_kernel(expert_gemv_kernel<1, 1, SWI, VEC, BF>, grid, TH, 0, stream, p);
-    return;
-  }
   if (U == 4) launch_kernel(expert_gemv_kernel<MS, 4, SWI, VEC, BF>, grid, TH, 0, stream, p);
   else if (U == 2) launch_kernel(expert_gemv_kernel<MS, 2, SWI, VEC, BF>, grid, TH, 0, stream, p);
   else launch_kernel(expert_gemv_kernel<MS, 1, SWI, VEC, BF>, grid, TH, 0, stream, p);
@@ -1013,19 +1078,13 @@ cudaError_t rmsnorm(const RmsNormParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-bool mla_prep_valid(const MlaPrepParams& p) {
-  return p.q && p.kv && p.kv_norm_w && p.cs && p.cache && p.q_rope && p.T >= 0 && p.H > 0 && p.C > 0 && p.R > 0 &&
-         p.R % 2 == 0 && p.Dn >= 0 && p.ldc >= p.C + p.R && p.ldkv >= p.C + p.R && p.ldq >= p.H * (p.Dn + p.R) &&
-         p.row0 >= 0 && p.parts >= 1 && p.parts <= 3;
-}
-
 cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream) {
-  if (!mla_prep_valid(p)) return cudaErrorInvalidValue;
+  if (!p.q || !p.kv || !p.kv_norm_w || !p.cs || !p.cache || !p.q_rope) return cudaErrorInvalidValue;
+  if (p.T < 0 || p.H <= 0 || p.C <= 0 || p.R <= 0 || p.R % 2 || p.Dn < 0 || p.ldc < p.C + p.R ||
+      p.ldkv < p.C + p.R || p.ldq < p.H * (p.Dn + p.R) || p.row0 < 0)
+    return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
-  const int pairs = p.H * (p.R / 2);
-  const int th = p.parts & kPrepCacheRows ? kPrepThreads
-                                          : std::min(1024, std::max(32, (pairs + kPrepRegs * 32 - 1) / (kPrepRegs * 32) * 32));
-  launch_kernel(mla_prep_kernel, p.T, th, 0, stream, p);
+  launch_kernel(mla_prep_kernel, p.T, threads_for(p.C), 0, stream, p);
   return cudaGetLastError();
 }
 
@@ -1125,12 +1184,12 @@ cudaError_t expert_gemm(const ExpertGemmParams& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (p.max_tiles == 0) return cudaSuccess;
   const bool vec = p.Kd % 4 == 0 && p.ldx % 4 == 0 && ((uintptr_t)p.x % 16) == 0 && ((uintptr_t)p.w % 16) == 0;
-  if (p.tile_rows == kExpertSkinnyRows || p.tile_rows == 1) {
+  if (p.tile_rows == kExpertSkinnyRows) {
     const int cols = kSkinnyWarps * (p.swiglu ? kSkinnyRW / 2 : kSkinnyRW);  // output columns per block
     dim3 grid(p.max_tiles, (p.N + cols - 1) / cols);
     if (grid.y > 65535u) return cudaErrorInvalidValue;
     const int steps = (p.Kd + (vec ? 127 : 31)) / (vec ? 128 : 32);  // k-steps of a warp over one row
-    const int U = steps >= 8 && p.tile_rows == 1 ? 8 : steps >= 4 ? 4 : steps >= 2 ? 2 : 1;
+    const int U = steps >= 4 ? 4 : steps >= 2 ? 2 : 1;
     const bool bf = vec && p.w_bf16 && aligned8(p.w_bf16);
     if (p.swiglu) {
       if (bf) launch_gemv<true, true, true>(U, grid, p, stream);

@@ -20,39 +20,6 @@
 namespace kdtree {
 namespace cuda {
 
-// ---------------------------------------------------------------- MLA preparation
-// Per token t: cache[r0 + t] = [kv_norm_w * rmsnorm(kv[t, :C]) | rope(kv[t, C:C+R])] with r0 =
-// row0, or r0 = *row0_dev + row0 when row0_dev is given (the committed length read on the device
-// at run time, so that the launch can be captured in a CUDA graph); q_rope[t, h] = rope(q[t, h,
-// Dn:Dn+R]). The rotation's cos / sin come from the step's RoPE table cs (written by embed,
-// EmbedParams::cs). RoPE input layout: interleaved pairs or NeoX halves; output layout: halves
-// (HF's for both). One block per token, standalone (mla_prep) or as extra blocks of the q_b
-// projection's linear_skinny launch (LinearParams::prep: the cache rows, which need only kv; the
-// roped queries are then left to a standalone launch). Blocks that write cache rows have
-// kPrepThreads threads on either path, so the latent's sum of squares, and every bit, is the same.
-struct MlaPrepParams {
-  const float* q;          // [T, ldq] per head h: [nope (Dn) | rope (R)] at h * Dqk
-  int ldq;
-  const float* kv;         // [T, ldkv] [latent (C) | k_rope (R)]
-  int ldkv;
-  const float* kv_norm_w;  // [C]
-  const float* cs;         // [T, R] per token: cos (R/2) | sin (R/2), times the attention factor
-  int T, H, Dn, C, R;
-  double eps;              // latent norm eps
-  int interleaved;         // 1 = rope_interleave (pairs), 0 = NeoX halves
-  float* cache;            // [>= row0 + T, ldc] this layer's latent cache
-  int ldc;
-  long long row0;          // first cache row written (committed length + chunk offset); with
-                           // row0_dev: the offset added to *row0_dev (>= 0 either way)
-  float* q_rope;           // [T, H, R]
-  const int32_t* row0_dev; // [1] device base row (committed length), or nullptr (default)
-  int parts = 3;           // what to do: kPrepCacheRows | kPrepQueries
-};
-constexpr int kPrepCacheRows = 1, kPrepQueries = 2;
-constexpr int kPrepThreads = 128;
-bool mla_prep_valid(const MlaPrepParams& p);
-cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream);
-
 // ---------------------------------------------------------------- skinny linear layer
 // y[b][t, n] = beta * y[b][t, n] + sum_k x[b][t, k] * w[b][n, k] for b < batch, t < T, n < N, k < Kd:
 // w row-major [N, Kd] (PyTorch's nn.Linear layout), T <= kLinearSkinnyMaxT token rows. For the
@@ -86,19 +53,6 @@ struct LinearParams {
                                      // bytes. linear_skinny: with 16-byte aligned rows and an 8-byte aligned
                                      // w_bf16; linear_tile: tensor-core math, Kd and w_batch multiples of 8,
                                      // w_bf16 16-byte aligned; else w
-  int exp_old_norm = 0;           // EXPERIMENT (A/B): the previous RMSNorm prologue
-  // The MoE combine as the epilogue of the shared expert's down projection (x_swiglu, T <=
-  // kLinearCombineMaxT, K <= kLinearCombineMaxK): y[t, n] = y[t, n] + (sum over token t's experts in
-  // ascending index (ties by position) of w * cmb_y[slot, n] + the product), moe_combine's arithmetic,
-  // so the same bits as the projection into a buffer followed by moe_combine; cmb_y is [A, N].
-  const float* cmb_y = nullptr;
-  const int32_t* cmb_idx = nullptr;   // [T, K] (absolute tokens)
-  const float* cmb_w = nullptr;       // [T, K]
-  const int32_t* cmb_slot = nullptr;  // [T * K]
-  int cmb_K = 0;
-  MlaPrepParams prep{};           // linear_skinny: prep.T > 0 adds blocks to the launch that run mla_prep
-                                  // (its parts) for the prep.T tokens beside the product (the q_b projection
-                                  // and the cache rows read the same kernel's output: no launch of their own)
 };
 // One kernel configuration: RW weight rows per warp, TT token rows per slice (more tokens run in
 // balanced slices along grid.z), U k-steps of loads in flight per lane.
@@ -108,7 +62,6 @@ struct LinearSkinnyConfig {
 int linear_skinny_num_configs();
 LinearSkinnyConfig linear_skinny_config(int i);
 constexpr int kLinearNormMaxT = 4;
-constexpr int kLinearCombineMaxT = 4, kLinearCombineMaxK = 8;  // T * K <= 32: one warp holds the lists
 // x_swiglu is exact for any T, but every warp recomputes the SwiGLU of its token rows: it pays
 // only for a few tokens (H200, mini-kimi: the T = 17 dense down projection took 57 us fused
 // against ~25 us for swiglu + linear), so the model fuses it up to this many tokens.
@@ -148,9 +101,9 @@ struct EmbedParams {
   const float* table;      // [V, Dm]
   int T, V, Dm;
   float* out;              // [T, Dm]; a token outside [0, V) gives a row of NaN
-  // optional, the step's RoPE table for mla_prep: cs[t] = [cos | sin](angle_j) * attention_factor
-  // with angle_j = float(positions[t]) * inv_freq[j] rounded to float, cos / sin in double (ops.cpp
-  // rope_cos_sin); computed once per step instead of once per layer
+  // optional, the step's RoPE table for mla_prep (computed once per step, not once per layer):
+  // cs[t] = [cos | sin](angle_j) * attention_factor, angle_j = float(positions[t]) * inv_freq[j]
+  // rounded to float, cos / sin in double (ops.cpp rope_cos_sin)
   const int32_t* positions = nullptr;  // [T]
   const float* inv_freq = nullptr;     // [half]
   int half = 0;
@@ -171,7 +124,29 @@ struct RmsNormParams {
 cudaError_t rmsnorm(const RmsNormParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------- MLA preparation
-// mla_prep (cuda/model/mla_prep.h, declared above with the skinny linear layer, which can run it).
+// Per token t: cache[r0 + t] = [kv_norm_w * rmsnorm(kv[t, :C]) | rope(kv[t, C:C+R])] with r0 =
+// row0, or r0 = *row0_dev + row0 when row0_dev is given (the committed length read on the device
+// at run time, so that the launch can be captured in a CUDA graph); q_rope[t, h] = rope(q[t, h,
+// Dn:Dn+R]). The rotations' cos / sin come from the step's RoPE table cs (EmbedParams::cs). RoPE
+// input layout: interleaved pairs or NeoX halves; output layout: halves (HF's for both).
+struct MlaPrepParams {
+  const float* q;          // [T, ldq] per head h: [nope (Dn) | rope (R)] at h * Dqk
+  int ldq;
+  const float* kv;         // [T, ldkv] [latent (C) | k_rope (R)]
+  int ldkv;
+  const float* kv_norm_w;  // [C]
+  const float* cs;         // [T, R] per token: cos (R/2) | sin (R/2), times the attention factor
+  int T, H, Dn, C, R;
+  double eps;              // latent norm eps
+  int interleaved;         // 1 = rope_interleave (pairs), 0 = NeoX halves
+  float* cache;            // [>= row0 + T, ldc] this layer's latent cache
+  int ldc;
+  long long row0;          // first cache row written (committed length + chunk offset); with
+                           // row0_dev: the offset added to *row0_dev (>= 0 either way)
+  float* q_rope;           // [T, H, R]
+  const int32_t* row0_dev; // [1] device base row (committed length), or nullptr (default)
+};
+cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------- SwiGLU
 // out[r, i] = silu(gu[r, i]) * gu[r, I + i]; rows r < *n_rows when n_rows (device) is given,

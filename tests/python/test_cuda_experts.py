@@ -1,7 +1,7 @@
 """The grouped expert GEMMs of the MoE layers on the device (cuda::expert_gemm / expert_gemm_mma)
 against a float64 NumPy reference: y[slot] = x[token] @ w[expert]^T, or silu(gate) * up with the
 gate and up rows of each expert in one matrix. Every kernel (GEMV-style, tiled SGEMM, tensor-core
-3xTF32 with tiles of 8, 16, 32 or 64 slots; the GEMV kernel also with one-slot tiles) on shapes with partial column blocks, partial k chunks, several
+3xTF32 with tiles of 8, 16, 32 or 64 slots) on shapes with partial column blocks, partial k chunks, several
 tiles per expert and skewed routing; the outputs are poisoned (NaN) before each call, so an
 unwritten slot fails. Skipped without a usable CUDA device."""
 import numpy as np
@@ -16,7 +16,7 @@ from kdtree_native import _native as N  # noqa: E402
 
 pytestmark = pytest.mark.cuda
 
-KERNELS = [("gemv", 8), ("gemv", 1), ("tiled", 64), ("mma", 8), ("mma", 16), ("mma", 32), ("mma", 64)]
+KERNELS = [("gemv", 8), ("tiled", 64), ("mma", 8), ("mma", 16), ("mma", 32), ("mma", 64)]
 
 
 def routing(rng, T, K, E, skewed):
