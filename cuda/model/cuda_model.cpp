@@ -21,7 +21,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 
 #include "common.h"
@@ -155,7 +154,6 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   cudaStream_t stream;
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   stream_ = stream;
-  if (const char* e = std::getenv("KDTREE_EXP_PF")) exp_pf_ = std::strcmp(e, "0") != 0;  // EXPERIMENT
   if (opt.side_stream) {
     cudaStream_t side;
     check_cuda(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate(side)");
@@ -667,9 +665,7 @@ void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, co
   ep.cs = rope_cs_;
   check_cuda(cuda::embed(ep, st), "embed");
   const bool fuse = fuse_norm(T);  // few tokens: the norms before q_a/kv_a, q_b and lm_head run in those kernels
-  const int64_t qkv_rows = c.q_lora_rank + c.kv_lora_rank + c.qk_rope_head_dim;
-  for (size_t li = 0; li < layers_.size(); ++li) {
-    Layer& ly = layers_[li];
+  for (Layer& ly : layers_) {
     cuda::RmsNormParams np{x_, ly.input_ln, (int)T, (int)Dm, (int)Dm, (int)Dm, c.rms_norm_eps, hn_};
     if (fuse) {
       attention(ly, vis_d, vis_stride, T, row0, len_d, x_, ly.input_ln);
@@ -683,16 +679,8 @@ void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, co
       np.w = ly.post_ln;
       check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
     }
-    if (ly.moe) {
-      // the next layer's first weights (q_a / kv_a, or their BF16 copy) asked into the L2 by the
-      // routed experts' blocks: the next layer's first kernel follows a side-stream join
-      const float* nq = li + 1 < layers_.size() && exp_pf_ ? layers_[li + 1].qkv_a : nullptr;
-      const uint16_t* nqb = nq ? bf16_of(nq, qkv_rows * Dm) : nullptr;
-      const int64_t pf_bytes = nq ? (nqb ? 2 : 4) * qkv_rows * Dm / 16 * 16 : 0;
-      moe_mlp(ly, T, fuse, nqb ? static_cast<const void*>(nqb) : static_cast<const void*>(nq), pf_bytes);
-    } else {
-      dense_mlp(ly, T, fuse);
-    }
+    if (ly.moe) moe_mlp(ly, T, fuse);
+    else dense_mlp(ly, T, fuse);
   }
   const float* head = c.tie_word_embeddings ? embed_ : lm_head_;
   if (fuse) {
@@ -803,7 +791,7 @@ void CudaModel::dense_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   swiglu_gemm_nt(T, Dm, I, gu_, 2 * I, ly.mlp_down, x_, Dm, 1.f);
 }
 
-void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm, const void* prefetch, int64_t prefetch_bytes) {
+void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   const ModelConfig& c = cfg_;
   const int64_t Dm = c.hidden_size, E = c.n_routed_experts, K = c.num_experts_per_tok, Ie = c.moe_intermediate_size;
   const int64_t Is = Ie * c.n_shared_experts, A = T * K;
@@ -892,10 +880,6 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm, const void*
     check_cuda(cuda::swiglu(sp, st), "swiglu(experts)");
   }
   // down: ye[slot] = act[slot] @ Wd_e^T
-  if (kind != kTiled) {
-    xp.l2_prefetch = prefetch;
-    xp.l2_prefetch_bytes = prefetch_bytes;
-  }
   xp.x = act_;
   xp.ldx = (int)Ie;
   xp.x_row = nullptr;

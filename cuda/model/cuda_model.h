@@ -229,8 +229,7 @@ class CudaModel : public TargetModel {
   // fused_norm: the post-attention RMSNorm of x_ runs inside the first projection (fuse_norm(T)),
   // else hn_ holds the normalised input already
   void dense_mlp(const Layer& ly, int64_t T, bool fused_norm);
-  // prefetch: bytes the routed experts' kernels ask into the L2 (the next layer's first weights)
-  void moe_mlp(const Layer& ly, int64_t T, bool fused_norm, const void* prefetch = nullptr, int64_t prefetch_bytes = 0);
+  void moe_mlp(const Layer& ly, int64_t T, bool fused_norm);
   void launch_compact(const int32_t* keep_d, const int32_t* count_d);
   // The BF16 copy of the weights [w, w + n) when they lie in one BF16-exact range and the copies
   // exist (finalize), else nullptr.
@@ -246,7 +245,6 @@ class CudaModel : public TargetModel {
   std::string device_name_;
   void* stream_ = nullptr;          // cudaStream_t
   void* side_ = nullptr;            // cudaStream_t: the second stream (opt_.side_stream), else nullptr
-  bool exp_pf_ = true;              // EXPERIMENT (A/B): the next layer's q_a / kv_a weights into the L2
   void* ev_fork_ = nullptr;         // cudaEvent_t: main -> side
   void* ev_join_ = nullptr;         // cudaEvent_t: side -> main
   // Side work: fork() makes the side stream wait for the main stream's work so far and returns the

@@ -59,8 +59,6 @@ __global__ void __launch_bounds__(kThreads) expert_mma_kernel(ExpertGemmParams p
   uint16_t* const Wsb = reinterpret_cast<uint16_t*>(smem);  // BF: [ST][kTileBN][kPadB]
   float* const Xs = BF ? smem + ST * kTileBN * kPadB / 2 : smem + ST * kTileBN * PAD;  // [ST][BM][PAD]
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
-  l2_prefetch_share(p.l2_prefetch, p.l2_prefetch_bytes, (long long)blockIdx.y * gridDim.x + blockIdx.x,
-                    (long long)gridDim.x * gridDim.y);
   pdl_trigger();
   pdl_wait();  // the schedule and the input rows come from earlier kernels
   const int tile = blockIdx.x;

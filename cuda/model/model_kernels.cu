@@ -711,8 +711,6 @@ constexpr int kSkinnyWarps = 4, kSkinnyRW = 4;
 template <int MS, int U, bool SWI, bool VEC, bool BF = false>
 __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(ExpertGemmParams p) {
   static_assert(!BF || VEC, "BF16 weights on the vector path only");
-  l2_prefetch_share(p.l2_prefetch, p.l2_prefetch_bytes, (long long)blockIdx.y * gridDim.x + blockIdx.x,
-                    (long long)gridDim.x * gridDim.y);
   pdl_prologue();
   using WT = typename std::conditional<VEC, float4, float>::type;
   constexpr int CPW = SWI ? kSkinnyRW / 2 : kSkinnyRW;  // output columns per warp

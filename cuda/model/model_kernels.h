@@ -228,11 +228,6 @@ struct ExpertGemmParams {
   int ldy;
   const uint16_t* w_bf16 = nullptr;  // w as exact BF16 (as LinearParams::w_bf16), read by the GEMV-style kernel
                                      // (8-byte aligned) and the tensor-core one (Kd % 8 == 0, 16-byte aligned)
-  // optional: bytes [l2_prefetch, + l2_prefetch_bytes) of immutable data (a later kernel's weights) that
-  // the blocks of the GEMV-style and tensor-core kernels ask the L2 to fetch at their start (sm_90+;
-  // 16-byte aligned, a multiple of 16 bytes), so that the later kernel finds them there
-  const void* l2_prefetch = nullptr;
-  long long l2_prefetch_bytes = 0;
 };
 // Two kernels: a GEMV-style one for tiles of <= kExpertSkinnyRows slots (weights streamed once
 // per tile; decode and small verify steps) and a shared-memory tiled SGEMM for tiles of
