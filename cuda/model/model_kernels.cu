@@ -546,6 +546,11 @@ __global__ void __launch_bounds__(kGroupSmallMax) moe_route_group_fast_kernel(Ro
       }
     }
   }
+  if (tmask) {  // a chosen expert: its weights asked into the L2 now (RouteParams::pf_w)
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+      if (rp.pf_w[i]) l2_prefetch_range(static_cast<const char*>(rp.pf_w[i]) + e * rp.pf_stride[i], rp.pf_bytes[i]);
+  }
   const int c = __popc(tmask), first_t = __ffs(tmask) - 1;
 #pragma unroll
   for (int t = 0; t < T; ++t)
@@ -711,7 +716,16 @@ constexpr int kSkinnyWarps = 4, kSkinnyRW = 4;
 template <int MS, int U, bool SWI, bool VEC, bool BF = false>
 __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(ExpertGemmParams p) {
   static_assert(!BF || VEC, "BF16 weights on the vector path only");
-  pdl_prologue();
+  // PDL order (ExpertGemmParams::pdl_late / sched_ready): by default trigger and wait at the start.
+  // sched_ready: the schedule was complete when this grid launched, so it and the first weights
+  // are read before the wait (through L2: __ldcg), the x rows after; pdl_late: the dependent launch
+  // is triggered after the wait.
+  const bool early = p.sched_ready != 0;
+  if (!p.pdl_late) pdl_trigger();
+  if (!early) {
+    pdl_wait();
+    if (p.pdl_late) pdl_trigger();
+  }
   using WT = typename std::conditional<VEC, float4, float>::type;
   constexpr int CPW = SWI ? kSkinnyRW / 2 : kSkinnyRW;  // output columns per warp
   constexpr int RW = kSkinnyRW;                         // weight rows per warp
@@ -719,8 +733,11 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
   const int tile = blockIdx.x;
   // The schedule loads are independent (tile_expert / tile_row0 hold max_tiles entries; those
   // past *num_tiles are not used), so they go out together.
-  const int nt = __ldg(p.num_tiles), e = __ldg(p.tile_expert + tile), r0 = __ldg(p.tile_row0 + tile);
-  if (tile >= nt || e < 0 || r0 < 0) return;  // (e, r0 >= 0 always: keeps their loads above the exit)
+  auto ld_sched = [early](const int32_t* q) { return early ? __ldcg(q) : __ldg(q); };
+  const int nt = ld_sched(p.num_tiles), e = ld_sched(p.tile_expert + tile), r0 = ld_sched(p.tile_row0 + tile);
+  // (e, r0 >= 0 always: keeps their loads above the exit.) Blocks that exit here before waiting
+  // (early) leave the grid's completion to its live blocks, which all wait.
+  if (tile >= nt || e < 0 || r0 < 0) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int Kd = p.Kd, N = p.N;
   const int nb = (blockIdx.y * kSkinnyWarps + warp) * CPW;
@@ -756,11 +773,15 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
   // x row of each slot. Slot r0 always belongs to the tile: its row is looked up at once; the
   // others (rows > 1) after the wait on offsets, in the first iteration, so that the weight
   // loads above are issued first (clamped to the tile's last slot; unused past rows).
+  const int rows = min(MS, ld_sched(p.offsets + e + 1) - r0);
+  if (early) {
+    pdl_wait();
+    if (p.pdl_late) pdl_trigger();
+  }
   int src[MS];
   src[0] = p.x_row ? __ldg(p.x_row + r0) : r0;
 #pragma unroll
   for (int r = 1; r < MS; ++r) src[r] = src[0];
-  const int rows = min(MS, __ldg(p.offsets + e + 1) - r0);
   float acc[RW][MS];
 #pragma unroll
   for (int i = 0; i < RW; ++i)
@@ -919,7 +940,9 @@ constexpr int kCombineThreads = 128;
 
 template <bool VEC>
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(MoeCombineParams p) {
-  pdl_prologue();
+  // pre_ready: the picks and out were complete at launch: loaded and ranked before the PDL wait
+  pdl_trigger();
+  if (!p.pre_ready) pdl_wait();
   using VT = typename std::conditional<VEC, float4, float>::type;
   constexpr int VW = VEC ? 4 : 1;
   __shared__ int sidx[64], sslot[64];
@@ -929,9 +952,9 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(MoeCombine
   float my_w = 0.f;
   if (tid < K) {
     const int a = t * K + tid;
-    my_idx = p.topk_idx[a];
-    my_slot = p.slot_of[a];
-    my_w = p.topk_w[a];
+    my_idx = __ldcg(p.topk_idx + a);
+    my_slot = __ldcg(p.slot_of + a);
+    my_w = __ldcg(p.topk_w + a);
     sidx[tid] = my_idx;
   }
   const int i = (blockIdx.y * blockDim.x + tid) * VW;
@@ -940,8 +963,8 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(MoeCombine
   VT prev, sh;
   vzero(prev);
   vzero(sh);
-  if (active && p.accumulate) prev = *reinterpret_cast<const VT*>(p.out + o);
-  if (active && p.shared) sh = ldg_vec<VT>(p.shared + o);
+  if (active && p.accumulate) prev = ldcg_vec<VT>(p.out + o);
+  if (active && p.shared && !p.pre_ready) sh = ldg_vec<VT>(p.shared + o);
   __syncthreads();
   if (tid < K) {
     int rank = 0;
@@ -953,6 +976,10 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(MoeCombine
     sw[rank] = my_w;
   }
   __syncthreads();
+  if (p.pre_ready) {  // the expert rows and (a side stream's edge may be programmatic) the shared output
+    pdl_wait();
+    if (active && p.shared) sh = ldg_vec<VT>(p.shared + o);
+  }
   if (!active) return;
   float acc[VW];
 #pragma unroll
@@ -1113,10 +1140,13 @@ cudaError_t swiglu(const SwigluParams& p, cudaStream_t stream) {
 }
 
 namespace {
+bool pf_invalid(const RouteParams& p, int i) {  // the prefetch ranges: 16-byte aligned, multiples of 16 bytes
+  return p.pf_w[i] && (!aligned16(p.pf_w[i]) || p.pf_stride[i] % 16 || p.pf_bytes[i] % 16 || p.pf_bytes[i] < 0);
+}
 bool route_invalid(const RouteParams& p) {
   return !p.logits || !p.bias || !p.topk_idx || !p.topk_w || p.T < 0 || p.E <= 0 || p.E > 1024 || p.G <= 0 ||
          p.E % p.G || p.E / p.G < 2 || p.topk_group < 1 || p.topk_group > p.G || p.K < 1 ||
-         p.K > p.topk_group * (p.E / p.G) || (p.ldl != 0 && p.ldl < p.E);
+         p.K > p.topk_group * (p.E / p.G) || (p.ldl != 0 && p.ldl < p.E) || pf_invalid(p, 0) || pf_invalid(p, 1);
 }
 bool group_invalid(const MoeGroupParams& p) {
   return !p.topk_idx || !p.counts || !p.offsets || !p.slot_token || !p.slot_of || !p.tile_expert || !p.tile_row0 ||
