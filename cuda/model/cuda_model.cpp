@@ -156,7 +156,6 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   stream_ = stream;
   if (const char* e = std::getenv("KDTREE_EXP_EARLY")) exp_early_ = std::atoi(e);  // EXPERIMENT
-  if (const char* e = std::getenv("KDTREE_EXP_RPF")) exp_rpf_ = std::strcmp(e, "0") != 0;  // EXPERIMENT
   if (opt.side_stream) {
     cudaStream_t side;
     check_cuda(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate(side)");
@@ -851,22 +850,6 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
     lp.w_bf16 = bf16_of(ly.shared_down, Dm * Is);
     check_cuda(cuda::linear_skinny(lp, as_stream(fork())), "linear_skinny(shared down, side)");
   }
-  // The PDL order of the GEMV-style experts (ExpertGemmParams::pdl_late / sched_ready): the gate/up
-  // kernel lets the down projection launch only after its wait, when the schedule is complete, so
-  // the down projection's weights stream beside the gate/up kernel; likewise down -> moe_combine
-  // when the combine follows it directly (the side stream's join adds no kernel).
-  const bool gemv = kind == kGemv;
-  const bool combine_next = shared_side || Is == 0;
-  const int early = gemv ? exp_early_ : 0;
-  if (exp_rpf_ && kind != kTiled) {  // EXPERIMENT: the chosen experts' weights into the L2 from the route
-    const uint16_t* gb = bf16_of(ly.experts_gate_up, E * 2 * Ie * Dm);
-    const uint16_t* db = bf16_of(ly.experts_down, E * Dm * Ie);
-    const long long es = gb ? 2 : 4, ds = db ? 2 : 4;
-    rp.pf_w[0] = gb ? static_cast<const void*>(gb) : static_cast<const void*>(ly.experts_gate_up);
-    rp.pf_w[1] = db ? static_cast<const void*>(db) : static_cast<const void*>(ly.experts_down);
-    rp.pf_stride[0] = rp.pf_bytes[0] = es * 2 * Ie * Dm;
-    rp.pf_stride[1] = rp.pf_bytes[1] = ds * Dm * Ie;
-  }
   check_cuda(cuda::moe_route_group(rp, gp, st), "moe_route + moe_group");  // one launch for few tokens
 
   cuda::ExpertGemmParams xp{};
@@ -883,7 +866,18 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   xp.w = ly.experts_gate_up;
   xp.w_bf16 = kind != kTiled ? bf16_of(ly.experts_gate_up, E * 2 * Ie * Dm) : nullptr;
   xp.Kd = (int)Dm;
-  xp.pdl_late = early >= 1;
+  // Decode (GEMV-style kernels, SwiGLU fused): gate/up lets the down projection launch only after its
+  // PDL wait, when the schedule is complete, so that the down projection reads the schedule and
+  // streams its weights beside gate/up (ExpertGemmParams::pdl_late / sched_ready).
+  cuda::ExpertGemmParams dp = xp;
+  dp.x = act_;
+  dp.ldx = (int)Ie;
+  dp.x_row = nullptr;
+  dp.w = ly.experts_down;
+  dp.Kd = (int)Ie;
+  const bool early = exp_early_ && kind == kGemv && swiglu_fused && cuda::expert_gemv_pdl_ok(xp) &&
+                     cuda::expert_gemv_pdl_ok(dp);
+  xp.pdl_late = early;
   if (swiglu_fused) {
     xp.N = (int)Ie;
     xp.swiglu = 1;
@@ -910,8 +904,8 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   xp.swiglu = 0;
   xp.y = ye_;
   xp.ldy = (int)Dm;
-  xp.sched_ready = early >= 1;
-  xp.pdl_late = early >= 2 && combine_next;
+  xp.pdl_late = 0;
+  xp.sched_ready = early;
   run_experts(xp, "expert_gemm(down)");
 
   if (shared_side) {
@@ -923,7 +917,6 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
     swiglu_gemm_nt(T, Dm, Is, gu_, 2 * Is, ly.shared_down, ys_, Dm);
   }
   cuda::MoeCombineParams cp{ye_, topk_idx_, topk_w_, slot_of_, Is > 0 ? ys_ : nullptr, (int)T, (int)K, (int)Dm, x_, 1};
-  cp.pre_ready = early >= 2 && combine_next;
   check_cuda(cuda::moe_combine(cp, st), "moe_combine");
 }
 

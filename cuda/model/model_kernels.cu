@@ -546,11 +546,6 @@ __global__ void __launch_bounds__(kGroupSmallMax) moe_route_group_fast_kernel(Ro
       }
     }
   }
-  if (tmask) {  // a chosen expert: its weights asked into the L2 now (RouteParams::pf_w)
-#pragma unroll
-    for (int i = 0; i < 2; ++i)
-      if (rp.pf_w[i]) l2_prefetch_range(static_cast<const char*>(rp.pf_w[i]) + e * rp.pf_stride[i], rp.pf_bytes[i]);
-  }
   const int c = __popc(tmask), first_t = __ffs(tmask) - 1;
 #pragma unroll
   for (int t = 0; t < T; ++t)
@@ -713,18 +708,30 @@ constexpr int kSkinnyWarps = 4, kSkinnyRW = 4;
 
 
 // BF (with VEC): the weights from w_bf16 (exact BF16 copies), widened as loaded: the same results.
-template <int MS, int U, bool SWI, bool VEC, bool BF = false>
+// PM, the PDL order (ExpertGemmParams::pdl_late / sched_ready; a template parameter so that every
+// instantiation waits unconditionally: with the wait behind a run-time branch, loads placed after
+// it in the source were seen to read the previous layer's data on the H200):
+//   kPdlStart: trigger and wait at the start;
+//   kPdlLate:  wait, then trigger (the dependent launches once this kernel's predecessor is done);
+//   kPdlEarly: the schedule was complete at launch (the predecessor used kPdlLate): trigger, read
+//              the schedule (through L2) and issue the first weights, then wait; the x rows (the
+//              predecessor's output) are read through L2 too.
+enum { kPdlStart = 0, kPdlLate = 1, kPdlEarly = 2 };
+template <int PM>
+__device__ __forceinline__ int ld_sched(const int32_t* q) { return PM == kPdlEarly ? __ldcg(q) : __ldg(q); }
+template <int PM, class WT>
+__device__ __forceinline__ WT ld_x(const float* q) { return PM == kPdlEarly ? ldcg_vec<WT>(q) : ldg_vec<WT>(q); }
+
+template <int MS, int U, bool SWI, bool VEC, bool BF = false, int PM = kPdlStart>
 __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(ExpertGemmParams p) {
   static_assert(!BF || VEC, "BF16 weights on the vector path only");
-  // PDL order (ExpertGemmParams::pdl_late / sched_ready): by default trigger and wait at the start.
-  // sched_ready: the schedule was complete when this grid launched, so it and the first weights
-  // are read before the wait (through L2: __ldcg), the x rows after; pdl_late: the dependent launch
-  // is triggered after the wait.
-  const bool early = p.sched_ready != 0;
-  if (!p.pdl_late) pdl_trigger();
-  if (!early) {
+  if constexpr (PM == kPdlStart) {
+    pdl_prologue();
+  } else if constexpr (PM == kPdlLate) {
     pdl_wait();
-    if (p.pdl_late) pdl_trigger();
+    pdl_trigger();
+  } else {
+    pdl_trigger();
   }
   using WT = typename std::conditional<VEC, float4, float>::type;
   constexpr int CPW = SWI ? kSkinnyRW / 2 : kSkinnyRW;  // output columns per warp
@@ -733,10 +740,9 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
   const int tile = blockIdx.x;
   // The schedule loads are independent (tile_expert / tile_row0 hold max_tiles entries; those
   // past *num_tiles are not used), so they go out together.
-  auto ld_sched = [early](const int32_t* q) { return early ? __ldcg(q) : __ldg(q); };
-  const int nt = ld_sched(p.num_tiles), e = ld_sched(p.tile_expert + tile), r0 = ld_sched(p.tile_row0 + tile);
-  // (e, r0 >= 0 always: keeps their loads above the exit.) Blocks that exit here before waiting
-  // (early) leave the grid's completion to its live blocks, which all wait.
+  const int nt = ld_sched<PM>(p.num_tiles), e = ld_sched<PM>(p.tile_expert + tile), r0 = ld_sched<PM>(p.tile_row0 + tile);
+  // (e, r0 >= 0 always: keeps their loads above the exit.) kPdlEarly: a block that exits here has
+  // not waited; the grid completes only after its live blocks, which all wait.
   if (tile >= nt || e < 0 || r0 < 0) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int Kd = p.Kd, N = p.N;
@@ -773,13 +779,16 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
   // x row of each slot. Slot r0 always belongs to the tile: its row is looked up at once; the
   // others (rows > 1) after the wait on offsets, in the first iteration, so that the weight
   // loads above are issued first (clamped to the tile's last slot; unused past rows).
-  const int rows = min(MS, ld_sched(p.offsets + e + 1) - r0);
-  if (early) {
-    pdl_wait();
-    if (p.pdl_late) pdl_trigger();
-  }
   int src[MS];
-  src[0] = p.x_row ? __ldg(p.x_row + r0) : r0;
+  int rows;
+  if constexpr (PM == kPdlEarly) {  // the schedule before the wait, x_row (the slots' tokens) after it
+    rows = min(MS, ld_sched<PM>(p.offsets + e + 1) - r0);
+    pdl_wait();
+    src[0] = p.x_row ? ld_sched<PM>(p.x_row + r0) : r0;
+  } else {
+    src[0] = p.x_row ? __ldg(p.x_row + r0) : r0;
+    rows = min(MS, __ldg(p.offsets + e + 1) - r0);
+  }
 #pragma unroll
   for (int r = 1; r < MS; ++r) src[r] = src[0];
   float acc[RW][MS];
@@ -793,7 +802,7 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
 #pragma unroll
       for (int r = 1; r < MS; ++r) {
         const int s = r0 + min(r, rows - 1);
-        src[r] = p.x_row ? __ldg(p.x_row + s) : s;
+        src[r] = p.x_row ? ld_sched<PM>(p.x_row + s) : s;
       }
     }
 #pragma unroll
@@ -804,7 +813,7 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int k = ((s0 + u) * 32 + lane) * VW;
-          if (k < Kd) xv[u] = ldg_vec<WT>(xr + k);
+          if (k < Kd) xv[u] = ld_x<PM, WT>(xr + k);
           else vzero(xv[u]);
         }
 #pragma unroll
@@ -940,9 +949,7 @@ constexpr int kCombineThreads = 128;
 
 template <bool VEC>
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(MoeCombineParams p) {
-  // pre_ready: the picks and out were complete at launch: loaded and ranked before the PDL wait
-  pdl_trigger();
-  if (!p.pre_ready) pdl_wait();
+  pdl_prologue();
   using VT = typename std::conditional<VEC, float4, float>::type;
   constexpr int VW = VEC ? 4 : 1;
   __shared__ int sidx[64], sslot[64];
@@ -952,9 +959,9 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(MoeCombine
   float my_w = 0.f;
   if (tid < K) {
     const int a = t * K + tid;
-    my_idx = __ldcg(p.topk_idx + a);
-    my_slot = __ldcg(p.slot_of + a);
-    my_w = __ldcg(p.topk_w + a);
+    my_idx = p.topk_idx[a];
+    my_slot = p.slot_of[a];
+    my_w = p.topk_w[a];
     sidx[tid] = my_idx;
   }
   const int i = (blockIdx.y * blockDim.x + tid) * VW;
@@ -963,8 +970,8 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(MoeCombine
   VT prev, sh;
   vzero(prev);
   vzero(sh);
-  if (active && p.accumulate) prev = ldcg_vec<VT>(p.out + o);
-  if (active && p.shared && !p.pre_ready) sh = ldg_vec<VT>(p.shared + o);
+  if (active && p.accumulate) prev = *reinterpret_cast<const VT*>(p.out + o);
+  if (active && p.shared) sh = ldg_vec<VT>(p.shared + o);
   __syncthreads();
   if (tid < K) {
     int rank = 0;
@@ -976,10 +983,6 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(MoeCombine
     sw[rank] = my_w;
   }
   __syncthreads();
-  if (p.pre_ready) {  // the expert rows and (a side stream's edge may be programmatic) the shared output
-    pdl_wait();
-    if (active && p.shared) sh = ldg_vec<VT>(p.shared + o);
-  }
   if (!active) return;
   float acc[VW];
 #pragma unroll
@@ -1064,12 +1067,22 @@ __global__ void causal_bits_kernel(uint64_t* bits, int T, int W) {
   }
 }
 
+template <bool SWI, bool VEC, bool BF = false, int PM = kPdlStart>
+void launch_gemv_pm(int U, dim3 grid, const ExpertGemmParams& p, cudaStream_t stream) {
+  constexpr int MS = kExpertSkinnyRows, TH = kSkinnyWarps * 32;
+  if (U == 4) launch_kernel(expert_gemv_kernel<MS, 4, SWI, VEC, BF, PM>, grid, TH, 0, stream, p);
+  else if (U == 2) launch_kernel(expert_gemv_kernel<MS, 2, SWI, VEC, BF, PM>, grid, TH, 0, stream, p);
+  else launch_kernel(expert_gemv_kernel<MS, 1, SWI, VEC, BF, PM>, grid, TH, 0, stream, p);
+}
+// The PDL orders (vector path only, expert_gemv_pdl_ok): gate/up (SwiGLU) start or late, the down
+// projection start or early.
 template <bool SWI, bool VEC, bool BF = false>
 void launch_gemv(int U, dim3 grid, const ExpertGemmParams& p, cudaStream_t stream) {
-  constexpr int MS = kExpertSkinnyRows, TH = kSkinnyWarps * 32;
-  if (U == 4) launch_kernel(expert_gemv_kernel<MS, 4, SWI, VEC, BF>, grid, TH, 0, stream, p);
-  else if (U == 2) launch_kernel(expert_gemv_kernel<MS, 2, SWI, VEC, BF>, grid, TH, 0, stream, p);
-  else launch_kernel(expert_gemv_kernel<MS, 1, SWI, VEC, BF>, grid, TH, 0, stream, p);
+  if constexpr (VEC) {
+    if (SWI && p.pdl_late) return launch_gemv_pm<SWI, VEC, BF, kPdlLate>(U, grid, p, stream);
+    if (!SWI && p.sched_ready) return launch_gemv_pm<SWI, VEC, BF, kPdlEarly>(U, grid, p, stream);
+  }
+  launch_gemv_pm<SWI, VEC, BF>(U, grid, p, stream);
 }
 
 int threads_for(int n) {
@@ -1140,13 +1153,10 @@ cudaError_t swiglu(const SwigluParams& p, cudaStream_t stream) {
 }
 
 namespace {
-bool pf_invalid(const RouteParams& p, int i) {  // the prefetch ranges: 16-byte aligned, multiples of 16 bytes
-  return p.pf_w[i] && (!aligned16(p.pf_w[i]) || p.pf_stride[i] % 16 || p.pf_bytes[i] % 16 || p.pf_bytes[i] < 0);
-}
 bool route_invalid(const RouteParams& p) {
   return !p.logits || !p.bias || !p.topk_idx || !p.topk_w || p.T < 0 || p.E <= 0 || p.E > 1024 || p.G <= 0 ||
          p.E % p.G || p.E / p.G < 2 || p.topk_group < 1 || p.topk_group > p.G || p.K < 1 ||
-         p.K > p.topk_group * (p.E / p.G) || (p.ldl != 0 && p.ldl < p.E) || pf_invalid(p, 0) || pf_invalid(p, 1);
+         p.K > p.topk_group * (p.E / p.G) || (p.ldl != 0 && p.ldl < p.E);
 }
 bool group_invalid(const MoeGroupParams& p) {
   return !p.topk_idx || !p.counts || !p.offsets || !p.slot_token || !p.slot_of || !p.tile_expert || !p.tile_row0 ||
@@ -1208,6 +1218,11 @@ cudaError_t moe_group(const MoeGroupParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+bool expert_gemv_pdl_ok(const ExpertGemmParams& p) {
+  return p.tile_rows == kExpertSkinnyRows && p.Kd % 4 == 0 && p.ldx % 4 == 0 && ((uintptr_t)p.x % 16) == 0 &&
+         ((uintptr_t)p.w % 16) == 0;
+}
+
 cudaError_t expert_gemm(const ExpertGemmParams& p, cudaStream_t stream) {
   if (!p.x || !p.w || !p.offsets || !p.tile_expert || !p.tile_row0 || !p.num_tiles || !p.y || p.N <= 0 ||
       p.Kd <= 0 || p.ldx < p.Kd || p.ldy < p.N || p.max_tiles < 0)
@@ -1218,6 +1233,8 @@ cudaError_t expert_gemm(const ExpertGemmParams& p, cudaStream_t stream) {
     const int cols = kSkinnyWarps * (p.swiglu ? kSkinnyRW / 2 : kSkinnyRW);  // output columns per block
     dim3 grid(p.max_tiles, (p.N + cols - 1) / cols);
     if (grid.y > 65535u) return cudaErrorInvalidValue;
+    // the PDL orders exist for one pairing only (gate/up with SwiGLU late -> down early), on the vector path
+    if ((p.pdl_late || p.sched_ready) && !(vec && (p.swiglu ? !p.sched_ready : !p.pdl_late))) return cudaErrorInvalidValue;
     const int steps = (p.Kd + (vec ? 127 : 31)) / (vec ? 128 : 32);  // k-steps of a warp over one row
     const int U = steps >= 4 ? 4 : steps >= 2 ? 2 : 1;
     const bool bf = vec && p.w_bf16 && aligned8(p.w_bf16);

@@ -178,11 +178,6 @@ struct RouteParams {
   int ldl = 0;             // logits row stride (0: E)
   int force_block = 0;     // testing / A/B: moe_route_group's block-per-token path even where its two-barrier
                            // path (T <= kRouteGroupMaxT, topk_group == G, K <= 32) would run; same results
-  // Optional (the two-barrier path only): each chosen expert's weights asked into the L2 as soon as
-  // the routing is known: bytes [pf_w[i] + e * pf_stride[i], + pf_bytes[i]) for i < 2 (gate/up, down;
-  // 16-byte aligned, multiples of 16 bytes; null = none). Immutable data only.
-  const void* pf_w[2] = {nullptr, nullptr};
-  long long pf_stride[2] = {0, 0}, pf_bytes[2] = {0, 0};
 };
 cudaError_t moe_route(const RouteParams& p, cudaStream_t stream);
 
@@ -233,13 +228,16 @@ struct ExpertGemmParams {
   int ldy;
   const uint16_t* w_bf16 = nullptr;  // w as exact BF16 (as LinearParams::w_bf16), read by the GEMV-style kernel
                                      // (8-byte aligned) and the tensor-core one (Kd % 8 == 0, 16-byte aligned)
-  // PDL order of the GEMV-style kernel (others ignore both; docs/CUDA_MODEL.md "The MoE chain"):
-  // pdl_late: the dependent kernel may launch only once this one's PDL wait has returned (instead of
-  // at its start), so that whatever this kernel's predecessor waited for is complete when it runs;
-  // sched_ready: this launch follows such a kernel and the schedule (offsets, tiles) was written
-  // before it: the schedule and the first weights are read before the PDL wait, the x rows after.
+  // PDL order of the GEMV-style kernel, for the decode step's gate/up -> down pair (docs/CUDA_MODEL.md,
+  // "The expert pair's PDL order"); vector path only (expert_gemv_pdl_ok), else cudaErrorInvalidValue:
+  // pdl_late (gate/up, swiglu = 1): the dependent kernel launches only once this one's PDL wait has
+  // returned, i.e. once the routing and schedule before it are complete;
+  // sched_ready (down, swiglu = 0, right after a pdl_late launch): the schedule and the first weights
+  // are read before the PDL wait, the x rows after it.
   int pdl_late = 0, sched_ready = 0;
 };
+// Whether expert_gemm takes pdl_late / sched_ready for these parameters (the GEMV kernel's vector path).
+bool expert_gemv_pdl_ok(const ExpertGemmParams& p);
 // Two kernels: a GEMV-style one for tiles of <= kExpertSkinnyRows slots (weights streamed once
 // per tile; decode and small verify steps) and a shared-memory tiled SGEMM for tiles of
 // kExpertTileRows slots (prefill, large trees; no fused SwiGLU).
@@ -264,8 +262,6 @@ struct MoeCombineParams {
   int T, K, Dm;
   float* out;              // [T, Dm]
   int accumulate;
-  int pre_ready = 0;       // the predecessor triggered late (ExpertGemmParams::pdl_late): topk_idx, topk_w,
-                           // slot_of and out are complete at launch and read before the PDL wait
 };
 cudaError_t moe_combine(const MoeCombineParams& p, cudaStream_t stream);
 
