@@ -21,7 +21,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 
 #include "common.h"
@@ -155,7 +154,6 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   cudaStream_t stream;
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   stream_ = stream;
-  if (const char* e = std::getenv("KDTREE_EXP_EARLY")) exp_early_ = std::atoi(e);  // EXPERIMENT
   if (opt.side_stream) {
     cudaStream_t side;
     check_cuda(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate(side)");
@@ -866,18 +864,6 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   xp.w = ly.experts_gate_up;
   xp.w_bf16 = kind != kTiled ? bf16_of(ly.experts_gate_up, E * 2 * Ie * Dm) : nullptr;
   xp.Kd = (int)Dm;
-  // Decode (GEMV-style kernels, SwiGLU fused): gate/up lets the down projection launch only after its
-  // PDL wait, when the schedule is complete, so that the down projection reads the schedule and
-  // streams its weights beside gate/up (ExpertGemmParams::pdl_late / sched_ready).
-  cuda::ExpertGemmParams dp = xp;
-  dp.x = act_;
-  dp.ldx = (int)Ie;
-  dp.x_row = nullptr;
-  dp.w = ly.experts_down;
-  dp.Kd = (int)Ie;
-  const bool early = exp_early_ && kind == kGemv && swiglu_fused && cuda::expert_gemv_pdl_ok(xp) &&
-                     cuda::expert_gemv_pdl_ok(dp);
-  xp.pdl_late = early;
   if (swiglu_fused) {
     xp.N = (int)Ie;
     xp.swiglu = 1;
@@ -904,8 +890,6 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   xp.swiglu = 0;
   xp.y = ye_;
   xp.ldy = (int)Dm;
-  xp.pdl_late = 0;
-  xp.sched_ready = early;
   run_experts(xp, "expert_gemm(down)");
 
   if (shared_side) {

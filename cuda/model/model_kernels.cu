@@ -708,31 +708,10 @@ constexpr int kSkinnyWarps = 4, kSkinnyRW = 4;
 
 
 // BF (with VEC): the weights from w_bf16 (exact BF16 copies), widened as loaded: the same results.
-// PM, the PDL order (ExpertGemmParams::pdl_late / sched_ready; a template parameter so that every
-// instantiation waits unconditionally: with the wait behind a run-time branch, loads placed after
-// it in the source were seen to read the previous layer's data on the H200):
-//   kPdlStart: trigger and wait at the start;
-//   kPdlLate:  wait, then trigger (the dependent launches once this kernel's predecessor is done);
-//   kPdlEarly: the schedule was complete at launch (the predecessor used kPdlLate): trigger, read
-//              the schedule (through L2) and issue the first weights, then wait; the x rows (the
-//              predecessor's output) are read through L2 too.
-enum { kPdlStart = 0, kPdlLate = 1, kPdlEarly = 2 };
-template <int PM>
-__device__ __forceinline__ int ld_sched(const int32_t* q) { return PM == kPdlEarly ? __ldcg(q) : __ldg(q); }
-template <int PM, class WT>
-__device__ __forceinline__ WT ld_x(const float* q) { return PM == kPdlEarly ? ldcg_vec<WT>(q) : ldg_vec<WT>(q); }
-
-template <int MS, int U, bool SWI, bool VEC, bool BF = false, int PM = kPdlStart>
+template <int MS, int U, bool SWI, bool VEC, bool BF = false>
 __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(ExpertGemmParams p) {
   static_assert(!BF || VEC, "BF16 weights on the vector path only");
-  if constexpr (PM == kPdlStart) {
-    pdl_prologue();
-  } else if constexpr (PM == kPdlLate) {
-    pdl_wait();
-    pdl_trigger();
-  } else {
-    pdl_trigger();
-  }
+  pdl_prologue();
   using WT = typename std::conditional<VEC, float4, float>::type;
   constexpr int CPW = SWI ? kSkinnyRW / 2 : kSkinnyRW;  // output columns per warp
   constexpr int RW = kSkinnyRW;                         // weight rows per warp
@@ -740,10 +719,8 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
   const int tile = blockIdx.x;
   // The schedule loads are independent (tile_expert / tile_row0 hold max_tiles entries; those
   // past *num_tiles are not used), so they go out together.
-  const int nt = ld_sched<PM>(p.num_tiles), e = ld_sched<PM>(p.tile_expert + tile), r0 = ld_sched<PM>(p.tile_row0 + tile);
-  // (e, r0 >= 0 always: keeps their loads above the exit.) kPdlEarly: a block that exits here has
-  // not waited; the grid completes only after its live blocks, which all wait.
-  if (tile >= nt || e < 0 || r0 < 0) return;
+  const int nt = __ldg(p.num_tiles), e = __ldg(p.tile_expert + tile), r0 = __ldg(p.tile_row0 + tile);
+  if (tile >= nt || e < 0 || r0 < 0) return;  // (e, r0 >= 0 always: keeps their loads above the exit)
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int Kd = p.Kd, N = p.N;
   const int nb = (blockIdx.y * kSkinnyWarps + warp) * CPW;
@@ -780,17 +757,10 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
   // others (rows > 1) after the wait on offsets, in the first iteration, so that the weight
   // loads above are issued first (clamped to the tile's last slot; unused past rows).
   int src[MS];
-  int rows;
-  if constexpr (PM == kPdlEarly) {  // the schedule before the wait, x_row (the slots' tokens) after it
-    rows = min(MS, ld_sched<PM>(p.offsets + e + 1) - r0);
-    pdl_wait();
-    src[0] = p.x_row ? ld_sched<PM>(p.x_row + r0) : r0;
-  } else {
-    src[0] = p.x_row ? __ldg(p.x_row + r0) : r0;
-    rows = min(MS, __ldg(p.offsets + e + 1) - r0);
-  }
+  src[0] = p.x_row ? __ldg(p.x_row + r0) : r0;
 #pragma unroll
   for (int r = 1; r < MS; ++r) src[r] = src[0];
+  const int rows = min(MS, __ldg(p.offsets + e + 1) - r0);
   float acc[RW][MS];
 #pragma unroll
   for (int i = 0; i < RW; ++i)
@@ -802,7 +772,7 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
 #pragma unroll
       for (int r = 1; r < MS; ++r) {
         const int s = r0 + min(r, rows - 1);
-        src[r] = p.x_row ? ld_sched<PM>(p.x_row + s) : s;
+        src[r] = p.x_row ? __ldg(p.x_row + s) : s;
       }
     }
 #pragma unroll
@@ -813,7 +783,7 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
 #pragma unroll
         for (int u = 0; u < U; ++u) {
           const int k = ((s0 + u) * 32 + lane) * VW;
-          if (k < Kd) xv[u] = ld_x<PM, WT>(xr + k);
+          if (k < Kd) xv[u] = ldg_vec<WT>(xr + k);
           else vzero(xv[u]);
         }
 #pragma unroll
@@ -1067,22 +1037,12 @@ __global__ void causal_bits_kernel(uint64_t* bits, int T, int W) {
   }
 }
 
-template <bool SWI, bool VEC, bool BF = false, int PM = kPdlStart>
-void launch_gemv_pm(int U, dim3 grid, const ExpertGemmParams& p, cudaStream_t stream) {
-  constexpr int MS = kExpertSkinnyRows, TH = kSkinnyWarps * 32;
-  if (U == 4) launch_kernel(expert_gemv_kernel<MS, 4, SWI, VEC, BF, PM>, grid, TH, 0, stream, p);
-  else if (U == 2) launch_kernel(expert_gemv_kernel<MS, 2, SWI, VEC, BF, PM>, grid, TH, 0, stream, p);
-  else launch_kernel(expert_gemv_kernel<MS, 1, SWI, VEC, BF, PM>, grid, TH, 0, stream, p);
-}
-// The PDL orders (vector path only, expert_gemv_pdl_ok): gate/up (SwiGLU) start or late, the down
-// projection start or early.
 template <bool SWI, bool VEC, bool BF = false>
 void launch_gemv(int U, dim3 grid, const ExpertGemmParams& p, cudaStream_t stream) {
-  if constexpr (VEC) {
-    if (SWI && p.pdl_late) return launch_gemv_pm<SWI, VEC, BF, kPdlLate>(U, grid, p, stream);
-    if (!SWI && p.sched_ready) return launch_gemv_pm<SWI, VEC, BF, kPdlEarly>(U, grid, p, stream);
-  }
-  launch_gemv_pm<SWI, VEC, BF>(U, grid, p, stream);
+  constexpr int MS = kExpertSkinnyRows, TH = kSkinnyWarps * 32;
+  if (U == 4) launch_kernel(expert_gemv_kernel<MS, 4, SWI, VEC, BF>, grid, TH, 0, stream, p);
+  else if (U == 2) launch_kernel(expert_gemv_kernel<MS, 2, SWI, VEC, BF>, grid, TH, 0, stream, p);
+  else launch_kernel(expert_gemv_kernel<MS, 1, SWI, VEC, BF>, grid, TH, 0, stream, p);
 }
 
 int threads_for(int n) {
@@ -1218,11 +1178,6 @@ cudaError_t moe_group(const MoeGroupParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-bool expert_gemv_pdl_ok(const ExpertGemmParams& p) {
-  return p.tile_rows == kExpertSkinnyRows && p.Kd % 4 == 0 && p.ldx % 4 == 0 && ((uintptr_t)p.x % 16) == 0 &&
-         ((uintptr_t)p.w % 16) == 0;
-}
-
 cudaError_t expert_gemm(const ExpertGemmParams& p, cudaStream_t stream) {
   if (!p.x || !p.w || !p.offsets || !p.tile_expert || !p.tile_row0 || !p.num_tiles || !p.y || p.N <= 0 ||
       p.Kd <= 0 || p.ldx < p.Kd || p.ldy < p.N || p.max_tiles < 0)
@@ -1233,8 +1188,6 @@ cudaError_t expert_gemm(const ExpertGemmParams& p, cudaStream_t stream) {
     const int cols = kSkinnyWarps * (p.swiglu ? kSkinnyRW / 2 : kSkinnyRW);  // output columns per block
     dim3 grid(p.max_tiles, (p.N + cols - 1) / cols);
     if (grid.y > 65535u) return cudaErrorInvalidValue;
-    // the PDL orders exist for one pairing only (gate/up with SwiGLU late -> down early), on the vector path
-    if ((p.pdl_late || p.sched_ready) && !(vec && (p.swiglu ? !p.sched_ready : !p.pdl_late))) return cudaErrorInvalidValue;
     const int steps = (p.Kd + (vec ? 127 : 31)) / (vec ? 128 : 32);  // k-steps of a warp over one row
     const int U = steps >= 4 ? 4 : steps >= 2 ? 2 : 1;
     const bool bf = vec && p.w_bf16 && aligned8(p.w_bf16);

@@ -228,16 +228,7 @@ struct ExpertGemmParams {
   int ldy;
   const uint16_t* w_bf16 = nullptr;  // w as exact BF16 (as LinearParams::w_bf16), read by the GEMV-style kernel
                                      // (8-byte aligned) and the tensor-core one (Kd % 8 == 0, 16-byte aligned)
-  // PDL order of the GEMV-style kernel, for the decode step's gate/up -> down pair (docs/CUDA_MODEL.md,
-  // "The expert pair's PDL order"); vector path only (expert_gemv_pdl_ok), else cudaErrorInvalidValue:
-  // pdl_late (gate/up, swiglu = 1): the dependent kernel launches only once this one's PDL wait has
-  // returned, i.e. once the routing and schedule before it are complete;
-  // sched_ready (down, swiglu = 0, right after a pdl_late launch): the schedule and the first weights
-  // are read before the PDL wait, the x rows after it.
-  int pdl_late = 0, sched_ready = 0;
 };
-// Whether expert_gemm takes pdl_late / sched_ready for these parameters (the GEMV kernel's vector path).
-bool expert_gemv_pdl_ok(const ExpertGemmParams& p);
 // Two kernels: a GEMV-style one for tiles of <= kExpertSkinnyRows slots (weights streamed once
 // per tile; decode and small verify steps) and a shared-memory tiled SGEMM for tiles of
 // kExpertTileRows slots (prefill, large trees; no fused SwiGLU).

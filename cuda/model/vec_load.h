@@ -15,14 +15,6 @@ template <>
 __device__ __forceinline__ float ldg_vec<float>(const float* p) { return __ldg(p); }
 template <>
 __device__ __forceinline__ float4 ldg_vec<float4>(const float* p) { return __ldg(reinterpret_cast<const float4*>(p)); }
-// through L2 only (no L1 line, nothing stale): data another kernel of the step wrote, read
-// before this kernel's PDL wait where the launch order makes it complete
-template <class VT>
-__device__ __forceinline__ VT ldcg_vec(const float* p);
-template <>
-__device__ __forceinline__ float ldcg_vec<float>(const float* p) { return __ldcg(p); }
-template <>
-__device__ __forceinline__ float4 ldcg_vec<float4>(const float* p) { return __ldcg(reinterpret_cast<const float4*>(p)); }
 // BF16 weights (the exact BF16 copies of CudaModel, bf16_weight_copies): four BF16 values in 8
 // bytes, widened to the FP32 values they stand for (exact: a BF16 is the high half of its FP32),
 // streamed past L1. Element i is the low half of word i / 2 (little-endian).
