@@ -18,6 +18,14 @@
 //   * pdl_trigger() (griddepcontrol.launch_dependents) at the start lets the next kernel launch
 //     once every block of this one has started; its blocks then only hold SM slots while they
 //     wait, after all of this kernel's blocks are resident.
+//   * A wait that only some threads or launches execute (behind a run-time branch) does not
+//     order the loads after it in the source: ptxas may hoist an `ld.global.nc` (__ldg) above a
+//     griddepcontrol.wait that sits in a branch. Seen on sm_90 with CUDA 13.0 (seventeenth session:
+//     an expert kernel with `if (!flag) pdl_wait();` read the previous layer's schedule with the
+//     flag off; nvdisasm showed the LDG.E.CONSTANT above the ACQBULK). So: an unconditional wait
+//     per instantiation (make the choice a template parameter), or coherent loads (__ldcg / plain)
+//     for anything an earlier kernel wrote, as verify_attention does for *L_dev after its
+//     conditional wait.
 // Without the attribute (pre-sm_90 GPUs, KDTREE_CUDA_PDL=0, cuda::set_pdl(false)) both
 // instructions are no-ops and launches are ordinary stream-ordered launches.
 #pragma once

@@ -21,6 +21,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 
 #include "common.h"
@@ -154,6 +155,7 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   cudaStream_t stream;
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   stream_ = stream;
+  if (const char* e = std::getenv("KDTREE_EXP_UKROPE")) exp_ukrope_ = std::strcmp(e, "0") != 0;  // EXPERIMENT
   if (opt.side_stream) {
     cudaStream_t side;
     check_cuda(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate(side)");
@@ -617,13 +619,26 @@ void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64
                "sgemm");
 }
 
-void CudaModel::gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, int64_t in_head,
-                              const float* w, float* out, int64_t ldo, int64_t out_head, int64_t heads) {
+cuda::LinearParams CudaModel::heads_params(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi,
+                                           int64_t in_head, const float* w, float* out, int64_t ldo, int64_t out_head,
+                                           int64_t heads) const {
   cuda::LinearParams lp{in, ldi, in_head, w, N * Kd, out, ldo, out_head, (int)T, (int)N, (int)Kd, (int)heads, 0.f};
   lp.tile_math = opt_.tile_tensor_cores ? 0 : 1;
   lp.w_bf16 = bf16_of(w, heads * N * Kd);  // read by linear_skinny / linear_tile, not by cuBLAS
+  return lp;
+}
+
+bool CudaModel::heads_on_skinny(const cuda::LinearParams& lp) const {
+  const int64_t T = lp.T;
   const bool tile = T <= tile_max_t_ && cuda::linear_tile_supported(lp);
-  if (T <= skinny_max_t_ && !(tile && tile_first(T))) {
+  return T <= skinny_max_t_ && !(tile && tile_first(T));
+}
+
+void CudaModel::gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, int64_t in_head,
+                              const float* w, float* out, int64_t ldo, int64_t out_head, int64_t heads) {
+  const cuda::LinearParams lp = heads_params(T, N, Kd, in, ldi, in_head, w, out, ldo, out_head, heads);
+  const bool tile = T <= tile_max_t_ && cuda::linear_tile_supported(lp);
+  if (heads_on_skinny(lp)) {
     check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny(heads)");
     return;
   }
@@ -702,18 +717,11 @@ void CudaModel::attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, 
 
   // [qa | kv] in one GEMM, then q.
   gemm_nt(T, lda, Dm, in, Dm, ly.qkv_a, qkv_a_out_, lda, 0.f, in_norm, c.rms_norm_eps);
-  if (qr > 0) {
-    if (in_norm) {  // fused: q_a's latent norm inside the q_b projection
-      gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk, 0.f, ly.q_a_ln, c.latent_norm_eps);
-    } else {
-      cuda::RmsNormParams np{qkv_a_out_, ly.q_a_ln, (int)T, (int)qr, (int)lda, (int)lda, c.latent_norm_eps, qkv_a_out_};
-      check_cuda(cuda::rmsnorm(np, st), "rmsnorm(q_a)");
-      gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk);
-    }
-  } else {
-    gemm_nt(T, H * Dqk, Dm, in, Dm, ly.q_b, q_, H * Dqk, 0.f, in_norm, c.rms_norm_eps);
-  }
-  // Cache rows (normed latent | roped key) and roped queries.
+  // Cache rows (normed latent | roped key) and roped queries: mla_prep, on the side stream with
+  // opt_.side_stream (joined before the attention). When the W_UK product runs on linear_skinny,
+  // its rope block ropes the queries (LinearParams::rope_out, the same bits) and mla_prep writes
+  // only the cache rows: it needs only the q_a / kv projection and starts here, beside q_b and
+  // W_UK, instead of after q_b (it ended ~3 us after W_UK on the decode step's critical path).
   cuda::MlaPrepParams mp{};
   mp.q = q_;
   mp.ldq = (int)(H * Dqk);
@@ -733,11 +741,36 @@ void CudaModel::attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, 
   mp.row0 = len_d ? 0 : row0;  // graph replay: rows from *len_d
   mp.row0_dev = len_d;
   mp.q_rope = q_rope_;
-  // mla_prep (cache rows, roped queries) and the W_UK product both only read q_ / qkv_a_out_:
-  // with opt_.side_stream the prep runs beside the product, joined before the attention.
-  check_cuda(cuda::mla_prep(mp, as_stream(fork())), "mla_prep");
   // Absorption: q_lat[t, h, :] = W_UK[h]^T q_nope[t, h, :], with W_UK[h]^T stored row-major [C, Dn] (w_ukT).
-  if (Dn > 0) {
+  cuda::LinearParams uk = heads_params(T, C, Dn, q_, H * Dqk, Dqk, ly.w_ukT, q_lat_, H * C, C, H);
+  uk.rope_cs = rope_cs_;
+  uk.rope_out = q_rope_;
+  uk.rope_ld = H * R;
+  uk.rope_off = (int)Dn;
+  uk.rope_R = (int)R;
+  uk.rope_interleaved = mp.interleaved;
+  const bool rope_uk = exp_ukrope_ && Dn > 0 && heads_on_skinny(uk) && cuda::linear_skinny_rope_ok(uk);
+  if (rope_uk) {
+    mp.skip_q = 1;
+    check_cuda(cuda::mla_prep(mp, as_stream(fork())), "mla_prep(cache rows)");
+  }
+  if (qr > 0) {
+    if (in_norm) {  // fused: q_a's latent norm inside the q_b projection
+      gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk, 0.f, ly.q_a_ln, c.latent_norm_eps);
+    } else {
+      cuda::RmsNormParams np{qkv_a_out_, ly.q_a_ln, (int)T, (int)qr, (int)lda, (int)lda, c.latent_norm_eps, qkv_a_out_};
+      check_cuda(cuda::rmsnorm(np, st), "rmsnorm(q_a)");
+      gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk);
+    }
+  } else {
+    gemm_nt(T, H * Dqk, Dm, in, Dm, ly.q_b, q_, H * Dqk, 0.f, in_norm, c.rms_norm_eps);
+  }
+  // Otherwise mla_prep (cache rows, roped queries) and the W_UK product both only read q_ /
+  // qkv_a_out_: the prep runs beside the product.
+  if (!rope_uk) check_cuda(cuda::mla_prep(mp, as_stream(fork())), "mla_prep");
+  if (rope_uk) {
+    check_cuda(cuda::linear_skinny(uk, st), "linear_skinny(W_UK + rope)");
+  } else if (Dn > 0) {
     gemm_nt_heads(T, C, Dn, q_, H * Dqk, Dqk, ly.w_ukT, q_lat_, H * C, C, H);
   } else {
     check_cuda(cudaMemsetAsync(q_lat_, 0, (size_t)(T * H * C) * sizeof(float), st), "cudaMemset(q_lat)");

@@ -31,6 +31,9 @@
 #include "model/model.h"
 
 namespace kdtree {
+namespace cuda {
+struct LinearParams;  // model_kernels.h
+}
 
 struct CudaModelOptions {
   int64_t max_tokens = 0;        // most tokens per forward step; 0 = min(max_seq_len, 1025)
@@ -185,6 +188,10 @@ class CudaModel : public TargetModel {
                float* norm_out = nullptr);
   // per head h < heads: out[T, N] (ldo, at h * out_head) = in[T, Kd] (ldi, at h * in_head) @ w_h^T,
   // w_h = w + h * N * Kd row-major [N, Kd] (the absorbed MLA products W_UK, W_UV)
+  // the parameters of gemm_nt_heads' product, and whether it runs on linear_skinny
+  cuda::LinearParams heads_params(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, int64_t in_head,
+                                  const float* w, float* out, int64_t ldo, int64_t out_head, int64_t heads) const;
+  bool heads_on_skinny(const cuda::LinearParams& lp) const;
   void gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, int64_t in_head, const float* w,
                      float* out, int64_t ldo, int64_t out_head, int64_t heads);
   // out[T, N] (ld ldo) = beta * out + swiglu(gu) @ w^T with gu [T, 2I] = [gate | up] rows, row
@@ -245,6 +252,7 @@ class CudaModel : public TargetModel {
   std::string device_name_;
   void* stream_ = nullptr;          // cudaStream_t
   void* side_ = nullptr;            // cudaStream_t: the second stream (opt_.side_stream), else nullptr
+  bool exp_ukrope_ = true;          // EXPERIMENT (A/B, KDTREE_EXP_UKROPE): the queries roped by the W_UK product
   void* ev_fork_ = nullptr;         // cudaEvent_t: main -> side
   void* ev_join_ = nullptr;         // cudaEvent_t: side -> main
   // Side work: fork() makes the side stream wait for the main stream's work so far and returns the

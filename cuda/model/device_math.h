@@ -14,5 +14,17 @@ __device__ __forceinline__ float4 silu_mul(const float4& g, const float4& u) {
   return make_float4(silu_mul(g.x, u.x), silu_mul(g.y, u.y), silu_mul(g.z, u.z), silu_mul(g.w, u.w));
 }
 
+// RoPE of one pair (ops.cpp rope_row): (a, b) = (x[2j], x[2j+1]) interleaved or (x[j], x[j+half]);
+// the rotated pair goes to y[j], y[j + half] (each operation rounded once). mla_prep and the W_UK
+// product's rope block (linear_skinny) share these, so their queries have the same bits.
+__device__ __forceinline__ void rope_load(const float* x, int half, int j, int interleaved, float& a, float& b) {
+  a = interleaved ? x[2 * j] : x[j];
+  b = interleaved ? x[2 * j + 1] : x[j + half];
+}
+__device__ __forceinline__ void rope_store(float a, float b, float c, float s, int half, int j, float* y) {
+  y[j] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
+  y[j + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
+}
+
 }  // namespace cuda
 }  // namespace kdtree

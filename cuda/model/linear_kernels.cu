@@ -107,13 +107,30 @@ __device__ __forceinline__ void scale(float4& v, const float4& g) {
   v.w *= g.w;
 }
 
-// PRO: the x prologue: 0 none, 1 RMSNorm (norm_w), 2 SwiGLU of [gate | up] rows (x_swiglu).
+// The rope block (PRO 3, LinearParams::rope_out): RoPE of the slice's T token rows' rope part of
+// head blockIdx.y, as mla_prep does it (rope_store: the same bits). Its loads of x (the previous
+// kernel's output) are coherent (__ldcg): this wait is behind a branch (cuda/launch.h).
+__device__ __forceinline__ void rope_rows(const LinearParams& p, const float* X, int t0, int T) {
+  pdl_wait();
+  const int half = p.rope_R / 2, il = p.rope_interleaved;
+  float* out = p.rope_out + (size_t)t0 * p.rope_ld + (size_t)blockIdx.y * p.rope_R;
+  for (int i = threadIdx.x; i < T * half; i += blockDim.x) {
+    const int t = i / half, j = i % half;
+    const float* x = X + (size_t)t * p.ldx + p.rope_off;
+    const float* cs = p.rope_cs + (size_t)(t0 + t) * p.rope_R;
+    const float a = __ldcg(x + (il ? 2 * j : j)), b = __ldcg(x + (il ? 2 * j + 1 : j + half));
+    rope_store(a, b, __ldcg(cs + j), __ldcg(cs + half + j), half, j, out + (size_t)t * p.rope_ld);
+  }
+}
+
+// PRO: the x prologue: 0 none, 1 RMSNorm (norm_w), 2 SwiGLU of [gate | up] rows (x_swiglu), 3 none
+// plus the rope block (the last block of each batch entry and slice; rope_out).
 // BF (with VEC): the weights come from w_bf16 (exact BF16 copies), widened as they are loaded; the
 // arithmetic is the FP32 path's, on the same values, so the results are the same bits.
 template <int RW, int TT, int U, int KS, bool VEC, int PRO, bool BF = false>
 __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearParams p) {
   static_assert(!BF || VEC, "BF16 weights on the vector path only");
-  constexpr bool NORM = PRO == 1, SWI = PRO == 2;
+  constexpr bool NORM = PRO == 1, SWI = PRO == 2, ROPE = PRO == 3;
   using WT = typename std::conditional<VEC, float4, float>::type;
   constexpr int VW = VEC ? 4 : 1;
   constexpr int NV = RW * TT;            // outputs per row group: value i * TT + t
@@ -132,6 +149,12 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
   float* Y = p.y + (size_t)blockIdx.y * p.y_batch + (size_t)t0 * p.ldy;
   const bool live = n0 < N;  // (KS > 1: every warp reaches the block barrier below)
   pdl_trigger();
+  if constexpr (ROPE) {
+    if (blockIdx.x == gridDim.x - 1) {  // the whole block: no barrier below is reached
+      rope_rows(p, X, t0, T);
+      return;
+    }
+  }
 
   float acc[NV];
 #pragma unroll
@@ -273,12 +296,26 @@ void launch_pro(const LinearParams& p, bool vec, bool bf, dim3 grid, cudaStream_
   else launch_kernel(linear_skinny_kernel<RW, TT, U, KS, false, PRO>, grid, kLinWarps * 32, 0, stream, p);
 }
 
+// The configurations that have the rope block (those the W_UK product takes for <= 4 tokens and
+// more: auto_config with short rows); rope_capable() is the same test at run time.
+template <int RW, int TT, int U>
+constexpr bool kRopeConfig = (RW == 4 && TT == 1 && U == 1) || (RW == 8 && TT == 4 && U == 1);
+
 template <int RW, int TT, int U, int KS>
 cudaError_t launch(const LinearParams& p, bool vec, cudaStream_t stream) {
   constexpr int rows_per_block = RW * kLinWarps / KS;
-  const dim3 grid((unsigned)((p.N + rows_per_block - 1) / rows_per_block), (unsigned)p.batch,
-                  (unsigned)((p.T + TT - 1) / TT));  // balanced slices of <= TT tokens
+  dim3 grid((unsigned)((p.N + rows_per_block - 1) / rows_per_block), (unsigned)p.batch,
+            (unsigned)((p.T + TT - 1) / TT));  // balanced slices of <= TT tokens
   const bool bf = vec && p.w_bf16 && aligned8(p.w_bf16);
+  if constexpr (kRopeConfig<RW, TT, U>) {
+    if (p.rope_out) {  // (vec: checked by linear_skinny)
+      grid.x += 1;
+      if (bf) launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, 3, true>, grid, kLinWarps * 32, 0, stream, p);
+      else launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, 3>, grid, kLinWarps * 32, 0, stream, p);
+      return cudaGetLastError();
+    }
+  }
+  if (p.rope_out) return cudaErrorInvalidValue;
   if constexpr (TT <= kLinearNormMaxT) {
     if (p.norm_w) {
       launch_pro<RW, TT, U, KS, 1>(p, vec, bf, grid, stream);
@@ -366,7 +403,24 @@ int auto_config(const LinearParams& p, bool vec) {
   return T <= 8 ? c4x8 : c4x16;
 }
 
+// whether the configuration at index i has the rope block (kRopeConfig)
+template <size_t... I>
+bool rope_config_of(int i, std::index_sequence<I...>) {
+  static constexpr bool table[] = {kRopeConfig<kConfigs[I].RW, kConfigs[I].TT, kConfigs[I].U>...};
+  return i >= 0 && i < (int)sizeof...(I) && table[i];
+}
+bool vec_path(const LinearParams& p) {
+  return p.Kd % 4 == 0 && p.ldx % 4 == 0 && p.x_batch % 4 == 0 && p.w_batch % 4 == 0 && aligned16(p.x) &&
+         aligned16(p.w) && (!p.norm_w || aligned16(p.norm_w));
+}
+
 }  // namespace
+
+bool linear_skinny_rope_ok(const LinearParams& p) {
+  if (p.norm_w || p.x_swiglu || !vec_path(p)) return false;
+  const int i = p.force_config > 0 ? p.force_config - 1 : auto_config(p, true);
+  return rope_config_of(i, std::make_index_sequence<kNumConfigs>{});
+}
 
 int linear_skinny_num_configs() { return kNumConfigs; }
 LinearSkinnyConfig linear_skinny_config(int i) { return i >= 0 && i < kNumConfigs ? kConfigs[i] : LinearSkinnyConfig{0, 0, 0}; }
@@ -381,9 +435,12 @@ cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream) {
   if (p.force_config < 0 || p.force_config > kNumConfigs) return cudaErrorInvalidValue;
   // a forced configuration with the RMSNorm prologue needs a token capacity that has it
   if (p.force_config > 0 && p.norm_w && kConfigs[p.force_config - 1].TT > kLinearNormMaxT) return cudaErrorInvalidValue;
+  if (p.rope_out && (!p.rope_cs || p.rope_R <= 0 || p.rope_R % 2 || p.rope_off < 0 ||
+                     p.rope_off + p.rope_R > p.ldx || p.rope_ld < (long long)p.batch * p.rope_R ||
+                     !linear_skinny_rope_ok(p)))
+    return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
-  const bool vec = p.Kd % 4 == 0 && p.ldx % 4 == 0 && p.x_batch % 4 == 0 && p.w_batch % 4 == 0 && aligned16(p.x) &&
-                   aligned16(p.w) && (!p.norm_w || aligned16(p.norm_w));
+  const bool vec = vec_path(p);
   if (p.force_config > 0) return launch_config(p.force_config - 1, p, vec, stream);
   return launch_config(auto_config(p, vec), p, vec, stream);
 }

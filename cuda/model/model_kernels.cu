@@ -120,15 +120,6 @@ __global__ void rmsnorm_kernel(RmsNormParams p) {
 }
 
 // ---------------------------------------------------------------- MLA preparation
-// RoPE of one pair (ops.cpp rope_row): (a, b) = (x[2j], x[2j+1]) interleaved or (x[j], x[j+half]).
-__device__ __forceinline__ void rope_load(const float* x, int half, int j, int interleaved, float& a, float& b) {
-  a = interleaved ? x[2 * j] : x[j];
-  b = interleaved ? x[2 * j + 1] : x[j + half];
-}
-__device__ __forceinline__ void rope_store(float a, float b, float c, float s, int half, int j, float* y) {
-  y[j] = __fsub_rn(__fmul_rn(a, c), __fmul_rn(b, s));
-  y[j + half] = __fadd_rn(__fmul_rn(b, c), __fmul_rn(a, s));
-}
 
 // One block per token, threads_for(C) threads. Latent element i and rope pair u (u < half: the
 // key's pair u; else head h = u / half - 1, pair u % half) belong to thread i % blockDim, u %
@@ -142,9 +133,9 @@ __global__ void __launch_bounds__(256) mla_prep_kernel(MlaPrepParams p) {
   pdl_prologue();
   __shared__ double red[32];
   const int t = blockIdx.x, half = p.R / 2, C = p.C, H = p.H, Dn = p.Dn, Dqk = p.Dn + p.R;
-  const int tid = threadIdx.x, bd = blockDim.x, P = (H + 1) * half;
+  const int tid = threadIdx.x, bd = blockDim.x, P = (p.skip_q ? 1 : H + 1) * half;
   const float* kv = p.kv + (size_t)t * p.ldkv;
-  const float* q = p.q + (size_t)t * p.ldq;
+  const float* q = p.q + (p.skip_q ? 0 : (size_t)t * p.ldq);  // (skip_q: q unused, maybe null)
   const float* cs = p.cs + (size_t)t * p.R;
   const int interleaved = p.interleaved;
   const long long row0 = p.row0_dev ? (long long)*p.row0_dev + p.row0 : p.row0;
@@ -171,7 +162,8 @@ __global__ void __launch_bounds__(256) mla_prep_kernel(MlaPrepParams p) {
   const float inv = rms_inv(ss, C, p.eps);
   float* row = p.cache + (size_t)(row0 + t) * p.ldc;
   float* qr = p.q_rope + (size_t)t * H * p.R;
-  auto dst = [&](int u) { return u < half ? row + C : qr + (size_t)(u / half - 1) * p.R; };
+  const int R = p.R;
+  auto dst = [&](int u) { return u < half ? row + C : qr + (size_t)(u / half - 1) * R; };
 #pragma unroll
   for (int m = 0; m < kPrepRegs; ++m) {
     const int i = tid + m * bd, u = i;
@@ -1079,9 +1071,9 @@ cudaError_t rmsnorm(const RmsNormParams& p, cudaStream_t stream) {
 }
 
 cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream) {
-  if (!p.q || !p.kv || !p.kv_norm_w || !p.cs || !p.cache || !p.q_rope) return cudaErrorInvalidValue;
+  if ((!p.skip_q && (!p.q || !p.q_rope)) || !p.kv || !p.kv_norm_w || !p.cs || !p.cache) return cudaErrorInvalidValue;
   if (p.T < 0 || p.H <= 0 || p.C <= 0 || p.R <= 0 || p.R % 2 || p.Dn < 0 || p.ldc < p.C + p.R ||
-      p.ldkv < p.C + p.R || p.ldq < p.H * (p.Dn + p.R) || p.row0 < 0)
+      p.ldkv < p.C + p.R || (!p.skip_q && p.ldq < p.H * (p.Dn + p.R)) || p.row0 < 0)
     return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
   launch_kernel(mla_prep_kernel, p.T, threads_for(p.C), 0, stream, p);

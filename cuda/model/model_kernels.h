@@ -53,6 +53,15 @@ struct LinearParams {
                                      // bytes. linear_skinny: with 16-byte aligned rows and an 8-byte aligned
                                      // w_bf16; linear_tile: tensor-core math, Kd and w_batch multiples of 8,
                                      // w_bf16 16-byte aligned; else w
+  // linear_skinny, optional (the W_UK product of MLA): one extra block per batch entry (head) and
+  // token slice applies RoPE to that head's query rope part, rope_R floats at x + rope_off of each
+  // token row (the floats after the Kd that the product reads), with the step's table rope_cs
+  // ([T, R]: cos | sin, times the attention factor) and writes them to rope_out[t, head, :]
+  // (row stride rope_ld): what mla_prep writes to q_rope, the same bits. Vector path only.
+  const float* rope_cs = nullptr;
+  float* rope_out = nullptr;
+  long long rope_ld = 0;
+  int rope_off = 0, rope_R = 0, rope_interleaved = 0;
 };
 // One kernel configuration: RW weight rows per warp, TT token rows per slice (more tokens run in
 // balanced slices along grid.z), U k-steps of loads in flight per lane.
@@ -67,6 +76,9 @@ constexpr int kLinearNormMaxT = 4;
 // against ~25 us for swiglu + linear), so the model fuses it up to this many tokens.
 constexpr int kLinearSwigluFuseMaxT = 4;
 cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream);
+// Whether linear_skinny runs the rope block (LinearParams::rope_out) for these parameters: the vector
+// path, no prologue, and a configuration that has it (the W_UK product's for 1-5 tokens).
+bool linear_skinny_rope_ok(const LinearParams& p);
 
 // ---------------------------------------------------------------- tiled linear layer
 // The same product (no prologues: norm_w, x_swiglu and norm_out must be unset) for any T, tiled
@@ -145,6 +157,8 @@ struct MlaPrepParams {
                            // row0_dev: the offset added to *row0_dev (>= 0 either way)
   float* q_rope;           // [T, H, R]
   const int32_t* row0_dev; // [1] device base row (committed length), or nullptr (default)
+  int skip_q = 0;          // 1: the cache rows only (q and q_rope unused: the W_UK product ropes the
+                           // queries, LinearParams::rope_out), so the kernel needs only kv
 };
 cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream);
 
