@@ -786,7 +786,7 @@ py::object linear_skinny_np(const py::object& x_o, const py::object& w_o, const 
                             int batch, long long x_batch, long long w_batch, long long y_batch, double beta,
                             long long x_off, long long w_off, const py::object& norm_o, double norm_eps, bool x_swiglu,
                             bool norm_out, int config, const std::string& kernel, int splits, int tile_math,
-                            bool bf16_weights) {
+                            bool bf16_weights, const py::object& rope_cs_o, int rope_off, int rope_interleaved) {
   if (kernel != "skinny" && kernel != "tile") throw kdtree::Error("cuda_linear_skinny: kernel must be 'skinny' or 'tile'");
   auto x = as_c<float>(x_o, "x", 2);
   auto w = as_c<float>(w_o, "w", 2);
@@ -834,10 +834,31 @@ py::object linear_skinny_np(const py::object& x_o, const py::object& w_o, const 
     lp.norm_out = dno.as<float>();
     lp.ldn = Kd;
   }
+  DevBuf dcs, dro;
+  int64_t R = 0;
+  if (!rope_cs_o.is_none()) {  // the rope block: rope_out [T, batch * R], poisoned first (NaN)
+    if (kernel != "skinny") throw kdtree::Error("cuda_linear_skinny: rope_cs needs kernel='skinny'");
+    auto cs = as_c<float>(rope_cs_o, "rope_cs", 2);
+    R = cs.shape(1);
+    if (cs.shape(0) < T) throw kdtree::Error("cuda_linear_skinny: rope_cs must have a row per token");
+    if (T > 0 && batch > 0 && last(x_off, x_batch, T, ldx, rope_off + R, batch) > (long long)x.size())
+      throw kdtree::Error("cuda_linear_skinny: the rope part reaches past x");
+    dcs = DevBuf(sizeof(float) * cs.size());
+    dcs.upload(cs.data(), sizeof(float) * cs.size());
+    dro = DevBuf(sizeof(float) * (size_t)std::max(T, 1) * batch * R);
+    dro.poison();
+    lp.rope_cs = dcs.as<float>();
+    lp.rope_out = dro.as<float>();
+    lp.rope_ld = batch * R;
+    lp.rope_off = rope_off;
+    lp.rope_R = (int)R;
+    lp.rope_interleaved = rope_interleaved;
+  }
   if (kernel == "tile") check_cuda(kc::linear_tile(lp, nullptr), "linear_tile");
   else check_cuda(kc::linear_skinny(lp, nullptr), "linear_skinny");
   check_cuda(cudaDeviceSynchronize(), "linear");
   py::array_t<float> yo = to_numpy<float>(dy, {y.shape(0), y.shape(1)});
+  if (R > 0) return py::make_tuple(yo, to_numpy<float>(dro, {(int64_t)std::max(T, 1), (int64_t)batch * R}));
   if (!norm_out) return std::move(yo);
   return py::make_tuple(yo, to_numpy<float>(dno, {(int64_t)std::max(T, 1), (int64_t)Kd}));
 }
@@ -1074,13 +1095,16 @@ void bind_cuda(py::module_& m) {
         py::arg("beta") = 0.0, py::arg("x_off") = 0, py::arg("w_off") = 0, py::arg("norm_w") = py::none(),
         py::arg("norm_eps") = 1e-6, py::arg("x_swiglu") = false, py::arg("norm_out") = false,
         py::arg("config") = 0, py::arg("kernel") = "skinny", py::arg("splits") = 0, py::arg("tile_math") = 0,
-        py::arg("bf16_weights") = false,
+        py::arg("bf16_weights") = false, py::arg("rope_cs") = py::none(), py::arg("rope_off") = 0,
+        py::arg("rope_interleaved") = 0,
         "The skinny linear kernel on host arrays (tests): y[b][t, n] = beta y + sum_k x[b][t, k] w[b][n, k]; "
         "norm_w: the x rows RMSNorm-ed first (T <= 4); x_swiglu: x rows are [gate | up] (2 Kd) and "
         "silu(gate) * up is the input; config: 1 + an index of cuda_linear_skinny_configs() (0 = auto). "
         "kernel='tile': the same product through linear_tile (no prologues; splits: 0 auto, else 1..8 k splits; tile_math: 0 tensor cores "
         "3xTF32, 1 FP32 CUDA cores); bf16_weights: the kernel reads an exact BF16 copy of w (every value must be "
-        "a BF16; the vector path only, else w).");
+        "a BF16; the vector path only, else w); rope_cs [T, R] (cos | sin): the rope block also ropes x[b][t, "
+        "rope_off .. rope_off + R) (pairs (2j, 2j+1) with rope_interleaved, else (j, j + R/2)) into a second "
+        "returned array [T, batch * R] (the W_UK product's queries, LinearParams::rope_out).");
   m.def("cuda_linear_skinny_configs", []() {
         py::list l;
         for (int i = 0; i < kc::linear_skinny_num_configs(); ++i) {

@@ -21,7 +21,6 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <cstring>
 
 #include "common.h"
@@ -155,7 +154,6 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   cudaStream_t stream;
   check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   stream_ = stream;
-  if (const char* e = std::getenv("KDTREE_EXP_UKROPE")) exp_ukrope_ = std::strcmp(e, "0") != 0;  // EXPERIMENT
   if (opt.side_stream) {
     cudaStream_t side;
     check_cuda(cudaStreamCreateWithFlags(&side, cudaStreamNonBlocking), "cudaStreamCreate(side)");
@@ -749,7 +747,7 @@ void CudaModel::attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, 
   uk.rope_off = (int)Dn;
   uk.rope_R = (int)R;
   uk.rope_interleaved = mp.interleaved;
-  const bool rope_uk = exp_ukrope_ && Dn > 0 && heads_on_skinny(uk) && cuda::linear_skinny_rope_ok(uk);
+  const bool rope_uk = Dn > 0 && heads_on_skinny(uk) && cuda::linear_skinny_rope_ok(uk);
   if (rope_uk) {
     mp.skip_q = 1;
     check_cuda(cuda::mla_prep(mp, as_stream(fork())), "mla_prep(cache rows)");

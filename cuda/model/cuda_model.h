@@ -252,7 +252,6 @@ class CudaModel : public TargetModel {
   std::string device_name_;
   void* stream_ = nullptr;          // cudaStream_t
   void* side_ = nullptr;            // cudaStream_t: the second stream (opt_.side_stream), else nullptr
-  bool exp_ukrope_ = true;          // EXPERIMENT (A/B, KDTREE_EXP_UKROPE): the queries roped by the W_UK product
   void* ev_fork_ = nullptr;         // cudaEvent_t: main -> side
   void* ev_join_ = nullptr;         // cudaEvent_t: side -> main
   // Side work: fork() makes the side stream wait for the main stream's work so far and returns the

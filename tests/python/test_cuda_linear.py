@@ -232,6 +232,65 @@ def test_every_forced_configuration(config, T):
         assert (np.abs(got[:, b * 24:(b + 1) * 24] - ref) <= 1e-5 * (np.abs(X) @ np.abs(Wm).T) + 1e-30).all()
 
 
+def rope_reference(x, cs, T, H, ldh, off, R, interleaved):
+    """float32 RoPE as mla_prep / the CPU apply it (each product and sum rounded once):
+    out[t, h] = (a c - b s, b c + a s) over the pairs (a, b) of head h's rope part."""
+    half = R // 2
+    out = np.empty((T, H * R), np.float32)
+    for t in range(T):
+        c, s = cs[t, :half], cs[t, half:]
+        for h in range(H):
+            seg = x[t, h * ldh + off: h * ldh + off + R]
+            a, b = (seg[0::2], seg[1::2]) if interleaved else (seg[:half], seg[half:])
+            out[t, h * R: h * R + half] = a * c - b * s
+            out[t, h * R + half: (h + 1) * R] = b * c + a * s
+    return out
+
+
+@pytest.mark.parametrize("T", [1, 2, 3, 4, 5, 17, 40])
+@pytest.mark.parametrize("Dn,R,H", [(128, 64, 16), (64, 8, 3), (32, 2, 5)])
+@pytest.mark.parametrize("interleaved", [0, 1])
+def test_rope_block(T, Dn, R, H, interleaved):
+    """The W_UK product's rope block (LinearParams::rope_out): the heads' rope parts roped bit for
+    bit as NumPy's float32 (mla_prep's arithmetic), every output written (poisoned with NaN), and
+    the product itself unchanged (the same bits as without the block)."""
+    rng = np.random.default_rng(100 * T + R + interleaved)
+    C, ldh = 48, Dn + R
+    x = rng.standard_normal((T, H * ldh)).astype(np.float32)
+    w = rng.standard_normal((1, H * C * Dn)).astype(np.float32)
+    cs = rng.standard_normal((T, R)).astype(np.float32)
+    y0 = np.full((T, H * C), np.nan, np.float32)
+    args = (x, w, y0, T, C, Dn, H, ldh, C * Dn, C)
+    plain = N.cuda_linear_skinny(*args)
+    y, q = N.cuda_linear_skinny(*args, rope_cs=cs, rope_off=Dn, rope_interleaved=interleaved)
+    assert np.array_equal(y.view(np.int32), plain.view(np.int32))
+    ref = rope_reference(x, cs, T, H, ldh, Dn, R, interleaved)
+    assert np.array_equal(q.view(np.int32), ref.view(np.int32))
+
+
+def test_rope_block_refusals():
+    """The rope block exists for the W_UK product's configurations only: others, an odd rope width,
+    a rope part past the row and the prologues are refused (ValueError), not ignored."""
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((2, 4 * 72)).astype(np.float32)
+    w = rng.standard_normal((1, 4 * 48 * 64)).astype(np.float32)
+    y = np.zeros((2, 4 * 48), np.float32)
+    cs = rng.standard_normal((2, 8)).astype(np.float32)
+    args = (x, w, y, 2, 48, 64, 4, 72, 48 * 64, 48)
+    N.cuda_linear_skinny(*args, rope_cs=cs, rope_off=64)  # auto: a configuration with the block
+    configs = N.cuda_linear_skinny_configs()
+    other = next(i + 1 for i, c in enumerate(configs) if tuple(c) not in ((4, 1, 1), (8, 4, 1)))
+    with pytest.raises(ValueError):
+        N.cuda_linear_skinny(*args, rope_cs=cs, rope_off=64, config=other)
+    with pytest.raises(ValueError):  # odd width
+        N.cuda_linear_skinny(*args, rope_cs=cs[:, :7].copy(), rope_off=64)
+    with pytest.raises(ValueError):  # past the arrays
+        N.cuda_linear_skinny(*args, rope_cs=cs, rope_off=4 * 72)
+    with pytest.raises(ValueError):  # not with the RMSNorm prologue
+        N.cuda_linear_skinny(x[:, :64].copy(), w[:, :48 * 64].copy(), np.zeros((2, 48), np.float32), 2, 48, 64,
+                             norm_w=np.ones(64, np.float32), rope_cs=cs, rope_off=0)
+
+
 @pytest.mark.parametrize("config", CONFIGS)
 def test_forced_configuration_prologues(config):
     """The RMSNorm prologue (and its normalised rows) with every configuration that holds <= 4
