@@ -16,7 +16,8 @@ __device__ __forceinline__ float4 silu_mul(const float4& g, const float4& u) {
 
 // RoPE of one pair (ops.cpp rope_row): (a, b) = (x[2j], x[2j+1]) interleaved or (x[j], x[j+half]);
 // the rotated pair goes to y[j], y[j + half] (each operation rounded once). mla_prep and the W_UK
-// product's rope block (linear_skinny) share these, so their queries have the same bits.
+// product's rope block (linear_skinny, which loads the pair itself) share rope_store, so their
+// queries have the same bits.
 __device__ __forceinline__ void rope_load(const float* x, int half, int j, int interleaved, float& a, float& b) {
   a = interleaved ? x[2 * j] : x[j];
   b = interleaved ? x[2 * j + 1] : x[j + half];

@@ -296,8 +296,8 @@ void launch_pro(const LinearParams& p, bool vec, bool bf, dim3 grid, cudaStream_
   else launch_kernel(linear_skinny_kernel<RW, TT, U, KS, false, PRO>, grid, kLinWarps * 32, 0, stream, p);
 }
 
-// The configurations that have the rope block (those the W_UK product takes for <= 4 tokens and
-// more: auto_config with short rows); rope_capable() is the same test at run time.
+// The configurations that have the rope block (those auto_config gives the W_UK product's short
+// rows, Kd <= 128, at any token count); rope_config_of() is the same test at run time.
 template <int RW, int TT, int U>
 constexpr bool kRopeConfig = (RW == 4 && TT == 1 && U == 1) || (RW == 8 && TT == 4 && U == 1);
 

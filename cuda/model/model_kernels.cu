@@ -1071,7 +1071,7 @@ cudaError_t rmsnorm(const RmsNormParams& p, cudaStream_t stream) {
 }
 
 cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream) {
-  if ((!p.skip_q && (!p.q || !p.q_rope)) || !p.kv || !p.kv_norm_w || !p.cs || !p.cache) return cudaErrorInvalidValue;
+  if ((!p.skip_q && !p.q) || !p.q_rope || !p.kv || !p.kv_norm_w || !p.cs || !p.cache) return cudaErrorInvalidValue;
   if (p.T < 0 || p.H <= 0 || p.C <= 0 || p.R <= 0 || p.R % 2 || p.Dn < 0 || p.ldc < p.C + p.R ||
       p.ldkv < p.C + p.R || (!p.skip_q && p.ldq < p.H * (p.Dn + p.R)) || p.row0 < 0)
     return cudaErrorInvalidValue;

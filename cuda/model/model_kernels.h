@@ -157,8 +157,8 @@ struct MlaPrepParams {
                            // row0_dev: the offset added to *row0_dev (>= 0 either way)
   float* q_rope;           // [T, H, R]
   const int32_t* row0_dev; // [1] device base row (committed length), or nullptr (default)
-  int skip_q = 0;          // 1: the cache rows only (q and q_rope unused: the W_UK product ropes the
-                           // queries, LinearParams::rope_out), so the kernel needs only kv
+  int skip_q = 0;          // 1: the cache rows only (the W_UK product ropes the queries,
+                           // LinearParams::rope_out): q is not read (may be null), q_rope not written
 };
 cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream);
 
