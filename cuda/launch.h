@@ -24,8 +24,9 @@
 //     an expert kernel with `if (!flag) pdl_wait();` read the previous layer's schedule with the
 //     flag off; nvdisasm showed the LDG.E.CONSTANT above the ACQBULK). So: an unconditional wait
 //     per instantiation (make the choice a template parameter), or coherent loads (__ldcg / plain)
-//     for anything an earlier kernel wrote, as verify_attention does for *L_dev after its
-//     conditional wait.
+//     for anything an earlier kernel wrote. scripts/check_pdl_loads.py (tests/python/
+//     test_pdl_audit.py) checks the machine code: every load that a path reaches before the wait
+//     must sit on a source line marked `pdl: pre-wait`.
 // Without the attribute (pre-sm_90 GPUs, KDTREE_CUDA_PDL=0, cuda::set_pdl(false)) both
 // instructions are no-ops and launches are ordinary stream-ordered launches.
 #pragma once

@@ -499,7 +499,7 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
   const int m0 = blockIdx.x * RG;
   const int split = blockIdx.y, nsplit = gridDim.y;
   if (!p.committed_ready) pdl_wait();  // *L_dev may come from the previous kernel (waiting twice is free)
-  const int L = attn_committed_len(p);
+  const int L = attn_committed_len(p);  // pdl: pre-wait (committed_ready: *L_dev was set before the step)
   const int N = L + p.T;                            // keys: L committed + T tree rows
   const int nch = (N + KC - 1) / KC;
   const int cps = (nch + nsplit - 1) / nsplit;       // chunks per split (from the device length)
@@ -524,6 +524,7 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
       for (int r2 = 0; r2 < (KC * SLW / 4) / sk::NT; ++r2) {
         const int idx = tid + r2 * sk::NT;
         const int kk = idx >> 4, f = idx & 15;
+        // pdl: pre-wait (committed cache rows, complete before the step)
         cp_async16(&s.k[kk][sl * SLW + f * 4], p.kv + (size_t)(c0 * KC + kk) * p.kv_stride + sl * SLW + f * 4, true);
       }
     }

@@ -99,7 +99,7 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
   const int m0 = blockIdx.x * RM;
   const int split = blockIdx.y, nsplit = gridDim.y;
   if (!p.committed_ready) pdl_wait();  // *L_dev may come from the previous kernel (waiting twice is free)
-  const int L = attn_committed_len(p);
+  const int L = attn_committed_len(p);  // pdl: pre-wait (committed_ready: *L_dev was set before the step)
   const int N = L + p.T;
   const int nch = (N + KC - 1) / KC;
   const int cps = (nch + nsplit - 1) / nsplit;
@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
   if (pre) {
     for (int i = tid; i < KC * (DQ / 4); i += NT) {
       const int kk = i / (DQ / 4), col = (i % (DQ / 4)) * 4;
-      cp_async16(&s.k[kk][col], p.kv + (size_t)(c0 * KC + kk) * p.kv_stride + col, true);
+      cp_async16(&s.k[kk][col], p.kv + (size_t)(c0 * KC + kk) * p.kv_stride + col, true);  // pdl: pre-wait (committed rows)
     }
     cp_async_commit();
   }

@@ -193,8 +193,8 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
     };
     int k0 = kw * U * STEP;
     if (k0 < Kd) {  // in flight while the previous kernel finishes and the norm (if any) runs
-      load_w(k0);
-      load_g(k0);
+      load_w(k0);  // pdl: pre-wait (weights)
+      load_g(k0);  // pdl: pre-wait (norm weights)
     }
     pdl_wait();  // the weights are immutable; x and y come after the wait
     float inv[NORM ? TT : 1];

@@ -113,7 +113,7 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
   // token rows; group s holds chunk s's x (and, for s = 0, all the early weights)
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s)
-    if (s < nc) load_w(c0 + s, s);
+    if (s < nc) load_w(c0 + s, s);  // pdl: pre-wait (weights)
   pdl_wait();
 #pragma unroll
   for (int s = 0; s < kStages - 1; ++s) {
