@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Audit the built CUDA kernels for loads that can run before their PDL wait.
+"""Audit the built CUDA kernels for loads (and stores) that can run before their PDL wait.
 
 Every kernel of the CUDA backend is launched with Programmatic Dependent Launch (cuda/launch.h):
 its blocks may start while the previous kernel still runs, and only `griddepcontrol.wait` (SASS
@@ -16,9 +16,11 @@ seventeenth session). So this script reads the machine code itself:
    ACQBULK,
 4. accepts such a load only when a line of its inline chain in this repository carries the marker
    comment `pdl: pre-wait` (the call sites that load immutable data on purpose), and reports every
-   other one with its source location.
+   other one with its source location;
+5. reports every global store or atomic that a path reaches before the wait (the contract allows
+   none: the previous kernel may still read what it would overwrite).
 
-Exit status: 0 clean, 1 unmarked pre-wait loads found, 2 the tools or an sm_90 cubin are missing
+Exit status: 0 clean, 1 unmarked pre-wait loads or pre-wait stores found, 2 the tools or an sm_90 cubin are missing
 (the test suite skips then). The tools come with the CUDA toolkit or from PyPI
 (`pip install nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump`).
 
@@ -37,6 +39,7 @@ import tempfile
 MARKER = "pdl: pre-wait"
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _LOAD_OPS = ("LDG", "LD.", "LD ", "UTMALDG", "UBLKCP")
+_STORE_OPS = ("STG", "ST.", "ST ", "RED", "ATOMG", "ATOM.", "ATOM ", "UTMASTG", "UBLKRED")
 _INS = re.compile(r'/\*([0-9a-f]{4,})\*/\s+(@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9_.]*)\s*([^;]*);')
 _FILE = re.compile(r'//## File "([^"]+)", line (\d+)')
 _LABEL = re.compile(r'\s*(\.L_x_\d+):')
@@ -80,9 +83,10 @@ def kernels(nvdisasm, cubin):
     return ks
 
 
-def pre_wait_loads(lines):
-    """[(opcode, frames)] of the global loads that a path from the entry reaches without an
-    unpredicated ACQBULK; frames = the inline chain [(path, line)], innermost first."""
+def pre_wait_accesses(lines):
+    """[(kind, opcode, frames)] of the global loads (kind "load") and stores / atomics ("store")
+    that a path from the entry reaches without an unpredicated ACQBULK; frames = the inline chain
+    [(path, line)], innermost first."""
     ins, labels, pending, frames = [], {}, [], ()
     for line in lines:
         m = _FILE.search(line)
@@ -150,7 +154,9 @@ def pre_wait_loads(lines):
             if op.startswith("ACQBULK") and not pred:
                 w = True
             elif not w and op.startswith(_LOAD_OPS) and not op.startswith("LDGDEPBAR"):
-                found.append((op, frames))
+                found.append(("load", op, frames))
+            elif not w and op.startswith(_STORE_OPS):
+                found.append(("store", op, frames))
     return found
 
 
@@ -182,12 +188,13 @@ def marked(path, line, repo=REPO):
 
 
 def audit_cubin(nvdisasm, cubin, repo=REPO):
-    """(number of kernels, [(kernel, opcode, frames)] of the unmarked pre-wait loads) of one cubin."""
+    """(number of kernels, [(kernel, opcode, frames)] of the unmarked pre-wait loads and all the
+    pre-wait stores) of one cubin."""
     bad = []
     ks = kernels(nvdisasm, cubin)
     for name, lines in ks.items():
-        for op, frames in pre_wait_loads(lines):
-            if not any(marked(p, l, repo) for p, l in frames):
+        for kind, op, frames in pre_wait_accesses(lines):
+            if kind == "store" or not any(marked(p, l, repo) for p, l in frames):
                 bad.append((name, op, frames))
     return len(ks), bad
 
@@ -225,7 +232,8 @@ def main(argv):
         for (f, l, op), ks in sorted(report.items()):
             text = (source_line(f"/cuda/{f}", l) or source_line(f"/cuda/model/{f}", l) or
                     source_line(f"/cuda/engine/{f}", l) or "").strip()
-            print(f"  unmarked pre-wait {op} at {f}:{l} in {len(ks)} kernel(s), e.g. {sorted(ks)[0][:90]}\n    {text}")
+            what = "store" if op.startswith(_STORE_OPS) else "unmarked load"
+            print(f"  pre-wait {what} {op} at {f}:{l} in {len(ks)} kernel(s), e.g. {sorted(ks)[0][:90]}\n    {text}")
         return 1 if report else 0
 
 
