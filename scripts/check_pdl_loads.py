@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Audit the built CUDA kernels for loads (and stores) that can run before their PDL wait.
+"""Audit the built CUDA kernels for loads (and stores, exits) that can run before their PDL wait.
 
 Every kernel of the CUDA backend is launched with Programmatic Dependent Launch (cuda/launch.h):
 its blocks may start while the previous kernel still runs, and only `griddepcontrol.wait` (SASS
@@ -18,7 +18,9 @@ seventeenth session). So this script reads the machine code itself:
    comment `pdl: pre-wait` (the call sites that load immutable data on purpose), and reports every
    other one with its source location;
 5. reports every global store or atomic that a path reaches before the wait (the contract allows
-   none: the previous kernel may still read what it would overwrite).
+   none: the previous kernel may still read what it would overwrite), and every exit that a path
+   reaches without a wait (a grid whose blocks all waited cannot complete before its predecessor;
+   the kernels that read what a kernel two or more launches back wrote rely on that).
 
 Exit status: 0 clean, 1 unmarked pre-wait loads or pre-wait stores found, 2 the tools or an sm_90 cubin are missing
 (the test suite skips then). The tools come with the CUDA toolkit or from PyPI
@@ -157,6 +159,8 @@ def pre_wait_accesses(lines):
                 found.append(("load", op, frames))
             elif not w and op.startswith(_STORE_OPS):
                 found.append(("store", op, frames))
+            elif not w and op.startswith("EXIT"):
+                found.append(("exit", op, frames))
     return found
 
 
@@ -194,7 +198,7 @@ def audit_cubin(nvdisasm, cubin, repo=REPO):
     ks = kernels(nvdisasm, cubin)
     for name, lines in ks.items():
         for kind, op, frames in pre_wait_accesses(lines):
-            if kind == "store" or not any(marked(p, l, repo) for p, l in frames):
+            if kind != "load" or not any(marked(p, l, repo) for p, l in frames):
                 bad.append((name, op, frames))
     return len(ks), bad
 
@@ -232,7 +236,7 @@ def main(argv):
         for (f, l, op), ks in sorted(report.items()):
             text = (source_line(f"/cuda/{f}", l) or source_line(f"/cuda/model/{f}", l) or
                     source_line(f"/cuda/engine/{f}", l) or "").strip()
-            what = "store" if op.startswith(_STORE_OPS) else "unmarked load"
+            what = "store" if op.startswith(_STORE_OPS) else "exit" if op.startswith("EXIT") else "unmarked load"
             print(f"  pre-wait {what} {op} at {f}:{l} in {len(ks)} kernel(s), e.g. {sorted(ks)[0][:90]}\n    {text}")
         return 1 if report else 0
 

@@ -1,12 +1,12 @@
 """The PDL load audit (scripts/check_pdl_loads.py) on the built module's sm_90 machine code: no
 kernel may reach a global load before its griddepcontrol.wait unless the load's source line is
 marked `pdl: pre-wait` (immutable data: weights, the cache rows committed before the step), nor
-a global store or atomic at all. Runs
+a global store or atomic at all, nor exit without waiting. Runs
 without a GPU (it reads the cubins); skipped when the module was built without CUDA / sm_90 or
 when nvdisasm / cuobjdump (CUDA toolkit, or PyPI's nvidia-cuda-nvdisasm / nvidia-cuda-cuobjdump)
 or nvcc are missing. The second test checks that the audit can fail: a load after a wait that
-sits behind a run-time branch (what broke the expert kernels in the seventeenth session) and a
-store before the wait are reported, the same load after an unconditional wait or marked is not."""
+sits behind a run-time branch (what broke the expert kernels in the seventeenth session), a
+store before the wait and an exit without one are reported, the same load after an unconditional wait or marked is not."""
 import importlib.util
 import os
 import re
@@ -53,6 +53,11 @@ __global__ void early_store(const int* a, int* b) {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   b[0] = __ldg(a);
 }
+__global__ void early_exit(const int* a, int* b, int f) {
+  if (f) return;
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  b[0] = __ldg(a);
+}
 __global__ void marked(const int* a, int* b, const int* w) {
   const int v = __ldg(w);  // pdl: pre-wait (immutable)
   asm volatile("griddepcontrol.wait;" ::: "memory");
@@ -70,8 +75,9 @@ def test_audit_reports_a_load_behind_a_branched_wait(tmp_path):
     subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-O3", "-lineinfo", "-o", str(cubin), str(src)], check=True,
                    capture_output=True)
     n, bad = audit.audit_cubin(NVDISASM, str(cubin), repo=str(tmp_path))
-    assert n == 4
+    assert n == 5
     flagged = {name for name, _, _ in bad}
+    assert any("early_exit" in name and op.startswith("EXIT") for name, op, _ in bad), bad  # no wait on that path
     assert any("branched" in name for name in flagged), bad
     assert any("early_store" in name and op.startswith("ST") for name, op, _ in bad), bad  # a store: never allowed
     assert not any("straight" in name or "marked" in name for name in flagged), bad
