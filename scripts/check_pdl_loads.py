@@ -231,13 +231,13 @@ def main(argv):
             total += ks
             for name, op, frames in bad:
                 site = frames[-1] if frames else ("?", 0)
-                report[(os.path.basename(site[0]), site[1], op.split(".")[0])].add(name)
+                report[(site[0], site[1], op.split(".")[0])].add(name)
         print(f"check_pdl_loads: {len(names)} cubins, {total} kernels")
         for (f, l, op), ks in sorted(report.items()):
-            text = (source_line(f"/cuda/{f}", l) or source_line(f"/cuda/model/{f}", l) or
-                    source_line(f"/cuda/engine/{f}", l) or "").strip()
+            text = (source_line(f, l) or "").strip()
             what = "store" if op.startswith(_STORE_OPS) else "exit" if op.startswith("EXIT") else "unmarked load"
-            print(f"  pre-wait {what} {op} at {f}:{l} in {len(ks)} kernel(s), e.g. {sorted(ks)[0][:90]}\n    {text}")
+            print(f"  pre-wait {what} {op} at {os.path.basename(f)}:{l} in {len(ks)} kernel(s), e.g. "
+                  f"{sorted(ks)[0][:90]}\n    {text}")
         return 1 if report else 0
 
 

@@ -634,20 +634,23 @@ bool CudaModel::heads_on_skinny(const cuda::LinearParams& lp) const {
 
 void CudaModel::gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, int64_t in_head,
                               const float* w, float* out, int64_t ldo, int64_t out_head, int64_t heads) {
-  const cuda::LinearParams lp = heads_params(T, N, Kd, in, ldi, in_head, w, out, ldo, out_head, heads);
-  const bool tile = T <= tile_max_t_ && cuda::linear_tile_supported(lp);
+  run_heads(heads_params(T, N, Kd, in, ldi, in_head, w, out, ldo, out_head, heads));
+}
+
+void CudaModel::run_heads(const cuda::LinearParams& lp) {
+  const int64_t T = lp.T, N = lp.N, Kd = lp.Kd;
   if (heads_on_skinny(lp)) {
     check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny(heads)");
     return;
   }
-  if (tile) {
+  if (T <= tile_max_t_ && cuda::linear_tile_supported(lp)) {
     check_cuda(cuda::linear_tile(lp, as_stream(stream_)), "linear_tile(heads)");
     return;
   }
   const float one = 1.f, zero = 0.f;
   check_cublas(cuda::cublas_api().sgemm_strided_batched(as_handle(cublas_), CUBLAS_OP_T, CUBLAS_OP_N, (int)N, (int)T,
-                                                        (int)Kd, &one, w, (int)Kd, N * Kd, in, (int)ldi, in_head, &zero,
-                                                        out, (int)ldo, out_head, (int)heads),
+                                                        (int)Kd, &one, lp.w, (int)Kd, lp.w_batch, lp.x, (int)lp.ldx,
+                                                        lp.x_batch, &zero, lp.y, (int)lp.ldy, lp.y_batch, lp.batch),
                "sgemm_strided_batched");
 }
 
@@ -748,6 +751,7 @@ void CudaModel::attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, 
   uk.rope_R = (int)R;
   uk.rope_interleaved = mp.interleaved;
   const bool rope_uk = Dn > 0 && heads_on_skinny(uk) && cuda::linear_skinny_rope_ok(uk);
+  if (!rope_uk) uk.rope_out = nullptr;  // mla_prep ropes the queries
   if (rope_uk) {
     mp.skip_q = 1;
     check_cuda(cuda::mla_prep(mp, as_stream(fork())), "mla_prep(cache rows)");
@@ -766,10 +770,8 @@ void CudaModel::attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, 
   // Otherwise mla_prep (cache rows, roped queries) and the W_UK product both only read q_ /
   // qkv_a_out_: the prep runs beside the product.
   if (!rope_uk) check_cuda(cuda::mla_prep(mp, as_stream(fork())), "mla_prep");
-  if (rope_uk) {
-    check_cuda(cuda::linear_skinny(uk, st), "linear_skinny(W_UK + rope)");
-  } else if (Dn > 0) {
-    gemm_nt_heads(T, C, Dn, q_, H * Dqk, Dqk, ly.w_ukT, q_lat_, H * C, C, H);
+  if (Dn > 0) {
+    run_heads(uk);
   } else {
     check_cuda(cudaMemsetAsync(q_lat_, 0, (size_t)(T * H * C) * sizeof(float), st), "cudaMemset(q_lat)");
   }

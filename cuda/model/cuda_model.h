@@ -194,6 +194,7 @@ class CudaModel : public TargetModel {
   bool heads_on_skinny(const cuda::LinearParams& lp) const;
   void gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, int64_t in_head, const float* w,
                      float* out, int64_t ldo, int64_t out_head, int64_t heads);
+  void run_heads(const cuda::LinearParams& lp);  // gemm_nt_heads' dispatch (linear_skinny, linear_tile, cuBLAS)
   // out[T, N] (ld ldo) = beta * out + swiglu(gu) @ w^T with gu [T, 2I] = [gate | up] rows, row
   // stride ldg (the down projection of an MLP): the SwiGLU inside linear_skinny for a few tokens
   // (kLinearSwigluFuseMaxT), else swiglu into act_ then a GEMM.

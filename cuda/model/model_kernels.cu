@@ -120,7 +120,6 @@ __global__ void rmsnorm_kernel(RmsNormParams p) {
 }
 
 // ---------------------------------------------------------------- MLA preparation
-
 // One block per token, threads_for(C) threads. Latent element i and rope pair u (u < half: the
 // key's pair u; else head h = u / half - 1, pair u % half) belong to thread i % blockDim, u %
 // blockDim. Every global input is loaded up front (the first kPrepRegs of each kind per thread,
@@ -697,7 +696,6 @@ __global__ void __launch_bounds__(kUvThreads) uv_combine_kernel(UvCombineParams 
 // lane sums its k-steps in ascending order, then a butterfly over the warp: the summation order
 // of the previous (shared-staged) kernel, so the same results.
 constexpr int kSkinnyWarps = 4, kSkinnyRW = 4;
-
 
 // BF (with VEC): the weights from w_bf16 (exact BF16 copies), widened as loaded: the same results.
 template <int MS, int U, bool SWI, bool VEC, bool BF = false>
