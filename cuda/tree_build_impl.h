@@ -42,6 +42,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
+#ifndef __CUDACC__
+#include <cmath>
+#endif
 
 #ifndef KD_HD
 #ifdef __CUDACC__
@@ -70,10 +73,10 @@ namespace treeimpl {
 // only restarts the clock) and two event counters (levels counted, probes run)
 enum ProfCat {
   P_START = -1, P_PHASE0 = 0, P_LEVEL1, P_COUNT, P_PROBE, P_MAT, P_GSCAN, P_RANK_SORT, P_RANK_CMP, P_RANK_PAR,
-  P_OUT, P_OTHER, kProfTimed, P_LEVELS = kProfTimed, P_PROBES, kProfCats
+  P_OUT, P_OTHER, P_OFFS, kProfTimed, P_LEVELS = kProfTimed, P_PROBES, kProfCats
 };
 constexpr const char* kProfNames[kProfTimed] = {"phase0", "level1", "count", "probe", "mat", "gscan",
-                                                "rank-sort", "rank-cmp", "rank-par", "out", "other"};
+                                                "rank-sort", "rank-cmp", "rank-par", "out", "other", "offs"};
 
 constexpr int kMaxDepth = 16;      // D limit of the CUDA tree build
 constexpr int kMaxBudget = 1024;   // B limit of the CUDA tree build (one block)
@@ -188,6 +191,30 @@ KD_HD inline To bits_as(From x) {
   std::memcpy(&t, &x, sizeof(To));
   return t;
 }
+// W consecutive floats (W = 4: 16-byte aligned) between global / shared memory and registers.
+template <int W>
+KD_HD inline void load_row(const float* p, float (&x)[W]) {
+#ifdef __CUDA_ARCH__
+  if constexpr (W == 4) {
+    const float4 v = *reinterpret_cast<const float4*>(p);
+    x[0] = v.x; x[1] = v.y; x[2] = v.z; x[3] = v.w;
+  } else
+#endif
+  {
+    for (int j = 0; j < W; ++j) x[j] = p[j];
+  }
+}
+template <int W>
+KD_HD inline void store_row(float* p, const float (&x)[W]) {
+#ifdef __CUDA_ARCH__
+  if constexpr (W == 4) {
+    *reinterpret_cast<float4*>(p) = make_float4(x[0], x[1], x[2], x[3]);
+  } else
+#endif
+  {
+    for (int j = 0; j < W; ++j) p[j] = x[j];
+  }
+}
 KD_HD inline int ctz32(uint32_t x) {  // x != 0
 #ifdef __CUDA_ARCH__
   return __ffs((int)x) - 1;
@@ -234,6 +261,32 @@ KD_HD inline double bucket_limit(int bt) {
   if (bt >= kNB - 2) return pos_inf_d();
   const uint32_t U = (uint32_t)(bt + ((127 - 23) << 6)) << 17;
   return ((double)bits_as<float>(U - 1) + (double)bits_as<float>(U)) * 0.5;  // exact: two adjacent floats
+}
+
+// The children of a parent of score s that keep a bucket <= bt (bt < kBottom) are the ranks r
+// with smax - (s + row[r]) < lim, lim = bucket_limit(bt). With the parallel path's exact float64
+// sums (phase 0's span check) that is row[r] > tau = (smax - s) - lim in real numbers, and for a
+// float v, v > tau <=> v > floor_float(tau) (the largest float <= tau; -inf for lim = +inf). So
+// the binary searches over a row compare floats against this value: one float compare per step
+// instead of a conversion, two double additions and a double compare. Exact: tau = t + e by
+// TwoSum (t = fl(A - lim), e its rounding error); rounding t down to a float gives floor_float(tau)
+// except when t is a float itself and e < 0 (then the float below it); when t is not a float,
+// |e| is below the gap between t and the float below it.
+KD_HD inline float child_floor(double smax, double s, double lim) {
+  if (lim == pos_inf_d()) return neg_inf_f();
+  const double A = smax - s, b = -lim;
+  const double t = A + b;
+  const double bb = t - A;
+  const double e = (A - (t - bb)) + (b - bb);
+#ifdef __CUDA_ARCH__
+  float f = __double2float_rd(t);
+  if ((double)f == t && e < 0.0) f = nextafterf(f, neg_inf_f());
+#else
+  float f = (float)t;
+  if ((double)f > t) f = std::nextafter(f, neg_inf_f());
+  if ((double)f == t && e < 0.0) f = std::nextafter(f, neg_inf_f());
+#endif
+  return f;
 }
 
 // misc[] slots in shared memory
@@ -376,10 +429,11 @@ struct TreeBlock {
     const float* row = lpc + (size_t)(d - 1) * keff;
     const double s = sc[p], lim = bucket_limit(bt);
     int lo = 0, hi = c;
-    while (lo < hi) {  // children keep a bucket <= bt (bucket_limit: the same test)
+    const float fl = child_floor(smax, s, lim);
+    while (lo < hi) {  // children keep a bucket <= bt (child_floor: the same test)
       ctx.step(1);
       const int mid = (lo + hi) >> 1;
-      if (smax - (s + (double)row[mid]) < lim) lo = mid + 1; else hi = mid;
+      if (row[mid] > fl) lo = mid + 1; else hi = mid;
     }
     return lo;
   }
@@ -412,6 +466,63 @@ struct TreeBlock {
     return xx < y;
   }
 
+  // Phase 0's element checks (parallel_build) for items of W consecutive elements of a row
+  // (W = 4 needs vec4_ok: every row 16-byte aligned, Keff a multiple of 4).
+  KD_HD bool vec4_ok() const {
+    return keff % 4 == 0 && a.ld % 4 == 0 && (reinterpret_cast<uintptr_t>(a.lp) & 15) == 0;
+  }
+  template <int W>
+  KD_HD void check_rows() {
+    const int per_row = keff / W;  // items per row
+    const int nitems = D * per_row;
+    if (tid >= nitems) return;  // (small inputs: most threads have none)
+    int d = tid / per_row, q = tid - d * per_row;
+    int dd = -1, dq = 0;  // a step of nt items: dd rows and dq items (computed when needed)
+    bool bad = false;
+    int me_max = -100000, qe_min = 100000;
+    for (int it = tid; it < nitems; it += nt) {
+      ctx.step(1);
+      const float* rowp = a.lp + (size_t)d * a.ld;
+      const int r0 = q * W;
+      float x[W];
+      load_row<W>(rowp + r0, x);
+      float prev = r0 > 0 ? rowp[r0 - 1] : 0.0f;  // the left neighbour (unused for r0 = 0)
+      int fbi = keff;                              // this item's first -inf rank
+#pragma unroll
+      for (int j = 0; j < W; ++j) {
+        const float v = x[j];
+        const int r = r0 + j;
+        bad |= is_nan_f(v) || v == -neg_inf_f();  // NaN, +inf
+        bad |= r > 0 && !(v <= prev);            // not sorted (or NaN before)
+        bad |= d > 0 && r == 0 && v > 0.0f;      // child would beat parent
+        if (v == neg_inf_f() && fbi == keff) fbi = r;
+        const uint32_t bits = bits_as<uint32_t>(v) & 0x7FFFFFFFu;
+        if (bits != 0 && bits < 0x7F800000u) {
+          const int e = (int)(bits >> 23);
+          const uint32_t m = bits & 0x7FFFFFu;
+          int qe, me;
+          if (e == 0) { qe = -149 + ctz32(m); me = -149 + (31 - clz32(m)); }
+          else { qe = (e - 150) + ctz32(m | 0x800000u); me = e - 127; }
+          me_max = me > me_max ? me : me_max;
+          qe_min = qe < qe_min ? qe : qe_min;
+        }
+        prev = v;
+      }
+      store_row<W>(lpc + (size_t)d * keff + r0, x);
+      if (fbi < keff) ctx.atomic_min(&misc[M_FB + d], fbi);
+      if (it + nt >= nitems) break;
+      if (dd < 0) { dd = nt / per_row; dq = nt - dd * per_row; }
+      d += dd;
+      q += dq;
+      if (q >= per_row) { q -= per_row; ++d; }
+    }
+    if (bad) ctx.atomic_max(&misc[M_FAIL], 1);
+    if (me_max > -100000) {
+      ctx.atomic_max(&misc[M_MAXE], me_max);
+      ctx.atomic_min(&misc[M_MINQ], qe_min);
+    }
+  }
+
   // Returns n >= 0, or -1 when the parallel path cannot be used (then nothing is output yet).
   KD_HD int parallel_build() {
     KD_TREE_MARK(P_START);
@@ -431,27 +542,19 @@ struct TreeBlock {
     for (int i = tid; i < kNB; i += nt) { ctx.step(1); hist[i] = 0; cur[i] = 0; }
     if (tid < kNG) gcnt[tid] = 0;
     ctx.sync();
-    const int nin = D * keff;
-    for (int idx = tid; idx < nin; idx += nt) {
-      ctx.step(1);
-      const int d = idx / keff, r = idx - d * keff;
-      const float x = a.lp[(size_t)d * a.ld + r];
-      lpc[idx] = x;
-      bool bad = is_nan_f(x) || x == -neg_inf_f();                    // NaN, +inf
-      if (r > 0 && !(x <= a.lp[(size_t)d * a.ld + r - 1])) bad = true; // not sorted (or NaN before)
-      if (d > 0 && r == 0 && x > 0.0f) bad = true;                    // child would beat parent
-      if (x == neg_inf_f()) ctx.atomic_min(&misc[M_FB + d], r);
-      if (bad) ctx.atomic_max(&misc[M_FAIL], 1);
-      const uint32_t bits = bits_as<uint32_t>(x) & 0x7FFFFFFFu;
-      if (bits != 0 && bits < 0x7F800000u) {
-        const int e = (int)(bits >> 23);
-        const uint32_t m = bits & 0x7FFFFFu;
-        int qe, me;
-        if (e == 0) { qe = -149 + ctz32(m); me = -149 + (31 - clz32(m)); }
-        else { qe = (e - 150) + ctz32(m | 0x800000u); me = e - 127; }
-        ctx.atomic_max(&misc[M_MAXE], me);
-        ctx.atomic_min(&misc[M_MINQ], qe);
-      }
+    // Issue-bound, not latency-bound: the block's threads share one SM's schedulers. The
+    // per-element loop (an integer division for the row, two scalar loads, the checks, atomics
+    // the compiler aggregates per warp) was ~100 SASS instructions per element: ~15k cycles at
+    // D = 15, K = 1024 (benchmarks/profile_cuda_tree_build.py). Now check_rows: items of 4
+    // elements (one 16-byte load and the left neighbour) where the rows allow it and there are
+    // at least half as many items as threads (small inputs, the engine's K = 8, keep one element
+    // per thread: the 4-element items left them to one warp and were slower), the row and
+    // column advanced by additions, the checks kept in registers and published with one atomic
+    // per bound per thread (a -inf boundary, rare, still per item).
+    if (vec4_ok() && D * (keff / 4) * 2 >= nt) {
+      check_rows<4>();
+    } else {
+      check_rows<1>();
     }
     ctx.sync();
     {
@@ -505,7 +608,9 @@ struct TreeBlock {
           cnt[j] = c;
           s += c;
         }
+        KD_TREE_MARK(P_COUNT);  // thread 0's own counting (no barrier since the last mark)
         T = offsets(false, s, j0, j1);
+        KD_TREE_MARK(P_OFFS);
       }
       KD_TREE_MARK(P_COUNT);
       KD_TREE_COUNT(P_LEVELS);
@@ -537,10 +642,11 @@ struct TreeBlock {
           if (bt2 != kBottom) {
             const double sp = sc[p0 + j];
             int lo = 0, hi = c;
+            const float fl = child_floor(smax, sp, lim2);
             while (lo < hi) {
               ctx.step(1);
               const int mid = (lo + hi) >> 1;
-              if (smax - (sp + (double)row[mid]) < lim2) lo = mid + 1; else hi = mid;
+              if (row[mid] > fl) lo = mid + 1; else hi = mid;
             }
             c = lo;
           }
@@ -962,10 +1068,10 @@ struct TreeBlock {
 #if defined(KDTREE_TREE_PROFILE) && defined(__CUDA_ARCH__)
     if (tid == 0)
       printf("TREEPROF B=%d D=%d K=%d nt=%d path=%d n=%d levels=%lld probes=%lld | phase0 %lld level1 %lld count %lld "
-             "probe %lld mat %lld gscan %lld rank %lld+%lld+%lld out %lld other %lld\n",
+             "probe %lld mat %lld gscan %lld rank %lld+%lld+%lld out %lld other %lld offs %lld\n",
              B, D, a.K, nt, path, n, prof_acc[P_LEVELS], prof_acc[P_PROBES], prof_acc[P_PHASE0], prof_acc[P_LEVEL1],
              prof_acc[P_COUNT], prof_acc[P_PROBE], prof_acc[P_MAT], prof_acc[P_GSCAN], prof_acc[P_RANK_SORT],
-             prof_acc[P_RANK_CMP], prof_acc[P_RANK_PAR], prof_acc[P_OUT], prof_acc[P_OTHER]);
+             prof_acc[P_RANK_CMP], prof_acc[P_RANK_PAR], prof_acc[P_OUT], prof_acc[P_OTHER], prof_acc[P_OFFS]);
 #endif
   }
 };

@@ -419,9 +419,52 @@ int check_bucket_limit() {
   return bad;
 }
 
+// child_floor (tree_build_impl.h): the binary searches' float test `v > child_floor(smax, s, lim)`
+// against the double test it replaces, `smax - (s + v) < lim`, on exact sums (scores on a 2^-20
+// grid below 2^8, as phase 0's span check guarantees) and on floats v at and next to the
+// threshold (where the TwoSum error and the rounding direction decide).
+int check_child_floor() {
+  using kdtree::treeimpl::bucket_limit;
+  using kdtree::treeimpl::child_floor;
+  using kdtree::treeimpl::kNB;
+  std::mt19937_64 rng(4242);
+  std::uniform_int_distribution<int64_t> grid(-(int64_t{1} << 27), 0);  // multiples of 2^-20 in (-2^7, 0]
+  long n = 0;
+  int bad = 0;
+  for (int i = 0; i < 200000; ++i) {
+    const double smax = std::ldexp((double)grid(rng), -20 - (int)(rng() % 8));
+    double s = smax;
+    const int terms = 1 + (int)(rng() % 15);
+    for (int k = 0; k < terms; ++k) s += std::ldexp((double)grid(rng), -20);
+    const int bt = (int)(rng() % (uint64_t)(kNB - 1));  // 0 .. kNB - 2 (kNB - 2: lim = +inf)
+    const double lim = bucket_limit(bt);
+    const double t = (smax - s) - lim;
+    const float ft = (float)t;
+    float cands[8] = {ft, std::nextafter(ft, INFINITY), std::nextafter(ft, -INFINITY), 0.0f, -0.0f,
+                      (float)std::ldexp((double)grid(rng), -20), -INFINITY, -std::ldexp(1.0f, -30)};
+    auto exact_sum = [](double x, double y) {  // x + y exact in double (TwoSum error 0)
+      const double z = x + y, yy = z - x;
+      return (x - (z - yy)) + (y - yy) == 0.0;
+    };
+    for (float v : cands) {
+      // the identity holds where the algorithm uses it: exact sums (phase 0's span check)
+      if (v != -INFINITY && (!exact_sum(s, (double)v) || !exact_sum(smax, -(s + (double)v)))) continue;
+      const bool want = smax - (s + (double)v) < lim;
+      const bool got = v > child_floor(smax, s, lim);
+      ++n;
+      if (want != got && ++bad <= 5)
+        std::printf("child_floor mismatch: smax %.17g s %.17g lim %.17g v %.9g: double %d float %d\n", smax, s, lim,
+                    (double)v, want, got);
+    }
+  }
+  std::printf("child_floor: %ld checks, %d mismatches\n", n, bad);
+  return bad;
+}
+
 int main() {
   if (std::getenv("KDTREE_EMU_PROXY")) return proxy_table();
   if (check_bucket_limit()) return 1;
+  if (check_child_floor()) return 1;
   const char* env = std::getenv("KDTREE_EMU_CASES");
   const int cases = env ? std::atoi(env) : 60;
   std::mt19937_64 rng(20261130);
@@ -454,6 +497,62 @@ int main() {
       std::vector<int32_t> ids;
       make_case(rng2, kind, D, K, &lp, &ids);
       check_case(100000 + c, lp, ids, D, K, B, kind, &tree, &ws);
+      ++done;
+    }
+  }
+  // The exactness check of phase 0 (float64 sums of D + 1 terms exact when the inputs' exponent
+  // span leaves room in 53 bits): the largest magnitude and the finest quantum sit in elements of
+  // different warps, so the span is only right if the per-warp bounds are combined across warps.
+  // D = 4 (3 bits for the terms): maxe 10 and quantum 2^-45 -> 59 bits > 53: fallback; quantum
+  // 2^-35 -> 49 bits: parallel path. Both trees equal to the CPU twin.
+  {
+    for (int q : {45, 35}) {
+      const int D = 4, K = 64, B = 96;
+      std::vector<float> lp((size_t)D * K);
+      std::vector<int32_t> ids((size_t)D * K);
+      for (int d = 0; d < D; ++d)
+        for (int j = 0; j < K; ++j) {
+          lp[(size_t)d * K + j] = -1.0f - 0.25f * (float)j;  // maxe 4, quantum 2^-2
+          ids[(size_t)d * K + j] = 1000 * d + j;
+        }
+      lp[(size_t)0 * K + 63] = -1024.0f;                    // element 63 (warp 1): maxe 10
+      lp[(size_t)3 * K + 0] = -std::ldexp(1.0f, -q);        // element 192 (warp 6): quantum 2^-q
+      const Out o = run_block(lp, ids, D, K, B, 3, 3);
+      const int want = q == 45 ? 1 : 0;
+      if (o.path[0] != want)
+        fail("exponent span 2^-" + std::to_string(q) + " .. 2^10: path " + std::to_string(o.path[0]) + ", expected " +
+             std::to_string(want));
+      check_case(200000 + q, lp, ids, D, K, B, 0, &tree, &ws);
+      ++done;
+    }
+  }
+  // Inputs phase 0 must send to the fallback, each placed inside a 4-element item and on an
+  // item's first element (the left neighbour comes from the previous item): NaN, +inf, a rise
+  // within a row, lp[d][0] > 0 for d >= 1, a finite value after -inf. And a -inf tail alone,
+  // which the parallel path takes (its first -inf rank per row bounds the children).
+  {
+    struct Bad { const char* what; int d, r; float v; int want; };
+    const Bad bads[] = {{"NaN mid-item", 2, 6, NAN, 1},        {"NaN item start", 1, 8, NAN, 1},
+                        {"+inf", 3, 5, INFINITY, 1},           {"rise at item start", 2, 4, -0.5f, 1},
+                        {"rise mid-item", 1, 3, -0.5f, 1},     {"lp[d][0] > 0", 2, 0, 0.25f, 1},
+                        {"finite after -inf", 0, 61, -3.0f, 1}, {"-inf tail", 0, 0, 0.0f, 0}};
+    int k = 0;
+    for (const Bad& c : bads) {
+      const int D = 4, K = 64, B = 96;
+      std::vector<float> lp((size_t)D * K);
+      std::vector<int32_t> ids((size_t)D * K);
+      for (int d = 0; d < D; ++d)
+        for (int j = 0; j < K; ++j) {
+          lp[(size_t)d * K + j] = -1.0f - 0.25f * (float)j;
+          ids[(size_t)d * K + j] = 1000 * d + j;
+        }
+      for (int j = 60; j < K; ++j) lp[(size_t)0 * K + j] = -INFINITY;  // row 0: a -inf tail from rank 60
+      if (c.want) lp[(size_t)c.d * K + c.r] = c.v;
+      const Out o = run_block(lp, ids, D, K, B, 3, 3);
+      if (o.path[0] != c.want)
+        fail(std::string("phase 0 input '") + c.what + "': path " + std::to_string(o.path[0]) + ", expected " +
+             std::to_string(c.want));
+      check_case(300000 + k++, lp, ids, D, K, B, 0, &tree, &ws);
       ++done;
     }
   }
