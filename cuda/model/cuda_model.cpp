@@ -751,10 +751,11 @@ void CudaModel::attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, 
   uk.rope_R = (int)R;
   uk.rope_interleaved = mp.interleaved;
   const bool rope_uk = Dn > 0 && heads_on_skinny(uk) && cuda::linear_skinny_rope_ok(uk);
-  if (!rope_uk) uk.rope_out = nullptr;  // mla_prep ropes the queries
   if (rope_uk) {
     mp.skip_q = 1;
     check_cuda(cuda::mla_prep(mp, as_stream(fork())), "mla_prep(cache rows)");
+  } else {
+    uk.rope_out = nullptr;  // mla_prep ropes the queries
   }
   if (qr > 0) {
     if (in_norm) {  // fused: q_a's latent norm inside the q_b projection

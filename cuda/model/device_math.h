@@ -14,6 +14,13 @@ __device__ __forceinline__ float4 silu_mul(const float4& g, const float4& u) {
   return make_float4(silu_mul(g.x, u.x), silu_mul(g.y, u.y), silu_mul(g.z, u.z), silu_mul(g.w, u.w));
 }
 
+// RMSNorm's scale from a row's sum of squares (ops.cpp rmsnorm_row): the mean rounded to float,
+// then 1 / sqrt in double. The rmsnorm and mla_prep kernels and linear_skinny's norm prologue.
+__device__ __forceinline__ float rms_inv(double ss, int D, double eps) {
+  const float var = (float)(ss / (double)D);
+  return (float)(1.0 / sqrt((double)var + eps));
+}
+
 // RoPE of one pair (ops.cpp rope_row): (a, b) = (x[2j], x[2j+1]) interleaved or (x[j], x[j+half]);
 // the rotated pair goes to y[j], y[j + half] (each operation rounded once). mla_prep and the W_UK
 // product's rope block (linear_skinny, which loads the pair itself) share rope_store, so their

@@ -94,8 +94,7 @@ __device__ __forceinline__ void row_inv_rms(const LinearParams& p, const float* 
     if (t < T) {  // warp-uniform
 #pragma unroll
       for (int o = 16; o >= 1; o >>= 1) ss[t] += __shfl_xor_sync(0xffffffffu, ss[t], o);
-      const float var = (float)(ss[t] / (double)p.Kd);
-      inv[t] = (float)(1.0 / sqrt((double)var + p.norm_eps));
+      inv[t] = rms_inv(ss[t], p.Kd, p.norm_eps);
     }
   }
 }

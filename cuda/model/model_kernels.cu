@@ -57,11 +57,7 @@ __global__ void embed_kernel(EmbedParams p) {
 }
 
 // ---------------------------------------------------------------- RMSNorm (ops.cpp rmsnorm_row)
-__device__ __forceinline__ float rms_inv(double ss, int D, double eps) {
-  const float var = (float)(ss / (double)D);
-  return (float)(1.0 / sqrt((double)var + eps));
-}
-
+// (rms_inv: device_math.h)
 // block_sum for a block that reduces once (no barrier needed before the shared writes).
 template <class V>
 __device__ __forceinline__ V block_sum_once(V v, V* red /* [32] shared */) {

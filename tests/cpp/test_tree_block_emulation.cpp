@@ -419,6 +419,18 @@ int check_bucket_limit() {
   return bad;
 }
 
+// [D, K] rows -1 - 0.25 j (sorted, exact, every row alike) and ids 1000 d + j: the base that the
+// phase 0 cases below edit one element of.
+void plain_rows(int D, int K, std::vector<float>* lp, std::vector<int32_t>* ids) {
+  lp->resize((size_t)D * K);
+  ids->resize((size_t)D * K);
+  for (int d = 0; d < D; ++d)
+    for (int j = 0; j < K; ++j) {
+      (*lp)[(size_t)d * K + j] = -1.0f - 0.25f * (float)j;
+      (*ids)[(size_t)d * K + j] = 1000 * d + j;
+    }
+}
+
 // child_floor (tree_build_impl.h): the binary searches' float test `v > child_floor(smax, s, lim)`
 // against the double test it replaces, `smax - (s + v) < lim`, on exact sums (scores on a 2^-20
 // grid below 2^8, as phase 0's span check guarantees) and on floats v at and next to the
@@ -429,6 +441,10 @@ int check_child_floor() {
   using kdtree::treeimpl::kNB;
   std::mt19937_64 rng(4242);
   std::uniform_int_distribution<int64_t> grid(-(int64_t{1} << 27), 0);  // multiples of 2^-20 in (-2^7, 0]
+  auto exact_sum = [](double x, double y) {  // x + y exact in double (TwoSum error 0)
+    const double z = x + y, yy = z - x;
+    return (x - (z - yy)) + (y - yy) == 0.0;
+  };
   long n = 0;
   int bad = 0;
   for (int i = 0; i < 200000; ++i) {
@@ -442,10 +458,6 @@ int check_child_floor() {
     const float ft = (float)t;
     float cands[8] = {ft, std::nextafter(ft, INFINITY), std::nextafter(ft, -INFINITY), 0.0f, -0.0f,
                       (float)std::ldexp((double)grid(rng), -20), -INFINITY, -std::ldexp(1.0f, -30)};
-    auto exact_sum = [](double x, double y) {  // x + y exact in double (TwoSum error 0)
-      const double z = x + y, yy = z - x;
-      return (x - (z - yy)) + (y - yy) == 0.0;
-    };
     for (float v : cands) {
       // the identity holds where the algorithm uses it: exact sums (phase 0's span check)
       if (v != -INFINITY && (!exact_sum(s, (double)v) || !exact_sum(smax, -(s + (double)v)))) continue;
@@ -508,13 +520,9 @@ int main() {
   {
     for (int q : {45, 35}) {
       const int D = 4, K = 64, B = 96;
-      std::vector<float> lp((size_t)D * K);
-      std::vector<int32_t> ids((size_t)D * K);
-      for (int d = 0; d < D; ++d)
-        for (int j = 0; j < K; ++j) {
-          lp[(size_t)d * K + j] = -1.0f - 0.25f * (float)j;  // maxe 4, quantum 2^-2
-          ids[(size_t)d * K + j] = 1000 * d + j;
-        }
+      std::vector<float> lp;
+      std::vector<int32_t> ids;
+      plain_rows(D, K, &lp, &ids);  // maxe 4, quantum 2^-2
       lp[(size_t)0 * K + 63] = -1024.0f;                    // element 63 (warp 1): maxe 10
       lp[(size_t)3 * K + 0] = -std::ldexp(1.0f, -q);        // element 192 (warp 6): quantum 2^-q
       const Out o = run_block(lp, ids, D, K, B, 3, 3);
@@ -539,13 +547,9 @@ int main() {
     int k = 0;
     for (const Bad& c : bads) {
       const int D = 4, K = 64, B = 96;
-      std::vector<float> lp((size_t)D * K);
-      std::vector<int32_t> ids((size_t)D * K);
-      for (int d = 0; d < D; ++d)
-        for (int j = 0; j < K; ++j) {
-          lp[(size_t)d * K + j] = -1.0f - 0.25f * (float)j;
-          ids[(size_t)d * K + j] = 1000 * d + j;
-        }
+      std::vector<float> lp;
+      std::vector<int32_t> ids;
+      plain_rows(D, K, &lp, &ids);
       for (int j = 60; j < K; ++j) lp[(size_t)0 * K + j] = -INFINITY;  // row 0: a -inf tail from rank 60
       if (c.want) lp[(size_t)c.d * K + c.r] = c.v;
       const Out o = run_block(lp, ids, D, K, B, 3, 3);
