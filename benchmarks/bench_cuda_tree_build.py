@@ -60,21 +60,22 @@ def engine_shapes(N, props, iters):
     each path forced (one warp / parallel) and auto, peaked drafter rows; graph-replay medians."""
     print(f"## GPU tree build at the engine's shapes ({props['name']}): depth 15, K = 8, peaked drafter; "
           f"graph-replay median us")
-    print("| B | K | auto | path (auto) | one warp | parallel | tree depth |")
-    print("|---|---|---|---|---|---|---|")
+    print("| B | K | auto | path (auto) | one warp | parallel | parallel, adaptive threshold | tree depth |")
+    print("|---|---|---|---|---|---|---|---|")
     for K in (8, 4):
         lp_all, ids_all = kn.reference.topk_logsoftmax(drafter_logits(0, "peaked", V=32000), K)
         lp, ids = np.ascontiguousarray(lp_all), np.ascontiguousarray(ids_all)
         for B in (16, 32, 64, 128, 256):
             ref = kn.ops.tree_build(lp, ids, B, device="cpu")
             t = {}
-            for name, fp in (("auto", 0), ("warp", 2), ("parallel", 3)):
+            for name, fp in (("auto", 0), ("warp", 2), ("parallel", 3), ("adaptive", 4)):
                 r = N.cuda_time_tree_build(lp, ids, B, iters=iters, warmup=10, force_path=fp)
                 assert int(r["n"]) == ref.n and np.array_equal(r["parents"][: ref.n + 1], ref.parents), (B, K, name)
                 t[name] = r
             print(f"| {B} | {K} | {t['auto']['graph_median_ms'] * 1e3:.1f} | "
-                  f"{('parallel', 'fallback', 'one warp')[int(t['auto']['path'])]} | "
+                  f"{('parallel', 'fallback', 'one warp', 'parallel, estimate')[int(t['auto']['path'])]} | "
                   f"{t['warp']['graph_median_ms'] * 1e3:.1f} | {t['parallel']['graph_median_ms'] * 1e3:.1f} | "
+                  f"{t['adaptive']['graph_median_ms'] * 1e3:.1f} | "
                   f"{int(ref.depths.max()) if ref.n else 0} |", flush=True)
 
 
@@ -105,11 +106,14 @@ def main():
             r = N.cuda_time_tree_build(lp, ids, B, iters=iters, warmup=10)
             ref = kn.ops.tree_build(lp, ids, B, device="cpu")
             assert int(r["n"]) == ref.n and np.array_equal(r["parents"][: ref.n + 1], ref.parents), "GPU != CPU twin"
+            ra = N.cuda_time_tree_build(lp, ids, B, iters=iters, warmup=10, force_path=4)  # no threshold estimate
+            assert int(ra["n"]) == ref.n and np.array_equal(ra["parents"][: ref.n + 1], ref.parents), "adaptive != CPU twin"
             rl = N.cuda_time_tree_build_from_logits(logits, B, B, iters=max(10, iters // 2), warmup=5)
             assert int(rl["n"]) == ref.n and np.array_equal(rl["parents"][: ref.n + 1], ref.parents), "logits path != CPU twin"
             cpu = cpu_twin_ms(lp, ids, B, 20 if args.quick else 100)
             row = dict(budget=B, depth=15, K=B, path=int(r["path"]),
                        gpu_lp_us=r["graph_median_ms"] * 1e3, gpu_lp_stream_us=r["median_ms"] * 1e3,
+                       gpu_lp_adaptive_us=ra["graph_median_ms"] * 1e3,
                        gpu_logits_us=rl["graph_median_ms"] * 1e3, gpu_logits_stream_us=rl["median_ms"] * 1e3,
                        gpu_topk_us=rl["topk_graph_median_ms"] * 1e3, cpu_twin_us=cpu * 1e3,
                        official_us=ANCHOR_MS[B] * 1e3,
@@ -123,11 +127,12 @@ def main():
     for kind, rows in tables.items():
         print(f"## GPU tree build, {kind} drafter ({props['name']}), depth 15, K = B; GPU = graph-replay median "
               f"(stream launch+event median in brackets)")
-        print("| B | GPU [15,K] us | path | GPU from [15,163840] logits us (top-k) | CPU twin us | official us | x official ([15,K] / logits) | x CPU twin | tree depth |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print("| B | GPU [15,K] us | path | adaptive threshold only us | GPU from [15,163840] logits us (top-k) | CPU twin us | official us | x official ([15,K] / logits) | x CPU twin | tree depth |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['budget']} | {r['gpu_lp_us']:.1f} ({r['gpu_lp_stream_us']:.1f}) | "
-                  f"{('parallel', 'fallback', 'one warp')[r['path']]} | {r['gpu_logits_us']:.1f} ({r['gpu_topk_us']:.1f}) | "
+                  f"{('parallel', 'fallback', 'one warp', 'parallel, estimate')[r['path']]} | {r['gpu_lp_adaptive_us']:.1f} | "
+                  f"{r['gpu_logits_us']:.1f} ({r['gpu_topk_us']:.1f}) | "
                   f"{r['cpu_twin_us']:.1f} | {r['official_us']:.0f} | {r['speedup_vs_official_lp']:.0f}x / "
                   f"{r['speedup_vs_official_logits']:.0f}x | {r['speedup_vs_cpu_twin']:.1f}x | {r['max_depth']} |")
     goals = []

@@ -31,7 +31,7 @@ import kdtree_native as kn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_cuda_tree_build import drafter_logits  # noqa: E402
 
-CATS = ("phase0", "level1", "count", "offs", "probe", "mat", "gscan", "rank", "out", "other")
+CATS = ("phase0", "thr", "level1", "count", "offs", "probe", "mat", "gscan", "rank", "out", "other")
 
 
 def shapes():
@@ -83,8 +83,8 @@ def main():
     if not kn.cuda_available():
         raise SystemExit("no CUDA device")
     N = kn._native
-    print("| shape | B | path | levels | probes | " + " | ".join(CATS) + " | total cycles |")
-    print("|---|---|---|---|---|" + "---|" * len(CATS) + "---|")
+    print("| shape | B | path | threshold | levels | probes | " + " | ".join(CATS) + " | total cycles |")
+    print("|---|---|---|---|---|---|" + "---|" * len(CATS) + "---|")
     for name, lp, ids, B in shapes():
         text = capture(lambda: N.cuda_time_tree_build(lp, ids, B, iters=3, warmup=1))
         rows = parse(text)
@@ -94,8 +94,9 @@ def main():
             r["total"] = sum(int(r.get(c, 0)) for c in CATS)
         rows.sort(key=lambda r: r["total"])
         r = rows[len(rows) // 2]
-        path = ("parallel", "fallback", "one warp")[int(r["path"])]
-        print(f"| {name} | {B} | {path} | {r['levels']} | {r['probes']} | "
+        path = ("parallel", "fallback", "one warp", "parallel, estimate")[int(r["path"])]
+        fix = {"0": "adaptive", "1": "fixed", "2": "fixed, then adaptive"}.get(r.get("fix"), "-")
+        print(f"| {name} | {B} | {path} | {fix} | {r['levels']} | {r['probes']} | "
               + " | ".join(str(r.get(c, 0)) for c in CATS) + f" | {r['total']} |", flush=True)
 
 

@@ -254,8 +254,9 @@ void check_budget_depth(int64_t budget, int64_t D) {
 
 py::dict tree_build_np(const py::object& lp_o, const py::object& ids_o, int64_t budget, int64_t cache_len,
                        int force_fallback) {
-  if (force_fallback < 0 || force_fallback > 3)
-    throw kdtree::Error("force_fallback must be 0 (auto), 1 (fallback), 2 (one warp) or 3 (parallel)");
+  if (force_fallback < 0 || force_fallback > 4)
+    throw kdtree::Error("force_fallback must be 0 (auto), 1 (fallback), 2 (one warp), 3 (parallel) or 4 (parallel, "
+                        "adaptive threshold only)");
   require_device();
   auto lp = as_c<float>(lp_o, "logprobs", 2);
   auto ids = as_c<int32_t>(ids_o, "token_ids", 2);
@@ -581,8 +582,8 @@ py::array_t<float> verify_attention_np(const py::object& ql, const py::object& q
 py::dict time_tree_build(const py::object& lp_o, const py::object& ids_o, int64_t budget, int iters, int warmup,
                          int force_path) {
   require_device();
-  if (force_path != 0 && force_path != 2 && force_path != 3)
-    throw kdtree::Error("force_path must be 0 (auto), 2 (one warp) or 3 (parallel)");
+  if (force_path != 0 && force_path != 2 && force_path != 3 && force_path != 4)
+    throw kdtree::Error("force_path must be 0 (auto), 2 (one warp), 3 (parallel) or 4 (parallel, adaptive threshold)");
   auto lp = as_c<float>(lp_o, "logprobs", 2);
   auto ids = as_c<int32_t>(ids_o, "token_ids", 2);
   const int64_t D = lp.shape(0), K = lp.shape(1);
@@ -1080,8 +1081,9 @@ void bind_cuda(py::module_& m) {
         py::arg("cache_len") = 0, py::arg("force_fallback") = false,
         "GPU tree build from float32 [D,K] log-probs and int32 ids; returns a dict of full-size "
         "outputs (tokens [B], depths [B], parents [B+1], positions [B+1], visibility uint64 [B+1,W]), "
-        "n and path (0 = parallel exact path, 1 = sequential fallback, 2 = one-warp path). force_fallback: "
-        "0 = auto, 1 (or True) = the fallback, 2 = the one-warp path, 3 = the parallel path (testing).");
+        "n and path (0 = parallel exact path, 1 = sequential fallback, 2 = one-warp path, 3 = parallel exact path "
+        "with the threshold estimate). force_fallback: 0 = auto, 1 (or True) = the fallback, 2 = the one-warp "
+        "path, 3 = the parallel path, 4 = the parallel path with the adaptive threshold only (testing).");
   m.def("cuda_tree_build_from_logits", &tree_from_logits_np, py::arg("logits"), py::arg("budget"),
         py::arg("top_k"), py::arg("cache_len") = 0, "GPU top-k + log-softmax + tree build from logits [D,V].");
   m.def("cuda_topk_logsoftmax", &topk_np, py::arg("logits"), py::arg("k"),

@@ -51,10 +51,12 @@ struct TreeBuildParams {
   int32_t* positions;       // [B+1]    cache_len + depth (-1 past n)
   uint64_t* visibility;     // [B+1, W] bit j%64 of word j/64 of row i: node i sees node j
   int32_t* n_nodes;         // [1]      n
-  int32_t* path_taken;      // [1]      0 = parallel exact path, 1 = sequential fallback, 2 = one-warp
-                            //          path (small budgets); may be null
+  int32_t* path_taken;      // [1]      0 = parallel exact path (adaptive threshold), 1 = sequential
+                            //          fallback, 2 = one-warp path (small budgets), 3 = parallel exact
+                            //          path with the threshold estimate; may be null
   int force_fallback;       // 0 = auto; testing only: 1 = sequential fallback, 2 = one-warp path,
-                            //   3 = parallel path (falls back when its checks fail)
+                            //   3 = parallel path (falls back when its checks fail), 4 = parallel
+                            //   path with the adaptive threshold only
 };
 cudaError_t tree_build(const TreeBuildParams& p, cudaStream_t stream);
 

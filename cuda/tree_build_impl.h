@@ -73,10 +73,10 @@ namespace treeimpl {
 // only restarts the clock) and two event counters (levels counted, probes run)
 enum ProfCat {
   P_START = -1, P_PHASE0 = 0, P_LEVEL1, P_COUNT, P_PROBE, P_MAT, P_GSCAN, P_RANK_SORT, P_RANK_CMP, P_RANK_PAR,
-  P_OUT, P_OTHER, P_OFFS, kProfTimed, P_LEVELS = kProfTimed, P_PROBES, kProfCats
+  P_OUT, P_OTHER, P_OFFS, P_THR, kProfTimed, P_LEVELS = kProfTimed, P_PROBES, kProfCats
 };
 constexpr const char* kProfNames[kProfTimed] = {"phase0", "level1", "count", "probe", "mat", "gscan",
-                                                "rank-sort", "rank-cmp", "rank-par", "out", "other", "offs"};
+                                                "rank-sort", "rank-cmp", "rank-par", "out", "other", "offs", "thr"};
 
 constexpr int kMaxDepth = 16;      // D limit of the CUDA tree build
 constexpr int kMaxBudget = 1024;   // B limit of the CUDA tree build (one block)
@@ -88,6 +88,10 @@ constexpr int kNG = kNB / 32;      // bucket groups of 32 (one warp-wide scan ea
 constexpr int kLo = 0xFFFF;        // packed counts: low 16 bits = all levels, high = this level
 constexpr int kBoth = 0x10001;     // one more prefix in both halves (counts <= cap < 2^16)
 constexpr uint16_t kRoot = 0xFFFF; // parent id of a depth-1 node in the candidate store
+constexpr int kDpG = 64;           // threshold estimate: deficit bins (fixed_threshold)
+constexpr int kDpCap = 8192;       // threshold estimate: counts saturate here (>= every budget;
+                                   // products <= kDpCap * kMaxBudget, kDpG of them: no int overflow)
+static_assert(kDpG == 64 && 5 * kDpG + kMaxDepth <= kNB, "fixed_threshold: 2 bins per lane; its scratch fits in cur");
 
 // Arguments of one build. Pointers are device pointers on the GPU, host pointers in emulation.
 struct TreeArgs {
@@ -101,8 +105,10 @@ struct TreeArgs {
   int32_t* positions;     // [B+1]    cache_len + depth (-1 past n)
   uint64_t* visibility;   // [B+1, W] W = (B+64)/64; bit j%64 of word j/64 of row i: i sees j
   int32_t* n_out;         // [1]      n
-  int32_t* path_out;      // [1]      0 = parallel exact path, 1 = sequential fallback, 2 = one-warp path (may be null)
-  int force_fallback;     // 0 = auto; testing: 1 = sequential path, 2 = one-warp path, 3 = parallel path
+  int32_t* path_out;      // [1]      0 = parallel exact path (adaptive threshold), 1 = sequential fallback,
+                          //          2 = one-warp path, 3 = parallel exact path with the threshold estimate (may be null)
+  int force_fallback;     // 0 = auto; testing: 1 = sequential path, 2 = one-warp path, 3 = parallel path,
+                          //   4 = parallel path with the adaptive threshold only
 };
 
 KD_HD inline int vis_words(int B) { return (B + 64) / 64; }
@@ -237,15 +243,17 @@ KD_HD inline double pos_inf_d() { return __builtin_huge_val(); }
 
 // Score bucket: nondecreasing in (smax - s), i.e. a better score never lands in a later bucket.
 // 64 buckets per binade of delta in [2^-23, 2^9); clamped at both ends; -inf -> kBottom.
-KD_HD inline int bucket_of(double smax, double s) {
-  if (s == neg_inf_d()) return kBottom;
-  double delta = smax - s;
+KD_HD inline int bucket_of_delta(double delta) {  // delta = smax - s, finite
   if (!(delta > 0.0)) return 0;
   uint32_t bits = bits_as<uint32_t>((float)delta);
   int idx = (int)(bits >> 17) - ((127 - 23) << 6) + 1;
   if (idx < 1) idx = 1;
   if (idx > kNB - 2) idx = kNB - 2;
   return idx;
+}
+KD_HD inline int bucket_of(double smax, double s) {
+  if (s == neg_inf_d()) return kBottom;
+  return bucket_of_delta(smax - s);
 }
 
 
@@ -293,6 +301,7 @@ KD_HD inline float child_floor(double smax, double s, double lim) {
 enum {
   M_FAIL = 0, M_MAXE = 1, M_MINQ = 2, M_USED = 3, M_BT = 4, M_N = 5, M_BT2 = 6, M_T = 7,
   M_FB = 8,   // [kMaxDepth] first bottom (-inf/NaN) rank per row (Keff if none)
+  M_FIX = 24, // how the parallel path ended: 0 adaptive (no estimate), 1 fixed threshold, 2 fixed then adaptive
   M_LS = 28,  // [kMaxDepth + 2] level start offsets in the candidate store
 };
 
@@ -524,7 +533,10 @@ struct TreeBlock {
   }
 
   // Returns n >= 0, or -1 when the parallel path cannot be used (then nothing is output yet).
-  KD_HD int parallel_build() {
+  // *fixed: the threshold estimate gave the tree (also in misc[M_FIX] for the profile, written by
+  // thread 0 only). adaptive_only (testing): no estimate.
+  KD_HD int parallel_build(bool adaptive_only, bool* fixed) {
+    *fixed = false;
     KD_TREE_MARK(P_START);
     // ---- phase 0: one pass over the inputs: the exactness / monotonicity / sortedness checks
     // (rows must be finite-descending then -inf; NaN, +inf, a finite after -inf, or
@@ -534,12 +546,13 @@ struct TreeBlock {
       misc[M_MAXE] = -100000;
       misc[M_MINQ] = 100000;
       for (int d = 0; d < kMaxDepth; ++d) misc[M_FB + d] = keff;
-      misc[M_BT] = kBottom;
-      misc[M_USED] = keff;
-      misc[M_LS + 1] = 0;
-      misc[M_LS + 2] = keff;
     }
-    for (int i = tid; i < kNB; i += nt) { ctx.step(1); hist[i] = 0; cur[i] = 0; }
+    for (int i = tid; i < kNB; i += nt) {  // (phist and cur: the threshold estimate's scratch)
+      ctx.step(1);
+      hist[i] = 0;
+      cur[i] = i >= kDpG && i < 2 * kDpG ? 1 : 0;  // S_0 of fixed_threshold: the root, in every bin
+      if (i < kMaxDepth * kDpG) phist[i] = 0;
+    }
     if (tid < kNG) gcnt[tid] = 0;
     ctx.sync();
     // Issue-bound, not latency-bound: the block's threads share one SM's schedulers. The
@@ -567,9 +580,166 @@ struct TreeBlock {
     }
     smax = (double)lpc[0];
     KD_TREE_MARK(P_PHASE0);
+    // ---- the threshold estimate, then the levels with that fixed threshold; if the estimate
+    // fails (no crossing, too many candidates, or fewer than B found) the adaptive levels.
+    const int btf = adaptive_only ? kBottom : fixed_threshold();
+    KD_TREE_MARK(P_THR);
+    int n = build_levels(btf);  // btf = kBottom: the adaptive levels at once
+    *fixed = btf < kBottom && n != -2;
+    if (tid == 0) misc[M_FIX] = btf == kBottom ? 0 : n == -2 ? 2 : 1;
+    if (n == -2) {  // the estimate failed (every thread returned at the same barrier-ordered point)
+      for (int i = tid; i < kNB; i += nt) { ctx.step(1); hist[i] = 0; }
+      if (tid < kNG) gcnt[tid] = 0;
+      ctx.sync();
+      n = build_levels(kBottom);
+    }
+    return n;
+  }
 
-    // ---- level 1: every rank < Keff (rank r has r better siblings, r < B)
-    for (int r = tid; r < keff; r += nt) {
+  // The fixed threshold's child count of parent p at level d: the ranks r < the row's first -inf
+  // with smax - (sc[p] + row[r]) < lim, by the same float search as count_children.
+  KD_HD int count_fixed(int p, int d, double lim) const {
+    const int fb = misc[M_FB + d - 1];
+    const float* row = lpc + (size_t)(d - 1) * keff;
+    const float fl = child_floor(smax, sc[p], lim);
+    int lo = 0, hi = fb < keff ? fb : keff;
+    while (lo < hi) {
+      ctx.step(1);
+      const int mid = (lo + hi) >> 1;
+      if (row[mid] > fl) lo = mid + 1; else hi = mid;
+    }
+    return lo;
+  }
+
+  // Threshold estimate (a speed device only: build_levels checks what it gives). A prefix's
+  // deficit is smax minus its score. Split it into the chain part, sp_n = sum over its depths d of
+  // -lp[d][0] (d >= 1: what the top ranks would cost; the same for every depth-n prefix), and the
+  // rank part, the sum of e_d(r) = lp[d][0] - lp[d][r] >= 0 over its ranks (0 for a top rank, so
+  // a confident drafter's deep chains carry no rounding). With every e rounded up to a multiple of
+  // w, the prefixes are counted by a convolution of per-row histograms, one depth at a time:
+  // S_{n+1}[j] = sum_k H_n[k] S_n[j-k] counts the depth-(n+1) prefixes of rank part <= j*w
+  // (cumulative over the bins; S_0 = 1: the root), and N[m] = sum_n S_n[m - ceil(sp_n / w)] those
+  // of deficit <= m*w. That is a lower bound on the true count, so the first bin where N reaches B
+  // bounds the B-th prefix's deficit: returns the bucket of that bound (kBottom: no bin reaches
+  // B). Counts saturate at kDpCap. w: a set of >= B prefixes formed up front (the chain of top
+  // ranks with every sibling along it, one rank part each) has deficits <= U, so its members land
+  // within the bins even after rounding up (kDpG - 3 bins span U); without one, a generous guess.
+  // Cost: one barrier for the histograms and one per depth, until a depth adds nothing below the
+  // crossing (N is cumulative, so that is a per-bin test, no scan). Scratch in phist and cur,
+  // which phase 0 initialised (cur's S_0 = 1).
+  KD_HD int fixed_threshold() {
+    int* H = phist;                  // [D][kDpG] row histograms of ceil(e / w) (zeroed in phase 0)
+    int* S = cur;                    // [2][2 * kDpG] cumulative counts, kDpG zeros before each buffer
+    int* N = cur + 4 * kDpG;         // [kDpG] running totals over the depths
+    int* go = cur + 5 * kDpG;        // [kMaxDepth] depth n + 1 still adds below the crossing
+    // the range, the same in every thread (no barrier)
+    float U = 0.0f, spine = 0.0f, emax = 0.0f;
+    int have = 0;
+    bool got = false;
+    for (int d = 0; d < D; ++d) {
+      ctx.step(1);
+      const int fb = misc[M_FB + d];
+      const int last = (fb < keff ? fb : keff) - 1;
+      if (last < 0) break;  // an all -inf row: nothing deeper
+      const float* row = lpc + (size_t)d * keff;
+      if (d > 0) spine -= row[0];
+      const float el = row[0] - row[last];
+      U = U > spine + el ? U : spine + el;
+      emax = emax > el ? emax : el;
+      have += last + 1;  // prefixes (top ranks..., r) for r <= last
+      if (have >= B) {
+        got = true;
+        break;
+      }
+    }
+    if (!got) U = spine + 2.0f * emax;
+    if (!(U > 0.0f)) U = 1.0f;
+    constexpr float span = (float)(kDpG - 3);  // bins for U: rounding adds <= 2 bins to the set's members
+    // 1/w, a little too large: float rounding (of e, sp and e / w) must not round a bin down, or
+    // exact ties sitting on a bin edge (OracleDrafter rows) would be counted a bin too low
+    const float inv = span / U * (1.0f + 0x1p-16f);
+    // row histograms, one group of threads per row, each row cut where it leaves the range (rows
+    // are sorted, so the rest of a thread's strided ranks are out too)
+    {
+      const int tpr = nt / D, d = tid / tpr, q = tid - d * tpr;
+      if (d < D) {
+        const int fb = misc[M_FB + d];
+        const int hi = fb < keff ? fb : keff;
+        const float* row = lpc + (size_t)d * keff;
+        const float r0 = row[0];
+        for (int r = q; r < hi; r += tpr) {
+          ctx.step(1);
+          const float x = (r0 - row[r]) * inv;
+          if (!(x < (float)kDpG)) break;
+          const int k = (int)ceilf(x);
+          if (k >= kDpG) break;
+          ctx.atomic_add(&H[d * kDpG + k], 1);
+        }
+      }
+    }
+    ctx.sync();
+    // one depth per step, tpb threads per bin (adjacent lanes, reduced by shuffles), a fixed trip
+    // count (the zeros before each buffer stand for negative bins); bin j's owner adds its count
+    // to N at j + ceil(sp / w) (one writer per entry and step)
+    const int tpb = nt / kDpG, j = tid / tpb, q = tid - j * tpb;
+    float sp = 0.0f;
+    for (int n = 0; n < D; ++n) {
+      const int* Hn = H + n * kDpG;
+      const int* Sin = S + (n & 1) * 2 * kDpG + kDpG;
+      int* Sout = S + ((n + 1) & 1) * 2 * kDpG + kDpG;
+      int v = 0;
+      ctx.step(kDpG / tpb);
+#pragma unroll 4
+      for (int k = q; k < kDpG; k += tpb) v += Hn[k] * Sin[j - k];
+      for (int o = 1; o < tpb; o <<= 1) v += ctx.warp_shfl(v, lane ^ o);
+      if (n > 0) sp -= lpc[(size_t)n * keff];
+      if (q == 0) {
+        v = v < kDpCap ? v : kDpCap;
+        Sout[j] = v;
+        const int t = j + (int)ceilf(sp * inv);
+        if (t < kDpG) {
+          const int tot = N[t] + v;
+          N[t] = tot;
+          if (v > 0 && tot < B) go[n] = 1;  // deeper prefixes land in bins >= this depth's lowest
+        }
+      }
+      ctx.sync();
+      if (!go[n]) break;
+    }
+    // the crossing (every warp the same): the number of bins whose total is below B
+    const int below = ctx.warp_shfl(ctx.warp_incl_sum((N[2 * lane] < B) + (N[2 * lane + 1] < B)), 31);
+    if (below >= kDpG) return kBottom;
+    return bucket_of_delta((double)below * (double)U / (double)span);
+  }
+
+  // Level 1, the levels 2..D and the final ranking. btf < kBottom: every prefix whose bucket is
+  // <= btf (the fixed threshold: no histogram scans or probes per level); returns -2 if that
+  // set has fewer than B prefixes (the tree may reach past it) or overflows the candidate store.
+  // btf = kBottom: the adaptive threshold (histogram of everything materialised, probes).
+  // Returns n, -1 (sequential fallback) or -2 (fixed threshold failed).
+  KD_HD int build_levels(int btf) {
+    const bool fixed = btf < kBottom;
+    const double limf = fixed ? bucket_limit(btf) : 0.0;
+    int T1 = keff;
+    if (fixed) {  // the depth-1 prefixes in range: a prefix of row 0 (every thread the same)
+      const float fl = child_floor(smax, 0.0, limf);
+      const int fb = misc[M_FB + 0];
+      int lo = 0, hi = fb < keff ? fb : keff;
+      while (lo < hi) {
+        ctx.step(1);
+        const int mid = (lo + hi) >> 1;
+        if (lpc[mid] > fl) lo = mid + 1; else hi = mid;
+      }
+      T1 = lo;
+    }
+    if (tid == 0) {
+      misc[M_BT] = kBottom;
+      misc[M_USED] = T1;
+      misc[M_LS + 1] = 0;
+      misc[M_LS + 2] = T1;
+    }
+    // ---- level 1: every rank < Keff (rank r has r better siblings, r < B; fixed: those in range)
+    for (int r = tid; r < T1; r += nt) {
       ctx.step(1);
       const double s = (double)lpc[r];
       const int b = bucket_of(smax, s);
@@ -578,7 +748,10 @@ struct TreeBlock {
       ctx.atomic_add(&gcnt[b >> 5], kBoth);
     }
     ctx.sync();
-    gscan(hist, gcnt, hpre, kLo, M_BT, true);
+    // the estimate's scratch back to zero (cur: the ranking's cursors), only now: until the
+    // barrier above, warps may still read the estimate's totals
+    for (int i = tid; i < 5 * kDpG + kMaxDepth; i += nt) cur[i] = 0;
+    if (!fixed) gscan(hist, gcnt, hpre, kLo, M_BT, true);
     KD_TREE_MARK(P_LEVEL1);
 
     // ---- levels 2..D (4 block barriers per level on the common path: 2 count + offsets,
@@ -593,7 +766,7 @@ struct TreeBlock {
       int T;
       if (np <= 32) {  // warp 0 counts (lane j = parent j, as j0 = tid here), scans and publishes: one barrier
         if (warp == 0) {
-          const int c = lane < np ? count_children(p0 + lane, d, bt) : 0;
+          const int c = lane >= np ? 0 : fixed ? count_fixed(p0 + lane, d, limf) : count_children(p0 + lane, d, bt);
           const int incl = ctx.warp_incl_sum(c);
           if (lane < np) cnt[lane] = incl - c;
           if (lane == 31) misc[M_T] = incl;
@@ -604,7 +777,7 @@ struct TreeBlock {
         int s = 0;
         for (int j = j0; j < j1; ++j) {
           ctx.step(1);
-          const int c = count_children(p0 + j, d, bt);
+          const int c = fixed ? count_fixed(p0 + j, d, limf) : count_children(p0 + j, d, bt);
           cnt[j] = c;
           s += c;
         }
@@ -616,7 +789,8 @@ struct TreeBlock {
       KD_TREE_COUNT(P_LEVELS);
       if (T == 0) break;
       const float* row = lpc + (size_t)(d - 1) * keff;
-      if (T > B || used + T > cap) {
+      if (fixed && used + T > cap) return -2;  // (T is the same in every thread, after a barrier)
+      if (!fixed && (T > B || used + T > cap)) {
         // probe: count every allowed child into a copy of the histogram, take the tighter
         // threshold (the B-th over materialised + probed prefixes), recount.
         for (int i = tid; i < kNB; i += nt) { ctx.step(1); phist[i] = hist[i]; }  // level halves are 0
@@ -677,10 +851,19 @@ struct TreeBlock {
       }
       ctx.sync();
       KD_TREE_MARK(P_MAT);
-      gscan(hist, gcnt, hpre, kLo, M_BT, true);
-      KD_TREE_MARK(P_GSCAN);
+      if (!fixed) {
+        gscan(hist, gcnt, hpre, kLo, M_BT, true);
+        KD_TREE_MARK(P_GSCAN);
+      }
     }
 
+    if (fixed) {
+      // every prefix in range is materialised: if there are B of them, they hold the tree (a
+      // prefix out of range is beaten by all of them); else the tree may reach past the range
+      if (misc[M_USED] < B) return -2;
+      gscan(hist, gcnt, hpre, kLo, M_BT, false);  // the levels' halves are not read
+      KD_TREE_MARK(P_GSCAN);
+    }
     // ---- final ranking: counting sort by bucket, exact comparisons inside a bucket
     const int used = misc[M_USED];
     const int bt = misc[M_BT];
@@ -1039,7 +1222,8 @@ struct TreeBlock {
     }
   }
 
-  // Path choice: force_fallback 1 = sequential fallback, 2 = one-warp path, 3 = parallel path
+  // Path choice: force_fallback 1 = sequential fallback, 2 = one-warp path, 3 = parallel path,
+  // 4 = parallel path without the threshold estimate (testing the adaptive levels)
   // (then the fallback if its checks fail), 0 = auto: the one-warp path for B <= kWarpPathMaxB,
   // else the parallel path.
   KD_HD void run() {
@@ -1052,7 +1236,8 @@ struct TreeBlock {
         n = warp_build();
         KD_TREE_MARK(P_OTHER);
       } else {
-        int r = f == 1 ? -1 : parallel_build();
+        bool fixed = false;
+        int r = f == 1 ? -1 : parallel_build(f == 4, &fixed);
         if (r < 0) {
           path = 1;
           ctx.sync();  // everyone is done with the candidate store before the heap reuses it
@@ -1060,6 +1245,7 @@ struct TreeBlock {
           KD_TREE_MARK(P_OTHER);
         } else {
           n = r;
+          path = fixed ? 3 : 0;
         }
       }
     }
@@ -1067,11 +1253,12 @@ struct TreeBlock {
     KD_TREE_MARK(P_OUT);
 #if defined(KDTREE_TREE_PROFILE) && defined(__CUDA_ARCH__)
     if (tid == 0)
-      printf("TREEPROF B=%d D=%d K=%d nt=%d path=%d n=%d levels=%lld probes=%lld | phase0 %lld level1 %lld count %lld "
-             "probe %lld mat %lld gscan %lld rank %lld+%lld+%lld out %lld other %lld offs %lld\n",
-             B, D, a.K, nt, path, n, prof_acc[P_LEVELS], prof_acc[P_PROBES], prof_acc[P_PHASE0], prof_acc[P_LEVEL1],
-             prof_acc[P_COUNT], prof_acc[P_PROBE], prof_acc[P_MAT], prof_acc[P_GSCAN], prof_acc[P_RANK_SORT],
-             prof_acc[P_RANK_CMP], prof_acc[P_RANK_PAR], prof_acc[P_OUT], prof_acc[P_OTHER], prof_acc[P_OFFS]);
+      printf("TREEPROF B=%d D=%d K=%d nt=%d path=%d n=%d levels=%lld probes=%lld fix=%d | phase0 %lld level1 %lld count %lld "
+             "probe %lld mat %lld gscan %lld rank %lld+%lld+%lld out %lld other %lld offs %lld thr %lld\n",
+             B, D, a.K, nt, path, n, prof_acc[P_LEVELS], prof_acc[P_PROBES], path == 0 || path == 3 ? misc[M_FIX] : -1,
+             prof_acc[P_PHASE0], prof_acc[P_LEVEL1], prof_acc[P_COUNT], prof_acc[P_PROBE], prof_acc[P_MAT],
+             prof_acc[P_GSCAN], prof_acc[P_RANK_SORT], prof_acc[P_RANK_CMP], prof_acc[P_RANK_PAR], prof_acc[P_OUT],
+             prof_acc[P_OTHER], prof_acc[P_OFFS], prof_acc[P_THR]);
 #endif
   }
 };

@@ -74,15 +74,16 @@ def _tree_from_result(r):
 
 
 def last_path():
-    """Which path the last GPU tree build took: 0 = parallel exact, 1 = sequential fallback,
-    2 = one warp (small budgets)."""
+    """Which path the last GPU tree build took: 0 = parallel exact (adaptive threshold),
+    1 = sequential fallback, 2 = one warp (small budgets), 3 = parallel exact with the threshold
+    estimate."""
     return _last["path"]
 
 
 def tree_build(logprobs, token_ids, budget, cache_len=0, force_fallback=False):
     """Best-first tree on the GPU; logprobs float32 [D,K], token_ids int32 [D,K] (validated).
     force_fallback (testing): False/0 = auto, True/1 = sequential fallback, 2 = one-warp path,
-    3 = parallel path."""
+    3 = parallel path, 4 = parallel path with the adaptive threshold only."""
     _require()
     lp = np.ascontiguousarray(logprobs, dtype=np.float32)
     ids = np.ascontiguousarray(token_ids, dtype=np.int32)

@@ -154,6 +154,7 @@ struct Out {
   std::vector<uint64_t> vis;
   long gpu_barriers = 0, scan_elems = 0, crit = 0;
   long phase[kdtree::treeimpl::kProfCats] = {};
+  int fix = -1;  // misc[M_FIX] after the run: how the parallel path ended (0 no estimate, 1 estimate, 2 estimate failed)
 };
 
 // mode: TreeArgs::force_fallback (0 auto, 1 sequential fallback, 2 one-warp path, 3 parallel path)
@@ -207,10 +208,11 @@ Out run_block(const std::vector<float>& lp, const std::vector<int32_t>& ids, int
   for (long v : blk.steps) m = std::max(m, v);
   o.crit = blk.crit + m;  // the tail after the last barrier
   for (int i = 0; i < kdtree::treeimpl::kProfCats; ++i) o.phase[i] = blk.phase[i];
+  o.fix = reinterpret_cast<const int*>(smem + L.o_misc)[kdtree::treeimpl::M_FIX];
   return o;
 }
 
-int failures = 0, runs = 0, parallel = 0, parallel_big = 0;
+int failures = 0, runs = 0, parallel = 0, parallel_big = 0, estimated = 0;
 void fail(const std::string& what) {
   if (failures < 20) std::fprintf(stderr, "FAIL: %s\n", what.c_str());
   ++failures;
@@ -256,24 +258,30 @@ void check_case(int c, const std::vector<float>& lp, const std::vector<int32_t>&
   kdtree::tree_build(lp.data(), ids.data(), D, K, B, tree, ws);
   const int n = (int)tree->n;
   const int W = kdtree::treeimpl::vis_words(B);
-  for (int mode : {3, 1, 2}) {  // parallel (falls back when its checks fail), fallback, one warp
+  // parallel (falls back when its checks fail), fallback, one warp, parallel with the adaptive threshold only
+  for (int mode : {3, 1, 2, 4}) {
     // The one-warp path runs for small budgets only (auto: B <= kWarpPathMaxB); its emulation
     // (a warp barrier per shuffle) is slow, so it is checked up to B = 128 here.
     if (mode == 2 && B > 128) continue;
+    if (std::getenv("KDTREE_EMU_TRACE"))
+      std::fprintf(stderr, "case %d kind %d D=%d K=%d B=%d mode %d\n", c, kind, D, K, B, mode);
     const Out o = run_block(lp, ids, D, K, B, cache_len, mode);
+    if (std::getenv("KDTREE_EMU_TRACE")) std::fprintf(stderr, "  path %d fix %d\n", o.path[0], o.fix);
     const std::string where = "case " + std::to_string(c) + " kind " + std::to_string(kind) + " D=" +
                               std::to_string(D) + " K=" + std::to_string(K) + " B=" + std::to_string(B) +
-                              (mode == 1 ? " (fallback)" : mode == 2 ? " (one warp)" : "");
+                              (mode == 1 ? " (fallback)" : mode == 2 ? " (one warp)" : mode == 4 ? " (adaptive)" : "");
     if (o.n[0] != n) {
       fail(where + ": n " + std::to_string(o.n[0]) + " vs CPU " + std::to_string(n));
       continue;
     }
     if (mode == 1 && o.path[0] != 1) fail(where + ": force_fallback did not take the fallback");
     if (mode == 2 && o.path[0] != 2) fail(where + ": the one-warp path was not taken");
+    if (mode == 4 && o.path[0] != 0 && o.path[0] != 1) fail(where + ": the threshold estimate ran");
     if (mode == 3) {
       ++runs;
-      if (o.path[0] == 0) {
+      if (o.path[0] == 0 || o.path[0] == 3) {
         ++parallel;
+        if (o.path[0] == 3) ++estimated;
         if (B >= 256) ++parallel_big;
       }
     }
@@ -354,7 +362,7 @@ int proxy_table() {
         int depth = 0;
         for (int i = 0; i < o.n[0]; ++i) depth = std::max(depth, o.depths[i]);
         std::printf("| %s | %d | %d | %d | %d | %s | %ld | %ld | %ld |%s\n", peaked ? "peaked" : "flat", B,
-                    tree_threads(B), o.n[0], depth, o.path[0] == 0 ? "parallel" : o.path[0] == 2 ? "one warp" : "fallback",
+                    tree_threads(B), o.n[0], depth, o.path[0] == 0 ? "parallel" : o.path[0] == 3 ? "parallel, estimate" : o.path[0] == 2 ? "one warp" : "fallback",
                     o.gpu_barriers, o.scan_elems, o.crit, phases(o).c_str());
       }
     }
@@ -375,7 +383,7 @@ int proxy_table() {
       int depth = 0;
       for (int i = 0; i < o.n[0]; ++i) depth = std::max(depth, o.depths[i]);
       std::printf("| oracle K=8 | %d | %d | %d | %d | %s | %ld | %ld | %ld |%s\n", B, tree_threads(B), o.n[0], depth,
-                  o.path[0] == 0 ? "parallel" : o.path[0] == 2 ? "one warp" : "fallback", o.gpu_barriers,
+                  o.path[0] == 0 ? "parallel" : o.path[0] == 3 ? "parallel, estimate" : o.path[0] == 2 ? "one warp" : "fallback", o.gpu_barriers,
                   o.scan_elems, o.crit, phases(o).c_str());
     }
   }
@@ -527,7 +535,7 @@ int main() {
       lp[(size_t)3 * K + 0] = -std::ldexp(1.0f, -q);        // element 192 (warp 6): quantum 2^-q
       const Out o = run_block(lp, ids, D, K, B, 3, 3);
       const int want = q == 45 ? 1 : 0;
-      if (o.path[0] != want)
+      if ((o.path[0] == 3 ? 0 : o.path[0]) != want)  // 0 or 3: the parallel path
         fail("exponent span 2^-" + std::to_string(q) + " .. 2^10: path " + std::to_string(o.path[0]) + ", expected " +
              std::to_string(want));
       check_case(200000 + q, lp, ids, D, K, B, 0, &tree, &ws);
@@ -553,7 +561,7 @@ int main() {
       for (int j = 60; j < K; ++j) lp[(size_t)0 * K + j] = -INFINITY;  // row 0: a -inf tail from rank 60
       if (c.want) lp[(size_t)c.d * K + c.r] = c.v;
       const Out o = run_block(lp, ids, D, K, B, 3, 3);
-      if (o.path[0] != c.want)
+      if ((o.path[0] == 3 ? 0 : o.path[0]) != c.want)  // 0 or 3: the parallel path
         fail(std::string("phase 0 input '") + c.what + "': path " + std::to_string(o.path[0]) + ", expected " +
              std::to_string(c.want));
       check_case(300000 + k++, lp, ids, D, K, B, 0, &tree, &ws);
@@ -572,7 +580,11 @@ int main() {
   if (parallel * 4 < runs * 3) fail("only " + std::to_string(parallel) + " of " + std::to_string(runs) +
                                      " cases took the parallel path");
   if (parallel_big == 0) fail("no case with B >= 256 took the parallel path");
-  std::printf("tree block emulation: %d random cases x 3 paths + the empty tree (parallel path taken in %d of %d, "
-              "%d with B >= 256), %d failures\n", done, parallel, runs, parallel_big, failures);
+  // and the threshold estimate must give most of the parallel path's trees
+  if (estimated * 2 < parallel) fail("the threshold estimate gave only " + std::to_string(estimated) + " of " +
+                                     std::to_string(parallel) + " parallel trees");
+  std::printf("tree block emulation: %d random cases x 4 paths + the empty tree (parallel path taken in %d of %d, "
+              "%d with B >= 256, %d with the threshold estimate), %d failures\n", done, parallel, runs, parallel_big,
+              estimated, failures);
   return failures ? 1 : 0;
 }

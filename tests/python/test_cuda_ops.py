@@ -50,7 +50,7 @@ def check_raw(raw, tree, budget, cache_len):
 
 # ----------------------------------------------------------------------------- tree build
 def test_tree_build_equals_cpu_twin_on_random_cases():
-    paths = {0: 0, 1: 0}
+    paths = {0: 0, 1: 0, 3: 0}
     for i, (cid, lp, ids, budget) in enumerate(tc.case_grid(n_small=3000, n_large=120, seed=77)):
         cpu = kn.ops.tree_build(lp, ids, budget, device="cpu")
         gpu = kn.ops.tree_build(lp, ids, budget, device="cuda")  # auto: one warp for small budgets
@@ -65,8 +65,22 @@ def test_tree_build_equals_cpu_twin_on_random_cases():
             if budget > 0:
                 raw = N.cuda_tree_build(lp, ids, budget, 5 + i, False)
                 check_raw(raw, gpu, budget, 5 + i)
-    # both paths must have been exercised substantially
-    assert paths[0] > 1000 and paths[1] > 100, paths
+    # every path must have been exercised substantially: the parallel path with the threshold
+    # estimate (3), with the adaptive threshold (0: no estimate, or the estimate's set fell short),
+    # the sequential fallback (1)
+    assert paths[3] > 500 and paths[0] + paths[3] > 1000 and paths[1] > 100, paths
+
+
+def test_tree_build_adaptive_threshold_equals_cpu_twin():
+    """The parallel path's adaptive levels (what runs when the threshold estimate fails) forced."""
+    paths = {0: 0, 1: 0}
+    for i, (cid, lp, ids, budget) in enumerate(tc.case_grid(n_small=800, n_large=40, seed=80)):
+        if budget == 0:
+            continue
+        raw = N.cuda_tree_build(lp, ids, budget, 2 + i, 4)
+        paths[raw["path"]] += 1
+        check_raw(raw, kn.ops.tree_build(lp, ids, budget, device="cpu"), budget, 2 + i)
+    assert paths[0] > 400, paths
 
 
 def test_tree_build_fallback_path_equals_cpu_twin():
@@ -110,10 +124,13 @@ def test_tree_build_realistic_takes_parallel_path(budget):
         raw = N.cuda_tree_build(lp, ids, budget, 100, 3)  # the parallel path forced
         cpu = kn.ops.tree_build(lp, ids, budget, device="cpu")
         check_raw(raw, cpu, budget, 100)
-        assert raw["path"] == 0, (budget, seed)
+        assert raw["path"] == 3, (budget, seed)  # drafter-like rows: the threshold estimate holds
         auto = N.cuda_tree_build(lp, ids, budget, 100, 0)
         check_raw(auto, cpu, budget, 100)
-        assert auto["path"] == (2 if budget <= N.CUDA_TREE_WARP_PATH_MAX_B else 0), (budget, seed)
+        assert auto["path"] == (2 if budget <= N.CUDA_TREE_WARP_PATH_MAX_B else 3), (budget, seed)
+        adaptive = N.cuda_tree_build(lp, ids, budget, 100, 4)
+        check_raw(adaptive, cpu, budget, 100)
+        assert adaptive["path"] == 0, (budget, seed)
 
 
 def test_tree_build_corners():
