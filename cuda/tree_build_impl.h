@@ -3,9 +3,9 @@
 // Where it sits: included by cuda/tree_kernels.cu (GPU, one block of up to 1024 threads) and
 // also compilable as plain host C++ (a "Ctx" that runs the block's threads on the CPU with a
 // barrier), so the parallel logic can be checked without a GPU. No CUDA-only constructs here
-// except behind KD_HD / __CUDA_ARCH__; the Ctx supplies thread id, barrier, atomics and three
-// warp primitives (inclusive warp sum, shuffle, warp barrier; full mask: every lane of a warp
-// calls them).
+// except behind KD_HD / __CUDA_ARCH__; the Ctx supplies thread id, barrier (also one that ORs a
+// predicate over the block), atomics and three warp primitives (inclusive warp sum, shuffle,
+// warp barrier; full mask: every lane of a warp calls them).
 // ctx.step(n) marks n units of dependent serial work of the calling thread (a loop iteration,
 // a binary-search step): a no-op on the GPU, the latency proxy of the CPU emulation.
 //
@@ -91,7 +91,7 @@ constexpr uint16_t kRoot = 0xFFFF; // parent id of a depth-1 node in the candida
 constexpr int kDpG = 64;           // threshold estimate: deficit bins (fixed_threshold)
 constexpr int kDpCap = 8192;       // threshold estimate: counts saturate here (>= every budget;
                                    // products <= kDpCap * kMaxBudget, kDpG of them: no int overflow)
-static_assert(kDpG == 64 && 5 * kDpG + kMaxDepth <= kNB, "fixed_threshold: 2 bins per lane; its scratch fits in cur");
+static_assert(kDpG == 64 && 5 * kDpG <= kNB, "fixed_threshold: 2 bins per lane; its scratch fits in cur");
 
 // Arguments of one build. Pointers are device pointers on the GPU, host pointers in emulation.
 struct TreeArgs {
@@ -312,7 +312,7 @@ struct TreeBlock {
   const TreeArgs& a;
   TreeLayout L;
   unsigned char* sm;
-  int tid, nt, lane, warp, nw, B, D, keff, cap;
+  int tid, nt, lgnt, lane, warp, nw, B, D, keff, cap;
   double* sc; uint16_t* par; uint16_t* rk; uint16_t* bk; uint8_t* dp; float* lpc;
   int* hist; int* hpre; int* gcnt; int* phist; int* pgc; int* cur; int* cnt; uint16_t* ord;
   uint16_t* nid;
@@ -339,6 +339,8 @@ struct TreeBlock {
     lane = tid & 31;
     warp = tid >> 5;
     nw = nt >> 5;
+    lgnt = 0;
+    while ((1 << lgnt) < nt) ++lgnt;  // nt is a power of two
     B = a.B;
     D = a.D;
     L = make_tree_layout(B, D, a.K);
@@ -397,8 +399,9 @@ struct TreeBlock {
   // cnt[j] = the exclusive prefix of the children counts c[j] of the np parents (j < np; c[j]
   // in nid[j] if from_nid, else in cnt[j]); returns the total to every thread. The calling
   // thread owns parents [j0, j1) (contiguous runs in thread order) and passes s = the sum of
-  // its c[j]. Two block barriers, the last at the end.
-  KD_HD int offsets(bool from_nid, int s, int j0, int j1) {
+  // its c[j]. With own: own[t] = the parent position j of child t (t < cap), so the children
+  // need no search for their parent. Two block barriers, the last at the end.
+  KD_HD int offsets(bool from_nid, int s, int j0, int j1, uint16_t* own = nullptr) {
     const int incl = ctx.warp_incl_sum(s);
     if (lane == 31) scan_tmp[warp] = incl;
     ctx.sync();
@@ -410,6 +413,8 @@ struct TreeBlock {
       ctx.step(1);
       const int c = from_nid ? (int)nid[j] : cnt[j];
       cnt[j] = run;
+      if (own)
+        for (int r = 0; r < c && run + r < cap; ++r) own[run + r] = (uint16_t)j;
       run += c;
     }
     ctx.sync();
@@ -603,6 +608,19 @@ struct TreeBlock {
     const float* row = lpc + (size_t)(d - 1) * keff;
     const float fl = child_floor(smax, sc[p], lim);
     int lo = 0, hi = fb < keff ? fb : keff;
+    if (keff % 4 == 0 && keff >= 8) {
+      // most parents have few children: ranks 0..7 at once (two 16-byte loads; a -inf past fb
+      // never counts), the binary search only past them. Rows are sorted: the ranks above fl
+      // are a prefix, so this count is min(children, 8).
+      float x[4], y[4];
+      load_row<4>(row, x);
+      load_row<4>(row + 4, y);
+      int c = 0;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) c += (x[e] > fl) + (y[e] > fl);
+      if (c < 8) return c;
+      lo = 8;
+    }
     while (lo < hi) {
       ctx.step(1);
       const int mid = (lo + hi) >> 1;
@@ -631,7 +649,6 @@ struct TreeBlock {
     int* H = phist;                  // [D][kDpG] row histograms of ceil(e / w) (zeroed in phase 0)
     int* S = cur;                    // [2][2 * kDpG] cumulative counts, kDpG zeros before each buffer
     int* N = cur + 4 * kDpG;         // [kDpG] running totals over the depths
-    int* go = cur + 5 * kDpG;        // [kMaxDepth] depth n + 1 still adds below the crossing
     // the range, the same in every thread (no barrier)
     float U = 0.0f, spine = 0.0f, emax = 0.0f;
     int have = 0;
@@ -678,21 +695,38 @@ struct TreeBlock {
       }
     }
     ctx.sync();
-    // one depth per step, tpb threads per bin (adjacent lanes, reduced by shuffles), a fixed trip
-    // count (the zeros before each buffer stand for negative bins); bin j's owner adds its count
-    // to N at j + ceil(sp / w) (one writer per entry and step)
-    const int tpb = nt / kDpG, j = tid / tpb, q = tid - j * tpb;
+    switch (nt / kDpG) {  // threads per bin: a template argument, for fixed trip counts
+      case 2: dp_steps<2>(H, S, N, inv); break;
+      case 4: dp_steps<4>(H, S, N, inv); break;
+      case 8: dp_steps<8>(H, S, N, inv); break;
+      default: dp_steps<16>(H, S, N, inv); break;
+    }
+    // the crossing (every warp the same): the number of bins whose total is below B
+    const int below = ctx.warp_shfl(ctx.warp_incl_sum((N[2 * lane] < B) + (N[2 * lane + 1] < B)), 31);
+    if (below >= kDpG) return kBottom;
+    return bucket_of_delta((double)below * (double)U / (double)span);
+  }
+
+  // fixed_threshold's depth steps, TPB threads per bin (adjacent lanes, reduced by shuffles), a
+  // fixed trip count (the zeros before each buffer stand for negative bins); bin j's owner adds
+  // its count to N at j + ceil(sp / w) (one writer per entry and step). One barrier per step,
+  // which also tells whether the depth added anything below the crossing.
+  template <int TPB>
+  KD_HD void dp_steps(const int* H, int* S, int* N, float inv) {
+    const int j = tid / TPB, q = tid % TPB;
     float sp = 0.0f;
     for (int n = 0; n < D; ++n) {
       const int* Hn = H + n * kDpG;
       const int* Sin = S + (n & 1) * 2 * kDpG + kDpG;
       int* Sout = S + ((n + 1) & 1) * 2 * kDpG + kDpG;
-      int v = 0;
-      ctx.step(kDpG / tpb);
-#pragma unroll 4
-      for (int k = q; k < kDpG; k += tpb) v += Hn[k] * Sin[j - k];
-      for (int o = 1; o < tpb; o <<= 1) v += ctx.warp_shfl(v, lane ^ o);
       if (n > 0) sp -= lpc[(size_t)n * keff];
+      int v = 0;
+      ctx.step(kDpG / TPB);
+#pragma unroll
+      for (int t = 0; t < kDpG / TPB; ++t) v += Hn[q + t * TPB] * Sin[j - q - t * TPB];
+#pragma unroll
+      for (int o = 1; o < TPB; o <<= 1) v += ctx.warp_shfl(v, lane ^ o);
+      int more = 0;
       if (q == 0) {
         v = v < kDpCap ? v : kDpCap;
         Sout[j] = v;
@@ -700,16 +734,11 @@ struct TreeBlock {
         if (t < kDpG) {
           const int tot = N[t] + v;
           N[t] = tot;
-          if (v > 0 && tot < B) go[n] = 1;  // deeper prefixes land in bins >= this depth's lowest
+          more = v > 0 && tot < B;  // deeper prefixes land in bins >= this depth's lowest
         }
       }
-      ctx.sync();
-      if (!go[n]) break;
+      if (!ctx.sync_or(more)) break;
     }
-    // the crossing (every warp the same): the number of bins whose total is below B
-    const int below = ctx.warp_shfl(ctx.warp_incl_sum((N[2 * lane] < B) + (N[2 * lane + 1] < B)), 31);
-    if (below >= kDpG) return kBottom;
-    return bucket_of_delta((double)below * (double)U / (double)span);
   }
 
   // Level 1, the levels 2..D and the final ranking. btf < kBottom: every prefix whose bucket is
@@ -750,7 +779,7 @@ struct TreeBlock {
     ctx.sync();
     // the estimate's scratch back to zero (cur: the ranking's cursors), only now: until the
     // barrier above, warps may still read the estimate's totals
-    for (int i = tid; i < 5 * kDpG + kMaxDepth; i += nt) cur[i] = 0;
+    for (int i = tid; i < 5 * kDpG; i += nt) cur[i] = 0;
     if (!fixed) gscan(hist, gcnt, hpre, kLo, M_BT, true);
     KD_TREE_MARK(P_LEVEL1);
 
@@ -761,7 +790,7 @@ struct TreeBlock {
       const int used = misc[M_USED];
       const int bt = misc[M_BT];
       if (tid < kNG) gcnt[tid] &= kLo;  // the level halves of hist were cleared by gscan
-      const int per = (np + nt - 1) / nt;  // this thread's parents: [j0, j1)
+      const int per = (np + nt - 1) >> lgnt;  // this thread's parents: [j0, j1)
       const int j0 = tid * per < np ? tid * per : np, j1 = j0 + per < np ? j0 + per : np;
       int T;
       if (np <= 32) {  // warp 0 counts (lane j = parent j, as j0 = tid here), scans and publishes: one barrier
@@ -769,6 +798,8 @@ struct TreeBlock {
           const int c = lane >= np ? 0 : fixed ? count_fixed(p0 + lane, d, limf) : count_children(p0 + lane, d, bt);
           const int incl = ctx.warp_incl_sum(c);
           if (lane < np) cnt[lane] = incl - c;
+          if (fixed)  // each child's parent position (nid: free during the levels of the fixed path)
+            for (int r = incl - c; r < incl && r < cap; ++r) nid[r] = (uint16_t)lane;
           if (lane == 31) misc[M_T] = incl;
         }
         ctx.sync();
@@ -782,7 +813,7 @@ struct TreeBlock {
           s += c;
         }
         KD_TREE_MARK(P_COUNT);  // thread 0's own counting (no barrier since the last mark)
-        T = offsets(false, s, j0, j1);
+        T = offsets(false, s, j0, j1, fixed ? nid : nullptr);
         KD_TREE_MARK(P_OFFS);
       }
       KD_TREE_MARK(P_COUNT);
@@ -836,7 +867,7 @@ struct TreeBlock {
       // materialise level d
       for (int t = tid; t < T; t += nt) {
         ctx.step(1);
-        const int j = owner(cnt, np, t);
+        const int j = fixed ? (int)nid[t] : owner(cnt, np, t);
         const int p = p0 + j, r = t - cnt[j], x = used + t;
         const double s = sc[p] + (double)row[r];
         const int b = bucket_of(smax, s);

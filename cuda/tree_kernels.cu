@@ -23,6 +23,7 @@ struct GpuCtx {
   __device__ int tid() const { return (int)threadIdx.x; }
   __device__ int nthreads() const { return (int)blockDim.x; }
   __device__ void sync() const { __syncthreads(); }
+  __device__ int sync_or(int pred) const { return __syncthreads_or(pred); }  // barrier + OR over the block
   __device__ void step(int) const {}  // latency-proxy hook of the CPU emulation: nothing here
   __device__ int atomic_add(int* p, int v) const { return atomicAdd(p, v); }
   __device__ void atomic_min(int* p, int v) const { atomicMin(p, v); }

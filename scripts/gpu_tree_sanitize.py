@@ -1,5 +1,6 @@
 """A small tree-build set for compute-sanitizer (racecheck / synccheck): random cases through
-every GPU path (auto, sequential fallback, one warp, parallel) and realistic drafters at
+every GPU path (auto, sequential fallback, one warp, parallel, parallel without the threshold
+estimate) and realistic drafters at
 B = 16..1024, every tree compared with the CPU twin. Exit status 1 on a mismatch. Takes a minute
 or more under racecheck.
 
@@ -27,7 +28,7 @@ for cid, lp, ids, budget in tc.case_grid(n_small=24, n_large=4, seed=5):
     if budget == 0:
         continue
     cpu = kn.ops.tree_build(lp, ids, budget, device="cpu")
-    for mode in (0, 1, 2, 3):  # auto, fallback, one warp, parallel
+    for mode in (0, 1, 2, 3, 4):  # auto, fallback, one warp, parallel, parallel with the adaptive threshold
         bad += not same(N.cuda_tree_build(lp, ids, budget, 0, mode), cpu)
         n += 1
 for b in (16, 64, 256, 1024):

@@ -69,10 +69,14 @@ struct Block {  // what the threads of one emulated block share
   long gpu_barriers = 0, scan_elems = 0, crit = 0;
   long phase[kdtree::treeimpl::kProfCats] = {}, phase_last = 0;  // KD_TREE_MARK: critical-path steps per phase (thread 0 marks)
 
+  int or_acc = 0, or_result = 0;  // barrier_or: the OR of this generation's predicates, then its result
+
   // gpu = false: a barrier of the emulation only (the GPU has none there): not counted.
-  void barrier(bool gpu = true) {
+  // Returns the OR of every thread's pred (__syncthreads_or).
+  int barrier(bool gpu = true, int pred = 0) {
     std::unique_lock<std::mutex> lk(mu);
     const long gen = generation;
+    or_acc |= pred != 0;
     if (++arrived == nthreads) {
       if (gpu) {
         long m = 0;
@@ -80,12 +84,15 @@ struct Block {  // what the threads of one emulated block share
         crit += m;
         ++gpu_barriers;
       }
+      or_result = or_acc;
+      or_acc = 0;
       arrived = 0;
       ++generation;
       cv.notify_all();
     } else {
       cv.wait(lk, [&] { return generation != gen; });
     }
+    return or_result;  // (read under the lock: the next barrier cannot complete without this thread)
   }
 };
 
@@ -95,6 +102,7 @@ struct HostCtx {
   int tid() const { return t; }
   int nthreads() const { return blk->nthreads; }
   void sync() const { blk->barrier(); }
+  int sync_or(int pred) const { return blk->barrier(true, pred); }
   void step(int n) const { blk->steps[t] += n; }
   void mark(int cat) const {  // right after a block barrier: blk->crit is the path so far
     if (t != 0) return;
