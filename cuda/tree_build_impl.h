@@ -91,7 +91,7 @@ constexpr uint16_t kRoot = 0xFFFF; // parent id of a depth-1 node in the candida
 constexpr int kDpG = 64;           // threshold estimate: deficit bins (fixed_threshold)
 constexpr int kDpCap = 8192;       // threshold estimate: counts saturate here (>= every budget;
                                    // products <= kDpCap * kMaxBudget, kDpG of them: no int overflow)
-static_assert(kDpG == 64 && 5 * kDpG <= kNB, "fixed_threshold: 2 bins per lane; its scratch fits in cur");
+static_assert(kDpG == 64 && 6 * kDpG <= kNB, "fixed_threshold: 2 bins per lane; its scratch fits in cur");
 
 // Arguments of one build. Pointers are device pointers on the GPU, host pointers in emulation.
 struct TreeArgs {
@@ -648,7 +648,7 @@ struct TreeBlock {
   KD_HD int fixed_threshold() {
     int* H = phist;                  // [D][kDpG] row histograms of ceil(e / w) (zeroed in phase 0)
     int* S = cur;                    // [2][2 * kDpG] cumulative counts, kDpG zeros before each buffer
-    int* N = cur + 4 * kDpG;         // [kDpG] running totals over the depths
+    int* N = cur + 4 * kDpG;         // [2][kDpG] running totals over the depths (two buffers)
     // the range, the same in every thread (no barrier)
     float U = 0.0f, spine = 0.0f, emax = 0.0f;
     int have = 0;
@@ -695,50 +695,66 @@ struct TreeBlock {
       }
     }
     ctx.sync();
+    const int* Nf;        // the final totals
     switch (nt / kDpG) {  // threads per bin: a template argument, for fixed trip counts
-      case 2: dp_steps<2>(H, S, N, inv); break;
-      case 4: dp_steps<4>(H, S, N, inv); break;
-      case 8: dp_steps<8>(H, S, N, inv); break;
-      default: dp_steps<16>(H, S, N, inv); break;
+      case 2: Nf = dp_steps<2>(H, S, N, inv); break;
+      case 4: Nf = dp_steps<4>(H, S, N, inv); break;
+      case 8: Nf = dp_steps<8>(H, S, N, inv); break;
+      default: Nf = dp_steps<16>(H, S, N, inv); break;
     }
     // the crossing (every warp the same): the number of bins whose total is below B
-    const int below = ctx.warp_shfl(ctx.warp_incl_sum((N[2 * lane] < B) + (N[2 * lane + 1] < B)), 31);
+    const int below = ctx.warp_shfl(ctx.warp_incl_sum((Nf[2 * lane] < B) + (Nf[2 * lane + 1] < B)), 31);
     if (below >= kDpG) return kBottom;
     return bucket_of_delta((double)below * (double)U / (double)span);
   }
 
   // fixed_threshold's depth steps, TPB threads per bin (adjacent lanes, reduced by shuffles), a
   // fixed trip count (the zeros before each buffer stand for negative bins); bin j's owner adds
-  // its count to N at j + ceil(sp / w) (one writer per entry and step). One barrier per step,
-  // which also tells whether the depth added anything below the crossing.
+  // its count to N at j + ceil(sp / w). N has two buffers, read from one and written to the other
+  // each step, every entry by one owner (bins below the shift are copied by their own owner), so
+  // the skip test below reads totals nobody writes in that step. One barrier per step,
+  // which also tells whether the depth added anything below the crossing. (The block's shared-
+  // memory loads, 2 * kDpG^2 per step whatever the thread count, are what a step costs beyond
+  // its barrier, hence the skipped bins.)
   template <int TPB>
-  KD_HD void dp_steps(const int* H, int* S, int* N, float inv) {
+  KD_HD const int* dp_steps(const int* H, int* S, int* N, float inv) {
     const int j = tid / TPB, q = tid % TPB;
     float sp = 0.0f;
+    const int* fin = N;  // the buffer the last step wrote (D >= 1: at least one step runs)
     for (int n = 0; n < D; ++n) {
       const int* Hn = H + n * kDpG;
       const int* Sin = S + (n & 1) * 2 * kDpG + kDpG;
       int* Sout = S + ((n + 1) & 1) * 2 * kDpG + kDpG;
+      const int* Nin = N + (n & 1) * kDpG;
+      int* Nout = N + ((n + 1) & 1) * kDpG;
       if (n > 0) sp -= lpc[(size_t)n * keff];
       int v = 0;
-      ctx.step(kDpG / TPB);
+      // bins where N already reached B are done for good (N is cumulative, so they are every bin
+      // from the crossing on, and no bin below reads theirs): skipped, whole warps at a time
+      if (Nin[j] < B) {
+        ctx.step(kDpG / TPB);
 #pragma unroll
-      for (int t = 0; t < kDpG / TPB; ++t) v += Hn[q + t * TPB] * Sin[j - q - t * TPB];
+        for (int t = 0; t < kDpG / TPB; ++t) v += Hn[q + t * TPB] * Sin[j - q - t * TPB];
+      }
 #pragma unroll
       for (int o = 1; o < TPB; o <<= 1) v += ctx.warp_shfl(v, lane ^ o);
       int more = 0;
       if (q == 0) {
         v = v < kDpCap ? v : kDpCap;
         Sout[j] = v;
-        const int t = j + (int)ceilf(sp * inv);
+        const int c = (int)ceilf(sp * inv);
+        if (j < c) Nout[j] = Nin[j];  // no bin lands here this step
+        const int t = j + c;
         if (t < kDpG) {
-          const int tot = N[t] + v;
-          N[t] = tot;
+          const int tot = Nin[t] + v;
+          Nout[t] = tot;
           more = v > 0 && tot < B;  // deeper prefixes land in bins >= this depth's lowest
         }
       }
+      fin = Nout;
       if (!ctx.sync_or(more)) break;
     }
+    return fin;
   }
 
   // Level 1, the levels 2..D and the final ranking. btf < kBottom: every prefix whose bucket is
@@ -779,7 +795,7 @@ struct TreeBlock {
     ctx.sync();
     // the estimate's scratch back to zero (cur: the ranking's cursors), only now: until the
     // barrier above, warps may still read the estimate's totals
-    for (int i = tid; i < 5 * kDpG; i += nt) cur[i] = 0;
+    for (int i = tid; i < 6 * kDpG; i += nt) cur[i] = 0;
     if (!fixed) gscan(hist, gcnt, hpre, kLo, M_BT, true);
     KD_TREE_MARK(P_LEVEL1);
 
