@@ -669,6 +669,10 @@ struct TreeBlock {
         break;
       }
     }
+    // A tree of at most two levels (every depth-3 prefix costs more than U, which bounds the B-th
+    // deficit) takes the adaptive levels: for one or two levels they cost less than the estimate
+    // (flat drafts: 2-3 us at B = 64..1024 on the H200).
+    if (got && (D < 3 || -lpc[keff] - lpc[2 * (size_t)keff] > U)) return kBottom;
     if (!got) U = spine + 2.0f * emax;
     if (!(U > 0.0f)) U = 1.0f;
     constexpr float span = (float)(kDpG - 3);  // bins for U: rounding adds <= 2 bins to the set's members

@@ -124,10 +124,14 @@ def test_tree_build_realistic_takes_parallel_path(budget):
         raw = N.cuda_tree_build(lp, ids, budget, 100, 3)  # the parallel path forced
         cpu = kn.ops.tree_build(lp, ids, budget, device="cpu")
         check_raw(raw, cpu, budget, 100)
-        assert raw["path"] == 3, (budget, seed)  # drafter-like rows: the threshold estimate holds
+        # drafter-like rows: trees of 3+ levels take the threshold estimate; shallower ones may
+        # take the adaptive levels (cheaper for one or two levels; the kernel's test for that,
+        # every depth-3 prefix costing more than its bound on the B-th, catches most of them)
+        deep = cpu.n > 0 and int(cpu.depths.max()) >= 3
+        assert raw["path"] == 3 if deep else raw["path"] in (0, 3), (budget, seed, int(cpu.depths.max()) if cpu.n else 0)
         auto = N.cuda_tree_build(lp, ids, budget, 100, 0)
         check_raw(auto, cpu, budget, 100)
-        assert auto["path"] == (2 if budget <= N.CUDA_TREE_WARP_PATH_MAX_B else 3), (budget, seed)
+        assert auto["path"] == (2 if budget <= N.CUDA_TREE_WARP_PATH_MAX_B else raw["path"]), (budget, seed)
         adaptive = N.cuda_tree_build(lp, ids, budget, 100, 4)
         check_raw(adaptive, cpu, budget, 100)
         assert adaptive["path"] == 0, (budget, seed)
