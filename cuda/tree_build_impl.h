@@ -18,7 +18,11 @@
 //    float32 inputs (checked up front: the inputs' exponent span leaves room for D+1 terms in
 //    53 bits), when every row is sorted descending and lp[d][0] <= 0 for d >= 1, the heap's
 //    keys are monotone (a pushed candidate never beats the node that pushed it) and the pop
-//    order equals the order of the top-B prefixes by (score desc, rank tuple asc). We find
+//    order equals the order of the top-B prefixes by (score desc, rank tuple asc). First a
+//    threshold is estimated (fixed_threshold: a lower-bound count of prefixes by deficit, per-row
+//    histograms convolved depth by depth); when the prefixes within it are at least B they hold
+//    the tree, found level by level with no further threshold work. Otherwise (and for trees of
+//    at most two levels) the adaptive levels: we find
 //    that set level by level with a score threshold (a 2048-bucket histogram of the scores of
 //    all prefixes materialised so far; a prefix in a bucket past the one holding the B-th is
 //    out), bound each parent's children by a staircase argument (child rank r of a parent
@@ -809,7 +813,7 @@ struct TreeBlock {
       const int p0 = misc[M_LS + d - 1], p1 = misc[M_LS + d], np = p1 - p0;
       const int used = misc[M_USED];
       const int bt = misc[M_BT];
-      if (tid < kNG) gcnt[tid] &= kLo;  // the level halves of hist were cleared by gscan
+      if (tid < kNG) gcnt[tid] &= kLo;  // the level halves of hist were cleared by gscan (fixed: not read)
       const int per = (np + nt - 1) >> lgnt;  // this thread's parents: [j0, j1)
       const int j0 = tid * per < np ? tid * per : np, j1 = j0 + per < np ? j0 + per : np;
       int T;
