@@ -8,12 +8,16 @@
 // is compared with the CPU twin (cpp/tree.h tree_build, itself checked against the NumPy oracle):
 // n, node tokens / depths / parents / positions, the visibility bitmask bit for bit, the padding
 // past n (tokens -1, depths 0, parents -1, positions -1, no stray visibility bits), and which
-// path ran (most cases must take the parallel path when it is forced). All three paths are
-// checked: every case runs with the parallel path forced (it falls back when its exactness
-// checks fail), the sequential fallback forced, and (B <= 128) the one-warp path forced.
+// path ran (most cases must take the parallel path when it is forced, and most of those trees
+// must come from its threshold estimate). Every path is checked: every case runs with the
+// parallel path forced (it falls back when its exactness checks fail), the parallel path without
+// the threshold estimate (its adaptive levels), the sequential fallback forced, and (B <= 128)
+// the one-warp path forced.
 //
 // KDTREE_EMU_CASES (default 60) sets the number of random cases (plus half as many of other
-// regimes); KDTREE_EMU_PROXY=1 prints the latency proxy (barriers, critical path) instead.
+// regimes); KDTREE_EMU_PROXY=1 prints the latency proxy (barriers, critical path) instead;
+// KDTREE_EMU_TRACE=1 prints each case and run (mode, path, how the estimate ended) to stderr
+// before and after it, which finds the case of a hang (a barrier some threads skip).
 #include <algorithm>
 #include <atomic>
 #include <cmath>
