@@ -123,34 +123,53 @@ class NgramDrafter:
         self.max_ngram, self.min_ngram, self.max_matches = int(max_ngram), int(min_ngram), int(max_matches)
 
     def draft(self, context, depth, top_k):
-        ctx = np.asarray(context)
-        n = len(ctx)
-        counts = [dict() for _ in range(depth)]
-        for ng in range(self.max_ngram, self.min_ngram - 1, -1):
-            if ng >= n:
-                continue
-            suffix = ctx[n - ng:]
-            windows = sliding_window_view(ctx[:n - 1], ng)  # starts 0 .. n-1-ng (continuation exists)
-            hits = np.flatnonzero((windows == suffix).all(axis=1))[-self.max_matches:]
-            for s in hits:
-                cont = ctx[s + ng:s + ng + depth]
-                for j, t in enumerate(cont):
-                    c = counts[j]
-                    c[int(t)] = c.get(int(t), 0) + ng
-        d = 0
-        while d < depth and counts[d]:
-            d += 1
-        if d == 0:
+        # Vectorised (a few array passes per call, no per-occurrence Python loop): the window ends
+        # e (0 .. n-2) whose last ng tokens equal the context's last ng are filtered one length at
+        # a time (the matches of length ng+1 are among those of length ng), the continuations of
+        # the kept matches gathered as (depth, token, weight) and summed per (depth, token).
+        ctx = np.asarray(context).reshape(-1).astype(np.int64, copy=False)
+        n, depth = len(ctx), int(depth)
+        if depth <= 0 or n < 2:
             return None
-        k = min(int(top_k), max(len(c) for c in counts[:d]))
+        ends = np.flatnonzero(ctx[:n - 1] == ctx[n - 1])
+        starts, weights = [], []
+        for ng in range(1, min(self.max_ngram, n - 1) + 1):
+            if ng > 1:
+                ends = ends[ends >= ng - 1]
+                ends = ends[ctx[ends - (ng - 1)] == ctx[n - ng]]
+            if not ends.size:
+                break
+            if ng >= self.min_ngram:
+                hits = ends[-self.max_matches:]  # the most recent occurrences
+                starts.append(hits + 1)
+                weights.append(np.full(hits.size, ng, np.int64))
+        if not starts:
+            return None
+        starts, weights = np.concatenate(starts), np.concatenate(weights)
+        d = min(depth, n - int(starts.min()))  # depths with a continuation: a prefix 0 .. d-1
+        pos = starts[:, None] + np.arange(d)[None, :]
+        ok = pos < n
+        js = np.broadcast_to(np.arange(d)[None, :], pos.shape)[ok]
+        toks = ctx[np.minimum(pos, n - 1)][ok]
+        w = np.broadcast_to(weights[:, None], pos.shape)[ok]
+        # sum the weights per (depth, token), then order each depth by (-count, token)
+        o = np.lexsort((toks, js))
+        js, toks, w = js[o], toks[o], w[o]
+        head = np.ones(js.size, bool)
+        head[1:] = (js[1:] != js[:-1]) | (toks[1:] != toks[:-1])
+        idx = np.flatnonzero(head)
+        kj, kt, cnt = js[idx], toks[idx], np.add.reduceat(w, idx)
+        order = np.lexsort((kt, -cnt, kj))
+        kj, kt, cnt = kj[order], kt[order], cnt[order]
+        per_depth = np.bincount(kj, minlength=d)
+        k = min(int(top_k), int(per_depth.max()))
+        rank = np.arange(kj.size) - np.concatenate([[0], np.cumsum(per_depth)[:-1]])[kj]
+        keep = rank < k
+        total = np.bincount(kj, weights=cnt, minlength=d)
         lp = np.full((d, k), -np.inf, dtype=np.float32)
         ids = np.zeros((d, k), dtype=np.int32)
-        for j in range(d):
-            items = sorted(counts[j].items(), key=lambda kv: (-kv[1], kv[0]))[:k]
-            total = float(sum(counts[j].values()))
-            for r, (tok, c) in enumerate(items):
-                lp[j, r] = np.log(c / total)
-                ids[j, r] = tok
+        lp[kj[keep], rank[keep]] = np.log(cnt[keep] / total[kj[keep]])
+        ids[kj[keep], rank[keep]] = kt[keep]
         return lp, ids
 
     __call__ = draft

@@ -51,6 +51,67 @@ def test_ngram_builds_trees_not_chains():
     assert NgramDrafter().draft(np.array([1, 2, 3], np.int32), 4, 4) is None  # no repeat
 
 
+def _ngram_plain(ctx, depth, top_k, max_ngram=4, min_ngram=1, max_matches=32):
+    """NgramDrafter's definition written plainly (a dict per depth, one occurrence at a time): the
+    last max_matches occurrences of the context's last ng tokens (ng = max_ngram .. min_ngram,
+    excluding the suffix itself), what followed each at offsets 1..depth weighted ng, each depth's
+    tokens by (-weight, token), log of weight / depth total."""
+    ctx = [int(t) for t in ctx]
+    n = len(ctx)
+    counts = [dict() for _ in range(depth)]
+    for ng in range(max_ngram, min_ngram - 1, -1):
+        if ng >= n:
+            continue
+        suffix = ctx[n - ng:]
+        hits = [s for s in range(0, n - ng) if ctx[s:s + ng] == suffix][-max_matches:]
+        for s in hits:
+            for j, t in enumerate(ctx[s + ng:s + ng + depth]):
+                counts[j][t] = counts[j].get(t, 0) + ng
+    d = 0
+    while d < depth and counts[d]:
+        d += 1
+    if d == 0:
+        return None
+    k = min(top_k, max(len(c) for c in counts[:d]))
+    lp = np.full((d, k), -np.inf, dtype=np.float32)
+    ids = np.zeros((d, k), dtype=np.int32)
+    for j in range(d):
+        total = float(sum(counts[j].values()))
+        for r, (tok, c) in enumerate(sorted(counts[j].items(), key=lambda kv: (-kv[1], kv[0]))[:k]):
+            lp[j, r] = np.log(c / total)
+            ids[j, r] = tok
+    return lp, ids
+
+
+def test_ngram_equals_its_plain_definition():
+    """The vectorised drafter against the plain definition above, bit for bit: random and
+    repetitive contexts (few distinct tokens: many overlapping matches, ties in the weights),
+    every parameter varied, contexts of 1 to 400 tokens."""
+    rng = np.random.default_rng(11)
+    compared = none = 0
+    for trial in range(500):
+        V = int(rng.choice([2, 3, 5, 20, 50000]))
+        n = int(rng.integers(1, 400))
+        ctx = rng.integers(0, V, n).astype(np.int32)
+        if trial % 4 == 0:  # a repeated phrase with a few edits
+            ctx = np.tile(rng.integers(0, V, int(rng.integers(2, 9))), n)[:n].astype(np.int32)
+            ctx[rng.integers(0, n, max(1, n // 20))] = int(rng.integers(0, V))
+        depth, top_k = int(rng.integers(1, 17)), int(rng.integers(1, 40))
+        mx = int(rng.integers(1, 6))
+        mn, mm = int(rng.integers(1, mx + 1)), int(rng.integers(1, 40))
+        got = NgramDrafter(mx, mn, mm).draft(ctx, depth, top_k)
+        want = _ngram_plain(ctx, depth, top_k, mx, mn, mm)
+        if want is None:
+            assert got is None, trial
+            none += 1
+            continue
+        assert got is not None, trial
+        assert got[0].dtype == np.float32 and got[1].dtype == np.int32
+        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), trial
+        compared += 1
+    assert compared > 300 and none > 10, (compared, none)
+
+
 def test_ngram_respects_top_k_and_depth():
     rng = np.random.default_rng(0)
     ctx = rng.integers(0, 5, 300).astype(np.int32)
