@@ -29,6 +29,7 @@ import kdtree_native as kn
 
 ANCHOR_MS = {16: 0.49, 64: 0.71, 256: 1.69, 512: 3.28, 1024: 6.60}
 GOAL_US = {("lp", 256): 15.0, ("lp", 1024): 40.0, ("logits", 256): 60.0}
+PATH_NAMES = ("parallel", "fallback", "one warp", "parallel, estimate")  # by path_taken
 
 
 def drafter_logits(seed, kind="peaked", D=15, V=163840):
@@ -73,7 +74,7 @@ def engine_shapes(N, props, iters):
                 assert int(r["n"]) == ref.n and np.array_equal(r["parents"][: ref.n + 1], ref.parents), (B, K, name)
                 t[name] = r
             print(f"| {B} | {K} | {t['auto']['graph_median_ms'] * 1e3:.1f} | "
-                  f"{('parallel', 'fallback', 'one warp', 'parallel, estimate')[int(t['auto']['path'])]} | "
+                  f"{PATH_NAMES[int(t['auto']['path'])]} | "
                   f"{t['warp']['graph_median_ms'] * 1e3:.1f} | {t['parallel']['graph_median_ms'] * 1e3:.1f} | "
                   f"{t['adaptive']['graph_median_ms'] * 1e3:.1f} | "
                   f"{int(ref.depths.max()) if ref.n else 0} |", flush=True)
@@ -131,7 +132,7 @@ def main():
         print("|---|---|---|---|---|---|---|---|---|---|")
         for r in rows:
             print(f"| {r['budget']} | {r['gpu_lp_us']:.1f} ({r['gpu_lp_stream_us']:.1f}) | "
-                  f"{('parallel', 'fallback', 'one warp', 'parallel, estimate')[r['path']]} | {r['gpu_lp_adaptive_us']:.1f} | "
+                  f"{PATH_NAMES[r['path']]} | {r['gpu_lp_adaptive_us']:.1f} | "
                   f"{r['gpu_logits_us']:.1f} ({r['gpu_topk_us']:.1f}) | "
                   f"{r['cpu_twin_us']:.1f} | {r['official_us']:.0f} | {r['speedup_vs_official_lp']:.0f}x / "
                   f"{r['speedup_vs_official_logits']:.0f}x | {r['speedup_vs_cpu_twin']:.1f}x | {r['max_depth']} |")

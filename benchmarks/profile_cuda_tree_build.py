@@ -30,7 +30,7 @@ import numpy as np
 import kdtree_native as kn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_cuda_tree_build import drafter_logits  # noqa: E402
+from bench_cuda_tree_build import PATH_NAMES, drafter_logits  # noqa: E402
 
 CATS = ("phase0", "thr", "level1", "count", "offs", "probe", "mat", "gscan", "rank", "out", "other")
 
@@ -95,7 +95,7 @@ def main():
             r["total"] = sum(int(r.get(c, 0)) for c in CATS)
         rows.sort(key=lambda r: r["total"])
         r = rows[len(rows) // 2]
-        path = ("parallel", "fallback", "one warp", "parallel, estimate")[int(r["path"])]
+        path = PATH_NAMES[int(r["path"])]
         fix = {"0": "adaptive", "1": "fixed", "2": "fixed, then adaptive"}.get(r.get("fix"), "-")
         print(f"| {name} | {B} | {path} | {fix} | {r['levels']} | {r['probes']} | "
               + " | ".join(str(r.get(c, 0)) for c in CATS) + f" | {r['total']} |", flush=True)
