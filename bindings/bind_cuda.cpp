@@ -737,6 +737,26 @@ uintptr_t as_ptr(uintptr_t x) { return x; }
 }  // namespace
 
 // The GPU round's per-node choice (engine/choose_kernels.h choose_tokens) on host logits [T, V], for tests.
+// The tensor-core kernels' 3xTF32 operand split (model/tile_mma.h) on host float32 x: (hi, lo) as
+// uint32 bit patterns, as the kernels hand them to mma.sync.
+py::tuple tf32_split_np(const py::object& x_o) {
+  auto x = as_c<float>(x_o, "x", 1);
+  const int64_t n = x.shape(0);
+  if (n > (int64_t)1 << 30) throw kdtree::Error("cuda_tf32_split: at most 2^30 values");
+  py::array_t<uint32_t> hi(n), lo(n);
+  if (n == 0) return py::make_tuple(hi, lo);
+  require_device();
+  DevBuf dx((size_t)n * 4), dh((size_t)n * 4), dl((size_t)n * 4);
+  dx.upload(x.data(), dx.bytes);
+  dh.poison();
+  dl.poison();
+  check_cuda(kc::tf32_split(dx.as<float>(), dh.as<uint32_t>(), dl.as<uint32_t>(), (int)n, 0), "tf32_split");
+  check_cuda(cudaDeviceSynchronize(), "tf32_split sync");
+  dh.download(hi.mutable_data(), dh.bytes);
+  dl.download(lo.mutable_data(), dl.bytes);
+  return py::make_tuple(hi, lo);
+}
+
 py::array_t<int32_t> choose_tokens_np(const py::object& logits_o, const py::object& positions_o, double temperature,
                                       int64_t top_k, double top_p, uint64_t seed) {
   auto logits = as_c<float>(logits_o, "logits", 2);
@@ -1088,6 +1108,9 @@ void bind_cuda(py::module_& m) {
         py::arg("top_k"), py::arg("cache_len") = 0, "GPU top-k + log-softmax + tree build from logits [D,V].");
   m.def("cuda_topk_logsoftmax", &topk_np, py::arg("logits"), py::arg("k"),
         "GPU top-k of float32 logits [D,V] as log-probs: (logprobs f32 [D,k], ids int32 [D,k]).");
+  m.def("cuda_tf32_split", &tf32_split_np, py::arg("x"),
+        "The 3xTF32 operand split of the tensor-core kernels on host float32 x [n]: (hi, lo) uint32 bit "
+        "patterns (hi = x rounded to TF32, lo = x - hi truncated to TF32).");
   m.def("cuda_choose_tokens", &choose_tokens_np, py::arg("logits"), py::arg("positions"), py::arg("temperature") = 0.0,
         py::arg("top_k") = 0, py::arg("top_p") = 1.0, py::arg("seed") = 0,
         "The GPU round's per-node choice (choose_tokens) on host float32 logits [T, V] and int32 positions [T]: "

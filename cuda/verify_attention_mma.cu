@@ -37,6 +37,7 @@
 // takes back ~7 %; 16 warps per block (128 registers) lost 5-8 %.
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "kernels.h"
@@ -329,6 +330,18 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
 }
 
 }  // namespace
+
+namespace {
+__global__ void tf32_split_kernel(const float* x, uint32_t* hi, uint32_t* lo, int n) {
+  for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) split_tf32(x[i], hi[i], lo[i]);
+}
+}  // namespace
+
+cudaError_t tf32_split(const float* x, uint32_t* hi, uint32_t* lo, int n, cudaStream_t stream) {
+  if (n <= 0) return cudaSuccess;
+  tf32_split_kernel<<<std::min((n + 255) / 256, 4096), 256, 0, stream>>>(x, hi, lo, n);
+  return cudaGetLastError();
+}
 
 int verify_mma_rows() { return mv::RM; }
 int verify_mma_chunk() { return mv::KC; }

@@ -42,20 +42,32 @@ __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commi
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory"); }
 
-// x rounded to TF32 (10 mantissa bits), to nearest with ties away from zero: for finite x the
-// bits cvt.rna.tf32.f32 gives, in two integer instructions (sm_90 has no single instruction for
-// that cvt: ptxas emulates it in four plus an inf/NaN test). An infinite x stays infinite; a NaN
-// whose top 11 mantissa bits are all ones (CUDA's canonical NaN is one) carries into the sign
-// and comes out as a zero: split_tf32 below keeps such a NaN in lo.
-__device__ __forceinline__ uint32_t tf32_rna(float x) { return (__float_as_uint(x) + 0x1000u) & 0xffffe000u; }
+// x rounded to TF32 (10 mantissa bits, the low 13 bits zero), to nearest, ties to even. sm_90 has
+// this as one instruction (cvt.rn.tf32.f32 -> F2FP.TF32.F32.PACK_B; NaN stays NaN, inf stays inf);
+// cvt.rna.tf32.f32 has none (ptxas emulates it in four instructions plus an inf test), so older
+// targets round to nearest, ties away from zero, with two integer instructions (a NaN whose top 11
+// mantissa bits are all ones carries into the sign there: split_tf32 then still has a NaN lo).
+__device__ __forceinline__ uint32_t tf32_round(float x) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  uint32_t r;
+  asm("cvt.rn.tf32.f32 %0, %1;\n" : "=r"(r) : "f"(x));
+  return r;
+#else
+  return (__float_as_uint(x) + 0x1000u) & 0xffffe000u;
+#endif
+}
 
-// 3xTF32: x = hi + lo with hi = tf32(x), lo = tf32(x - hi) (x - hi is exact in FP32); a product
-// is hi_a hi_b + hi_a lo_b + lo_a hi_b (the dropped lo_a lo_b is ~2^-22 of it), FP32 accumulation.
-// A NaN x gives a NaN lo (x - hi is NaN whatever hi became), so NaN inputs still give NaN products.
+// 3xTF32: x = hi + lo with hi = TF32(x) rounded to nearest and lo = x - hi (exact in FP32, |lo| <=
+// 2^-11 |x|) truncated to TF32 (one LOP: |lo error| <= 2^-10 |lo| <= 2^-21 |x|). A product is
+// hi_a hi_b + hi_a lo_b + lo_a hi_b (the dropped lo_a lo_b is <= 2^-22 of it), FP32 accumulation:
+// FP32-accurate, ~2^-21 of a product at worst. Three instructions on sm_90 (F2FP, FADD, LOP).
+// NaN: x - hi is NaN (CUDA's canonical NaN, all mantissa bits set), and truncation keeps it a NaN
+// (exponent all ones, top mantissa bits set), so a NaN input gives NaN products. An infinite x
+// has hi = inf and a NaN lo (inf - inf), so its products are NaN, not +-inf (as before this
+// split; tests/python/test_cuda_*.py hold the NaN cases).
 __device__ __forceinline__ void split_tf32(float x, uint32_t& hi, uint32_t& lo) {
-  hi = tf32_rna(x);
-  const float r = x - __uint_as_float(hi);
-  lo = r != r ? __float_as_uint(r) : tf32_rna(r);
+  hi = tf32_round(x);
+  lo = __float_as_uint(x - __uint_as_float(hi)) & 0xffffe000u;
 }
 __device__ __forceinline__ void mma_tf32(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&b)[2]) {
   asm volatile(

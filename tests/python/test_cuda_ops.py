@@ -670,3 +670,42 @@ def test_verify_attention_tiled_forced_matches(splits):
         assert kernel == fk
         out = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=fk, force_splits=splits)
         check_attn(out, ref, (fk, splits))
+
+
+def test_tf32_split_bits():
+    """The 3xTF32 operand split of every tensor-core kernel (tile_mma.h split_tf32), bit for bit
+    against a NumPy reference: hi = x rounded to TF32 to nearest, ties to even (low 13 bits zero),
+    lo = (x - hi) truncated to TF32; a NaN gives NaN hi and lo, +-inf gives +-inf hi and a NaN lo.
+    Inputs: both signs, every exponent (subnormals, inf and NaN included), 1024 top-mantissa
+    patterns and the low-13-bit rounding boundaries (0, 1, 0xfff, the tie 0x1000, 0x1001, 0x1fff)
+    plus two random low parts: 4.2M values."""
+    rng = np.random.default_rng(5)
+    sign = np.arange(2, dtype=np.uint32)[:, None, None, None] << 31
+    expo = np.arange(256, dtype=np.uint32)[None, :, None, None] << 23
+    mant = np.arange(1024, dtype=np.uint32)[None, None, :, None] << 13
+    lows = np.array([0, 1, 0xFFF, 0x1000, 0x1001, 0x1FFF, 0, 0], np.uint32)
+    low = np.broadcast_to(lows, (2, 256, 1024, 8)).copy()
+    low[..., 6:] = rng.integers(0, 0x2000, size=(2, 256, 1024, 2), dtype=np.uint32)
+    bits = (sign | expo | mant | low).reshape(-1)
+    x = bits.view(np.float32)
+    hi, lo = N.cuda_tf32_split(x)
+    assert hi.dtype == np.uint32 and lo.dtype == np.uint32 and hi.shape == lo.shape == x.shape
+    nan, inf = np.isnan(x), np.isinf(x)
+    fin = ~nan & ~inf
+    # to nearest, ties to even, in integers (a carry past the largest finite value gives inf)
+    h_ref = ((bits + np.uint32(0xFFF) + ((bits >> 13) & 1)) & np.uint32(0xFFFFE000)).astype(np.uint32)
+    with np.errstate(invalid="ignore", over="ignore"):
+        r = x - h_ref.view(np.float32)  # exact in float32 (or -+inf past the largest finite value)
+    lo_ref = r.view(np.uint32) & np.uint32(0xFFFFE000)
+    bad_hi = fin & (hi != h_ref)
+    bad_lo = fin & (lo != lo_ref)
+    assert not bad_hi.any(), [hex(v) for v in bits[bad_hi][:5]]
+    assert not bad_lo.any(), [hex(v) for v in bits[bad_lo][:5]]
+    assert np.isnan(hi[nan].view(np.float32)).all() and np.isnan(lo[nan].view(np.float32)).all()
+    assert np.array_equal(hi[inf], bits[inf]) and np.isnan(lo[inf].view(np.float32)).all()
+    # the bound the kernels rely on: |x - (hi + lo)| <= 2^-21 |x| for normal finite x
+    # whose rounding stays finite
+    normal = fin & (np.abs(x) >= np.float32(2.0**-100)) & np.isfinite(h_ref.view(np.float32))
+    xs = x[normal].astype(np.float64)
+    err = np.abs(xs - hi[normal].view(np.float32).astype(np.float64) - lo[normal].view(np.float32).astype(np.float64))
+    assert (err <= np.abs(xs) * 2.0**-21).all()
