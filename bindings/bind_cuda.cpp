@@ -654,11 +654,13 @@ py::dict time_verify_attention(const py::object& ql, const py::object& qr, const
   py::dict r;
   put_timing(r, "", t);
   r["fast_path"] = kc::verify_attention_fast_path(d.p);
-  int kernel = 0, splits = 1, rows = 16;
-  kc::verify_attention_choice(d.p, &kernel, &splits, &rows);
+  int kernel = 0, splits = 1, rows = 16, sf = 1, sl = 1;
+  kc::verify_attention_choice(d.p, &kernel, &splits, &rows, &sf, &sl);
   r["kernel"] = kernel;
   r["splits"] = splits;
   r["rows"] = rows;
+  r["splits_full"] = sf;
+  r["splits_last"] = sl;
   r["out"] = to_numpy<float>(d.out, {d.p.T, d.p.H, d.p.C});
   return r;
 }
@@ -1285,14 +1287,16 @@ void bind_cuda(py::module_& m) {
       [](int T, int H, int L, int C, int R, int force_kernel, int force_splits, int force_rows) {
         kc::VerifyAttentionParams p = attn_shape_params(T, H, C, R, L, C + R, force_kernel, force_splits);
         p.force_splitkv_rows = force_rows;
-        int kernel = 0, splits = 1, rows = 16;
-        kc::verify_attention_choice(p, &kernel, &splits, &rows);
-        return py::make_tuple(kernel, splits, rows);
+        int kernel = 0, splits = 1, rows = 16, sf = 1, sl = 1;
+        kc::verify_attention_choice(p, &kernel, &splits, &rows, &sf, &sl);
+        return py::make_tuple(kernel, splits, rows, sf, sl);
       },
       py::arg("T"), py::arg("H"), py::arg("L"), py::arg("C") = 512, py::arg("R") = 64, py::arg("force_kernel") = 0,
       py::arg("force_splits") = 0, py::arg("force_rows") = 0,
-      "verify_attention's pick for aligned buffers of these shapes: (kernel, splits, split-KV rows per block); "
-      "kernel 0 = plain, 1 = tiled, 2 = split-KV, 3 = decode.");
+      "verify_attention's pick for aligned buffers of these shapes: (kernel, splits, split-KV rows per block, "
+      "key splits of each full row block, of the last row block); kernel 0 = plain, 1 = tiled, 2 = split-KV, "
+      "3 = decode, 4 = tensor cores (splits = its partial slots, the larger of the last two; other kernels: "
+      "the last two equal splits).");
   (void)as_ptr;
 }
 

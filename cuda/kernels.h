@@ -174,7 +174,8 @@ size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p);
 bool verify_attention_fast_path(const VerifyAttentionParams& p);
 // The pick for these params: kernel 0 = plain, 1 = tiled, 2 = split-KV, 3 = decode (two passes,
 // no splits), 4 = tensor cores; key splits; query rows per block (split-KV: 4, 8 or 16; tensor cores: 32).
-void verify_attention_choice(const VerifyAttentionParams& p, int* kernel, int* splits, int* rows = nullptr);
+void verify_attention_choice(const VerifyAttentionParams& p, int* kernel, int* splits, int* rows = nullptr,
+                             int* splits_full = nullptr, int* splits_last = nullptr);
 cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------- testing hook

@@ -29,6 +29,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <utility>
 #include <cstdint>
 
 #include "kernels.h"
@@ -951,6 +952,7 @@ constexpr double kMmaChunkUs = 7.8;         // tensor-core kernel: one 32-row x 
                                             //   (measured on the H200: T = 65, H = 16, L = 4096)
 constexpr double kMmaWaveUs = 3.0;          // ... per wave of blocks (Q load, first chunk's latency, epilogue)
 constexpr int kMmaTargetWaves = 4;          // ... at most ~4 waves of (SMs x 1) blocks
+constexpr double kMmaHalfFrac = 0.6;        // ... a chunk of a 16-row (one m-tile) block, relative
 constexpr int kTiledMaxSplits = 64;
 constexpr size_t kMaxWorkspaceBytes = size_t(64) << 20;  // splits * M * (C + 2) * 4 bytes at most
 }  // namespace cost
@@ -1112,24 +1114,66 @@ int mma_max_splits(const VerifyAttentionParams& p) {
   return std::max(1, std::min(std::min(cap, wave_cap), cost::kSplitKvMaxSplits));
 }
 
-double mma_est_us(const VerifyAttentionParams& p, int s) {
+// rows of the last row block; <= 16: it runs one m-tile (verify_attention_mma.cu)
+bool mma_last_is_half(int M) { return M - (M - 1) / verify_mma_rows() * verify_mma_rows() <= 16; }
+
+// s_full key splits for each full row block, s_last for the last one
+double mma_est_us(const VerifyAttentionParams& p, int s_full, int s_last) {
   const int M = p.T * p.H;
   const int rm = verify_mma_rows(), kc = verify_mma_chunk();
   const int rg = (M + rm - 1) / rm;
   const int nch = (p.L + p.T + kc - 1) / kc;
   const int sms = num_sms();
-  const int cps = (nch + s - 1) / s;
-  const long long blocks = (long long)rg * s;
+  const int cf = (nch + s_full - 1) / s_full, cl = (nch + s_last - 1) / s_last;
+  const long long blocks = (long long)(rg - 1) * s_full + s_last;
   const long long waves = (blocks + sms - 1) / sms;
-  const double compute = (double)waves * cps * cost::kMmaChunkUs;
+  const double last = cl * (mma_last_is_half(M) ? cost::kMmaHalfFrac : 1.0);
+  const double path = rg > 1 ? std::max((double)cf, last) : last;
+  const double compute = (double)waves * path * cost::kMmaChunkUs;
   const double memory = ((double)(p.L + p.T) * DQ * 4.0 + (double)M * (DQ + C_) * 4.0) / cost::kBytesPerUs;
-  return (compute > memory ? compute : memory) + (double)waves * cost::kMmaWaveUs + combine_us(s, M);
+  return (compute > memory ? compute : memory) + (double)waves * cost::kMmaWaveUs +
+         combine_us(std::max(s_full, s_last), M);
 }
 
-int mma_splits(const VerifyAttentionParams& p) {
-  const int kc = verify_mma_chunk();
+// (s_full, s_last): each full row block's key splits and the last row block's. Forced: both
+// force_splits. A single row block: the split count with the lowest estimate. Else for each
+// s_full (whole chunks, no empty split) the last row block takes either as many splits or the
+// most that still fit in the wave the full row blocks leave partly empty (it is cheaper per
+// chunk when it has at most 16 rows, so it can run longer splits); the lowest estimate wins (ties:
+// the earlier: fewer splits, equal counts). E.g. H200, T = 17, H = 16, L = 4096 (8 full row blocks
+// + 16 rows, 129 chunks): (15, 12) = 132 blocks, at most 9 chunks each, instead of 13 x 9 = 117 blocks of
+// 10 chunks.
+std::pair<int, int> mma_splits(const VerifyAttentionParams& p) {
+  const int kc = verify_mma_chunk(), rm = verify_mma_rows();
+  const int M = p.T * p.H;
+  const int rg = (M + rm - 1) / rm;
   const int nch = (p.L + p.T + kc - 1) / kc;
-  return best_split_count(nch, mma_max_splits(p), p.force_splits > 0, [&](int s) { return mma_est_us(p, s); });
+  const int smax = mma_max_splits(p);
+  if (p.force_splits > 0) return {smax, smax};
+  auto valid = [&](int s) { const int cps = (nch + s - 1) / s; return (nch + cps - 1) / cps == s; };
+  if (rg == 1) {
+    const int s = best_split_count(nch, smax, false, [&](int x) { return mma_est_us(p, x, x); });
+    return {s, s};
+  }
+  const long long sms = num_sms();
+  std::pair<int, int> best{1, 1};
+  double best_us = 1e30;
+  for (int sf = 1; sf <= smax; ++sf) {
+    if (!valid(sf)) continue;
+    const long long used = (long long)(rg - 1) * sf;
+    const long long room = ((used + sms - 1) / sms) * sms - used;  // blocks left in the last wave
+    int sl = (int)std::min<long long>(room, smax);
+    while (sl > 1 && !valid(sl)) --sl;
+    for (int cand : {sf, sl}) {
+      if (cand < 1) continue;
+      const double us = mma_est_us(p, sf, cand);
+      if (us < best_us * (1.0 - 1e-9)) {
+        best_us = us;
+        best = {sf, cand};
+      }
+    }
+  }
+  return best;
 }
 
 // ---- decode kernels: M x (L+T) scores in the workspace. Only when forced (force_kernel = 3,
@@ -1175,8 +1219,10 @@ bool mma_wins(const VerifyAttentionParams& p) {
 
 struct Choice {
   int kernel;  // 0 = plain, 1 = tiled, 2 = split-KV, 3 = decode (two passes), 4 = tensor cores
-  int splits;
+  int splits;  // key splits (tensor cores: partial slots = max(splits of a full row block, of the last))
   int rows;    // query rows per block (split-KV: 4, 8 or 16; tensor cores: 32)
+  int splits_full = 0;  // tensor cores: each full row block's key splits
+  int splits_last = 0;  // ... and the last row block's
 };
 
 Choice choose(const VerifyAttentionParams& p) {
@@ -1186,7 +1232,10 @@ Choice choose(const VerifyAttentionParams& p) {
   // (the tensor-core kernel needs 190 KB of shared memory per block: where a GPU cannot give it,
   // the CUDA-core kernels run)
   if ((p.force_kernel == 4 || (p.force_kernel == 0 && mma_wins(p))) && verify_mma_ready())
-    return {4, mma_splits(p), verify_mma_rows()};
+  {
+    const std::pair<int, int> sp = mma_splits(p);
+    return {4, std::max(sp.first, sp.second), verify_mma_rows(), sp.first, sp.second};
+  }
   const int rows = splitkv_rows(p);
   if (p.force_kernel >= 2 || !tiled_ok(p)) return {2, splitkv_splits(p, rows, nullptr), rows};
   double ct = 0, cs = 0;
@@ -1223,11 +1272,14 @@ bool smem_attr_ok(Kernel k, int bytes, int& state, bool max_carveout) {
 
 bool verify_attention_fast_path(const VerifyAttentionParams& p) { return splitkv_ok(p); }
 
-void verify_attention_choice(const VerifyAttentionParams& p, int* kernel, int* splits, int* rows) {
+void verify_attention_choice(const VerifyAttentionParams& p, int* kernel, int* splits, int* rows, int* splits_full,
+                             int* splits_last) {
   const Choice c = choose(p);
   if (kernel) *kernel = c.kernel;
   if (splits) *splits = c.splits;
   if (rows) *rows = c.rows;
+  if (splits_full) *splits_full = c.kernel == 4 ? c.splits_full : c.splits;
+  if (splits_last) *splits_last = c.kernel == 4 ? c.splits_last : c.splits;
 }
 
 size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p) {
@@ -1276,7 +1328,7 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
   }
   if (c.kernel == 4) {
     if (c.splits > 1 && !p.workspace) return cudaErrorInvalidValue;
-    cudaError_t e = launch_verify_mma(p, c.splits, stream);
+    cudaError_t e = launch_verify_mma(p, c.splits_full, c.splits_last, stream);
     if (e != cudaSuccess || c.splits == 1) return e;
     return combine(c.splits);
   }

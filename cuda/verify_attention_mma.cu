@@ -9,8 +9,9 @@
 // hi + lo (tile_mma.h): a product is hi*hi + hi*lo + lo*hi, ~2^-22 of it dropped, FP32 sums.
 //
 // A block: 256 threads (8 warps), RM = 32 query rows (row m = node * H + head), one block per SM
-// (190 KB of shared memory: Q 32 x 580, one key chunk 32 x 580, the partial scores). Per 32-key
-// chunk:
+// (190 KB of shared memory: Q 32 x 580, one key chunk 32 x 580, the partial scores). A last row
+// block of at most 16 rows runs one m-tile (MT2 = 1: ~60 % of the work per chunk) and may take
+// fewer key splits than the others (launch_verify_mma). Per 32-key chunk:
 //  * the chunk's 32 key rows land in shared memory in three cp.async groups; group r holds the
 //    24-column slabs 3 w + r of every warp w, so each warp starts on its own columns as soon as the
 //    first group is in (and the next chunk's rows are prefetched into L2);
@@ -62,7 +63,6 @@ constexpr int NGRP = 3;      // cp.async groups per chunk (a k-part = 3 slabs)
 constexpr int TPR = NT / RM; // phase 2: threads per row (8)
 constexpr int KPT = KC / TPR;  // ... and keys per thread (4)
 constexpr float kLog2e = 1.4426950408889634f;
-constexpr int MT = 2;         // m-tiles of 16 rows per warp: every warp takes all 32 rows
 constexpr int KP = NW;        // k-parts (phase 1) = column parts (phase 3): one per warp
 constexpr int SLAB = DQ / (KP * NGRP);  // 24 columns of one k-part in one cp.async group
 constexpr int CQ = C / KP;    // phase 3: 64 output columns per warp
@@ -88,25 +88,43 @@ __device__ __forceinline__ void mv_wait_le(int n) {
   }
 }
 
-__global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttentionParams p) {
-  pdl_trigger();
+// The key rows kbase .. kbase + KC - 1 of cp.async group r (slab NGRP kq + r of every k-part kq) ->
+// their columns of s.k (rows past N zero-filled)
+__device__ __forceinline__ void mv_load_group(const VerifyAttentionParams& p, MvSmem& s, int r, int kbase, int N,
+                                              int tid) {
   using namespace mv;
-  extern __shared__ __align__(16) unsigned char mv_smraw[];
-  MvSmem& s = *reinterpret_cast<MvSmem*>(mv_smraw);
+#pragma unroll
+  for (int i = 0; i < (KC * KP * SLAB / 4) / NT; ++i) {
+    const int idx = tid + i * NT;
+    const int kq = idx / (KC * SLAB / 4), rem = idx % (KC * SLAB / 4);
+    const int kk = rem / (SLAB / 4), f = rem % (SLAB / 4);
+    const int col = (NGRP * kq + r) * SLAB + 4 * f, j = kbase + kk;
+    const bool ok = j < N;
+    cp_async16(&s.k[kk][col], ok ? p.kv + (size_t)j * p.kv_stride + col : p.kv, ok);
+  }
+}
+
+// One block: query rows [m0, m0 + 32) (MT2 m-tiles of 16 of them carry rows: 2, or 1 when rows m0 + 16 ..
+// are all past M) against the key chunks of split `split` of `nsplit`; the partials go to slot
+// `split` of `nslots` (a block of split 0 also marks slots nsplit .. nslots - 1 of its rows empty).
+template <int MT2>
+__device__ __forceinline__ void mv_block(const VerifyAttentionParams& p, MvSmem& s, int m0, int split, int nsplit,
+                                         int nslots) {
+  using namespace mv;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int g = lane >> 2, q = lane & 3;     // mma fragment coordinates
   const int wq = warp;                       // k-part (phase 1) / column part (phase 3)
   const int M = p.T * p.H;
-  const int m0 = blockIdx.x * RM;
-  const int split = blockIdx.y, nsplit = gridDim.y;
   if (!p.committed_ready) pdl_wait();  // *L_dev may come from the previous kernel (waiting twice is free)
   const int L = attn_committed_len(p);  // pdl: pre-wait (committed_ready: *L_dev was set before the step)
   const int N = L + p.T;
   const int nch = (N + KC - 1) / KC;
   const int cps = (nch + nsplit - 1) / nsplit;
   const int c0 = min(split * cps, nch), c1 = min(c0 + cps, nch);
-  // phase 2 mapping: row pr, keys KPT pq .. KPT pq + KPT - 1 of each chunk
+  // phase 2 mapping: row pr, keys KPT pq .. KPT pq + KPT - 1 of each chunk (rows 16 .. 31 of a
+  // one-m-tile block are past M: whole warps 4 .. 7, which skip the partial-score reads)
   const int pr = tid / TPR, pq = tid % TPR;
+  const bool prow = MT2 == 2 || pr < 16;
   const int node2 = m0 + pr < M ? (m0 + pr) / p.H : -1;
   const float sl2 = p.scale * kLog2e;
   const int ra = g;  // the fragment rows of m-tile mt: ra + 16 mt and ra + 16 mt + 8 (block-local)
@@ -115,10 +133,8 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
   // step began (committed_ready; as in the split-KV kernel), in one cp.async group before Q's.
   const bool pre = p.committed_ready && c0 < c1 && (c0 + 1) * KC <= L;
   if (pre) {
-    for (int i = tid; i < KC * (DQ / 4); i += NT) {
-      const int kk = i / (DQ / 4), col = (i % (DQ / 4)) * 4;
-      cp_async16(&s.k[kk][col], p.kv + (size_t)(c0 * KC + kk) * p.kv_stride + col, true);  // pdl: pre-wait (committed rows)
-    }
+#pragma unroll
+    for (int r = 0; r < NGRP; ++r) mv_load_group(p, s, r, c0 * KC, N, tid);  // pdl: pre-wait (committed rows)
     cp_async_commit();
   }
   pdl_wait();
@@ -127,8 +143,8 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
     s.m[tid] = attn_neg_inf();
     s.l[tid] = 0.f;
   }
-  if (c0 < c1) {  // Q rows [m0, m0 + 32) -> shared (rows past M zero), one group ahead of the chunks
-    for (int i = tid; i < RM * (DQ / 4); i += NT) {
+  if (c0 < c1) {  // Q rows [m0, m0 + 16 MT2) -> shared (rows past M zero), one group ahead of the chunks
+    for (int i = tid; i < 16 * MT2 * (DQ / 4); i += NT) {
       const int r = i / (DQ / 4), d = (i % (DQ / 4)) * 4, gm = m0 + r;
       const bool ok = gm < M;
       const float* src = p.q_latent;
@@ -139,9 +155,9 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
   }
   __syncthreads();
 
-  float O[MT][NJ][4];
+  float O[MT2][NJ][4];
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int mt = 0; mt < MT2; ++mt)
 #pragma unroll
     for (int j = 0; j < NJ; ++j) O[mt][j][0] = O[mt][j][1] = O[mt][j][2] = O[mt][j][3] = 0.f;
 
@@ -150,19 +166,13 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
     // reaches the tree rows: skip the chunk if no row of the block sees any key
     if (kbase + KC > L && !__syncthreads_or(attn_sees_any<KPT>(p, L, N, node2, kbase, KPT * pq))) continue;
     const bool loaded = pre && ch == c0;  // issued before the PDL wait (one group, before Q's)
-    // ---- the chunk's key rows -> shared (rows past N zero-filled), three groups
+    // ---- the chunk's key rows -> shared, three groups
+    if (!loaded) {
 #pragma unroll
-    for (int r = 0; r < NGRP && !loaded; ++r) {
-#pragma unroll
-      for (int i = 0; i < (KC * KP * SLAB / 4) / NT; ++i) {
-        const int idx = tid + i * NT;
-        const int kq = idx / (KC * SLAB / 4), rem = idx % (KC * SLAB / 4);
-        const int kk = rem / (SLAB / 4), f = rem % (SLAB / 4);
-        const int col = (NGRP * kq + r) * SLAB + 4 * f, j = kbase + kk;
-        const bool ok = j < N;
-        cp_async16(&s.k[kk][col], ok ? p.kv + (size_t)j * p.kv_stride + col : p.kv, ok);
+      for (int r = 0; r < NGRP; ++r) {
+        mv_load_group(p, s, r, kbase, N, tid);
+        cp_async_commit();
       }
-      cp_async_commit();
     }
     if (ch + 1 < c1) {  // L2 prefetch of the next chunk's rows
       for (int i = tid; i < KC * (DQ / 32); i += NT) {
@@ -173,9 +183,9 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
     // ---------------- phase 1: partial S over this warp's k-part, 3xTF32 (hi*hi to big, the
     // two cross terms to small: independent chains, summed in FP32 at the end)
     {
-      float big[MT][4][4], small[MT][4][4];
+      float big[MT2][4][4], small[MT2][4][4];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+      for (int mt = 0; mt < MT2; ++mt)
 #pragma unroll
         for (int j = 0; j < 4; ++j)
 #pragma unroll
@@ -186,9 +196,9 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
         const int d0 = (NGRP * wq + r) * SLAB;
 #pragma unroll
         for (int kk = 0; kk < SLAB; kk += 8) {
-          uint32_t ah[MT][4], al[MT][4];
+          uint32_t ah[MT2][4], al[MT2][4];
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
+          for (int mt = 0; mt < MT2; ++mt) {
             const float* qa = &s.q[ra + 16 * mt][d0 + kk + q];
             split_tf32(qa[0], ah[mt][0], al[mt][0]);
             split_tf32(qa[8 * QS], ah[mt][1], al[mt][1]);
@@ -202,7 +212,7 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
             split_tf32(kb[0], bh[0], bl[0]);
             split_tf32(kb[4], bh[1], bl[1]);
 #pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
+            for (int mt = 0; mt < MT2; ++mt) {
               mma_tf32(small[mt][j], al[mt], bh);
               mma_tf32(small[mt][j], ah[mt], bl);
               mma_tf32(big[mt][j], ah[mt], bh);
@@ -211,7 +221,7 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
         }
       }
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+      for (int mt = 0; mt < MT2; ++mt)
 #pragma unroll
         for (int j = 0; j < 4; ++j) {
           const int row = ra + 16 * mt;
@@ -229,7 +239,7 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
         float part[KP][KPT];
 #pragma unroll
         for (int k = 0; k < KP; ++k) {
-          const float4 x = *reinterpret_cast<const float4*>(&s.ps[k][pr][KPT * pq]);
+          const float4 x = prow ? *reinterpret_cast<const float4*>(&s.ps[k][pr][KPT * pq]) : make_float4(0.f, 0.f, 0.f, 0.f);
           part[k][0] = x.x;
           part[k][1] = x.y;
           part[k][2] = x.z;
@@ -257,16 +267,16 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
 #pragma unroll
     for (int jp = 0; jp < NPASS; ++jp) {
       constexpr int NJP = NJ / NPASS;
-      float oc[MT][NJP][4];
+      float oc[MT2][NJP][4];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt)
+      for (int mt = 0; mt < MT2; ++mt)
 #pragma unroll
         for (int j = 0; j < NJP; ++j) oc[mt][j][0] = oc[mt][j][1] = oc[mt][j][2] = oc[mt][j][3] = 0.f;
 #pragma unroll 1  // unrolled: 255 registers and spills
       for (int kk = 0; kk < KC; kk += 8) {
-        uint32_t ah[MT][4], al[MT][4];
+        uint32_t ah[MT2][4], al[MT2][4];
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
+        for (int mt = 0; mt < MT2; ++mt) {
           const float2 x = *reinterpret_cast<const float2*>(&s.p[ra + 16 * mt][kk + 2 * q]);
           const float2 y = *reinterpret_cast<const float2*>(&s.p[ra + 16 * mt + 8][kk + 2 * q]);
           split_tf32(x.x, ah[mt][0], al[mt][0]);  // slot q     <-> key kk + 2q
@@ -281,7 +291,7 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
           split_tf32(v0[8 * j], bh[0], bl[0]);
           split_tf32(v0[QS + 8 * j], bh[1], bl[1]);
 #pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
+          for (int mt = 0; mt < MT2; ++mt) {
             mma_tf32(oc[mt][j], al[mt], bh);
             mma_tf32(oc[mt][j], ah[mt], bl);
             mma_tf32(oc[mt][j], ah[mt], bh);
@@ -289,7 +299,7 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
         }
       }
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
+      for (int mt = 0; mt < MT2; ++mt) {
         const float a0 = s.alpha[ra + 16 * mt], a1 = s.alpha[ra + 16 * mt + 8];
 #pragma unroll
         for (int j = 0; j < NJP; ++j) {
@@ -305,12 +315,12 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
   }
   cp_async_wait<0>();
 
-  // ---------------- epilogue: normalised output (one split) or partials for the combine
-  const bool final_out = nsplit == 1;
+  // ---------------- epilogue: normalised output (one slot) or partials for the combine
+  const bool final_out = nslots == 1;
   float* wso = (float*)p.workspace;
-  float* wsml = wso + (size_t)nsplit * M * C;
+  float* wsml = wso + (size_t)nslots * M * C;
 #pragma unroll
-  for (int mt = 0; mt < MT; ++mt)
+  for (int mt = 0; mt < MT2; ++mt)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int lr = ra + 16 * mt + 8 * h, gm = m0 + lr;
@@ -326,6 +336,34 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
     const int gm = m0 + tid;
     wsml[((size_t)split * M + gm) * 2 + 0] = s.m[tid];
     wsml[((size_t)split * M + gm) * 2 + 1] = s.l[tid];
+    if (split == 0)  // slots this row block has no split for: empty (max -inf: the combine reads no O there)
+      for (int sp = nsplit; sp < nslots; ++sp) {
+        wsml[((size_t)sp * M + gm) * 2 + 0] = attn_neg_inf();
+        wsml[((size_t)sp * M + gm) * 2 + 1] = 0.f;
+      }
+  }
+}
+
+// grid: (row blocks - 1) x s_full blocks for the full row blocks (split = b % s_full), then s_last
+// blocks for the last row block; its rows get s_last of the max(s_full, s_last) partial slots. A
+// last row block with at most 16 rows runs one m-tile (MT2 = 1): about 60 % of a full block's time.
+__global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttentionParams p, int s_full, int s_last) {
+  pdl_trigger();
+  using namespace mv;
+  extern __shared__ __align__(16) unsigned char mv_smraw[];
+  MvSmem& s = *reinterpret_cast<MvSmem*>(mv_smraw);
+  const int M = p.T * p.H;
+  const int rg = (M + RM - 1) / RM;
+  const int b = blockIdx.x, nfull = (rg - 1) * s_full;
+  const int nslots = s_full > s_last ? s_full : s_last;
+  if (b < nfull) {
+    mv_block<2>(p, s, (b / s_full) * RM, b % s_full, s_full, nslots);
+  } else {
+    const int m0 = (rg - 1) * RM;
+    if (M - m0 <= 16)
+      mv_block<1>(p, s, m0, b - nfull, s_last, nslots);
+    else
+      mv_block<2>(p, s, m0, b - nfull, s_last, nslots);
   }
 }
 
@@ -333,14 +371,14 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
 
 namespace {
 __global__ void tf32_split_kernel(const float* x, uint32_t* hi, uint32_t* lo, int n) {
+  pdl_prologue();
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < n; i += gridDim.x * blockDim.x) split_tf32(x[i], hi[i], lo[i]);
 }
 }  // namespace
 
 cudaError_t tf32_split(const float* x, uint32_t* hi, uint32_t* lo, int n, cudaStream_t stream) {
   if (n <= 0) return cudaSuccess;
-  tf32_split_kernel<<<std::min((n + 255) / 256, 4096), 256, 0, stream>>>(x, hi, lo, n);
-  return cudaGetLastError();
+  return launch_kernel(tf32_split_kernel, std::min((n + 255) / 256, 4096), 256, 0, stream, x, hi, lo, n);
 }
 
 int verify_mma_rows() { return mv::RM; }
@@ -360,9 +398,11 @@ bool verify_mma_ready() {
   return state == 1;
 }
 
-cudaError_t launch_verify_mma(const VerifyAttentionParams& p, int splits, cudaStream_t stream) {
+cudaError_t launch_verify_mma(const VerifyAttentionParams& p, int s_full, int s_last, cudaStream_t stream) {
   const int M = p.T * p.H;
-  return launch_kernel(mla_verify_mma_kernel, dim3((M + mv::RM - 1) / mv::RM, splits), mv::NT, sizeof(MvSmem), stream, p);
+  const int rg = (M + mv::RM - 1) / mv::RM;
+  return launch_kernel(mla_verify_mma_kernel, dim3((rg - 1) * s_full + s_last), mv::NT, sizeof(MvSmem), stream, p, s_full,
+                       s_last);
 }
 
 }  // namespace cuda

@@ -13,9 +13,12 @@ int verify_mma_rows();   // query rows per block (32)
 int verify_mma_chunk();  // keys per chunk (32)
 // raise the kernel's shared-memory limit once; false on a GPU that cannot give it (then it is not used)
 bool verify_mma_ready();
-// grid = (row groups, splits); with splits > 1 it writes the split-KV kernel's partial layout to
-// p.workspace (the combine kernel merges them), else the normalised output
-cudaError_t launch_verify_mma(const VerifyAttentionParams& p, int splits, cudaStream_t stream);
+// The row blocks of 32 query rows but the last take s_full key splits each, the last row block
+// s_last (at most 16 rows: one m-tile, cheaper per chunk, so it can take fewer, longer splits).
+// With max(s_full, s_last) > 1 it writes that many partial slots in the split-KV kernel's layout
+// to p.workspace (a row block with fewer splits marks its other slots empty) for the combine
+// kernel, else the normalised output.
+cudaError_t launch_verify_mma(const VerifyAttentionParams& p, int s_full, int s_last, cudaStream_t stream);
 
 }  // namespace cuda
 }  // namespace kdtree

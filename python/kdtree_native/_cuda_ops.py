@@ -189,11 +189,14 @@ def verify_attention(q_latent, q_rope, kv_latent, k_rope, visibility, scale, for
                                          None if l_bound is None else int(l_bound), int(force_rows))
 
 
-def verify_attention_choice(T, H, L, force_kernel=0, force_splits=0, force_rows=0, rows=False):
+def verify_attention_choice(T, H, L, force_kernel=0, force_splits=0, force_rows=0, rows=False, detail=False):
     """verify_attention's pick for C=512, R=64 aligned buffers: (kernel, splits), with rows=True
     also the query rows per block (split-KV: 4, 8 or 16; tensor cores: 32); kernel 0 = plain,
-    1 = tiled, 2 = split-KV, 3 = decode (two passes), 4 = tensor cores (3xTF32)."""
+    1 = tiled, 2 = split-KV, 3 = decode (two passes), 4 = tensor cores (3xTF32). detail=True:
+    (kernel, splits, rows, splits of each full row block, splits of the last row block); the
+    tensor-core kernel may give its last row block (at most 16 rows: cheaper chunks) other splits,
+    and its `splits` is then the larger count (the partial slots the combine reads)."""
     _require()
     r = tuple(_native.cuda_verify_attention_choice(int(T), int(H), int(L), force_kernel=int(force_kernel),
                                                    force_splits=int(force_splits), force_rows=int(force_rows)))
-    return r if rows else r[:2]
+    return r if detail else (r[:3] if rows else r[:2])

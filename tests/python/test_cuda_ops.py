@@ -626,6 +626,27 @@ def test_verify_attention_mma_awkward_sizes(L, T, H, mask):
     assert np.array_equal(a, b)
 
 
+def test_verify_attention_mma_uneven_splits():
+    """The tensor-core kernel's auto split choice may give the last row block (at most 16 rows, one
+    m-tile) another split count than the full row blocks (then `splits` = the larger: the partial
+    slots; the row block with fewer splits marks its other slots empty). On the shapes below at
+    least one such choice must come up, and every auto choice (also with L through a device int)
+    stays within the float64 bounds; forced splits are equal for all row blocks."""
+    shapes = [(4096, 17, 16), (4099, 17, 16), (2000, 17, 16), (3000, 33, 16), (4096, 9, 16), (1500, 65, 16)]
+    uneven = 0
+    for L, T, H in shapes:
+        k, s, rows, sf, sl = cu.verify_attention_choice(T, H, L, force_kernel=4, detail=True)
+        assert k == 4 and rows == 32 and s == max(sf, sl) and sf >= 1 and sl >= 1, (L, T, H, s, sf, sl)
+        uneven += sf != sl
+        ql, qr, kvl, kr, vis, scale = attn_case_t(L + 7 * T, L, H, T, "tree")
+        ref = ref64(ql, qr, kvl, kr, vis, scale)
+        for l_bound in (None, L + 300):
+            out = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=4, l_bound=l_bound)
+            check_attn(out, ref, (L, T, H, sf, sl, l_bound))
+        assert cu.verify_attention_choice(T, H, L, force_kernel=4, force_splits=5, detail=True)[3:] == (5, 5)
+    assert uneven >= 1, "no shape took uneven splits"
+
+
 def test_verify_attention_mma_large_scores_and_real_tree():
     """Scores far from 0 (queries scaled x30: softmax close to one-hot, the running max moves
     between chunks) and a drafter-like tree from the GPU tree build."""
