@@ -30,12 +30,14 @@
 //    a fresh accumulator that is then added to O with CUDA-core FMAs (O = alpha O + chunk), so a
 //    tensor-core accumulation chain is one chunk long, whatever L is.
 // A chunk that no row of the block sees (tree region) is skipped whole, which is exact.
-// Measured (H200, docs/BENCHMARKS.md): issue-bound on the hi/lo splits more than on the mma
-// (ncu, first version: 2 warps per scheduler issuing every 3.9 cycles, 50 % of the SM's issue
-// rate; the SASS showed cvt.rna.tf32.f32 emulated in four instructions plus an inf test). Taking
-// all 32 rows per warp (each K / V element split once per chunk, not twice) gained ~5 %,
-// tile_mma.h's two-instruction rounding (the same bits) another 8-10 %, of which its NaN guard
-// takes back ~7 %; 16 warps per block (128 registers) lost 5-8 %.
+// Measured (H200, docs/BENCHMARKS.md): first issue-bound on the hi/lo splits (ncu, first version:
+// 2 warps per scheduler issuing every 3.9 cycles; the SASS showed cvt.rna.tf32.f32 emulated in four
+// instructions plus an inf test). Taking all 32 rows per warp (each K / V element split once per
+// chunk, not twice) gained ~5 %; tile_mma.h's split in three instructions (cvt.rn + a truncated
+// remainder, twentieth session) 10-14 % over the seven of the integer rounding with its NaN guard;
+// since then latency-bound (ncu, T = 17, H = 16, L = 4096: an instruction every 6.1 cycles per warp,
+// 0.43 eligible warps per scheduler). 16 warps per block (128 registers) lost 5-8 %; the next
+// chunk's first group in a buffer of its own, issued during phases 2 and 3, lost 5-6 %.
 #include <cuda_runtime.h>
 
 #include <algorithm>
