@@ -444,16 +444,26 @@ struct TreeBlock {
       c = avail < keff ? avail : keff;
     }
     if (bt == kBottom) return c;
-    const float* row = lpc + (size_t)(d - 1) * keff;
-    const double s = sc[p], lim = bucket_limit(bt);
-    int lo = 0, hi = c;
-    const float fl = child_floor(smax, s, lim);
-    while (lo < hi) {  // children keep a bucket <= bt (child_floor: the same test)
+    // children keep a bucket <= bt (child_floor: the same test)
+    return ranks_above(lpc + (size_t)(d - 1) * keff, 0, c, child_floor(smax, sc[p], bucket_limit(bt)));
+  }
+
+  // The first rank r in [lo, hi) with row[r] <= fl, or hi (rows are sorted descending, so the ranks
+  // r with row[r] > fl, i.e. the children that pass child_floor's test, are a prefix): the children
+  // count of every search below.
+  KD_HD int ranks_above(const float* row, int lo, int hi, float fl) const {
+    while (lo < hi) {
       ctx.step(1);
       const int mid = (lo + hi) >> 1;
       if (row[mid] > fl) lo = mid + 1; else hi = mid;
     }
     return lo;
+  }
+
+  // Ranks of level d's row before its first -inf (children past it have score -inf).
+  KD_HD int row_end(int d) const {
+    const int fb = misc[M_FB + d - 1];
+    return fb < keff ? fb : keff;
   }
 
   // Position j of the parent owning item t: the last j with off[j] <= t (off has np+1 entries).
@@ -608,10 +618,9 @@ struct TreeBlock {
   // The fixed threshold's child count of parent p at level d: the ranks r < the row's first -inf
   // with smax - (sc[p] + row[r]) < lim, by the same float search as count_children.
   KD_HD int count_fixed(int p, int d, double lim) const {
-    const int fb = misc[M_FB + d - 1];
     const float* row = lpc + (size_t)(d - 1) * keff;
     const float fl = child_floor(smax, sc[p], lim);
-    int lo = 0, hi = fb < keff ? fb : keff;
+    int lo = 0;
     if (keff % 4 == 0 && keff >= 8) {
       // most parents have few children: ranks 0..7 at once (two 16-byte loads; a -inf past fb
       // never counts), the binary search only past them. Rows are sorted: the ranks above fl
@@ -625,12 +634,7 @@ struct TreeBlock {
       if (c < 8) return c;
       lo = 8;
     }
-    while (lo < hi) {
-      ctx.step(1);
-      const int mid = (lo + hi) >> 1;
-      if (row[mid] > fl) lo = mid + 1; else hi = mid;
-    }
-    return lo;
+    return ranks_above(row, lo, row_end(d), fl);
   }
 
   // Threshold estimate (a speed device only: build_levels checks what it gives). A prefix's
@@ -775,15 +779,7 @@ struct TreeBlock {
     const double limf = fixed ? bucket_limit(btf) : 0.0;
     int T1 = keff;
     if (fixed) {  // the depth-1 prefixes in range: a prefix of row 0 (every thread the same)
-      const float fl = child_floor(smax, 0.0, limf);
-      const int fb = misc[M_FB + 0];
-      int lo = 0, hi = fb < keff ? fb : keff;
-      while (lo < hi) {
-        ctx.step(1);
-        const int mid = (lo + hi) >> 1;
-        if (lpc[mid] > fl) lo = mid + 1; else hi = mid;
-      }
-      T1 = lo;
+      T1 = ranks_above(lpc, 0, row_end(1), child_floor(smax, 0.0, limf));
     }
     if (tid == 0) {
       misc[M_BT] = kBottom;
@@ -868,17 +864,7 @@ struct TreeBlock {
         for (int j = j0; j < j1; ++j) {  // new counts into nid (free until the end)
           ctx.step(1);
           int c = (j + 1 < np ? cnt[j + 1] : T) - cnt[j];
-          if (bt2 != kBottom) {
-            const double sp = sc[p0 + j];
-            int lo = 0, hi = c;
-            const float fl = child_floor(smax, sp, lim2);
-            while (lo < hi) {
-              ctx.step(1);
-              const int mid = (lo + hi) >> 1;
-              if (row[mid] > fl) lo = mid + 1; else hi = mid;
-            }
-            c = lo;
-          }
+          if (bt2 != kBottom) c = ranks_above(row, 0, c, child_floor(smax, sc[p0 + j], lim2));
           nid[j] = (uint16_t)c;  // c <= Keff
           s2 += c;
         }
