@@ -738,7 +738,6 @@ uintptr_t as_ptr(uintptr_t x) { return x; }
 
 }  // namespace
 
-// The GPU round's per-node choice (engine/choose_kernels.h choose_tokens) on host logits [T, V], for tests.
 // The tensor-core kernels' 3xTF32 operand split (model/tile_mma.h) on host float32 x: (hi, lo) as
 // uint32 bit patterns, as the kernels hand them to mma.sync.
 py::tuple tf32_split_np(const py::object& x_o) {
@@ -759,6 +758,7 @@ py::tuple tf32_split_np(const py::object& x_o) {
   return py::make_tuple(hi, lo);
 }
 
+// The GPU round's per-node choice (engine/choose_kernels.h choose_tokens) on host logits [T, V], for tests.
 py::array_t<int32_t> choose_tokens_np(const py::object& logits_o, const py::object& positions_o, double temperature,
                                       int64_t top_k, double top_p, uint64_t seed) {
   auto logits = as_c<float>(logits_o, "logits", 2);

@@ -180,8 +180,8 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
 
 // ---------------------------------------------------------------- testing hook
 // The 3xTF32 operand split of every tensor-core kernel (model/tile_mma.h split_tf32) applied to n
-// floats: hi[i], lo[i] as the kernels hand them to mma.sync (test_cuda_kernels checks them
-// against a host reference over every exponent and the rounding boundaries).
+// floats: hi[i], lo[i] as the kernels hand them to mma.sync (tests/python/test_cuda_ops.py
+// test_tf32_split_bits checks them against NumPy over every exponent and the rounding boundaries).
 cudaError_t tf32_split(const float* x, uint32_t* hi, uint32_t* lo, int n, cudaStream_t stream);
 
 // ---------------------------------------------------------------- benchmark helper

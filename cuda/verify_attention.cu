@@ -29,8 +29,8 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
-#include <utility>
 #include <cstdint>
+#include <utility>
 
 #include "kernels.h"
 #include "launch.h"
@@ -1232,8 +1232,7 @@ Choice choose(const VerifyAttentionParams& p) {
   if (p.force_kernel == 1 && tiled_ok(p)) return {1, tiled_splits(p, nullptr), 16};
   // (the tensor-core kernel needs 190 KB of shared memory per block: where a GPU cannot give it,
   // the CUDA-core kernels run)
-  if ((p.force_kernel == 4 || (p.force_kernel == 0 && mma_wins(p))) && verify_mma_ready())
-  {
+  if ((p.force_kernel == 4 || (p.force_kernel == 0 && mma_wins(p))) && verify_mma_ready()) {
     const std::pair<int, int> sp = mma_splits(p);
     return {4, std::max(sp.first, sp.second), verify_mma_rows(), sp.first, sp.second};
   }
