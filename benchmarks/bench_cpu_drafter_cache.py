@@ -43,7 +43,7 @@ def main():
     ap.add_argument("--depth", type=int, default=cli.DEMO_NGRAM[1])
     args = ap.parse_args()
     eng, _, tok, what = cli._demo_models(types.SimpleNamespace(max_seq_len=1024, device="cpu"))
-    prompt = tok.encode(cli.DEMO_PROMPT).ids if tok else [int(x) for x in np.random.default_rng(0).integers(2, 2048, 24)]
+    prompt = cli._demo_prompt_ids(tok)
     threads = {k: os.environ.get(k, "unset") for k in ("KDTREE_NUM_THREADS", "OPENBLAS_NUM_THREADS")}
     print(f"model: {what}; {threads}; {os.cpu_count()} CPUs")
     generate(eng, prompt, args.n)  # warm-up

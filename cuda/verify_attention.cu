@@ -1056,6 +1056,12 @@ double splitkv_est_us(const VerifyAttentionParams& p, int s, int RG) {
   return (compute > memory ? compute : memory) + (double)waves * cost::kSplitKvWaveUs + combine_us(s, M);
 }
 
+// s splits of nch chunks in whole chunks leave none empty (else a smaller count does the same)
+bool no_empty_split(int nch, int s) {
+  const int cps = (nch + s - 1) / s;
+  return (nch + cps - 1) / cps == s;
+}
+
 // The split count in [1, smax] over nch chunks with the lowest estimate est(s) (ties: fewer),
 // skipping counts that would leave a split empty (a smaller count does the same); forced: smax.
 template <class Est>
@@ -1064,8 +1070,7 @@ int best_split_count(int nch, int smax, bool forced, Est est) {
   int best_s = 1;
   double best = 1e30;
   for (int s = 1; s <= smax; ++s) {
-    const int cps = (nch + s - 1) / s;
-    if ((nch + cps - 1) / cps != s) continue;
+    if (!no_empty_split(nch, s)) continue;
     const double c = est(s);
     if (c < best * (1.0 - 1e-9)) {
       best = c;
@@ -1150,7 +1155,6 @@ std::pair<int, int> mma_splits(const VerifyAttentionParams& p) {
   const int nch = (p.L + p.T + kc - 1) / kc;
   const int smax = mma_max_splits(p);
   if (p.force_splits > 0) return {smax, smax};
-  auto valid = [&](int s) { const int cps = (nch + s - 1) / s; return (nch + cps - 1) / cps == s; };
   if (rg == 1) {
     const int s = best_split_count(nch, smax, false, [&](int x) { return mma_est_us(p, x, x); });
     return {s, s};
@@ -1159,11 +1163,11 @@ std::pair<int, int> mma_splits(const VerifyAttentionParams& p) {
   std::pair<int, int> best{1, 1};
   double best_us = 1e30;
   for (int sf = 1; sf <= smax; ++sf) {
-    if (!valid(sf)) continue;
+    if (!no_empty_split(nch, sf)) continue;
     const long long used = (long long)(rg - 1) * sf;
     const long long room = ((used + sms - 1) / sms) * sms - used;  // blocks left in the last wave
     int sl = (int)std::min<long long>(room, smax);
-    while (sl > 1 && !valid(sl)) --sl;
+    while (sl > 1 && !no_empty_split(nch, sl)) --sl;
     for (int cand : {sf, sl}) {
       if (cand < 1) continue;
       const double us = mma_est_us(p, sf, cand);

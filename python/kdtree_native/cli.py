@@ -218,6 +218,11 @@ DEMO_MODEL = (4, 4)
 DEMO_MODEL_MIN_CHAIN_PROB = 0.1
 
 
+def _demo_prompt_ids(tok, text=DEMO_PROMPT):
+    """The demo's prompt ids: `text` tokenised, or fixed random ids for the random fallback model."""
+    return tok.encode(text).ids if tok else [int(x) for x in np.random.default_rng(0).integers(2, 2048, 24)]
+
+
 def _cmd_demo(args):
     from .drafters import ModelDrafter, NgramDrafter, OracleDrafter
     from .generation import generate
@@ -226,7 +231,7 @@ def _cmd_demo(args):
     eng, draft_eng, tok, what = _demo_models(args)
     print(f"model: {what} (loaded in {time.perf_counter() - t0:.1f} s)")
     text = args.prompt if args.prompt is not None else DEMO_PROMPT
-    prompt = tok.encode(text).ids if tok else [int(x) for x in np.random.default_rng(0).integers(2, 2048, 24)]
+    prompt = _demo_prompt_ids(tok, text)
     n = args.max_new_tokens
     tty = sys.stdout.isatty()
 

@@ -32,7 +32,6 @@ from __future__ import annotations
 from typing import Optional
 
 import numpy as np
-from numpy.lib.stride_tricks import sliding_window_view
 
 __all__ = ["OracleDrafter", "NgramDrafter", "ModelDrafter", "topk_logsoftmax"]
 
