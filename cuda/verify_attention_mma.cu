@@ -90,17 +90,17 @@ __device__ __forceinline__ void mv_wait_le(int n) {
   }
 }
 
-// The key rows kbase .. kbase + KC - 1 of cp.async group r (slab NGRP kq + r of every k-part kq) ->
-// their columns of s.k (rows past N zero-filled)
+// The key rows kbase .. kbase + KC - 1 of cp.async group r, warp w's slab NGRP w + r (the columns
+// its phase 1 reads) -> their columns of s.k (rows past N zero-filled). Each warp copies only its own
+// slabs, so phase 1 waits for its own copies (cp.async.wait_group + __syncwarp), not the block's.
 __device__ __forceinline__ void mv_load_group(const VerifyAttentionParams& p, MvSmem& s, int r, int kbase, int N,
-                                              int tid) {
+                                              int warp, int lane) {
   using namespace mv;
 #pragma unroll
-  for (int i = 0; i < (KC * KP * SLAB / 4) / NT; ++i) {
-    const int idx = tid + i * NT;
-    const int kq = idx / (KC * SLAB / 4), rem = idx % (KC * SLAB / 4);
-    const int kk = rem / (SLAB / 4), f = rem % (SLAB / 4);
-    const int col = (NGRP * kq + r) * SLAB + 4 * f, j = kbase + kk;
+  for (int i = 0; i < (KC * SLAB / 4) / 32; ++i) {
+    const int idx = lane + 32 * i;
+    const int kk = idx / (SLAB / 4), f = idx % (SLAB / 4);
+    const int col = (NGRP * warp + r) * SLAB + 4 * f, j = kbase + kk;
     const bool ok = j < N;
     cp_async16(&s.k[kk][col], ok ? p.kv + (size_t)j * p.kv_stride + col : p.kv, ok);
   }
@@ -136,7 +136,7 @@ __device__ __forceinline__ void mv_block(const VerifyAttentionParams& p, MvSmem&
   const bool pre = p.committed_ready && c0 < c1 && (c0 + 1) * KC <= L;
   if (pre) {
 #pragma unroll
-    for (int r = 0; r < NGRP; ++r) mv_load_group(p, s, r, c0 * KC, N, tid);  // pdl: pre-wait (committed rows)
+    for (int r = 0; r < NGRP; ++r) mv_load_group(p, s, r, c0 * KC, N, warp, lane);  // pdl: pre-wait (committed rows)
     cp_async_commit();
   }
   pdl_wait();
@@ -145,9 +145,11 @@ __device__ __forceinline__ void mv_block(const VerifyAttentionParams& p, MvSmem&
     s.m[tid] = attn_neg_inf();
     s.l[tid] = 0.f;
   }
-  if (c0 < c1) {  // Q rows [m0, m0 + 16 MT2) -> shared (rows past M zero), one group ahead of the chunks
-    for (int i = tid; i < 16 * MT2 * (DQ / 4); i += NT) {
-      const int r = i / (DQ / 4), d = (i % (DQ / 4)) * 4, gm = m0 + r;
+  if (c0 < c1) {  // Q rows [m0, m0 + 16 MT2) -> shared (rows past M zero), one group ahead of the chunks;
+    // warp w copies its k-part's columns [NGRP SLAB w, + NGRP SLAB), the ones its phase 1 reads
+    constexpr int QW = NGRP * SLAB / 4;  // float4 per row of one k-part (18)
+    for (int i = lane; i < 16 * MT2 * QW; i += 32) {
+      const int r = i / QW, d = NGRP * SLAB * warp + (i % QW) * 4, gm = m0 + r;
       const bool ok = gm < M;
       const float* src = p.q_latent;
       if (ok) src = d < C ? p.q_latent + (size_t)gm * C + d : p.q_rope + (size_t)gm * R + (d - C);
@@ -172,7 +174,7 @@ __device__ __forceinline__ void mv_block(const VerifyAttentionParams& p, MvSmem&
     if (!loaded) {
 #pragma unroll
       for (int r = 0; r < NGRP; ++r) {
-        mv_load_group(p, s, r, kbase, N, tid);
+        mv_load_group(p, s, r, kbase, N, warp, lane);
         cp_async_commit();
       }
     }
@@ -194,7 +196,7 @@ __device__ __forceinline__ void mv_block(const VerifyAttentionParams& p, MvSmem&
           for (int e = 0; e < 4; ++e) big[mt][j][e] = small[mt][j][e] = 0.f;
       for (int r = 0; r < NGRP; ++r) {
         mv_wait_le(loaded ? 0 : NGRP - 1 - r);  // preloaded: Q's group came last, wait for all
-        __syncthreads();
+        __syncwarp();  // the warp's own copies (Q's and the key slab's columns) visible to all its lanes
         const int d0 = (NGRP * wq + r) * SLAB;
 #pragma unroll
         for (int kk = 0; kk < SLAB; kk += 8) {
