@@ -1201,25 +1201,21 @@ size_t decode_ws_bytes(const VerifyAttentionParams& p) {
 }
 
 // Auto choice of the tensor-core kernel: a measured rule, not the cost model (H200,
-// bench_cuda_verify_attention.py, docs/BENCHMARKS.md "Verify attention on the tensor cores"). With
-// M = T x H query rows and N = L + T keys it was faster than the best CUDA-core kernel on every
-// measured shape with M >= 256 and N >= 512 (T = 17, H = 16, L = 512: 23 vs 32 us; T = 65, L =
-// 4096: 277 vs 360; B = 256, H = 64, L = 4096: 4.26 vs 4.63 ms), M >= 1024 and N >= 64 (B = 64,
-// H = 16, L = 0: 15 vs 18 us), M >= 2048 at any N (B = 256, H = 16, L = 0: 32 vs 77 us) and M >=
-// 128 with N >= 4096 (T = 1, H = 128, L = 4096: 45 vs 58 us; the last three measured before the
-// split's NaN guard, which cost ~7 %; the twentieth session's three-instruction split made the
-// kernel 10-14 % faster than with the guard, the rule was not re-measured); slower with fewer rows or keys (T = 1,
-// H = 16, L = 512: 15 vs 11 us; B = 16, H = 16 or 64, L = 0: 12.5 vs 7.8 / 11.1 us), where one
-// 32-row block per chunk leaves too little work per block. Eleventh session (decode table, NaN-
-// guarded kernel): also M >= 128 with N >= 2048 (T = 1, H = 128, L = 2048: 31.4 vs 35.2 us), M >= 64
-// with N >= 4096 (T = 1, H = 64, L = 4096: 38.5 vs 40.4; L = 32768: 155 vs 195; T = 4, H = 16, L =
-// 4096: 38.5 vs 40.6) and long contexts from M = 16 (T = 1, H = 16, L = 16384: 61.2 vs 64.2 us, L =
-// 32768: 96 vs 98 (8-row split-KV; 116 with the 16 rows the cost model picks); at L = 8192 split-KV
-// still wins, 35.8 vs 42.3).
+// bench_cuda_verify_attention.py, docs/BENCHMARKS.md "Verify attention on the tensor cores" and
+// "The tensor-core kernel's rule re-measured"). With M = T x H query rows and N = L + T keys it was
+// faster than the best CUDA-core kernel on every measured shape with M >= 2048 at any N (B = 256,
+// H = 16, L = 0: 32 vs 77 us), M >= 1024 and N >= 64 (B = 64, H = 16, L = 0: 15 vs 18 us), and, in
+// the twenty-first session's decode table (warp-own loads, three-instruction split): M >= 128 with
+// N >= 512 (T = 1, H = 128, L = 512: 15.5 vs 19.5 us; L = 1024: 19.3 vs 22.6), M >= 64 with N >=
+// 2048 (T = 1, H = 64, L = 2048: 26.3 vs 28.4) and M >= 16 with N >= 4096 (T = 1, H = 16, L = 4096:
+// 24.0 vs 25.2; L = 8192: 32.8 vs 36.8; T = 2, L = 4096: 30.0 vs 30.4). Slower with fewer rows or
+// keys (T = 1, H = 16, L = 512: 11.7 vs 11.4 us; H = 64, L = 1024: 17.9 vs 17.7; T = 4, H = 16, L =
+// 512: 15.6 vs 15.0; B = 16, H = 16 or 64, L = 0: 12.5 vs 7.8 / 11.1 us), where one 32-row block per
+// chunk leaves too little work per block.
 bool mma_wins(const VerifyAttentionParams& p) {
   const long long M = (long long)p.T * p.H, N = (long long)p.L + p.T;
-  return M >= 2048 || (M >= 1024 && N >= 64) || (M >= 256 && N >= 512) || (M >= 128 && N >= 2048) ||
-         (M >= 64 && N >= 4096) || (M >= 16 && N >= 16384);
+  return M >= 2048 || (M >= 1024 && N >= 64) || (M >= 128 && N >= 512) || (M >= 64 && N >= 2048) ||
+         (M >= 16 && N >= 4096);
 }
 
 struct Choice {

@@ -461,6 +461,12 @@ def test_verify_attention_rows_that_see_nothing_get_zero(kernel, L, T):
             check_attn(out[keep], ref[keep], what)
 
 
+def mma_rule(M, N):
+    """The measured rule for the tensor-core kernel (mma_wins in cuda/verify_attention.cu, docs/CUDA.md)."""
+    return (M >= 2048 or (M >= 1024 and N >= 64) or (M >= 128 and N >= 512) or (M >= 64 and N >= 2048)
+            or (M >= 16 and N >= 4096))
+
+
 @pytest.mark.parametrize("H", [16, 64, 128])
 @pytest.mark.parametrize("L", [0, 512, 4096])
 def test_verify_attention_auto_on_decode_shapes(H, L):
@@ -470,7 +476,7 @@ def test_verify_attention_auto_on_decode_shapes(H, L):
     check_attn(out, ref, (H, L))
     kernel, s = cu.verify_attention_choice(1, H, L)
     assert kernel in (1, 2, 4) and s >= 1
-    assert (kernel == 4) == (H >= 64 and L + 1 >= 4096), (H, L, kernel)  # the measured rule (M >= 64, N >= 4096)
+    assert (kernel == 4) == mma_rule(H, L + 1), (H, L, kernel)
     # the auto pick equals the same kernel forced with the same split count, bit for bit
     forced = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_kernel=kernel, force_splits=s)
     assert np.array_equal(out, forced)
@@ -482,8 +488,11 @@ def test_verify_attention_auto_picks_splitkv_for_ar_decode():
     # two-pass decode kernels measured no faster: only when forced)
     kernel, s = cu.verify_attention_choice(1, 16, 512)
     assert kernel == 2 and s > 1, (kernel, s)
-    kernel, s = cu.verify_attention_choice(1, 16, 4096)
+    kernel, s = cu.verify_attention_choice(1, 16, 2048)
     assert kernel == 2 and s > 1, (kernel, s)
+    # ... from 4096 keys the tensor-core kernel (24.0 vs 25.2 us on the H200)
+    kernel, s = cu.verify_attention_choice(1, 16, 4096)
+    assert kernel == 4 and s > 1, (kernel, s)
     # verify steps of the model's trees take the tensor-core kernel (T = 17 / 65 at H = 16)
     for T, L in ((17, 512), (65, 512), (65, 4096), (257, 512)):
         kernel, s = cu.verify_attention_choice(T, 16, L)
@@ -510,12 +519,10 @@ def test_verify_attention_workspace_covers_choice_and_grows_with_L():
                         what = (T, H, L, fk, fs, kernel, s, ws)
                         assert kernel in (1, 2, 3, 4), what
                         N_ = L + T
-                        mma_rule = (M >= 2048 or (M >= 1024 and N_ >= 64) or (M >= 256 and N_ >= 512)
-                                    or (M >= 128 and N_ >= 2048) or (M >= 64 and N_ >= 4096) or (M >= 16 and N_ >= 16384))
                         if kernel == 3:  # decode: only forced, up to 1024 rows and 16384 keys
                             assert fk == 3 and M <= 1024 and L + T <= 16384, what
                             assert s == 1 and ws >= M * ((L + T + 3) // 4 * 4) * 4, what
-                        elif fk == 4 or (fk == 0 and mma_rule):  # tensor cores: forced or the measured rule
+                        elif fk == 4 or (fk == 0 and mma_rule(M, N_)):  # tensor cores: forced or the measured rule
                             assert kernel == 4, what
                         elif fk in (2, 3) or T > 2048:  # the tiled kernel gathers at most 2048 tree rows
                             assert kernel == 2, what
