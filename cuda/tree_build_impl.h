@@ -307,6 +307,7 @@ enum {
   M_FB = 8,   // [kMaxDepth] first bottom (-inf/NaN) rank per row (Keff if none)
   M_FIX = 24, // how the parallel path ended: 0 adaptive (no estimate), 1 fixed threshold, 2 fixed then adaptive
   M_LS = 28,  // [kMaxDepth + 2] level start offsets in the candidate store
+  M_WD = 48, M_WT = 49, M_WU = 50, M_WP = 51,  // fixed_levels: warp 0 hands back (depth, T, used, p0)
 };
 
 // ---------------------------------------------------------------- the block algorithm
@@ -403,9 +404,8 @@ struct TreeBlock {
   // cnt[j] = the exclusive prefix of the children counts c[j] of the np parents (j < np; c[j]
   // in nid[j] if from_nid, else in cnt[j]); returns the total to every thread. The calling
   // thread owns parents [j0, j1) (contiguous runs in thread order) and passes s = the sum of
-  // its c[j]. With own: own[t] = the parent position j of child t (t < cap), so the children
-  // need no search for their parent. Two block barriers, the last at the end.
-  KD_HD int offsets(bool from_nid, int s, int j0, int j1, uint16_t* own = nullptr) {
+  // its c[j]. Two block barriers, the last at the end.
+  KD_HD int offsets(bool from_nid, int s, int j0, int j1) {
     const int incl = ctx.warp_incl_sum(s);
     if (lane == 31) scan_tmp[warp] = incl;
     ctx.sync();
@@ -417,8 +417,6 @@ struct TreeBlock {
       ctx.step(1);
       const int c = from_nid ? (int)nid[j] : cnt[j];
       cnt[j] = run;
-      if (own)
-        for (int r = 0; r < c && run + r < cap; ++r) own[run + r] = (uint16_t)j;
       run += c;
     }
     ctx.sync();
@@ -615,11 +613,11 @@ struct TreeBlock {
     return n;
   }
 
-  // The fixed threshold's child count of parent p at level d: the ranks r < the row's first -inf
-  // with smax - (sc[p] + row[r]) < lim, by the same float search as count_children.
-  KD_HD int count_fixed(int p, int d, double lim) const {
+  // The fixed threshold's child count of a parent of score sp at level d: the ranks r < the row's
+  // first -inf with smax - (sp + row[r]) < lim, by the same float search as count_children.
+  KD_HD int count_fixed(double sp, int d, double lim) const {
     const float* row = lpc + (size_t)(d - 1) * keff;
-    const float fl = child_floor(smax, sc[p], lim);
+    const float fl = child_floor(smax, sp, lim);
     int lo = 0;
     if (keff % 4 == 0 && keff >= 8) {
       // most parents have few children: ranks 0..7 at once (two 16-byte loads; a -inf past fb
@@ -769,25 +767,131 @@ struct TreeBlock {
     return fin;
   }
 
-  // Level 1, the levels 2..D and the final ranking. btf < kBottom: every prefix whose bucket is
-  // <= btf (the fixed threshold: no histogram scans or probes per level); returns -2 if that
-  // set has fewer than B prefixes (the tree may reach past it) or overflows the candidate store.
-  // btf = kBottom: the adaptive threshold (histogram of everything materialised, probes).
-  // Returns n, -1 (sequential fallback) or -2 (fixed threshold failed).
-  KD_HD int build_levels(int btf) {
-    const bool fixed = btf < kBottom;
-    const double limf = fixed ? bucket_limit(btf) : 0.0;
-    int T1 = keff;
-    if (fixed) {  // the depth-1 prefixes in range: a prefix of row 0 (every thread the same)
-      T1 = ranks_above(lpc, 0, row_end(1), child_floor(smax, 0.0, limf));
+  // The fixed threshold's levels (btf < kBottom): every prefix whose bucket is <= btf, level by
+  // level, in the same store order as the adaptive levels (parents in store order, children by
+  // rank). The threshold does not move, so the thread that materialises a node also counts its
+  // children (count_fixed on the score it has just formed): a level is its materialisation plus
+  // one offset scan, two block barriers (the first a __syncthreads_or that also ends the levels
+  // when nothing has children). A level of at most 32 nodes is warp 0's alone (node t = lane),
+  // and so are the small levels after it: warp barriers only, then one block barrier to hand the
+  // state back. Returns the prefixes materialised (every thread the same), or -2 if the candidate
+  // store would overflow. Level d's parent offsets sit in cnt (by parent position in its level)
+  // and each node's parent position in nid (by position in its level).
+  KD_HD int fixed_levels(int btf) {
+    const double lim = bucket_limit(btf);
+    int T = ranks_above(lpc, 0, row_end(1), child_floor(smax, 0.0, lim));  // depth 1: a prefix of row 0
+    int d = 1, used = 0, p0 = 0;  // level d: T nodes from store index `used`; its parents from p0
+    while (T > 0) {
+      if (used + T > cap) return -2;  // (uniform: T and used are the same in every thread)
+      if (T <= 32) {
+        if (warp == 0) {
+          for (;;) {
+            ctx.step(1);
+            const int c = lane < T ? fixed_node(d, p0, used, lane, lim) : 0;
+            const int incl = ctx.warp_incl_sum(c);
+            const int Tn = ctx.warp_shfl(incl, 31);
+            ctx.warp_sync();  // every lane has read level d's cnt / nid
+            if (lane < T) {
+              cnt[lane] = incl - c;
+              for (int r = incl - c; r < incl && r < cap; ++r) nid[r] = (uint16_t)lane;
+            }
+            ctx.warp_sync();  // ... and sees the next level's
+            p0 = used;
+            used += T;
+            ++d;
+            T = Tn;
+            if (T == 0 || T > 32 || used + T > cap) break;
+          }
+          if (lane == 0) {
+            misc[M_WD] = d;
+            misc[M_WT] = T;
+            misc[M_WU] = used;
+            misc[M_WP] = p0;
+          }
+        }
+        ctx.sync();
+        d = misc[M_WD];
+        T = misc[M_WT];
+        used = misc[M_WU];
+        p0 = misc[M_WP];
+        KD_TREE_MARK(P_MAT);
+        continue;
+      }
+      // a wide level: thread tid materialises nodes [t0, t1) (contiguous: the offsets below keep
+      // store order), keeping the counts in registers (one node) or in ord (free until the ranking)
+      const int per = (T + nt - 1) >> lgnt;
+      const int t0 = tid * per < T ? tid * per : T, t1 = t0 + per < T ? t0 + per : T;
+      int sum = 0, c1 = 0;
+      for (int t = t0; t < t1; ++t) {
+        ctx.step(1);
+        const int c = fixed_node(d, p0, used, t, lim);
+        if (per > 1) ord[t] = (uint16_t)c;
+        c1 = c;
+        sum += c;
+      }
+      const int incl = ctx.warp_incl_sum(sum);
+      if (lane == 31) scan_tmp[warp] = incl;
+      const bool more = ctx.sync_or(sum > 0);  // level d materialised, its cnt / nid read
+      KD_TREE_MARK(P_MAT);
+      p0 = used;
+      used += T;
+      ++d;
+      if (!more) {
+        T = 0;
+        break;
+      }
+      const int wt = lane < nw ? scan_tmp[lane] : 0;
+      const int wi = ctx.warp_incl_sum(wt);
+      T = ctx.warp_shfl(wi, 31);
+      int run = ctx.warp_shfl(wi - wt, warp) + incl - sum;
+      for (int t = t0; t < t1; ++t) {
+        ctx.step(1);
+        const int c = per > 1 ? (int)ord[t] : c1;
+        cnt[t] = run;
+        for (int r = 0; r < c && run + r < cap; ++r) nid[run + r] = (uint16_t)t;
+        run += c;
+      }
+      ctx.sync();
+      KD_TREE_MARK(P_OFFS);
+      KD_TREE_COUNT(P_LEVELS);
     }
+    return used;
+  }
+
+  // Materialise node t of level d (fixed_levels; parents from store index p0, the level from
+  // `used`) and return its children count at the fixed threshold (0 at the last depth).
+  KD_HD int fixed_node(int d, int p0, int used, int t, double lim) {
+    double s;
+    int p, r;
+    if (d == 1) {
+      p = kRoot;
+      r = t;
+      s = (double)lpc[t];
+    } else {
+      const int j = nid[t];
+      p = p0 + j;
+      r = t - cnt[j];
+      s = sc[p] + (double)lpc[(size_t)(d - 1) * keff + r];
+    }
+    const int x = used + t, b = bucket_of(smax, s);
+    sc[x] = s; par[x] = (uint16_t)p; rk[x] = (uint16_t)r; dp[x] = (uint8_t)d; bk[x] = (uint16_t)b;
+    ctx.atomic_add(&hist[b], 1);  // (one count: the fixed path reads no level halves)
+    ctx.atomic_add(&gcnt[b >> 5], 1);
+    return d < D ? count_fixed(s, d + 1, lim) : 0;
+  }
+
+  // The adaptive levels (btf = kBottom): level 1, then levels 2..D with the threshold of
+  // everything materialised so far, the staircase bounds and probes. Returns 0, or -1 when the
+  // candidate store would overflow (the sequential fallback).
+  KD_HD int adaptive_levels() {
+    const int T1 = keff;
     if (tid == 0) {
       misc[M_BT] = kBottom;
       misc[M_USED] = T1;
       misc[M_LS + 1] = 0;
       misc[M_LS + 2] = T1;
     }
-    // ---- level 1: every rank < Keff (rank r has r better siblings, r < B; fixed: those in range)
+    // ---- level 1: every rank < Keff (rank r has r better siblings, r < B)
     for (int r = tid; r < T1; r += nt) {
       ctx.step(1);
       const double s = (double)lpc[r];
@@ -800,7 +904,7 @@ struct TreeBlock {
     // the estimate's scratch back to zero (cur: the ranking's cursors), only now: until the
     // barrier above, warps may still read the estimate's totals
     for (int i = tid; i < 6 * kDpG; i += nt) cur[i] = 0;
-    if (!fixed) gscan(hist, gcnt, hpre, kLo, M_BT, true);
+    gscan(hist, gcnt, hpre, kLo, M_BT, true);
     KD_TREE_MARK(P_LEVEL1);
 
     // ---- levels 2..D (4 block barriers per level on the common path: 2 count + offsets,
@@ -809,17 +913,15 @@ struct TreeBlock {
       const int p0 = misc[M_LS + d - 1], p1 = misc[M_LS + d], np = p1 - p0;
       const int used = misc[M_USED];
       const int bt = misc[M_BT];
-      if (tid < kNG) gcnt[tid] &= kLo;  // the level halves of hist were cleared by gscan (fixed: not read)
+      if (tid < kNG) gcnt[tid] &= kLo;  // the level halves of hist were cleared by gscan
       const int per = (np + nt - 1) >> lgnt;  // this thread's parents: [j0, j1)
       const int j0 = tid * per < np ? tid * per : np, j1 = j0 + per < np ? j0 + per : np;
       int T;
       if (np <= 32) {  // warp 0 counts (lane j = parent j, as j0 = tid here), scans and publishes: one barrier
         if (warp == 0) {
-          const int c = lane >= np ? 0 : fixed ? count_fixed(p0 + lane, d, limf) : count_children(p0 + lane, d, bt);
+          const int c = lane >= np ? 0 : count_children(p0 + lane, d, bt);
           const int incl = ctx.warp_incl_sum(c);
           if (lane < np) cnt[lane] = incl - c;
-          if (fixed)  // each child's parent position (nid: free during the levels of the fixed path)
-            for (int r = incl - c; r < incl && r < cap; ++r) nid[r] = (uint16_t)lane;
           if (lane == 31) misc[M_T] = incl;
         }
         ctx.sync();
@@ -828,20 +930,19 @@ struct TreeBlock {
         int s = 0;
         for (int j = j0; j < j1; ++j) {
           ctx.step(1);
-          const int c = fixed ? count_fixed(p0 + j, d, limf) : count_children(p0 + j, d, bt);
+          const int c = count_children(p0 + j, d, bt);
           cnt[j] = c;
           s += c;
         }
         KD_TREE_MARK(P_COUNT);  // thread 0's own counting (no barrier since the last mark)
-        T = offsets(false, s, j0, j1, fixed ? nid : nullptr);
+        T = offsets(false, s, j0, j1);
         KD_TREE_MARK(P_OFFS);
       }
       KD_TREE_MARK(P_COUNT);
       KD_TREE_COUNT(P_LEVELS);
       if (T == 0) break;
       const float* row = lpc + (size_t)(d - 1) * keff;
-      if (fixed && used + T > cap) return -2;  // (T is the same in every thread, after a barrier)
-      if (!fixed && (T > B || used + T > cap)) {
+      if (T > B || used + T > cap) {
         // probe: count every allowed child into a copy of the histogram, take the tighter
         // threshold (the B-th over materialised + probed prefixes), recount.
         for (int i = tid; i < kNB; i += nt) { ctx.step(1); phist[i] = hist[i]; }  // level halves are 0
@@ -877,7 +978,7 @@ struct TreeBlock {
       // materialise level d
       for (int t = tid; t < T; t += nt) {
         ctx.step(1);
-        const int j = fixed ? (int)nid[t] : owner(cnt, np, t);
+        const int j = owner(cnt, np, t);
         const int p = p0 + j, r = t - cnt[j], x = used + t;
         const double s = sc[p] + (double)row[r];
         const int b = bucket_of(smax, s);
@@ -892,18 +993,31 @@ struct TreeBlock {
       }
       ctx.sync();
       KD_TREE_MARK(P_MAT);
-      if (!fixed) {
-        gscan(hist, gcnt, hpre, kLo, M_BT, true);
-        KD_TREE_MARK(P_GSCAN);
-      }
-    }
-
-    if (fixed) {
-      // every prefix in range is materialised: if there are B of them, they hold the tree (a
-      // prefix out of range is beaten by all of them); else the tree may reach past the range
-      if (misc[M_USED] < B) return -2;
-      gscan(hist, gcnt, hpre, kLo, M_BT, false);  // the levels' halves are not read
+      gscan(hist, gcnt, hpre, kLo, M_BT, true);
       KD_TREE_MARK(P_GSCAN);
+    }
+    return 0;
+  }
+
+  // The levels and the final ranking. btf < kBottom: fixed_levels (returns -2 if the prefixes
+  // within btf are fewer than B, so the tree may reach past them, or overflow the candidate
+  // store). btf = kBottom: the adaptive threshold (histogram of everything materialised, probes).
+  // Returns n, -1 (sequential fallback) or -2 (fixed threshold failed).
+  KD_HD int build_levels(int btf) {
+    if (btf < kBottom) {
+      const int used = fixed_levels(btf);
+      if (used < B) return -2;  // (also -2 itself)
+      if (tid == 0) {
+        misc[M_USED] = used;
+        misc[M_BT] = kBottom;
+      }
+      // the estimate's scratch back to zero (cur: the ranking's cursors), only now: every read
+      // of its totals came before the levels' barriers
+      for (int i = tid; i < 6 * kDpG; i += nt) cur[i] = 0;
+      gscan(hist, gcnt, hpre, kLo, M_BT, false);
+      KD_TREE_MARK(P_GSCAN);
+    } else {
+      if (adaptive_levels() < 0) return -1;
     }
     // ---- final ranking: counting sort by bucket, exact comparisons inside a bucket
     const int used = misc[M_USED];
