@@ -781,6 +781,7 @@ struct TreeBlock {
     const double lim = bucket_limit(btf);
     int T = ranks_above(lpc, 0, row_end(1), child_floor(smax, 0.0, lim));  // depth 1: a prefix of row 0
     int d = 1, used = 0, p0 = 0;  // level d: T nodes from store index `used`; its parents from p0
+    if (tid == 0) misc[M_BT] = kBottom;  // the final gscan's crossing slot (written there by one warp)
     while (T > 0) {
       if (used + T > cap) return -2;  // (uniform: T and used are the same in every thread)
       if (T <= 32) {
@@ -1007,10 +1008,7 @@ struct TreeBlock {
     if (btf < kBottom) {
       const int used = fixed_levels(btf);
       if (used < B) return -2;  // (also -2 itself)
-      if (tid == 0) {
-        misc[M_USED] = used;
-        misc[M_BT] = kBottom;
-      }
+      if (tid == 0) misc[M_USED] = used;  // (misc[M_BT] = kBottom since fixed_levels' first barrier)
       // the estimate's scratch back to zero (cur: the ranking's cursors), only now: every read
       // of its totals came before the levels' barriers
       for (int i = tid; i < 6 * kDpG; i += nt) cur[i] = 0;
