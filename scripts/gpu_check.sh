@@ -93,6 +93,8 @@ step_sanitizer() {
   unset KDTREE_CUDA_TEST_CASES KDTREE_CUDA_TEST_SMALL
   run_step racecheck-tree "$OUT/sanitizer.log" $SAN --tool racecheck "$PY" scripts/gpu_tree_sanitize.py
   run_step synccheck-tree "$OUT/sanitizer.log" $SAN --tool synccheck "$PY" scripts/gpu_tree_sanitize.py
+  run_step racecheck-attention "$OUT/sanitizer.log" $SAN --tool racecheck "$PY" scripts/gpu_attention_sanitize.py
+  run_step memcheck-attention "$OUT/sanitizer.log" $SAN --tool memcheck "$PY" scripts/gpu_attention_sanitize.py
   run_step memcheck-pytest "$OUT/sanitizer.log" $SAN --tool memcheck "$PY" -m pytest -q -x \
     tests/python/test_cuda_ops.py -k "corners or kv_compact or splits_and_naive"
   run_step memcheck-generate "$OUT/sanitizer.log" $SAN --tool memcheck "$PY" scripts/gpu_generate_check.py
