@@ -225,16 +225,6 @@ KD_HD inline void store_row(float* p, const float (&x)[W]) {
     for (int j = 0; j < W; ++j) p[j] = x[j];
   }
 }
-// Two consecutive uint64 words (16-byte aligned on both sides) from src to dst: one 16-byte load
-// and store on the device.
-KD_HD inline void copy_words2(uint64_t* dst, const uint64_t* src) {
-#ifdef __CUDA_ARCH__
-  *reinterpret_cast<ulonglong2*>(dst) = *reinterpret_cast<const ulonglong2*>(src);
-#else
-  dst[0] = src[0];
-  dst[1] = src[1];
-#endif
-}
 KD_HD inline int ctz32(uint32_t x) {  // x != 0
 #ifdef __CUDA_ARCH__
   return __ffs((int)x) - 1;
@@ -1378,18 +1368,7 @@ struct TreeBlock {
     }
     if (stage) {
       ctx.sync();
-      // 16-byte copies where the output allows (the stage sits at the 16-byte aligned start of
-      // shared memory): half the load / store instructions of 8-byte copies (B = 1024: 17k words;
-      // the output phase, profile category `out`, was ~12.6k cycles there in the nineteenth session)
-      int idx0 = 0;
-      if ((reinterpret_cast<uintptr_t>(a.visibility) & 15) == 0) {
-        for (int q = tid; q < words / 2; q += nt) {
-          ctx.step(1);
-          copy_words2(a.visibility + 2 * (size_t)q, vs + 2 * (size_t)q);
-        }
-        idx0 = words & ~1;
-      }
-      for (int idx = idx0 + tid; idx < words; idx += nt) {
+      for (int idx = tid; idx < words; idx += nt) {
         ctx.step(1);
         a.visibility[idx] = vs[idx];
       }
