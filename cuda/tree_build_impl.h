@@ -718,6 +718,16 @@ struct TreeBlock {
     return bucket_of_delta((double)below * (double)U / (double)span);
   }
 
+  // The bin shift of a depth's chain part sp: ceil(sp / w), clamped at kDpG (such a depth lands past
+  // every bin, as it would unclamped). A row of -inf from rank 0 at a depth d >= 1 makes sp +inf
+  // from there on: converting that to int is undefined in C++ (the host emulation crashed on it);
+  // on the GPU it saturates and the landing bin j + shift overflowed (the 32-bit shared address
+  // wrapped onto a bin that held the same value: harmless there by luck).
+  KD_HD static int dp_shift(float sp, float inv) {
+    const float x = sp * inv;
+    return x < (float)kDpG ? (int)ceilf(x) : kDpG;
+  }
+
   // fixed_threshold's depth steps, TPB threads per bin (adjacent lanes, reduced by shuffles), a
   // fixed trip count (the zeros before each buffer stand for negative bins); bin j's owner adds
   // its count to N at j + ceil(sp / w). N has two buffers, read from one and written to the other
@@ -752,7 +762,7 @@ struct TreeBlock {
       if (q == 0) {
         v = v < kDpCap ? v : kDpCap;
         Sout[j] = v;
-        const int c = (int)ceilf(sp * inv);
+        const int c = dp_shift(sp, inv);
         if (j < c) Nout[j] = Nin[j];  // no bin lands here this step
         const int t = j + c;
         if (t < kDpG) {

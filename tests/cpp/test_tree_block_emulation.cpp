@@ -532,6 +532,28 @@ int main() {
       ++done;
     }
   }
+  // A row of -inf from rank 0 at a depth d >= 1 (a drafter with nothing to say that deep): the
+  // threshold estimate's chain part is +inf from depth d on, and its bin shift must clamp (the
+  // float-to-int conversion of +inf is undefined in C++; the GPU's saturates, and the landing bin
+  // j + shift wrapped to a negative index). Few ranks per row, so the depth steps reach row d.
+  {
+    std::mt19937_64 rng3(99001);
+    const int bs[] = {64, 96, 256, 1000};
+    const int est0 = estimated;
+    for (int c = 0; c < 16; ++c) {
+      const int B = bs[c % 4];
+      const int D = 3 + (int)(rng3() % 14);
+      const int K = 2 + (int)(rng3() % 6);
+      std::vector<float> lp;
+      std::vector<int32_t> ids;
+      make_case(rng3, (int)(rng3() % 4), D, K, &lp, &ids);
+      const int d = 1 + (int)(rng3() % (uint64_t)(D - 1));
+      for (int j = 0; j < K; ++j) lp[(size_t)d * K + j] = -INFINITY;
+      check_case(300000 + c, lp, ids, D, K, B, 2, &tree, &ws);
+      ++done;
+    }
+    if (estimated == est0) fail("no tree with a row of -inf from rank 0 took the threshold estimate");
+  }
   // The exactness check of phase 0 (float64 sums of D + 1 terms exact when the inputs' exponent
   // span leaves room in 53 bits): the largest magnitude and the finest quantum sit in elements of
   // different warps, so the span is only right if the per-warp bounds are combined across warps.

@@ -137,6 +137,29 @@ def test_tree_build_realistic_takes_parallel_path(budget):
         assert adaptive["path"] == 0, (budget, seed)
 
 
+def test_tree_build_row_of_neg_inf_below_the_root():
+    """A drafter with nothing to say from some depth on: a row of -inf from rank 0 at a depth d >= 1.
+    The threshold estimate's chain part is +inf there; its bin shift now clamps (dp_shift). Every
+    path equals the CPU twin, and the estimate must have run on some of them. (The unclamped shift
+    was undefined behaviour: the host emulation crashed on it, test_tree_block_emulation's -inf row
+    cases; on the H200 the wrapped 32-bit shared address happened to land on a bin holding the same
+    value, so this test passed on the old code there too.)"""
+    rng = np.random.default_rng(99)
+    estimated = 0
+    for c in range(40):
+        budget = (64, 96, 256, 1000)[c % 4]
+        D, K = int(rng.integers(3, 17)), int(rng.integers(2, 8))
+        lp = -np.sort(rng.uniform(0.01, 6.0, (D, K)), axis=1).astype(np.float32)
+        lp[int(rng.integers(1, D))] = -np.inf
+        ids = rng.integers(0, 50000, (D, K)).astype(np.int32)
+        cpu = kn.ops.tree_build(lp, ids, budget, device="cpu")
+        for force in (0, 3, 4):
+            raw = N.cuda_tree_build(lp, ids, budget, 7, force)
+            check_raw(raw, cpu, budget, 7)
+            estimated += raw["path"] == 3
+    assert estimated > 0
+
+
 def test_tree_build_corners():
     lp = np.zeros((1, 1), np.float32)
     ids = np.array([[7]], np.int32)
