@@ -309,6 +309,7 @@ enum {
   M_LS = 28,  // [kMaxDepth + 2] level start offsets in the candidate store
   M_WD = 48, M_WT = 49, M_WU = 50, M_WP = 51,  // fixed_levels: warp 0 hands back (depth, T, used, p0)
 };
+static_assert(M_LS + kMaxDepth + 2 <= M_WD && M_WP < 64, "misc[] slots overlap or pass its 64 ints (make_tree_layout)");
 
 // ---------------------------------------------------------------- the block algorithm
 template <class Ctx>
