@@ -10,9 +10,11 @@ With KDTREE_TREE_PROFILE every tree-build launch prints one "TREEPROF" line from
 (cuda/tree_build_impl.h, KD_TREE_MARK): per category the cycles between thread 0's marks, each
 mark right after a block barrier, so an interval is the slowest thread's time for that part.
 Categories: phase0 (input checks), thr (the threshold estimate; the "threshold" column says
-whether its threshold gave the tree), level1, count (children counts, per level; for levels of more
-than 32 parents thread 0's own counting), offs (those levels' offsets: two warp scans and two
-barriers), probe (the tighter-threshold recount), mat (materialise a level), gscan (histogram
+whether its threshold gave the tree), level1, count (adaptive levels: children counts, per level;
+for levels of more than 32 parents thread 0's own counting), offs (adaptive levels: those levels'
+offsets, two warp scans and two barriers; estimate's levels: the offset scan of a level of more
+than 32 nodes), probe (the tighter-threshold recount), mat (materialise a level; on the estimate's
+path with its children counts, and the warp-0 run of small levels), gscan (histogram
 scan; on the estimate's path only the final one), rank (counting sort + comparisons inside a bucket + parents), out (outputs, thread 0's
 own time), other (the one-warp / sequential paths). This script runs each shape a few times, captures the
 device prints (file descriptor 1) and prints the median launch per shape as a table.

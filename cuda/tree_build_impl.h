@@ -892,6 +892,12 @@ struct TreeBlock {
     return d < D ? count_fixed(s, d + 1, lim) : 0;
   }
 
+  // The threshold estimate's scratch in cur (its S and N buffers) back to zero: cur holds the final
+  // ranking's cursors. Only once no warp can still read the estimate's totals.
+  KD_HD void clear_estimate_scratch() {
+    for (int i = tid; i < 6 * kDpG; i += nt) cur[i] = 0;
+  }
+
   // The adaptive levels (btf = kBottom): level 1, then levels 2..D with the threshold of
   // everything materialised so far, the staircase bounds and probes. Returns 0, or -1 when the
   // candidate store would overflow (the sequential fallback).
@@ -913,9 +919,7 @@ struct TreeBlock {
       ctx.atomic_add(&gcnt[b >> 5], kBoth);
     }
     ctx.sync();
-    // the estimate's scratch back to zero (cur: the ranking's cursors), only now: until the
-    // barrier above, warps may still read the estimate's totals
-    for (int i = tid; i < 6 * kDpG; i += nt) cur[i] = 0;
+    clear_estimate_scratch();  // (until the barrier above, warps may still read the estimate's totals)
     gscan(hist, gcnt, hpre, kLo, M_BT, true);
     KD_TREE_MARK(P_LEVEL1);
 
@@ -1020,9 +1024,7 @@ struct TreeBlock {
       const int used = fixed_levels(btf);
       if (used < B) return -2;  // (also -2 itself)
       if (tid == 0) misc[M_USED] = used;  // (misc[M_BT] = kBottom since fixed_levels' first barrier)
-      // the estimate's scratch back to zero (cur: the ranking's cursors), only now: every read
-      // of its totals came before the levels' barriers
-      for (int i = tid; i < 6 * kDpG; i += nt) cur[i] = 0;
+      clear_estimate_scratch();  // (every read of the estimate's totals came before the levels' barriers)
       gscan(hist, gcnt, hpre, kLo, M_BT, false);
       KD_TREE_MARK(P_GSCAN);
     } else {

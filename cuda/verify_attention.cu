@@ -1202,8 +1202,9 @@ size_t decode_ws_bytes(const VerifyAttentionParams& p) {
 
 // Auto choice of the tensor-core kernel: a measured rule, not the cost model (H200,
 // bench_cuda_verify_attention.py, docs/BENCHMARKS.md "Verify attention on the tensor cores" and
-// "... each warp copies its own key slabs; the tensor-core rule re-measured"). With M = T x H query rows and N = L + T keys it was
-// faster than the best CUDA-core kernel on every measured shape with M >= 2048 at any N (B = 256,
+// "... each warp copies its own key slabs; the tensor-core rule re-measured"). With M = T x H query
+// rows and N = L + T keys it was faster than the best CUDA-core kernel on every measured shape with
+// M >= 2048 at any N (B = 256,
 // H = 16, L = 0: 32 vs 77 us), M >= 1024 and N >= 64 (B = 64, H = 16, L = 0: 15 vs 18 us), and, in
 // the twenty-first session's decode table (warp-own loads, three-instruction split): M >= 128 with
 // N >= 512 (T = 1, H = 128, L = 512: 15.5 vs 19.5 us; L = 1024: 19.3 vs 22.6), M >= 64 with N >=
