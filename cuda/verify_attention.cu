@@ -1204,15 +1204,14 @@ size_t decode_ws_bytes(const VerifyAttentionParams& p) {
 // bench_cuda_verify_attention.py, docs/BENCHMARKS.md "Verify attention on the tensor cores" and
 // "... each warp copies its own key slabs; the tensor-core rule re-measured"). With M = T x H query
 // rows and N = L + T keys it was faster than the best CUDA-core kernel on every measured shape with
-// M >= 2048 at any N (B = 256,
-// H = 16, L = 0: 32 vs 77 us), M >= 1024 and N >= 64 (B = 64, H = 16, L = 0: 15 vs 18 us), and, in
-// the twenty-first session's decode table (warp-own loads, three-instruction split): M >= 128 with
-// N >= 512 (T = 1, H = 128, L = 512: 15.5 vs 19.5 us; L = 1024: 19.3 vs 22.6), M >= 64 with N >=
-// 2048 (T = 1, H = 64, L = 2048: 26.3 vs 28.4) and M >= 16 with N >= 4096 (T = 1, H = 16, L = 4096:
-// 24.0 vs 25.2; L = 8192: 32.8 vs 36.8; T = 2, L = 4096: 30.0 vs 30.4). Slower with fewer rows or
-// keys (T = 1, H = 16, L = 512: 11.7 vs 11.4 us; H = 64, L = 1024: 17.9 vs 17.7; T = 4, H = 16, L =
-// 512: 15.6 vs 15.0; B = 16, H = 16 or 64, L = 0: 12.5 vs 7.8 / 11.1 us), where one 32-row block per
-// chunk leaves too little work per block.
+// M >= 2048 at any N (B = 256, H = 16, L = 0: 32 vs 77 us), M >= 1024 and N >= 64 (B = 64, H = 16,
+// L = 0: 15 vs 18 us), and, in the twenty-first session's decode table (warp-own loads,
+// three-instruction split): M >= 128 with N >= 512 (T = 1, H = 128, L = 512: 15.5 vs 19.5 us; L =
+// 1024: 19.3 vs 22.6), M >= 64 with N >= 2048 (T = 1, H = 64, L = 2048: 26.3 vs 28.4) and M >= 16
+// with N >= 4096 (T = 1, H = 16, L = 4096: 24.0 vs 25.2; L = 8192: 32.8 vs 36.8; T = 2, L = 4096:
+// 30.0 vs 30.4). Slower with fewer rows or keys (T = 1, H = 16, L = 512: 11.7 vs 11.4 us; H = 64, L
+// = 1024: 17.9 vs 17.7; T = 4, H = 16, L = 512: 15.6 vs 15.0; B = 16, H = 16 or 64, L = 0: 12.5 vs
+// 7.8 / 11.1 us), where one 32-row block per chunk leaves too little work per block.
 bool mma_wins(const VerifyAttentionParams& p) {
   const long long M = (long long)p.T * p.H, N = (long long)p.L + p.T;
   return M >= 2048 || (M >= 1024 && N >= 64) || (M >= 128 && N >= 512) || (M >= 64 && N >= 2048) ||
