@@ -5,7 +5,10 @@ configuration (T <= 64), linear_tile on the tensor cores (3xTF32) with its autom
 count and with each forced count of --splits, linear_tile on the CUDA cores (FP32), and cuBLAS (torch.matmul / bmm, FP32, TF32 off) in graphs of the same length.
 Guides CudaModel's skinny_max_tokens / tile_max_tokens and linear_tile's split rule.
 
-    python3 benchmarks/bench_cuda_linear_tile.py [--tokens 5 8 17 33 65 257] [--splits 1 2 4 8] [--json FILE]
+    python3 benchmarks/bench_cuda_linear_tile.py [--tokens 5 8 17 33 65 257] [--splits 1 2 4 8] [--rows 64 72]
+        [--json FILE]
+
+--rows adds a column per forced tile height (LinearParams::tile_rows; auto split count).
 """
 import argparse
 import json
@@ -55,6 +58,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--tokens", type=int, nargs="*", default=[5, 8, 17, 24, 33, 65, 129, 257])
     ap.add_argument("--splits", type=int, nargs="*", default=[1, 2, 4, 8])
+    ap.add_argument("--rows", type=int, nargs="*", default=[], help="forced tile heights (extra columns)")
     ap.add_argument("--only", nargs="*", default=None, help="projection names")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--json", default=None)
@@ -62,9 +66,9 @@ def main():
     import torch
 
     print(f"## linear_tile vs linear_skinny vs cuBLAS ({N.cuda_device_props()['name']}, us per call in graphs of 20)")
-    head = " | ".join(f"tile s={s}" for s in args.splits)
+    head = " | ".join([f"tile s={s}" for s in args.splits] + [f"tile rows={r}" for r in args.rows])
     print(f"| projection | T | MB | skinny | tile auto | {head} | tile FP32 cores | cuBLAS | best | tile auto TB/s |")
-    print("|---|---:|---:|---:|---:|" + "---:|" * len(args.splits) + "---:|---:|---|---:|")
+    print("|---|---:|---:|---:|---:|" + "---:|" * (len(args.splits) + len(args.rows)) + "---:|---:|---|---:|")
     rows = []
     for name, n, kd, batch, _pro in SHAPES:
         if args.only and name not in args.only:
@@ -77,13 +81,16 @@ def main():
             for s in args.splits:
                 t[f"s{s}"] = N.cuda_time_linear_skinny(T, n, kd, batch, iters=args.iters, kernel="tile",
                                                        splits=s)["graph_median_ms"] * 1e3
+            for r in args.rows:
+                t[f"r{r}"] = N.cuda_time_linear_skinny(T, n, kd, batch, iters=args.iters, kernel="tile",
+                                                       tile_rows=r)["graph_median_ms"] * 1e3
             t["fp32"] = N.cuda_time_linear_skinny(T, n, kd, batch, iters=args.iters, kernel="tile",
                                                   tile_math=1)["graph_median_ms"] * 1e3
             t["cublas"] = cublas_us(torch, T, n, kd, batch, args.iters)
             best = min(t, key=t.get)
             mb = n * kd * batch * 4 / 1e6
             rows.append(dict(name=name, T=T, N=n, Kd=kd, batch=batch, us=t, best=best))
-            cells = " | ".join(f"{t[f's{s}']:.1f}" for s in args.splits)
+            cells = " | ".join([f"{t[f's{s}']:.1f}" for s in args.splits] + [f"{t[f'r{r}']:.1f}" for r in args.rows])
             sk = f"{t['skinny']:.1f}" if "skinny" in t else "-"
             print(f"| {name} | {T} | {mb:.1f} | {sk} | {t['tile']:.1f} | {cells} | {t['fp32']:.1f} | {t['cublas']:.1f} | {best} | "
                   f"{mb / t['tile']:.2f} |", flush=True)

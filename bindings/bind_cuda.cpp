@@ -809,7 +809,8 @@ py::object linear_skinny_np(const py::object& x_o, const py::object& w_o, const 
                             int batch, long long x_batch, long long w_batch, long long y_batch, double beta,
                             long long x_off, long long w_off, const py::object& norm_o, double norm_eps, bool x_swiglu,
                             bool norm_out, int config, const std::string& kernel, int splits, int tile_math,
-                            bool bf16_weights, const py::object& rope_cs_o, int rope_off, int rope_interleaved) {
+                            bool bf16_weights, const py::object& rope_cs_o, int rope_off, int rope_interleaved,
+                            int tile_rows) {
   if (kernel != "skinny" && kernel != "tile") throw kdtree::Error("cuda_linear_skinny: kernel must be 'skinny' or 'tile'");
   auto x = as_c<float>(x_o, "x", 2);
   auto w = as_c<float>(w_o, "w", 2);
@@ -836,6 +837,7 @@ py::object linear_skinny_np(const py::object& x_o, const py::object& w_o, const 
   lp.force_config = config;
   lp.tile_splits = splits;
   lp.tile_math = tile_math;
+  lp.tile_rows = tile_rows;
   DevBuf dwb;
   if (bf16_weights) {  // the kernel reads the BF16 copy (same layout, same offsets)
     dwb = bf16_copy(w.data(), w.size(), "cuda_linear_skinny");
@@ -891,7 +893,7 @@ py::object linear_skinny_np(const py::object& x_o, const py::object& w_o, const 
 // step). The weights rotate over copies (up to max(graph_ops, 8) of them, or about 192 MiB in
 // all) so that they come from HBM, not from the 50 MB L2, as in the step.
 py::dict time_linear_skinny(int T, int N, int Kd, int batch, int config, bool norm, bool swiglu, int iters, int warmup,
-                            int graph_ops, const std::string& kernel, int splits, int tile_math) {
+                            int graph_ops, const std::string& kernel, int splits, int tile_math, int tile_rows) {
   if (kernel != "skinny" && kernel != "tile") throw kdtree::Error("cuda_time_linear_skinny: kernel must be 'skinny' or 'tile'");
   if (T < 1 || N < 1 || Kd < 1 || batch < 1 || graph_ops < 1 || iters < 1)
     throw kdtree::Error("cuda_time_linear_skinny: sizes, iters and graph_ops must be >= 1");
@@ -909,6 +911,7 @@ py::dict time_linear_skinny(int T, int N, int Kd, int batch, int config, bool no
   lp.force_config = config;
   lp.tile_splits = splits;
   lp.tile_math = tile_math;
+  lp.tile_rows = tile_rows;
   const bool tile = kernel == "tile";
   if (norm) {
     lp.norm_w = dg.as<float>();
@@ -1123,12 +1126,12 @@ void bind_cuda(py::module_& m) {
         py::arg("norm_eps") = 1e-6, py::arg("x_swiglu") = false, py::arg("norm_out") = false,
         py::arg("config") = 0, py::arg("kernel") = "skinny", py::arg("splits") = 0, py::arg("tile_math") = 0,
         py::arg("bf16_weights") = false, py::arg("rope_cs") = py::none(), py::arg("rope_off") = 0,
-        py::arg("rope_interleaved") = 0,
+        py::arg("rope_interleaved") = 0, py::arg("tile_rows") = 0,
         "The skinny linear kernel on host arrays (tests): y[b][t, n] = beta y + sum_k x[b][t, k] w[b][n, k]; "
         "norm_w: the x rows RMSNorm-ed first (T <= 4); x_swiglu: x rows are [gate | up] (2 Kd) and "
         "silu(gate) * up is the input; config: 1 + an index of cuda_linear_skinny_configs() (0 = auto). "
         "kernel='tile': the same product through linear_tile (no prologues; splits: 0 auto, else 1..8 k splits; tile_math: 0 tensor cores "
-        "3xTF32, 1 FP32 CUDA cores); bf16_weights: the kernel reads an exact BF16 copy of w (every value must be "
+        "3xTF32, 1 FP32 CUDA cores; tile_rows: token rows per tile, 8/16/24/32/48/64/72, 0 auto); bf16_weights: the kernel reads an exact BF16 copy of w (every value must be "
         "a BF16; the vector path only, else w); rope_cs [T, R] (cos | sin): the rope block also ropes x[b][t, "
         "rope_off .. rope_off + R) (pairs (2j, 2j+1) with rope_interleaved, else (j, j + R/2)) into a second "
         "returned array [T, batch * R] (the W_UK product's queries, LinearParams::rope_out).");
@@ -1145,9 +1148,9 @@ void bind_cuda(py::module_& m) {
   m.def("cuda_time_linear_skinny", &time_linear_skinny, py::arg("T"), py::arg("N"), py::arg("Kd"), py::arg("batch") = 1,
         py::arg("config") = 0, py::arg("norm") = false, py::arg("swiglu") = false, py::arg("iters") = 50,
         py::arg("warmup") = 5, py::arg("graph_ops") = 20, py::arg("kernel") = "skinny", py::arg("splits") = 0,
-        py::arg("tile_math") = 0,
+        py::arg("tile_math") = 0, py::arg("tile_rows") = 0,
         "Median time of one linear_skinny (kernel='skinny') or linear_tile (kernel='tile', splits: 0 auto or "
-        "the forced k split count; tile_math 0 tensor cores 3xTF32, 1 FP32 CUDA cores) call on device-only data (weights rotated past the L2): "
+        "the forced k split count; tile_math 0 tensor cores 3xTF32, 1 FP32 CUDA cores; tile_rows as in cuda_linear_skinny) call on device-only data (weights rotated past the L2): "
         "median_ms (stream launches), graph_median_ms (per call in graphs of graph_ops calls), the samples, "
         "weight_copies and bytes (of one weight copy).");
   m.def("cuda_moe_route_group", &moe_route_group_np, py::arg("logits"), py::arg("bias"), py::arg("E"), py::arg("K"),

@@ -65,11 +65,11 @@ def test_linear_skinny_bf16_weights_same_bits(config, prologue):
         assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), f"T={T}"
 
 
-@pytest.mark.parametrize("T", [1, 7, 16, 21, 33, 64])
+@pytest.mark.parametrize("T", [1, 7, 16, 21, 33, 64, 65, 72])
 @pytest.mark.parametrize("splits", [0, 1, 3])
 def test_linear_tile_bf16_weights_same_bits(T, splits):
     """linear_tile (tensor cores) on the BF16 copy: two mma per product instead of three, the
-    FP32 path's bits; every tile height (8..64 tokens), k splits over a cluster, two batches at an
+    FP32 path's bits; every tile height (8..72 tokens), k splits over a cluster, two batches at an
     offset, Kd = 320 (a partial k chunk), a partial weight-row tile (N = 100)."""
     rng = np.random.default_rng(T * 10 + splits)
     Kd, Nn, batch, w_off = 320, 100, 2, 8

@@ -36,7 +36,7 @@ def reference(x, w, y0, T, Nn, Kd, batch, x_batch, w_batch, y_batch, beta, x_off
 
 
 def run_case(rng, T, Nn, Kd, batch=1, beta=0.0, x_pad=0, y_pad=0, interleaved=False, x_off=0, w_off=0, kernel="skinny",
-             splits=0, tile_math=0):
+             splits=0, tile_math=0, tile_rows=0):
     if interleaved:  # the model's head layout: x [T, batch * Kd'], head b at columns b * Kd
         ldx, x_batch = batch * Kd + x_pad, Kd
         ldy, y_batch = batch * Nn + y_pad, Nn
@@ -52,7 +52,7 @@ def run_case(rng, T, Nn, Kd, batch=1, beta=0.0, x_pad=0, y_pad=0, interleaved=Fa
     if beta == 0:
         y0[:] = np.nan  # must not be read
     got = N.cuda_linear_skinny(x, w, y0, T, Nn, Kd, batch, x_batch, w_batch, y_batch, beta, x_off, w_off,
-                               kernel=kernel, splits=splits, tile_math=tile_math)
+                               kernel=kernel, splits=splits, tile_math=tile_math, tile_rows=tile_rows)
     ref, scale = reference(x, w, np.nan_to_num(y0) if beta == 0 else y0, T, Nn, Kd, batch, x_batch, w_batch,
                            y_batch, beta, x_off, w_off)
     # elements the kernel must write: finite and within 1e-5 of the scale; others untouched
@@ -326,20 +326,43 @@ def test_forced_configuration_prologues(config):
 
 
 # ---------------------------------------------------------------- linear_tile
-TILE_T = list(range(1, 10)) + [15, 16, 17, 23, 24, 25, 31, 32, 33, 48, 63, 64, 65, 100, 129, 257]
+TILE_T = list(range(1, 10)) + [15, 16, 17, 23, 24, 25, 31, 32, 33, 41, 48, 49, 63, 64, 65, 71, 72, 73, 100, 129, 257]
 
 
 @pytest.mark.parametrize("tile_math", [0, 1])
 @pytest.mark.parametrize("T", TILE_T)
 def test_tile_every_token_count(T, tile_math):
     """linear_tile (tensor cores 3xTF32 and FP32 CUDA cores) at token counts around its tile
-    heights (8 / 16 / 24 / 32 / 64, several tiles past 64), column counts around its 64-row tiles,
+    heights (8 / 16 / 24 / 32 / 48 / 64 / 72, several tiles past 72), column counts around its 64-row tiles,
     k lengths around its 32-float chunks and the auto split count (a cluster of k splits): beta 0
     (y poisoned, must not be read) and 1; within 1e-5 of sum |x w| of the float64 result."""
     rng = np.random.default_rng(5000 + T)
     for Nn, Kd in ((64, 1024), (37, 260), (130, 128), (5, 4), (200, 36), (1, 2048)):
         run_case(rng, T, Nn, Kd, beta=0.0, kernel="tile", tile_math=tile_math)
         run_case(rng, T, Nn, Kd, beta=1.0, x_pad=4, y_pad=3, kernel="tile", tile_math=tile_math)
+
+
+@pytest.mark.parametrize("tile_math", [0, 1])
+@pytest.mark.parametrize("rows", [8, 16, 24, 32, 48, 64, 72])
+def test_tile_forced_tile_rows(rows, tile_math):
+    """Every tile height forced (LinearParams::tile_rows) at token counts below, at and past it (one
+    partial tile, several tiles, a last tile of one token), with k splits and batched heads: against
+    float64; heights the kernel does not have are refused."""
+    rng = np.random.default_rng(7000 + rows)
+    for T in sorted({1, rows - 1, rows, rows + 1, 2 * rows + 3}):
+        if T < 1:
+            continue
+        run_case(rng, T, 100, 320, beta=0.0, kernel="tile", tile_math=tile_math, tile_rows=rows)
+        run_case(rng, T, 64, 1024, beta=1.0, x_pad=4, y_pad=3, kernel="tile", splits=3, tile_math=tile_math,
+                 tile_rows=rows)
+        run_case(rng, T, 64, 128, batch=4, interleaved=True, x_pad=8, kernel="tile", tile_math=tile_math,
+                 tile_rows=rows)
+    x = np.ones((4, 64), np.float32)
+    w = np.ones((8, 64), np.float32)
+    y = np.zeros((4, 8), np.float32)
+    for bad in (7, 40, 80, -8):
+        with pytest.raises(ValueError, match="invalid arguments"):
+            N.cuda_linear_skinny(x, w, y, 4, 8, 64, kernel="tile", tile_rows=bad)
 
 
 @pytest.mark.parametrize("splits", list(range(1, 9)))
