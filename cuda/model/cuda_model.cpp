@@ -55,8 +55,10 @@ constexpr int64_t kSkinnyBigAutoMaxT = 16;
 // T = 6 equal, T = 17 (skinny's two 9 + 8 token slices) 1.345 vs 1.275; T = 24 tile 1.429 vs
 // cuBLAS 1.612. With 64-float k chunks (ninth session, --variant t64:tile_max_tokens=64): T = 33 /
 // 48 tile 1.811 / 2.014 vs cuBLAS 1.862 / 2.078 ms; T = 65 (a 64-row tile + a 1-row one) not
-// measured faster, so it stays on cuBLAS.
-constexpr int64_t kTileAutoMaxT = 48;
+// measured faster, so it stayed on cuBLAS. Twenty-second session: tiles of 48 and 72 token rows (a
+// 65-token step in one tile, not 64 + 1), --variant t72:tile_max_tokens=72: T = 49 / 65 1.864 / 2.219
+// -> 1.655 / 1.897 ms (T = 17 / 33 unchanged), hence 72.
+constexpr int64_t kTileAutoMaxT = 72;
 constexpr int64_t kTileFirstMinT = 6, kTileFirstMaxT = 16;
 
 std::string mib(int64_t bytes) {

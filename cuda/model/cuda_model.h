@@ -57,7 +57,7 @@ struct CudaModelOptions {
   int tile_max_tokens = -1;      // steps of at most this many tokens run the dense projections through
                                  // linear_tile (shared-memory tiles, split-k clusters) where linear_skinny
                                  // does not take them (past skinny_max_tokens, or 6..16 tokens while
-                                 // skinny_max_tokens is auto); cuBLAS beyond; -1 = auto (48), 0 = never
+                                 // skinny_max_tokens is auto); cuBLAS beyond; -1 = auto (72), 0 = never
   bool tile_tensor_cores = true;  // linear_tile's products on the tensor cores as 3xTF32 (FP32-accurate,
                                   // docs/CUDA_MODEL.md), else FP32 on the CUDA cores
   bool side_stream = true;       // run independent kernels of a step on a second stream (graph
