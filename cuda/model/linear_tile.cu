@@ -224,6 +224,13 @@ cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
     const long long want = 2LL * num_sms();
     splits = (int)std::min<long long>(kMaxSplits, std::max<long long>(1, (want + base - 1) / base));
     splits = std::max(1, std::min(splits, nchunks / 2));
+    // a grid that would fill less than half the SMs (few output tiles, short rows: the shared
+    // expert's down projection, 16 tiles x 4 chunks) takes splits of one chunk, up to one block
+    // per SM. H200, 1024 x 256 at T = 65: 2 splits 11.5 us, 4 splits 7.3 us
+    // (bench_cuda_linear_tile.py --splits); grids of 128 blocks (W_UK, W_UV) were slower with more.
+    if (base * splits * 2 < num_sms())
+      splits = std::max<long long>(splits, std::min<long long>({(long long)kMaxSplits, (long long)nchunks,
+                                                                 (num_sms() + base - 1) / base}));
   }
   splits = std::min(splits, nchunks);
   const int cps = (nchunks + splits - 1) / splits;

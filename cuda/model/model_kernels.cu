@@ -404,17 +404,46 @@ __device__ __forceinline__ int block_exclusive_scan(int v, int* wsum, int* total
   return excl;
 }
 
-// The whole schedule in one block of >= max(A, E) threads (A, E <= kGroupSmallMax).
-__device__ void group_small(const MoeGroupParams& p) {
-  __shared__ int idx[kGroupSmallMax], off[kGroupSmallMax];
-  __shared__ int wsum[32];
+// The whole schedule in one block of >= max(A, E) threads (A, E <= kGroupSmallMax), in shared
+// arrays idx / off [kGroupSmallMax] and wsum [32] of the caller. With tab (nw * E ints, nw = the
+// block's warps): thread i takes assignment i; __match_any_sync gives its rank among the warp's
+// assignments to the same expert, the lowest such lane writes the warp's count to tab[warp][e],
+// and thread e turns its column into the exclusive prefix over the warps (its count at the end):
+// O(nw) steps per thread. Without tab, the two O(A) loops (thread e counts expert e over all
+// assignments, thread i counts the earlier assignments to its expert). The same schedule either
+// way: slots by expert, then by assignment index; an id outside [0, E) gets no slot.
+constexpr int kGroupTable = 8192;  // ints of the per-warp count table (32 KB)
+
+__device__ void group_small(const MoeGroupParams& p, int* idx, int* off, int* wsum, int* tab) {
   const int tid = threadIdx.x, A = p.T * p.K, E = p.E, TR = p.tile_rows;
-  if (tid < A) idx[tid] = p.topk_idx[tid];
-  __syncthreads();
-  int c = 0;
-  if (tid < E) {
-    for (int i = 0; i < A; ++i) c += idx[i] == tid;
-    p.counts[tid] = c;
+  const int lane = tid & 31, warp = tid >> 5, nw = blockDim.x >> 5;
+  int c = 0, e = -1, rank = 0;
+  if (tab) {
+    for (int i = tid; i < nw * E; i += blockDim.x) tab[i] = 0;
+    if (tid < A) {
+      e = p.topk_idx[tid];
+      if (e < 0 || e >= E) e = -1;
+    }
+    const unsigned same = __match_any_sync(kFull, e);
+    rank = __popc(same & ((1u << lane) - 1u));
+    __syncthreads();  // tab zeroed
+    if (e >= 0 && rank == 0) tab[warp * E + e] = __popc(same);
+    __syncthreads();
+    if (tid < E) {
+      for (int w = 0; w < nw; ++w) {
+        const int v = tab[w * E + tid];
+        tab[w * E + tid] = c;
+        c += v;
+      }
+      p.counts[tid] = c;
+    }
+  } else {
+    if (tid < A) idx[tid] = p.topk_idx[tid];
+    __syncthreads();
+    if (tid < E) {
+      for (int i = 0; i < A; ++i) c += idx[i] == tid;
+      p.counts[tid] = c;
+    }
   }
   const int tiles = tid < E ? (c + TR - 1) / TR : 0;
   int total_rows, total_tiles;
@@ -433,8 +462,14 @@ __device__ void group_small(const MoeGroupParams& p) {
     *p.num_tiles = total_tiles;
   }
   __syncthreads();
-  if (tid < A) {
-    const int e = idx[tid];
+  if (tab) {
+    if (e >= 0) {
+      const int slot = off[e] + tab[warp * E + e] + rank;
+      p.slot_token[slot] = tid / p.K;
+      p.slot_of[tid] = slot;
+    }
+  } else if (tid < A) {
+    e = idx[tid];
     if (e >= 0 && e < E) {
       int r = 0;
       for (int j = 0; j < tid; ++j) r += idx[j] == e;
@@ -447,7 +482,9 @@ __device__ void group_small(const MoeGroupParams& p) {
 
 __global__ void __launch_bounds__(kGroupSmallMax) moe_group_small_kernel(MoeGroupParams p) {
   pdl_prologue();
-  group_small(p);
+  __shared__ int idx[kGroupSmallMax], off[kGroupSmallMax], wsum[32], tab[kGroupTable];
+  const bool table = (int)(blockDim.x >> 5) * p.E <= kGroupTable;
+  group_small(p, idx, off, wsum, table ? tab : nullptr);
 }
 
 // Decode and tiny trees: the routing of the few tokens and the schedule in one block (one launch
@@ -459,7 +496,8 @@ __global__ void __launch_bounds__(kGroupSmallMax) moe_route_group_kernel(RoutePa
     route_token(rp, t, sm);
     __syncthreads();  // the shared candidates are reused by the next token; topk_idx complete
   }
-  group_small(gp);
+  __shared__ int idx[kGroupSmallMax], off[kGroupSmallMax], wsum[32];
+  group_small(gp, idx, off, wsum, nullptr);
 }
 
 // The same outputs for the common decode case in two block barriers instead of about ten: T <=
