@@ -60,6 +60,12 @@ constexpr int64_t kSkinnyBigAutoMaxT = 16;
 // -> 1.655 / 1.897 ms (T = 17 / 33 unchanged), hence 72.
 constexpr int64_t kTileAutoMaxT = 72;
 constexpr int64_t kTileFirstMinT = 6, kTileFirstMaxT = 16;
+// 17-20 tokens (B = 16 trees): linear_tile also takes the projections of at least this many weight
+// bytes (not the batched W_UK / W_UV heads: W_UK carries the query RoPE block on skinny, and W_UV
+// measured faster there). H200, bench_cuda_linear_tile.py at T = 17, us skinny -> tile: qkv_a 6.5
+// -> 5.4, o_proj 11.5 -> 9.6, router + shared gate/up (2.4 MB) 6.1 -> 5.1, dense gate/up 24.2 ->
+// 15.0, down 15.8 -> 13.3; the shared expert's down projection (1 MB) 2.4 vs 5.5 stays on skinny.
+constexpr int64_t kTileFirstLateMinBytes = int64_t(2) << 20;
 
 std::string mib(int64_t bytes) {
   char b[64];
@@ -589,8 +595,10 @@ void CudaModel::reset() {
 // ---------------------------------------------------------------- building blocks
 bool CudaModel::fuse_norm(int64_t T) const { return T <= skinny_max_t_ && T <= cuda::kLinearNormMaxT; }
 
-bool CudaModel::tile_first(int64_t T) const {
-  return opt_.skinny_max_tokens < 0 && T >= kTileFirstMinT && T <= kTileFirstMaxT;
+bool CudaModel::tile_first(int64_t T, int64_t wbytes) const {
+  if (opt_.skinny_max_tokens >= 0) return false;
+  return (T >= kTileFirstMinT && T <= kTileFirstMaxT) ||
+         (T > kTileFirstMaxT && T <= kSkinnyAutoMaxT && wbytes >= kTileFirstLateMinBytes);
 }
 
 void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, const float* w, float* out,
@@ -602,7 +610,7 @@ void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64
   lp.w_bf16 = bf16_of(w, N * Kd);  // read by linear_skinny / linear_tile, not by cuBLAS
   const bool tile = T <= tile_max_t_ && cuda::linear_tile_supported(lp);  // (false with norm_w)
   const bool skinny = T <= skinny_max_t_ && (norm_w || !big || T <= skinny_big_max_t_);
-  if (skinny && !(tile && tile_first(T))) {
+  if (skinny && !(tile && tile_first(T, N * Kd * (int64_t)sizeof(float)))) {
     lp.norm_out = norm_out;
     lp.ldn = Kd;
     check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny");
@@ -631,7 +639,7 @@ cuda::LinearParams CudaModel::heads_params(int64_t T, int64_t N, int64_t Kd, con
 bool CudaModel::heads_on_skinny(const cuda::LinearParams& lp) const {
   const int64_t T = lp.T;
   const bool tile = T <= tile_max_t_ && cuda::linear_tile_supported(lp);
-  return T <= skinny_max_t_ && !(tile && tile_first(T));
+  return T <= skinny_max_t_ && !(tile && tile_first(T, 0));  // 17-20 tokens: the W_UK / W_UV heads stay on skinny
 }
 
 void CudaModel::gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, int64_t in_head,

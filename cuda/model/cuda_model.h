@@ -202,7 +202,7 @@ class CudaModel : public TargetModel {
                       int64_t ldo, float beta = 0.f);
   // steps whose RMSNorms feeding a single projection run inside that projection's kernel
   bool fuse_norm(int64_t T) const;
-  bool tile_first(int64_t T) const;  // linear_tile ahead of linear_skinny for this step size (auto rule)
+  bool tile_first(int64_t T, int64_t wbytes) const;  // linear_tile ahead of linear_skinny (auto rule; wbytes: the matrix)
   // The forward over T <= max_tokens tokens already on the device (d_tokens_/d_positions_ or
   // the caller's), cache rows written from row0 = committed + chunk offset.
   // len_d (graph replays): the committed length is read from device memory (*len_d, rows written
