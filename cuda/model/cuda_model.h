@@ -65,7 +65,7 @@ struct CudaModelOptions {
                                  // down projection beside the routed experts (<= 4 tokens); same results
   bool bf16_weight_copies = true;  // weights whose every value is exactly a BF16 (a BF16 checkpoint) also get a
                                    // BF16 copy on the device, made at finalize(), which the kernels of steps up
-                                   // to 48 tokens (linear_skinny, linear_tile, both expert kernels) read instead:
+                                   // to 72 tokens (linear_skinny, linear_tile, both expert kernels) read instead:
                                    // the same results from half the bytes, for +50 % weight memory
                                    // (docs/CUDA_MODEL.md)
   int uv_combine_max_tokens = 1;  // steps of at most this many tokens (<= cuda::kUvMaxT; 0 = never) whose attention
