@@ -274,8 +274,6 @@ int linear_tile_rows(int T) {
   return T <= 8 ? 8 : T <= 16 ? 16 : T <= 24 ? 24 : T <= 32 ? 32 : T <= 48 ? 48 : T <= 64 ? 64 : T <= 72 ? 72 : 64;
 }
 
-static bool tile_rows_ok(int r) { return r == 8 || r == 16 || r == 24 || r == 32 || r == 48 || r == 64 || r == 72; }
-
 template <bool TC, bool BF = false>
 cudaError_t launch_rows(const LinearParams& p, cudaStream_t stream) {
   switch (p.tile_rows ? p.tile_rows : linear_tile_rows(p.T)) {
@@ -284,15 +282,17 @@ cudaError_t launch_rows(const LinearParams& p, cudaStream_t stream) {
     case 24: return launch_tile<24, TC, BF>(p, stream);
     case 32: return launch_tile<32, TC, BF>(p, stream);
     case 48: return launch_tile<48, TC, BF>(p, stream);
+    case 64: return launch_tile<64, TC, BF>(p, stream);
     case 72: return launch_tile<72, TC, BF>(p, stream);
-    default: return launch_tile<64, TC, BF>(p, stream);
+    default: return cudaErrorInvalidValue;
   }
 }
 
 cudaError_t linear_tile(const LinearParams& p, cudaStream_t stream) {
   if (!p.x || !p.w || !p.y || p.T < 0 || p.N <= 0 || p.Kd <= 0 || p.batch <= 0 || p.ldx < p.Kd || p.ldy < p.N ||
       p.x_batch < 0 || p.w_batch < 0 || p.y_batch < 0 || p.tile_splits < 0 || p.tile_splits > kMaxSplits ||
-      p.tile_math < 0 || p.tile_math > 1 || (p.tile_rows != 0 && !tile_rows_ok(p.tile_rows)) ||
+      p.tile_math < 0 || p.tile_math > 1 ||
+      (p.tile_rows != 0 && linear_tile_rows(p.tile_rows) != p.tile_rows) ||  // (the heights map to themselves)
       !linear_tile_supported(p))
     return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
