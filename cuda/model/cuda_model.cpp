@@ -235,6 +235,7 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     max_tiles_ = cuda::moe_max_tiles((int)A, (int)E, cuda::kExpertSkinnyRows);
     ws.add(&ye_, A * Dm);
     if (Is > 0) ws.add(&ys_, Tm * Dm);
+    if (Is > 0) ws.add(&acts_, Tm * Is);
     ws.add(&router_logits_, Tm * (E + 2 * Is));  // [T, E] or, merged, [T, E + 2 Is]
     ws.add(&topk_idx_, A);
     ws.add(&topk_w_, A);
@@ -601,30 +602,52 @@ bool CudaModel::tile_first(int64_t T, int64_t wbytes) const {
          (T > kTileFirstMaxT && T <= kSkinnyAutoMaxT && wbytes >= kTileFirstLateMinBytes);
 }
 
+cuda::LinearParams CudaModel::gemm_params(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi,
+                                          const float* w, float* out, int64_t ldo, float beta) const {
+  cuda::LinearParams lp{in, ldi, 0, w, 0, out, ldo, 0, (int)T, (int)N, (int)Kd, 1, beta};
+  lp.tile_math = opt_.tile_tensor_cores ? 0 : 1;
+  lp.w_bf16 = bf16_of(w, N * Kd);  // read by linear_skinny / linear_tile, not by cuBLAS
+  return lp;
+}
+
+CudaModel::GemmKind CudaModel::gemm_kind(const cuda::LinearParams& lp) const {
+  const int64_t T = lp.T, wbytes = (int64_t)lp.N * lp.Kd * (int64_t)sizeof(float);
+  const bool big = wbytes > kSkinnyBigBytes;
+  const bool tile = T <= tile_max_t_ && cuda::linear_tile_supported(lp);  // (false with norm_w)
+  const bool skinny = T <= skinny_max_t_ && (lp.norm_w || !big || T <= skinny_big_max_t_);
+  if (skinny && !(tile && tile_first(T, wbytes))) return GemmKind::kSkinny;
+  return tile ? GemmKind::kTile : GemmKind::kCublas;  // (tile: also big weights past skinny_big_max_tokens)
+}
+
+void CudaModel::gemm_run(cuda::LinearParams lp, float* norm_out, void* stream) {
+  cudaStream_t st = as_stream(stream ? stream : stream_);
+  switch (gemm_kind(lp)) {
+    case GemmKind::kSkinny:
+      lp.norm_out = norm_out;
+      lp.ldn = lp.Kd;
+      check_cuda(cuda::linear_skinny(lp, st), "linear_skinny");
+      return;
+    case GemmKind::kTile:
+      check_cuda(cuda::linear_tile(lp, st), "linear_tile");
+      return;
+    case GemmKind::kCublas:
+      break;
+  }
+  if (st != as_stream(stream_)) throw RuntimeFailure("CudaModel: internal error, a cuBLAS product off the main stream");
+  const cuda::CublasApi& api = cuda::cublas_api();
+  const float alpha = 1.f, beta = lp.beta;
+  check_cublas(api.sgemm(as_handle(cublas_), CUBLAS_OP_T, CUBLAS_OP_N, lp.N, lp.T, lp.Kd, &alpha, lp.w, lp.Kd, lp.x,
+                         (int)lp.ldx, &beta, lp.y, (int)lp.ldy),
+               "sgemm");
+}
+
 void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, const float* w, float* out,
                         int64_t ldo, float beta, const float* norm_w, double norm_eps, float* norm_out) {
   if (norm_w && !fuse_norm(T)) throw RuntimeFailure("CudaModel: internal error, a fused RMSNorm outside fuse_norm");
-  const bool big = N * Kd * (int64_t)sizeof(float) > kSkinnyBigBytes;
-  cuda::LinearParams lp{in, ldi, 0, w, 0, out, ldo, 0, (int)T, (int)N, (int)Kd, 1, beta, norm_w, norm_eps};
-  lp.tile_math = opt_.tile_tensor_cores ? 0 : 1;
-  lp.w_bf16 = bf16_of(w, N * Kd);  // read by linear_skinny / linear_tile, not by cuBLAS
-  const bool tile = T <= tile_max_t_ && cuda::linear_tile_supported(lp);  // (false with norm_w)
-  const bool skinny = T <= skinny_max_t_ && (norm_w || !big || T <= skinny_big_max_t_);
-  if (skinny && !(tile && tile_first(T, N * Kd * (int64_t)sizeof(float)))) {
-    lp.norm_out = norm_out;
-    lp.ldn = Kd;
-    check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny");
-    return;
-  }
-  if (tile) {  // (also big weights past skinny_big_max_tokens)
-    check_cuda(cuda::linear_tile(lp, as_stream(stream_)), "linear_tile");
-    return;
-  }
-  const cuda::CublasApi& api = cuda::cublas_api();
-  const float alpha = 1.f;
-  check_cublas(api.sgemm(as_handle(cublas_), CUBLAS_OP_T, CUBLAS_OP_N, (int)N, (int)T, (int)Kd, &alpha, w, (int)Kd, in,
-                         (int)ldi, &beta, out, (int)ldo),
-               "sgemm");
+  cuda::LinearParams lp = gemm_params(T, N, Kd, in, ldi, w, out, ldo, beta);
+  lp.norm_w = norm_w;
+  lp.norm_eps = norm_eps;
+  gemm_run(lp, norm_out, nullptr);
 }
 
 cuda::LinearParams CudaModel::heads_params(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi,
@@ -883,14 +906,25 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   };
   cuda::MoeGroupParams gp{topk_idx_, (int)T, (int)K, (int)E, tile_rows, expert_counts_ + ly.moe_index * E, offsets_,
                           slot_token_, slot_of_, tile_expert_, tile_row0_, num_tiles_};
-  // The shared expert's down projection (SwiGLU inside, <= 4 tokens) reads only the merged
-  // projection's output: with opt_.side_stream it runs beside the routed experts.
-  const bool shared_side = side_ && merged && T <= cuda::kLinearSwigluFuseMaxT;
+  // The shared expert reads only the merged projection's output (its gate/up rows): with
+  // opt_.side_stream its SwiGLU and down projection run beside the routing and the routed experts,
+  // on the second stream (a graph branch), joined before moe_combine. The SwiGLU runs inside
+  // linear_skinny for <= kLinearSwigluFuseMaxT tokens, else as its own kernel into acts_ (act_
+  // belongs to the routed experts meanwhile). Not where the product would need cuBLAS (its
+  // handle runs on the main stream).
+  cuda::LinearParams sd = gemm_params(T, Dm, Is, acts_, Is, ly.shared_down, ys_, Dm, 0.f);
+  const bool shared_side = side_ && merged && gemm_kind(sd) != GemmKind::kCublas;
   if (shared_side) {
-    cuda::LinearParams lp{router_logits_ + E, ldr, 0, ly.shared_down, 0, ys_, Dm, 0, (int)T, (int)Dm, (int)Is, 1, 0.f};
-    lp.x_swiglu = 1;
-    lp.w_bf16 = bf16_of(ly.shared_down, Dm * Is);
-    check_cuda(cuda::linear_skinny(lp, as_stream(fork())), "linear_skinny(shared down, side)");
+    void* side = fork();
+    if (T <= cuda::kLinearSwigluFuseMaxT && gemm_kind(sd) == GemmKind::kSkinny) {
+      sd.x = router_logits_ + E;
+      sd.ldx = ldr;
+      sd.x_swiglu = 1;
+    } else {
+      cuda::SwigluParams sp{router_logits_ + E, (int)T, (int)Is, nullptr, acts_, ldr};
+      check_cuda(cuda::swiglu(sp, as_stream(side)), "swiglu(shared, side)");
+    }
+    gemm_run(sd, nullptr, side);
   }
   check_cuda(cuda::moe_route_group(rp, gp, st), "moe_route + moe_group");  // one launch for few tokens
 

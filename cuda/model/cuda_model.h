@@ -62,7 +62,8 @@ struct CudaModelOptions {
                                   // docs/CUDA_MODEL.md), else FP32 on the CUDA cores
   bool side_stream = true;       // run independent kernels of a step on a second stream (graph
                                  // branches): mla_prep beside the W_UK product, the shared expert's
-                                 // down projection beside the routed experts (<= 4 tokens); same results
+                                 // SwiGLU + down projection beside the routed experts (steps on
+                                 // linear_skinny / linear_tile, <= 72 tokens by default); same results
   bool bf16_weight_copies = true;  // weights whose every value is exactly a BF16 (a BF16 checkpoint) also get a
                                    // BF16 copy on the device, made at finalize(), which the kernels of steps up
                                    // to 72 tokens (linear_skinny, linear_tile, both expert kernels) read instead:
@@ -186,6 +187,13 @@ class CudaModel : public TargetModel {
   void gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, const float* w, float* out,
                int64_t ldo, float beta = 0.f, const float* norm_w = nullptr, double norm_eps = 0.0,
                float* norm_out = nullptr);
+  // gemm_nt's parameters, and which kernel it runs them on; gemm_run launches that on `stream`
+  // (nullptr: stream_; cuBLAS only on stream_, its handle's stream)
+  enum class GemmKind { kSkinny, kTile, kCublas };
+  cuda::LinearParams gemm_params(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, const float* w,
+                                 float* out, int64_t ldo, float beta) const;
+  GemmKind gemm_kind(const cuda::LinearParams& lp) const;
+  void gemm_run(cuda::LinearParams lp, float* norm_out, void* stream);
   // per head h < heads: out[T, N] (ldo, at h * out_head) = in[T, Kd] (ldi, at h * in_head) @ w_h^T,
   // w_h = w + h * N * Kd row-major [N, Kd] (the absorbed MLA products W_UK, W_UV)
   // the parameters of gemm_nt_heads' product, and whether it runs on linear_skinny
@@ -297,6 +305,7 @@ class CudaModel : public TargetModel {
   float* ov_ = nullptr;                    // [Tm, H*Dv]
   float *gu_ = nullptr, *act_ = nullptr;   // dense / shared / tiled-expert [rows, 2I], [rows, I]
   float *ye_ = nullptr, *ys_ = nullptr;    // [Tm*K, Dm] expert outputs by slot, [Tm, Dm] shared
+  float* acts_ = nullptr;                  // [Tm, Is] the shared expert's SwiGLU output (side stream)
   float* router_logits_ = nullptr;         // [Tm, E], or [Tm, E + 2Is] (router | shared gate/up, merged)
   int32_t* topk_idx_ = nullptr;            // [Tm, K]
   float* topk_w_ = nullptr;                // [Tm, K]

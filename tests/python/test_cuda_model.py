@@ -365,8 +365,9 @@ def test_side_stream_equals_one_stream(name):
     """side_stream=True (the default: mla_prep beside the W_UK product, the shared expert beside
     the routed ones; graph branches when captured): the same kernels on the same data, so the
     logits equal the one-stream model's bit for bit, step after step (decode, small trees, a
-    17-token step), eager (forward) and, with torch, graph-replayed (forward_ptr from the second
-    call of a shape), and the caches the same. Both models are built here (fresh graph caches)."""
+    17-token step, a 65-token one: the shared expert's SwiGLU and product on the side stream through
+    linear_tile), eager (forward) and, with torch, graph-replayed (forward_ptr from the second call of
+    a shape), and the caches the same. Both models are built here (fresh graph caches)."""
     cfg = config_from_dict(config_dict(spec(name)))
     w = {k: v.astype(np.float32) for k, v in random_weights(cfg, 0).items()}
     one = load(_native.CudaModel(cfg.to_native(), 200, side_stream=False), w)
@@ -374,7 +375,7 @@ def test_side_stream_equals_one_stream(name):
     V = cfg.vocab_size
     for m in (one, two):
         prefill(m, prompt(V, 30, seed=51))
-    for T in (1, 2, 4, 17):
+    for T in (1, 2, 4, 17, 65):
         toks = prompt(V, T, seed=60 + T)
         pos = one.cache_len + np.arange(T)
         vis = np.tril(np.ones((T, T), dtype=bool))
@@ -391,7 +392,7 @@ def test_side_stream_equals_one_stream(name):
         torch = None
     if torch is not None and torch.cuda.is_available():
         dev = torch.device("cuda")
-        for T in (1, 4, 17):
+        for T in (1, 4, 17, 65):
             bufs = {}
             for m in (one, two):  # fixed buffers per model and shape: one graph key each
                 bufs[id(m)] = (torch.empty(T, dtype=torch.int32, device=dev), torch.empty(T, dtype=torch.int32, device=dev),
