@@ -15,8 +15,10 @@ for levels of more than 32 parents thread 0's own counting), offs (adaptive leve
 offsets, two warp scans and two barriers; estimate's levels: the offset scan of a level of more
 than 32 nodes), probe (the tighter-threshold recount), mat (materialise a level; on the estimate's
 path with its children counts, and the warp-0 run of small levels), gscan (histogram
-scan; on the estimate's path only the final one), rank (counting sort + comparisons inside a bucket + parents), out (outputs, thread 0's
-own time), other (the one-warp / sequential paths). This script runs each shape a few times, captures the
+scan; on the estimate's path only the final one), rank (counting sort + comparisons inside a bucket;
+the parallel path also writes each node's token, depth and position there), out (outputs: parents,
+visibility walk and copy, warp by warp with no block barrier; the profile build adds one at its end,
+so out is the slowest warp's time), other (the one-warp / sequential paths). This script runs each shape a few times, captures the
 device prints (file descriptor 1) and prints the median launch per shape as a table.
 Shapes: the benchmark's peaked and flat drafters at K = B, the engine's K = 8 rows, and the
 OracleDrafter's rows ([-0.01, -4, -5, ...] at every depth: chains with many exact score ties).

@@ -74,7 +74,8 @@ namespace kdtree {
 namespace treeimpl {
 
 // KD_TREE_MARK categories (a mark adds the time since the previous one to its category; P_START
-// only restarts the clock) and two event counters (levels counted, probes run)
+// only restarts the clock) and two event counters (levels counted, probes run). P_RANK_PAR is no
+// longer marked (the parents are mapped in write_outputs); kept so the profile line keeps its fields.
 enum ProfCat {
   P_START = -1, P_PHASE0 = 0, P_LEVEL1, P_COUNT, P_PROBE, P_MAT, P_GSCAN, P_RANK_SORT, P_RANK_CMP, P_RANK_PAR,
   P_OUT, P_OTHER, P_OFFS, P_THR, kProfTimed, P_LEVELS = kProfTimed, P_PROBES, kProfCats
@@ -122,7 +123,12 @@ struct TreeLayout {
   int cap, keff;
   size_t o_sc, o_par, o_rk, o_bk, o_dp, o_lpc, o_hist, o_hpre, o_gcnt, o_phist, o_pgc, o_cur, o_cnt,
       o_ord, o_nid, o_odp, o_ork, o_opar, o_misc, o_scan, total;
+  size_t o_osc;  // the final ranking's scores in bucket order: [cap] doubles over phist .. cnt (dead by then)
 };
+// The order matters in three places: the fallback heap aliases sc .. dp (make_fallback_layout);
+// the ranking's osc spans phist .. cnt; write_outputs stages the visibility rows in [0, o_par),
+// everything the build no longer needs once the ranking is done (par and nid, which the output
+// walk reads, sit above it; the layout grows there when the rows need more room).
 
 KD_HD inline size_t align_up(size_t x, size_t a) { return (x + a - 1) / a * a; }
 
@@ -135,7 +141,6 @@ KD_HD inline TreeLayout make_tree_layout(int B, int D, int K) {
   L.cap = cap;
   size_t o = 0;
   L.o_sc = o;    o = align_up(o + sizeof(double) * cap, 16);
-  L.o_par = o;   o = align_up(o + sizeof(uint16_t) * cap, 16);
   L.o_rk = o;    o = align_up(o + sizeof(uint16_t) * cap, 16);
   L.o_bk = o;    o = align_up(o + sizeof(uint16_t) * cap, 16);
   L.o_dp = o;    o = align_up(o + sizeof(uint8_t) * cap, 16);
@@ -147,7 +152,12 @@ KD_HD inline TreeLayout make_tree_layout(int B, int D, int K) {
   L.o_pgc = o;   o = align_up(o + sizeof(int) * kNG, 16);
   L.o_cur = o;   o = align_up(o + sizeof(int) * kNB, 16);
   L.o_cnt = o;   o = align_up(o + sizeof(int) * (cap + 1), 16);
+  L.o_osc = L.o_phist;  // phist, pgc, cur, cnt are adjacent: cnt grows (B > 912) to hold cap doubles
+  if (o < L.o_osc + sizeof(double) * cap) o = align_up(L.o_osc + sizeof(double) * cap, 16);
   L.o_ord = o;   o = align_up(o + sizeof(uint16_t) * cap, 16);
+  const size_t vis_bytes = sizeof(uint64_t) * (size_t)(B + 1) * vis_words(B);  // the staged rows
+  if (o < vis_bytes) o = align_up(vis_bytes, 16);
+  L.o_par = o;   o = align_up(o + sizeof(uint16_t) * cap, 16);
   L.o_nid = o;   o = align_up(o + sizeof(uint16_t) * cap, 16);
   L.o_odp = o;   o = align_up(o + sizeof(uint8_t) * (B + 1), 16);
   L.o_ork = o;   o = align_up(o + sizeof(uint16_t) * (B + 1), 16);
@@ -159,7 +169,7 @@ KD_HD inline TreeLayout make_tree_layout(int B, int D, int K) {
 }
 
 // Fallback heap storage, aliased onto the candidate store (sc .. dp), which is large enough:
-// heap (B+1) x (8+2+2+1) bytes plus rank tuples (B+1) x 16 x 2 bytes <= cap x 15 bytes.
+// heap (B+1) x (8+2+2+1) bytes plus rank tuples (B+1) x 16 x 2 bytes <= cap x 13 bytes.
 struct FallbackLayout {
   size_t o_hsc, o_hpar, o_hrk, o_hdp, o_tup;
 };
@@ -568,7 +578,7 @@ struct TreeBlock {
     for (int i = tid; i < kNB; i += nt) {  // (phist and cur: the threshold estimate's scratch)
       ctx.step(1);
       hist[i] = 0;
-      cur[i] = i >= kDpG && i < 2 * kDpG ? 1 : 0;  // S_0 of fixed_threshold: the root, in every bin
+      if (i < 6 * kDpG) cur[i] = i >= kDpG && i < 2 * kDpG ? 1 : 0;  // S_0 of fixed_threshold: the root, in every bin
       if (i < kMaxDepth * kDpG) phist[i] = 0;
     }
     if (tid < kNG) gcnt[tid] = 0;
@@ -892,12 +902,6 @@ struct TreeBlock {
     return d < D ? count_fixed(s, d + 1, lim) : 0;
   }
 
-  // The threshold estimate's scratch in cur (its S and N buffers) back to zero: cur holds the final
-  // ranking's cursors. Only once no warp can still read the estimate's totals.
-  KD_HD void clear_estimate_scratch() {
-    for (int i = tid; i < 6 * kDpG; i += nt) cur[i] = 0;
-  }
-
   // The adaptive levels (btf = kBottom): level 1, then levels 2..D with the threshold of
   // everything materialised so far, the staircase bounds and probes. Returns 0, or -1 when the
   // candidate store would overflow (the sequential fallback).
@@ -919,7 +923,6 @@ struct TreeBlock {
       ctx.atomic_add(&gcnt[b >> 5], kBoth);
     }
     ctx.sync();
-    clear_estimate_scratch();  // (until the barrier above, warps may still read the estimate's totals)
     gscan(hist, gcnt, hpre, kLo, M_BT, true);
     KD_TREE_MARK(P_LEVEL1);
 
@@ -1024,68 +1027,79 @@ struct TreeBlock {
       const int used = fixed_levels(btf);
       if (used < B) return -2;  // (also -2 itself)
       if (tid == 0) misc[M_USED] = used;  // (misc[M_BT] = kBottom since fixed_levels' first barrier)
-      clear_estimate_scratch();  // (every read of the estimate's totals came before the levels' barriers)
       gscan(hist, gcnt, hpre, kLo, M_BT, false);
       KD_TREE_MARK(P_GSCAN);
     } else {
       if (adaptive_levels() < 0) return -1;
     }
     // ---- final ranking: counting sort by bucket, exact comparisons inside a bucket
+    // Sort: every prefix of a bucket <= bt goes to ord[k] (store id) and osc[k] (its score), k in
+    // its bucket's run; hpre[b]'s low half is the cursor (it ends at the run's end; + cb <= cap, so
+    // it never carries into the level half, which nothing reads any more).
     const int used = misc[M_USED];
     const int bt = misc[M_BT];
-    // with fewer than B prefixes (bt = kBottom) all `used` of them are in
-    const int total_in = bt == kBottom ? used : (hpre[bt] & kLo) + (hist[bt] & kLo);
-    const int n = total_in < B ? total_in : B;
-    for (int x = tid; x < used; x += nt) {  // cur[] was zeroed in phase 0
+    double* osc = reinterpret_cast<double*>(sm + L.o_osc);
+    for (int x = tid; x < used; x += nt) {
       ctx.step(1);
-      int b = bk[x];
-      if (b <= bt) ord[(hpre[b] & kLo) + ctx.atomic_add(&cur[b], 1)] = (uint16_t)x;
+      const int b = bk[x];
+      if (b <= bt) {
+        const int k = ctx.atomic_add(&hpre[b], 1) & kLo;
+        ord[k] = (uint16_t)x;
+        osc[k] = sc[x];
+      }
     }
     ctx.sync();
     KD_TREE_MARK(P_RANK_SORT);
-    for (int x = tid; x < used; x += nt) {
-      int b = bk[x];
-      if (b > bt) continue;
-      const int s0 = hpre[b] & kLo, cb = hist[b] & kLo, ke = s0 + cb;
-      // rank = s0 + the bucket's members that pop before x. First pass: the better scores (the
-      // scores only, four independent loads at a time, branch-free). Only if another member ties
-      // x's score, a second pass over the ties: one at x's depth is decided by the store index
-      // (within a level, store order is rank-tuple order), one at another depth by the
-      // rank-tuple walk (lex_less).
-      const double sx = sc[x];
-      auto members4 = [&](int k, int (&y)[4]) {  // the bucket's members k .. k+3 (x itself past the end)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) y[e] = k + e < ke ? (int)ord[k + e] : x;
-      };
+    // with fewer than B prefixes (bt = kBottom) all `used` of them are in
+    const int total_in = bt == kBottom ? used : hpre[bt] & kLo;
+    const int n = total_in < B ? total_in : B;
+    // Compare: thread k ranks the prefix at sorted position k. The lanes of a warp hold consecutive
+    // positions, so they mostly share a bucket and read the same osc / ord / dp entries in each
+    // step (shared-memory broadcasts, no bank conflicts; gathering sc[ord[k]] in store order, as
+    // this was, cost an extra dependent load and up to 32 distinct banks per load).
+    for (int k = tid; k < total_in; k += nt) {
+      const int x = ord[k];
+      const int b = bk[x];
+      const int ke = hpre[b] & kLo, cb = hist[b] & kLo, s0 = ke - cb;
+      const int dx = dp[x], rx = rk[x], px = par[x];
+      // the node's token: a global load issued now, consumed after the comparisons (its latency
+      // hides behind them instead of opening write_outputs)
+      const int32_t tok = a.ids[(size_t)(dx - 1) * a.ld + rx];
+      // rank = s0 + the bucket's members that pop before x. First pass: the better scores (four
+      // independent loads at a time, branch-free). Only if another member ties x's score, a second
+      // pass over the ties: one at x's depth is decided by the store index (within a level, store
+      // order is rank-tuple order), one at another depth by the rank-tuple walk (lex_less).
+      const double sx = osc[k];
       int rank = s0;
       bool tie = false;
       ctx.step(1 + cb / 4);
-      for (int k = s0; k < ke; k += 4) {
-        int y[4];
+      for (int j = s0; j < ke; j += 4) {
+        int q[4];
         double ay[4];
-        members4(k, y);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) ay[e] = sc[y[e]];
+        for (int e = 0; e < 4; ++e) q[e] = j + e < ke ? j + e : k;  // past the end: x itself
+#pragma unroll
+        for (int e = 0; e < 4; ++e) ay[e] = osc[q[e]];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           rank += ay[e] > sx;
-          tie |= ay[e] == sx && y[e] != x;
+          tie |= ay[e] == sx && q[e] != k;
         }
       }
       if (tie) {
-        const int dx = dp[x];
         bool walk = false;
         ctx.step(cb / 4);
-        for (int k = s0; k < ke; k += 4) {
-          int y[4];
+        for (int j = s0; j < ke; j += 4) {
+          int y[4], dy[4];
           double ay[4];
-          int dy[4];
-          members4(k, y);
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            ay[e] = sc[y[e]];
-            dy[e] = dp[y[e]];
+            const int qe = j + e < ke ? j + e : k;
+            y[e] = ord[qe];
+            ay[e] = osc[qe];
           }
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dy[e] = dp[y[e]];
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const bool eq = ay[e] == sx;
@@ -1095,29 +1109,24 @@ struct TreeBlock {
         }
         if (walk) {
           ctx.step(cb);
-          for (int k = s0; k < ke; ++k) {
-            const int y = ord[k];
-            if (sc[y] == sx && dp[y] != dx && lex_less(y, x)) ++rank;
+          for (int j = s0; j < ke; ++j) {
+            const int y = ord[j];
+            if (osc[j] == sx && dp[y] != dx && lex_less(y, x)) ++rank;
           }
         }
       }
       if (rank < n) {
-        odp[rank] = dp[x];
-        ork[rank] = rk[x];
-        opar[rank] = (int16_t)x;  // store id for now; parent index below
+        odp[rank] = (uint8_t)dx;
+        ork[rank] = (uint16_t)rx;
+        opar[rank] = (int16_t)px;  // the parent's store id (kRoot: -1); write_outputs maps it by nid
         nid[x] = (uint16_t)(rank + 1);
+        a.tokens[rank] = tok;  // node rank + 1's outputs but its parent (write_outputs skips them)
+        a.depths[rank] = dx;
+        a.positions[rank + 1] = a.cache_len + dx;
       }
     }
     ctx.sync();
     KD_TREE_MARK(P_RANK_CMP);
-    for (int i = tid; i < n; i += nt) {
-      ctx.step(1);
-      int x = opar[i];
-      int p = par[x];
-      opar[i] = (int16_t)(p == kRoot ? 0 : nid[p]);
-    }
-    ctx.sync();
-    KD_TREE_MARK(P_RANK_PAR);
     return n;
   }
 
@@ -1325,11 +1334,19 @@ struct TreeBlock {
   }
 
   // ---------------------------------------------------------------- outputs
-  KD_HD void write_outputs(int n, int path) {
+  // by_store (the parallel path): the ranking wrote nodes 1..n's tokens, depths and positions
+  // and left, per node, its parent's store id in opar and every node's index in nid (store id ->
+  // rank + 1), with no block barrier since: the parents and the visibility walks map store ids
+  // through nid here. Otherwise (the fallback and one-warp paths) odp / ork / opar hold each
+  // node's depth, rank and parent index.
+  KD_HD void write_outputs(int n, int path, bool by_store) {
     const int W = vis_words(B);
     for (int i = tid; i < B; i += nt) {
       ctx.step(1);
-      if (i < n) {
+      if (i < n && by_store) {
+        const int p = (uint16_t)opar[i];
+        a.parents[i + 1] = p == kRoot ? 0 : nid[p];
+      } else if (i < n) {
         int d = odp[i];
         a.tokens[i] = a.ids[(size_t)(d - 1) * a.ld + ork[i]];
         a.depths[i] = d;
@@ -1350,41 +1367,58 @@ struct TreeBlock {
     }
     // Visibility: one ancestor walk per row (ancestors have smaller indices, so the walk meets
     // the row's words in descending order and each word is complete when the walk leaves it),
-    // staged in the shared memory the build no longer needs (everything below o_odp), then
-    // copied out coalesced. Without room (B near 1024 with tiny D x K), rows go straight out.
-    const int words = (B + 1) * W;
-    const bool stage = (size_t)words * sizeof(uint64_t) <= L.o_odp;
-    uint64_t* vs = stage ? reinterpret_cast<uint64_t*>(sm) : a.visibility;
-    for (int i = tid; i <= B; i += nt) {
-      ctx.step(1);
-      uint64_t* row = vs + (size_t)i * W;
-      int w = W - 1;  // the next word to write, descending
-      uint64_t cur = 0;
-      if (i <= n) {
-        int x = i;
-        for (;;) {
-          ctx.step(1);
-          const int xw = x >> 6;
-          for (; w > xw; --w) {  // the walk has left word w: it is complete (or empty)
-            row[w] = cur;
-            cur = 0;
-          }
-          cur |= (uint64_t)1 << (x & 63);
-          if (x == 0) break;
-          x = opar[x - 1];
-        }
+    // staged in the shared memory the build no longer needs (everything below o_par, which
+    // make_tree_layout sizes for the rows), then copied out coalesced.
+    // Warp by warp: a warp walks rpw <= 32 consecutive rows (lane = row; rpw spreads the rows
+    // over every warp) and copies those rows, one contiguous run of the output, itself after a
+    // warp barrier: no block barrier, and a warp's stores start while other warps still walk.
+    uint64_t* const st = reinterpret_cast<uint64_t*>(sm);  // the staged rows
+    const int rpw0 = (B + nw) / nw, rpw = rpw0 < 32 ? rpw0 : 32;  // ceil((B + 1) / nw), at most 32
+    for (int i0 = warp * rpw; i0 <= B; i0 += nw * rpw) {  // warp-uniform trip count
+      const int i = i0 + lane;
+      if (lane < rpw && i <= B) {
+        ctx.step(1);
+        vis_row(st + (size_t)i * W, i, n, W, by_store);
       }
-      for (; w >= 0; --w) {  // word 0 (the root's) and, for rows past n, every word = 0
-        row[w] = cur;
-        cur = 0;
+      ctx.warp_sync();  // the warp's rows are staged (and visible to its lanes)
+      const int e1 = (i0 + rpw <= B + 1 ? i0 + rpw : B + 1) * W;
+      for (int idx = i0 * W + lane; idx < e1; idx += 32) {
+        ctx.step(1);
+        a.visibility[idx] = st[idx];
       }
     }
-    if (stage) {
-      ctx.sync();
-      for (int idx = tid; idx < words; idx += nt) {
+  }
+
+  // Row i of the visibility (W words at row): the ancestor walk, over parent indices in opar, or
+  // (by_store) over store ids: par from the candidate store, the index of each by nid.
+  KD_HD void vis_row(uint64_t* row, int i, int n, int W, bool by_store) const {
+    int w = W - 1;  // the next word to write, descending
+    uint64_t cur = 0;
+    if (i <= n) {
+      int x = i;  // the node (index)
+      int y = by_store && i > 0 ? (int)(uint16_t)opar[i - 1] : (int)kRoot;  // by_store: x's parent's store id
+      for (;;) {
         ctx.step(1);
-        a.visibility[idx] = vs[idx];
+        const int xw = x >> 6;
+        for (; w > xw; --w) {  // the walk has left word w: it is complete (or empty)
+          row[w] = cur;
+          cur = 0;
+        }
+        cur |= (uint64_t)1 << (x & 63);
+        if (x == 0) break;
+        if (!by_store) {
+          x = opar[x - 1];
+        } else if (y == kRoot) {
+          x = 0;
+        } else {
+          x = nid[y];  // (two independent loads: one dependent step per ancestor, as over opar)
+          y = par[y];
+        }
       }
+    }
+    for (; w >= 0; --w) {  // word 0 (the root's) and, for rows past n, every word = 0
+      row[w] = cur;
+      cur = 0;
     }
   }
 
@@ -1415,7 +1449,10 @@ struct TreeBlock {
         }
       }
     }
-    write_outputs(n, path);
+    write_outputs(n, path, path == 0 || path == 3);
+#if defined(KDTREE_TREE_PROFILE) && defined(__CUDA_ARCH__)
+    ctx.sync();  // (profile only: write_outputs ends without a block barrier; out = the slowest warp's time)
+#endif
     KD_TREE_MARK(P_OUT);
 #if defined(KDTREE_TREE_PROFILE) && defined(__CUDA_ARCH__)
     if (tid == 0)

@@ -72,6 +72,7 @@ struct Block {  // what the threads of one emulated block share
   std::vector<Warp> warps;  // nthreads / 32
   long gpu_barriers = 0, scan_elems = 0, crit = 0;
   long phase[kdtree::treeimpl::kProfCats] = {}, phase_last = 0;  // KD_TREE_MARK: critical-path steps per phase (thread 0 marks)
+  int last_cat = -1;  // the category of thread 0's last mark: it also gets the tail after the last barrier
 
   int or_acc = 0, or_result = 0;  // barrier_or: the OR of this generation's predicates, then its result
 
@@ -113,6 +114,7 @@ struct HostCtx {
     std::lock_guard<std::mutex> lk(blk->mu);
     if (cat >= 0 && cat < kdtree::treeimpl::kProfTimed) blk->phase[cat] += blk->crit - blk->phase_last;
     blk->phase_last = blk->crit;
+    blk->last_cat = cat;
   }
   int atomic_add(int* p, int v) const { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
   void atomic_min(int* p, int v) const {
@@ -220,6 +222,7 @@ Out run_block(const std::vector<float>& lp, const std::vector<int32_t>& ids, int
   for (long v : blk.steps) m = std::max(m, v);
   o.crit = blk.crit + m;  // the tail after the last barrier
   for (int i = 0; i < kdtree::treeimpl::kProfCats; ++i) o.phase[i] = blk.phase[i];
+  if (blk.last_cat >= 0 && blk.last_cat < kdtree::treeimpl::kProfTimed) o.phase[blk.last_cat] += m;  // (the outputs' copy)
   o.fix = reinterpret_cast<const int*>(smem + L.o_misc)[kdtree::treeimpl::M_FIX];
   return o;
 }
