@@ -687,18 +687,22 @@ void CudaModel::run_heads(const cuda::LinearParams& lp) {
                "sgemm_strided_batched");
 }
 
+bool CudaModel::swiglu_in_skinny(int64_t T) const { return T <= skinny_max_t_ && T <= cuda::kLinearSwigluFuseMaxT; }
+
 void CudaModel::swiglu_gemm_nt(int64_t T, int64_t N, int64_t I, const float* gu, int64_t ldg, const float* w,
-                               float* out, int64_t ldo, float beta) {
-  if (T <= skinny_max_t_ && T <= cuda::kLinearSwigluFuseMaxT) {
-    cuda::LinearParams lp{gu, ldg, 0, w, 0, out, ldo, 0, (int)T, (int)N, (int)I, 1, beta};
+                               float* out, int64_t ldo, float beta, float* act, void* stream) {
+  if (!act) act = act_;
+  cuda::LinearParams lp = gemm_params(T, N, I, act, I, w, out, ldo, beta);
+  if (swiglu_in_skinny(T)) {
+    lp.x = gu;
+    lp.ldx = ldg;
     lp.x_swiglu = 1;
-    lp.w_bf16 = bf16_of(w, N * I);
-    check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny(swiglu)");
+    check_cuda(cuda::linear_skinny(lp, as_stream(stream ? stream : stream_)), "linear_skinny(swiglu)");
     return;
   }
-  cuda::SwigluParams sp{gu, (int)T, (int)I, nullptr, act_, ldg};
-  check_cuda(cuda::swiglu(sp, as_stream(stream_)), "swiglu");
-  gemm_nt(T, N, I, act_, I, w, out, ldo, beta);
+  cuda::SwigluParams sp{gu, (int)T, (int)I, nullptr, act, ldg};
+  check_cuda(cuda::swiglu(sp, as_stream(stream ? stream : stream_)), "swiglu");
+  gemm_run(lp, nullptr, stream);
 }
 
 void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, const uint64_t* vis_d,
@@ -907,25 +911,14 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   cuda::MoeGroupParams gp{topk_idx_, (int)T, (int)K, (int)E, tile_rows, expert_counts_ + ly.moe_index * E, offsets_,
                           slot_token_, slot_of_, tile_expert_, tile_row0_, num_tiles_};
   // The shared expert reads only the merged projection's output (its gate/up rows): with
-  // opt_.side_stream its SwiGLU and down projection run beside the routing and the routed experts,
-  // on the second stream (a graph branch), joined before moe_combine. The SwiGLU runs inside
-  // linear_skinny for <= kLinearSwigluFuseMaxT tokens, else as its own kernel into acts_ (act_
-  // belongs to the routed experts meanwhile). Not where the product would need cuBLAS (its
-  // handle runs on the main stream).
-  cuda::LinearParams sd = gemm_params(T, Dm, Is, acts_, Is, ly.shared_down, ys_, Dm, 0.f);
-  const bool shared_side = side_ && merged && gemm_kind(sd) != GemmKind::kCublas;
-  if (shared_side) {
-    void* side = fork();
-    if (T <= cuda::kLinearSwigluFuseMaxT && gemm_kind(sd) == GemmKind::kSkinny) {
-      sd.x = router_logits_ + E;
-      sd.ldx = ldr;
-      sd.x_swiglu = 1;
-    } else {
-      cuda::SwigluParams sp{router_logits_ + E, (int)T, (int)Is, nullptr, acts_, ldr};
-      check_cuda(cuda::swiglu(sp, as_stream(side)), "swiglu(shared, side)");
-    }
-    gemm_run(sd, nullptr, side);
-  }
+  // opt_.side_stream its SwiGLU and down projection (swiglu_gemm_nt, the SwiGLU into acts_ where it
+  // is its own kernel: act_ belongs to the routed experts meanwhile) run beside the routing and the
+  // routed experts, on the second stream (a graph branch), joined before moe_combine. Not where the
+  // product would need cuBLAS (its handle runs on the main stream).
+  const bool shared_side = side_ && merged &&
+                           (swiglu_in_skinny(T) || gemm_kind(gemm_params(T, Dm, Is, acts_, Is, ly.shared_down, ys_,
+                                                                         Dm, 0.f)) != GemmKind::kCublas);
+  if (shared_side) swiglu_gemm_nt(T, Dm, Is, router_logits_ + E, ldr, ly.shared_down, ys_, Dm, 0.f, acts_, fork());
   check_cuda(cuda::moe_route_group(rp, gp, st), "moe_route + moe_group");  // one launch for few tokens
 
   cuda::ExpertGemmParams xp{};

@@ -205,9 +205,10 @@ class CudaModel : public TargetModel {
   void run_heads(const cuda::LinearParams& lp);  // gemm_nt_heads' dispatch (linear_skinny, linear_tile, cuBLAS)
   // out[T, N] (ld ldo) = beta * out + swiglu(gu) @ w^T with gu [T, 2I] = [gate | up] rows, row
   // stride ldg (the down projection of an MLP): the SwiGLU inside linear_skinny for a few tokens
-  // (kLinearSwigluFuseMaxT), else swiglu into act_ then a GEMM.
+  // (swiglu_in_skinny), else swiglu into act (nullptr: act_) then gemm_run; on `stream` (nullptr: stream_).
   void swiglu_gemm_nt(int64_t T, int64_t N, int64_t I, const float* gu, int64_t ldg, const float* w, float* out,
-                      int64_t ldo, float beta = 0.f);
+                      int64_t ldo, float beta = 0.f, float* act = nullptr, void* stream = nullptr);
+  bool swiglu_in_skinny(int64_t T) const;  // swiglu_gemm_nt's SwiGLU inside linear_skinny
   // steps whose RMSNorms feeding a single projection run inside that projection's kernel
   bool fuse_norm(int64_t T) const;
   bool tile_first(int64_t T, int64_t wbytes) const;  // linear_tile ahead of linear_skinny (auto rule; wbytes: the matrix)
