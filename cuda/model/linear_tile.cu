@@ -12,13 +12,17 @@
 //     first chunks of the (immutable) weights are issued before the PDL wait, while the previous
 //     kernel finishes; rows are padded to 68 floats (conflict-free fragment / float4 reads);
 //   * 128 threads; the products on the tensor cores as 3xTF32 (FP32-accurate, below: warp w owns
-//     weight rows [16 w, 16 w + 16) as the A operand, token groups of 8 are the B operands) or,
-//     tile_math = 1, in FP32 on the CUDA cores (each thread a BM / 8 tokens x 4 rows tile);
+//     weight rows [16 w, 16 w + 16) as the A operand, token groups of 8 are the B operands), the
+//     three partial products of a k-step in three independent accumulators (hi*hi, lo*hi, hi*lo;
+//     summed once at the end as big + (s1 + s2), as the expert GEMM does): with one warp per
+//     scheduler (small grids) one accumulator chain made every mma wait for the one before it;
+//     H200, twenty-fourth session: -3 to -14 % per call at 17-65 tokens, -1 to -3 % in the verify
+//     step. Or, tile_math = 1, in FP32 on the CUDA cores (each thread a BM / 8 tokens x 4 rows tile);
 //   * few output tiles (o_proj: 1024 rows = 16 tiles) would leave most SMs idle, so the k range is
 //     split over a thread-block cluster of up to 8 blocks (Hopper); each block leaves its partial
 //     tile in its shared memory and, after a cluster barrier, block r sums slice r of the tile over
 //     the cluster's blocks through distributed shared memory, in rank order.
-// Deterministic: per output a thread sums its k range in ascending k, the partial tiles are added
+// Deterministic: per output a thread sums its k range in ascending k (per accumulator), the partial tiles are added
 // in split order; the split count is a function of the shape and the SM count only. Measured and
 // routed in docs/BENCHMARKS.md ("Eighth session", "Ninth session"); what bounds it: docs/CUDA_MODEL.md.
 #include <algorithm>
@@ -122,12 +126,13 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
   }
 
   // TC: acc[j] = the m16n8 fragment of token group j (c0 (row g, token 2q), c1 (g, 2q + 1), c2 (g + 8,
-  // 2q), c3 (g + 8, 2q + 1)); else acc[i][j] = token tm + 8 i x row tn + 16 j
-  float acc[TM][4];
+  // 2q), c3 (g + 8, 2q + 1)), hi*hi there, lo(w)*hi(x) in s1 and hi(w)*lo(x) in s2 (the same
+  // fragments); else acc[i][j] = token tm + 8 i x row tn + 16 j
+  float acc[TM][4], s1[TM][4], s2[TM][4];
 #pragma unroll
   for (int i = 0; i < TM; ++i)
 #pragma unroll
-    for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
+    for (int j = 0; j < 4; ++j) acc[i][j] = s1[i][j] = s2[i][j] = 0.f;
   for (int c = 0; c < nc; ++c) {
     cp_async_wait<kStages - 2>();
     __syncthreads();  // chunk c visible to all; the slot of chunk c - 1 free again
@@ -139,10 +144,10 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
     cp_async_commit();
     const float* ws = Ws + (size_t)(c % kStages) * kBN * kPad;
     const float* xs = Xs + (size_t)(c % kStages) * BM * kPad;
-    if constexpr (BF) {  // the FP32 path's order in one accumulator: (lo*hi = 0, skipped), hi*lo, hi*hi
-      mma_chunk_bf16w<TM, kBK, kPadB, kPad>(acc, acc, Wsb + (size_t)(c % kStages) * kBN * kPadB, xs, warp, g, q);
+    if constexpr (BF) {  // the FP32 path's chains: hi*hi, hi*lo (lo*hi = +0: s1 stays +0, not computed)
+      mma_chunk_bf16w<TM, kBK, kPadB, kPad>(acc, s2, Wsb + (size_t)(c % kStages) * kBN * kPadB, xs, warp, g, q);
     } else if constexpr (TC) {
-      mma_chunk_3xtf32<TM, kBK, kPad>(acc, acc, acc, ws, xs, warp, g, q);
+      mma_chunk_3xtf32<TM, kBK, kPad, true>(acc, s1, s2, ws, xs, warp, g, q);
     } else {
 #pragma unroll
       for (int kk = 0; kk < kBK; kk += 4) {
@@ -165,6 +170,12 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
     }
   }
   cp_async_wait<0>();
+  if constexpr (TC) {
+#pragma unroll
+    for (int i = 0; i < TM; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[i][j] = acc[i][j] + (s1[i][j] + s2[i][j]);
+  }
 
   // the block's (partial) tile [BM tokens][kBN rows] in shared memory, then written out (one
   // split) or summed over the cluster's blocks in rank order, slice `split` of it by this block
