@@ -741,15 +741,7 @@ void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, co
   } else {
     cuda::RmsNormParams np{x_, final_ln_, (int)T, (int)Dm, (int)Dm, (int)Dm, c.rms_norm_eps, hn_};
     check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
-    cuda::LinearParams lp = gemm_params(T, c.vocab_size, Dm, hn_, Dm, head, logits_d, c.vocab_size, 0.f);
-    // On linear_tile with tiles of <= 24 token rows, a large head (>= 64 MB as FP32: more than 2 tiles
-    // per SM, where the automatic rule takes one k split) runs two k splits: H200, mini-kimi's 131 MB
-    // head, twenty-fourth session (bench_cuda_linear_tile.py --splits 1 2 --only lm_head):
-    // T = 8 44.5 -> 42.2 us, T = 17 61.4 -> 54.1; in the step (graph replay, four rounds) T = 17
-    // and 24 -0.8 / -0.9 %, T = 8 unchanged. At 33 and 65 (taller tiles, fewer blocks per SM) two
-    // splits were slower (72.9 -> 88.4, 96.2 -> 113.4 us)
-    if (T <= 24 && (int64_t)c.vocab_size * Dm * (int64_t)sizeof(float) >= (int64_t{64} << 20)) lp.tile_splits = 2;
-    gemm_run(lp, nullptr, nullptr);
+    gemm_nt(T, c.vocab_size, Dm, hn_, Dm, head, logits_d, c.vocab_size);
   }
 }
 

@@ -242,6 +242,12 @@ cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
     if (base * splits * 2 < num_sms())
       splits = std::max<long long>(splits, std::min<long long>({(long long)kMaxSplits, (long long)nchunks,
                                                                  (num_sms() + base - 1) / base}));
+    // a large matrix (>= 64 MB as FP32) in tiles of <= 24 token rows, where the rule above takes
+    // one split (more than two tiles per SM), takes two: H200, mini-kimi's 131 MB lm_head
+    // (bench_cuda_linear_tile.py --splits 1 2 --only lm_head, twenty-fourth session): T = 8 44.5 ->
+    // 42.2 us, T = 17 61.4 -> 54.1; in the step T = 17 / 24 -0.8 / -0.9 %, T = 8 unchanged. Taller
+    // tiles (fewer blocks per SM) were slower with two: T = 33 72.9 -> 88.4, T = 65 96.2 -> 113.4.
+    if (splits == 1 && BM <= 24 && nchunks >= 4 && (long long)p.N * p.Kd * p.batch * 4 >= (64LL << 20)) splits = 2;
   }
   splits = std::min(splits, nchunks);
   const int cps = (nchunks + splits - 1) / splits;
