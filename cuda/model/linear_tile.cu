@@ -284,16 +284,30 @@ bool linear_tile_supported(const LinearParams& p) {
          p.w_batch % 4 == 0 && aligned16(p.x) && aligned16(p.w);
 }
 
-// Token rows per tile: the smallest height that holds the step (8-token groups), so a 65-token
-// verify step (B = 64) runs one 72-row tile instead of a 64-row and a 1-row one (each a full pass
-// over the weights); past 72 tokens, tiles of 64.
-int linear_tile_rows(int T) {
+// Token rows per tile. A matrix that stays in L2 through the call (<= 32 MB as FP32: every
+// projection of mini-kimi but the head) takes several small tiles: 16 rows up to 32 tokens, 24 rows
+// for 33-72 tokens. More blocks, so more warps per SM to hide the mma chains' latency (these
+// grids are latency-bound, docs/CUDA_MODEL.md); each tile re-reads the weights, from L2. H200,
+// twenty-fifth session (docs/BENCHMARKS.md): per call at T = 65 q_b 12.7 -> 9.4 us, W_UK 9.5 -> 7.0,
+// router + shared 8.8 -> 6.2; in the verify step T = 17 / 33 / 65 -2.1 / -5.9 / -7.8 % at context
+// 512 against one tile holding the step. Larger matrices (the head: 131 MB) keep one tile for the
+// step, the smallest height that holds it (a second tile would re-read them from HBM), so a
+// 65-token step runs one 72-row tile instead of a 64-row and a 1-row one; past 72 tokens, tiles of 64.
+int linear_tile_rows(int T, long long weight_bytes) {
+  if (weight_bytes <= (32LL << 20) && T > 8 && T <= 72) return T <= 32 ? 16 : 24;
   return T <= 8 ? 8 : T <= 16 ? 16 : T <= 24 ? 24 : T <= 32 ? 32 : T <= 48 ? 48 : T <= 64 ? 64 : T <= 72 ? 72 : 64;
 }
 
+namespace {
+bool tile_height_ok(int rows) {
+  return rows == 8 || rows == 16 || rows == 24 || rows == 32 || rows == 48 || rows == 64 || rows == 72;
+}
+long long weight_bytes(const LinearParams& p) { return (long long)p.N * p.Kd * p.batch * 4; }
+}  // namespace
+
 template <bool TC, bool BF = false>
 cudaError_t launch_rows(const LinearParams& p, cudaStream_t stream) {
-  switch (p.tile_rows ? p.tile_rows : linear_tile_rows(p.T)) {
+  switch (p.tile_rows ? p.tile_rows : linear_tile_rows(p.T, weight_bytes(p))) {
     case 8: return launch_tile<8, TC, BF>(p, stream);
     case 16: return launch_tile<16, TC, BF>(p, stream);
     case 24: return launch_tile<24, TC, BF>(p, stream);
@@ -309,7 +323,7 @@ cudaError_t linear_tile(const LinearParams& p, cudaStream_t stream) {
   if (!p.x || !p.w || !p.y || p.T < 0 || p.N <= 0 || p.Kd <= 0 || p.batch <= 0 || p.ldx < p.Kd || p.ldy < p.N ||
       p.x_batch < 0 || p.w_batch < 0 || p.y_batch < 0 || p.tile_splits < 0 || p.tile_splits > kMaxSplits ||
       p.tile_math < 0 || p.tile_math > 1 ||
-      (p.tile_rows != 0 && linear_tile_rows(p.tile_rows) != p.tile_rows) ||  // (the heights map to themselves)
+      (p.tile_rows != 0 && !tile_height_ok(p.tile_rows)) ||
       !linear_tile_supported(p))
     return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;

@@ -49,7 +49,7 @@ struct LinearParams {
                                   // else 1..kLinearTileMaxSplits (tests / benchmarks)
   int tile_math = 0;              // linear_tile: 0 = tensor cores, 3xTF32 (FP32-accurate), 1 = FP32 CUDA cores
   int tile_rows = 0;              // linear_tile: token rows per tile (8, 16, 24, 32, 48, 64 or 72), 0 = auto
-                                  // (linear_tile_rows(T)); tests / benchmarks
+                                  // (linear_tile_rows(T, weight bytes)); tests / benchmarks
   const uint16_t* w_bf16 = nullptr;  // the same weights as BF16 (same layout; every value of w exactly a
                                      // BF16), read instead of w and widened: the same results from half the
                                      // bytes. linear_skinny: with 16-byte aligned rows and an 8-byte aligned
@@ -90,7 +90,8 @@ bool linear_skinny_rope_ok(const LinearParams& p);
 // FP32, deterministic (the split count is a function of the shape and the device's SM count).
 constexpr int kLinearTileMaxSplits = 8;
 bool linear_tile_supported(const LinearParams& p);
-int linear_tile_rows(int T);  // token rows per tile for a T-token step (8, 16, 24, 32, 48, 64 or 72)
+// token rows per tile for a T-token step over weight_bytes of weights (8, 16, 24, 32, 48, 64 or 72)
+int linear_tile_rows(int T, long long weight_bytes);
 cudaError_t linear_tile(const LinearParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------- attention combine + W_UV

@@ -60,7 +60,9 @@ __device__ __forceinline__ uint32_t tf32_round(float x) {
 // 3xTF32: x = hi + lo with hi = TF32(x) rounded to nearest and lo = x - hi (exact in FP32, |lo| <=
 // 2^-11 |x|) truncated to TF32 (one LOP: |lo error| <= 2^-10 |lo| <= 2^-21 |x|). A product is
 // hi_a hi_b + hi_a lo_b + lo_a hi_b (the dropped lo_a lo_b is <= 2^-22 of it), FP32 accumulation:
-// FP32-accurate, ~2^-21 of a product at worst. Three instructions on sm_90 (F2FP, FADD, LOP).
+// FP32-accurate, ~2^-21 of a product at worst. Two SASS instructions on sm_90 (F2FP, FADD): ptxas
+// drops the LOP where lo feeds an HMMA .tf32 operand, since the tensor core reads only the top 19
+// bits (seen in the SASS of verify_attention_mma.cu, twenty-fifth session).
 // NaN: x - hi is NaN (CUDA's canonical NaN, all mantissa bits set), and truncation keeps it a NaN
 // (exponent all ones, top mantissa bits set), so a NaN input gives NaN products. An infinite x
 // has hi = inf and a NaN lo (inf - inf), so its products are NaN, not +-inf (as before this
