@@ -221,6 +221,9 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
   cluster.sync();  // no block leaves while another still reads its shared memory
 }
 
+// the weights' size as FP32 (the split and tile-height rules' measure, also for a BF16 copy)
+long long weight_bytes(const LinearParams& p) { return (long long)p.N * p.Kd * p.batch * 4; }
+
 template <int BM, bool TC, bool BF>
 cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
   constexpr size_t smem = tile_smem_bytes<BM, kBK, kStages, BF>();
@@ -247,7 +250,7 @@ cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
     // (bench_cuda_linear_tile.py --splits 1 2 --only lm_head, twenty-fourth session): T = 8 44.5 ->
     // 42.2 us, T = 17 61.4 -> 54.1; in the step T = 17 / 24 -0.8 / -0.9 %, T = 8 unchanged. Taller
     // tiles (fewer blocks per SM) were slower with two: T = 33 72.9 -> 88.4, T = 65 96.2 -> 113.4.
-    if (splits == 1 && BM <= 24 && nchunks >= 4 && (long long)p.N * p.Kd * p.batch * 4 >= (64LL << 20)) splits = 2;
+    if (splits == 1 && BM <= 24 && nchunks >= 4 && weight_bytes(p) >= (64LL << 20)) splits = 2;
   }
   splits = std::min(splits, nchunks);
   const int cps = (nchunks + splits - 1) / splits;
@@ -294,8 +297,8 @@ bool linear_tile_supported(const LinearParams& p) {
 // step, the smallest height that holds it (a second tile would re-read them from HBM), so a
 // 65-token step runs one 72-row tile instead of a 64-row and a 1-row one. Past 72 tokens (cuBLAS's
 // range in CudaModel), tiles of 64 for any matrix.
-int linear_tile_rows(int T, long long weight_bytes) {
-  if (weight_bytes <= (32LL << 20) && T > 8 && T <= 72) return T <= 32 ? 16 : 24;
+int linear_tile_rows(int T, long long wbytes) {
+  if (wbytes <= (32LL << 20) && T > 8 && T <= 72) return T <= 32 ? 16 : 24;
   return T <= 8 ? 8 : T <= 16 ? 16 : T <= 24 ? 24 : T <= 32 ? 32 : T <= 48 ? 48 : T <= 64 ? 64 : T <= 72 ? 72 : 64;
 }
 
@@ -303,7 +306,6 @@ namespace {
 bool tile_height_ok(int rows) {
   return rows == 8 || rows == 16 || rows == 24 || rows == 32 || rows == 48 || rows == 64 || rows == 72;
 }
-long long weight_bytes(const LinearParams& p) { return (long long)p.N * p.Kd * p.batch * 4; }
 }  // namespace
 
 template <bool TC, bool BF = false>
