@@ -57,7 +57,9 @@ struct CudaModelOptions {
   int tile_max_tokens = -1;      // steps of at most this many tokens run the dense projections through
                                  // linear_tile (shared-memory tiles, split-k clusters) where linear_skinny
                                  // does not take them (past skinny_max_tokens, or 6..16 tokens while
-                                 // skinny_max_tokens is auto); cuBLAS beyond; -1 = auto (72), 0 = never
+                                 // skinny_max_tokens is auto); cuBLAS beyond; -1 = auto (264 tokens for
+                                 // matrices of <= 32 MB as FP32, 72 for larger ones), 0 = never; an
+                                 // explicit value holds for every matrix
   bool tile_tensor_cores = true;  // linear_tile's products on the tensor cores as 3xTF32 (FP32-accurate,
                                   // docs/CUDA_MODEL.md), else FP32 on the CUDA cores
   bool side_stream = true;       // run independent kernels of a step on a second stream (graph
@@ -211,6 +213,7 @@ class CudaModel : public TargetModel {
   bool swiglu_in_skinny(int64_t T) const;  // swiglu_gemm_nt's SwiGLU inside linear_skinny
   // steps whose RMSNorms feeding a single projection run inside that projection's kernel
   bool fuse_norm(int64_t T) const;
+  int64_t tile_max_for(int64_t wbytes) const;  // most tokens on linear_tile for a matrix of wbytes (FP32)
   bool tile_first(int64_t T, int64_t wbytes) const;  // linear_tile ahead of linear_skinny (auto rule; wbytes: the matrix)
   // The forward over T <= max_tokens tokens already on the device (d_tokens_/d_positions_ or
   // the caller's), cache rows written from row0 = committed + chunk offset.

@@ -295,10 +295,11 @@ bool linear_tile_supported(const LinearParams& p) {
 // router + shared 8.8 -> 6.2; in the verify step T = 17 / 33 / 65 -2.1 / -5.9 / -7.8 % at context
 // 512 against one tile holding the step. Larger matrices (the head: 131 MB) keep one tile for the
 // step, the smallest height that holds it (a second tile would re-read them from HBM), so a
-// 65-token step runs one 72-row tile instead of a 64-row and a 1-row one. Past 72 tokens (cuBLAS's
-// range in CudaModel), tiles of 64 for any matrix.
+// 65-token step runs one 72-row tile instead of a 64-row and a 1-row one; past 72 tokens (cuBLAS's
+// range for them in CudaModel) they take tiles of 64. The small matrices keep 24-row tiles at any
+// token count (CudaModel runs them here up to 264 tokens).
 int linear_tile_rows(int T, long long wbytes) {
-  if (wbytes <= (32LL << 20) && T > 8 && T <= 72) return T <= 32 ? 16 : 24;
+  if (wbytes <= (32LL << 20) && T > 8) return T <= 32 ? 16 : 24;
   return T <= 8 ? 8 : T <= 16 ? 16 : T <= 24 ? 24 : T <= 32 ? 32 : T <= 48 ? 48 : T <= 64 ? 64 : T <= 72 ? 72 : 64;
 }
 

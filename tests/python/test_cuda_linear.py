@@ -334,7 +334,7 @@ TILE_T = list(range(1, 10)) + [15, 16, 17, 23, 24, 25, 31, 32, 33, 41, 48, 49, 6
 def test_tile_every_token_count(T, tile_math):
     """linear_tile (tensor cores 3xTF32 and FP32 CUDA cores) at token counts around its automatic
     tile heights (for these small matrices: 8 rows up to 8 tokens, 16-row tiles up to 32, 24-row
-    tiles up to 72, 64-row tiles past that; test_tile_forced_tile_rows takes every height), column
+    tiles past that; test_tile_forced_tile_rows takes every height), column
     counts around its 64-row tiles, k lengths around its 64-float chunks and the auto split count (a cluster of k splits): beta 0
     (y poisoned, must not be read) and 1; within 1e-5 of sum |x w| of the float64 result."""
     rng = np.random.default_rng(5000 + T)

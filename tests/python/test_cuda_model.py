@@ -423,7 +423,8 @@ def test_side_stream_equals_one_stream(name):
 def test_skinny_linear_and_cublas_match_cpu(name):
     """Steps of 1..64 tokens (and 65..300 for the tiled kernel): the dense projections routed
     automatically (skinny for 1-5 tokens and, at 17-20, for matrices under 2 MB and the W_UK / W_UV
-    heads: all of these small configs; linear_tile for 6-72 otherwise; cuBLAS beyond), through linear_skinny only (skinny_max_tokens=64: up to 64, in token slices),
+    heads: all of these small configs; linear_tile for 6-72 otherwise and up to 264 for matrices of
+    <= 32 MB: all of these; cuBLAS beyond), through linear_skinny only (skinny_max_tokens=64: up to 64, in token slices),
     through linear_tile only (skinny_max_tokens=0, tile_max_tokens=400: several token tiles
     beyond 64) and through cuBLAS only (both 0), all against the CPU model. odd_sizes has rows
     that are not multiples of 4: linear_tile passes them to cuBLAS."""
@@ -435,7 +436,7 @@ def test_skinny_linear_and_cublas_match_cpu(name):
     ids = prompt(cfg.vocab_size, 20, seed=5)
     for m in [cpu] + list(variants.values()):
         prefill(m, ids)
-    for T in (1, 2, 5, 8, 17, 24, 25, 32, 33, 49, 64, 65, 72, 73, 129, 300):
+    for T in (1, 2, 5, 8, 17, 24, 25, 32, 33, 49, 64, 65, 72, 73, 129, 264, 265, 300):
         toks = prompt(cfg.vocab_size, T, seed=T)
         pos = 20 + np.arange(T)
         a = cpu.forward(toks, pos, None)
