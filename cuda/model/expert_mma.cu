@@ -13,9 +13,10 @@
 // of linear_tile). SwiGLU (gate rows [0, N), up rows [N, 2N) of each expert): a block takes 32
 // gate rows and the 32 matching up rows and writes silu(gate) * up.
 //
-// Deterministic: per output the products are summed in ascending k by one warp's three mma chains
-// (hi*hi, lo*hi, hi*lo: three accumulators, added as big + (s1 + s2) at the end); the
-// schedule (which slots a tile holds) comes from moe_group and does not depend on timing.
+// Deterministic: per output and k part the products are summed in ascending k by one warp's three
+// mma chains (hi*hi, lo*hi, hi*lo: three accumulators, added as big + (s1 + s2) at the end), the k
+// parts added in a fixed order; the schedule (which slots a tile holds) comes from moe_group and
+// does not depend on timing.
 #include <algorithm>
 #include <cstdint>
 
@@ -36,29 +37,33 @@ constexpr int kStages = 3;  // chunks in flight
 
 constexpr int kPadB = kTilePadB<kBK>;  // BF16 weight rows in shared memory (tile_mma.h)
 
-// grid (max_tiles, column blocks of 64 weight rows: 64 outputs, or 32 with SwiGLU), 128 threads.
+// grid (max_tiles, column blocks of 64 weight rows: 64 outputs, or 32 with SwiGLU), 128 KH threads:
+// warp w of k part h (w = warp % 4, h = warp / 4) multiplies weight rows [16 w, 16 w + 16) of the
+// block with columns [h BK / KH, (h + 1) BK / KH) of every chunk; the KH partial tiles are added in
+// order h = 0, 1, ... after the loop.
 // The three 3xTF32 partial products go to three accumulators: independent mma chains (a third of
 // the latency of one chain) and the small terms summed apart from the large one.
 // BF: the weights come from the exact BF16 copy (p.w_bf16, Kd a multiple of 8): half the bytes
 // copied, no split of the weights and two mma per product instead of three (tile_mma.h,
 // mma_chunk_bf16w), the same results.
-template <int BM, bool SWI, bool BF = false>
-__global__ void __launch_bounds__(kThreads) expert_mma_kernel(ExpertGemmParams p) {
-  constexpr int TM = BM / 8, BK = kBK, ST = kStages;
+template <int BM, bool SWI, bool BF = false, int KH = 1>
+__global__ void __launch_bounds__(kThreads * KH) expert_mma_kernel(ExpertGemmParams p) {
+  constexpr int TM = BM / 8, BK = kBK, ST = kStages, NTH = kThreads * KH;
   constexpr int PAD = BK + 4;                  // row stride: 16-byte rows, PAD = 4 mod 32 (conflict-free)
   constexpr int KQ = BK / 4;                   // float4s per row and chunk
-  constexpr int RSTEP = kThreads / KQ;         // rows covered by one pass of the block's threads
+  constexpr int RSTEP = NTH / KQ;              // rows covered by one pass of the block's threads
   constexpr int WPASS = kTileBN / RSTEP;       // weight float4s per thread and chunk
   constexpr int XPASS = (BM + RSTEP - 1) / RSTEP;
   constexpr int COLS = SWI ? kTileBN / 2 : kTileBN;  // outputs per block
   constexpr int KQB = BK / 8;                  // BF: 16-byte pieces (8 weights) per row and chunk
-  constexpr int RSTEPB = kThreads / KQB;       // BF: rows per pass
+  constexpr int RSTEPB = NTH / KQB;            // BF: rows per pass
   constexpr int WPASSB = kTileBN / RSTEPB;     // BF: weight pieces per thread and chunk
   extern __shared__ __align__(16) float smem[];
   float* const Ws = smem;                          // [ST][kTileBN][PAD]
   uint16_t* const Wsb = reinterpret_cast<uint16_t*>(smem);  // BF: [ST][kTileBN][kPadB]
   float* const Xs = BF ? smem + ST * kTileBN * kPadB / 2 : smem + ST * kTileBN * PAD;  // [ST][BM][PAD]
-  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;
+  const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, q = lane & 3;
+  const int warp = (tid >> 5) & 3, kh = (tid >> 5) >> 2;  // row group of 16; k part of the chunk (KH parts)
   pdl_trigger();
   pdl_wait();  // the schedule and the input rows come from earlier kernels
   const int tile = blockIdx.x;
@@ -146,16 +151,18 @@ __global__ void __launch_bounds__(kThreads) expert_mma_kernel(ExpertGemmParams p
     if (nxt < nchunks) load(nxt, nxt % ST);
     cp_async_commit();
     const float* xs = Xs + (size_t)(c % ST) * BM * PAD;
+    constexpr int BKH = BK / KH;
     if constexpr (BF) {
-      mma_chunk_bf16w<TM, BK, kPadB, PAD>(acc, s2, Wsb + (size_t)(c % ST) * kTileBN * kPadB, xs, warp, g, q);
+      mma_chunk_bf16w<TM, BKH, kPadB, PAD>(acc, s2, Wsb + (size_t)(c % ST) * kTileBN * kPadB + kh * BKH,
+                                           xs + kh * BKH, warp, g, q);
     } else {
       const float* ws = Ws + (size_t)(c % ST) * kTileBN * PAD;
-      mma_chunk_3xtf32<TM, BK, PAD, true>(acc, s1, s2, ws, xs, warp, g, q);
+      mma_chunk_3xtf32<TM, BKH, PAD, true>(acc, s1, s2, ws + kh * BKH, xs + kh * BKH, warp, g, q);
     }
   }
   cp_async_wait<0>();
   __syncthreads();  // every thread is done reading the stages
-  float* const part = smem;  // [BM][kTileBN]
+  float* const part = smem + kh * BM * kTileBN;  // [KH][BM][kTileBN]
 #pragma unroll
   for (int i = 0; i < TM; ++i) {
     float v[4];
@@ -168,25 +175,36 @@ __global__ void __launch_bounds__(kThreads) expert_mma_kernel(ExpertGemmParams p
     part[(t + 1) * kTileBN + r + 8] = v[3];
   }
   __syncthreads();
-  for (int o = tid; o < BM * COLS; o += kThreads) {
+  for (int o = tid; o < BM * COLS; o += NTH) {
     const int t = o / COLS, c = o % COLS;
     if (t >= rows || n0 + c >= N) continue;
-    const float v = SWI ? silu_mul(part[t * kTileBN + c], part[t * kTileBN + COLS + c]) : part[t * kTileBN + c];
-    p.y[(size_t)(r0 + t) * p.ldy + n0 + c] = v;
+    float a = smem[t * kTileBN + c], u = SWI ? smem[t * kTileBN + COLS + c] : 0.f;
+#pragma unroll
+    for (int h = 1; h < KH; ++h) {  // the k parts in order
+      a += smem[(h * BM + t) * kTileBN + c];
+      if constexpr (SWI) u += smem[(h * BM + t) * kTileBN + COLS + c];
+    }
+    p.y[(size_t)(r0 + t) * p.ldy + n0 + c] = SWI ? silu_mul(a, u) : a;
   }
 }
 
-template <int BM, bool SWI, bool BF>
+// Tiles of <= 16 slots (verify steps) run two warps per row group, each on half of every k-chunk
+// (KH = 2, 256 threads): these grids hold ~2 blocks per SM (one block per expert and column block),
+// and Nsight Compute on the H200 (T = 17, gate/up) showed 2 warps per scheduler issuing every 5.6
+// cycles at 43 % of the DRAM peak. Twice the warps on the same chunks: in-step -0.5 to -3.6 % at
+// T = 9-129 (twenty-sixth session, docs/BENCHMARKS.md). Prefill's 32 / 64-slot tiles keep KH = 1
+// (not measured with two).
+template <int BM, bool SWI, bool BF, int KH = (BM <= 16 ? 2 : 1)>
 cudaError_t launch_mma_as(const ExpertGemmParams& p, cudaStream_t stream) {
-  constexpr size_t smem = tile_smem_bytes<BM, kBK, kStages, BF>();
-  auto kern = expert_mma_kernel<BM, SWI, BF>;
+  constexpr size_t smem = std::max(tile_smem_bytes<BM, kBK, kStages, BF>(), (size_t)KH * BM * kTileBN * sizeof(float));
+  auto kern = expert_mma_kernel<BM, SWI, BF, KH>;
   static const cudaError_t attr_err =
       cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (attr_err != cudaSuccess) return attr_err;
   constexpr int cols = SWI ? kTileBN / 2 : kTileBN;
   const dim3 grid((unsigned)p.max_tiles, (unsigned)((p.N + cols - 1) / cols));
   if (grid.y > 65535u) return cudaErrorInvalidValue;
-  return launch_kernel(kern, grid, kThreads, smem, stream, p);
+  return launch_kernel(kern, grid, kThreads * KH, smem, stream, p);
 }
 
 // the BF16-weight kernel when the exact copy is there and its rows are whole 16-byte pieces
