@@ -59,13 +59,12 @@ constexpr int64_t kSkinnyBigAutoMaxT = 16;
 // 65-token step in one tile, not 64 + 1), --variant t72:tile_max_tokens=72: T = 49 / 65 1.864 / 2.219
 // -> 1.655 / 1.897 ms (T = 17 / 33 unchanged), hence 72.
 constexpr int64_t kTileAutoMaxT = 72;
-// Matrices of at most kTileSmallBytes (as FP32; they stay in L2 through the call: every mini-kimi
-// projection but the 131 MB head) stay on linear_tile up to kTileSmallAutoMaxT tokens while
-// tile_max_tokens is auto, in 24-row tiles (linear_tile_rows); larger ones go to cuBLAS past 72.
-// H200, twenty-fifth session, mini-kimi in-step at context 512 (--variant t24:tile_max_tokens=264
-// with 24-row tiles, docs/BENCHMARKS.md): T = 97 / 129 / 257 2.522 / 3.081 / 4.740 -> 2.209 /
-// 2.702 / 4.278 ms. Prefill chunks (512 tokens) stay on cuBLAS.
-constexpr int64_t kTileSmallBytes = int64_t(32) << 20;
+// Matrices of at most cuda::kLinearTileSmallBytes (32 MB as FP32; they stay in L2 through the
+// call: every mini-kimi projection but the 131 MB head) stay on linear_tile up to kTileSmallAutoMaxT
+// tokens while tile_max_tokens is auto, in 24-row tiles (linear_tile_rows); larger ones go to
+// cuBLAS past 72. H200, mini-kimi in-step at context 512 (docs/BENCHMARKS.md "Twenty-sixth
+// session", --variant old72:tile_max_tokens=72): T = 73 / 97 / 129 / 257 2.439 / 2.555 / 3.117 /
+// 4.734 -> 1.990 / 2.206 / 2.677 / 4.288 ms. Prefill chunks (512 tokens) stay on cuBLAS.
 constexpr int64_t kTileSmallAutoMaxT = 264;
 constexpr int64_t kTileFirstMinT = 6, kTileFirstMaxT = 16;
 // 17-20 tokens (B = 16 trees): linear_tile also takes the projections of at least this many weight
@@ -74,9 +73,6 @@ constexpr int64_t kTileFirstMinT = 6, kTileFirstMaxT = 16;
 // -> 5.4, o_proj 11.5 -> 9.6, router + shared gate/up (2.4 MB) 6.1 -> 5.1, dense gate/up 24.2 ->
 // 15.0, down 15.8 -> 13.3; the shared expert's down projection (1 MB) 2.4 vs 5.5 stays on skinny.
 constexpr int64_t kTileFirstLateMinBytes = int64_t(2) << 20;
-
-// a batched (heads) product's weights as FP32 bytes, all heads
-int64_t heads_bytes(const cuda::LinearParams& lp) { return (int64_t)lp.N * lp.Kd * lp.batch * (int64_t)sizeof(float); }
 
 std::string mib(int64_t bytes) {
   char b[64];
@@ -608,7 +604,7 @@ void CudaModel::reset() {
 bool CudaModel::fuse_norm(int64_t T) const { return T <= skinny_max_t_ && T <= cuda::kLinearNormMaxT; }
 
 int64_t CudaModel::tile_max_for(int64_t wbytes) const {
-  if (opt_.tile_max_tokens >= 0 || wbytes > kTileSmallBytes) return tile_max_t_;
+  if (opt_.tile_max_tokens >= 0 || wbytes > cuda::kLinearTileSmallBytes) return tile_max_t_;
   return std::max(tile_max_t_, kTileSmallAutoMaxT);
 }
 
@@ -627,7 +623,7 @@ cuda::LinearParams CudaModel::gemm_params(int64_t T, int64_t N, int64_t Kd, cons
 }
 
 CudaModel::GemmKind CudaModel::gemm_kind(const cuda::LinearParams& lp) const {
-  const int64_t T = lp.T, wbytes = (int64_t)lp.N * lp.Kd * (int64_t)sizeof(float);
+  const int64_t T = lp.T, wbytes = cuda::linear_weight_bytes(lp);
   const bool big = wbytes > kSkinnyBigBytes;
   const bool tile = T <= tile_max_for(wbytes) && cuda::linear_tile_supported(lp);  // (false with norm_w)
   const bool skinny = T <= skinny_max_t_ && (lp.norm_w || !big || T <= skinny_big_max_t_);
@@ -677,7 +673,7 @@ cuda::LinearParams CudaModel::heads_params(int64_t T, int64_t N, int64_t Kd, con
 
 bool CudaModel::heads_on_skinny(const cuda::LinearParams& lp) const {
   const int64_t T = lp.T;
-  const bool tile = T <= tile_max_for(heads_bytes(lp)) && cuda::linear_tile_supported(lp);
+  const bool tile = T <= tile_max_for(cuda::linear_weight_bytes(lp)) && cuda::linear_tile_supported(lp);
   return T <= skinny_max_t_ && !(tile && tile_first(T, 0));  // 17-20 tokens: the W_UK / W_UV heads stay on skinny
 }
 
@@ -692,7 +688,7 @@ void CudaModel::run_heads(const cuda::LinearParams& lp) {
     check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny(heads)");
     return;
   }
-  if (T <= tile_max_for(heads_bytes(lp)) && cuda::linear_tile_supported(lp)) {
+  if (T <= tile_max_for(cuda::linear_weight_bytes(lp)) && cuda::linear_tile_supported(lp)) {
     check_cuda(cuda::linear_tile(lp, as_stream(stream_)), "linear_tile(heads)");
     return;
   }
@@ -888,7 +884,8 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   // of the normalised input (rows [router | shared gate | shared up], contiguous in the weights),
   // with the RMSNorm itself fused in (fused_norm: it also writes hn_ for the routed experts).
   // Otherwise the router alone here and the shared gate/up after the routed experts.
-  const bool merged = Is > 0 && (T <= skinny_max_t_ || T <= tile_max_for((E + 2 * Is) * Dm * (int64_t)sizeof(float)));  // not on cuBLAS
+  const int64_t merged_bytes = (E + 2 * Is) * Dm * (int64_t)sizeof(float);
+  const bool merged = Is > 0 && (T <= skinny_max_t_ || T <= tile_max_for(merged_bytes));  // not on cuBLAS
   const int64_t ldr = merged ? E + 2 * Is : E;  // rows projected = the row stride of router_logits_
   if (fused_norm) gemm_nt(T, ldr, Dm, x_, Dm, ly.router, router_logits_, ldr, 0.f, ly.post_ln, c.rms_norm_eps, hn_);
   else gemm_nt(T, ldr, Dm, hn_, Dm, ly.router, router_logits_, ldr);

@@ -191,7 +191,7 @@ __global__ void __launch_bounds__(kThreads * KH) expert_mma_kernel(ExpertGemmPar
 // Tiles of <= 16 slots (verify steps) run two warps per row group, each on half of every k-chunk
 // (KH = 2, 256 threads): these grids hold ~2 blocks per SM (one block per expert and column block),
 // and Nsight Compute on the H200 (T = 17, gate/up) showed 2 warps per scheduler issuing every 5.6
-// cycles at 43 % of the DRAM peak. Twice the warps on the same chunks: in-step -0.5 to -3.6 % at
+// cycles at 43 % of the DRAM peak. Twice the warps on the same chunks: in-step -0.2 to -3.6 % at
 // T = 9-129 (twenty-sixth session, docs/BENCHMARKS.md). Prefill's 32 / 64-slot tiles keep KH = 1
 // (not measured with two).
 template <int BM, bool SWI, bool BF, int KH = (BM <= 16 ? 2 : 1)>

@@ -221,9 +221,6 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
   cluster.sync();  // no block leaves while another still reads its shared memory
 }
 
-// the weights' size as FP32 (the split and tile-height rules' measure, also for a BF16 copy)
-long long weight_bytes(const LinearParams& p) { return (long long)p.N * p.Kd * p.batch * 4; }
-
 template <int BM, bool TC, bool BF>
 cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
   constexpr size_t smem = tile_smem_bytes<BM, kBK, kStages, BF>();
@@ -250,7 +247,7 @@ cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
     // (bench_cuda_linear_tile.py --splits 1 2 --only lm_head, twenty-fourth session): T = 8 44.5 ->
     // 42.2 us, T = 17 61.4 -> 54.1; in the step T = 17 / 24 -0.8 / -0.9 %, T = 8 unchanged. Taller
     // tiles (fewer blocks per SM) were slower with two: T = 33 72.9 -> 88.4, T = 65 96.2 -> 113.4.
-    if (splits == 1 && BM <= 24 && nchunks >= 4 && weight_bytes(p) >= (64LL << 20)) splits = 2;
+    if (splits == 1 && BM <= 24 && nchunks >= 4 && linear_weight_bytes(p) >= (64LL << 20)) splits = 2;
   }
   splits = std::min(splits, nchunks);
   const int cps = (nchunks + splits - 1) / splits;
@@ -282,6 +279,8 @@ cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
 
 }  // namespace
 
+long long linear_weight_bytes(const LinearParams& p) { return (long long)p.N * p.Kd * p.batch * 4; }
+
 bool linear_tile_supported(const LinearParams& p) {
   return !p.norm_w && !p.x_swiglu && !p.norm_out && p.Kd % 4 == 0 && p.ldx % 4 == 0 && p.x_batch % 4 == 0 &&
          p.w_batch % 4 == 0 && aligned16(p.x) && aligned16(p.w);
@@ -299,7 +298,7 @@ bool linear_tile_supported(const LinearParams& p) {
 // range for them in CudaModel) they take tiles of 64. The small matrices keep 24-row tiles at any
 // token count (CudaModel runs them here up to 264 tokens).
 int linear_tile_rows(int T, long long wbytes) {
-  if (wbytes <= (32LL << 20) && T > 8) return T <= 32 ? 16 : 24;
+  if (wbytes <= kLinearTileSmallBytes && T > 8) return T <= 32 ? 16 : 24;
   return T <= 8 ? 8 : T <= 16 ? 16 : T <= 24 ? 24 : T <= 32 ? 32 : T <= 48 ? 48 : T <= 64 ? 64 : T <= 72 ? 72 : 64;
 }
 
@@ -311,7 +310,7 @@ bool tile_height_ok(int rows) {
 
 template <bool TC, bool BF = false>
 cudaError_t launch_rows(const LinearParams& p, cudaStream_t stream) {
-  switch (p.tile_rows ? p.tile_rows : linear_tile_rows(p.T, weight_bytes(p))) {
+  switch (p.tile_rows ? p.tile_rows : linear_tile_rows(p.T, linear_weight_bytes(p))) {
     case 8: return launch_tile<8, TC, BF>(p, stream);
     case 16: return launch_tile<16, TC, BF>(p, stream);
     case 24: return launch_tile<24, TC, BF>(p, stream);

@@ -90,6 +90,13 @@ bool linear_skinny_rope_ok(const LinearParams& p);
 // FP32, deterministic (the split count is a function of the shape and the device's SM count).
 constexpr int kLinearTileMaxSplits = 8;
 bool linear_tile_supported(const LinearParams& p);
+// a product's weights as FP32 bytes, all batches (the tile-height and split rules' measure, also
+// for a BF16 copy)
+long long linear_weight_bytes(const LinearParams& p);
+// Matrices of at most this many FP32 bytes stay in the H200's L2 through a call (every mini-kimi
+// projection but the head): linear_tile gives them several small token tiles (linear_tile_rows) and
+// CudaModel keeps them on linear_tile for larger steps than bigger ones
+constexpr long long kLinearTileSmallBytes = 32LL << 20;
 // token rows per tile for a T-token step over weight_bytes of weights (8, 16, 24, 32, 48, 64 or 72)
 int linear_tile_rows(int T, long long weight_bytes);
 cudaError_t linear_tile(const LinearParams& p, cudaStream_t stream);
