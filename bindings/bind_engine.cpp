@@ -13,12 +13,14 @@
 #include <cmath>
 #include <exception>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 #include "common.h"
 #include "engine/engine.h"
 #include "engine/model_target.h"
+#include "engine/ngram_drafter.h"
 #include "engine/toy_target.h"
 #include "model/cpu_model.h"
 #include "model/model.h"
@@ -157,6 +159,14 @@ void parse_draft(const py::object& r, int64_t vocab, DraftOutput& out) {
   throw Error("drafter must return (logprobs [d,k], token_ids [d,k]) or logits [d,V], got " + type_name(r));
 }
 
+// _native.NgramDraft: the C++ n-gram drafter; generate() calls it inside the round without Python.
+// The mutex keeps its scratch buffers to one caller at a time (two Generators may share a drafter).
+struct PyNgramDraft {
+  NgramDrafter drafter;
+  std::mutex mu;
+  explicit PyNgramDraft(const NgramParams& p) : drafter(p) {}
+};
+
 // A Generator together with the target it drives (a ToyTarget or an adapted model).
 struct PyGenerator {
   std::unique_ptr<ModelTarget> adapter;     // set when driving a TargetModel through its host path
@@ -198,12 +208,18 @@ py::dict run_generate(py::object self, py::array_t<int64_t, py::array::c_style |
   }
   if (!drafter.is_none() && !PyCallable_Check(drafter.ptr()))
     throw Error("drafter must be callable (or None), got " + type_name(drafter));
+  PyNgramDraft* native_ngram = py::isinstance<PyNgramDraft>(drafter) ? &drafter.cast<PyNgramDraft&>() : nullptr;
   if (!progress.is_none() && !PyCallable_Check(progress.ptr()))
     throw Error("progress must be callable (or None), got " + type_name(progress));
 
   std::exception_ptr py_error;  // a Python exception raised inside a callback
   DraftFn draft_fn;
-  if (!drafter.is_none()) {
+  if (native_ngram) {  // no Python in the round (`drafter` keeps the object alive through the call)
+    draft_fn = [native_ngram](const int32_t* ctx, int64_t n, int64_t d, int64_t k, DraftOutput& out) {
+      std::lock_guard<std::mutex> lock(native_ngram->mu);
+      native_ngram->drafter.draft(ctx, n, d, k, out);
+    };
+  } else if (!drafter.is_none()) {
     draft_fn = [&](const int32_t* ctx, int64_t n, int64_t d, int64_t k, DraftOutput& out) {
       py::gil_scoped_acquire gil;
       try {
@@ -372,6 +388,38 @@ void bind_engine(py::module_& m) {
           },
           py::arg("keep"))
       .def("reset", &ToyTarget::reset);
+
+  py::class_<PyNgramDraft>(m, "NgramDraft",
+                           "The n-gram drafter in C++ (cpp/engine/ngram_drafter.h); Generator.generate calls it "
+                           "inside the round without Python. kdtree_native.NgramDrafter wraps it.")
+      .def(py::init([](int64_t max_ngram, int64_t min_ngram, int64_t max_matches) {
+             return std::make_unique<PyNgramDraft>(NgramParams{max_ngram, min_ngram, max_matches});
+           }),
+           py::arg("max_ngram") = 4, py::arg("min_ngram") = 1, py::arg("max_matches") = 32)
+      .def_property_readonly("max_ngram", [](PyNgramDraft& d) { return d.drafter.params().max_ngram; })
+      .def_property_readonly("min_ngram", [](PyNgramDraft& d) { return d.drafter.params().min_ngram; })
+      .def_property_readonly("max_matches", [](PyNgramDraft& d) { return d.drafter.params().max_matches; })
+      .def(
+          "__call__",
+          [](PyNgramDraft& d, py::array_t<int32_t, py::array::c_style | py::array::forcecast> context, int64_t depth,
+             int64_t top_k) -> py::object {
+            if (context.ndim() != 1) throw Error("NgramDraft: context must be 1-D");
+            DraftOutput out;
+            {
+              py::gil_scoped_release nogil;
+              std::lock_guard<std::mutex> lock(d.mu);
+              d.drafter.draft(context.data(), context.shape(0), depth, top_k, out);
+            }
+            if (out.d == 0) return py::none();
+            py::array_t<float> lp({out.d, out.k});
+            py::array_t<int32_t> ids({out.d, out.k});
+            std::copy(out.values.begin(), out.values.end(), lp.mutable_data());
+            std::copy(out.ids.begin(), out.ids.end(), ids.mutable_data());
+            return py::make_tuple(lp, ids);
+          },
+          py::arg("context"), py::arg("depth"), py::arg("top_k"),
+          "(log-probs float32 [d, k], ids int32 [d, k]) for a context int32 [n], or None when nothing matches "
+          "(kdtree_native.reference.ngram_draft is the definition).");
 
   py::class_<PyGenerator>(m, "Generator",
                           "The prefill / AR / DDTree loop (cpp/engine/engine.h) over a ToyTarget or a native model.")

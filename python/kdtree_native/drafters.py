@@ -33,6 +33,8 @@ from typing import Optional
 
 import numpy as np
 
+from . import _native
+
 __all__ = ["OracleDrafter", "NgramDrafter", "ModelDrafter", "topk_logsoftmax"]
 
 
@@ -114,64 +116,32 @@ class NgramDrafter:
     ``max_ngram`` down to ``min_ngram``) and counts what followed each occurrence at every offset
     1..depth. Each depth's counts (longer matches weigh more: weight n) become that depth's
     distribution, so several distinct continuations give a real tree, not a chain. Only the
-    ``max_matches`` most recent occurrences per n are used."""
+    ``max_matches`` most recent occurrences per n are used.
+
+    Runs in C++ (``_native.NgramDraft``): ``generate`` calls it inside the round without a Python
+    callback; ``draft`` gives the same arrays to Python. ``kdtree_native.reference.ngram_draft`` is
+    the NumPy definition it is tested against, bit for bit. A subclass that overrides ``draft`` is
+    called through Python as any drafter."""
 
     def __init__(self, max_ngram: int = 4, min_ngram: int = 1, max_matches: int = 32):
+        for name, v in (("max_ngram", max_ngram), ("min_ngram", min_ngram), ("max_matches", max_matches)):
+            if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+                raise TypeError(f"{name} must be an integer, got {type(v).__name__}")
         if not 1 <= min_ngram <= max_ngram:
             raise ValueError("need 1 <= min_ngram <= max_ngram")
+        if max_matches < 1:
+            raise ValueError(f"max_matches must be >= 1, got {max_matches}")
         self.max_ngram, self.min_ngram, self.max_matches = int(max_ngram), int(min_ngram), int(max_matches)
+        self._native = _native.NgramDraft(self.max_ngram, self.min_ngram, self.max_matches)
 
     def draft(self, context, depth, top_k):
-        # Vectorised (a few array passes per call, no per-occurrence Python loop): the window ends
-        # e (0 .. n-2) whose last ng tokens equal the context's last ng are filtered one length at
-        # a time (the matches of length ng+1 are among those of length ng), the continuations of
-        # the kept matches gathered as (depth, token, weight) and summed per (depth, token).
-        ctx = np.asarray(context).reshape(-1).astype(np.int64, copy=False)
-        n, depth = len(ctx), int(depth)
-        if depth <= 0 or n < 2:
-            return None
-        ends = np.flatnonzero(ctx[:n - 1] == ctx[n - 1])
-        starts, weights = [], []
-        for ng in range(1, min(self.max_ngram, n - 1) + 1):
-            if ng > 1:
-                ends = ends[ends >= ng - 1]
-                ends = ends[ctx[ends - (ng - 1)] == ctx[n - ng]]
-            if not ends.size:
-                break
-            if ng >= self.min_ngram:
-                hits = ends[-self.max_matches:]  # the most recent occurrences
-                starts.append(hits + 1)
-                weights.append(np.full(hits.size, ng, np.int64))
-        if not starts:
-            return None
-        starts, weights = np.concatenate(starts), np.concatenate(weights)
-        d = min(depth, n - int(starts.min()))  # depths with a continuation: a prefix 0 .. d-1
-        pos = starts[:, None] + np.arange(d)[None, :]
-        ok = pos < n
-        js = np.broadcast_to(np.arange(d)[None, :], pos.shape)[ok]
-        toks = ctx[np.minimum(pos, n - 1)][ok]
-        w = np.broadcast_to(weights[:, None], pos.shape)[ok]
-        # sum the weights per (depth, token), then order each depth by (-count, token)
-        o = np.lexsort((toks, js))
-        js, toks, w = js[o], toks[o], w[o]
-        head = np.ones(js.size, bool)
-        head[1:] = (js[1:] != js[:-1]) | (toks[1:] != toks[:-1])
-        idx = np.flatnonzero(head)
-        kj, kt, cnt = js[idx], toks[idx], np.add.reduceat(w, idx)
-        order = np.lexsort((kt, -cnt, kj))
-        kj, kt, cnt = kj[order], kt[order], cnt[order]
-        per_depth = np.bincount(kj, minlength=d)
-        k = min(int(top_k), int(per_depth.max()))
-        rank = np.arange(kj.size) - np.concatenate([[0], np.cumsum(per_depth)[:-1]])[kj]
-        keep = rank < k
-        total = np.bincount(kj, weights=cnt, minlength=d)
-        lp = np.full((d, k), -np.inf, dtype=np.float32)
-        ids = np.zeros((d, k), dtype=np.int32)
-        lp[kj[keep], rank[keep]] = np.log(cnt[keep] / total[kj[keep]])
-        ids[kj[keep], rank[keep]] = kt[keep]
-        return lp, ids
+        return self._native(np.asarray(context).reshape(-1), int(depth), int(top_k))
 
     __call__ = draft
+
+    def _native_drafter(self):
+        """The C++ drafter generate() may call directly, or None where ``draft`` is overridden."""
+        return self._native if type(self).draft is NgramDrafter.draft else None
 
 
 def _lowlevel(engine):

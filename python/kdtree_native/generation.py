@@ -83,6 +83,10 @@ def as_draft_fn(drafter) -> Optional[Callable]:
     or a callable ``drafter(context, depth, top_k)``."""
     if drafter is None:
         return None
+    native = getattr(drafter, "_native_drafter", None)  # a C++ drafter the loop calls without Python
+    native = native() if callable(native) else None
+    if native is not None:
+        return native
     draft = getattr(drafter, "draft", None)
     if callable(draft):
         return draft

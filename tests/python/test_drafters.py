@@ -84,7 +84,8 @@ def _ngram_plain(ctx, depth, top_k, max_ngram=4, min_ngram=1, max_matches=32):
 
 
 def test_ngram_equals_its_plain_definition():
-    """The vectorised drafter against the plain definition above, bit for bit: random and
+    """The C++ drafter (NgramDrafter) and the vectorised NumPy reference (kn.reference.ngram_draft)
+    against the plain definition above, bit for bit: random and
     repetitive contexts (few distinct tokens: many overlapping matches, ties in the weights),
     every parameter varied, contexts of 1 to 400 tokens."""
     rng = np.random.default_rng(11)
@@ -99,17 +100,64 @@ def test_ngram_equals_its_plain_definition():
         depth, top_k = int(rng.integers(1, 17)), int(rng.integers(1, 40))
         mx = int(rng.integers(1, 6))
         mn, mm = int(rng.integers(1, mx + 1)), int(rng.integers(1, 40))
-        got = NgramDrafter(mx, mn, mm).draft(ctx, depth, top_k)
         want = _ngram_plain(ctx, depth, top_k, mx, mn, mm)
-        if want is None:
-            assert got is None, trial
-            none += 1
-            continue
-        assert got is not None, trial
-        assert got[0].dtype == np.float32 and got[1].dtype == np.int32
-        assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), trial
-        compared += 1
+        for got in (NgramDrafter(mx, mn, mm).draft(ctx, depth, top_k),  # C++
+                    kn.reference.ngram_draft(ctx, depth, top_k, mx, mn, mm)):  # NumPy
+            if want is None:
+                assert got is None, trial
+                continue
+            assert got is not None, trial
+            assert got[0].dtype == np.float32 and got[1].dtype == np.int32
+            assert np.array_equal(got[0], want[0]) and np.array_equal(got[1], want[1]), trial
+        none += want is None
+        compared += want is not None
     assert compared > 300 and none > 10, (compared, none)
+
+
+def test_ngram_parameters_checked():
+    for kwargs, err in (({"max_matches": 0}, ValueError), ({"min_ngram": 0}, ValueError),
+                        ({"min_ngram": 3, "max_ngram": 2}, ValueError), ({"max_ngram": 2.5}, TypeError),
+                        ({"max_matches": True}, TypeError)):
+        with pytest.raises(err):
+            NgramDrafter(**kwargs)
+    d = NgramDrafter(3, 2, 7)
+    assert (d._native.max_ngram, d._native.min_ngram, d._native.max_matches) == (3, 2, 7)
+    ctx = np.array([1, 2, 3, 1, 2], np.int32)
+    assert d.draft(ctx, 0, 4) is None and d.draft(ctx, 4, 0) is None  # nothing asked for
+    assert d.draft(ctx[:1], 4, 4) is None
+    with pytest.raises(ValueError, match="1-D"):
+        d._native(np.zeros((2, 3), np.int32), 4, 4)
+
+
+def test_ngram_runs_natively_in_generate():
+    """generate() hands NgramDrafter's C++ drafter to the loop (no Python callback per round) and
+    gives exactly the tokens and acceptance lengths of the same drafter called through Python; a
+    subclass that overrides draft() is called through Python."""
+    from kdtree_native import _native
+    from kdtree_native.generation import as_draft_fn, generate
+
+    class Logged(NgramDrafter):
+        calls = 0
+
+        def draft(self, context, depth, top_k):
+            Logged.calls += 1
+            return super().draft(context, depth, top_k)
+
+    assert isinstance(as_draft_fn(NgramDrafter()), _native.NgramDraft)
+    assert not isinstance(as_draft_fn(Logged()), _native.NgramDraft)
+    tgt = toy(32, 512, seed=3)
+    rng = np.random.default_rng(4)
+    prompt = np.tile(rng.integers(0, 32, 9), 6).astype(np.int32)
+    native = generate(tgt, prompt, 60, drafter=NgramDrafter(), tree_budget=12, depth=6)
+    python = generate(tgt, prompt, 60, drafter=lambda c, d, k: NgramDrafter().draft(c, d, k), tree_budget=12, depth=6)
+    logged = generate(tgt, prompt, 60, drafter=Logged(), tree_budget=12, depth=6)
+    ar = generate(tgt, prompt, 60)
+    assert np.array_equal(native.tokens, ar.tokens)
+    assert np.array_equal(native.tokens, python.tokens) and np.array_equal(native.tokens, logged.tokens)
+    assert np.array_equal(native.acceptance_lengths, python.acceptance_lengths)
+    assert np.array_equal(native.acceptance_lengths, logged.acceptance_lengths)
+    assert Logged.calls == len(logged.acceptance_lengths) - 1 > 0  # one draft per round after the first token
+    assert max(native.acceptance_lengths) > 1  # the drafts were used
 
 
 def test_ngram_respects_top_k_and_depth():

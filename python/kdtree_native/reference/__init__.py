@@ -5,3 +5,4 @@ from .tree import (  # noqa: F401
 )
 from .mla import absorb_queries, unabsorb_output, verify_attention, verify_attention_plain  # noqa: F401,E402
 from .model import ReferenceModel  # noqa: F401,E402
+from .drafters import ngram_draft  # noqa: F401,E402
