@@ -137,6 +137,12 @@ class NgramDrafter:
     def draft(self, context, depth, top_k):
         return self._native(np.asarray(context).reshape(-1), int(depth), int(top_k))
 
+    def __reduce__(self):  # picklable / copyable: the native object is rebuilt from the parameters
+        return (type(self), (self.max_ngram, self.min_ngram, self.max_matches))
+
+    def __repr__(self):
+        return f"NgramDrafter(max_ngram={self.max_ngram}, min_ngram={self.min_ngram}, max_matches={self.max_matches})"
+
     __call__ = draft
 
     def _native_drafter(self):

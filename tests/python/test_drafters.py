@@ -127,6 +127,12 @@ def test_ngram_parameters_checked():
     assert d.draft(ctx[:1], 4, 4) is None
     with pytest.raises(ValueError, match="1-D"):
         d._native(np.zeros((2, 3), np.int32), 4, 4)
+    import copy
+    import pickle
+    ctx = np.array([5, 1, 2, 3, 1, 2, 4, 1, 2], np.int32)
+    for c in (pickle.loads(pickle.dumps(d)), copy.deepcopy(d)):  # the native object is rebuilt
+        assert repr(c) == repr(d) == "NgramDrafter(max_ngram=3, min_ngram=2, max_matches=7)"
+        assert all(np.array_equal(a, b) for a, b in zip(c.draft(ctx, 3, 4), d.draft(ctx, 3, 4)))
 
 
 def test_ngram_runs_natively_in_generate():
