@@ -67,6 +67,12 @@ py::array_t<float> sgemm_py(const py::array& a_obj, const py::array& b_obj, bool
 }  // namespace
 
 void bind_model(py::module_& m) {
+  m.def("sgemm_set_skinny_isa", [](const std::string& isa) { return kdtree::sgemm_set_skinny_isa(isa.c_str()); },
+        py::arg("isa"),
+        "Tests / benchmarks: 'avx2' or 'avx512' for the CPU skinny kernels from now on (process-wide); False where "
+        "the CPU lacks it.");
+  m.def("sgemm_skinny_isa", []() { return std::string(kdtree::sgemm_skinny_isa()); },
+        "The CPU skinny GEMM kernels' vector ISA here: 'avx512', 'avx2' or 'none' (KDTREE_CPU_ISA=avx2 keeps AVX2).");
   m.def("sgemm_backend", []() { return std::string(kdtree::sgemm_backend()); },
         "Which SGEMM the CPU model uses now: 'cblas' or 'portable'.");
   m.def("sgemm_force_portable", &kdtree::sgemm_force_portable, py::arg("on"),

@@ -283,92 +283,78 @@ KD_AVX2_INLINE float widen(uint16_t b) {
   return f;
 }
 
-// C[MB, NB] (+)= A[MB, K] . B[NB, K]^T. With PF, the k range [pk0, pk1) of the same NB weight
-// rows `pf` rows further on is prefetched (64-byte lines), so later blocks arrive while this one
-// computes.
-template <int MB, int NB, bool PF, class BT>
-KD_AVX2_INLINE void tile_tb(int64_t K, const float* A, int64_t lda, const BT* B, int64_t ldb, float alpha,
-                            float beta, float* C, int64_t ldc, int64_t pf, int64_t pk0, int64_t pk1) {
-  constexpr int64_t kLine = 64 / sizeof(BT);  // elements per 64-byte line (prefetch step)
-  __m256 acc[MB][NB];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) acc[i][j] = _mm256_setzero_ps();
-  // Per k-step the MB activation vectors, then one weight vector at a time against them: MB * NB
-  // accumulators + MB + 1 live vectors (3 x 4: 16, the AVX2 register file). Loading the NB weight
-  // vectors first (NB + 1 more) made GCC keep an accumulator on the stack, a store-to-load chain
-  // in the loop (perf, the embedded model's 9-token verify: ~30 % of the kernel's samples on it).
-  // Each accumulator sees the same fmadd(a_i, b_j) sequence either way: the same results.
-  int64_t k = 0;
-  for (; k + 8 <= K; k += 8) {
-    __m256 a[MB];
-    for (int i = 0; i < MB; ++i) a[i] = _mm256_loadu_ps(A + i * lda + k);
-    if constexpr (PF) {
-      if ((k & (kLine - 1)) == 0 && k >= pk0 && k < pk1)
-        for (int j = 0; j < NB; ++j) _mm_prefetch((const char*)(B + (pf + j) * ldb + k), _MM_HINT_T0);
-    }
-    for (int j = 0; j < NB; ++j) {
-      const __m256 b = ldw8(B + j * ldb + k);
-      for (int i = 0; i < MB; ++i) acc[i][j] = _mm256_fmadd_ps(a[i], b, acc[i][j]);
-    }
-  }
-  float tail[MB][NB];
-  for (int i = 0; i < MB; ++i)
-    for (int j = 0; j < NB; ++j) tail[i][j] = 0.f;
-  for (; k < K; ++k)
-    for (int i = 0; i < MB; ++i)
-      for (int j = 0; j < NB; ++j) tail[i][j] = std::fma(A[i * lda + k], widen(B[j * ldb + k]), tail[i][j]);
-  for (int i = 0; i < MB; ++i) {
-    float s[NB];
-    if constexpr (NB % 4 == 0) {
-      for (int j = 0; j < NB; j += 4) _mm_storeu_ps(s + j, hsum4(acc[i][j], acc[i][j + 1], acc[i][j + 2], acc[i][j + 3]));
-    } else {
-      for (int j = 0; j < NB; ++j) s[j] = hsum(acc[i][j]);
-    }
-    for (int j = 0; j < NB; ++j) put(C + i * ldc + j, s[j] + tail[i][j], alpha, beta);
-  }
-}
-
 // Software prefetch of the weights pays off for few rows, where the kernel waits on memory. With
 // more rows the core is busy anyway and lines prefetched that far ahead only evict A from L1
 // (measured on Zen 3: slower from ~24 rows on), so the hardware prefetchers are left alone there.
 constexpr int64_t kPrefetchMaxM = 20;
 
-// All M rows against NB weight rows: 3-row tiles, then 2 or 1. When prefetching, each tile issues
-// an equal share of the prefetches for the block `pf` rows on, so they are spread out in time.
-template <int NB, class BT>
-KD_AVX2_INLINE void rows_tb(int64_t M, int64_t K, const float* A, int64_t lda, const BT* B, int64_t ldb,
-                            float alpha, float beta, float* C, int64_t ldc, int64_t pf) {
-  const int64_t ntiles = (M + 2) / 3;
-  int64_t m = 0, t = 0;
-  if (pf > 0) {
-    constexpr int64_t kLine = 64 / sizeof(BT);
-    auto share = [&](int64_t i) { return i >= ntiles ? K : ((K * i / ntiles) & ~(kLine - 1)); };
-    for (; m + 3 <= M; m += 3, ++t)
-      tile_tb<3, NB, true>(K, A + m * lda, lda, B, ldb, alpha, beta, C + m * ldc, ldc, pf, share(t), share(t + 1));
-    if (M - m == 2)
-      tile_tb<2, NB, true>(K, A + m * lda, lda, B, ldb, alpha, beta, C + m * ldc, ldc, pf, share(t), share(t + 1));
-    else if (M - m == 1)
-      tile_tb<1, NB, true>(K, A + m * lda, lda, B, ldb, alpha, beta, C + m * ldc, ldc, pf, share(t), share(t + 1));
-    return;
+// The trans_b kernels per ISA (skinny_tb.inc). AVX2: tiles of 3 activation rows x 4 weight rows,
+// 8-float vectors. AVX-512 (the CPU has avx512f/bw/vl; KDTREE_CPU_ISA=avx2 keeps AVX2): 5 x 4 tiles
+// of 16-float vectors (a 5-token verify in one tile; 26 of the 32 registers), half the
+// instructions per multiply-add, each weight vector (and its BF16 widening) used for 5 rows. The
+// sums run over 16 lanes instead of 8, so the results differ from the AVX2 kernel's in the last
+// bits; within one ISA an output is computed the same way whatever M (results do not depend on T).
+// This 2-vCPU VM (AMD EPYC with AVX-512), the embedded model's forward, in-process A/B: T = 1 / 5 /
+// 9 / 17 -12 / -22 / -26 / -34 % (docs/BENCHMARKS.md).
+namespace avx2 {
+#define KD_ISA KD_AVX2
+#define KD_ISA_INLINE KD_AVX2_INLINE
+using Vec = __m256;
+constexpr int64_t kW = 8, kMB = 3, kNB = 4;
+KD_ISA_INLINE Vec vzero() { return _mm256_setzero_ps(); }
+KD_ISA_INLINE Vec vload(const float* a) { return _mm256_loadu_ps(a); }
+KD_ISA_INLINE Vec vloadw(const float* b) { return ldw8(b); }
+KD_ISA_INLINE Vec vloadw(const uint16_t* b) { return ldw8(b); }
+KD_ISA_INLINE Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+template <int NB>
+KD_ISA_INLINE void hsums(const Vec* acc, float* s) {
+  if constexpr (NB % 4 == 0) {
+    for (int j = 0; j < NB; j += 4) _mm_storeu_ps(s + j, hsum4(acc[j], acc[j + 1], acc[j + 2], acc[j + 3]));
+  } else {
+    for (int j = 0; j < NB; ++j) s[j] = hsum(acc[j]);
   }
-  for (; m + 3 <= M; m += 3) tile_tb<3, NB, false>(K, A + m * lda, lda, B, ldb, alpha, beta, C + m * ldc, ldc, 0, 0, 0);
-  if (M - m == 2) tile_tb<2, NB, false>(K, A + m * lda, lda, B, ldb, alpha, beta, C + m * ldc, ldc, 0, 0, 0);
-  else if (M - m == 1) tile_tb<1, NB, false>(K, A + m * lda, lda, B, ldb, alpha, beta, C + m * ldc, ldc, 0, 0, 0);
 }
+#include "model/skinny_tb.inc"
+#undef KD_ISA
+#undef KD_ISA_INLINE
+}  // namespace avx2
 
-// Columns [n0, n1) of C = alpha * A @ B^T + beta * C.
-template <class BT>
-KD_AVX2 void skinny_tb(int64_t M, int64_t n0, int64_t n1, int64_t K, float alpha, const float* A, int64_t lda,
-                       const BT* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  // Prefetch distance: ~8 KB of weights ahead, in whole rows (at least one 8-row block).
-  const int64_t row_bytes = std::max<int64_t>(ldb, 1) * (int64_t)sizeof(BT);
-  const int64_t pf = M > kPrefetchMaxM ? 0 : std::min<int64_t>(64, std::max<int64_t>(8, 8192 / row_bytes));
-  int64_t n = n0;
-  if (M == 1)  // one row (decode): 8 weight rows per pass, 8 independent accumulators
-    for (; n + 8 <= n1; n += 8) tile_tb<1, 8, true>(K, A, lda, B + n * ldb, ldb, alpha, beta, C + n, ldc, pf, 0, K);
-  for (; n + 4 <= n1; n += 4) rows_tb<4>(M, K, A, lda, B + n * ldb, ldb, alpha, beta, C + n, ldc, pf);
-  for (; n < n1; ++n) rows_tb<1>(M, K, A, lda, B + n * ldb, ldb, alpha, beta, C + n, ldc, 0);
+#define KD_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma")))
+#define KD_AVX512_INLINE __attribute__((target("avx512f,avx512bw,avx512vl,avx2,fma"), always_inline)) inline
+// GCC 12 warns -Wmaybe-uninitialized inside avx512fintrin.h's shuffle / extract intrinsics (their
+// masked builtins take an undefined pass-through operand): a false positive, silenced here only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+namespace avx512 {
+#define KD_ISA KD_AVX512
+#define KD_ISA_INLINE KD_AVX512_INLINE
+using Vec = __m512;
+constexpr int64_t kW = 16, kMB = 5, kNB = 4;
+KD_ISA_INLINE Vec vzero() { return _mm512_setzero_ps(); }
+KD_ISA_INLINE Vec vload(const float* a) { return _mm512_loadu_ps(a); }
+KD_ISA_INLINE Vec vloadw(const float* b) { return _mm512_loadu_ps(b); }
+KD_ISA_INLINE Vec vloadw(const uint16_t* b) {
+  const __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(b)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
+KD_ISA_INLINE Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+template <int NB>
+KD_ISA_INLINE void hsums(const Vec* acc, float* s) {  // the two 8-lane halves added, then as AVX2 sums 8 lanes
+  __m256 h[NB];
+  for (int j = 0; j < NB; ++j)
+    h[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[j]),
+                         _mm512_castps512_ps256(_mm512_shuffle_f32x4(acc[j], acc[j], 0xEE)));  // + upper half
+  if constexpr (NB % 4 == 0) {
+    for (int j = 0; j < NB; j += 4) _mm_storeu_ps(s + j, hsum4(h[j], h[j + 1], h[j + 2], h[j + 3]));
+  } else {
+    for (int j = 0; j < NB; ++j) s[j] = hsum(h[j]);
+  }
+}
+#include "model/skinny_tb.inc"
+#undef KD_ISA
+#undef KD_ISA_INLINE
+}  // namespace avx512
+#pragma GCC diagnostic pop
 
 // C[MB, 16] (+)= A[MB, K] @ B[K, 0:16] (B rows of stride ldb). Separate accumulator arrays per
 // half: with one [MB][2] array GCC kept a copy on the stack, stored every iteration.
@@ -430,6 +416,29 @@ bool cpu_has_avx2_fma() {
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
   }();
   return ok;
+}
+
+// The trans_b kernels' ISA: AVX-512 where the CPU has it, unless KDTREE_CPU_ISA=avx2 (read once)
+// or sgemm_set_skinny_isa says otherwise.
+bool cpu_has_avx512() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return cpu_has_avx2_fma() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+  }();
+  return ok;
+}
+std::atomic<bool> g_avx512{[] {
+  const char* v = std::getenv("KDTREE_CPU_ISA");
+  return !(v && std::strcmp(v, "avx2") == 0) && cpu_has_avx512();
+}()};
+bool use_avx512() { return g_avx512.load(std::memory_order_relaxed); }
+
+template <class BT>
+void skinny_tb_isa(int64_t M, int64_t n0, int64_t n1, int64_t K, float alpha, const float* A, int64_t lda,
+                   const BT* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  if (use_avx512()) avx512::skinny_tb(M, n0, n1, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  else avx2::skinny_tb(M, n0, n1, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 #endif  // KD_SKINNY
 
@@ -521,11 +530,11 @@ bool sgemm_skinny(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, co
     if (!trans_b) {
       if constexpr (std::is_same_v<BT, float>) skinny_nn(M, n0, n1, K, alpha, A, lda, B, ldb, beta, C, ldc);
     } else if (M <= kSkinnyAlwaysM) {  // weights: B streamed once
-      skinny_tb(M, n0, n1, K, alpha, A, lda, B, ldb, beta, C, ldc);
+      skinny_tb_isa(M, n0, n1, K, alpha, A, lda, B, ldb, beta, C, ldc);
     } else {  // many rows (attention scores: H per token): 48-row chunks keep A's chunk in L2
       for (int64_t m0 = 0; m0 < M; m0 += 48)
-        skinny_tb(std::min<int64_t>(48, M - m0), n0, n1, K, alpha, A + m0 * lda, lda, B, ldb, beta, C + m0 * ldc,
-                  ldc);
+        skinny_tb_isa(std::min<int64_t>(48, M - m0), n0, n1, K, alpha, A + m0 * lda, lda, B, ldb, beta,
+                      C + m0 * ldc, ldc);
     }
   };
   // Column chunks shared with the pool's helpers (parallel.h) when the call is worth it: at least
@@ -587,6 +596,29 @@ bool sgemm_bf16_weights(int64_t M, int64_t N, int64_t K, float alpha, const floa
   return alpha != 0.f && sgemm_skinny(true, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 #else
   return false;
+#endif
+}
+
+bool sgemm_set_skinny_isa(const char* isa) {
+#ifdef KD_SKINNY
+  if (std::strcmp(isa, "avx2") == 0) {
+    g_avx512.store(false);
+    return cpu_has_avx2_fma();
+  }
+  if (std::strcmp(isa, "avx512") == 0) {
+    g_avx512.store(cpu_has_avx512());
+    return cpu_has_avx512();
+  }
+#endif
+  return false;
+}
+
+const char* sgemm_skinny_isa() {
+#ifdef KD_SKINNY
+  if (!cpu_has_avx2_fma()) return "none";
+  return use_avx512() ? "avx512" : "avx2";
+#else
+  return "none";
 #endif
 }
 

@@ -33,6 +33,13 @@ bool sgemm_bf16_weights(int64_t M, int64_t N, int64_t K, float alpha, const floa
 
 // Which implementation sgemm() uses now: "cblas" or "portable".
 const char* sgemm_backend();
+// The skinny kernels' vector ISA on this CPU: "avx512", "avx2" or "none" (no skinny kernels);
+// KDTREE_CPU_ISA=avx2 in the environment (read once) keeps AVX2 on an AVX-512 CPU.
+const char* sgemm_skinny_isa();
+// Tests and benchmarks: "avx2" or "avx512" for the skinny kernels from now on (process-wide; not
+// while GEMMs run on other threads). Returns false (and changes nothing for "avx512") where the
+// CPU lacks that ISA.
+bool sgemm_set_skinny_isa(const char* isa);
 
 // Make sgemm() use the portable kernel even when CBLAS is built in (process-wide; for tests
 // and benchmarks that exercise the fallback through the whole model).

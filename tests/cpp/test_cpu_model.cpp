@@ -317,8 +317,16 @@ void config_checks() {
 }  // namespace
 
 int main() {
-  sgemm_paths();
-  sgemm_bf16();
+  // the skinny kernels of every vector ISA this CPU has (AVX2; AVX-512 where present), then the default
+  const std::string isa0 = kdtree::sgemm_skinny_isa();
+  for (const char* isa : {"avx2", "avx512"}) {
+    if (!kdtree::sgemm_set_skinny_isa(isa)) continue;
+    CHECK(std::string(kdtree::sgemm_skinny_isa()) == isa);
+    std::printf("skinny ISA %s\n", isa);
+    sgemm_paths();
+    sgemm_bf16();
+  }
+  if (isa0 != "none") CHECK(kdtree::sgemm_set_skinny_isa(isa0.c_str()));
   parallel_pool();
   config_checks();
   std::ifstream list(kdtest::golden_path("model_configs.txt"));

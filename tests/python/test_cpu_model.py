@@ -261,6 +261,60 @@ def test_sgemm_matches_numpy(portable, trans_b, mnk):
     assert np.abs(got - (0.5 * want - 2.0 * c)).max() < tol * 2
 
 
+ISA0 = _native.sgemm_skinny_isa()  # this CPU's default for the skinny kernels
+
+
+@pytest.fixture(params=["avx2", "avx512"])
+def skinny_isa(request):
+    """Each vector ISA of the CPU skinny kernels in turn (skipped where the CPU lacks it); the
+    default is restored afterwards."""
+    if not _native.sgemm_set_skinny_isa(request.param):
+        _native.sgemm_set_skinny_isa(ISA0) if ISA0 != "none" else None
+        pytest.skip(f"this CPU has no {request.param} skinny kernels")
+    assert _native.sgemm_skinny_isa() == request.param
+    yield request.param
+    if ISA0 != "none":
+        _native.sgemm_set_skinny_isa(ISA0)
+
+
+def test_sgemm_skinny_shapes(skinny_isa):
+    """The trans_b skinny kernels (the model's projections) for every row count from 1 to 13 and
+    a few larger (AVX2 tiles of 3 rows x 4 weight rows, AVX-512 5 x 4: every remainder), column
+    counts around the 4-row passes and k around the vector widths (8 / 16 floats: the scalar
+    tail), strided operands, alpha / beta: within 1e-5 sqrt(K) of the float64 product."""
+    rng = np.random.default_rng(7)
+    for M in list(range(1, 14)) + [17, 20, 21, 48, 130]:
+        for N, K in ((1, 1), (3, 15), (4, 16), (5, 17), (9, 33), (33, 320), (70, 100)):
+            a = rng.standard_normal((M, K + 3)).astype(np.float32)[:, :K]
+            b = rng.standard_normal((N, K)).astype(np.float32)
+            c = rng.standard_normal((M, N)).astype(np.float32)
+            want = a.astype(np.float64) @ b.astype(np.float64).T
+            tol = 1e-5 * np.sqrt(K) * max(1.0, np.abs(want).max())
+            got = _native.sgemm(np.ascontiguousarray(a), b, trans_b=True)
+            assert np.abs(got - want).max() < tol, (M, N, K)
+            got = _native.sgemm(np.ascontiguousarray(a), b, trans_b=True, alpha=0.5, beta=-2.0, c=c)
+            assert np.abs(got - (0.5 * want - 2.0 * c)).max() < 2 * tol, (M, N, K)
+
+
+@pytest.mark.parametrize("name", ["ds3_base", "kimi_like"])
+def test_model_matches_reference_with_each_skinny_isa(skinny_isa, name):
+    """Prefill, decode and a 17-node tree verify against the NumPy reference with the AVX2 and the
+    AVX-512 skinny kernels (the model runs whichever the CPU has; both are checked here)."""
+    eng, ref, cfg = numpy_engine(name)
+    ids = prompt(cfg.vocab_size, 11, seed=3)
+    assert rel_to_scale(eng.prefill(ids), ref.forward(ids)) < 1e-5
+    parents, depths, vis = random_tree(17, seed=4)
+    toks = prompt(cfg.vocab_size, 17, seed=5)
+    assert rel_to_scale(eng.forward(toks, 11 + depths, vis), ref.forward(toks, 11 + depths, vis)) < 1e-5
+    eng.commit([])
+    ref.compact([])
+    for T in (1, 2, 5, 9):
+        t = prompt(cfg.vocab_size, T, seed=6 + T)
+        assert rel_to_scale(eng.forward(t, 11 + np.arange(T)), ref.forward(t, 11 + np.arange(T))) < 1e-5, T
+        eng.commit([])
+        ref.compact([])
+
+
 def test_sgemm_backend_reported():
     assert _native.sgemm_backend() in ("cblas", "portable")
     assert kn.build_info()["cpu_blas"].startswith(_native.sgemm_backend())
@@ -447,11 +501,11 @@ def _bf16_exact(w):
 
 
 @pytest.mark.parametrize("name", ["ds3_base", "tied_nonorm", "kimi_like", "no_q_lora"])
-def test_bf16_weight_copies_give_the_same_logits(name):
+def test_bf16_weight_copies_give_the_same_logits(name, skinny_isa):
     """A model whose weights are exactly BF16 keeps BF16 copies of its projections for the few-row
     GEMMs (half the bytes): the logits equal the FP32-only model's bit for bit, for a prefill,
     decode steps, tree verifies of 2..33 tokens and after commits, with the copies dropped and
-    made again (use_bf16_weights)."""
+    made again (use_bf16_weights); with each skinny-kernel ISA of the CPU."""
     cfg = config_from_dict(config_dict(name))
     eng = kn.Engine.from_weights(cfg, _bf16_exact(random_weights(cfg, 3)), device="cpu", max_seq_len=256)
     m = eng.model
