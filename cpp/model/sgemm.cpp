@@ -294,8 +294,18 @@ constexpr int64_t kPrefetchMaxM = 20;
 // instructions per multiply-add, each weight vector (and its BF16 widening) used for 5 rows. The
 // sums run over 16 lanes instead of 8, so the results differ from the AVX2 kernel's in the last
 // bits; within one ISA an output is computed the same way whatever M (results do not depend on T).
-// This 2-vCPU VM (AMD EPYC with AVX-512), the embedded model's forward, in-process A/B: T = 1 / 5 /
-// 9 / 17 -12 / -22 / -26 / -34 % (docs/BENCHMARKS.md).
+// This 2-vCPU VM (AMD EPYC with AVX-512), the embedded model's forward, in-process A/B over three
+// runs: T = 1 / 5 / 9 / 17 7-15 / 9-22 / 9-26 / 13-34 % faster (docs/BENCHMARKS.md).
+// s[j] = the sum of h[j]'s 8 lanes (hsum4 for each group of four, hsum for the rest)
+template <int NB>
+KD_AVX2_INLINE void hsums8(const __m256* h, float* s) {
+  if constexpr (NB % 4 == 0) {
+    for (int j = 0; j < NB; j += 4) _mm_storeu_ps(s + j, hsum4(h[j], h[j + 1], h[j + 2], h[j + 3]));
+  } else {
+    for (int j = 0; j < NB; ++j) s[j] = hsum(h[j]);
+  }
+}
+
 namespace avx2 {
 #define KD_ISA KD_AVX2
 #define KD_ISA_INLINE KD_AVX2_INLINE
@@ -307,13 +317,7 @@ KD_ISA_INLINE Vec vloadw(const float* b) { return ldw8(b); }
 KD_ISA_INLINE Vec vloadw(const uint16_t* b) { return ldw8(b); }
 KD_ISA_INLINE Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
 template <int NB>
-KD_ISA_INLINE void hsums(const Vec* acc, float* s) {
-  if constexpr (NB % 4 == 0) {
-    for (int j = 0; j < NB; j += 4) _mm_storeu_ps(s + j, hsum4(acc[j], acc[j + 1], acc[j + 2], acc[j + 3]));
-  } else {
-    for (int j = 0; j < NB; ++j) s[j] = hsum(acc[j]);
-  }
-}
+KD_ISA_INLINE void hsums(const Vec* acc, float* s) { hsums8<NB>(acc, s); }
 #include "model/skinny_tb.inc"
 #undef KD_ISA
 #undef KD_ISA_INLINE
@@ -339,16 +343,12 @@ KD_ISA_INLINE Vec vloadw(const uint16_t* b) {
 }
 KD_ISA_INLINE Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
 template <int NB>
-KD_ISA_INLINE void hsums(const Vec* acc, float* s) {  // the two 8-lane halves added, then as AVX2 sums 8 lanes
+KD_ISA_INLINE void hsums(const Vec* acc, float* s) {  // the two 8-lane halves added, then summed as AVX2 does
   __m256 h[NB];
   for (int j = 0; j < NB; ++j)
     h[j] = _mm256_add_ps(_mm512_castps512_ps256(acc[j]),
                          _mm512_castps512_ps256(_mm512_shuffle_f32x4(acc[j], acc[j], 0xEE)));  // + upper half
-  if constexpr (NB % 4 == 0) {
-    for (int j = 0; j < NB; j += 4) _mm_storeu_ps(s + j, hsum4(h[j], h[j + 1], h[j + 2], h[j + 3]));
-  } else {
-    for (int j = 0; j < NB; ++j) s[j] = hsum(h[j]);
-  }
+  hsums8<NB>(h, s);
 }
 #include "model/skinny_tb.inc"
 #undef KD_ISA
