@@ -288,7 +288,7 @@ KD_AVX2_INLINE float widen(uint16_t b) {
 // (measured on Zen 3: slower from ~24 rows on), so the hardware prefetchers are left alone there.
 constexpr int64_t kPrefetchMaxM = 20;
 
-// The trans_b kernels per ISA (skinny_tb.inc). AVX2: tiles of 3 activation rows x 4 weight rows,
+// The skinny kernels per ISA (skinny.inc). AVX2: tiles of 3 activation rows x 4 weight rows,
 // 8-float vectors. AVX-512 (the CPU has avx512f/bw/vl; KDTREE_CPU_ISA=avx2 keeps AVX2): 5 x 4 tiles
 // of 16-float vectors (a 5-token verify in one tile; 26 of the 32 registers), half the
 // instructions per multiply-add, each weight vector (and its BF16 widening) used for 5 rows. The
@@ -316,9 +316,13 @@ KD_ISA_INLINE Vec vload(const float* a) { return _mm256_loadu_ps(a); }
 KD_ISA_INLINE Vec vloadw(const float* b) { return ldw8(b); }
 KD_ISA_INLINE Vec vloadw(const uint16_t* b) { return ldw8(b); }
 KD_ISA_INLINE Vec vfma(Vec a, Vec b, Vec c) { return _mm256_fmadd_ps(a, b, c); }
+KD_ISA_INLINE Vec vbroadcast(const float* a) { return _mm256_broadcast_ss(a); }
+KD_ISA_INLINE Vec vset1(float v) { return _mm256_set1_ps(v); }
+KD_ISA_INLINE Vec vmul(Vec a, Vec b) { return _mm256_mul_ps(a, b); }
+KD_ISA_INLINE void vstore(float* c, Vec v) { _mm256_storeu_ps(c, v); }
 template <int NB>
 KD_ISA_INLINE void hsums(const Vec* acc, float* s) { hsums8<NB>(acc, s); }
-#include "model/skinny_tb.inc"
+#include "model/skinny.inc"
 #undef KD_ISA
 #undef KD_ISA_INLINE
 }  // namespace avx2
@@ -342,6 +346,10 @@ KD_ISA_INLINE Vec vloadw(const uint16_t* b) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(w, 16));
 }
 KD_ISA_INLINE Vec vfma(Vec a, Vec b, Vec c) { return _mm512_fmadd_ps(a, b, c); }
+KD_ISA_INLINE Vec vbroadcast(const float* a) { return _mm512_set1_ps(*a); }
+KD_ISA_INLINE Vec vset1(float v) { return _mm512_set1_ps(v); }
+KD_ISA_INLINE Vec vmul(Vec a, Vec b) { return _mm512_mul_ps(a, b); }
+KD_ISA_INLINE void vstore(float* c, Vec v) { _mm512_storeu_ps(c, v); }
 template <int NB>
 KD_ISA_INLINE void hsums(const Vec* acc, float* s) {  // the two 8-lane halves added, then summed as AVX2 does
   __m256 h[NB];
@@ -350,58 +358,22 @@ KD_ISA_INLINE void hsums(const Vec* acc, float* s) {  // the two 8-lane halves a
                          _mm512_castps512_ps256(_mm512_shuffle_f32x4(acc[j], acc[j], 0xEE)));  // + upper half
   hsums8<NB>(h, s);
 }
-#include "model/skinny_tb.inc"
+#include "model/skinny.inc"
 #undef KD_ISA
 #undef KD_ISA_INLINE
 }  // namespace avx512
 #pragma GCC diagnostic pop
 
-// C[MB, 16] (+)= A[MB, K] @ B[K, 0:16] (B rows of stride ldb). Separate accumulator arrays per
-// half: with one [MB][2] array GCC kept a copy on the stack, stored every iteration.
-template <int MB>
-KD_AVX2_INLINE void tile_nn(int64_t K, const float* A, int64_t lda, const float* B, int64_t ldb, float alpha,
-                            float beta, float* C, int64_t ldc) {
-  __m256 acc0[MB], acc1[MB];
-  for (int i = 0; i < MB; ++i) {
-    acc0[i] = _mm256_setzero_ps();
-    acc1[i] = _mm256_setzero_ps();
-  }
-  for (int64_t k = 0; k < K; ++k) {
-    const __m256 b0 = _mm256_loadu_ps(B + k * ldb), b1 = _mm256_loadu_ps(B + k * ldb + 8);
-    for (int i = 0; i < MB; ++i) {
-      const __m256 a = _mm256_broadcast_ss(A + i * lda + k);
-      acc0[i] = _mm256_fmadd_ps(a, b0, acc0[i]);
-      acc1[i] = _mm256_fmadd_ps(a, b1, acc1[i]);
-    }
-  }
-  const __m256 va = _mm256_set1_ps(alpha), vb = _mm256_set1_ps(beta);
-  for (int i = 0; i < MB; ++i) {
-    float* c = C + i * ldc;
-    __m256 r0 = _mm256_mul_ps(va, acc0[i]), r1 = _mm256_mul_ps(va, acc1[i]);
-    if (beta != 0.f) {
-      r0 = _mm256_fmadd_ps(vb, _mm256_loadu_ps(c), r0);
-      r1 = _mm256_fmadd_ps(vb, _mm256_loadu_ps(c + 8), r1);
-    }
-    _mm256_storeu_ps(c, r0);
-    _mm256_storeu_ps(c + 8, r1);
-  }
-}
+bool use_avx512();
 
+// B not transposed ([K, N]: the attention's absorption and P @ latent): 2 kW-column tiles of the
+// CPU's widest ISA, then 16-column AVX2 tiles, then plain loops for the last N % 16 columns (every
+// column always takes the same one of these, and the two vector tiles give the same bits).
 KD_AVX2 void skinny_nn(int64_t M, int64_t n0, int64_t n1, int64_t K, float alpha, const float* A, int64_t lda,
                        const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   int64_t n = n0;
-  for (; n + 16 <= n1; n += 16) {
-    int64_t m = 0;
-    for (; m + 6 <= M; m += 6) tile_nn<6>(K, A + m * lda, lda, B + n, ldb, alpha, beta, C + m * ldc + n, ldc);
-    switch (M - m) {
-      case 5: tile_nn<5>(K, A + m * lda, lda, B + n, ldb, alpha, beta, C + m * ldc + n, ldc); break;
-      case 4: tile_nn<4>(K, A + m * lda, lda, B + n, ldb, alpha, beta, C + m * ldc + n, ldc); break;
-      case 3: tile_nn<3>(K, A + m * lda, lda, B + n, ldb, alpha, beta, C + m * ldc + n, ldc); break;
-      case 2: tile_nn<2>(K, A + m * lda, lda, B + n, ldb, alpha, beta, C + m * ldc + n, ldc); break;
-      case 1: tile_nn<1>(K, A + m * lda, lda, B + n, ldb, alpha, beta, C + m * ldc + n, ldc); break;
-      default: break;
-    }
-  }
+  if (use_avx512()) n = avx512::nn_blocks(M, n, n1, K, alpha, A, lda, B, ldb, beta, C, ldc);  // 32 columns
+  n = avx2::nn_blocks(M, n, n1, K, alpha, A, lda, B, ldb, beta, C, ldc);                     // 16 columns
   for (; n < n1; ++n)  // leftover columns (N % 16): plain loops
     for (int64_t m = 0; m < M; ++m) {
       float s = 0.f;

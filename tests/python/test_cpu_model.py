@@ -296,6 +296,36 @@ def test_sgemm_skinny_shapes(skinny_isa):
             assert np.abs(got - (0.5 * want - 2.0 * c)).max() < 2 * tol, (M, N, K)
 
 
+def test_sgemm_nn_same_bits_on_each_isa():
+    """The skinny kernels with B not transposed (the attention's absorption and P @ latent): an FMA
+    chain per output in k order in every vector tile, so AVX-512's 32-column tiles, AVX2's
+    16-column ones and their mix give the same bits; within 1e-5 sqrt(K) of float64. Rows 1-13
+    and 20 (6-row tiles and every remainder), column counts around 16 and 32, alpha / beta."""
+    if ISA0 == "none":
+        pytest.skip("no skinny kernels on this CPU")
+    isas = [i for i in ("avx2", "avx512") if _native.sgemm_set_skinny_isa(i)]
+    rng = np.random.default_rng(8)
+    try:
+        for M in list(range(1, 14)) + [20]:
+            for N in (15, 16, 17, 32, 48, 64, 80, 100):
+                for K in (1, 7, 64):
+                    a = rng.standard_normal((M, K)).astype(np.float32)
+                    b = rng.standard_normal((K, N)).astype(np.float32)
+                    c = rng.standard_normal((M, N)).astype(np.float32)
+                    want = a.astype(np.float64) @ b.astype(np.float64)
+                    outs = []
+                    for isa in isas:
+                        assert _native.sgemm_set_skinny_isa(isa)
+                        outs.append((_native.sgemm(a, b), _native.sgemm(a, b, alpha=0.5, beta=-2.0, c=c)))
+                    tol = 1e-5 * np.sqrt(K) * max(1.0, np.abs(want).max())
+                    assert np.abs(outs[0][0] - want).max() < tol, (M, N, K)
+                    assert np.abs(outs[0][1] - (0.5 * want - 2.0 * c)).max() < 2 * tol, (M, N, K)
+                    for o in outs[1:]:
+                        assert np.array_equal(o[0], outs[0][0]) and np.array_equal(o[1], outs[0][1]), (M, N, K)
+    finally:
+        _native.sgemm_set_skinny_isa(ISA0)
+
+
 @pytest.mark.parametrize("name", ["ds3_base", "kimi_like"])
 def test_model_matches_reference_with_each_skinny_isa(skinny_isa, name):
     """Prefill, decode and a 17-node tree verify against the NumPy reference with the AVX2 and the
