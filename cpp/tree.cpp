@@ -278,12 +278,10 @@ std::string topk_logsoftmax_input_error(const float* logits, int64_t D, int64_t 
   for (int64_t d = 0; d < D; ++d) {
     const float* row = logits + d * V;
     bool any_finite = false;
-    for (int64_t v = 0; v < V; ++v) {
-      if (std::isnan(row[v])) return "logits contain NaN (first at row " + std::to_string(d) + ")";
-      if (row[v] == std::numeric_limits<float>::infinity())
-        return "logits contain +inf (first at row " + std::to_string(d) + ")";
-      if (row[v] != -std::numeric_limits<float>::infinity()) any_finite = true;
-    }
+    const int64_t bad = logits_row_check(row, V, &any_finite);
+    if (bad >= 0)
+      return std::string(std::isnan(row[bad]) ? "logits contain NaN" : "logits contain +inf") + " (first at row " +
+             std::to_string(d) + ")";
     if (!any_finite) return "logits row " + std::to_string(d) + " is all -inf";
   }
   return "";
@@ -295,14 +293,46 @@ namespace {
 // a sorted list; an element enters only if it beats the current kk-th, and an equal logit never
 // does (it has the higher id), so ties keep the lower ids first. Large kk: nth_element + sort.
 constexpr int64_t kStreamTopK = 64;
+
+#ifdef KD_TREE_AVX2
+bool tree_avx2_fma() {
+  static const bool ok = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return ok;
+}
+
+__attribute__((target("avx2,fma"))) int64_t next_above_avx2(const float* row, int64_t v, int64_t V, float thr) {
+  const __m256 t = _mm256_set1_ps(thr);
+  for (; v + 8 <= V; v += 8) {
+    const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + v), t, _CMP_GT_OQ));
+    if (mask) return v + __builtin_ctz(static_cast<unsigned>(mask));
+  }
+  for (; v < V && !(row[v] > thr); ++v) {
+  }
+  return v;
+}
+#endif
+
+// The first index in [v, V) whose value is > thr, or V (eight at a time where the CPU has AVX2).
+int64_t next_above(const float* row, int64_t v, int64_t V, float thr) {
+#ifdef KD_TREE_AVX2
+  if (tree_avx2_fma()) return next_above_avx2(row, v, V, thr);
+#endif
+  for (; v < V && !(row[v] > thr); ++v) {
+  }
+  return v;
+}
+
 void row_topk(const float* row, int64_t V, int64_t kk, std::vector<int32_t>& order, int32_t* out_ids) {
   if (kk <= kStreamTopK) {
     float tv[kStreamTopK];
     int32_t ti[kStreamTopK];
     int64_t c = 0;
     for (int64_t v = 0; v < V; ++v) {
+      if (c == kk && (v = next_above(row, v, V, tv[kk - 1])) == V) break;  // skip what cannot enter
       const float x = row[v];
-      if (c == kk && !(x > tv[kk - 1])) continue;
       int64_t j = c < kk ? c++ : kk - 1;
       while (j > 0 && x > tv[j - 1]) {
         tv[j] = tv[j - 1];
@@ -369,13 +399,34 @@ __attribute__((target("avx2,fma"))) double row_sumexp_avx2(const float* row, int
   for (; v < V; ++v) sum += std::exp(static_cast<double>(row[v]) - static_cast<double>(m));
   return sum;
 }
+#endif
 
-bool tree_avx2_fma() {
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return ok;
+#ifdef KD_TREE_AVX2
+__attribute__((target("avx2,fma"))) int64_t logits_row_check_avx2(const float* row, int64_t V, bool* any_finite) {
+  const float inf = std::numeric_limits<float>::infinity();
+  const __m256 pinf = _mm256_set1_ps(inf), ninf = _mm256_set1_ps(-inf);
+  int fin = 0;
+  int64_t v = 0;
+  for (; v + 8 <= V; v += 8) {
+    const __m256 x = _mm256_loadu_ps(row + v);
+    const int bad =
+        _mm256_movemask_ps(_mm256_or_ps(_mm256_cmp_ps(x, x, _CMP_UNORD_Q), _mm256_cmp_ps(x, pinf, _CMP_EQ_OQ)));
+    if (bad) {
+      *any_finite = fin != 0;
+      return v + __builtin_ctz(static_cast<unsigned>(bad));
+    }
+    fin |= _mm256_movemask_ps(_mm256_cmp_ps(x, ninf, _CMP_GT_OQ));  // > -inf, and not NaN / +inf (above)
+  }
+  bool any = fin != 0;
+  for (; v < V; ++v) {
+    if (std::isnan(row[v]) || row[v] == std::numeric_limits<float>::infinity()) {
+      *any_finite = any;
+      return v;
+    }
+    any = any || row[v] != -std::numeric_limits<float>::infinity();
+  }
+  *any_finite = any;
+  return -1;
 }
 #endif
 
@@ -388,6 +439,22 @@ double row_sumexp(const float* row, int64_t V, float m) {
   return sum;
 }
 }  // namespace
+
+int64_t logits_row_check(const float* row, int64_t V, bool* any_finite) {
+#ifdef KD_TREE_AVX2
+  if (tree_avx2_fma()) return logits_row_check_avx2(row, V, any_finite);
+#endif
+  bool any = false;
+  for (int64_t v = 0; v < V; ++v) {
+    if (std::isnan(row[v]) || row[v] == std::numeric_limits<float>::infinity()) {
+      *any_finite = any;
+      return v;
+    }
+    any = any || row[v] != -std::numeric_limits<float>::infinity();
+  }
+  *any_finite = any;
+  return -1;
+}
 
 int64_t topk_logsoftmax(const float* logits, int64_t D, int64_t V, int64_t k, float* logprobs, int32_t* ids) {
   const int64_t kk = std::min(k, V);

@@ -104,6 +104,10 @@ void compact_index_map(const int32_t* path,  // [m]
 int64_t kv_compact(void* cache, int64_t row_bytes, int64_t cache_len,
                    const int32_t* path, int64_t m);
 
+// One logits row [V]: the index of its first NaN or +inf (-1 when none) and, in *any_finite,
+// whether it holds a finite value (eight values at a time where the CPU has AVX2).
+int64_t logits_row_check(const float* row, int64_t V, bool* any_finite);
+
 // The first problem with topk_logsoftmax's inputs ("" when fine): D in [0, kTreeMaxDepth],
 // V >= 1, k >= 1, no NaN or +inf, no all -inf row.
 std::string topk_logsoftmax_input_error(const float* logits,  // [D, V]

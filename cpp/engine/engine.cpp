@@ -25,11 +25,10 @@ void check_draft_output(const DraftOutput& out, int64_t depth, int64_t top_k, in
     KD_CHECK(static_cast<int64_t>(out.values.size()) == out.d * out.k, "drafter logits: size does not match [d, V]");
     for (int64_t r = 0; r < out.d; ++r) {
       bool any_finite = false;
-      for (int64_t j = 0; j < out.k; ++j) {
-        const float x = out.values[r * out.k + j];
-        KD_CHECK(!std::isnan(x), "drafter logits contain NaN (row " + s(r) + ")");
-        KD_CHECK(!(std::isinf(x) && x > 0), "drafter logits contain +inf (row " + s(r) + ")");
-        any_finite = any_finite || std::isfinite(x);
+      const int64_t bad = logits_row_check(out.values.data() + r * out.k, out.k, &any_finite);
+      if (bad >= 0) {
+        KD_CHECK(!std::isnan(out.values[r * out.k + bad]), "drafter logits contain NaN (row " + s(r) + ")");
+        KD_CHECK(false, "drafter logits contain +inf (row " + s(r) + ")");
       }
       KD_CHECK(any_finite, "drafter logits: row " + s(r) + " has no finite value");
     }

@@ -229,6 +229,33 @@ def test_topk_logsoftmax_input_errors(impl):
             f(bad, k)
 
 
+def test_topk_logsoftmax_finds_the_first_bad_logit():
+    """The native input scan (eight values at a time where the CPU has AVX2, then a scalar tail;
+    the engine checks a drafter's logits with the same scan): NaN or +inf anywhere in a row, the
+    first of them named; rows that are -inf but for one finite value anywhere pass; all -inf is
+    refused. Rows of 1 to 4099 values, the bad value in the vector part and in the tail. Called
+    on the binding (kn.ops checks in NumPy first, NaN before +inf)."""
+    rng = np.random.default_rng(17)
+    for V in (1, 7, 8, 9, 15, 16, 17, 40, 4099):
+        for trial in range(12):
+            x = rng.standard_normal((3, V)).astype(np.float32)
+            r, p = int(rng.integers(0, 3)), int(rng.integers(0, V))
+            first = [np.nan, np.inf][trial % 2]
+            x[r, p] = first
+            if p + 1 < V:  # a later bad value of the other kind must not be the one named
+                x[r, int(rng.integers(p + 1, V))] = [np.inf, np.nan][trial % 2]
+            with pytest.raises(ValueError, match="NaN" if trial % 2 == 0 else r"\+inf"):
+                kn._native.topk_logsoftmax_cpu(x, 1)
+            y = np.full((2, V), -np.inf, np.float32)
+            y[0, int(rng.integers(0, V))] = 0.5
+            y[1, int(rng.integers(0, V))] = -3.0
+            lp, ids = kn._native.topk_logsoftmax_cpu(y, 1)
+            assert lp.shape == (2, 1) and np.all(lp == 0) and y[0, ids[0, 0]] == 0.5 and y[1, ids[1, 0]] == -3.0
+            y[1, :] = -np.inf
+            with pytest.raises(ValueError, match="all -inf"):
+                kn._native.topk_logsoftmax_cpu(y, 1)
+
+
 @pytest.mark.parametrize("impl", IMPLS)
 def test_tree_accept_input_errors(impl):
     tree = R.tree_build(GOOD_LP, GOOD_IDS, 5)
