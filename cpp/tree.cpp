@@ -294,6 +294,11 @@ namespace {
 // does (it has the higher id), so ties keep the lower ids first. Large kk: nth_element + sort.
 constexpr int64_t kStreamTopK = 64;
 
+int64_t next_above_tail(const float* row, int64_t v, int64_t V, float thr) {
+  while (v < V && !(row[v] > thr)) ++v;
+  return v;
+}
+
 #ifdef KD_TREE_AVX2
 bool tree_avx2_fma() {
   static const bool ok = [] {
@@ -309,9 +314,7 @@ __attribute__((target("avx2,fma"))) int64_t next_above_avx2(const float* row, in
     const int mask = _mm256_movemask_ps(_mm256_cmp_ps(_mm256_loadu_ps(row + v), t, _CMP_GT_OQ));
     if (mask) return v + __builtin_ctz(static_cast<unsigned>(mask));
   }
-  for (; v < V && !(row[v] > thr); ++v) {
-  }
-  return v;
+  return next_above_tail(row, v, V, thr);
 }
 #endif
 
@@ -320,9 +323,7 @@ int64_t next_above(const float* row, int64_t v, int64_t V, float thr) {
 #ifdef KD_TREE_AVX2
   if (tree_avx2_fma()) return next_above_avx2(row, v, V, thr);
 #endif
-  for (; v < V && !(row[v] > thr); ++v) {
-  }
-  return v;
+  return next_above_tail(row, v, V, thr);
 }
 
 void row_topk(const float* row, int64_t V, int64_t kk, std::vector<int32_t>& order, int32_t* out_ids) {
@@ -401,6 +402,19 @@ __attribute__((target("avx2,fma"))) double row_sumexp_avx2(const float* row, int
 }
 #endif
 
+// logits_row_check's scalar loop from index v on, `any`: a finite value seen before v
+int64_t logits_row_check_tail(const float* row, int64_t v, int64_t V, bool any, bool* any_finite) {
+  for (; v < V; ++v) {
+    if (std::isnan(row[v]) || row[v] == std::numeric_limits<float>::infinity()) {
+      *any_finite = any;
+      return v;
+    }
+    any = any || row[v] != -std::numeric_limits<float>::infinity();
+  }
+  *any_finite = any;
+  return -1;
+}
+
 #ifdef KD_TREE_AVX2
 __attribute__((target("avx2,fma"))) int64_t logits_row_check_avx2(const float* row, int64_t V, bool* any_finite) {
   const float inf = std::numeric_limits<float>::infinity();
@@ -417,16 +431,7 @@ __attribute__((target("avx2,fma"))) int64_t logits_row_check_avx2(const float* r
     }
     fin |= _mm256_movemask_ps(_mm256_cmp_ps(x, ninf, _CMP_GT_OQ));  // > -inf, and not NaN / +inf (above)
   }
-  bool any = fin != 0;
-  for (; v < V; ++v) {
-    if (std::isnan(row[v]) || row[v] == std::numeric_limits<float>::infinity()) {
-      *any_finite = any;
-      return v;
-    }
-    any = any || row[v] != -std::numeric_limits<float>::infinity();
-  }
-  *any_finite = any;
-  return -1;
+  return logits_row_check_tail(row, v, V, fin != 0, any_finite);
 }
 #endif
 
@@ -444,16 +449,7 @@ int64_t logits_row_check(const float* row, int64_t V, bool* any_finite) {
 #ifdef KD_TREE_AVX2
   if (tree_avx2_fma()) return logits_row_check_avx2(row, V, any_finite);
 #endif
-  bool any = false;
-  for (int64_t v = 0; v < V; ++v) {
-    if (std::isnan(row[v]) || row[v] == std::numeric_limits<float>::infinity()) {
-      *any_finite = any;
-      return v;
-    }
-    any = any || row[v] != -std::numeric_limits<float>::infinity();
-  }
-  *any_finite = any;
-  return -1;
+  return logits_row_check_tail(row, 0, V, false, any_finite);
 }
 
 int64_t topk_logsoftmax(const float* logits, int64_t D, int64_t V, int64_t k, float* logprobs, int32_t* ids) {
