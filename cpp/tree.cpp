@@ -8,6 +8,7 @@
 #include <numeric>
 
 #include "common.h"
+#include "cpu_features.h"
 
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #include <immintrin.h>
@@ -300,14 +301,6 @@ int64_t next_above_tail(const float* row, int64_t v, int64_t V, float thr) {
 }
 
 #ifdef KD_TREE_AVX2
-bool tree_avx2_fma() {
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return ok;
-}
-
 __attribute__((target("avx2,fma"))) int64_t next_above_avx2(const float* row, int64_t v, int64_t V, float thr) {
   const __m256 t = _mm256_set1_ps(thr);
   for (; v + 8 <= V; v += 8) {
@@ -321,7 +314,7 @@ __attribute__((target("avx2,fma"))) int64_t next_above_avx2(const float* row, in
 // The first index in [v, V) whose value is > thr, or V (eight at a time where the CPU has AVX2).
 int64_t next_above(const float* row, int64_t v, int64_t V, float thr) {
 #ifdef KD_TREE_AVX2
-  if (tree_avx2_fma()) return next_above_avx2(row, v, V, thr);
+  if (cpu_has_avx2_fma()) return next_above_avx2(row, v, V, thr);
 #endif
   return next_above_tail(row, v, V, thr);
 }
@@ -437,7 +430,7 @@ __attribute__((target("avx2,fma"))) int64_t logits_row_check_avx2(const float* r
 
 double row_sumexp(const float* row, int64_t V, float m) {
 #ifdef KD_TREE_AVX2
-  if (tree_avx2_fma()) return row_sumexp_avx2(row, V, m);
+  if (cpu_has_avx2_fma()) return row_sumexp_avx2(row, V, m);
 #endif
   double sum = 0.0;
   for (int64_t v = 0; v < V; ++v) sum += std::exp(static_cast<double>(row[v]) - static_cast<double>(m));
@@ -447,7 +440,7 @@ double row_sumexp(const float* row, int64_t V, float m) {
 
 int64_t logits_row_check(const float* row, int64_t V, bool* any_finite) {
 #ifdef KD_TREE_AVX2
-  if (tree_avx2_fma()) return logits_row_check_avx2(row, V, any_finite);
+  if (cpu_has_avx2_fma()) return logits_row_check_avx2(row, V, any_finite);
 #endif
   return logits_row_check_tail(row, 0, V, false, any_finite);
 }

@@ -26,10 +26,10 @@ void check_draft_output(const DraftOutput& out, int64_t depth, int64_t top_k, in
     for (int64_t r = 0; r < out.d; ++r) {
       bool any_finite = false;
       const int64_t bad = logits_row_check(out.values.data() + r * out.k, out.k, &any_finite);
-      if (bad >= 0) {
-        KD_CHECK(!std::isnan(out.values[r * out.k + bad]), "drafter logits contain NaN (row " + s(r) + ")");
-        KD_CHECK(false, "drafter logits contain +inf (row " + s(r) + ")");
-      }
+      if (bad >= 0)
+        throw Error(std::string(std::isnan(out.values[r * out.k + bad]) ? "drafter logits contain NaN"
+                                                                         : "drafter logits contain +inf") +
+                    " (row " + s(r) + ")");
       KD_CHECK(any_finite, "drafter logits: row " + s(r) + " has no finite value");
     }
     return;

@@ -68,7 +68,8 @@ void NgramDrafter::draft(const int32_t* ctx, int64_t n, int64_t depth, int64_t t
     if (a.weight != b.weight) return a.weight > b.weight;
     return a.token < b.token;
   });
-  std::vector<int64_t> first(static_cast<size_t>(d) + 1, 0);  // entries of depth j: [first[j], first[j + 1])
+  std::vector<int64_t>& first = first_;  // entries of depth j: [first[j], first[j + 1])
+  first.assign(static_cast<size_t>(d) + 1, 0);
   for (const Entry& e : entries_) ++first[static_cast<size_t>(e.depth) + 1];
   int64_t widest = 0;
   for (int64_t j = 0; j < d; ++j) {

@@ -37,7 +37,7 @@ class NgramDrafter {
     int64_t weight;
   };
   NgramParams p_;
-  std::vector<int64_t> ends_, starts_, weights_;  // scratch, reused across rounds
+  std::vector<int64_t> ends_, starts_, weights_, first_;  // scratch, reused across rounds
   std::vector<Entry> entries_;
 };
 

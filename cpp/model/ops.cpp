@@ -4,6 +4,8 @@
 #include <cmath>
 #include <limits>
 
+#include "cpu_features.h"
+
 #if (defined(__GNUC__) || defined(__clang__)) && defined(__x86_64__)
 #include <immintrin.h>
 #define KD_OPS_AVX2 1
@@ -91,10 +93,7 @@ KD_AVX2 bool softmax_row_avx2(float* s, int64_t n) {
   return true;
 }
 
-const bool g_avx2 = [] {
-  __builtin_cpu_init();  // we may run before libgcc's own constructor (static initialisation)
-  return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-}();
+const bool g_avx2 = cpu_has_avx2_fma();
 }  // namespace
 #endif
 

@@ -8,6 +8,7 @@
 // saves, so rows are computed directly: dot products (B^T) or axpy sweeps (B).
 #include "model/sgemm.h"
 
+#include "cpu_features.h"
 #include "model/parallel.h"
 
 #include <algorithm>
@@ -310,7 +311,7 @@ namespace avx2 {
 #define KD_ISA KD_AVX2
 #define KD_ISA_INLINE KD_AVX2_INLINE
 using Vec = __m256;
-constexpr int64_t kW = 8, kMB = 3, kNB = 4;
+constexpr int64_t kW = 8, kMB = 3;
 KD_ISA_INLINE Vec vzero() { return _mm256_setzero_ps(); }
 KD_ISA_INLINE Vec vload(const float* a) { return _mm256_loadu_ps(a); }
 KD_ISA_INLINE Vec vloadw(const float* b) { return ldw8(b); }
@@ -337,7 +338,7 @@ namespace avx512 {
 #define KD_ISA KD_AVX512
 #define KD_ISA_INLINE KD_AVX512_INLINE
 using Vec = __m512;
-constexpr int64_t kW = 16, kMB = 5, kNB = 4;
+constexpr int64_t kW = 16, kMB = 5;
 KD_ISA_INLINE Vec vzero() { return _mm512_setzero_ps(); }
 KD_ISA_INLINE Vec vload(const float* a) { return _mm512_loadu_ps(a); }
 KD_ISA_INLINE Vec vloadw(const float* b) { return _mm512_loadu_ps(b); }
@@ -382,24 +383,8 @@ KD_AVX2 void skinny_nn(int64_t M, int64_t n0, int64_t n1, int64_t K, float alpha
     }
 }
 
-bool cpu_has_avx2_fma() {
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return ok;
-}
-
-// The trans_b kernels' ISA: AVX-512 where the CPU has it, unless KDTREE_CPU_ISA=avx2 (read once)
+// The skinny kernels' ISA: AVX-512 where the CPU has it, unless KDTREE_CPU_ISA=avx2 (read once)
 // or sgemm_set_skinny_isa says otherwise.
-bool cpu_has_avx512() {
-  static const bool ok = [] {
-    __builtin_cpu_init();
-    return cpu_has_avx2_fma() && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-           __builtin_cpu_supports("avx512vl");
-  }();
-  return ok;
-}
 std::atomic<bool> g_avx512{[] {
   const char* v = std::getenv("KDTREE_CPU_ISA");
   return !(v && std::strcmp(v, "avx2") == 0) && cpu_has_avx512();
