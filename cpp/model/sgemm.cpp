@@ -295,8 +295,9 @@ constexpr int64_t kPrefetchMaxM = 20;
 // instructions per multiply-add, each weight vector (and its BF16 widening) used for 5 rows. The
 // sums run over 16 lanes instead of 8, so the results differ from the AVX2 kernel's in the last
 // bits; within one ISA an output is computed the same way whatever M (results do not depend on T).
-// This 2-vCPU VM (AMD EPYC with AVX-512), the embedded model's forward, in-process A/B over three
-// runs: T = 1 / 5 / 9 / 17 7-15 / 9-22 / 9-26 / 13-34 % faster (docs/BENCHMARKS.md).
+// Measured on this 2-vCPU VM (AMD EPYC with AVX-512), the embedded model's forward, in-process A/B:
+// docs/BENCHMARKS.md "AVX-512 skinny kernels" (7-38 % faster across four runs at 1-17 tokens).
+
 // s[j] = the sum of h[j]'s 8 lanes (hsum4 for each group of four, hsum for the rest)
 template <int NB>
 KD_AVX2_INLINE void hsums8(const __m256* h, float* s) {
