@@ -19,12 +19,14 @@
 
 #include "common.h"
 #include "engine/engine.h"
+#include "engine/model_drafter.h"
 #include "engine/model_target.h"
 #include "engine/ngram_drafter.h"
 #include "engine/toy_target.h"
 #include "model/cpu_model.h"
 #include "model/model.h"
 #if defined(KDTREE_HAVE_CUDA) && defined(KDTREE_HAVE_CUBLAS)
+#include "engine/cuda_model_drafter.h"
 #include "engine/cuda_rounds.h"
 #include "model/cuda_model.h"
 #endif
@@ -167,10 +169,36 @@ struct PyNgramDraft {
   explicit PyNgramDraft(const NgramParams& p) : drafter(p) {}
 };
 
+// _native.ModelDraft: a draft model's greedy chain in C++ (cpp/engine/model_drafter.h; over a
+// CudaModel the chain stays on the GPU: cuda/engine/cuda_model_drafter.h); generate() calls it
+// inside the round without Python. One caller at a time (the mutex).
+struct PyModelDraft {
+  std::unique_ptr<ModelDrafter> drafter;
+  std::mutex mu;
+};
+
+std::unique_ptr<PyModelDraft> make_model_draft(py::object model, double min_chain_prob, int64_t prefill_chunk) {
+  ModelDraftParams p{min_chain_prob, prefill_chunk};
+  check_model_draft_params(p);
+  auto d = std::make_unique<PyModelDraft>();
+  if (py::isinstance<CpuModel>(model)) {
+    d->drafter = std::make_unique<ModelDrafter>(model.cast<CpuModel&>(), p);
+    return d;
+  }
+#if defined(KDTREE_HAVE_CUDA) && defined(KDTREE_HAVE_CUBLAS)
+  if (py::isinstance<CudaModel>(model)) {
+    d->drafter = std::make_unique<CudaModelDrafter>(model.cast<CudaModel&>(), p);
+    return d;
+  }
+#endif
+  throw Error("ModelDraft: the draft model must be a native model (CpuModel or CudaModel), got " + type_name(model));
+}
+
 // A Generator together with the target it drives (a ToyTarget or an adapted model).
 struct PyGenerator {
   std::unique_ptr<ModelTarget> adapter;     // set when driving a TargetModel through its host path
   std::unique_ptr<RoundExecutor> executor;  // set when the rounds run on the device (CudaRounds)
+  const void* target_model = nullptr;       // the native model driven (a drafter may not use it too)
   Target* target = nullptr;
   std::string rounds = "host";              // "host" or "device"
   std::unique_ptr<Generator> gen;
@@ -209,6 +237,10 @@ py::dict run_generate(py::object self, py::array_t<int64_t, py::array::c_style |
   if (!drafter.is_none() && !PyCallable_Check(drafter.ptr()))
     throw Error("drafter must be callable (or None), got " + type_name(drafter));
   PyNgramDraft* native_ngram = py::isinstance<PyNgramDraft>(drafter) ? &drafter.cast<PyNgramDraft&>() : nullptr;
+  PyModelDraft* native_model = py::isinstance<PyModelDraft>(drafter) ? &drafter.cast<PyModelDraft&>() : nullptr;
+  if (native_model && static_cast<const void*>(&native_model->drafter->model()) == g.target_model)
+    throw Error("ModelDrafter: the draft model is the target model itself (its cache would be overwritten); "
+                "load a second copy to draft with");
   if (!progress.is_none() && !PyCallable_Check(progress.ptr()))
     throw Error("progress must be callable (or None), got " + type_name(progress));
 
@@ -218,6 +250,11 @@ py::dict run_generate(py::object self, py::array_t<int64_t, py::array::c_style |
     draft_fn = [native_ngram](const int32_t* ctx, int64_t n, int64_t d, int64_t k, DraftOutput& out) {
       std::lock_guard<std::mutex> lock(native_ngram->mu);
       native_ngram->drafter.draft(ctx, n, d, k, out);
+    };
+  } else if (native_model) {
+    draft_fn = [native_model](const int32_t* ctx, int64_t n, int64_t d, int64_t k, DraftOutput& out) {
+      std::lock_guard<std::mutex> lock(native_model->mu);
+      native_model->drafter->draft(ctx, n, d, k, out);
     };
   } else if (!drafter.is_none()) {
     draft_fn = [&](const int32_t* ctx, int64_t n, int64_t d, int64_t k, DraftOutput& out) {
@@ -302,6 +339,7 @@ std::unique_ptr<PyGenerator> make_generator(py::object target, const std::string
 #if defined(KDTREE_HAVE_CUDA) && defined(KDTREE_HAVE_CUBLAS)
   if (m == nullptr && py::isinstance<CudaModel>(target)) {
     CudaModel& cm = target.cast<CudaModel&>();
+    g->target_model = static_cast<const void*>(static_cast<TargetModel*>(&cm));
     if (rounds != "host") {
       g->executor = std::make_unique<CudaRounds>(cm);
       g->rounds = "device";
@@ -314,6 +352,7 @@ std::unique_ptr<PyGenerator> make_generator(py::object target, const std::string
   if (m == nullptr)
     throw Error("Generator: target must be a ToyTarget or a native model (CpuModel or CudaModel), got " + type_name(target));
   if (rounds == "device") throw Error("Generator: rounds='device' needs a CudaModel target");
+  g->target_model = static_cast<const void*>(m);
   g->adapter = std::make_unique<ModelTarget>(*m);
   g->target = g->adapter.get();
   g->gen = std::make_unique<Generator>(*g->target);
@@ -420,6 +459,34 @@ void bind_engine(py::module_& m) {
           py::arg("context"), py::arg("depth"), py::arg("top_k"),
           "(log-probs float32 [d, k], ids int32 [d, k]) for a context int32 [n], or None when nothing matches "
           "(kdtree_native.reference.ngram_draft is the definition).");
+
+  py::class_<PyModelDraft>(m, "ModelDraft",
+                           "A draft model's greedy chain in C++ (cpp/engine/model_drafter.h; on a CudaModel the chain "
+                           "stays on the GPU and a GPU round takes its logits in device memory); Generator.generate "
+                           "calls it inside the round without Python. kdtree_native.ModelDrafter wraps it.")
+      .def(py::init(&make_model_draft), py::arg("model"), py::arg("min_chain_prob") = 0.0,
+           py::arg("prefill_chunk") = 512, py::keep_alive<1, 2>())
+      .def_property_readonly("min_chain_prob", [](PyModelDraft& d) { return d.drafter->params().min_chain_prob; })
+      .def_property_readonly("prefill_chunk", [](PyModelDraft& d) { return d.drafter->params().prefill_chunk; })
+      .def(
+          "__call__",
+          [](PyModelDraft& d, py::array_t<int32_t, py::array::c_style | py::array::forcecast> context, int64_t depth,
+             int64_t top_k) -> py::object {
+            if (context.ndim() != 1) throw Error("ModelDraft: context must be 1-D");
+            DraftOutput out;
+            {
+              py::gil_scoped_release nogil;
+              std::lock_guard<std::mutex> lock(d.mu);
+              d.drafter->draft(context.data(), context.shape(0), depth, top_k, out);
+            }
+            if (out.d == 0) return py::none();
+            py::array_t<float> logits({out.d, out.k});
+            std::copy(out.values.begin(), out.values.end(), logits.mutable_data());
+            return logits;
+          },
+          py::arg("context"), py::arg("depth"), py::arg("top_k"),
+          "logits float32 [d, V] of the greedy chain after a context int32 [n] (d <= depth), or None when the "
+          "context is empty or does not fit the draft model's max_seq_len.");
 
   py::class_<PyGenerator>(m, "Generator",
                           "The prefill / AR / DDTree loop (cpp/engine/engine.h) over a ToyTarget or a native model.")

@@ -1,6 +1,7 @@
 """End-to-end generate on the GPU (the device round), small enough for compute-sanitizer:
 two random-weight configs (one on the fast MLA-512 attention path), AR then DDTree with the
-n-gram, oracle, model and logits drafters (== AR), and sampling (DDTree == AR with one seed).
+n-gram, oracle, model (a CPU draft model, and a GPU one whose chain stays on the device) and
+logits drafters (== AR), and sampling (DDTree == AR with one seed).
 Exit status non-zero on any mismatch. Run from the repository root:
 
     compute-sanitizer --tool memcheck python3 scripts/gpu_generate_check.py [NAME=VALUE ...]
@@ -31,12 +32,15 @@ for name in ["kimi_like", MLA512]:
     cfg = config_from_dict(config_dict(name))
     w = {k: v.astype(np.float32) for k, v in random_weights(cfg, 0).items()}
     g = load(_native.CudaModel(cfg.to_native(), 128, **opts), w)
-    d = load(_native.CpuModel(cfg.to_native(), 128), {k: v.astype(np.float32) for k, v in random_weights(cfg, 5).items()})
+    wd = {k: v.astype(np.float32) for k, v in random_weights(cfg, 5).items()}
+    d = load(_native.CpuModel(cfg.to_native(), 128), wd)
+    dg = load(_native.CudaModel(cfg.to_native(), 128, **opts), wd)  # its chain on the GPU, logits kept there
     P = np.random.default_rng(1).integers(0, cfg.vocab_size, 12)
     ar = generate(g, P, 24)
     rng = np.random.default_rng(0)
     logits = lambda c, dd, k: rng.standard_normal((dd, cfg.vocab_size)).astype(np.float32)
-    for dr in [NgramDrafter(), OracleDrafter(ar.tokens, 0.3, vocab_size=cfg.vocab_size), ModelDrafter(d), logits]:
+    for dr in [NgramDrafter(), OracleDrafter(ar.tokens, 0.3, vocab_size=cfg.vocab_size), ModelDrafter(d), ModelDrafter(dg),
+               ModelDrafter(dg, min_chain_prob=0.3), logits]:
         r = generate(g, P, 24, drafter=dr, tree_budget=16, depth=6)
         assert np.array_equal(r.tokens, ar.tokens), name
     s1 = generate(g, P, 24, temperature=0.9, top_p=0.9, seed=3)

@@ -20,6 +20,13 @@ void check_draft_output(const DraftOutput& out, int64_t depth, int64_t top_k, in
   KD_CHECK(out.d >= 0, "drafter output: negative number of rows");
   KD_CHECK(out.d <= depth, "drafter output has d=" + s(out.d) + " rows but depth is " + s(depth) + " (need d <= depth)");
   if (out.d == 0) return;
+  if (out.device_logits) {  // checked by the drafter on the device; the shape and the counts here
+    KD_CHECK(out.is_logits && out.k == vocab, "device draft: logits must be [d, vocab_size=" + s(vocab) + "]");
+    KD_CHECK(static_cast<int64_t>(out.row_finite.size()) == out.d, "device draft: row_finite must have d entries");
+    for (int64_t r = 0; r < out.d; ++r)
+      KD_CHECK(out.row_finite[r] >= 1, "drafter logits: row " + s(r) + " has no finite value");
+    return;
+  }
   if (out.is_logits) {
     KD_CHECK(out.k == vocab, "drafter logits must have vocab_size=" + s(vocab) + " columns, got " + s(out.k));
     KD_CHECK(static_cast<int64_t>(out.values.size()) == out.d * out.k, "drafter logits: size does not match [d, V]");
@@ -55,9 +62,11 @@ void check_draft_output(const DraftOutput& out, int64_t depth, int64_t top_k, in
 int64_t draft_tree_nodes(const DraftOutput& draft, int64_t k, int64_t budget) {
   int64_t nodes = 0, prod = 1;
   for (int64_t r = 0; r < draft.d && nodes < budget; ++r) {
-    const float* row = draft.values.data() + r * draft.k;
     int64_t f = 0;
-    if (draft.is_logits) {
+    const float* row = draft.device_logits ? nullptr : draft.values.data() + r * draft.k;
+    if (draft.device_logits) {
+      f = std::min(k, draft.row_finite[r]);
+    } else if (draft.is_logits) {
       for (int64_t j = 0; j < draft.k && f < k; ++j) f += std::isfinite(row[j]) ? 1 : 0;
     } else {
       while (f < draft.k && std::isfinite(row[f])) ++f;
@@ -101,6 +110,7 @@ void HostRounds::round(const RoundRequest& rq, RoundResult& out) {
   tree_.parents.assign(1, -1);
   const DraftOutput* draft = rq.draft;
   if (draft && draft->d > 0 && rq.nodes > 0) {
+    KD_CHECK(draft->device_logits == nullptr, "host rounds: a draft in device memory (the drafter ignored device_ok)");
     const float* lp = draft->values.data();
     const int32_t* ids = draft->ids.data();
     int64_t k = draft->k;
@@ -235,6 +245,7 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
     int64_t d_got = 0;
     if (drafter && depth_r > 0 && budget_r > 0) {
       draft.clear();
+      draft.device_ok = exec_.draft_device();
       auto t0 = Clock::now();
       drafter(buf_.data(), n_, depth_r, k_r, draft);
       res.seconds.draft += since(t0);

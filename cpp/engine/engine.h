@@ -30,7 +30,24 @@ struct DraftOutput {
   bool is_logits = false;       // values holds logits [d,V] (the engine does top-k + log-softmax)
   std::vector<float> values;    // [d,k] log-probs, each row sorted descending (or logits [d,V])
   std::vector<int32_t> ids;     // [d,k] token ids (unused when is_logits)
-  void clear() { d = k = 0; is_logits = false; values.clear(); ids.clear(); }
+  // A logits draft that stays on the GPU (a native drafter whose model is on the executor's
+  // device, e.g. cuda/engine/cuda_model_drafter.h): device_logits [d, V] (k = V, is_logits),
+  // complete when the drafter returns, valid until its next call; values stays empty. The
+  // drafter has checked the rows itself (no NaN / +inf; it throws Error like
+  // check_draft_output) and gives each row's count of finite logits in row_finite [d].
+  const float* device_logits = nullptr;
+  std::vector<int64_t> row_finite;
+  // Set by the loop before each call (clear() keeps it): the CUDA device ordinal whose memory
+  // the round executor takes a draft in (device_logits), -1 = host arrays only.
+  int device_ok = -1;
+  void clear() {
+    d = k = 0;
+    is_logits = false;
+    values.clear();
+    ids.clear();
+    device_logits = nullptr;
+    row_finite.clear();
+  }
 };
 
 // context [context_len]: every committed token, ending with this round's root. The pointer is
@@ -105,6 +122,9 @@ class RoundExecutor {
   // Builds the tree (rq.nodes nodes), verifies root + nodes in one forward, chooses per node,
   // walks, commits root + the accepted nodes; fills out.
   virtual void round(const RoundRequest& rq, RoundResult& out) = 0;
+  // The CUDA device whose memory round() takes a logits draft in (DraftOutput::device_logits);
+  // -1 = none (host arrays only).
+  virtual int draft_device() const { return -1; }
 };
 
 // Rounds through a Target's host interface (target.h): tree built on the host, logits [T, V]

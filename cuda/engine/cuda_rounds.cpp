@@ -197,12 +197,16 @@ void CudaRounds::round(const RoundRequest& rq, RoundResult& out) {
   tb.visibility = d_vis_;
   tb.n_nodes = d_n_;
   if (n > 0 && draft->is_logits) {
-    const int64_t cnt = draft->d * draft->k;
-    std::memcpy(h_draft_, draft->values.data(), (size_t)cnt * sizeof(float));
-    check(cudaMemcpyAsync(d_draft_, h_draft_, (size_t)cnt * sizeof(float), cudaMemcpyHostToDevice, st),
-          "upload draft logits");
+    const float* logits_d = draft->device_logits;  // a device draft: complete when the drafter returned
+    if (logits_d == nullptr) {
+      const int64_t cnt = draft->d * draft->k;
+      std::memcpy(h_draft_, draft->values.data(), (size_t)cnt * sizeof(float));
+      check(cudaMemcpyAsync(d_draft_, h_draft_, (size_t)cnt * sizeof(float), cudaMemcpyHostToDevice, st),
+            "upload draft logits");
+      logits_d = d_draft_;
+    }
     cuda::TreeFromLogitsParams fp{};
-    fp.logits = d_draft_;
+    fp.logits = logits_d;
     fp.D = (int)draft->d;
     fp.V = (int)V_;
     fp.ld = (int)V_;

@@ -18,8 +18,9 @@
 // when the request's differs (never in a plain generate()).
 //
 // Prefill runs the causal forward on the device and copies back only the first token. The
-// drafter still runs on the host between rounds (a Python drafter sees numpy); see
-// docs/ENGINE.md for device-array drafts.
+// drafter runs between rounds: a Python drafter sees numpy (docs/ENGINE.md for device-array
+// drafts); a native model drafter on the same GPU (cuda/engine/cuda_model_drafter.h) hands
+// its logits over in device memory (DraftOutput::device_logits), so they are never copied.
 //
 // Limits (checked by begin() when a drafter is given, ValueError): depth <= 16,
 // tree_budget <= min(1024, max_tokens-1),
@@ -47,6 +48,7 @@ class CudaRounds : public RoundExecutor {
   int32_t prefill(const int32_t* prompt, int64_t P, int64_t chunk) override;
   void reset() override { model_.reset(); }
   void round(const RoundRequest& rq, RoundResult& out) override;
+  int draft_device() const override { return model_.device_ordinal(); }
   CudaModel& model() { return model_; }
 
  private:

@@ -13,5 +13,26 @@ namespace cuda {
 // may change its copy right after the call (unlike a copy from host memory).
 cudaError_t set_int32(int32_t* dst, int32_t value, cudaStream_t stream);
 
+// ---------------------------------------------------------------- a draft model's chain step
+// One row of a draft model's logits (cuda/engine/cuda_model_drafter.h): its checks, its greedy
+// token and its top-1 log-probability, the row copied to the draft, the next step's inputs set.
+struct DraftRowStats {
+  int32_t bad;        // 0 = fine, 1 = a NaN, 2 = +inf (no NaN)
+  int32_t finite;     // finite logits in the row
+  int32_t argmax;     // the first index of the largest logit (-1 when no logit is finite)
+  int32_t pad;
+  double logp_top1;   // -log(sum_j exp(x_j - max)) in float64 (0 when bad or no logit is finite)
+};
+struct DraftRowParams {
+  const float* src;        // [V] device: the row
+  float* dst;              // [V] device: where the row is copied (nullptr: not copied)
+  int V;                   // >= 1
+  DraftRowStats* stats;    // [1] device
+  int32_t* next_token;     // [1] device: the argmax (0 when none) for the next step's input; nullptr: not written
+  int32_t* next_position;  // [1] device: position_value for the next step's input; nullptr: not written
+  int32_t position_value;
+};
+cudaError_t draft_row(const DraftRowParams& p, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace kdtree

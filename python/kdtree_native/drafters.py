@@ -150,6 +150,18 @@ class NgramDrafter:
         return self._native if type(self).draft is NgramDrafter.draft else None
 
 
+def _native_model_of(engine):
+    """The native model (CpuModel / CudaModel) of a kn.Engine or the model itself; None otherwise."""
+    from .generation import native_target
+
+    classes = tuple(getattr(_native, name) for name in ("CpuModel", "CudaModel") if hasattr(_native, name))
+    try:
+        obj = native_target(engine)
+    except TypeError:
+        return None
+    return obj if isinstance(obj, classes) else None
+
+
 def _lowlevel(engine):
     """The object exposing forward(tokens, positions, visibility) / commit(keep) / reset() /
     cache_len: a native target, or the one inside a kn.Engine."""
@@ -177,10 +189,19 @@ class ModelDrafter:
 
     A target without ``truncate`` (e.g. ``_native.ToyTarget``) is driven the old way: the chain
     stays pending and is re-forwarded from the context at each step (O(depth^2) tokens), and a
-    context that does not extend its cache resets it."""
+    context that does not extend its cache resets it.
 
-    def __init__(self, engine, prefill_chunk: int = 512, min_chain_prob: float = 0.0):
+    Over a native model (``CpuModel`` / ``CudaModel``, e.g. a ``kn.Engine``) it runs in C++
+    (``_native.ModelDraft``, ``native=None`` or ``True``): ``generate`` calls it inside the round
+    without Python, and on the GPU the chain stays on the device (one small copy back per call)
+    and a GPU round takes its logits there without a copy. ``native=False`` keeps the Python
+    definition below (the C++ one is tested against it). A subclass that overrides ``draft`` is
+    called through Python as any drafter."""
+
+    def __init__(self, engine, prefill_chunk: int = 512, min_chain_prob: float = 0.0, native: Optional[bool] = None):
         self.model = _lowlevel(engine)
+        if isinstance(prefill_chunk, bool) or not isinstance(prefill_chunk, (int, np.integer)) or prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be an integer >= 1, got {prefill_chunk!r}")
         self.prefill_chunk = int(prefill_chunk)
         if not 0.0 <= float(min_chain_prob) < 1.0:
             raise ValueError(f"min_chain_prob must be in [0, 1), got {min_chain_prob}")
@@ -188,6 +209,12 @@ class ModelDrafter:
         self._can_truncate = callable(getattr(self.model, "truncate", None))
         self._tokens = np.zeros(0, dtype=np.int32)  # what its committed cache holds
         self._one = np.zeros(1, dtype=np.int32)
+        inner = _native_model_of(engine)
+        if native and inner is None:
+            raise ValueError(f"ModelDrafter(native=True) needs a native model (CpuModel or CudaModel), "
+                             f"got {type(engine).__name__}")
+        self._native = (_native.ModelDraft(inner, self.min_chain_prob, self.prefill_chunk)
+                        if inner is not None and native is not False else None)
 
     def _forward(self, tokens, start):
         T = len(tokens)
@@ -221,7 +248,13 @@ class ModelDrafter:
         self._tokens = np.array(ctx, dtype=np.int32)
         return np.asarray(last, dtype=np.float32)
 
+    def _native_drafter(self):
+        """The C++ drafter generate() may call directly, or None (Python path, or ``draft`` overridden)."""
+        return self._native if type(self).draft is ModelDrafter.draft else None
+
     def draft(self, context, depth, top_k):
+        if self._native is not None:
+            return self._native(np.asarray(context, dtype=np.int32).reshape(-1), int(depth), int(top_k))
         ctx = np.asarray(context)
         n = len(ctx)
         max_len = int(self.model.max_seq_len)
@@ -239,7 +272,7 @@ class ModelDrafter:
                 tok = int(np.argmax(row))
                 if log_min is not None:
                     mx = float(row[tok])
-                    cum += -float(np.log(np.exp(row - mx).sum()))  # log p(top-1)
+                    cum += -float(np.log(np.exp(row.astype(np.float64) - mx).sum()))  # log p(top-1), float64
                     if cum < log_min:
                         break
                 logits = self.model.forward(np.array([tok], dtype=np.int32), np.array([n + i - 1], dtype=np.int32),

@@ -302,3 +302,71 @@ def test_choose_tokens_equals_the_host_sampler(V):
                 got = _native.cuda_choose_tokens(x, pos, temperature, top_k, top_p, seed)
                 assert (got >= 0).all() and (got < V).all()
                 np.testing.assert_array_equal(got, want, err_msg=f"{kind} T={temperature} k={top_k} p={top_p}")
+
+
+def _cuda_copies(name, seed, max_seq_len, copies=2):
+    cfg = config_from_dict(config_dict(name))
+    w = {k: v.astype(np.float32) for k, v in random_weights(cfg, seed).items()}
+    return [load(_native.CudaModel(cfg.to_native(), max_seq_len), w) for _ in range(copies)], cfg, w
+
+
+@pytest.mark.parametrize("mcp", [0.0, 0.5])
+@pytest.mark.parametrize("name", ["kimi_like", MLA512], ids=["kimi_like", "mla512"])
+def test_native_model_drafter_chain_on_the_gpu(name, mcp):
+    """The GPU chain (cuda/engine/cuda_model_drafter: draft_row kernels and graph-replayed T = 1
+    steps, no host synchronisation between them) against the Python definition (native=False) on a
+    second copy of the same CUDA model, which runs the model's host forward(): the same rows bit
+    for bit through growing contexts, rollbacks, new prompts and contexts past max_seq_len."""
+    from test_drafters import model_draft_walk
+
+    (ma, mb), cfg, _ = _cuda_copies(name, 21, 64)
+    a = ModelDrafter(ma, min_chain_prob=mcp, prefill_chunk=7)
+    b = ModelDrafter(mb, min_chain_prob=mcp, prefill_chunk=7, native=False)
+    assert a._native is not None and b._native is None
+    assert model_draft_walk(a, b, cfg.vocab_size, 64, seed=3, steps=60, depths=(1, 9)) > 30
+    assert ma.graph_replays > 0  # the chain's steps were replayed from graphs
+
+
+def test_native_model_drafter_in_gpu_and_host_rounds():
+    """A CUDA draft model's native chain inside generate: its logits stay on the device in the GPU
+    round (and are copied to the host for host rounds); the same tokens as AR, and the same
+    acceptance lengths as the Python definition of the drafter on a copy of the draft model, so
+    the round built its trees from the right rows."""
+    cpu, gpu, _, cfg = models("kimi_like")
+    V = cfg.vocab_size
+    (da, db), _, wd = _cuda_copies("kimi_like", 100, 320)
+    P = prompt_ids(V, 14, seed=5)
+    for kw in [dict(seed=0), dict(temperature=0.9, seed=77)]:
+        ar = generate(cpu, P, 48, **kw)
+        for mcp, budget, depth in [(0.0, 12, 5), (0.2, 24, 8), (0.0, 1, 1)]:
+            where = f"{kw} mcp={mcp} B={budget} D={depth}"
+            ref = generate(gpu, P, 48, drafter=ModelDrafter(db, min_chain_prob=mcp, native=False),
+                           tree_budget=budget, depth=depth, **kw)
+            for rounds in ["device", "host"]:
+                r = generate(gpu, P, 48, drafter=ModelDrafter(da, min_chain_prob=mcp), tree_budget=budget,
+                             depth=depth, rounds=rounds, **kw)
+                np.testing.assert_array_equal(r.tokens, ar.tokens, err_msg=where + rounds)
+                np.testing.assert_array_equal(r.acceptance_lengths, ref.acceptance_lengths, err_msg=where + rounds)
+                assert r.stats["num_draft_tokens"] == ref.stats["num_draft_tokens"], where + rounds
+    # a CUDA draft model for a CPU target: host arrays
+    r = generate(cpu, P, 48, drafter=ModelDrafter(da), tree_budget=12, depth=5)
+    np.testing.assert_array_equal(r.tokens, generate(cpu, P, 48).tokens)
+
+
+def test_native_model_drafter_errors_on_the_gpu():
+    cpu, gpu, _, cfg = models("kimi_like")
+    V = cfg.vocab_size
+    P = prompt_ids(V, 10, seed=6)
+    ar = generate(gpu, P, 20)
+    with pytest.raises(ValueError, match="target model itself"):
+        generate(gpu, P, 20, drafter=ModelDrafter(gpu), tree_budget=8, depth=4)
+    _, _, wd = _cuda_copies("kimi_like", 100, 320, copies=0)
+    wd["lm_head.weight"] = wd["lm_head.weight"].copy()
+    wd["lm_head.weight"][3] = np.nan  # logit 3 of every row is NaN
+    bad = load(_native.CudaModel(cfg.to_native(), 320), wd)
+    for rounds in ["device", "host"]:
+        with pytest.raises(ValueError, match=r"NaN \(row 0\)"):
+            generate(gpu, P, 20, drafter=ModelDrafter(bad), tree_budget=8, depth=4, rounds=rounds)
+        np.testing.assert_array_equal(generate(gpu, P, 20, rounds=rounds).tokens, ar.tokens)
+    with pytest.raises(ValueError, match="outside the draft model's vocab"):
+        ModelDrafter(bad).draft(np.array([0, V], np.int32), 2, 4)

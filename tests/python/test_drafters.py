@@ -213,7 +213,7 @@ def test_model_drafter_with_truncate_is_linear_and_rolls_back():
     equal the greedy chain recomputed from scratch."""
     (eng, ref_eng), cfg = _engine_pair()
     V = cfg.vocab_size
-    d = ModelDrafter(eng)
+    d = ModelDrafter(eng, native=False)  # the Python definition (the Spy below sees its forwards)
     calls = []
     fwd = eng.model.forward
 
@@ -251,6 +251,75 @@ def test_model_drafter_with_truncate_is_linear_and_rolls_back():
     calls.clear()
     d.draft(ctx3, 1, 8)
     assert calls == [1] and eng.cache_len == len(ctx3)
+
+
+def model_draft_walk(native, python, V, max_seq_len, seed, steps=40, depths=(1, 7)):
+    """Drives two ModelDrafters (over two copies of one model) through the same contexts, as
+    generation would (accepted tokens + a new root, rollbacks to a shorter common prefix, new
+    prompts, a context that no longer fits), and checks that they return the same bits."""
+    rng = np.random.default_rng(seed)
+    ctx = list(rng.integers(0, V, 9))
+    drafted = 0
+    for step in range(steps):
+        depth = int(rng.integers(*depths))
+        a = native.draft(np.array(ctx, np.int32), depth, 8)
+        b = python.draft(np.array(ctx, np.int32), depth, 8)
+        assert (a is None) == (b is None), step
+        if a is not None:
+            assert a.dtype == np.float32 and a.shape[1] == V and 1 <= a.shape[0] <= depth
+            np.testing.assert_array_equal(a, b, err_msg=f"step {step}, n {len(ctx)}, depth {depth}")
+            drafted += 1
+            assert native.model.cache_len == python.model.cache_len == len(ctx), step
+        r = rng.random()
+        if r < 0.1 and len(ctx) > 2:  # a rollback: keep a shorter prefix, then new tokens
+            ctx = ctx[:int(rng.integers(1, len(ctx)))] + list(rng.integers(0, V, int(rng.integers(1, 4))))
+        elif r < 0.15:  # a new prompt
+            ctx = list(rng.integers(0, V, int(rng.integers(1, 12))))
+        elif len(ctx) + depth + 2 > max_seq_len:
+            ctx = list(rng.integers(0, V, max_seq_len + int(rng.integers(0, 2)))) if r < 0.3 else ctx[:5]
+        else:  # the chain's first tokens accepted, then a bonus token
+            acc = [int(np.argmax(row)) for row in a[:int(rng.integers(0, a.shape[0] + 1))]] if a is not None else []
+            ctx = ctx + acc + [int(rng.integers(0, V))]
+    return drafted
+
+
+@pytest.mark.parametrize("mcp", [0.0, 0.3, 0.9])
+def test_model_drafter_native_equals_python_definition(mcp):
+    """The C++ drafter (_native.ModelDraft, the default over a native model) against the Python
+    definition (native=False) over a second copy of the same model: the same rows, bit for bit,
+    through growing contexts, rollbacks, new prompts and contexts past max_seq_len."""
+    (eng, ref_eng), cfg = _engine_pair(64)
+    a = ModelDrafter(eng, min_chain_prob=mcp, prefill_chunk=5)
+    b = ModelDrafter(ref_eng, min_chain_prob=mcp, prefill_chunk=5, native=False)
+    assert a._native is not None and b._native is None
+    assert model_draft_walk(a, b, cfg.vocab_size, 64, seed=int(mcp * 10)) > 20
+
+
+def test_model_drafter_native_errors_leave_the_engine_usable():
+    from hf_models import config_dict, random_weights
+    from kdtree_native.config import config_from_dict
+
+    (tgt, drf), cfg = _engine_pair(96)
+    V = cfg.vocab_size
+    ids = (np.arange(10) * 3 % V).astype(np.int64)
+    ar = generate(tgt, ids, 12)
+    with pytest.raises(ValueError, match="target model itself"):
+        generate(tgt, ids, 12, drafter=ModelDrafter(tgt), tree_budget=8, depth=4)
+    d = ModelDrafter(drf)
+    with pytest.raises(ValueError, match="outside the draft model's vocab"):
+        d.draft(np.array([1, V + 3], np.int32), 3, 4)
+    w = random_weights(cfg, 3)
+    w["lm_head.weight"] = w["lm_head.weight"].copy()
+    w["lm_head.weight"][5] = np.nan  # logit 5 of every row is NaN
+    bad = kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=96)
+    with pytest.raises(ValueError, match="NaN"):
+        generate(tgt, ids, 12, drafter=ModelDrafter(bad), tree_budget=8, depth=4)
+    np.testing.assert_array_equal(generate(tgt, ids, 12).tokens, ar.tokens)
+    np.testing.assert_array_equal(generate(tgt, ids, 12, drafter=d, tree_budget=8, depth=4).tokens, ar.tokens)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        ModelDrafter(drf, prefill_chunk=0)
+    with pytest.raises(ValueError, match="native model"):
+        ModelDrafter(toy(V, 64), native=True)
 
 
 def test_model_drafter_stops_early_on_low_confidence():

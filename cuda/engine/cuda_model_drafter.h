@@ -1,0 +1,48 @@
+// cuda_model_drafter.h: the model drafter (cpp/engine/model_drafter.h, same definition) over a
+// CudaModel, its chain kept on the GPU: the new context tokens are uploaded once, then each chain
+// step is a draft_row kernel (the row's checks, argmax and top-1 log-probability; the row copied
+// into the draft; the argmax written as the next step's input token) and a T = 1 forward_device
+// (a CUDA graph replay) with no host synchronisation between steps; one small copy of the rows'
+// statistics back and one synchronisation per call. When the round executor takes drafts in this
+// model's device memory (DraftOutput::device_ok, the GPU round of the same device) the logits
+// [d, V] stay there (DraftOutput::device_logits); otherwise they are copied to the host.
+// The rows are checked like check_draft_output's host checks (NaN, +inf, a row without a finite
+// logit: Error). min_chain_prob is applied to the rows' statistics after the whole chain has run,
+// so a stopped chain costs its full depth on the device; the rows returned are the same.
+#pragma once
+#if defined(KDTREE_HAVE_CUBLAS)
+#include <cstdint>
+#include <vector>
+
+#include "engine/model_drafter.h"
+#include "model/cuda_model.h"
+
+namespace kdtree {
+
+class CudaModelDrafter : public ModelDrafter {
+ public:
+  CudaModelDrafter(CudaModel& model, const ModelDraftParams& p);
+  ~CudaModelDrafter() override;
+
+ protected:
+  void feed_and_chain(const int32_t* ctx, int64_t m, int64_t n, int64_t depth, DraftOutput& out) override;
+
+ private:
+  void check(int err, const char* what) const;  // cudaError_t -> RuntimeFailure
+  void ensure_rows(int64_t depth);              // d_rows_ / stats for `depth` rows
+  void free_rows();
+
+  CudaModel& cm_;
+  int64_t chunk_ = 0, rows_cap_ = 0;
+  void* dev_mem_ = nullptr;   // d_in_ [2 * chunk] (tokens, then positions at + chunk), d_step_ [2]
+  void* host_mem_ = nullptr;  // h_in_ [2 * chunk]
+  int32_t *d_in_ = nullptr, *d_step_ = nullptr, *h_in_ = nullptr;
+  void* rows_mem_ = nullptr;  // d_rows_ [rows_cap, V] floats, then d_stats_ [rows_cap]
+  void* stats_host_ = nullptr;  // [rows_cap] DraftRowStats (pinned)
+  float* d_rows_ = nullptr;
+  void* d_stats_ = nullptr;
+  std::vector<double> logp_;
+};
+
+}  // namespace kdtree
+#endif  // KDTREE_HAVE_CUBLAS
