@@ -5,7 +5,8 @@ target + draft pair, on --device.
 
 Two tables:
   * the drafter alone: one call per round-like context (the demo prompt's AR continuation, the
-    context grown by --accept tokens + a root per call), median us per call, per depth;
+    context grown by --accept tokens + a root per call), the two drafters (each over its own copy
+    of the draft model) called alternately, median us per call, per depth;
   * generate: tokens/s of whole calls (prefill included, the demo's measure), median of --repeats,
     the modes interleaved per repeat; AR, then per (budget, depth): Python drafter, native drafter,
     and their ratio; mean acceptance and the drafter's share of the time (stats seconds.draft).
@@ -37,19 +38,20 @@ def load(device):
     return eng, draft, tok
 
 
-def time_drafter(make, ctx_all, P, depth, accept, reps):
-    """Median us per draft() call over contexts P, P + accept + 1, ... of the AR continuation."""
-    d = make()
-    times = []
+def time_drafters(drafters, ctx_all, P, depth, accept, reps):
+    """Median us per draft() call of each drafter over contexts P, P + accept + 1, ... of the AR
+    continuation, the drafters called alternately on each context (each over its own draft model)."""
+    times = [[] for _ in drafters]
     for rep in range(reps):
         n = P
         while n + depth + 1 < len(ctx_all):
             c = np.ascontiguousarray(ctx_all[:n], dtype=np.int32)
-            t0 = time.perf_counter()
-            d.draft(c, depth, 8)
-            times.append(time.perf_counter() - t0)
+            for d, ts in zip(drafters, times):
+                t0 = time.perf_counter()
+                d.draft(c, depth, 8)
+                ts.append(time.perf_counter() - t0)
             n += accept + 1
-    return 1e6 * statistics.median(times)
+    return [1e6 * statistics.median(ts) for ts in times]
 
 
 def main():
@@ -74,9 +76,10 @@ def main():
     print(f"\n### The drafter alone: median us per call (contexts of the demo prompt's AR continuation, "
           f"+{args.accept} accepted + a root per call; min_chain_prob 0)")
     print("| depth | Python | C++ | ratio |\n|---:|---:|---:|---:|")
+    draft2 = kn.Engine.from_pretrained(default_draft_dir(), device=draft.device, max_seq_len=1024)
     for depth in args.depths:
-        py = time_drafter(lambda: ModelDrafter(draft, native=False), ctx_all, len(prompt), depth, args.accept, 3)
-        nat = time_drafter(lambda: ModelDrafter(draft), ctx_all, len(prompt), depth, args.accept, 3)
+        py, nat = time_drafters([ModelDrafter(draft2, native=False), ModelDrafter(draft)], ctx_all, len(prompt),
+                                depth, args.accept, 3)
         print(f"| {depth} | {py:.0f} | {nat:.0f} | {py / nat:.2f}x |")
 
     modes = [("AR", None, 0, 1)]
