@@ -928,6 +928,149 @@ __global__ void __launch_bounds__(kNaiveThreads) mla_verify_naive_kernel(VerifyA
   }
 }
 
+// ---------------------------------------------------------------- rows kernel (any C, R)
+// What other shapes than the fast kernels' C = 512 / R = 64 run (the embedded default model's
+// C = 128 / 64, say): the plain kernel's two passes per block of one query row, with the latency
+// taken out of its two serial loops. Scores: four independent partial dot products per key.
+// P V: the 256 threads are split into G = 256 / C32 groups (C32 = C rounded up to 32; G = 1
+// above C = 128) that take every G-th key of a chunk, four keys' loads issued before their FMAs,
+// and add their partial outputs at the end. Zero weights are skipped (a masked key's NaN value
+// stays out, as in the plain kernel). Not bit-identical to the plain kernel (other summation
+// orders); the plain kernel stays the reference (force_naive).
+__device__ __forceinline__ float rows_score(const VerifyAttentionParams& p, const float* ql, const float* qr, int j) {
+  const float* kr = p.kv + (size_t)j * p.kv_stride;
+  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+  int c = 0;
+  for (; c + 4 <= p.C; c += 4) {
+    s0 = fmaf(__ldg(ql + c), kr[c], s0);
+    s1 = fmaf(__ldg(ql + c + 1), kr[c + 1], s1);
+    s2 = fmaf(__ldg(ql + c + 2), kr[c + 2], s2);
+    s3 = fmaf(__ldg(ql + c + 3), kr[c + 3], s3);
+  }
+  for (; c < p.C; ++c) s0 = fmaf(__ldg(ql + c), kr[c], s0);
+  const float* kk = kr + p.C;
+  int r = 0;
+  for (; r + 4 <= p.R; r += 4) {
+    s0 = fmaf(__ldg(qr + r), kk[r], s0);
+    s1 = fmaf(__ldg(qr + r + 1), kk[r + 1], s1);
+    s2 = fmaf(__ldg(qr + r + 2), kk[r + 2], s2);
+    s3 = fmaf(__ldg(qr + r + 3), kk[r + 3], s3);
+  }
+  for (; r < p.R; ++r) s0 = fmaf(__ldg(qr + r), kk[r], s0);
+  return ((s0 + s1) + (s2 + s3)) * p.scale;
+}
+
+__global__ void __launch_bounds__(kNaiveThreads) mla_verify_rows_kernel(VerifyAttentionParams p) {
+  pdl_prologue();
+  __shared__ float pbuf[kNaiveThreads];
+  __shared__ float red[kNaiveThreads / 32];
+  __shared__ float part[kNaiveThreads];
+  const int g = blockIdx.x, t = g / p.H, tid = threadIdx.x;
+  const float* ql = p.q_latent + (size_t)g * p.C;
+  const float* qr = p.q_rope + (size_t)g * p.R;
+  const int L = attn_committed_len(p);
+  const int N = L + p.T;
+  float mx = attn_neg_inf();
+  for (int j = tid; j < N; j += kNaiveThreads)
+    if (naive_visible(p, L, t, j)) mx = fmaxf(mx, rows_score(p, ql, qr, j));
+  for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
+  if ((tid & 31) == 0) red[tid >> 5] = mx;
+  __syncthreads();
+  mx = red[0];
+  for (int w = 1; w < kNaiveThreads / 32; ++w) mx = fmaxf(mx, red[w]);
+  __syncthreads();
+  const int c32 = (p.C + 31) & ~31;
+  const int G = c32 <= kNaiveThreads / 2 ? kNaiveThreads / c32 : 1;  // key groups (C <= 128: >= 2)
+  const int grp = G > 1 ? tid / c32 : 0, col = G > 1 ? tid - grp * c32 : tid;
+  float acc[kNaiveMaxCols];
+#pragma unroll
+  for (int q = 0; q < kNaiveMaxCols; ++q) acc[q] = 0.f;
+  float lsum = 0.f;
+  for (int base = 0; base < N; base += kNaiveThreads) {
+    const int j = base + tid;
+    float pv = 0.f;
+    if (j < N && mx != attn_neg_inf() && naive_visible(p, L, t, j)) pv = expf(rows_score(p, ql, qr, j) - mx);
+    pbuf[tid] = pv;
+    lsum += pv;
+    __syncthreads();
+    const int kmax = N - base < kNaiveThreads ? N - base : kNaiveThreads;
+    const float* vb = p.kv + (size_t)base * p.kv_stride;
+    if (G > 1) {
+      if (grp < G && col < p.C) {
+        float a = acc[0];
+        int kk = grp;
+        for (; kk + 3 * G < kmax; kk += 4 * G) {
+          const float w0 = pbuf[kk], w1 = pbuf[kk + G], w2 = pbuf[kk + 2 * G], w3 = pbuf[kk + 3 * G];
+          const float v0 = vb[(size_t)kk * p.kv_stride + col], v1 = vb[(size_t)(kk + G) * p.kv_stride + col];
+          const float v2 = vb[(size_t)(kk + 2 * G) * p.kv_stride + col], v3 = vb[(size_t)(kk + 3 * G) * p.kv_stride + col];
+          a = w0 != 0.f ? fmaf(w0, v0, a) : a;
+          a = w1 != 0.f ? fmaf(w1, v1, a) : a;
+          a = w2 != 0.f ? fmaf(w2, v2, a) : a;
+          a = w3 != 0.f ? fmaf(w3, v3, a) : a;
+        }
+        for (; kk < kmax; kk += G) {
+          const float w = pbuf[kk];
+          const float v = vb[(size_t)kk * p.kv_stride + col];
+          a = w != 0.f ? fmaf(w, v, a) : a;
+        }
+        acc[0] = a;
+      }
+    } else {
+      int kk = 0;
+      for (; kk + 4 <= kmax; kk += 4) {
+        const float w0 = pbuf[kk], w1 = pbuf[kk + 1], w2 = pbuf[kk + 2], w3 = pbuf[kk + 3];
+        const float* r0 = vb + (size_t)kk * p.kv_stride;
+#pragma unroll
+        for (int q = 0; q < kNaiveMaxCols; ++q) {
+          const int c = tid + q * kNaiveThreads;
+          if (c < p.C) {
+            const float v0 = r0[c], v1 = r0[p.kv_stride + c], v2 = r0[2 * (size_t)p.kv_stride + c],
+                        v3 = r0[3 * (size_t)p.kv_stride + c];
+            float a = acc[q];
+            a = w0 != 0.f ? fmaf(w0, v0, a) : a;
+            a = w1 != 0.f ? fmaf(w1, v1, a) : a;
+            a = w2 != 0.f ? fmaf(w2, v2, a) : a;
+            a = w3 != 0.f ? fmaf(w3, v3, a) : a;
+            acc[q] = a;
+          }
+        }
+      }
+      for (; kk < kmax; ++kk) {
+        const float w = pbuf[kk];
+        if (w == 0.f) continue;
+        const float* vr = vb + (size_t)kk * p.kv_stride;
+#pragma unroll
+        for (int q = 0; q < kNaiveMaxCols; ++q) {
+          const int c = tid + q * kNaiveThreads;
+          if (c < p.C) acc[q] = fmaf(w, vr[c], acc[q]);
+        }
+      }
+    }
+    __syncthreads();
+  }
+  for (int off = 16; off > 0; off >>= 1) lsum += __shfl_xor_sync(0xffffffffu, lsum, off);
+  if ((tid & 31) == 0) red[tid >> 5] = lsum;
+  __syncthreads();
+  float l = 0.f;
+  for (int w = 0; w < kNaiveThreads / 32; ++w) l += red[w];
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  if (G > 1) {  // the groups' partial outputs added in group order
+    if (grp < G) part[tid] = acc[0];
+    __syncthreads();
+    if (tid < p.C) {
+      float o = 0.f;
+      for (int k = 0; k < G; ++k) o += part[k * c32 + tid];
+      p.out[(size_t)g * p.C + tid] = o * inv;
+    }
+    return;
+  }
+#pragma unroll
+  for (int q = 0; q < kNaiveMaxCols; ++q) {
+    const int c = tid + q * kNaiveThreads;
+    if (c < p.C) p.out[(size_t)g * p.C + c] = acc[q] * inv;
+  }
+}
+
 // ---------------------------------------------------------------- kernel choice (cost model)
 // Per-block time estimates for the H200 (132 SMs). They are ESTIMATES, to be tuned from
 // measurements: benchmarks/bench_cuda_verify_attention.py prints auto / tiled / split-KV per
@@ -1339,8 +1482,11 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
                       ? smem_attr_ok(mla_verify_splitkv_kernel<8>, (int)sizeof(SkSmemT<8>), splitkv8_state, true)
                   : c.kernel == 2 ? smem_attr_ok(mla_verify_splitkv_kernel<4>, (int)sizeof(SkSmemT<4>), splitkv4_state, true)
                                   : false;
-  if (!ok) {  // other shapes, forced, or a GPU with less shared memory per block: the plain kernel
-    launch_kernel(mla_verify_naive_kernel, M, kNaiveThreads, 0, stream, p);
+  if (!ok) {  // other shapes or a GPU with less shared memory per block: the rows kernel; forced: the plain one
+    if (p.force_naive)
+      launch_kernel(mla_verify_naive_kernel, M, kNaiveThreads, 0, stream, p);
+    else
+      launch_kernel(mla_verify_rows_kernel, M, kNaiveThreads, 0, stream, p);
     return cudaGetLastError();
   }
   if (c.splits > 1 && !p.workspace) return cudaErrorInvalidValue;

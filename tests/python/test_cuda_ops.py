@@ -373,6 +373,38 @@ def test_verify_attention_other_shapes_use_plain_kernel(C, R_):
     assert rel_err(out, ref64(ql, qr, kvl, kr, vis, scale)) < 1e-5
 
 
+@pytest.mark.parametrize("C,R_,L,H,B", [(128, 32, 160, 8, 0), (128, 32, 517, 8, 16), (64, 32, 0, 4, 5),
+                                         (64, 32, 300, 4, 0), (100, 8, 70, 5, 30), (96, 5, 255, 3, 2),
+                                         (257, 3, 40, 2, 9), (1000, 64, 33, 3, 4), (32, 1, 1100, 3, 2),
+                                         (128, 32, 4099, 2, 63)])
+def test_verify_attention_rows_kernel_other_shapes(C, R_, L, H, B):
+    """Shapes the fast kernels do not take (the embedded default's C = 128 / 64 with R = 32, odd
+    widths, C above 128 where the key groups stop, long contexts) run the rows kernel; it and the
+    plain reference kernel (force_naive) within 1e-5 of the float64 oracle."""
+    ql, qr, kvl, kr, vis, scale = attn_case(C * 7 + L, L, H, B, C=C, R_=R_)
+    ref = ref64(ql, qr, kvl, kr, vis, scale)
+    out = cu.verify_attention(ql, qr, kvl, kr, vis, scale)
+    assert rel_err(out, ref) < 1e-5, rel_err(out, ref)
+    assert rel_err(cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_naive=True), ref) < 1e-5
+
+
+@pytest.mark.parametrize("C", [64, 128, 200])
+def test_verify_attention_rows_kernel_nan_only_from_visible_keys(C):
+    """A NaN in a visible key row reaches every output row of the rows kernel; one in a tree entry
+    that some rows do not see reaches exactly the rows that see it."""
+    ql, qr, kvl, kr, vis, scale = attn_case(5, 50, 3, 12, C=C, R_=32)
+    a = kvl.copy()
+    a[7, 2] = np.nan
+    assert np.isnan(cu.verify_attention(ql, qr, a, kr, vis, scale)).all()
+    b = kvl.copy()
+    j = 50 + 5  # tree node 5
+    b[j, 1] = np.nan
+    out = cu.verify_attention(ql, qr, b, kr, vis, scale)
+    sees = np.asarray(vis)[:, 5].astype(bool)
+    assert 0 < sees.sum() < len(sees)
+    assert np.isnan(out[sees]).all() and np.isfinite(out[~sees]).all()
+
+
 def test_verify_attention_matches_reference_api_on_a_tree():
     lp, ids = realistic_case(1, 64)
     tree = kn.ops.tree_build(lp, ids, 64, device="cuda")
