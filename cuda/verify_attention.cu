@@ -930,87 +930,102 @@ __global__ void __launch_bounds__(kNaiveThreads) mla_verify_naive_kernel(VerifyA
 
 // ---------------------------------------------------------------- rows kernel (any C, R)
 // What other shapes than the fast kernels' C = 512 / R = 64 run (the embedded default model's
-// C = 128 / 64, say): the plain kernel's two passes per block of one query row, with the latency
-// taken out of its two serial loops. Scores: four independent partial dot products per key.
-// P V: the 256 threads are split into G = 256 / C32 groups (C32 = C rounded up to 32; G = 1
-// above C = 128) that take every G-th key of a chunk, four keys' loads issued before their FMAs,
-// and add their partial outputs at the end. Zero weights are skipped (a masked key's NaN value
-// stays out, as in the plain kernel). Not bit-identical to the plain kernel (other summation
-// orders); the plain kernel stays the reference (force_naive).
+// C = 128 / 64, say). One block of 512 threads per query row, as the plain kernel, without its
+// latency: a GPU thread stalls on each load it uses, so every loop loads a batch first (a key's
+// row 32 floats at a time; eight keys' values at a time in P V). Pass 1 keeps the first 4096
+// scores in shared memory (pass 2 recomputes only beyond them). P V: the threads form
+// G = 512 / C32 key groups (C32 = C rounded up to 32; G = 1 above C = 256) that take every G-th
+// key of a chunk and add their partial outputs at the end. Zero weights are skipped (a masked
+// key's NaN value stays out, as in the plain kernel). Not bit-identical to the plain kernel (other
+// summation orders); the plain kernel stays the reference (force_naive).
+constexpr int kRowsThreads = 512;
+constexpr int kRowsCache = 4096;  // scores kept from pass 1 (16 KB of shared memory)
+constexpr int kRowsCols = (kNaiveThreads * kNaiveMaxCols) / kRowsThreads;  // columns per thread when G = 1
+
+__device__ __forceinline__ void rows_dot(const float* __restrict__ q, const float* k, int n, float* s) {
+  int c = 0;
+  for (; c + 32 <= n; c += 32) {
+    float v[32];
+#pragma unroll
+    for (int u = 0; u < 32; ++u) v[u] = k[c + u];
+#pragma unroll
+    for (int u = 0; u < 32; ++u) s[u & 3] = fmaf(__ldg(q + c + u), v[u], s[u & 3]);
+  }
+  for (; c + 4 <= n; c += 4) {
+    const float v0 = k[c], v1 = k[c + 1], v2 = k[c + 2], v3 = k[c + 3];
+    s[0] = fmaf(__ldg(q + c), v0, s[0]);
+    s[1] = fmaf(__ldg(q + c + 1), v1, s[1]);
+    s[2] = fmaf(__ldg(q + c + 2), v2, s[2]);
+    s[3] = fmaf(__ldg(q + c + 3), v3, s[3]);
+  }
+  for (; c < n; ++c) s[0] = fmaf(__ldg(q + c), k[c], s[0]);
+}
 __device__ __forceinline__ float rows_score(const VerifyAttentionParams& p, const float* ql, const float* qr, int j) {
   const float* kr = p.kv + (size_t)j * p.kv_stride;
-  float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
-  int c = 0;
-  for (; c + 4 <= p.C; c += 4) {
-    s0 = fmaf(__ldg(ql + c), kr[c], s0);
-    s1 = fmaf(__ldg(ql + c + 1), kr[c + 1], s1);
-    s2 = fmaf(__ldg(ql + c + 2), kr[c + 2], s2);
-    s3 = fmaf(__ldg(ql + c + 3), kr[c + 3], s3);
-  }
-  for (; c < p.C; ++c) s0 = fmaf(__ldg(ql + c), kr[c], s0);
-  const float* kk = kr + p.C;
-  int r = 0;
-  for (; r + 4 <= p.R; r += 4) {
-    s0 = fmaf(__ldg(qr + r), kk[r], s0);
-    s1 = fmaf(__ldg(qr + r + 1), kk[r + 1], s1);
-    s2 = fmaf(__ldg(qr + r + 2), kk[r + 2], s2);
-    s3 = fmaf(__ldg(qr + r + 3), kk[r + 3], s3);
-  }
-  for (; r < p.R; ++r) s0 = fmaf(__ldg(qr + r), kk[r], s0);
-  return ((s0 + s1) + (s2 + s3)) * p.scale;
+  float s[4] = {0.f, 0.f, 0.f, 0.f};
+  rows_dot(ql, kr, p.C, s);
+  rows_dot(qr, kr + p.C, p.R, s);
+  return ((s[0] + s[1]) + (s[2] + s[3])) * p.scale;
 }
 
-__global__ void __launch_bounds__(kNaiveThreads) mla_verify_rows_kernel(VerifyAttentionParams p) {
+__global__ void __launch_bounds__(kRowsThreads) mla_verify_rows_kernel(VerifyAttentionParams p) {
   pdl_prologue();
-  __shared__ float pbuf[kNaiveThreads];
-  __shared__ float red[kNaiveThreads / 32];
-  __shared__ float part[kNaiveThreads];
+  __shared__ float sc[kRowsCache];
+  __shared__ float part[kRowsThreads];
+  __shared__ float red[kRowsThreads / 32];
   const int g = blockIdx.x, t = g / p.H, tid = threadIdx.x;
   const float* ql = p.q_latent + (size_t)g * p.C;
   const float* qr = p.q_rope + (size_t)g * p.R;
   const int L = attn_committed_len(p);
   const int N = L + p.T;
-  float mx = attn_neg_inf();
-  for (int j = tid; j < N; j += kNaiveThreads)
-    if (naive_visible(p, L, t, j)) mx = fmaxf(mx, rows_score(p, ql, qr, j));
+  const float ninf = attn_neg_inf();
+  float mx = ninf;
+  for (int j = tid; j < N; j += kRowsThreads) {
+    const float s = naive_visible(p, L, t, j) ? rows_score(p, ql, qr, j) : ninf;
+    if (j < kRowsCache) sc[j] = s;
+    mx = fmaxf(mx, s);
+  }
   for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
   if ((tid & 31) == 0) red[tid >> 5] = mx;
   __syncthreads();
   mx = red[0];
-  for (int w = 1; w < kNaiveThreads / 32; ++w) mx = fmaxf(mx, red[w]);
+  for (int w = 1; w < kRowsThreads / 32; ++w) mx = fmaxf(mx, red[w]);
   __syncthreads();
   const int c32 = (p.C + 31) & ~31;
-  const int G = c32 <= kNaiveThreads / 2 ? kNaiveThreads / c32 : 1;  // key groups (C <= 128: >= 2)
+  const int G = c32 <= kRowsThreads / 2 ? kRowsThreads / c32 : 1;  // key groups (C <= 256: >= 2)
   const int grp = G > 1 ? tid / c32 : 0, col = G > 1 ? tid - grp * c32 : tid;
-  float acc[kNaiveMaxCols];
+  const bool pv_lane = G > 1 ? (grp < G && col < p.C) : true;
+  float acc[kRowsCols];
 #pragma unroll
-  for (int q = 0; q < kNaiveMaxCols; ++q) acc[q] = 0.f;
+  for (int q = 0; q < kRowsCols; ++q) acc[q] = 0.f;
   float lsum = 0.f;
-  for (int base = 0; base < N; base += kNaiveThreads) {
-    const int j = base + tid;
-    float pv = 0.f;
-    if (j < N && mx != attn_neg_inf() && naive_visible(p, L, t, j)) pv = expf(rows_score(p, ql, qr, j) - mx);
-    pbuf[tid] = pv;
-    lsum += pv;
+  for (int base = 0; base < N; base += kRowsCache) {
+    const int kmax = N - base < kRowsCache ? N - base : kRowsCache;
+    for (int i = tid; i < kmax; i += kRowsThreads) {  // weights of this chunk (in place: same thread, same slot)
+      const int j = base + i;
+      const float s = j < kRowsCache ? sc[i] : (naive_visible(p, L, t, j) ? rows_score(p, ql, qr, j) : ninf);
+      const float w = (s == ninf || mx == ninf) ? 0.f : expf(s - mx);
+      sc[i] = w;
+      lsum += w;
+    }
     __syncthreads();
-    const int kmax = N - base < kNaiveThreads ? N - base : kNaiveThreads;
     const float* vb = p.kv + (size_t)base * p.kv_stride;
     if (G > 1) {
-      if (grp < G && col < p.C) {
+      if (pv_lane) {
         float a = acc[0];
         int kk = grp;
-        for (; kk + 3 * G < kmax; kk += 4 * G) {
-          const float w0 = pbuf[kk], w1 = pbuf[kk + G], w2 = pbuf[kk + 2 * G], w3 = pbuf[kk + 3 * G];
-          const float v0 = vb[(size_t)kk * p.kv_stride + col], v1 = vb[(size_t)(kk + G) * p.kv_stride + col];
-          const float v2 = vb[(size_t)(kk + 2 * G) * p.kv_stride + col], v3 = vb[(size_t)(kk + 3 * G) * p.kv_stride + col];
-          a = w0 != 0.f ? fmaf(w0, v0, a) : a;
-          a = w1 != 0.f ? fmaf(w1, v1, a) : a;
-          a = w2 != 0.f ? fmaf(w2, v2, a) : a;
-          a = w3 != 0.f ? fmaf(w3, v3, a) : a;
+        for (; kk + 7 * G < kmax; kk += 8 * G) {
+          float w[8], v[8];
+#pragma unroll
+          for (int u = 0; u < 8; ++u) {
+            w[u] = sc[kk + u * G];
+            v[u] = vb[(size_t)(kk + u * G) * p.kv_stride + col];
+          }
+#pragma unroll
+          for (int u = 0; u < 8; ++u) a = w[u] != 0.f ? fmaf(w[u], v[u], a) : a;
         }
         for (; kk < kmax; kk += G) {
-          const float w = pbuf[kk];
-          const float v = vb[(size_t)kk * p.kv_stride + col];
+          const float w = sc[kk], v = vb[(size_t)kk * p.kv_stride + col];
           a = w != 0.f ? fmaf(w, v, a) : a;
         }
         acc[0] = a;
@@ -1018,11 +1033,11 @@ __global__ void __launch_bounds__(kNaiveThreads) mla_verify_rows_kernel(VerifyAt
     } else {
       int kk = 0;
       for (; kk + 4 <= kmax; kk += 4) {
-        const float w0 = pbuf[kk], w1 = pbuf[kk + 1], w2 = pbuf[kk + 2], w3 = pbuf[kk + 3];
+        const float w0 = sc[kk], w1 = sc[kk + 1], w2 = sc[kk + 2], w3 = sc[kk + 3];
         const float* r0 = vb + (size_t)kk * p.kv_stride;
 #pragma unroll
-        for (int q = 0; q < kNaiveMaxCols; ++q) {
-          const int c = tid + q * kNaiveThreads;
+        for (int q = 0; q < kRowsCols; ++q) {
+          const int c = tid + q * kRowsThreads;
           if (c < p.C) {
             const float v0 = r0[c], v1 = r0[p.kv_stride + c], v2 = r0[2 * (size_t)p.kv_stride + c],
                         v3 = r0[3 * (size_t)p.kv_stride + c];
@@ -1036,26 +1051,26 @@ __global__ void __launch_bounds__(kNaiveThreads) mla_verify_rows_kernel(VerifyAt
         }
       }
       for (; kk < kmax; ++kk) {
-        const float w = pbuf[kk];
+        const float w = sc[kk];
         if (w == 0.f) continue;
         const float* vr = vb + (size_t)kk * p.kv_stride;
 #pragma unroll
-        for (int q = 0; q < kNaiveMaxCols; ++q) {
-          const int c = tid + q * kNaiveThreads;
+        for (int q = 0; q < kRowsCols; ++q) {
+          const int c = tid + q * kRowsThreads;
           if (c < p.C) acc[q] = fmaf(w, vr[c], acc[q]);
         }
       }
     }
-    __syncthreads();
+    __syncthreads();  // sc is rewritten by the next chunk
   }
   for (int off = 16; off > 0; off >>= 1) lsum += __shfl_xor_sync(0xffffffffu, lsum, off);
   if ((tid & 31) == 0) red[tid >> 5] = lsum;
   __syncthreads();
   float l = 0.f;
-  for (int w = 0; w < kNaiveThreads / 32; ++w) l += red[w];
+  for (int w = 0; w < kRowsThreads / 32; ++w) l += red[w];
   const float inv = l > 0.f ? 1.f / l : 0.f;
   if (G > 1) {  // the groups' partial outputs added in group order
-    if (grp < G) part[tid] = acc[0];
+    if (pv_lane) part[tid] = acc[0];
     __syncthreads();
     if (tid < p.C) {
       float o = 0.f;
@@ -1065,8 +1080,8 @@ __global__ void __launch_bounds__(kNaiveThreads) mla_verify_rows_kernel(VerifyAt
     return;
   }
 #pragma unroll
-  for (int q = 0; q < kNaiveMaxCols; ++q) {
-    const int c = tid + q * kNaiveThreads;
+  for (int q = 0; q < kRowsCols; ++q) {
+    const int c = tid + q * kRowsThreads;
     if (c < p.C) p.out[(size_t)g * p.C + c] = acc[q] * inv;
   }
 }
@@ -1486,7 +1501,7 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
     if (p.force_naive)
       launch_kernel(mla_verify_naive_kernel, M, kNaiveThreads, 0, stream, p);
     else
-      launch_kernel(mla_verify_rows_kernel, M, kNaiveThreads, 0, stream, p);
+      launch_kernel(mla_verify_rows_kernel, M, kRowsThreads, 0, stream, p);
     return cudaGetLastError();
   }
   if (c.splits > 1 && !p.workspace) return cudaErrorInvalidValue;
