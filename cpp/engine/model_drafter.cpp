@@ -36,16 +36,16 @@ ModelDrafter::ModelDrafter(TargetModel& model, const ModelDraftParams& p) : mode
   if (!model_.finalized()) throw Error("ModelDrafter: the draft model is not finalized (weights incomplete)");
 }
 
+bool ModelDrafter::chain_stops(double& cum, double logp) const {
+  if (p_.min_chain_prob <= 0.0) return false;
+  cum += logp;
+  return cum < std::log(p_.min_chain_prob);
+}
+
 int64_t ModelDrafter::rows_kept(const double* logp, int64_t rows) const {
-  if (p_.min_chain_prob <= 0.0) return rows;
-  const double log_min = std::log(p_.min_chain_prob);
   double cum = 0.0;
   int64_t d = 1;
-  for (int64_t i = 1; i < rows; ++i) {
-    cum += logp[i - 1];
-    if (cum < log_min) break;
-    ++d;
-  }
+  while (d < rows && !chain_stops(cum, logp[d - 1])) ++d;
   return d;
 }
 
@@ -100,16 +100,12 @@ void ModelDrafter::feed_and_chain(const int32_t* ctx, int64_t m, int64_t n, int6
     model_.commit(keep_.data(), T);
     if (c0 + T == n) std::copy(chunk_logits_.end() - V, chunk_logits_.end(), out.values.begin());
   }
-  const double log_min = p_.min_chain_prob > 0.0 ? std::log(p_.min_chain_prob) : 0.0;
   double cum = 0.0;
   int64_t d = 1;
   for (int64_t i = 1; i < depth; ++i) {  // greedy chain: one token per step, committed, rolled back below
     const float* row = out.values.data() + (i - 1) * V;
     const int64_t tok = argmax_first(row, V);
-    if (p_.min_chain_prob > 0.0) {
-      cum += logp_top1(row, V, tok);
-      if (cum < log_min) break;
-    }
+    if (p_.min_chain_prob > 0.0 && chain_stops(cum, logp_top1(row, V, tok))) break;
     const int32_t t32 = static_cast<int32_t>(tok), p32 = static_cast<int32_t>(n + i - 1), k0 = 0;
     model_.forward(&t32, &p32, nullptr, 1, out.values.data() + i * V);
     model_.commit(&k0, 1);

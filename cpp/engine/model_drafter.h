@@ -54,8 +54,11 @@ class ModelDrafter {
   // most), truncate back to n, fill out. The host version runs the model's forward();
   // cuda/engine/cuda_model_drafter.h keeps the chain on the GPU.
   virtual void feed_and_chain(const int32_t* ctx, int64_t m, int64_t n, int64_t depth, DraftOutput& out);
-  // How many rows of a chain of `rows` the min_chain_prob rule keeps, given each row's log p(top-1)
-  // (rows - 1 values: the rows that a next step was drafted from).
+  // The min_chain_prob rule: adds the log p(top-1) of the row the next step would be drafted from
+  // to cum; true when the chain stops before that step (never when min_chain_prob is 0).
+  bool chain_stops(double& cum, double logp) const;
+  // How many rows of a chain of `rows` the rule keeps, given each row's log p(top-1) (the first
+  // rows - 1 are used: the rows that a next step was drafted from).
   int64_t rows_kept(const double* logp, int64_t rows) const;
 
   TargetModel& model_;
