@@ -428,6 +428,8 @@ __attribute__((target("avx2,fma"))) int64_t logits_row_check_avx2(const float* r
 }
 #endif
 
+}  // namespace
+
 double row_sumexp(const float* row, int64_t V, float m) {
 #ifdef KD_TREE_AVX2
   if (cpu_has_avx2_fma()) return row_sumexp_avx2(row, V, m);
@@ -436,7 +438,6 @@ double row_sumexp(const float* row, int64_t V, float m) {
   for (int64_t v = 0; v < V; ++v) sum += std::exp(static_cast<double>(row[v]) - static_cast<double>(m));
   return sum;
 }
-}  // namespace
 
 int64_t logits_row_check(const float* row, int64_t V, bool* any_finite) {
 #ifdef KD_TREE_AVX2

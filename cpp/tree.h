@@ -108,6 +108,10 @@ int64_t kv_compact(void* cache, int64_t row_bytes, int64_t cache_len,
 // whether it holds a finite value (eight values at a time where the CPU has AVX2).
 int64_t logits_row_check(const float* row, int64_t V, bool* any_finite);
 
+// sum_v exp(row[v] - m) in float64 (AVX2 where the CPU has it): topk_logsoftmax's log-sum-exp,
+// and the model drafter's log p(top-1).
+double row_sumexp(const float* row, int64_t V, float m);
+
 // The first problem with topk_logsoftmax's inputs ("" when fine): D in [0, kTreeMaxDepth],
 // V >= 1, k >= 1, no NaN or +inf, no all -inf row.
 std::string topk_logsoftmax_input_error(const float* logits,  // [D, V]

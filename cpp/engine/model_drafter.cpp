@@ -5,6 +5,7 @@
 #include <string>
 
 #include "common.h"
+#include "tree.h"
 
 namespace kdtree {
 
@@ -15,21 +16,7 @@ void check_model_draft_params(const ModelDraftParams& p) {
     throw Error("ModelDrafter: prefill_chunk must be >= 1, got " + std::to_string(p.prefill_chunk));
 }
 
-double logp_top1(const float* row, int64_t V, int64_t top) {
-  const double mx = row[top];
-  double s = 0.0;
-  for (int64_t j = 0; j < V; ++j) s += std::exp(static_cast<double>(row[j]) - mx);
-  return -std::log(s);
-}
-
-namespace {
-int64_t argmax_first(const float* row, int64_t V) {
-  int64_t b = 0;
-  for (int64_t j = 1; j < V; ++j)
-    if (row[j] > row[b]) b = j;
-  return b;
-}
-}  // namespace
+double logp_top1(const float* row, int64_t V, int64_t top) { return -std::log(row_sumexp(row, V, row[top])); }
 
 ModelDrafter::ModelDrafter(TargetModel& model, const ModelDraftParams& p) : model_(model), p_(p) {
   check_model_draft_params(p_);
@@ -104,7 +91,7 @@ void ModelDrafter::feed_and_chain(const int32_t* ctx, int64_t m, int64_t n, int6
   int64_t d = 1;
   for (int64_t i = 1; i < depth; ++i) {  // greedy chain: one token per step, committed, rolled back below
     const float* row = out.values.data() + (i - 1) * V;
-    const int64_t tok = argmax_first(row, V);
+    const int64_t tok = greedy_.choose(row, V, 0);  // the first index of the largest logit
     if (p_.min_chain_prob > 0.0 && chain_stops(cum, logp_top1(row, V, tok))) break;
     const int32_t t32 = static_cast<int32_t>(tok), p32 = static_cast<int32_t>(n + i - 1), k0 = 0;
     model_.forward(&t32, &p32, nullptr, 1, out.values.data() + i * V);

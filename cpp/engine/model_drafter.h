@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "engine/engine.h"
+#include "engine/sampler.h"
 #include "model/model.h"
 
 namespace kdtree {
@@ -66,6 +67,7 @@ class ModelDrafter {
   std::vector<int32_t> held_;  // what the committed cache holds
   std::vector<int32_t> pos_, keep_;
   std::vector<float> chunk_logits_;
+  Sampler greedy_{SamplingParams()};  // temperature 0: the chain's argmax
 };
 
 }  // namespace kdtree
