@@ -28,6 +28,7 @@ namespace py = pybind11;
 #include "model/bf16.h"
 #include "kernels.h"
 #include "engine/choose_kernels.h"
+#include "engine/round_kernels.h"
 #include "model/model_kernels.h"
 
 namespace {
@@ -789,6 +790,54 @@ py::array_t<int32_t> choose_tokens_np(const py::object& logits_o, const py::obje
   return out;
 }
 
+// The GPU round's check of a device draft (draft_check) on host arrays: values float32 [d, k]
+// (log-probs with ids int32 / int64 [d, k], or logits with ids None). Returns (fault [d],
+// finite [d], ids as int32 [d, k] or None); ids_out is poisoned first (-7).
+py::tuple draft_check_np(const py::array& values_o, const py::object& ids_o, int64_t vocab) {
+  auto values = as_c<float>(values_o, "values", 2);
+  const int64_t d = values.shape(0), k = values.shape(1);
+  if (d < 1 || k < 1) throw kdtree::Error("cuda_draft_check: values must be [d >= 1, k >= 1]");
+  require_device();
+  DevBuf dv((size_t)(d * k) * sizeof(float)), ds((size_t)(2 * d) * sizeof(int32_t));
+  dv.upload(values.data(), dv.bytes);
+  kc::DraftCheckParams cp{};
+  cp.values = dv.as<float>();
+  cp.d = (int)d;
+  cp.k = (int)k;
+  cp.vocab = (int)vocab;
+  cp.stats = ds.as<int32_t>();
+  cp.ids_bytes = 4;
+  DevBuf di, dout;
+  if (!ids_o.is_none()) {
+    py::array ids = py::array::ensure(ids_o, py::array::c_style);
+    if (!ids || ids.ndim() != 2 || ids.shape(0) != d || ids.shape(1) != k || ids.dtype().kind() != 'i' ||
+        (ids.itemsize() != 4 && ids.itemsize() != 8))
+      throw kdtree::Error("cuda_draft_check: ids must be int32 / int64 [d, k]");
+    cp.ids_bytes = (int)ids.itemsize();
+    di = DevBuf((size_t)(d * k) * ids.itemsize());
+    di.upload(ids.data(), di.bytes);
+    dout = DevBuf((size_t)(d * k) * sizeof(int32_t));
+    std::vector<int32_t> poison((size_t)(d * k), -7);
+    dout.upload(poison.data(), dout.bytes);
+    cp.ids = di.p;
+    cp.ids_out = dout.as<int32_t>();
+  }
+  check_cuda(kc::draft_check(cp, nullptr), "draft_check");
+  std::vector<int32_t> st((size_t)(2 * d));
+  ds.download(st.data(), ds.bytes);
+  py::array_t<int64_t> fault(d), fin(d);
+  for (int64_t r = 0; r < d; ++r) {
+    fault.mutable_data()[r] = st[2 * r];
+    fin.mutable_data()[r] = st[2 * r + 1];
+  }
+  py::object ids32 = py::none();
+  if (!ids_o.is_none()) {
+    py::array_t<int32_t> o({d, k});
+    dout.download(o.mutable_data(), dout.bytes);
+    ids32 = o;
+  }
+  return py::make_tuple(fault, fin, ids32);
+}
 
 // The exact BF16 copy of a float32 array (its high halves) for the kernels' w_bf16 paths; throws
 // unless every value is exactly a BF16.
@@ -1120,6 +1169,10 @@ void bind_cuda(py::module_& m) {
         py::arg("top_k") = 0, py::arg("top_p") = 1.0, py::arg("seed") = 0,
         "The GPU round's per-node choice (choose_tokens) on host float32 logits [T, V] and int32 positions [T]: "
         "must equal _native.sampler_choose.");
+  m.def("cuda_draft_check", &draft_check_np, py::arg("values"), py::arg("ids"), py::arg("vocab"),
+        "The GPU round's device-draft check (draft_check) on host arrays: (fault [d], finite [d], ids as int32 "
+        "or None); fault = 2^30 - (column * 4 + kind) of the row's first fault (0 NaN, 1 +inf, 2 id outside "
+        "[0, vocab), 3 unsorted), 0 = none.");
   m.def("cuda_linear_skinny", &linear_skinny_np, py::arg("x"), py::arg("w"), py::arg("y"), py::arg("T"), py::arg("N"),
         py::arg("Kd"), py::arg("batch") = 1, py::arg("x_batch") = 0, py::arg("w_batch") = 0, py::arg("y_batch") = 0,
         py::arg("beta") = 0.0, py::arg("x_off") = 0, py::arg("w_off") = 0, py::arg("norm_w") = py::none(),

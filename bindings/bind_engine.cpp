@@ -53,64 +53,238 @@ std::string shape_str(const py::array& a) {
   return s + (a.ndim() == 1 ? ",)" : ")");
 }
 
-// A device array (anything with __cuda_array_interface__, e.g. a torch CUDA tensor or a CuPy
-// array) copied into a new numpy array, after the producer's stream (CAI v3 "stream") is done.
-py::array from_cuda_array(const py::handle& h, const char* what) {
-  py::dict cai = h.attr("__cuda_array_interface__");
-  const std::string typestr = py::str(cai["typestr"]);
-  py::dtype dt(typestr);
-  py::tuple shape = cai["shape"];
-  std::vector<py::ssize_t> dims;
-  for (auto d : shape) dims.push_back(d.cast<py::ssize_t>());
-  py::ssize_t count = 1;
-  for (py::ssize_t d : dims) count *= d;
-  if (cai.contains("strides") && !cai["strides"].is_none()) {
-    py::tuple st = cai["strides"];
-    py::ssize_t expect = dt.itemsize();
-    for (py::ssize_t i = (py::ssize_t)dims.size() - 1; i >= 0; --i) {
-      if (dims[i] > 1 && st[i].cast<py::ssize_t>() != expect)
-        throw Error(std::string("drafter ") + what + ": a device array must be C-contiguous (call .contiguous())");
-      expect *= dims[i];
-    }
+// ---------------------------------------------------------------- device arrays from drafters
+// A drafter may return device arrays instead of numpy: anything with DLPack (__dlpack__ and
+// __dlpack_device__ naming CUDA memory: torch, CuPy, JAX) or __cuda_array_interface__ (CAI:
+// CuPy, Numba, ...). DLPack is preferred: its `stream` argument lets the producer order its work
+// onto the consumer's stream (no host wait); CAI names the producer's stream (v3) or none (v2,
+// e.g. torch: the whole device is synchronised).
+
+// The DLPack C structures (the DLPack specification, legacy unversioned "dltensor" capsules).
+struct DLDevice {
+  int32_t device_type;  // 1 CPU, 2 CUDA, 3 CUDA pinned host, 13 CUDA managed
+  int32_t device_id;
+};
+struct DLDataType {
+  uint8_t code;  // 0 int, 1 uint, 2 float
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;  // in elements; nullptr = C-contiguous
+  uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor*);
+};
+
+// One device array as the engine needs it.
+struct DeviceArray {
+  const void* ptr = nullptr;
+  int device = -1;  // the CUDA ordinal of its memory (-1: not device memory)
+  char kind = 0;    // 'f', 'i', 'u'
+  int64_t itemsize = 0;
+  std::vector<int64_t> shape;
+  bool contiguous = true;
+  int wait_kind = 2;  // what to wait for before reading: DraftOutput::device_wait_kind
+  unsigned long long wait_stream = 0;
+  std::shared_ptr<void> owner;  // keeps the memory alive (the Python object / the DLPack tensor)
+  int64_t count() const {
+    int64_t c = 1;
+    for (int64_t d : shape) c *= d;
+    return c;
   }
-  py::array out(dt, dims);
-  const uintptr_t ptr = py::tuple(cai["data"])[0].cast<uintptr_t>();
-  if (count > 0 && ptr == 0) throw Error(std::string("drafter ") + what + ": device array with a null pointer");
+};
+
+// The CUDA device of a DLPack-capable object, or -1 (no DLPack, or not CUDA / managed memory).
+int dlpack_cuda_device(const py::handle& h) {
+  if (!py::hasattr(h, "__dlpack__") || !py::hasattr(h, "__dlpack_device__")) return -1;
+  py::tuple dev = h.attr("__dlpack_device__")();
+  const int type = dev[0].cast<int>();
+  return (type == 2 || type == 13) ? dev[1].cast<int>() : -1;
+}
+
+bool is_device_array(const py::handle& h) {
+  if (py::isinstance<py::array>(h)) return false;
+  return py::hasattr(h, "__cuda_array_interface__") || dlpack_cuda_device(h) >= 0;
+}
+
+std::shared_ptr<void> py_owner(const py::handle& h) {
+  PyObject* o = h.inc_ref().ptr();
+  return std::shared_ptr<void>(o, [](void* p) {
+    py::gil_scoped_acquire gil;
+    Py_DECREF(static_cast<PyObject*>(p));
+  });
+}
+
+// Opens a device array. DLPack: exported for `consumer_stream` (a cudaStream_t handle; 1 = the
+// legacy default stream), so once this returns the stream may read it. CAI: the producer's
+// stream is recorded in wait_kind / wait_stream.
+DeviceArray open_device_array(const py::handle& h, const char* what, unsigned long long consumer_stream) {
+  DeviceArray a;
+  const std::string who = std::string("drafter ") + what;
+  if (dlpack_cuda_device(h) >= 0) {
+    py::object cap = h.attr("__dlpack__")(py::arg("stream") = consumer_stream);
+    if (!PyCapsule_CheckExact(cap.ptr()) || !PyCapsule_IsValid(cap.ptr(), "dltensor"))
+      throw Error(who + ": __dlpack__ did not return an unused 'dltensor' capsule");
+    auto* mt = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap.ptr(), "dltensor"));
+    if (mt == nullptr) throw py::error_already_set();
+    PyCapsule_SetName(cap.ptr(), "used_dltensor");  // ours now: the capsule no longer frees it
+    a.owner = std::shared_ptr<void>(mt, [](void* p) {
+      auto* t = static_cast<DLManagedTensor*>(p);
+      py::gil_scoped_acquire gil;  // producers' deleters may touch Python objects
+      if (t->deleter) t->deleter(t);
+    });
+    const DLTensor& t = mt->dl_tensor;
+    if (t.dtype.lanes != 1 || t.dtype.code > 2 || t.dtype.bits % 8 != 0)
+      throw Error(who + ": unsupported DLPack dtype (code " + std::to_string(t.dtype.code) + ", " +
+                  std::to_string(t.dtype.bits) + " bits, " + std::to_string(t.dtype.lanes) + " lanes)");
+    a.kind = t.dtype.code == 2 ? 'f' : t.dtype.code == 1 ? 'u' : 'i';
+    a.itemsize = t.dtype.bits / 8;
+    a.shape.assign(t.shape, t.shape + t.ndim);
+    if (t.strides) {
+      int64_t expect = 1;
+      for (int i = t.ndim - 1; i >= 0; --i) {
+        if (t.shape[i] > 1 && t.strides[i] != expect) a.contiguous = false;
+        expect *= t.shape[i];
+      }
+    }
+    a.ptr = static_cast<const char*>(t.data) + t.byte_offset;
+    a.wait_kind = 2;
+  } else {
+    py::dict cai = h.attr("__cuda_array_interface__");
+    const std::string typestr = py::str(cai["typestr"]);
+    py::dtype dt(typestr);
+    a.kind = dt.kind();
+    a.itemsize = dt.itemsize();
+    py::tuple shape = cai["shape"];
+    for (auto d : shape) a.shape.push_back(d.cast<int64_t>());
+    if (cai.contains("strides") && !cai["strides"].is_none()) {
+      py::tuple st = cai["strides"];
+      int64_t expect = a.itemsize;
+      for (int64_t i = (int64_t)a.shape.size() - 1; i >= 0; --i) {
+        if (a.shape[i] > 1 && st[i].cast<int64_t>() != expect) a.contiguous = false;
+        expect *= a.shape[i];
+      }
+    }
+    a.ptr = reinterpret_cast<const void*>(py::tuple(cai["data"])[0].cast<uintptr_t>());
+    a.wait_kind = 0;
+    if (cai.contains("stream")) {
+      if (cai["stream"].is_none()) a.wait_kind = 2;
+      else {
+        a.wait_kind = 1;
+        a.wait_stream = cai["stream"].cast<unsigned long long>();
+      }
+    }
+    a.owner = py_owner(h);
+  }
+  if (a.count() > 0 && a.ptr == nullptr) throw Error(who + ": device array with a null pointer");
 #ifdef KDTREE_HAVE_CUDA
-  int kind = 0;
-  unsigned long long stream = 0;
-  if (cai.contains("stream")) {
-    if (cai["stream"].is_none()) kind = 2;
-    else {
-      kind = 1;
-      stream = cai["stream"].cast<unsigned long long>();
-    }
-  }
+  if (a.count() > 0) a.device = cuda_pointer_device(a.ptr);
+#endif
+  return a;
+}
+
+// A device array copied into a new numpy array, after the producer's work is visible.
+py::array device_array_to_host(const py::handle& h, const char* what) {
+  const std::string who = std::string("drafter ") + what;
+  DeviceArray a = open_device_array(h, what, 1);  // DLPack: ordered onto the legacy default stream
+  if (a.wait_kind == 2 && dlpack_cuda_device(h) >= 0) a.wait_kind = 1, a.wait_stream = 1;
+  if (!a.contiguous) throw Error(who + ": a device array must be C-contiguous (call .contiguous())");
+  std::string fmt(1, a.kind);
+  fmt += std::to_string(a.itemsize);
+  py::dtype dt(fmt);
+  std::vector<py::ssize_t> dims(a.shape.begin(), a.shape.end());
+  py::array out(dt, dims);
+#ifdef KDTREE_HAVE_CUDA
   std::string err;
   {
     py::gil_scoped_release nogil;
-    err = cuda_copy_to_host(out.mutable_data(), reinterpret_cast<const void*>(ptr), (size_t)(count * dt.itemsize()),
-                            kind, stream);
+    err = cuda_copy_to_host(out.mutable_data(), a.ptr, (size_t)(a.count() * a.itemsize), a.wait_kind, a.wait_stream);
   }
-  if (!err.empty()) throw RuntimeFailure(std::string("drafter ") + what + ": copying the device array failed: " + err);
+  if (!err.empty()) throw RuntimeFailure(who + ": copying the device array failed: " + err);
 #else
-  (void)ptr;
-  throw Error(std::string("drafter ") + what + ": a device array was returned but this build has no CUDA backend");
+  throw Error(who + ": a device array was returned but this build has no CUDA backend");
 #endif
   return out;
 }
 
 py::array as_ndarray(const py::handle& h, const char* what) {
-  if (!py::isinstance<py::array>(h) && py::hasattr(h, "__cuda_array_interface__")) return from_cuda_array(h, what);
+  if (is_device_array(h)) return device_array_to_host(h, what);
   if (!py::isinstance<py::array>(h))
     throw Error(std::string("drafter ") + what + " must be a numpy array, got " + type_name(h));
   return py::reinterpret_borrow<py::array>(h);
+}
+
+// A drafter's device arrays taken in place for a round executor on out.device_ok: true when it
+// took them (out filled; the executor checks the values), false when the host path must read
+// them (not all device arrays of that device, another layout or dtype: the host path copies
+// them or names the problem).
+bool take_device_draft(const py::object& r, DraftOutput& out) {
+  const auto consumer = static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(out.draft_stream));
+  if (out.device_ok < 0 || consumer == 0) return false;
+  auto usable = [&](const DeviceArray& a) { return a.device == out.device_ok && a.contiguous && a.count() > 0; };
+  // DLPack objects of another device are not exported (they would be ordered onto our stream)
+  auto here = [&](const py::handle& h) {
+    const int dl = dlpack_cuda_device(h);
+    return dl >= 0 ? dl == out.device_ok : py::hasattr(h, "__cuda_array_interface__");
+  };
+  if (py::isinstance<py::tuple>(r) || py::isinstance<py::list>(r)) {
+    py::sequence seq = py::reinterpret_borrow<py::sequence>(r);
+    if (py::len(seq) != 2 || !is_device_array(seq[0]) || !is_device_array(seq[1]) || !here(seq[0]) || !here(seq[1]))
+      return false;
+    DeviceArray lp = open_device_array(seq[0], "logprobs", consumer);
+    DeviceArray ids = open_device_array(seq[1], "token_ids", consumer);
+    if (!usable(lp) || !usable(ids) || lp.kind != 'f' || lp.itemsize != 4 || ids.kind != 'i' ||
+        (ids.itemsize != 4 && ids.itemsize != 8) || lp.shape.size() != 2 || lp.shape != ids.shape)
+      return false;
+    out.d = lp.shape[0];
+    out.k = lp.shape[1];
+    out.device_values = static_cast<const float*>(lp.ptr);
+    out.device_ids = ids.ptr;
+    out.device_ids_bytes = static_cast<int>(ids.itemsize);
+    if (lp.wait_kind == ids.wait_kind && lp.wait_stream == ids.wait_stream) {
+      out.device_wait_kind = lp.wait_kind;
+      out.device_wait_stream = lp.wait_stream;
+    } else if (lp.wait_kind == 2 || ids.wait_kind == 2) {
+      const DeviceArray& w = lp.wait_kind == 2 ? ids : lp;
+      out.device_wait_kind = w.wait_kind;
+      out.device_wait_stream = w.wait_stream;
+    } else {
+      out.device_wait_kind = 0;  // two different producer streams: the whole device
+    }
+    auto lo = lp.owner, io = ids.owner;
+    out.device_owner = std::shared_ptr<void>(nullptr, [lo, io](void*) mutable {
+      lo.reset();
+      io.reset();
+    });
+    return true;
+  }
+  if (!is_device_array(r) || !here(r)) return false;
+  DeviceArray lg = open_device_array(r, "logits", consumer);
+  if (!usable(lg) || lg.kind != 'f' || lg.itemsize != 4 || lg.shape.size() != 2) return false;
+  out.is_logits = true;
+  out.d = lg.shape[0];
+  out.k = lg.shape[1];
+  out.device_values = static_cast<const float*>(lg.ptr);
+  out.device_wait_kind = lg.wait_kind;
+  out.device_wait_stream = lg.wait_stream;
+  out.device_owner = lg.owner;
+  return true;
 }
 
 // Python drafter result -> DraftOutput (shapes and dtypes here; values are checked by the engine).
 void parse_draft(const py::object& r, int64_t vocab, DraftOutput& out) {
   out.clear();
   if (r.is_none()) return;  // no draft this round
+  if (take_device_draft(r, out)) return;
   if (py::isinstance<py::tuple>(r) || py::isinstance<py::list>(r)) {
     py::sequence seq = py::reinterpret_borrow<py::sequence>(r);
     if (py::len(seq) != 2)
@@ -145,7 +319,7 @@ void parse_draft(const py::object& r, int64_t vocab, DraftOutput& out) {
     }
     return;
   }
-  if (py::isinstance<py::array>(r) || py::hasattr(r, "__cuda_array_interface__")) {
+  if (py::isinstance<py::array>(r) || is_device_array(r)) {
     py::array lg = as_ndarray(r, "logits");
     if (lg.dtype().kind() != 'f' || lg.itemsize() != 4)
       throw Error("drafter logits must be float32, got " + std::string(py::str(lg.dtype())));
@@ -313,6 +487,7 @@ py::dict run_generate(py::object self, py::array_t<int64_t, py::array::c_style |
   out["tree_sizes"] = to_np(res.tree_sizes);
   out["draft_depths"] = to_np(res.draft_depths);
   out["stopped"] = res.stopped;
+  out["device_drafts"] = res.device_drafts;
   secs["prefill"] = res.seconds.prefill;
   secs["draft"] = res.seconds.draft;
   secs["tree_build"] = res.seconds.tree_build;

@@ -32,6 +32,17 @@ std::string cuda_device_name() {
   return std::string(p.name) + " (sm_" + std::to_string(p.major * 10 + p.minor) + ")";
 }
 
+int cuda_pointer_device(const void* ptr) {
+  if (ptr == nullptr) return -1;
+  cudaPointerAttributes attr;
+  if (cudaPointerGetAttributes(&attr, ptr) != cudaSuccess) {
+    cudaGetLastError();
+    return -1;
+  }
+  if (attr.type != cudaMemoryTypeDevice && attr.type != cudaMemoryTypeManaged) return -1;
+  return attr.device;
+}
+
 std::string cuda_copy_to_host(void* dst, const void* src, size_t bytes, int stream_kind, unsigned long long stream) {
   if (bytes > 0) {  // refuse a pointer CUDA does not know as device memory (a bogus address would
                     // otherwise be read as host memory by the copy and could crash the process)

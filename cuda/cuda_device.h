@@ -11,4 +11,7 @@ std::string cuda_device_name();
 // work visible: stream_kind 0 = no stream given (synchronise the device), 1 = the given stream
 // handle `stream` (synchronised), 2 = nothing to wait for. Returns "" or the CUDA error.
 std::string cuda_copy_to_host(void* dst, const void* src, size_t bytes, int stream_kind, unsigned long long stream);
+// The CUDA device ordinal whose memory `ptr` points into (device or managed memory); -1 when
+// CUDA does not know it as device memory (host memory, a bogus address).
+int cuda_pointer_device(const void* ptr);
 }  // namespace kdtree

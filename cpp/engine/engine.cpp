@@ -16,19 +16,31 @@ double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock:
 std::string s(int64_t v) { return std::to_string(v); }
 }  // namespace
 
-void check_draft_output(const DraftOutput& out, int64_t depth, int64_t top_k, int64_t vocab) {
+void check_draft_shape(const DraftOutput& out, int64_t depth, int64_t top_k, int64_t vocab) {
   KD_CHECK(out.d >= 0, "drafter output: negative number of rows");
   KD_CHECK(out.d <= depth, "drafter output has d=" + s(out.d) + " rows but depth is " + s(depth) + " (need d <= depth)");
   if (out.d == 0) return;
-  if (out.device_logits) {  // checked by the drafter on the device; the shape and the counts here
-    KD_CHECK(out.is_logits && out.k == vocab, "device draft: logits must be [d, vocab_size=" + s(vocab) + "]");
+  if (out.is_logits) {
+    KD_CHECK(out.k == vocab, "drafter logits must have vocab_size=" + s(vocab) + " columns, got " + s(out.k));
+    return;
+  }
+  KD_CHECK(out.k >= 1, "drafter output has d=" + s(out.d) + " rows but k=0 columns");
+  KD_CHECK(out.k <= top_k, "drafter output has k=" + s(out.k) + " columns but top_k is " + s(top_k) + " (need k <= top_k)");
+}
+
+void check_draft_output(const DraftOutput& out, int64_t depth, int64_t top_k, int64_t vocab) {
+  check_draft_shape(out, depth, top_k, vocab);
+  if (out.d == 0) return;
+  if (out.device_values) {  // the values were checked on the device; the counts here
+    KD_CHECK(out.device_checked, "device draft: its values were not checked (engine bug)");
+    KD_CHECK(out.is_logits || out.device_ids, "device draft: log-probs without token ids");
     KD_CHECK(static_cast<int64_t>(out.row_finite.size()) == out.d, "device draft: row_finite must have d entries");
-    for (int64_t r = 0; r < out.d; ++r)
-      KD_CHECK(out.row_finite[r] >= 1, "drafter logits: row " + s(r) + " has no finite value");
+    if (out.is_logits)
+      for (int64_t r = 0; r < out.d; ++r)
+        KD_CHECK(out.row_finite[r] >= 1, "drafter logits: row " + s(r) + " has no finite value");
     return;
   }
   if (out.is_logits) {
-    KD_CHECK(out.k == vocab, "drafter logits must have vocab_size=" + s(vocab) + " columns, got " + s(out.k));
     KD_CHECK(static_cast<int64_t>(out.values.size()) == out.d * out.k, "drafter logits: size does not match [d, V]");
     for (int64_t r = 0; r < out.d; ++r) {
       bool any_finite = false;
@@ -41,8 +53,6 @@ void check_draft_output(const DraftOutput& out, int64_t depth, int64_t top_k, in
     }
     return;
   }
-  KD_CHECK(out.k >= 1, "drafter output has d=" + s(out.d) + " rows but k=0 columns");
-  KD_CHECK(out.k <= top_k, "drafter output has k=" + s(out.k) + " columns but top_k is " + s(top_k) + " (need k <= top_k)");
   KD_CHECK(static_cast<int64_t>(out.values.size()) == out.d * out.k && static_cast<int64_t>(out.ids.size()) == out.d * out.k,
            "drafter output: logprobs and token_ids must both have shape [d, k]");
   for (int64_t r = 0; r < out.d; ++r) {
@@ -63,8 +73,8 @@ int64_t draft_tree_nodes(const DraftOutput& draft, int64_t k, int64_t budget) {
   int64_t nodes = 0, prod = 1;
   for (int64_t r = 0; r < draft.d && nodes < budget; ++r) {
     int64_t f = 0;
-    const float* row = draft.device_logits ? nullptr : draft.values.data() + r * draft.k;
-    if (draft.device_logits) {
+    const float* row = draft.device_values ? nullptr : draft.values.data() + r * draft.k;
+    if (draft.device_values) {  // checked rows: a sorted log-prob row's finite entries lead it
       f = std::min(k, draft.row_finite[r]);
     } else if (draft.is_logits) {
       for (int64_t j = 0; j < draft.k && f < k; ++j) f += std::isfinite(row[j]) ? 1 : 0;
@@ -76,6 +86,10 @@ int64_t draft_tree_nodes(const DraftOutput& draft, int64_t k, int64_t budget) {
     nodes += prod;
   }
   return std::min(nodes, budget);
+}
+
+void RoundExecutor::check_device_draft(DraftOutput&, int64_t) {
+  throw Error("a draft in device memory, but these rounds take host arrays only");
 }
 
 // ---------------------------------------------------------------- HostRounds
@@ -110,7 +124,7 @@ void HostRounds::round(const RoundRequest& rq, RoundResult& out) {
   tree_.parents.assign(1, -1);
   const DraftOutput* draft = rq.draft;
   if (draft && draft->d > 0 && rq.nodes > 0) {
-    KD_CHECK(draft->device_logits == nullptr, "host rounds: a draft in device memory (the drafter ignored device_ok)");
+    KD_CHECK(draft->device_values == nullptr, "host rounds: a draft in device memory (the drafter ignored device_ok)");
     const float* lp = draft->values.data();
     const int32_t* ids = draft->ids.data();
     int64_t k = draft->k;
@@ -246,12 +260,18 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
     if (drafter && depth_r > 0 && budget_r > 0) {
       draft.clear();
       draft.device_ok = exec_.draft_device();
+      draft.draft_stream = exec_.draft_stream();
       auto t0 = Clock::now();
       drafter(buf_.data(), n_, depth_r, k_r, draft);
       res.seconds.draft += since(t0);
       t0 = Clock::now();
+      if (draft.device_values && !draft.device_checked) {
+        check_draft_shape(draft, depth_r, k_r, V);
+        if (draft.d > 0) exec_.check_device_draft(draft, V);
+      }
       check_draft_output(draft, depth_r, k_r, V);
       d_got = draft.d;
+      if (draft.d > 0 && draft.device_values) ++res.device_drafts;
       if (draft.d > 0) {
         rq.draft = &draft;
         rq.nodes = draft_tree_nodes(draft, draft.is_logits ? k_r : draft.k, budget_r);

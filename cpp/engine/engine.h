@@ -30,22 +30,45 @@ struct DraftOutput {
   bool is_logits = false;       // values holds logits [d,V] (the engine does top-k + log-softmax)
   std::vector<float> values;    // [d,k] log-probs, each row sorted descending (or logits [d,V])
   std::vector<int32_t> ids;     // [d,k] token ids (unused when is_logits)
-  // A logits draft that stays on the GPU (a native drafter whose model is on the executor's
-  // device, e.g. cuda/engine/cuda_model_drafter.h): device_logits [d, V] (k = V, is_logits),
-  // complete when the drafter returns, valid until its next call; values stays empty. The
-  // drafter has checked the rows itself (no NaN / +inf; it throws Error like
-  // check_draft_output) and gives each row's count of finite logits in row_finite [d].
-  const float* device_logits = nullptr;
+  // A draft in device memory (CUDA), row-major and contiguous; values / ids stay empty:
+  // device_values [d, k] log-probs (then device_ids [d, k], int32 or int64 by device_ids_bytes)
+  // or logits [d, V] (is_logits, k = V). Two producers:
+  //  - a native drafter on the executor's device (cuda/engine/cuda_model_drafter.h) that checked
+  //    its rows itself (device_checked = true; it throws Error like check_draft_output) and fills
+  //    row_finite [d] (each row's count of finite values);
+  //  - a Python drafter's device arrays (DLPack or __cuda_array_interface__; bindings): the
+  //    executor checks them on the device (RoundExecutor::check_device_draft: the same checks and
+  //    messages as check_draft_output; fills row_finite, sets device_checked) after the producer's
+  //    work: device_wait_kind 0 = synchronise the whole device (a producer that names no stream),
+  //    1 = the producer's stream device_wait_stream (cudaStream_t; 1 = legacy default, 2 =
+  //    per-thread default), 2 = nothing to wait for (already ordered onto draft_stream, the
+  //    DLPack case). device_owner keeps the arrays alive until clear().
+  // The memory must stay valid and unchanged until the next clear() (the round has finished by then).
+  const float* device_values = nullptr;
+  const void* device_ids = nullptr;
+  int device_ids_bytes = 4;
+  bool device_checked = false;
+  int device_wait_kind = 2;
+  unsigned long long device_wait_stream = 0;
+  std::shared_ptr<void> device_owner;
   std::vector<int64_t> row_finite;
-  // Set by the loop before each call (clear() keeps it): the CUDA device ordinal whose memory
-  // the round executor takes a draft in (device_logits), -1 = host arrays only.
+  // Set by the loop before each call (clear() keeps them): the CUDA device ordinal whose memory
+  // the round executor takes a draft in, -1 = host arrays only; draft_stream: the executor's
+  // stream (cudaStream_t) that reads it (for DLPack's `stream` argument).
   int device_ok = -1;
+  void* draft_stream = nullptr;
   void clear() {
     d = k = 0;
     is_logits = false;
     values.clear();
     ids.clear();
-    device_logits = nullptr;
+    device_values = nullptr;
+    device_ids = nullptr;
+    device_ids_bytes = 4;
+    device_checked = false;
+    device_wait_kind = 2;
+    device_wait_stream = 0;
+    device_owner.reset();
     row_finite.clear();
   }
 };
@@ -80,9 +103,13 @@ struct GenerateResult {
   std::vector<int32_t> draft_depths;        // [rounds] d returned by the drafter (0 = none)
   StageSeconds seconds;
   bool stopped = false;                     // ended on a stop token
+  int64_t device_drafts = 0;                // rounds whose draft the executor took in device memory
 };
 
+// The shape part of check_draft_output (d <= depth; k <= top_k, or k = vocab for logits).
+void check_draft_shape(const DraftOutput& out, int64_t depth, int64_t top_k, int64_t vocab);
 // Checks a drafter's output against the round's request (throws Error naming the problem).
+// A device draft must have been checked on the device already (device_checked).
 void check_draft_output(const DraftOutput& out, int64_t depth, int64_t top_k, int64_t vocab);
 
 // ---- how a round is executed: the loop above (Generator) is written once; where the tree is
@@ -122,9 +149,15 @@ class RoundExecutor {
   // Builds the tree (rq.nodes nodes), verifies root + nodes in one forward, chooses per node,
   // walks, commits root + the accepted nodes; fills out.
   virtual void round(const RoundRequest& rq, RoundResult& out) = 0;
-  // The CUDA device whose memory round() takes a logits draft in (DraftOutput::device_logits);
-  // -1 = none (host arrays only).
+  // The CUDA device whose memory round() takes a draft in (DraftOutput::device_values);
+  // -1 = none (host arrays only); and the stream (cudaStream_t) that reads it.
   virtual int draft_device() const { return -1; }
+  virtual void* draft_stream() const { return nullptr; }
+  // A device draft not checked by its producer (DraftOutput::device_checked false, shape already
+  // checked): waits for the producer's work as the draft says, runs check_draft_output's value
+  // checks on the device (throws Error with the same messages), fills row_finite and sets
+  // device_checked. Executors with draft_device() == -1 never get one.
+  virtual void check_device_draft(DraftOutput& draft, int64_t vocab);
 };
 
 // Rounds through a Target's host interface (target.h): tree built on the host, logits [T, V]

@@ -151,7 +151,8 @@ void CudaModelDrafter::feed_and_chain(const int32_t* ctx, int64_t m, int64_t n, 
   out.d = d;
   out.k = V;
   if (out.device_ok == cm_.device_ordinal()) {
-    out.device_logits = d_rows_;
+    out.device_values = d_rows_;
+    out.device_checked = true;  // the rows were checked above
     out.row_finite.resize(static_cast<size_t>(d));
     for (int64_t r = 0; r < d; ++r) out.row_finite[r] = hs[r].finite;
   } else {

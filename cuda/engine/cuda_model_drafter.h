@@ -5,7 +5,7 @@
 // (a CUDA graph replay) with no host synchronisation between steps; one small copy of the rows'
 // statistics back and one synchronisation per call. When the round executor takes drafts in this
 // model's device memory (DraftOutput::device_ok, the GPU round of the same device) the logits
-// [d, V] stay there (DraftOutput::device_logits); otherwise they are copied to the host.
+// [d, V] stay there (DraftOutput::device_values); otherwise they are copied to the host.
 // The rows are checked like check_draft_output's host checks (NaN, +inf, a row without a finite
 // logit: Error). min_chain_prob is applied to the rows' statistics after the whole chain has run,
 // so a stopped chain costs its full depth on the device; the rows returned are the same.

@@ -12,6 +12,7 @@
 #include "common.h"
 #include "device_util.h"
 #include "engine/choose_kernels.h"
+#include "engine/round_kernels.h"
 #include "kernels.h"
 #include "model/model_kernels.h"
 
@@ -59,10 +60,13 @@ CudaRounds::CudaRounds(CudaModel& model) : model_(model) {
   dev.add(&d_bonus_, 1);
   dev.add(&d_result_, 3 + Bm + 1);
   dev.add(&d_prompt_, max_chunk_);
+  dev.add(&d_ids_, kMaxDepth * kMaxK);
+  dev.add(&d_dstats_, 2 * kMaxDepth);
   Arena host;
   host.add(&h_draft_, vals);
   host.add(&h_small_, 2 * npos + 1);
   host.add(&h_result_, 3 + Bm + 1);
+  host.add(&h_dstats_, 2 * kMaxDepth);
   DeviceGuard guard(model.device_ordinal());
   cudaError_t e = cudaMalloc(&dev_mem_, (size_t)dev.bytes);
   if (e != cudaSuccess) {
@@ -80,19 +84,20 @@ CudaRounds::CudaRounds(CudaModel& model) : model_(model) {
   }
   dev.commit(dev_mem_);
   host.commit(host_mem_);
-  for (void*& ev : ev_fwd_) {
+  void** events[3] = {&ev_fwd_[0], &ev_fwd_[1], &ev_wait_};
+  for (int i = 0; i < 3; ++i) {
     cudaEvent_t ce = nullptr;
-    e = cudaEventCreate(&ce);
+    e = i < 2 ? cudaEventCreate(&ce) : cudaEventCreateWithFlags(&ce, cudaEventDisableTiming);
     if (e != cudaSuccess) {
       cudaGetLastError();
-      for (void* made : ev_fwd_)
-        if (made) cudaEventDestroy(static_cast<cudaEvent_t>(made));
+      for (int j = 0; j < i; ++j) cudaEventDestroy(static_cast<cudaEvent_t>(*events[j]));
       cudaFreeHost(host_mem_);
       cudaFree(dev_mem_);
       host_mem_ = dev_mem_ = nullptr;
+      ev_fwd_[0] = ev_fwd_[1] = ev_wait_ = nullptr;
       throw RuntimeFailure(std::string("GPU round: cudaEventCreate: ") + cudaGetErrorString(e));
     }
-    ev = ce;
+    *events[i] = ce;
   }
   check(cudaMemset(dev_mem_, 0, (size_t)dev.bytes), "cudaMemset");
 }
@@ -100,7 +105,7 @@ CudaRounds::CudaRounds(CudaModel& model) : model_(model) {
 CudaRounds::~CudaRounds() {
   DeviceGuard guard(model_.device_ordinal());
   if (dev_mem_ || host_mem_) cudaStreamSynchronize(static_cast<cudaStream_t>(model_.stream()));
-  for (void* e : ev_fwd_)
+  for (void* e : {ev_fwd_[0], ev_fwd_[1], ev_wait_})
     if (e) cudaEventDestroy(static_cast<cudaEvent_t>(e));
   if (host_mem_) cudaFreeHost(host_mem_);
   if (dev_mem_) cudaFree(dev_mem_);
@@ -142,6 +147,63 @@ cudaError_t choose(const float* logits, int64_t T, int64_t V, const int32_t* pos
   return cuda::choose_tokens(cp, st);
 }
 }  // namespace
+
+void CudaRounds::check_device_draft(DraftOutput& draft, int64_t vocab) {
+  DeviceGuard guard(model_.device_ordinal());
+  cudaStream_t st = static_cast<cudaStream_t>(model_.stream());
+  const int64_t d = draft.d, k = draft.k;
+  KD_CHECK(d >= 1 && d <= kMaxDepth, "GPU round: a device draft of " + s(d) + " rows (1.." + s(kMaxDepth) + ")");
+  KD_CHECK(draft.is_logits ? k == vocab : (k >= 1 && k <= kMaxK && draft.device_ids != nullptr),
+           "GPU round: a device draft of " + s(k) + " columns");
+  // the producer's work first
+  if (draft.device_wait_kind == 0) {
+    check(cudaDeviceSynchronize(), "wait for the drafter's device work");
+  } else if (draft.device_wait_kind == 1) {
+    const unsigned long long h = draft.device_wait_stream;
+    cudaStream_t producer = h == 1 ? cudaStreamLegacy : h == 2 ? cudaStreamPerThread : reinterpret_cast<cudaStream_t>(h);
+    cudaEvent_t ev = static_cast<cudaEvent_t>(ev_wait_);
+    check(cudaEventRecord(ev, producer), "wait for the drafter's stream (cudaEventRecord)");
+    check(cudaStreamWaitEvent(st, ev, 0), "wait for the drafter's stream (cudaStreamWaitEvent)");
+  }
+  cuda::DraftCheckParams cp{};
+  cp.values = draft.device_values;
+  cp.ids = draft.is_logits ? nullptr : draft.device_ids;
+  cp.ids_bytes = draft.device_ids_bytes;
+  cp.d = (int)d;
+  cp.k = (int)k;
+  cp.vocab = (int)vocab;
+  cp.ids_out = d_ids_;
+  cp.stats = d_dstats_;
+  check(cuda::draft_check(cp, st), "draft_check");
+  check(cudaMemcpyAsync(h_dstats_, d_dstats_, sizeof(int32_t) * 2 * (size_t)d, cudaMemcpyDeviceToHost, st),
+        "copy the draft's checks back");
+  check(cudaStreamSynchronize(st), "draft_check");
+  for (int64_t r = 0; r < d; ++r) {
+    const int32_t f = h_dstats_[2 * r];
+    if (f == 0) continue;
+    const int64_t code = cuda::kDraftFaultBase - (int64_t)f, j = code >> 2, kind = code & 3;
+    if (draft.is_logits)
+      throw Error(std::string(kind == 0 ? "drafter logits contain NaN" : "drafter logits contain +inf") + " (row " +
+                  s(r) + ")");
+    const std::string at = "(row " + s(r) + ", column " + s(j) + ")";
+    if (kind == 0) throw Error("drafter logprobs contain NaN " + at);
+    if (kind == 1) throw Error("drafter logprobs contain +inf " + at);
+    if (kind == 3) throw Error("drafter logprobs row " + s(r) + " is not sorted in descending order (column " + s(j) + ")");
+    int64_t id = 0;  // the offending id, for the message
+    const char* src = static_cast<const char*>(draft.device_ids) + (size_t)(r * k + j) * draft.device_ids_bytes;
+    if (draft.device_ids_bytes == 8) {
+      check(cudaMemcpy(&id, src, 8, cudaMemcpyDeviceToHost), "read a token id");
+    } else {
+      int32_t v = 0;
+      check(cudaMemcpy(&v, src, 4, cudaMemcpyDeviceToHost), "read a token id");
+      id = v;
+    }
+    throw Error("drafter token id " + s(id) + " outside the vocab [0, " + s(vocab) + ") " + at);
+  }
+  draft.row_finite.resize(static_cast<size_t>(d));
+  for (int64_t r = 0; r < d; ++r) draft.row_finite[r] = h_dstats_[2 * r + 1];
+  draft.device_checked = true;
+}
 
 int32_t CudaRounds::prefill(const int32_t* prompt, int64_t P, int64_t chunk) {
   DeviceGuard guard(model_.device_ordinal());
@@ -197,7 +259,7 @@ void CudaRounds::round(const RoundRequest& rq, RoundResult& out) {
   tb.visibility = d_vis_;
   tb.n_nodes = d_n_;
   if (n > 0 && draft->is_logits) {
-    const float* logits_d = draft->device_logits;  // a device draft: complete when the drafter returned
+    const float* logits_d = draft->device_values;  // a device draft (checked, ordered on this stream)
     if (logits_d == nullptr) {
       const int64_t cnt = draft->d * draft->k;
       std::memcpy(h_draft_, draft->values.data(), (size_t)cnt * sizeof(float));
@@ -215,15 +277,19 @@ void CudaRounds::round(const RoundRequest& rq, RoundResult& out) {
     fp.workspace = d_topk_ws_;
     check(cuda::tree_build_from_logits(fp, st), "tree_build_from_logits");
   } else if (n > 0) {
-    const int64_t cnt = draft->d * draft->k;
     KD_CHECK(draft->k <= kMaxK, "GPU round: draft k " + s(draft->k) + " above " + s(kMaxK));
-    // log-probs then ids, one block, one copy
-    std::memcpy(h_draft_, draft->values.data(), (size_t)cnt * sizeof(float));
-    std::memcpy(reinterpret_cast<int32_t*>(h_draft_ + cnt), draft->ids.data(), (size_t)cnt * sizeof(int32_t));
-    check(cudaMemcpyAsync(d_draft_, h_draft_, (size_t)(2 * cnt) * sizeof(float), cudaMemcpyHostToDevice, st),
-          "upload draft log-probs and ids");
-    tb.logprobs = d_draft_;
-    tb.token_ids = reinterpret_cast<const int32_t*>(d_draft_ + cnt);
+    if (draft->device_values) {  // in place; the ids as int32 by check_device_draft
+      tb.logprobs = draft->device_values;
+      tb.token_ids = d_ids_;
+    } else {  // log-probs then ids, one block, one copy
+      const int64_t cnt = draft->d * draft->k;
+      std::memcpy(h_draft_, draft->values.data(), (size_t)cnt * sizeof(float));
+      std::memcpy(reinterpret_cast<int32_t*>(h_draft_ + cnt), draft->ids.data(), (size_t)cnt * sizeof(int32_t));
+      check(cudaMemcpyAsync(d_draft_, h_draft_, (size_t)(2 * cnt) * sizeof(float), cudaMemcpyHostToDevice, st),
+            "upload draft log-probs and ids");
+      tb.logprobs = d_draft_;
+      tb.token_ids = reinterpret_cast<const int32_t*>(d_draft_ + cnt);
+    }
     tb.D = (int)draft->d;
     tb.K = (int)draft->k;
     tb.ld = (int)draft->k;

@@ -18,9 +18,12 @@
 // when the request's differs (never in a plain generate()).
 //
 // Prefill runs the causal forward on the device and copies back only the first token. The
-// drafter runs between rounds: a Python drafter sees numpy (docs/ENGINE.md for device-array
-// drafts); a native model drafter on the same GPU (cuda/engine/cuda_model_drafter.h) hands
-// its logits over in device memory (DraftOutput::device_logits), so they are never copied.
+// drafter runs between rounds and sees the context as numpy. A draft in this GPU's memory is
+// never copied (DraftOutput::device_values): a native model drafter on the same GPU
+// (cuda/engine/cuda_model_drafter.h) hands over its checked logits; a Python drafter's device
+// arrays (DLPack / __cuda_array_interface__, e.g. torch CUDA tensors) are checked here on the
+// device (check_device_draft: after the producer's stream, one kernel, [d, 2] counts copied
+// back, one synchronisation; a log-prob draft's ids become int32 in d_ids_) and read in place.
 //
 // Limits (checked by begin() when a drafter is given, ValueError): depth <= 16,
 // tree_budget <= min(1024, max_tokens-1),
@@ -49,6 +52,8 @@ class CudaRounds : public RoundExecutor {
   void reset() override { model_.reset(); }
   void round(const RoundRequest& rq, RoundResult& out) override;
   int draft_device() const override { return model_.device_ordinal(); }
+  void* draft_stream() const override { return model_.stream(); }
+  void check_device_draft(DraftOutput& draft, int64_t vocab) override;
   CudaModel& model() { return model_; }
 
  private:
@@ -69,11 +74,15 @@ class CudaRounds : public RoundExecutor {
   int32_t *d_n_ = nullptr, *d_choice_ = nullptr, *d_path_ = nullptr, *d_count_ = nullptr, *d_bonus_ = nullptr;
   int32_t* d_result_ = nullptr;     // [3 + Bm + 1]
   int32_t* d_prompt_ = nullptr;     // [chunk]
+  int32_t* d_ids_ = nullptr;        // [16 * 1024] a device log-prob draft's ids as int32
+  int32_t* d_dstats_ = nullptr;     // [16, 2] draft_check's per-row counts
   // pinned host
   float* h_draft_ = nullptr;        // the same layout as d_draft_
   int32_t* h_small_ = nullptr;      // root / prompt chunk + positions staging
   int32_t* h_result_ = nullptr;
+  int32_t* h_dstats_ = nullptr;     // [16, 2]
   void* ev_fwd_[2] = {nullptr, nullptr};  // cudaEvent_t around the verify forward (its GPU time)
+  void* ev_wait_ = nullptr;         // cudaEvent_t (no timing): the stream waits for a draft's producer
   int64_t dev_root_ = -1;           // the token in d_tokens_[0] written by the device (-1: unknown)
 };
 

@@ -15,6 +15,21 @@ __global__ void set_int32_kernel(int32_t* dst, int32_t value) {
 
 constexpr int kDraftRowThreads = 1024;
 
+// A warp's reduction of draft_row's per-thread statistics (every lane gets the result): the max
+// with its first index (-1 = none), the finite count, the NaN / +inf flags.
+__device__ __forceinline__ void warp_row_stats(float& best, int& bi, int& fin, int& bad) {
+  for (int o = 16; o > 0; o >>= 1) {
+    const float ov = __shfl_xor_sync(0xffffffffu, best, o);
+    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+    if (oi >= 0 && (bi < 0 || ov > best || (ov == best && oi < bi))) {
+      best = ov;
+      bi = oi;
+    }
+    fin += __shfl_xor_sync(0xffffffffu, fin, o);
+    bad |= __shfl_xor_sync(0xffffffffu, bad, o);
+  }
+}
+
 // One block. Pass 1: the row copied, NaN / +inf flags, finite count, the max with its first
 // index; pass 2 (a clean row): the float64 sum of exp(x - max) (the row again, from L2).
 __global__ void __launch_bounds__(kDraftRowThreads) draft_row_kernel(DraftRowParams p) {
@@ -40,16 +55,7 @@ __global__ void __launch_bounds__(kDraftRowThreads) draft_row_kernel(DraftRowPar
       }
     }
   }
-  for (int o = 16; o > 0; o >>= 1) {
-    const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-    const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-    if (oi >= 0 && (bi < 0 || ov > best || (ov == best && oi < bi))) {
-      best = ov;
-      bi = oi;
-    }
-    fin += __shfl_xor_sync(0xffffffffu, fin, o);
-    bad |= __shfl_xor_sync(0xffffffffu, bad, o);
-  }
+  warp_row_stats(best, bi, fin, bad);
   if (lane == 0) {
     s_val[warp] = best;
     s_idx[warp] = bi;
@@ -62,16 +68,7 @@ __global__ void __launch_bounds__(kDraftRowThreads) draft_row_kernel(DraftRowPar
     bi = lane < nw ? s_idx[lane] : -1;
     fin = lane < nw ? s_fin[lane] : 0;
     bad = lane < nw ? s_bad[lane] : 0;
-    for (int o = 16; o > 0; o >>= 1) {
-      const float ov = __shfl_xor_sync(0xffffffffu, best, o);
-      const int oi = __shfl_xor_sync(0xffffffffu, bi, o);
-      if (oi >= 0 && (bi < 0 || ov > best || (ov == best && oi < bi))) {
-        best = ov;
-        bi = oi;
-      }
-      fin += __shfl_xor_sync(0xffffffffu, fin, o);
-      bad |= __shfl_xor_sync(0xffffffffu, bad, o);
-    }
+    warp_row_stats(best, bi, fin, bad);
     if (lane == 0) {
       s_val[0] = best;
       s_idx[0] = bi;
@@ -110,7 +107,69 @@ __global__ void __launch_bounds__(kDraftRowThreads) draft_row_kernel(DraftRowPar
   }
 }
 
+constexpr int kCheckThreads = 256, kCheckPerThread = 8;
+
+// Grid (column blocks, d): each thread takes up to kCheckPerThread entries of row blockIdx.y,
+// strided by the block; the block's first fault and finite count go to stats with one atomicMax
+// and one atomicAdd (integers: the result does not depend on the order).
+__global__ void __launch_bounds__(kCheckThreads) draft_check_kernel(DraftCheckParams p) {
+  pdl_prologue();
+  __shared__ int s_fault[kCheckThreads / 32], s_fin[kCheckThreads / 32];
+  const int r = blockIdx.y, lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int c0 = blockIdx.x * kCheckThreads * kCheckPerThread;
+  const int c1 = min(p.k, c0 + kCheckThreads * kCheckPerThread);
+  const float* row = p.values + (size_t)r * p.k;
+  int fault = 0, fin = 0;
+  for (int j = c0 + threadIdx.x; j < c1; j += kCheckThreads) {
+    const float x = row[j];
+    int kind = -1;
+    if (x != x) {
+      kind = 0;
+    } else if (x == INFINITY) {
+      kind = 1;
+    } else {
+      fin += x != -INFINITY ? 1 : 0;
+      if (p.ids) {
+        const size_t at = (size_t)r * p.k + j;
+        const long long id = p.ids_bytes == 8 ? static_cast<const long long*>(p.ids)[at]
+                                              : (long long)static_cast<const int32_t*>(p.ids)[at];
+        p.ids_out[at] = (int32_t)id;
+        if (id < 0 || id >= p.vocab) kind = 2;
+        else if (j > 0 && !(row[j - 1] >= x)) kind = 3;
+      }
+    }
+    if (kind >= 0) fault = max(fault, kDraftFaultBase - (j * 4 + kind));
+  }
+  fault = __reduce_max_sync(0xffffffffu, fault);
+  fin = __reduce_add_sync(0xffffffffu, fin);
+  if (lane == 0) {
+    s_fault[warp] = fault;
+    s_fin[warp] = fin;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kCheckThreads / 32; ++w) {
+      fault = max(fault, s_fault[w]);
+      fin += s_fin[w];
+    }
+    if (fault) atomicMax(p.stats + 2 * r, fault);
+    if (fin) atomicAdd(p.stats + 2 * r + 1, fin);
+  }
+}
+
 }  // namespace
+
+cudaError_t draft_check(const DraftCheckParams& p, cudaStream_t stream) {
+  if (!p.values || !p.stats || p.d < 1 || p.k < 1 || p.k >= (1 << 27) || (int64_t)p.d * p.k >= (int64_t(1) << 31) ||
+      (p.ids && (!p.ids_out || (p.ids_bytes != 4 && p.ids_bytes != 8))))
+    return cudaErrorInvalidValue;
+  cudaError_t e = cudaMemsetAsync(p.stats, 0, sizeof(int32_t) * 2 * (size_t)p.d, stream);
+  if (e != cudaSuccess) return e;
+  const int per_block = kCheckThreads * kCheckPerThread;
+  const dim3 grid((unsigned)((p.k + per_block - 1) / per_block), (unsigned)p.d);
+  // after a memset and possibly an event wait: launched without PDL
+  return launch_kernel_ordered(draft_check_kernel, grid, dim3(kCheckThreads), 0, stream, p);
+}
 
 cudaError_t draft_row(const DraftRowParams& p, cudaStream_t stream) {
   if (!p.src || !p.stats || p.V < 1) return cudaErrorInvalidValue;

@@ -34,5 +34,24 @@ struct DraftRowParams {
 };
 cudaError_t draft_row(const DraftRowParams& p, cudaStream_t stream);
 
+// ---------------------------------------------------------------- a device draft's checks
+// check_draft_output's value checks (cpp/engine/engine.h) on a draft in device memory, for the
+// GPU round (CudaRounds::check_device_draft). Per row r, stats[2r] = the row's first fault as
+// kDraftFaultBase - (column * 4 + kind), 0 = none (kind: 0 NaN, 1 +inf, 2 a token id outside
+// [0, vocab), 3 smaller than the entry before it: a log-prob row not sorted descending; the
+// lowest column wins, then the lowest kind, as the host check meets them); stats[2r + 1] = the
+// row's count of finite values. A log-prob draft's ids are also written as int32 to ids_out.
+constexpr int32_t kDraftFaultBase = 1 << 30;
+struct DraftCheckParams {
+  const float* values;  // [d, k] log-probs, or logits [d, V] (ids == nullptr)
+  const void* ids;      // [d, k] token ids, int32 or int64 (ids_bytes); nullptr for logits
+  int ids_bytes;        // 4 or 8
+  int d, k;             // d >= 1, k >= 1, d * k < 2^31, k < 2^27
+  int vocab;
+  int32_t* ids_out;     // [d, k] int32 (log-prob drafts)
+  int32_t* stats;       // [d, 2], zeroed by draft_check before its kernel
+};
+cudaError_t draft_check(const DraftCheckParams& p, cudaStream_t stream);
+
 }  // namespace cuda
 }  // namespace kdtree

@@ -148,6 +148,7 @@ def compute_stats(raw: dict, depth: int, drafted: bool, seed: int, temperature: 
         "tokens_per_second": n / total if total > 0 else 0.0,
         "decode_tokens_per_second": (n - 1) / decode if decode > 0 and n > 1 else 0.0,
         "stopped": bool(raw["stopped"]),
+        "device_drafts": int(raw.get("device_drafts", 0)),  # rounds whose draft stayed in GPU memory
         "seed": seed,
         "temperature": temperature,
     }

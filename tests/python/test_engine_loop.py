@@ -455,6 +455,40 @@ def test_device_array_draft_with_bad_pointer_is_a_clear_error(toy_setup):
     np.testing.assert_array_equal(r.tokens, ref[:8])
 
 
+class _FakeDLPack:
+    """Claims CUDA memory through DLPack (__dlpack_device__ -> (2, 0)) but exports a host array."""
+
+    def __init__(self, a, raise_on_export=False):
+        self.a, self.raise_on_export, self.exports = a, raise_on_export, 0
+
+    def __dlpack_device__(self):
+        return (2, 0)
+
+    def __dlpack__(self, stream=None):
+        self.exports += 1
+        if self.raise_on_export:
+            raise BufferError("this producer cannot export")
+        return self.a.__dlpack__()
+
+
+def test_dlpack_draft_with_host_memory_or_a_raising_export_is_a_clear_error(toy_setup):
+    """A DLPack 'CUDA' array that is really host memory: a clear exception naming the device array
+    (CPU-only builds: ValueError; CUDA builds: RuntimeError from the copy's pointer check); a
+    producer whose __dlpack__ raises: that exception, unchanged. The generator works afterwards
+    and host rounds report no device drafts."""
+    target, ref = toy_setup[0], toy_setup[3]
+    lp = _FakeDLPack(np.zeros((1, 1), np.float32))
+    ids = _FakeDLPack(np.zeros((1, 1), np.int32))
+    with pytest.raises((RuntimeError, ValueError), match="device array"):
+        generate(target, PROMPT, 8, drafter=lambda c, d, k: (lp, ids))
+    assert lp.exports == 1
+    with pytest.raises(BufferError, match="cannot export"):
+        generate(target, PROMPT, 8, drafter=lambda c, d, k: _FakeDLPack(np.zeros((1, 160), np.float32), True))
+    r = generate(target, PROMPT, 8, drafter=NgramDrafter())
+    np.testing.assert_array_equal(r.tokens, ref[:8])
+    assert r.stats["device_drafts"] == 0
+
+
 def test_rounds_option(toy_setup):
     """rounds="auto"/"host" run the host rounds for a host target; "device" needs a CudaModel;
     anything else is a ValueError. stats["rounds_on"] says where the rounds ran."""
