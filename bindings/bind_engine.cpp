@@ -56,9 +56,10 @@ std::string shape_str(const py::array& a) {
 // ---------------------------------------------------------------- device arrays from drafters
 // A drafter may return device arrays instead of numpy: anything with DLPack (__dlpack__ and
 // __dlpack_device__ naming CUDA memory: torch, CuPy, JAX) or __cuda_array_interface__ (CAI:
-// CuPy, Numba, ...). DLPack is preferred: its `stream` argument lets the producer order its work
-// onto the consumer's stream (no host wait); CAI names the producer's stream (v3) or none (v2,
-// e.g. torch: the whole device is synchronised).
+// CuPy, Numba, ...); DLPack when an object has both. DLPack arrays are exported for the legacy
+// default stream (`stream=1`: the producer orders its work before that stream's next work, which
+// costs torch nothing when it runs on its default stream) and the engine then waits for that
+// stream; CAI names the producer's stream (v3) or none (v2: the whole device is synchronised).
 
 // The DLPack C structures (the DLPack specification, legacy unversioned "dltensor" capsules).
 struct DLDevice {
@@ -103,17 +104,27 @@ struct DeviceArray {
   }
 };
 
-// The CUDA device of a DLPack-capable object, or -1 (no DLPack, or not CUDA / managed memory).
-int dlpack_cuda_device(const py::handle& h) {
-  if (!py::hasattr(h, "__dlpack__") || !py::hasattr(h, "__dlpack_device__")) return -1;
-  py::tuple dev = h.attr("__dlpack_device__")();
-  const int type = dev[0].cast<int>();
-  return (type == 2 || type == 13) ? dev[1].cast<int>() : -1;
-}
-
-bool is_device_array(const py::handle& h) {
-  if (py::isinstance<py::array>(h)) return false;
-  return py::hasattr(h, "__cuda_array_interface__") || dlpack_cuda_device(h) >= 0;
+// How an object offers device memory: proto 0 = it does not (numpy, or DLPack of another kind
+// of memory), 1 = DLPack of CUDA / managed memory on CUDA device `dl_device`, 2 = CAI. One call
+// of __dlpack_device__ at most; CAI is looked up last (torch computes it on access).
+struct Probe {
+  int proto = 0;
+  int dl_device = -1;
+};
+Probe probe_device_array(const py::handle& h) {
+  Probe p;
+  if (py::isinstance<py::array>(h)) return p;
+  if (py::hasattr(h, "__dlpack__") && py::hasattr(h, "__dlpack_device__")) {
+    py::tuple dev = h.attr("__dlpack_device__")();
+    const int type = dev[0].cast<int>();
+    if (type == 2 || type == 13) {
+      p.proto = 1;
+      p.dl_device = dev[1].cast<int>();
+      return p;
+    }
+  }
+  if (py::hasattr(h, "__cuda_array_interface__")) p.proto = 2;
+  return p;
 }
 
 std::shared_ptr<void> py_owner(const py::handle& h) {
@@ -124,14 +135,13 @@ std::shared_ptr<void> py_owner(const py::handle& h) {
   });
 }
 
-// Opens a device array. DLPack: exported for `consumer_stream` (a cudaStream_t handle; 1 = the
-// legacy default stream), so once this returns the stream may read it. CAI: the producer's
-// stream is recorded in wait_kind / wait_stream.
-DeviceArray open_device_array(const py::handle& h, const char* what, unsigned long long consumer_stream) {
+// Opens a device array (probe.proto 1 or 2). DLPack: exported for the legacy default stream,
+// which wait_kind / wait_stream then name; CAI: the producer's stream as it says.
+DeviceArray open_device_array(const py::handle& h, const Probe& probe, const char* what) {
   DeviceArray a;
   const std::string who = std::string("drafter ") + what;
-  if (dlpack_cuda_device(h) >= 0) {
-    py::object cap = h.attr("__dlpack__")(py::arg("stream") = consumer_stream);
+  if (probe.proto == 1) {
+    py::object cap = h.attr("__dlpack__")(py::arg("stream") = 1);
     if (!PyCapsule_CheckExact(cap.ptr()) || !PyCapsule_IsValid(cap.ptr(), "dltensor"))
       throw Error(who + ": __dlpack__ did not return an unused 'dltensor' capsule");
     auto* mt = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(cap.ptr(), "dltensor"));
@@ -157,7 +167,8 @@ DeviceArray open_device_array(const py::handle& h, const char* what, unsigned lo
       }
     }
     a.ptr = static_cast<const char*>(t.data) + t.byte_offset;
-    a.wait_kind = 2;
+    a.wait_kind = 1;  // the legacy default stream
+    a.wait_stream = 1;
   } else {
     py::dict cai = h.attr("__cuda_array_interface__");
     const std::string typestr = py::str(cai["typestr"]);
@@ -193,10 +204,9 @@ DeviceArray open_device_array(const py::handle& h, const char* what, unsigned lo
 }
 
 // A device array copied into a new numpy array, after the producer's work is visible.
-py::array device_array_to_host(const py::handle& h, const char* what) {
+py::array device_array_to_host(const py::handle& h, const Probe& probe, const char* what) {
   const std::string who = std::string("drafter ") + what;
-  DeviceArray a = open_device_array(h, what, 1);  // DLPack: ordered onto the legacy default stream
-  if (a.wait_kind == 2 && dlpack_cuda_device(h) >= 0) a.wait_kind = 1, a.wait_stream = 1;
+  DeviceArray a = open_device_array(h, probe, what);
   if (!a.contiguous) throw Error(who + ": a device array must be C-contiguous (call .contiguous())");
   std::string fmt(1, a.kind);
   fmt += std::to_string(a.itemsize);
@@ -217,7 +227,8 @@ py::array device_array_to_host(const py::handle& h, const char* what) {
 }
 
 py::array as_ndarray(const py::handle& h, const char* what) {
-  if (is_device_array(h)) return device_array_to_host(h, what);
+  const Probe probe = probe_device_array(h);
+  if (probe.proto) return device_array_to_host(h, probe, what);
   if (!py::isinstance<py::array>(h))
     throw Error(std::string("drafter ") + what + " must be a numpy array, got " + type_name(h));
   return py::reinterpret_borrow<py::array>(h);
@@ -228,20 +239,19 @@ py::array as_ndarray(const py::handle& h, const char* what) {
 // them (not all device arrays of that device, another layout or dtype: the host path copies
 // them or names the problem).
 bool take_device_draft(const py::object& r, DraftOutput& out) {
-  const auto consumer = static_cast<unsigned long long>(reinterpret_cast<uintptr_t>(out.draft_stream));
-  if (out.device_ok < 0 || consumer == 0) return false;
+  if (out.device_ok < 0) return false;
   auto usable = [&](const DeviceArray& a) { return a.device == out.device_ok && a.contiguous && a.count() > 0; };
-  // DLPack objects of another device are not exported (they would be ordered onto our stream)
-  auto here = [&](const py::handle& h) {
-    const int dl = dlpack_cuda_device(h);
-    return dl >= 0 ? dl == out.device_ok : py::hasattr(h, "__cuda_array_interface__");
-  };
+  // DLPack arrays of another device are not exported at all
+  auto here = [&](const Probe& p) { return p.proto == 2 || (p.proto == 1 && p.dl_device == out.device_ok); };
   if (py::isinstance<py::tuple>(r) || py::isinstance<py::list>(r)) {
     py::sequence seq = py::reinterpret_borrow<py::sequence>(r);
-    if (py::len(seq) != 2 || !is_device_array(seq[0]) || !is_device_array(seq[1]) || !here(seq[0]) || !here(seq[1]))
-      return false;
-    DeviceArray lp = open_device_array(seq[0], "logprobs", consumer);
-    DeviceArray ids = open_device_array(seq[1], "token_ids", consumer);
+    if (py::len(seq) != 2) return false;
+    const Probe p0 = probe_device_array(seq[0]);
+    if (!here(p0)) return false;
+    const Probe p1 = probe_device_array(seq[1]);
+    if (!here(p1)) return false;
+    DeviceArray lp = open_device_array(seq[0], p0, "logprobs");
+    DeviceArray ids = open_device_array(seq[1], p1, "token_ids");
     if (!usable(lp) || !usable(ids) || lp.kind != 'f' || lp.itemsize != 4 || ids.kind != 'i' ||
         (ids.itemsize != 4 && ids.itemsize != 8) || lp.shape.size() != 2 || lp.shape != ids.shape)
       return false;
@@ -267,8 +277,9 @@ bool take_device_draft(const py::object& r, DraftOutput& out) {
     });
     return true;
   }
-  if (!is_device_array(r) || !here(r)) return false;
-  DeviceArray lg = open_device_array(r, "logits", consumer);
+  const Probe p = probe_device_array(r);
+  if (!here(p)) return false;
+  DeviceArray lg = open_device_array(r, p, "logits");
   if (!usable(lg) || lg.kind != 'f' || lg.itemsize != 4 || lg.shape.size() != 2) return false;
   out.is_logits = true;
   out.d = lg.shape[0];
@@ -319,7 +330,7 @@ void parse_draft(const py::object& r, int64_t vocab, DraftOutput& out) {
     }
     return;
   }
-  if (py::isinstance<py::array>(r) || is_device_array(r)) {
+  if (py::isinstance<py::array>(r) || probe_device_array(r).proto) {
     py::array lg = as_ndarray(r, "logits");
     if (lg.dtype().kind() != 'f' || lg.itemsize() != 4)
       throw Error("drafter logits must be float32, got " + std::string(py::str(lg.dtype())));

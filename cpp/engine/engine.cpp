@@ -260,7 +260,6 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
     if (drafter && depth_r > 0 && budget_r > 0) {
       draft.clear();
       draft.device_ok = exec_.draft_device();
-      draft.draft_stream = exec_.draft_stream();
       auto t0 = Clock::now();
       drafter(buf_.data(), n_, depth_r, k_r, draft);
       res.seconds.draft += since(t0);

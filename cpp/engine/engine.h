@@ -40,9 +40,9 @@ struct DraftOutput {
   //    executor checks them on the device (RoundExecutor::check_device_draft: the same checks and
   //    messages as check_draft_output; fills row_finite, sets device_checked) after the producer's
   //    work: device_wait_kind 0 = synchronise the whole device (a producer that names no stream),
-  //    1 = the producer's stream device_wait_stream (cudaStream_t; 1 = legacy default, 2 =
-  //    per-thread default), 2 = nothing to wait for (already ordered onto draft_stream, the
-  //    DLPack case). device_owner keeps the arrays alive until clear().
+  //    1 = the stream device_wait_stream (cudaStream_t; 1 = legacy default, 2 = per-thread
+  //    default; DLPack arrays are exported for the legacy default stream), 2 = nothing to wait
+  //    for. device_owner keeps the arrays alive until clear().
   // The memory must stay valid and unchanged until the next clear() (the round has finished by then).
   const float* device_values = nullptr;
   const void* device_ids = nullptr;
@@ -52,11 +52,9 @@ struct DraftOutput {
   unsigned long long device_wait_stream = 0;
   std::shared_ptr<void> device_owner;
   std::vector<int64_t> row_finite;
-  // Set by the loop before each call (clear() keeps them): the CUDA device ordinal whose memory
-  // the round executor takes a draft in, -1 = host arrays only; draft_stream: the executor's
-  // stream (cudaStream_t) that reads it (for DLPack's `stream` argument).
+  // Set by the loop before each call (clear() keeps it): the CUDA device ordinal whose memory
+  // the round executor takes a draft in, -1 = host arrays only.
   int device_ok = -1;
-  void* draft_stream = nullptr;
   void clear() {
     d = k = 0;
     is_logits = false;
@@ -150,9 +148,8 @@ class RoundExecutor {
   // walks, commits root + the accepted nodes; fills out.
   virtual void round(const RoundRequest& rq, RoundResult& out) = 0;
   // The CUDA device whose memory round() takes a draft in (DraftOutput::device_values);
-  // -1 = none (host arrays only); and the stream (cudaStream_t) that reads it.
+  // -1 = none (host arrays only).
   virtual int draft_device() const { return -1; }
-  virtual void* draft_stream() const { return nullptr; }
   // A device draft not checked by its producer (DraftOutput::device_checked false, shape already
   // checked): waits for the producer's work as the draft says, runs check_draft_output's value
   // checks on the device (throws Error with the same messages), fills row_finite and sets

@@ -52,7 +52,6 @@ class CudaRounds : public RoundExecutor {
   void reset() override { model_.reset(); }
   void round(const RoundRequest& rq, RoundResult& out) override;
   int draft_device() const override { return model_.device_ordinal(); }
-  void* draft_stream() const override { return model_.stream(); }
   void check_device_draft(DraftOutput& draft, int64_t vocab) override;
   CudaModel& model() { return model_; }
 
