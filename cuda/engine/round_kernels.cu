@@ -110,8 +110,9 @@ __global__ void __launch_bounds__(kDraftRowThreads) draft_row_kernel(DraftRowPar
 constexpr int kCheckThreads = 256, kCheckPerThread = 8;
 
 // Grid (column blocks, d): each thread takes up to kCheckPerThread entries of row blockIdx.y,
-// strided by the block; the block's first fault and finite count go to stats with one atomicMax
-// and one atomicAdd (integers: the result does not depend on the order).
+// strided by the block; the block's first fault and finite count go to stats, stored when one
+// block holds the row, else with one atomicMax and one atomicAdd into zeroed stats (integers:
+// the result does not depend on the order).
 __global__ void __launch_bounds__(kCheckThreads) draft_check_kernel(DraftCheckParams p) {
   pdl_prologue();
   __shared__ int s_fault[kCheckThreads / 32], s_fin[kCheckThreads / 32];
@@ -152,8 +153,13 @@ __global__ void __launch_bounds__(kCheckThreads) draft_check_kernel(DraftCheckPa
       fault = max(fault, s_fault[w]);
       fin += s_fin[w];
     }
-    if (fault) atomicMax(p.stats + 2 * r, fault);
-    if (fin) atomicAdd(p.stats + 2 * r + 1, fin);
+    if (gridDim.x == 1) {  // the whole row in this block: plain stores (no zeroing needed)
+      p.stats[2 * r] = fault;
+      p.stats[2 * r + 1] = fin;
+    } else {
+      if (fault) atomicMax(p.stats + 2 * r, fault);
+      if (fin) atomicAdd(p.stats + 2 * r + 1, fin);
+    }
   }
 }
 
@@ -163,10 +169,12 @@ cudaError_t draft_check(const DraftCheckParams& p, cudaStream_t stream) {
   if (!p.values || !p.stats || p.d < 1 || p.k < 1 || p.k >= (1 << 27) || (int64_t)p.d * p.k >= (int64_t(1) << 31) ||
       (p.ids && (!p.ids_out || (p.ids_bytes != 4 && p.ids_bytes != 8))))
     return cudaErrorInvalidValue;
-  cudaError_t e = cudaMemsetAsync(p.stats, 0, sizeof(int32_t) * 2 * (size_t)p.d, stream);
-  if (e != cudaSuccess) return e;
   const int per_block = kCheckThreads * kCheckPerThread;
   const dim3 grid((unsigned)((p.k + per_block - 1) / per_block), (unsigned)p.d);
+  if (grid.x > 1) {  // several blocks per row combine with atomics: start from zero
+    const cudaError_t e = cudaMemsetAsync(p.stats, 0, sizeof(int32_t) * 2 * (size_t)p.d, stream);
+    if (e != cudaSuccess) return e;
+  }
   // after a memset and possibly an event wait: launched without PDL
   return launch_kernel_ordered(draft_check_kernel, grid, dim3(kCheckThreads), 0, stream, p);
 }

@@ -49,7 +49,7 @@ struct DraftCheckParams {
   int d, k;             // d >= 1, k >= 1, d * k < 2^31, k < 2^27
   int vocab;
   int32_t* ids_out;     // [d, k] int32 (log-prob drafts)
-  int32_t* stats;       // [d, 2], zeroed by draft_check before its kernel
+  int32_t* stats;       // [d, 2] (draft_check zeroes it first when a row spans several blocks)
 };
 cudaError_t draft_check(const DraftCheckParams& p, cudaStream_t stream);
 

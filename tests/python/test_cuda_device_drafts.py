@@ -1,6 +1,7 @@
 """Drafts in GPU memory from Python drafters (bindings/bind_engine.cpp take_device_draft,
-CudaRounds::check_device_draft): a drafter that returns torch CUDA tensors (DLPack), or objects
-with only __cuda_array_interface__ (v3 with a stream, v2 without) or only DLPack, has its draft
+CudaRounds::check_device_draft): a drafter that returns torch CUDA tensors (read through their
+__cuda_array_interface__, v2), or objects with only __cuda_array_interface__ (v3 with a stream,
+v2 without) or only DLPack, has its draft
 read in place by the GPU round (stats["device_drafts"] counts those rounds), checked on the device
 with the host check's messages, and ordered after the producer's stream.
 
@@ -147,8 +148,9 @@ def test_logits_drafts_stay_on_the_gpu_and_equal_numpy():
 def test_the_round_waits_for_the_producer():
     """The draft is written by the producer only after a ~20 ms GPU sleep; before it the memory
     holds NaN. The check kernel runs on the model's own (non-blocking) stream, so the draft is
-    read correctly only if the engine waits: through DLPack's stream argument (torch, default
-    stream), through CAI v3's stream (a side stream), or the device-wide wait of CAI v2."""
+    read correctly only if the engine waits: for the legacy default stream DLPack exported for
+    (torch's default stream, a DLPack-only wrapper), for CAI v3's stream (a side stream), or the
+    device-wide wait of CAI v2 (torch tensors themselves, and a side stream)."""
     gpu, cfg, V, P, ar = _setup(24)
     side = torch.cuda.Stream()
     cycles = 40_000_000
@@ -161,7 +163,7 @@ def test_the_round_waits_for_the_producer():
             if out is None:
                 return None
             lp, ids = out
-            stream = side if kind in ("cai_v3", "cai_v2") else torch.cuda.current_stream()
+            stream = side if kind in ("cai_v3", "cai_v2") else torch.cuda.current_stream()  # default
             src_lp = torch.as_tensor(lp).pin_memory()
             src_ids = torch.as_tensor(ids.astype(np.int64)).pin_memory()
             with torch.cuda.stream(stream):
@@ -170,14 +172,16 @@ def test_the_round_waits_for_the_producer():
                 torch.cuda._sleep(cycles)
                 tl.copy_(src_lp, non_blocking=True)
                 ti.copy_(src_ids, non_blocking=True)
-            if kind == "dlpack":
+            if kind == "torch":
                 return tl, ti
+            if kind == "dlpack":
+                return DLPackOnly(tl), DLPackOnly(ti)
             if kind == "cai_v3":
                 return CAIOnly(tl, side.cuda_stream), CAIOnly(ti, side.cuda_stream)
             return CAIOnly(tl, version=2), CAIOnly(ti, version=2)
         return fn
 
-    for kind in ("dlpack", "cai_v3", "cai_v2"):
+    for kind in ("torch", "dlpack", "cai_v3", "cai_v2"):
         got = generate(gpu, P, 24, drafter=make(kind), tree_budget=8, depth=4, top_k=3)
         np.testing.assert_array_equal(got.tokens, ar.tokens)
         assert got.stats["device_drafts"] >= 3, kind
@@ -215,7 +219,7 @@ def test_device_draft_errors_match_the_host_checks_and_leave_the_engine_usable()
                 with pytest.raises(ValueError) as ei:
                     generate(gpu, P, 8, drafter=fn, tree_budget=8, depth=4, top_k=3)
                 msgs.append(str(ei.value))
-            if name == "nan_before_bad_id" and ids_dtype is np.int64:
+            if name == "nan_before_bad_id":
                 # the host path converts the ids first (parse_draft) and names the id; the
                 # device check names the first fault in row order: both are ValueErrors
                 assert "NaN" in msgs[1] and "token id" in msgs[0]
