@@ -968,21 +968,31 @@ __device__ __forceinline__ float rows_score(const VerifyAttentionParams& p, cons
   return ((s[0] + s[1]) + (s[2] + s[3])) * p.scale;
 }
 
+// Key splits (gridDim.y = S > 1, short rows where M blocks would leave most SMs idle): block
+// (g, s) takes keys [s*ceil(N/S), ...) of row g and leaves its unnormalised output, its max and its
+// weight sum in the workspace ([S][M][C], then [S][M][2]); mla_rows_combine_kernel merges them. A
+// NaN score in a split whose other keys are all masked is kept as a NaN weight, so that it reaches
+// the output exactly when it would without splits (there: whenever the row's max is finite).
 __global__ void __launch_bounds__(kRowsThreads) mla_verify_rows_kernel(VerifyAttentionParams p) {
   pdl_prologue();
   __shared__ float sc[kRowsCache];
   __shared__ float part[kRowsThreads];
   __shared__ float red[kRowsThreads / 32];
   const int g = blockIdx.x, t = g / p.H, tid = threadIdx.x;
+  const int S = gridDim.y, split = blockIdx.y;
   const float* ql = p.q_latent + (size_t)g * p.C;
   const float* qr = p.q_rope + (size_t)g * p.R;
   const int L = attn_committed_len(p);
-  const int N = L + p.T;
+  const int Nall = L + p.T;
+  const int chunk = (Nall + S - 1) / S;
+  const int j0 = min(Nall, split * chunk);
+  const int N = min(Nall, j0 + chunk) - j0;  // this block's keys: j0 + [0, N)
   const float ninf = attn_neg_inf();
   float mx = ninf;
-  for (int j = tid; j < N; j += kRowsThreads) {
+  for (int i = tid; i < N; i += kRowsThreads) {
+    const int j = j0 + i;
     const float s = naive_visible(p, L, t, j) ? rows_score(p, ql, qr, j) : ninf;
-    if (j < kRowsCache) sc[j] = s;
+    if (i < kRowsCache) sc[i] = s;
     mx = fmaxf(mx, s);
   }
   for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
@@ -1002,14 +1012,14 @@ __global__ void __launch_bounds__(kRowsThreads) mla_verify_rows_kernel(VerifyAtt
   for (int base = 0; base < N; base += kRowsCache) {
     const int kmax = N - base < kRowsCache ? N - base : kRowsCache;
     for (int i = tid; i < kmax; i += kRowsThreads) {  // weights of this chunk (in place: same thread, same slot)
-      const int j = base + i;
-      const float s = j < kRowsCache ? sc[i] : (naive_visible(p, L, t, j) ? rows_score(p, ql, qr, j) : ninf);
-      const float w = (s == ninf || mx == ninf) ? 0.f : expf(s - mx);
+      const int j = base + i;  // (local)
+      const float s = j < kRowsCache ? sc[i] : (naive_visible(p, L, t, j0 + j) ? rows_score(p, ql, qr, j0 + j) : ninf);
+      const float w = s == ninf ? 0.f : mx != ninf ? expf(s - mx) : (S > 1 && s != s) ? s : 0.f;
       sc[i] = w;
       lsum += w;
     }
     __syncthreads();
-    const float* vb = p.kv + (size_t)base * p.kv_stride;
+    const float* vb = p.kv + (size_t)(j0 + base) * p.kv_stride;
     if (G > 1) {
       if (pv_lane) {
         float a = acc[0];
@@ -1068,21 +1078,68 @@ __global__ void __launch_bounds__(kRowsThreads) mla_verify_rows_kernel(VerifyAtt
   __syncthreads();
   float l = 0.f;
   for (int w = 0; w < kRowsThreads / 32; ++w) l += red[w];
-  const float inv = l > 0.f ? 1.f / l : 0.f;
+  // one split: normalised into out; several: unnormalised partials (and max, sum) in the workspace
+  float* dst = p.out + (size_t)g * p.C;
+  float inv = l > 0.f ? 1.f / l : 0.f;
+  if (S > 1) {
+    const size_t M = (size_t)p.T * p.H;
+    float* ws = static_cast<float*>(p.workspace);
+    dst = ws + ((size_t)split * M + g) * p.C;
+    inv = 1.f;
+    if (tid == 0) {
+      float* ml = ws + (size_t)S * M * p.C + ((size_t)split * M + g) * 2;
+      ml[0] = mx;
+      ml[1] = l;
+    }
+  }
   if (G > 1) {  // the groups' partial outputs added in group order
     if (pv_lane) part[tid] = acc[0];
     __syncthreads();
     if (tid < p.C) {
       float o = 0.f;
       for (int k = 0; k < G; ++k) o += part[k * c32 + tid];
-      p.out[(size_t)g * p.C + tid] = o * inv;
+      dst[tid] = o * inv;
     }
     return;
   }
 #pragma unroll
   for (int q = 0; q < kRowsCols; ++q) {
     const int c = tid + q * kRowsThreads;
-    if (c < p.C) p.out[(size_t)g * p.C + c] = acc[q] * inv;
+    if (c < p.C) dst[c] = acc[q] * inv;
+  }
+}
+
+// The rows kernel's key splits merged (S > 1), one block per query row: the row's max over the
+// splits, each split's output and sum scaled by exp(its max - that), added in split order. A row
+// whose every split has max -inf (nothing visible, or only NaN scores) gets 0, as without splits.
+constexpr int kRowsCombineThreads = 256;
+__global__ void __launch_bounds__(kRowsCombineThreads) mla_rows_combine_kernel(VerifyAttentionParams p, int S) {
+  pdl_prologue();
+  const int g = blockIdx.x;
+  const size_t M = (size_t)p.T * p.H;
+  const float* ws = static_cast<const float*>(p.workspace);
+  const float* ml = ws + (size_t)S * M * p.C;
+  const float ninf = attn_neg_inf();
+  float gm = ninf;
+  for (int s = 0; s < S; ++s) gm = fmaxf(gm, ml[((size_t)s * M + g) * 2]);
+  float* out = p.out + (size_t)g * p.C;
+  if (gm == ninf) {
+    for (int c = threadIdx.x; c < p.C; c += blockDim.x) out[c] = 0.f;
+    return;
+  }
+  float l = 0.f;
+  for (int s = 0; s < S; ++s) {
+    const float m = ml[((size_t)s * M + g) * 2];
+    l += (m == ninf ? 0.f : expf(m - gm)) * ml[((size_t)s * M + g) * 2 + 1];
+  }
+  const float inv = l > 0.f ? 1.f / l : 0.f;
+  for (int c = threadIdx.x; c < p.C; c += blockDim.x) {
+    float o = 0.f;
+    for (int s = 0; s < S; ++s) {
+      const float m = ml[((size_t)s * M + g) * 2];
+      o += (m == ninf ? 0.f : expf(m - gm)) * ws[((size_t)s * M + g) * p.C + c];
+    }
+    out[c] = o * inv;
   }
 }
 
@@ -1376,6 +1433,25 @@ bool mma_wins(const VerifyAttentionParams& p) {
          (M >= 16 && N >= 4096);
 }
 
+// Key splits of the rows kernel (shapes the fast kernels do not take), from host values only:
+// when its M = T x H blocks (one per query row) would leave most SMs idle and the rows are long,
+// up to kRowsMaxSplits splits of >= kRowsMinKeysPerSplit keys each, about kRowsTargetBlocks
+// blocks in all (two per SM of the H200). Non-decreasing in L (the workspace is sized at the
+// upper bound). force_splits > 0 forces the count (clamped to 1..min(32, N)).
+constexpr int kRowsMaxSplits = 32, kRowsMinKeysPerSplit = 64, kRowsTargetBlocks = 264;
+int rows_splits(const VerifyAttentionParams& p) {
+  const long long M = (long long)p.T * p.H, N = (long long)p.L + p.T;
+  if (p.force_naive) return 1;
+  const long long cap = std::min<long long>(kRowsMaxSplits, (64ll << 20) / (M * (p.C + 2) * 4));  // <= 64 MiB
+  long long s = 1;
+  if (p.force_splits > 0) s = std::min<long long>(p.force_splits, N);
+  else if (2 * M < kRowsTargetBlocks) s = std::min<long long>(N / kRowsMinKeysPerSplit, kRowsTargetBlocks / M);
+  return (int)std::max<long long>(1, std::min(s, cap));
+}
+size_t rows_ws_bytes(const VerifyAttentionParams& p, int splits) {
+  return splits > 1 ? (size_t)splits * (size_t)p.T * p.H * (p.C + 2) * sizeof(float) : 0;
+}
+
 struct Choice {
   int kernel;  // 0 = plain, 1 = tiled, 2 = split-KV, 3 = decode (two passes), 4 = tensor cores
   int splits;  // key splits (tensor cores: partial slots = max(splits of a full row block, of the last))
@@ -1441,7 +1517,9 @@ void verify_attention_choice(const VerifyAttentionParams& p, int* kernel, int* s
 }
 
 size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p) {
-  if (!splitkv_ok(p)) return 0;
+  // the rows kernel's splits (other shapes; also the fallback of a GPU with less shared memory)
+  const size_t rows_ws = rows_ws_bytes(p, rows_splits(p));
+  if (!splitkv_ok(p)) return rows_ws;
   // the largest split count either kernel can use for these shapes at any L' <= p.L
   // (deterministic; p.L is the upper bound when L_dev is used)
   int s = 1;
@@ -1452,7 +1530,7 @@ size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p) {
   if (p.force_kernel == 0 || p.force_kernel == 4) s = std::max(s, mma_max_splits(p));
   size_t ws = s > 1 ? (size_t)s * ws_split_bytes(p.T * p.H) : 0;
   if (p.force_kernel == 3) ws = std::max(ws, decode_ws_bytes(p));
-  return ws;
+  return std::max(ws, rows_ws);
 }
 
 cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream) {
@@ -1498,10 +1576,14 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
                   : c.kernel == 2 ? smem_attr_ok(mla_verify_splitkv_kernel<4>, (int)sizeof(SkSmemT<4>), splitkv4_state, true)
                                   : false;
   if (!ok) {  // other shapes or a GPU with less shared memory per block: the rows kernel; forced: the plain one
-    if (p.force_naive)
+    if (p.force_naive) {
       launch_kernel(mla_verify_naive_kernel, M, kNaiveThreads, 0, stream, p);
-    else
-      launch_kernel(mla_verify_rows_kernel, M, kRowsThreads, 0, stream, p);
+      return cudaGetLastError();
+    }
+    const int S = rows_splits(p);
+    if (S > 1 && !p.workspace) return cudaErrorInvalidValue;
+    launch_kernel(mla_verify_rows_kernel, dim3(M, S), kRowsThreads, 0, stream, p);
+    if (S > 1) launch_kernel(mla_rows_combine_kernel, M, kRowsCombineThreads, 0, stream, p, S);
     return cudaGetLastError();
   }
   if (c.splits > 1 && !p.workspace) return cudaErrorInvalidValue;

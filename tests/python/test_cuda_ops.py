@@ -405,6 +405,58 @@ def test_verify_attention_rows_kernel_nan_only_from_visible_keys(C):
     assert np.isnan(out[sees]).all() and np.isfinite(out[~sees]).all()
 
 
+@pytest.mark.parametrize("C,R_,L,H,B", [(128, 32, 160, 8, 0), (64, 32, 1000, 4, 0), (128, 32, 517, 8, 16),
+                                         (100, 8, 70, 5, 30), (257, 3, 333, 2, 9), (1000, 64, 200, 3, 4),
+                                         (32, 1, 1100, 3, 2), (128, 32, 5000, 1, 0)])
+def test_verify_attention_rows_kernel_key_splits(C, R_, L, H, B):
+    """The rows kernel's key splits (grid y) and their merge: forced 1..32 splits (more splits than
+    keys, uneven ranges, empty trailing splits) and the automatic count, with the committed length on
+    the device below a host bound (as under graph capture): every result within 1e-5 of float64."""
+    ql, qr, kvl, kr, vis, scale = attn_case(C * 3 + L + B, L, H, B, C=C, R_=R_)
+    ref = ref64(ql, qr, kvl, kr, vis, scale)
+    for splits in (0, 1, 2, 3, 7, 32):
+        for l_bound in (None, L + 3000):
+            out = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_splits=splits, l_bound=l_bound)
+            assert rel_err(out, ref) < 1e-5, (splits, l_bound, rel_err(out, ref))
+
+
+@pytest.mark.parametrize("splits", [1, 3, 16])
+def test_verify_attention_rows_kernel_splits_nan_and_empty_rows(splits):
+    """NaN and empty rows with the rows kernel's splits, as without them: a NaN in a visible
+    committed key reaches every row (also when it is the only visible key of its split); a tree entry's NaN
+    reaches only the rows that see it; with L = 0 a row that sees nothing is 0."""
+    C, R_ = 128, 32
+    ql, qr, kvl, kr, vis, scale = attn_case(11, 90, 3, 40, C=C, R_=R_)
+    a = kvl.copy()
+    a[7, 2] = np.nan
+    assert np.isnan(cu.verify_attention(ql, qr, a, kr, vis, scale, force_splits=splits)).all()
+    b = kvl.copy()
+    j = 90 + 5  # tree node 5
+    b[j, 1] = np.nan
+    out = cu.verify_attention(ql, qr, b, kr, vis, scale, force_splits=splits)
+    sees = np.asarray(vis)[:, 5].astype(bool)
+    assert 0 < sees.sum() < len(sees)
+    assert np.isnan(out[sees]).all() and np.isfinite(out[~sees]).all()
+    # L = 91, T = 41, 132 keys: with 16 splits of 9 keys the committed key 90 starts split 10, whose
+    # other keys are tree rows 0..7, which a row t >= 8 does not see (each tree row sees itself)
+    qlc, qrc, c, krc, _, sc = attn_case(13, 91, 3, 40, C=C, R_=R_)
+    c[90, 0] = np.nan
+    out = cu.verify_attention(qlc, qrc, c, krc, np.eye(41, dtype=bool), sc, force_splits=splits)
+    assert np.isnan(out).all()
+    # L = 0: rows that see nothing get 0, the others match float64
+    ql0, qr0, kvl0, kr0, vis0, scale0 = attn_case(12, 0, 3, 40, C=C, R_=R_)
+    vis0 = vis0.copy()
+    empty = np.zeros(41, bool)
+    empty[1::3] = True
+    vis0[empty] = False
+    out = cu.verify_attention(ql0, qr0, kvl0, kr0, vis0, scale0, force_splits=splits)
+    assert (out[empty] == 0).all()
+    vref = vis0.copy()
+    vref[np.flatnonzero(empty), np.flatnonzero(empty)] = True
+    ref = ref64(ql0, qr0, kvl0, kr0, vref, scale0)
+    assert rel_err(out[~empty], ref[~empty]) < 1e-5
+
+
 def test_verify_attention_matches_reference_api_on_a_tree():
     lp, ids = realistic_case(1, 64)
     tree = kn.ops.tree_build(lp, ids, 64, device="cuda")
