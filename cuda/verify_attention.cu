@@ -1433,20 +1433,42 @@ bool mma_wins(const VerifyAttentionParams& p) {
          (M >= 16 && N >= 4096);
 }
 
-// Key splits of the rows kernel (shapes the fast kernels do not take), from host values only:
-// when its M = T x H blocks (one per query row) would leave most SMs idle and the rows are long,
-// up to kRowsMaxSplits splits of >= kRowsMinKeysPerSplit keys each, about kRowsTargetBlocks
-// blocks in all (two per SM of the H200). Non-decreasing in L (the workspace is sized at the
-// upper bound). force_splits > 0 forces the count (clamped to 1..min(32, N)).
-constexpr int kRowsMaxSplits = 32, kRowsMinKeysPerSplit = 64, kRowsTargetBlocks = 264;
-int rows_splits(const VerifyAttentionParams& p) {
+// Key splits of the rows kernel (shapes the fast kernels do not take; grid y), from host values
+// only. A block's time is about fixed latency + its keys' share (one block per query row and split,
+// latency-bound), and blocks beyond one per SM take turns; so the pick minimises
+//   ceil(M S / SMs) * (kRowsBlockUs + kRowsKeyUs * (C + R) * ceil(N / S)) + [S > 1] kRowsMergeUs (1 + S / 8)
+// over S = 1 .. rows_max_splits (M = T x H query rows, N = L + T keys). The constants fit the
+// H200's forced-split table (benchmarks/bench_cuda_attention_rows.py --splits, docs/BENCHMARKS.md
+// "Rows kernel key splits"): C = 128 / 64, H = 8 / 4, T = 1 / 5 / 17, L = 64..2048, where the pick
+// among the measured counts (1, 2, 3, 4, 6, 8, 12, 16, 24, 32) was on average 1.9 % and at most
+// 14 % slower than the best of them. No splits above kRowsMaxSplitRows query rows (they fill
+// the GPU already); force_splits > 0 forces a count (clamped to 1..rows_max_splits).
+constexpr int kRowsMaxSplits = 32, kRowsMaxSplitRows = 1024;
+constexpr double kRowsBlockUs = 2.0, kRowsKeyUs = 0.0007, kRowsMergeUs = 0.5;
+// the most splits any L' <= L can use (the workspace's size; non-decreasing in L)
+int rows_max_splits(const VerifyAttentionParams& p) {
   const long long M = (long long)p.T * p.H, N = (long long)p.L + p.T;
-  if (p.force_naive) return 1;
-  const long long cap = std::min<long long>(kRowsMaxSplits, (64ll << 20) / (M * (p.C + 2) * 4));  // <= 64 MiB
-  long long s = 1;
-  if (p.force_splits > 0) s = std::min<long long>(p.force_splits, N);
-  else if (2 * M < kRowsTargetBlocks) s = std::min<long long>(N / kRowsMinKeysPerSplit, kRowsTargetBlocks / M);
-  return (int)std::max<long long>(1, std::min(s, cap));
+  if (p.force_naive || M > kRowsMaxSplitRows) return 1;
+  const long long cap = (64ll << 20) / (M * (p.C + 2) * 4);  // partials <= 64 MiB
+  return (int)std::max<long long>(1, std::min<long long>({(long long)kRowsMaxSplits, N, cap}));
+}
+int rows_splits(const VerifyAttentionParams& p) {
+  const int smax = rows_max_splits(p);
+  if (smax == 1) return 1;
+  if (p.force_splits > 0) return std::min(p.force_splits, smax);
+  const long long M = (long long)p.T * p.H, N = (long long)p.L + p.T, sms = std::max(1, num_sms());
+  const double per_key = kRowsKeyUs * (p.C + p.R);
+  int best = 1;
+  double best_us = 0;
+  for (int S = 1; S <= smax; ++S) {
+    const double us = (double)((M * S + sms - 1) / sms) * (kRowsBlockUs + per_key * (double)((N + S - 1) / S)) +
+                      (S > 1 ? kRowsMergeUs * (1.0 + S / 8.0) : 0.0);
+    if (S == 1 || us < best_us) {
+      best = S;
+      best_us = us;
+    }
+  }
+  return best;
 }
 size_t rows_ws_bytes(const VerifyAttentionParams& p, int splits) {
   return splits > 1 ? (size_t)splits * (size_t)p.T * p.H * (p.C + 2) * sizeof(float) : 0;
@@ -1517,9 +1539,9 @@ void verify_attention_choice(const VerifyAttentionParams& p, int* kernel, int* s
 }
 
 size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p) {
-  // the rows kernel's splits (other shapes; also the fallback of a GPU with less shared memory)
-  const size_t rows_ws = rows_ws_bytes(p, rows_splits(p));
-  if (!splitkv_ok(p)) return rows_ws;
+  // the rows kernel's splits (other shapes; the fallback of a GPU with less shared memory for the
+  // fast kernels' shapes runs it unsplit)
+  if (!splitkv_ok(p)) return rows_ws_bytes(p, rows_max_splits(p));
   // the largest split count either kernel can use for these shapes at any L' <= p.L
   // (deterministic; p.L is the upper bound when L_dev is used)
   int s = 1;
@@ -1530,7 +1552,7 @@ size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p) {
   if (p.force_kernel == 0 || p.force_kernel == 4) s = std::max(s, mma_max_splits(p));
   size_t ws = s > 1 ? (size_t)s * ws_split_bytes(p.T * p.H) : 0;
   if (p.force_kernel == 3) ws = std::max(ws, decode_ws_bytes(p));
-  return std::max(ws, rows_ws);
+  return ws;
 }
 
 cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream) {
@@ -1580,7 +1602,7 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
       launch_kernel(mla_verify_naive_kernel, M, kNaiveThreads, 0, stream, p);
       return cudaGetLastError();
     }
-    const int S = rows_splits(p);
+    const int S = splitkv_ok(p) ? 1 : rows_splits(p);  // (the workspace holds no rows splits for fast shapes)
     if (S > 1 && !p.workspace) return cudaErrorInvalidValue;
     launch_kernel(mla_verify_rows_kernel, dim3(M, S), kRowsThreads, 0, stream, p);
     if (S > 1) launch_kernel(mla_rows_combine_kernel, M, kRowsCombineThreads, 0, stream, p, S);
