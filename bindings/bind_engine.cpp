@@ -56,10 +56,12 @@ std::string shape_str(const py::array& a) {
 // ---------------------------------------------------------------- device arrays from drafters
 // A drafter may return device arrays instead of numpy: anything with DLPack (__dlpack__ and
 // __dlpack_device__ naming CUDA memory: torch, CuPy, JAX) or __cuda_array_interface__ (CAI:
-// torch, CuPy, Numba, ...); CAI when an object has both (cheaper, below). DLPack arrays are exported for the legacy
-// default stream (`stream=1`: the producer orders its work before that stream's next work, which
-// costs torch nothing when it runs on its default stream) and the engine then waits for that
-// stream; CAI names the producer's stream (v3) or none (v2: the whole device is synchronised).
+// torch, CuPy, Numba, ...); CAI when an object has both (cheaper, below). DLPack arrays are
+// exported for the legacy default stream (`stream=1`: the producer orders its work before that
+// stream's next work, which costs torch nothing when it runs on its default stream) and the
+// engine then waits for that stream; CAI names the producer's stream (v3) or none (v2: the whole
+// device is synchronised). Host memory through DLPack (torch CPU tensors, ...) is read as a
+// numpy view (numpy.from_dlpack, no copy).
 
 // The DLPack C structures (the DLPack specification, legacy unversioned "dltensor" capsules).
 struct DLDevice {
@@ -240,9 +242,14 @@ py::array device_array_to_host(const py::handle& h, const Probe& probe, const ch
 py::array as_ndarray(const py::handle& h, const char* what) {
   const Probe probe = probe_device_array(h);
   if (probe.proto) return device_array_to_host(h, probe, what);
-  if (!py::isinstance<py::array>(h))
-    throw Error(std::string("drafter ") + what + " must be a numpy array, got " + type_name(h));
-  return py::reinterpret_borrow<py::array>(h);
+  if (py::isinstance<py::array>(h)) return py::reinterpret_borrow<py::array>(h);
+  if (py::hasattr(h, "__dlpack__") && py::hasattr(h, "__dlpack_device__")) {
+    py::tuple dev = h.attr("__dlpack_device__")();
+    if (dev[0].cast<int>() == 1)  // kDLCPU: a zero-copy numpy view
+      return py::module_::import("numpy").attr("from_dlpack")(h).cast<py::array>();
+  }
+  throw Error(std::string("drafter ") + what + " must be a numpy array (or a CPU / CUDA array with DLPack or "
+              "__cuda_array_interface__), got " + type_name(h));
 }
 
 // A drafter's device arrays taken in place for a round executor on out.device_ok: true when it
@@ -341,7 +348,7 @@ void parse_draft(const py::object& r, int64_t vocab, DraftOutput& out) {
     }
     return;
   }
-  if (py::isinstance<py::array>(r) || probe_device_array(r).proto) {
+  if (py::isinstance<py::array>(r) || probe_device_array(r).proto || py::hasattr(r, "__dlpack__")) {
     py::array lg = as_ndarray(r, "logits");
     if (lg.dtype().kind() != 'f' || lg.itemsize() != 4)
       throw Error("drafter logits must be float32, got " + std::string(py::str(lg.dtype())));

@@ -5,7 +5,8 @@
 #      backend: KDTREE_CTEST_CUDA=ON), GPU tests included,
 #   3. compute-sanitizer memcheck, racecheck, synccheck and initcheck on the CUDA ctest binary
 #      (small sizes), memcheck on a pytest subset and on an end-to-end GPU generate
-#      (scripts/gpu_generate_check.py: the device round with every drafter kind),
+#      (scripts/gpu_generate_check.py: the device round with every drafter kind; with torch also
+#      scripts/gpu_device_drafts_check.py: a Python drafter's CUDA tensors read in place),
 #   4. the kernel benchmarks (benchmarks/bench_cuda_*.py, bench_cuda_skinny_configs.py), JSON results, and (with torch +
 #      transformers) the GPU model's: bench_cuda_model.py --quick, bench_cuda_skinny.py,
 #      bench_cuda_experts.py, bench_cuda_attention_model.py.
@@ -98,6 +99,9 @@ step_sanitizer() {
   run_step memcheck-pytest "$OUT/sanitizer.log" $SAN --tool memcheck "$PY" -m pytest -q -x \
     tests/python/test_cuda_ops.py -k "corners or kv_compact or splits_and_naive"
   run_step memcheck-generate "$OUT/sanitizer.log" $SAN --tool memcheck "$PY" scripts/gpu_generate_check.py
+  if "$PY" -c "import torch; assert torch.cuda.is_available()" >/dev/null 2>&1; then
+    run_step memcheck-device-drafts "$OUT/sanitizer.log" $SAN --tool memcheck "$PY" scripts/gpu_device_drafts_check.py
+  fi
 }
 
 step_bench() {

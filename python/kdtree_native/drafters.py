@@ -19,6 +19,11 @@ and it returns one of
 * ``logits``: float32 [d, vocab] (the engine takes the top-k and log-softmax natively);
 * ``None`` (or d = 0): no draft this round (the round is one plain AR step).
 
+The arrays may be numpy arrays, CPU arrays with DLPack (torch CPU tensors: read as numpy views,
+no copy) or GPU arrays (torch CUDA tensors, CuPy, ... through ``__cuda_array_interface__`` or
+DLPack): with a CUDA target on the same GPU the round reads those in place, checked on the
+device (``stats["device_drafts"]`` counts such rounds; docs/ENGINE.md "Device arrays").
+
 Anything else (wrong shape/dtype, NaN, ids outside the vocab, unsorted rows, d > depth,
 k > top_k) raises ``ValueError`` naming the problem; an exception raised by the drafter itself
 propagates unchanged. Either way the engine stays usable. The drafter never affects *what* is

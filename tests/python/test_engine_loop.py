@@ -489,6 +489,43 @@ def test_dlpack_draft_with_host_memory_or_a_raising_export_is_a_clear_error(toy_
     assert r.stats["device_drafts"] == 0
 
 
+def test_torch_cpu_tensors_as_drafts(toy_setup):
+    """A drafter may return torch CPU tensors (read through DLPack as numpy views): both forms give
+    exactly the numpy drafter's tokens and acceptance lengths; a float64 tensor is the float32
+    ValueError of numpy output."""
+    torch = pytest.importorskip("torch")
+    target, ref = toy_setup[0], toy_setup[3]
+    V = target.vocab_size
+    orc_a, orc_b = OracleDrafter(ref, 0.3, seed=4, vocab_size=V), OracleDrafter(ref, 0.3, seed=4, vocab_size=V)
+
+    def as_torch(ctx, depth, top_k):
+        out = orc_b.draft(ctx, depth, top_k)
+        return None if out is None else (torch.from_numpy(out[0]), torch.from_numpy(out[1].astype(np.int64)))
+
+    a = generate(target, PROMPT, 30, drafter=orc_a, tree_budget=8, depth=4, top_k=3)
+    b = generate(target, PROMPT, 30, drafter=as_torch, tree_budget=8, depth=4, top_k=3)
+    np.testing.assert_array_equal(b.tokens, a.tokens)
+    np.testing.assert_array_equal(b.acceptance_lengths, a.acceptance_lengths)
+    np.testing.assert_array_equal(a.tokens, ref[:30])
+    g = torch.Generator().manual_seed(1)
+    logits = [torch.randn((4, V), generator=g) for _ in range(40)]
+    calls = {"np": 0, "t": 0}
+
+    def lg(kind):
+        def fn(ctx, depth, top_k):
+            x = logits[calls[kind] % 40][:depth]
+            calls[kind] += 1
+            return x.numpy() if kind == "np" else x
+        return fn
+
+    a = generate(target, PROMPT, 30, drafter=lg("np"), tree_budget=8, depth=4)
+    b = generate(target, PROMPT, 30, drafter=lg("t"), tree_budget=8, depth=4)
+    np.testing.assert_array_equal(b.tokens, a.tokens)
+    np.testing.assert_array_equal(b.acceptance_lengths, a.acceptance_lengths)
+    with pytest.raises(ValueError, match="float32"):
+        generate(target, PROMPT, 8, drafter=lambda c, d, k: torch.zeros((d, V), dtype=torch.float64))
+
+
 def test_rounds_option(toy_setup):
     """rounds="auto"/"host" run the host rounds for a host target; "device" needs a CudaModel;
     anything else is a ValueError. stats["rounds_on"] says where the rounds ran."""
