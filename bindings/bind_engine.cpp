@@ -107,16 +107,18 @@ struct DeviceArray {
   }
 };
 
-// How an object offers device memory: proto 0 = it does not (numpy, or DLPack of another kind
-// of memory), 1 = DLPack of CUDA / managed memory on CUDA device `dl_device`, 2 = CAI. CAI
-// first when an object has both: measured on the H200 with torch 2.x, reading a tensor's CAI
-// takes ~2 us and the device-wide wait of its v2 interface ~6 us, where __dlpack__ takes ~12 us
-// per tensor (18 us when it must record an event); either order is correct.
+// How an object offers its memory, besides being a numpy array: proto 0 = it does not (numpy,
+// or memory the engine cannot read), 1 = DLPack of CUDA / managed memory on CUDA device
+// `dl_device`, 2 = CAI, 3 = DLPack of host memory (read as a numpy view). CAI first when an
+// object has both: measured on the H200 with torch 2.x, reading a tensor's CAI takes ~2 us and the
+// device-wide wait of its v2 interface ~6 us, where __dlpack__ takes ~12 us per tensor (18 us when
+// it must record an event); either order is correct.
 struct Probe {
   int proto = 0;
   int dl_device = -1;
+  bool device() const { return proto == 1 || proto == 2; }
 };
-Probe probe_device_array(const py::handle& h) {
+Probe probe_array(const py::handle& h) {
   Probe p;
   if (py::isinstance<py::array>(h)) return p;
   if (py::hasattr(h, "__cuda_array_interface__")) {  // (torch: ~2 us, against ~12 us for __dlpack__)
@@ -129,7 +131,8 @@ Probe probe_device_array(const py::handle& h) {
     if (type == 2 || type == 13) {
       p.proto = 1;
       p.dl_device = dev[1].cast<int>();
-      return p;
+    } else if (type == 1) {
+      p.proto = 3;
     }
   }
   return p;
@@ -240,14 +243,11 @@ py::array device_array_to_host(const py::handle& h, const Probe& probe, const ch
 }
 
 py::array as_ndarray(const py::handle& h, const char* what) {
-  const Probe probe = probe_device_array(h);
-  if (probe.proto) return device_array_to_host(h, probe, what);
+  const Probe probe = probe_array(h);
+  if (probe.device()) return device_array_to_host(h, probe, what);
   if (py::isinstance<py::array>(h)) return py::reinterpret_borrow<py::array>(h);
-  if (py::hasattr(h, "__dlpack__") && py::hasattr(h, "__dlpack_device__")) {
-    py::tuple dev = h.attr("__dlpack_device__")();
-    if (dev[0].cast<int>() == 1)  // kDLCPU: a zero-copy numpy view
-      return py::module_::import("numpy").attr("from_dlpack")(h).cast<py::array>();
-  }
+  if (probe.proto == 3)  // host memory through DLPack: a zero-copy numpy view
+    return py::module_::import("numpy").attr("from_dlpack")(h).cast<py::array>();
   throw Error(std::string("drafter ") + what + " must be a numpy array (or a CPU / CUDA array with DLPack or "
               "__cuda_array_interface__), got " + type_name(h));
 }
@@ -264,9 +264,9 @@ bool take_device_draft(const py::object& r, DraftOutput& out) {
   if (py::isinstance<py::tuple>(r) || py::isinstance<py::list>(r)) {
     py::sequence seq = py::reinterpret_borrow<py::sequence>(r);
     if (py::len(seq) != 2) return false;
-    const Probe p0 = probe_device_array(seq[0]);
+    const Probe p0 = probe_array(seq[0]);
     if (!here(p0)) return false;
-    const Probe p1 = probe_device_array(seq[1]);
+    const Probe p1 = probe_array(seq[1]);
     if (!here(p1)) return false;
     DeviceArray lp = open_device_array(seq[0], p0, "logprobs");
     DeviceArray ids = open_device_array(seq[1], p1, "token_ids");
@@ -295,7 +295,7 @@ bool take_device_draft(const py::object& r, DraftOutput& out) {
     });
     return true;
   }
-  const Probe p = probe_device_array(r);
+  const Probe p = probe_array(r);
   if (!here(p)) return false;
   DeviceArray lg = open_device_array(r, p, "logits");
   if (!usable(lg) || lg.kind != 'f' || lg.itemsize != 4 || lg.shape.size() != 2) return false;
@@ -348,7 +348,7 @@ void parse_draft(const py::object& r, int64_t vocab, DraftOutput& out) {
     }
     return;
   }
-  if (py::isinstance<py::array>(r) || probe_device_array(r).proto || py::hasattr(r, "__dlpack__")) {
+  if (py::isinstance<py::array>(r) || probe_array(r).proto) {
     py::array lg = as_ndarray(r, "logits");
     if (lg.dtype().kind() != 'f' || lg.itemsize() != 4)
       throw Error("drafter logits must be float32, got " + std::string(py::str(lg.dtype())));
@@ -395,6 +395,27 @@ std::unique_ptr<PyModelDraft> make_model_draft(py::object model, double min_chai
   }
 #endif
   throw Error("ModelDraft: the draft model must be a native model (CpuModel or CudaModel), got " + type_name(model));
+}
+
+// A native drafter called from Python (NgramDraft / ModelDraft.__call__): the drafter runs without
+// the GIL under its mutex; the result as the drafter protocol's arrays: None, (log-probs, ids)
+// or logits.
+template <class Draft>
+py::object call_native_drafter(const char* name, std::mutex& mu, const py::array_t<int32_t>& context, Draft&& draft) {
+  if (context.ndim() != 1) throw Error(std::string(name) + ": context must be 1-D");
+  DraftOutput out;
+  {
+    py::gil_scoped_release nogil;
+    std::lock_guard<std::mutex> lock(mu);
+    draft(context.data(), context.shape(0), out);
+  }
+  if (out.d == 0) return py::none();
+  py::array_t<float> values({out.d, out.k});
+  std::copy(out.values.begin(), out.values.end(), values.mutable_data());
+  if (out.is_logits) return values;
+  py::array_t<int32_t> ids({out.d, out.k});
+  std::copy(out.ids.begin(), out.ids.end(), ids.mutable_data());
+  return py::make_tuple(values, ids);
 }
 
 // A Generator together with the target it drives (a ToyTarget or an adapted model).
@@ -646,19 +667,9 @@ void bind_engine(py::module_& m) {
           "__call__",
           [](PyNgramDraft& d, py::array_t<int32_t, py::array::c_style | py::array::forcecast> context, int64_t depth,
              int64_t top_k) -> py::object {
-            if (context.ndim() != 1) throw Error("NgramDraft: context must be 1-D");
-            DraftOutput out;
-            {
-              py::gil_scoped_release nogil;
-              std::lock_guard<std::mutex> lock(d.mu);
-              d.drafter.draft(context.data(), context.shape(0), depth, top_k, out);
-            }
-            if (out.d == 0) return py::none();
-            py::array_t<float> lp({out.d, out.k});
-            py::array_t<int32_t> ids({out.d, out.k});
-            std::copy(out.values.begin(), out.values.end(), lp.mutable_data());
-            std::copy(out.ids.begin(), out.ids.end(), ids.mutable_data());
-            return py::make_tuple(lp, ids);
+            return call_native_drafter("NgramDraft", d.mu, context, [&](const int32_t* c, int64_t n, DraftOutput& out) {
+              d.drafter.draft(c, n, depth, top_k, out);
+            });
           },
           py::arg("context"), py::arg("depth"), py::arg("top_k"),
           "(log-probs float32 [d, k], ids int32 [d, k]) for a context int32 [n], or None when nothing matches "
@@ -676,17 +687,9 @@ void bind_engine(py::module_& m) {
           "__call__",
           [](PyModelDraft& d, py::array_t<int32_t, py::array::c_style | py::array::forcecast> context, int64_t depth,
              int64_t top_k) -> py::object {
-            if (context.ndim() != 1) throw Error("ModelDraft: context must be 1-D");
-            DraftOutput out;
-            {
-              py::gil_scoped_release nogil;
-              std::lock_guard<std::mutex> lock(d.mu);
-              d.drafter->draft(context.data(), context.shape(0), depth, top_k, out);
-            }
-            if (out.d == 0) return py::none();
-            py::array_t<float> logits({out.d, out.k});
-            std::copy(out.values.begin(), out.values.end(), logits.mutable_data());
-            return logits;
+            return call_native_drafter("ModelDraft", d.mu, context, [&](const int32_t* c, int64_t n, DraftOutput& out) {
+              d.drafter->draft(c, n, depth, top_k, out);
+            });
           },
           py::arg("context"), py::arg("depth"), py::arg("top_k"),
           "logits float32 [d, V] of the greedy chain after a context int32 [n] (d <= depth), or None when the "
