@@ -116,13 +116,16 @@ struct DeviceArray {
 struct Probe {
   int proto = 0;
   int dl_device = -1;
+  py::object cai;  // proto 2: the interface dict, read once (a property: torch builds it per read)
   bool device() const { return proto == 1 || proto == 2; }
 };
 Probe probe_array(const py::handle& h) {
   Probe p;
   if (py::isinstance<py::array>(h)) return p;
-  if (py::hasattr(h, "__cuda_array_interface__")) {  // (torch: ~2 us, against ~12 us for __dlpack__)
+  py::object cai = py::getattr(h, "__cuda_array_interface__", py::none());  // (torch: ~2 us; __dlpack__ ~12 us)
+  if (!cai.is_none()) {
     p.proto = 2;
+    p.cai = std::move(cai);
     return p;
   }
   if (py::hasattr(h, "__dlpack__") && py::hasattr(h, "__dlpack_device__")) {
@@ -184,7 +187,9 @@ DeviceArray open_device_array(const py::handle& h, const Probe& probe, const cha
     a.wait_kind = 1;  // the legacy default stream
     a.wait_stream = 1;
   } else {
-    py::dict cai = h.attr("__cuda_array_interface__");
+    if (!py::isinstance<py::dict>(probe.cai))
+      throw Error(who + ": __cuda_array_interface__ is not a dict, got " + type_name(probe.cai));
+    py::dict cai = py::reinterpret_borrow<py::dict>(probe.cai);
     const std::string typestr = py::str(cai["typestr"]);
     py::dtype dt(typestr);
     a.kind = dt.kind();

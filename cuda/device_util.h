@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 namespace kdtree {
@@ -31,6 +32,34 @@ struct Arena {
     for (const Item& it : items) *it.where = static_cast<char*>(base) + it.offset;
   }
 };
+
+// One device block and one pinned host block (either size may be 0: that block is skipped),
+// both or neither: on failure nothing stays allocated, the CUDA error is cleared, and the
+// return says which allocation failed, its size and CUDA's reason; "" on success.
+inline std::string alloc_device_and_pinned(int64_t dev_bytes, void** dev, int64_t host_bytes, void** host) {
+  *dev = nullptr;
+  *host = nullptr;
+  auto mib = [](int64_t b) { return std::to_string((b + (1 << 20) - 1) >> 20); };
+  if (dev_bytes > 0) {
+    cudaError_t e = cudaMalloc(dev, (size_t)dev_bytes);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      *dev = nullptr;
+      return "cannot allocate " + mib(dev_bytes) + " MiB of device memory: " + cudaGetErrorString(e);
+    }
+  }
+  if (host_bytes > 0) {
+    cudaError_t e = cudaMallocHost(host, (size_t)host_bytes);
+    if (e != cudaSuccess) {
+      cudaGetLastError();
+      *host = nullptr;
+      if (*dev) cudaFree(*dev);
+      *dev = nullptr;
+      return "cannot allocate " + mib(host_bytes) + " MiB of pinned host memory: " + cudaGetErrorString(e);
+    }
+  }
+  return "";
+}
 
 // Makes `dev` the current device for the scope and restores the previous one.
 struct DeviceGuard {

@@ -32,21 +32,10 @@ CudaModelDrafter::CudaModelDrafter(CudaModel& model, const ModelDraftParams& p) 
   cuda::Arena dev;
   dev.add(&d_in_, 2 * chunk_);
   dev.add(&d_step_, 2);
-  cudaError_t e = cudaMalloc(&dev_mem_, (size_t)dev.bytes);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    dev_mem_ = nullptr;
-    check(e, "cudaMalloc");
-  }
+  const std::string err =
+      cuda::alloc_device_and_pinned(dev.bytes, &dev_mem_, (2 * chunk_) * (int64_t)sizeof(int32_t), &host_mem_);
+  if (!err.empty()) throw RuntimeFailure("ModelDrafter (GPU): " + err);
   dev.commit(dev_mem_);
-  e = cudaMallocHost(&host_mem_, (size_t)(2 * chunk_) * sizeof(int32_t));
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    host_mem_ = nullptr;
-    cudaFree(dev_mem_);
-    dev_mem_ = nullptr;
-    check(e, "cudaMallocHost");
-  }
   h_in_ = static_cast<int32_t*>(host_mem_);
   ensure_rows(cuda::kTreeMaxDepth);
 }
@@ -78,22 +67,10 @@ void CudaModelDrafter::ensure_rows(int64_t depth) {
   cuda::Arena dev;
   dev.add(&d_rows_, depth * V);
   dev.add(reinterpret_cast<cuda::DraftRowStats**>(&d_stats_), depth);
-  cudaError_t e = cudaMalloc(&rows_mem_, (size_t)dev.bytes);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    rows_mem_ = nullptr;
-    throw RuntimeFailure("ModelDrafter (GPU): cannot allocate " + s(dev.bytes >> 20) + " MiB for " + s(depth) +
-                         " draft rows: " + cudaGetErrorString(e));
-  }
+  const std::string err = cuda::alloc_device_and_pinned(
+      dev.bytes, &rows_mem_, depth * (int64_t)sizeof(cuda::DraftRowStats), &stats_host_);
+  if (!err.empty()) throw RuntimeFailure("ModelDrafter (GPU): " + s(depth) + " draft rows: " + err);
   dev.commit(rows_mem_);
-  e = cudaMallocHost(&stats_host_, (size_t)depth * sizeof(cuda::DraftRowStats));
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    stats_host_ = nullptr;
-    cudaFree(rows_mem_);
-    rows_mem_ = nullptr;
-    check(e, "cudaMallocHost");
-  }
   rows_cap_ = depth;
 }
 

@@ -68,20 +68,9 @@ CudaRounds::CudaRounds(CudaModel& model) : model_(model) {
   host.add(&h_result_, 3 + Bm + 1);
   host.add(&h_dstats_, 2 * kMaxDepth);
   DeviceGuard guard(model.device_ordinal());
-  cudaError_t e = cudaMalloc(&dev_mem_, (size_t)dev.bytes);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    throw RuntimeFailure("GPU round: cannot allocate " + s(dev.bytes >> 20) + " MiB of device workspace: " +
-                         cudaGetErrorString(e));
-  }
-  e = cudaMallocHost(&host_mem_, (size_t)host.bytes);
-  if (e != cudaSuccess) {
-    cudaGetLastError();
-    cudaFree(dev_mem_);
-    dev_mem_ = nullptr;
-    throw RuntimeFailure("GPU round: cannot allocate " + s(host.bytes >> 20) + " MiB of pinned host memory: " +
-                         cudaGetErrorString(e));
-  }
+  const std::string err = cuda::alloc_device_and_pinned(dev.bytes, &dev_mem_, host.bytes, &host_mem_);
+  if (!err.empty()) throw RuntimeFailure("GPU round: workspace: " + err);
+  cudaError_t e = cudaSuccess;
   dev.commit(dev_mem_);
   host.commit(host_mem_);
   void** events[3] = {&ev_fwd_[0], &ev_fwd_[1], &ev_wait_};
