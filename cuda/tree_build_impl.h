@@ -508,23 +508,40 @@ struct TreeBlock {
   KD_HD bool vec4_ok() const {
     return keff % 4 == 0 && a.ld % 4 == 0 && (reinterpret_cast<uintptr_t>(a.lp) & 15) == 0;
   }
+  // Phase 0's first two items of this thread (item = W consecutive elements of a row and the
+  // element before them), loaded before the scratch initialisation and its barrier so that their
+  // global-memory latency overlaps it (the loads cannot move across a barrier by themselves).
   template <int W>
-  KD_HD void check_rows() {
+  struct RowItems {
+    float x[2][W];
+    float prev[2];
+    int d[2], r0[2];  // the items' row and first column
+  };
+  template <int W>
+  KD_HD void load_items(RowItems<W>& P) const {
+    const int per_row = keff / W, nitems = D * per_row;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int it = tid + k * nt;
+      if (it < nitems) {
+        const int d = it / per_row, r0 = (it - d * per_row) * W;
+        const float* rowp = a.lp + (size_t)d * a.ld;
+        load_row<W>(rowp + r0, P.x[k]);
+        P.prev[k] = r0 > 0 ? rowp[r0 - 1] : 0.0f;  // the left neighbour (unused for r0 = 0)
+        P.d[k] = d;
+        P.r0[k] = r0;
+      }
+    }
+  }
+  template <int W>
+  KD_HD void check_rows(const RowItems<W>& P) {
     const int per_row = keff / W;  // items per row
     const int nitems = D * per_row;
     if (tid >= nitems) return;  // (small inputs: most threads have none)
-    int d = tid / per_row, q = tid - d * per_row;
-    int dd = -1, dq = 0;  // a step of nt items: dd rows and dq items (computed when needed)
     bool bad = false;
     int me_max = -100000, qe_min = 100000;
-    for (int it = tid; it < nitems; it += nt) {
-      ctx.step(1);
-      const float* rowp = a.lp + (size_t)d * a.ld;
-      const int r0 = q * W;
-      float x[W];
-      load_row<W>(rowp + r0, x);
-      float prev = r0 > 0 ? rowp[r0 - 1] : 0.0f;  // the left neighbour (unused for r0 = 0)
-      int fbi = keff;                              // this item's first -inf rank
+    auto check = [&](int d, int r0, const float (&x)[W], float prev) {
+      int fbi = keff;  // this item's first -inf rank
 #pragma unroll
       for (int j = 0; j < W; ++j) {
         const float v = x[j];
@@ -547,11 +564,27 @@ struct TreeBlock {
       }
       store_row<W>(lpc + (size_t)d * keff + r0, x);
       if (fbi < keff) ctx.atomic_min(&misc[M_FB + d], fbi);
-      if (it + nt >= nitems) break;
-      if (dd < 0) { dd = nt / per_row; dq = nt - dd * per_row; }
-      d += dd;
-      q += dq;
-      if (q >= per_row) { q -= per_row; ++d; }
+    };
+    ctx.step(1);
+    check(P.d[0], P.r0[0], P.x[0], P.prev[0]);
+    if (tid + nt < nitems) {
+      ctx.step(1);
+      check(P.d[1], P.r0[1], P.x[1], P.prev[1]);
+    }
+    if (tid + 2 * nt < nitems) {  // large inputs (K = 1024, or unaligned rows): more items
+      int d = (tid + 2 * nt) / per_row, q = tid + 2 * nt - d * per_row;
+      const int dd = nt / per_row, dq = nt - dd * per_row;  // a step of nt items: dd rows and dq items
+      for (int it = tid + 2 * nt; it < nitems; it += nt) {
+        ctx.step(1);
+        const float* rowp = a.lp + (size_t)d * a.ld;
+        const int r0 = q * W;
+        float x[W];
+        load_row<W>(rowp + r0, x);
+        check(d, r0, x, r0 > 0 ? rowp[r0 - 1] : 0.0f);
+        d += dd;
+        q += dq;
+        if (q >= per_row) { q -= per_row; ++d; }
+      }
     }
     if (bad) ctx.atomic_max(&misc[M_FAIL], 1);
     if (me_max > -100000) {
@@ -569,6 +602,11 @@ struct TreeBlock {
     // ---- phase 0: one pass over the inputs: the exactness / monotonicity / sortedness checks
     // (rows must be finite-descending then -inf; NaN, +inf, a finite after -inf, or
     // lp[d][0] > 0 for d >= 1 send us to the fallback), first -inf rank per row, exponents.
+    const bool vec4 = vec4_ok() && D * (keff / 4) * 2 >= nt;
+    RowItems<4> P4;
+    RowItems<1> P1;
+    if (vec4) load_items<4>(P4);
+    else load_items<1>(P1);
     if (tid == 0) {
       misc[M_FAIL] = 0;
       misc[M_MAXE] = -100000;
@@ -583,19 +621,21 @@ struct TreeBlock {
     }
     if (tid < kNG) gcnt[tid] = 0;
     ctx.sync();
+    // (The items' loads were issued above, before the scratch initialisation and its barrier.)
     // Issue-bound, not latency-bound: the block's threads share one SM's schedulers. The
     // per-element loop (an integer division for the row, two scalar loads, the checks, atomics
     // the compiler aggregates per warp) was ~100 SASS instructions per element: ~15k cycles at
     // D = 15, K = 1024 (benchmarks/profile_cuda_tree_build.py). Now check_rows: items of 4
     // elements (one 16-byte load and the left neighbour) where the rows allow it and there are
     // at least half as many items as threads (small inputs, the engine's K = 8, keep one element
-    // per thread: the 4-element items left them to one warp and were slower), the row and
-    // column advanced by additions, the checks kept in registers and published with one atomic
-    // per bound per thread (a -inf boundary, rare, still per item).
-    if (vec4_ok() && D * (keff / 4) * 2 >= nt) {
-      check_rows<4>();
+    // per thread: the 4-element items left them to one warp and were slower), one division per
+    // item for a thread's first two items and the row and column advanced by additions after
+    // them, the checks kept in registers and published with one atomic per bound per thread (a
+    // -inf boundary, rare, still per item).
+    if (vec4) {
+      check_rows<4>(P4);
     } else {
-      check_rows<1>();
+      check_rows<1>(P1);
     }
     ctx.sync();
     {
