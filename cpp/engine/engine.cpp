@@ -195,7 +195,7 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
   KD_CHECK(p.tree_budget <= kTreeMaxBudget, "tree_budget must be <= " + s(kTreeMaxBudget) + ", got " + s(p.tree_budget));
   KD_CHECK(p.top_k >= 0, "top_k must be >= 1 (or 0/None for min(tree_budget, vocab))");
   KD_CHECK(p.prefill_chunk >= 1, "prefill_chunk must be >= 1");
-  KD_CHECK(P + p.max_new_tokens <= cap, "prompt (" + s(P) + " tokens) + max_new_tokens (" + s(p.max_new_tokens) +
+  KD_CHECK(P <= cap && p.max_new_tokens <= cap - P, "prompt (" + s(P) + " tokens) + max_new_tokens (" + s(p.max_new_tokens) +
                                             ") exceeds max_seq_len (" + s(cap) + ")");
   for (int64_t i = 0; i < P; ++i)
     KD_CHECK(prompt[i] >= 0 && prompt[i] < V,

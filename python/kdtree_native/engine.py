@@ -99,7 +99,8 @@ class Engine:
     @classmethod
     def from_pretrained(cls, model_dir, device: str = "auto", max_seq_len: int = 4096,
                         progress: Union[None, bool, Callable[[int, int], None]] = None,
-                        cuda_options: Optional[dict] = None, cpu_options: Optional[dict] = None) -> "Engine":
+                        cuda_options: Optional[dict] = None, cpu_options: Optional[dict] = None,
+                        check_finite: bool = True) -> "Engine":
         """Load an HF DeepSeek-V3 / Kimi-K2 checkpoint directory (config.json +
         model.safetensors or shards with model.safetensors.index.json; F32/BF16/F16).
 
@@ -114,12 +115,15 @@ class Engine:
         cpu_options: keyword arguments for the CPU model (ignored on CUDA):
         {"bf16_weight_copies": False} keeps no BF16 copies of a BF16 checkpoint's weights (less
         memory, slower decode; docs/MODEL.md). Unknown names are a ValueError.
+        check_finite: refuse a weight tensor holding NaN or an infinity (ValueError naming the
+        tensor and the index: such a model's logits are NaN and every token garbage); False
+        skips the scan (~0.1 s per GB), e.g. to study what a broken checkpoint does.
         Raises FileNotFoundError / ValueError naming the problem for a bad directory, config
         or checkpoint.
         """
         model_dir = os.fspath(model_dir)
-        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer)) or max_seq_len <= 0:
-            raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer)) or not 0 < max_seq_len <= 2**31 - 1:
+            raise ValueError(f"max_seq_len must be an integer in [1, 2**31 - 1], got {max_seq_len!r}")
         if progress is True:
             progress = _progress_printer
         elif progress is False:
@@ -133,25 +137,28 @@ class Engine:
             raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
         cfg = load_config(model_dir)
         weights = load_weights(model_dir, cfg, progress=progress)
-        eng = cls._build(cfg, weights, device, int(max_seq_len), cuda_options, cpu_options)
+        eng = cls._build(cfg, weights, device, int(max_seq_len), cuda_options, cpu_options, bool(check_finite))
         eng.model_dir = model_dir
         return eng
 
     @classmethod
     def from_weights(cls, config: ModelConfig, weights: dict, device: str = "cpu", max_seq_len: int = 4096,
-                     cuda_options: Optional[dict] = None, cpu_options: Optional[dict] = None) -> "Engine":
+                     cuda_options: Optional[dict] = None, cpu_options: Optional[dict] = None,
+                     check_finite: bool = True) -> "Engine":
         """An engine from a parsed config and {HF name: array} (any float dtype; converted to
         float32). The dict is left intact. For tests and tools that make weights in memory.
-        cuda_options, cpu_options: as in from_pretrained."""
-        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer)) or max_seq_len <= 0:
-            raise ValueError(f"max_seq_len must be a positive integer, got {max_seq_len!r}")
+        cuda_options, cpu_options, check_finite: as in from_pretrained."""
+        if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, (int, np.integer)) or not 0 < max_seq_len <= 2**31 - 1:
+            raise ValueError(f"max_seq_len must be an integer in [1, 2**31 - 1], got {max_seq_len!r}")
         options = _check_cuda_options(cuda_options)
         cpu = _check_cpu_options(cpu_options)
-        return cls._build(config, dict(weights), _resolve_device(device), int(max_seq_len), options, cpu)
+        return cls._build(config, dict(weights), _resolve_device(device), int(max_seq_len), options, cpu,
+                          bool(check_finite))
 
     @classmethod
     def _build(cls, cfg: ModelConfig, weights: dict, device: str, max_seq_len: int,
-               cuda_options: Optional[dict] = None, cpu_options: Optional[dict] = None) -> "Engine":
+               cuda_options: Optional[dict] = None, cpu_options: Optional[dict] = None,
+               check_finite: bool = True) -> "Engine":
         if device == "cuda":
             model = _native.CudaModel(cfg.to_native(), max_seq_len, **(cuda_options or {}))
         else:
@@ -164,7 +171,7 @@ class Engine:
         # views of the mmap'd file, BF16/F16 ones were widened to float32 by load_weights).
         for name in list(weights):
             arr = weights.pop(name)
-            model.set_weight(name, np.ascontiguousarray(arr, dtype=np.float32))
+            model.set_weight(name, np.ascontiguousarray(arr, dtype=np.float32), check_finite)
             del arr
         model.finalize()
         return cls(model, cfg, device, max_seq_len)
@@ -189,6 +196,8 @@ class Engine:
         prefix."""
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
             raise ValueError(f"truncate: n must be an integer, got {n!r}")
+        if not 0 <= int(n) <= self.model.cache_len:
+            raise ValueError(f"truncate: n must be in [0, cache_len = {self.model.cache_len}], got {int(n)}")
         self.model.truncate(int(n))
 
     def reset(self) -> None:

@@ -97,13 +97,27 @@ def as_draft_fn(drafter) -> Optional[Callable]:
         f"got {type(drafter).__name__}")
 
 
-def _int_arg(value, name, lo=0):
+_INT64_MAX = 2**63 - 1
+
+
+def _int_arg(value, name, lo=0, hi=_INT64_MAX):
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an integer, got {type(value).__name__}")
     value = int(value)
     if value < lo:
         raise ValueError(f"{name} must be >= {lo}, got {value}")
+    if hi is not None and value > hi:
+        raise ValueError(f"{name} must be <= {hi}, got {value}")
     return value
+
+
+def _stop_ids(stop_token_ids):
+    arr = np.asarray(stop_token_ids)
+    if arr.ndim > 1:
+        raise ValueError(f"stop_token_ids must be a sequence of token ids, got shape {arr.shape}")
+    if arr.size and arr.dtype.kind not in "iu":
+        raise TypeError(f"stop_token_ids must be integers, got dtype {arr.dtype}")
+    return [_int_arg(t, "stop token id") for t in arr.reshape(-1).tolist()]
 
 
 def _prompt_array(prompt_ids):
@@ -114,6 +128,9 @@ def _prompt_array(prompt_ids):
         raise ValueError(f"prompt_ids must be integers, got dtype {arr.dtype}")
     if arr.size == 0:
         raise ValueError("prompt_ids must contain at least one token")
+    if arr.dtype.kind == "u" and arr.max() > _INT64_MAX:
+        bad = int(np.argmax(arr > _INT64_MAX))
+        raise ValueError(f"prompt token {int(arr[bad])} at index {bad} outside the vocab")
     return arr.astype(np.int64, copy=False)
 
 
@@ -186,15 +203,16 @@ def generate(engine, prompt_ids, max_new_tokens: int, drafter=None, tree_budget:
     top_k = 0 if top_k is None else _int_arg(top_k, "top_k", 1)
     target_top_k = 0 if target_top_k is None else _int_arg(target_top_k, "target_top_k", 1)
     temperature = float(temperature)
-    if not np.isfinite(temperature) or temperature < 0:
-        raise ValueError(f"temperature must be a finite number >= 0, got {temperature}")
+    if not np.isfinite(np.float32(temperature)) or temperature < 0:  # (the native sampler works in float32)
+        raise ValueError(f"temperature must be a finite float32 number >= 0, got {temperature}")
     top_p = float(top_p)
-    if not (0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if not (0.0 < top_p <= 1.0) or not np.float32(top_p) > 0:
+        raise ValueError(f"top_p must be in (0, 1] (and above 0 as a float32), got {top_p}")
     if seed is None:
         seed = int.from_bytes(os.urandom(8), "little") >> 1
-    seed = _int_arg(seed, "seed") & 0xFFFFFFFFFFFFFFFF
-    stops = [_int_arg(t, "stop token id") for t in np.asarray(stop_token_ids, dtype=np.int64).reshape(-1)]
+    seed = _int_arg(seed, "seed", hi=None) & 0xFFFFFFFFFFFFFFFF  # (any size: its low 64 bits)
+    stops = _stop_ids(stop_token_ids)
+    prefill_chunk = _int_arg(prefill_chunk, "prefill_chunk", 1)
     if progress is not None and not callable(progress):
         raise TypeError(f"progress must be callable, got {type(progress).__name__}")
     fn = as_draft_fn(drafter)

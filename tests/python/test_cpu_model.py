@@ -450,6 +450,18 @@ def test_weight_and_config_validation_errors():
         m.set_weight("model.norm.weight", np.ones(47, np.float32))
     with pytest.raises(ValueError, match="unexpected tensor"):
         m.set_weight("model.layers.9.mlp.gate.weight", np.ones((8, 48), np.float32))
+    # a non-finite weight is refused, naming the tensor and the first bad index (any NaN payload,
+    # either infinity, in the vectorised part or a block's tail); check_finite=False takes it
+    for pos, val, what in ((0, np.nan, "NaN"), (47, -np.inf, "an infinity"), (1030, np.inf, "an infinity"),
+                           (1100, -np.float32(np.nan), "NaN")):
+        a = w["model.layers.1.mlp.experts.3.up_proj.weight"].astype(np.float32)
+        flat = a.reshape(-1)
+        if pos >= flat.size:
+            continue
+        flat[pos] = val
+        flat[-1] = np.inf  # a later one: the first is named
+        with pytest.raises(ValueError, match=rf"'model.layers.1.mlp.experts.3.up_proj.weight' holds {what} at flat index {pos} "):
+            m.set_weight("model.layers.1.mlp.experts.3.up_proj.weight", a)
     for name, arr in w.items():
         if name != "model.layers.1.mlp.experts.3.up_proj.weight":
             m.set_weight(name, arr.astype(np.float32))

@@ -101,9 +101,9 @@ def vis_bits(vis):
     return np.packbits(padded, axis=1, bitorder="little").view("<u8").reshape(T, W)
 
 
-def load(model, weights):
+def load(model, weights, check_finite=True):
     for name, arr in weights.items():
-        model.set_weight(name, np.ascontiguousarray(arr, dtype=np.float32))
+        model.set_weight(name, np.ascontiguousarray(arr, dtype=np.float32), check_finite)
     model.finalize()
     return model
 

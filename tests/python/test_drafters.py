@@ -311,7 +311,9 @@ def test_model_drafter_native_errors_leave_the_engine_usable():
     w = random_weights(cfg, 3)
     w["lm_head.weight"] = w["lm_head.weight"].copy()
     w["lm_head.weight"][5] = np.nan  # logit 5 of every row is NaN
-    bad = kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=96)
+    with pytest.raises(ValueError, match=r"'lm_head.weight' holds NaN at flat index"):
+        kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=96)
+    bad = kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=96, check_finite=False)
     with pytest.raises(ValueError, match="NaN"):
         generate(tgt, ids, 12, drafter=ModelDrafter(bad), tree_budget=8, depth=4)
     np.testing.assert_array_equal(generate(tgt, ids, 12).tokens, ar.tokens)

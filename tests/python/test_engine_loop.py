@@ -262,6 +262,43 @@ def test_bad_arguments_raise_and_engine_stays_usable(toy_setup):
     assert np.array_equal(generate(tgt, PROMPT, len(ref)).tokens, ref)
 
 
+def test_huge_integer_arguments_are_clear_errors(toy_setup):
+    """max_new_tokens near 2**63 used to overflow the prompt + max_new_tokens check in C++: the
+    loop then ran past the token buffer (heap corruption, a crash at exit). Values past int64,
+    float stop ids, a uint64 prompt past int64 and float32-overflowing sampling values are named
+    as such, and the engine stays usable."""
+    tgt, _, V, ref = toy_setup
+    for n in (2**63 - 1, 2**62, 2**63 - len(PROMPT)):
+        with pytest.raises(ValueError, match="exceeds max_seq_len"):
+            generate(tgt, PROMPT, n)
+        with pytest.raises(ValueError, match="exceeds max_seq_len"):
+            generate(tgt, PROMPT, n, drafter=NgramDrafter(), tree_budget=8, depth=4)
+    for kw in ("max_new_tokens", "tree_budget", "depth", "top_k", "target_top_k", "prefill_chunk"):
+        args = dict(max_new_tokens=4)
+        args[kw] = 2**63
+        with pytest.raises(ValueError, match=kw + r" must be <= 9223372036854775807"):
+            generate(tgt, PROMPT, **args)
+    with pytest.raises(ValueError, match="prefill_chunk must be >= 1"):
+        generate(tgt, PROMPT, 4, prefill_chunk=0)
+    with pytest.raises(TypeError, match="prefill_chunk must be an integer"):
+        generate(tgt, PROMPT, 4, prefill_chunk=2.5)
+    with pytest.raises(TypeError, match="stop_token_ids must be integers"):
+        generate(tgt, PROMPT, 4, stop_token_ids=[4.9])
+    with pytest.raises(TypeError, match="stop_token_ids must be integers"):
+        generate(tgt, PROMPT, 4, stop_token_ids="4")
+    with pytest.raises(ValueError, match="stop_token_ids must be a sequence"):
+        generate(tgt, PROMPT, 4, stop_token_ids=[[4]])
+    with pytest.raises(ValueError, match="prompt token 18446744073709551615 at index 1"):
+        generate(tgt, np.array([1, 2**64 - 1], np.uint64), 4)
+    with pytest.raises(ValueError, match="temperature"):
+        generate(tgt, PROMPT, 4, temperature=1e39)
+    with pytest.raises(ValueError, match="top_p"):
+        generate(tgt, PROMPT, 4, top_p=1e-300)
+    assert np.array_equal(generate(tgt, PROMPT, 4, seed=2**200, temperature=0.5).tokens.shape, (4,))
+    assert np.array_equal(generate(tgt, PROMPT, len(ref), stop_token_ids=np.array([], np.int64)).tokens, ref)
+    assert np.array_equal(generate(tgt, PROMPT, len(ref)).tokens, ref)
+
+
 class Boom(RuntimeError):
     pass
 
