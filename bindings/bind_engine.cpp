@@ -119,7 +119,7 @@ struct Probe {
   py::object cai;  // proto 2: the interface dict, read once (a property: torch builds it per read)
   bool device() const { return proto == 1 || proto == 2; }
 };
-Probe probe_array(const py::handle& h) {
+Probe probe_array(const py::handle& h, const char* what = "output") {
   Probe p;
   if (py::isinstance<py::array>(h)) return p;
   py::object cai = py::getattr(h, "__cuda_array_interface__", py::none());  // (torch: ~2 us; __dlpack__ ~12 us)
@@ -129,11 +129,21 @@ Probe probe_array(const py::handle& h) {
     return p;
   }
   if (py::hasattr(h, "__dlpack__") && py::hasattr(h, "__dlpack_device__")) {
-    py::tuple dev = h.attr("__dlpack_device__")();
-    const int type = dev[0].cast<int>();
+    int type = 0, dev_id = -1;
+    try {
+      py::tuple dev = h.attr("__dlpack_device__")();
+      type = dev[0].cast<int>();
+      dev_id = dev[1].cast<int>();
+    } catch (const py::error_already_set& e) {
+      if (e.matches(PyExc_KeyboardInterrupt) || e.matches(PyExc_SystemExit)) throw;
+      throw Error(std::string("drafter ") + what + ": __dlpack_device__() failed or is not a (type, id) pair of ints (" +
+                  e.what() + ")");
+    } catch (const py::cast_error&) {
+      throw Error(std::string("drafter ") + what + ": __dlpack_device__() is not a (type, id) pair of ints");
+    }
     if (type == 2 || type == 13) {
       p.proto = 1;
-      p.dl_device = dev[1].cast<int>();
+      p.dl_device = dev_id;
     } else if (type == 1) {
       p.proto = 3;
     }
@@ -147,6 +157,35 @@ std::shared_ptr<void> py_owner(const py::handle& h) {
     py::gil_scoped_acquire gil;
     Py_DECREF(static_cast<PyObject*>(p));
   });
+}
+
+// The fields of a __cuda_array_interface__ dict (v2 / v3) into a; Python / cast errors propagate.
+void read_cai(const py::dict& cai, DeviceArray& a) {
+  for (const char* key : {"typestr", "shape", "data"})
+    if (!cai.contains(key)) throw Error(std::string("the '") + key + "' field is missing");
+  const std::string typestr = py::str(cai["typestr"]);
+  py::dtype dt(typestr);
+  a.kind = dt.kind();
+  a.itemsize = dt.itemsize();
+  py::tuple shape = cai["shape"];
+  for (auto d : shape) a.shape.push_back(d.cast<int64_t>());
+  if (cai.contains("strides") && !cai["strides"].is_none()) {
+    py::tuple st = cai["strides"];
+    int64_t expect = a.itemsize;
+    for (int64_t i = (int64_t)a.shape.size() - 1; i >= 0; --i) {
+      if (a.shape[i] > 1 && st[i].cast<int64_t>() != expect) a.contiguous = false;
+      expect *= a.shape[i];
+    }
+  }
+  a.ptr = reinterpret_cast<const void*>(py::tuple(cai["data"])[0].cast<uintptr_t>());
+  a.wait_kind = 0;
+  if (cai.contains("stream")) {
+    if (cai["stream"].is_none()) a.wait_kind = 2;
+    else {
+      a.wait_kind = 1;
+      a.wait_stream = cai["stream"].cast<unsigned long long>();
+    }
+  }
 }
 
 // Opens a device array (probe.proto 1 or 2). DLPack: exported for the legacy default stream,
@@ -189,32 +228,19 @@ DeviceArray open_device_array(const py::handle& h, const Probe& probe, const cha
   } else {
     if (!py::isinstance<py::dict>(probe.cai))
       throw Error(who + ": __cuda_array_interface__ is not a dict, got " + type_name(probe.cai));
-    py::dict cai = py::reinterpret_borrow<py::dict>(probe.cai);
-    const std::string typestr = py::str(cai["typestr"]);
-    py::dtype dt(typestr);
-    a.kind = dt.kind();
-    a.itemsize = dt.itemsize();
-    py::tuple shape = cai["shape"];
-    for (auto d : shape) a.shape.push_back(d.cast<int64_t>());
-    if (cai.contains("strides") && !cai["strides"].is_none()) {
-      py::tuple st = cai["strides"];
-      int64_t expect = a.itemsize;
-      for (int64_t i = (int64_t)a.shape.size() - 1; i >= 0; --i) {
-        if (a.shape[i] > 1 && st[i].cast<int64_t>() != expect) a.contiguous = false;
-        expect *= a.shape[i];
-      }
-    }
-    a.ptr = reinterpret_cast<const void*>(py::tuple(cai["data"])[0].cast<uintptr_t>());
-    a.wait_kind = 0;
-    if (cai.contains("stream")) {
-      if (cai["stream"].is_none()) a.wait_kind = 2;
-      else {
-        a.wait_kind = 1;
-        a.wait_stream = cai["stream"].cast<unsigned long long>();
-      }
+    try {
+      read_cai(py::reinterpret_borrow<py::dict>(probe.cai), a);
+    } catch (const py::error_already_set& e) {
+      if (e.matches(PyExc_KeyboardInterrupt) || e.matches(PyExc_SystemExit)) throw;
+      throw Error(who + ": a malformed __cuda_array_interface__ (" + e.what() + ")");
+    } catch (const py::cast_error& e) {
+      throw Error(who + ": a malformed __cuda_array_interface__ (a field of the wrong type: " + e.what() + ")");
+    } catch (const Error& e) {
+      throw Error(who + ": a malformed __cuda_array_interface__ (" + e.what() + ")");
     }
     a.owner = py_owner(h);
   }
+
   if (a.count() > 0 && a.ptr == nullptr) throw Error(who + ": device array with a null pointer");
 #ifdef KDTREE_HAVE_CUDA
   if (a.count() > 0) a.device = cuda_pointer_device(a.ptr);
@@ -223,9 +249,20 @@ DeviceArray open_device_array(const py::handle& h, const Probe& probe, const cha
 }
 
 // A device array copied into a new numpy array, after the producer's work is visible.
-py::array device_array_to_host(const py::handle& h, const Probe& probe, const char* what) {
+// max_cols: the widest a draft row can be (the vocab, or a top-k up to the tree budget limit):
+// a device array's shape is checked against it before a host buffer of that size is made.
+py::array device_array_to_host(const py::handle& h, const Probe& probe, const char* what, int64_t max_cols) {
   const std::string who = std::string("drafter ") + what;
   DeviceArray a = open_device_array(h, probe, what);
+  std::string shp = "[";
+  for (size_t i = 0; i < a.shape.size(); ++i) shp += (i ? ", " : "") + std::to_string(a.shape[i]);
+  shp += "]";
+  if (a.shape.size() != 2) throw Error(who + " must be 2-D, got a device array of shape " + shp);
+  for (int64_t d : a.shape)
+    if (d < 0) throw Error(who + ": a device array with a negative extent, shape " + shp);
+  if (a.shape[0] > kTreeMaxDepth || a.shape[1] > max_cols)
+    throw Error(who + ": a device array of shape " + shp + " is larger than any draft (at most " +
+                std::to_string(kTreeMaxDepth) + " rows of " + std::to_string(max_cols) + ")");
   if (!a.contiguous) throw Error(who + ": a device array must be C-contiguous (call .contiguous())");
   if (a.kind == '?')
     throw Error(who + " must be float32 (log-probs, logits) or an integer array (ids), got " + a.dl_dtype);
@@ -247,12 +284,19 @@ py::array device_array_to_host(const py::handle& h, const Probe& probe, const ch
   return out;
 }
 
-py::array as_ndarray(const py::handle& h, const char* what) {
-  const Probe probe = probe_array(h);
-  if (probe.device()) return device_array_to_host(h, probe, what);
+py::array as_ndarray(const py::handle& h, const char* what, int64_t max_cols) {
+  const Probe probe = probe_array(h, what);
+  if (probe.device()) return device_array_to_host(h, probe, what, max_cols);
   if (py::isinstance<py::array>(h)) return py::reinterpret_borrow<py::array>(h);
-  if (probe.proto == 3)  // host memory through DLPack: a zero-copy numpy view
-    return py::module_::import("numpy").attr("from_dlpack")(h).cast<py::array>();
+  if (probe.proto == 3) {  // host memory through DLPack: a zero-copy numpy view
+    try {
+      return py::module_::import("numpy").attr("from_dlpack")(h).cast<py::array>();
+    } catch (const py::error_already_set& e) {  // e.g. bfloat16, which numpy has no type for
+      if (e.matches(PyExc_KeyboardInterrupt) || e.matches(PyExc_SystemExit)) throw;
+      throw Error(std::string("drafter ") + what + ": its DLPack export could not be read as a numpy array (" +
+                  e.what() + "); drafts must be float32 (log-probs, logits) and integer (ids) arrays");
+    }
+  }
   throw Error(std::string("drafter ") + what + " must be a numpy array (or a CPU / CUDA array with DLPack or "
               "__cuda_array_interface__), got " + type_name(h));
 }
@@ -324,8 +368,9 @@ void parse_draft(const py::object& r, int64_t vocab, DraftOutput& out) {
     if (py::len(seq) != 2)
       throw Error("drafter must return (logprobs [d,k], token_ids [d,k]) or logits [d,V]; got a sequence of length " +
                   std::to_string(py::len(seq)));
-    py::array lp = as_ndarray(seq[0], "logprobs");
-    py::array ids = as_ndarray(seq[1], "token_ids");
+    const int64_t max_k = std::max<int64_t>(vocab, kTreeMaxBudget);
+    py::array lp = as_ndarray(seq[0], "logprobs", max_k);
+    py::array ids = as_ndarray(seq[1], "token_ids", max_k);
     if (lp.dtype().kind() != 'f' || lp.itemsize() != 4)
       throw Error("drafter logprobs must be float32, got " + std::string(py::str(lp.dtype())));
     if (ids.dtype().kind() != 'i' && ids.dtype().kind() != 'u')
@@ -353,8 +398,8 @@ void parse_draft(const py::object& r, int64_t vocab, DraftOutput& out) {
     }
     return;
   }
-  if (py::isinstance<py::array>(r) || probe_array(r).proto) {
-    py::array lg = as_ndarray(r, "logits");
+  if (py::isinstance<py::array>(r) || probe_array(r, "logits").proto) {
+    py::array lg = as_ndarray(r, "logits", std::max<int64_t>(vocab, kTreeMaxBudget));
     if (lg.dtype().kind() != 'f' || lg.itemsize() != 4)
       throw Error("drafter logits must be float32, got " + std::string(py::str(lg.dtype())));
     if (lg.ndim() != 2) throw Error("drafter logits must be 2-D [d, V], got shape " + shape_str(lg));

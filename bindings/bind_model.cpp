@@ -117,6 +117,9 @@ void bind_model(py::module_& m) {
           [](const Model& self, int64_t layer, int64_t begin, int64_t n) {
             const int64_t CR = self.config().kv_lora_rank + self.config().qk_rope_head_dim;
             if (n < 0) throw Error("read_cache: negative count");
+            if (begin < 0 || n > self.max_seq_len() || begin > self.max_seq_len() - n)  // (before the output is made)
+              throw Error("read_cache: rows [" + std::to_string(begin) + ", " + std::to_string(begin) + " + " +
+                          std::to_string(n) + ") outside the cache of " + std::to_string(self.max_seq_len()) + " rows");
             py::array_t<float> out({(py::ssize_t)n, (py::ssize_t)CR});
             self.read_cache(layer, begin, n, out.mutable_data());
             return out;

@@ -44,7 +44,8 @@ int cuda_pointer_device(const void* ptr) {
 }
 
 std::string cuda_copy_to_host(void* dst, const void* src, size_t bytes, int stream_kind, unsigned long long stream) {
-  if (bytes > 0) {  // refuse a pointer CUDA does not know as device memory (a bogus address would
+  if (bytes == 0) return "";  // nothing to read: no wait on the producer's stream (whatever handle it names)
+  {  // refuse a pointer CUDA does not know as device memory (a bogus address would
                     // otherwise be read as host memory by the copy and could crash the process)
     cudaPointerAttributes attr;
     cudaError_t pe = cudaPointerGetAttributes(&attr, src);
@@ -61,7 +62,7 @@ std::string cuda_copy_to_host(void* dst, const void* src, size_t bytes, int stre
     cudaStream_t st = stream == 1 ? cudaStreamLegacy : stream == 2 ? cudaStreamPerThread : (cudaStream_t)stream;
     e = cudaStreamSynchronize(st);
   }
-  if (e == cudaSuccess && bytes > 0) e = cudaMemcpy(dst, src, bytes, cudaMemcpyDefault);
+  if (e == cudaSuccess) e = cudaMemcpy(dst, src, bytes, cudaMemcpyDefault);
   if (e != cudaSuccess) {
     cudaGetLastError();
     return cudaGetErrorString(e);

@@ -246,7 +246,9 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
   const int64_t K = p.top_k > 0 ? p.top_k : std::min<int64_t>(std::max<int64_t>(p.tree_budget, 1), V);
   while (!res.stopped && static_cast<int64_t>(res.tokens.size()) < p.max_new_tokens) {
     const int64_t L = exec_.cache_len();
-    KD_CHECK(L == n_ - 1, "engine invariant: cache length " + s(L) + " != committed tokens - 1 (" + s(n_ - 1) + ")");
+    KD_CHECK(L == n_ - 1, "the target's cache changed during generate (cache length " + s(L) + ", the engine expects " +
+                              s(n_ - 1) + "): a drafter or progress callback must not run prefill / reset / truncate / "
+                              "forward on the model being generated with");
     const int64_t remaining = p.max_new_tokens - static_cast<int64_t>(res.tokens.size());
     const int64_t depth_r = std::min(p.depth, remaining - 1);     // deeper nodes could never be emitted
     const int64_t budget_r = std::min(p.tree_budget, cap - L - 1);  // the window must fit in the cache

@@ -62,7 +62,14 @@ int32_t Sampler::choose(const float* logits, int64_t V, int64_t index) {
     const float l = logits[order_[i]];
     if (!std::isnan(l)) mx = std::max(mx, static_cast<double>(l));
   }
-  if (!std::isfinite(mx)) return order_[0];  // nothing finite: degenerate, pick the first
+  if (!std::isfinite(mx)) {
+    // +inf: those logits hold all the mass (the softmax's limit), the first in candidate order
+    // wins; nothing but -inf / NaN: degenerate, the first candidate
+    if (mx > 0)
+      for (int64_t i = 0; i < n; ++i)
+        if (logits[order_[i]] == INFINITY) return order_[i];
+    return order_[0];
+  }
   prob_.resize(static_cast<size_t>(n));
   double total = 0.0;
   for (int64_t i = 0; i < n; ++i) {

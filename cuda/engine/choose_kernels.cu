@@ -769,8 +769,8 @@ __global__ void __launch_bounds__(kSampThreads) choose_sample_kernel(ChooseParam
     float mx;
     unsigned long long mck;
     row_max(sh, l, V, vec, mx, mck);
-    if (!isfinite(mx)) {
-      if (tid == 0) p.choice[row] = 0;
+    if (!isfinite(mx)) {  // +inf: the first +inf logit (the largest key); nothing finite: id 0 (sampler.cpp)
+      if (tid == 0) p.choice[row] = mx > 0.f ? key_id(mck) : 0;
       return;
     }
     sample_unfiltered(sh, l, V, vec, (double)mx, inv_t, u);

@@ -219,14 +219,28 @@ def load_weights(model_dir, cfg: ModelConfig, dtype=np.float32,
     dtype = np.dtype(dtype)
     if dtype.kind != "f":
         raise ValueError(f"load_weights: dtype must be a float type, got {dtype}")
-    expected = expected_weight_shapes(cfg)
     prefix = cfg.weight_prefix
     files, weight_map = _checkpoint_files(model_dir)
 
     opened = [SafetensorsFile(p) for p in files]
+    # A config naming more layers than the checkpoint holds is a mismatch to report before the
+    # table of expected names is built: that table grows with num_hidden_layers (a corrupt value
+    # such as 10**9 would take minutes and gigabytes to list what is missing).
+    layer_re = re.compile(r"^model\.layers\.(\d+)\.")
+    n_layers = 0
+    for st in opened:
+        for full in st.names():
+            name = full[len(prefix):] if prefix and full.startswith(prefix) else full
+            m = layer_re.match(name)
+            if m:
+                n_layers = max(n_layers, int(m.group(1)) + 1)
+    if cfg.num_hidden_layers > n_layers:
+        raise ValueError(f"config.json says num_hidden_layers = {cfg.num_hidden_layers}, but the checkpoint in "
+                         f"{model_dir} holds tensors of " + (f"model.layers.0 .. {n_layers - 1} only"
+                                                             if n_layers else "no model.layers.* at all"))
+    expected = expected_weight_shapes(cfg)
     where = {}                        # name (without prefix) -> SafetensorsFile
     unexpected, mismatched = [], []
-    layer_re = re.compile(r"^model\.layers\.(\d+)\.")
     for st in opened:
         for full in st.names():
             if weight_map is not None and weight_map.get(full) not in (None, os.path.basename(st.path)):

@@ -247,7 +247,8 @@ def _int(d: dict, key: str, *, minimum: int = 0, allow_none_as=None) -> int:
     v = d.get(key, _HF_DEFAULTS.get(key))
     if v is None and allow_none_as is not None:
         return allow_none_as
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or int(v) != v:
+    if (isinstance(v, bool) or not isinstance(v, (int, float)) or (isinstance(v, float) and not math.isfinite(v))
+            or int(v) != v):
         raise ValueError(f"config field `{key}` must be an integer, got {v!r}")
     v = int(v)
     if v < minimum:
@@ -428,6 +429,6 @@ def load_config(model_dir_or_config_json) -> ModelConfig:
             raw = json.load(f)
     except FileNotFoundError:
         raise FileNotFoundError(f"no config.json at {path}") from None
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON: {e}") from None
     return config_from_dict(raw)

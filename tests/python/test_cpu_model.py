@@ -609,3 +609,15 @@ def test_bf16_copies_follow_set_weight():
         toks = ids[:T]
         pos = np.arange(T)
         np.testing.assert_array_equal(eng.forward(toks, pos), ref.forward(toks, pos))
+
+
+def test_read_cache_range_is_checked_before_allocating():
+    """read_cache(layer, begin, n) with n or begin past the cache: a ValueError (it used to make
+    the [n, C + R] output first: MemoryError for n = 2**40)."""
+    cfg = config_from_dict(config_dict("ds3_base"))
+    eng = kn.Engine.from_weights(cfg, random_weights(cfg, 0), max_seq_len=16)
+    eng.prefill([1, 2, 3])
+    for begin, n in ((0, 2**40), (2**62, 1), (-1, 1), (10, 7)):
+        with pytest.raises(ValueError, match="outside the cache of 16 rows"):
+            eng.model.read_cache(0, begin, n)
+    assert eng.model.read_cache(0, 0, 3).shape == (3, cfg.kv_lora_rank + cfg.qk_rope_head_dim)

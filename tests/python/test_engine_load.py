@@ -96,6 +96,44 @@ def test_missing_tensor(tmp_path):
         kn.Engine.from_weights(cfg, w, max_seq_len=32)
 
 
+def test_config_layers_past_the_checkpoint_and_broken_config_values(tmp_path):
+    """A config naming more layers than the checkpoint has is reported at once (10**9 layers used
+    to build a table of every expected name first: minutes and gigabytes); non-finite or binary
+    config values are ValueErrors naming the field or the file."""
+    cfg = config_from_dict(config_dict(NAME))
+    root, _, _ = make_dir(str(tmp_path / "l"), cfg_overrides={"num_hidden_layers": 10**9})
+    with pytest.raises(ValueError, match=r"num_hidden_layers = 1000000000, but the checkpoint .* holds tensors of "
+                                         rf"model\.layers\.0 \.\. {cfg.num_hidden_layers - 1} only"):
+        kn.Engine.from_pretrained(root, device="cpu", max_seq_len=32)
+    root, _, _ = make_dir(str(tmp_path / "l1"), cfg_overrides={"num_hidden_layers": cfg.num_hidden_layers + 1})
+    with pytest.raises(ValueError, match=rf"num_hidden_layers = {cfg.num_hidden_layers + 1}, but"):
+        kn.Engine.from_pretrained(root, device="cpu", max_seq_len=32)
+    for key, val in (("vocab_size", float("inf")), ("hidden_size", float("nan"))):
+        d = config_dict(NAME)
+        d[key] = val
+        with open(tmp_path / "l" / "config.json", "w") as f:
+            f.write(json.dumps(d))  # (Infinity / NaN: Python's json writes and reads them)
+        with pytest.raises(ValueError, match=rf"config field `{key}` must be an integer"):
+            kn.Engine.from_pretrained(str(tmp_path / "l"), device="cpu", max_seq_len=32)
+    with open(tmp_path / "l" / "config.json", "wb") as f:
+        f.write(bytes(range(128, 256)))
+    with pytest.raises(ValueError, match="not valid JSON"):
+        kn.Engine.from_pretrained(str(tmp_path / "l"), device="cpu", max_seq_len=32)
+
+
+@pytest.mark.parametrize("dtype", ["F32", "BF16"])
+def test_non_finite_weight_in_a_checkpoint(tmp_path, dtype):
+    cfg = config_from_dict(config_dict(NAME))
+    w = random_weights(cfg, 0)
+    w["model.norm.weight"] = np.asarray(w["model.norm.weight"], np.float32).copy()
+    w["model.norm.weight"][7] = np.inf
+    root, _, _ = make_dir(str(tmp_path / "n"), weights=w, dtype=dtype)
+    with pytest.raises(ValueError, match=r"'model\.norm\.weight' holds an infinity at flat index 7"):
+        kn.Engine.from_pretrained(root, device="cpu", max_seq_len=32)
+    eng = kn.Engine.from_pretrained(root, device="cpu", max_seq_len=32, check_finite=False)
+    assert not np.isfinite(eng.prefill([1, 2, 3])).all()
+
+
 def test_wrong_shape_and_unexpected_tensor(tmp_path):
     cfg = config_from_dict(config_dict(NAME))
     w = random_weights(cfg, 0)

@@ -492,6 +492,90 @@ def test_device_array_draft_with_bad_pointer_is_a_clear_error(toy_setup):
     np.testing.assert_array_equal(r.tokens, ref[:8])
 
 
+class _CAI:
+    """An object whose __cuda_array_interface__ is whatever dict (or other value) it is given."""
+
+    def __init__(self, cai):
+        self.__cuda_array_interface__ = cai
+
+
+def _cai(**kw):
+    d = dict(shape=(2, 4), typestr="<f4", data=(4096, False), version=3)
+    d.update(kw)
+    return {k: v for k, v in d.items() if v is not _DROP}
+
+
+_DROP = object()
+
+
+@pytest.mark.parametrize("cai, match", [
+    (_cai(typestr=_DROP), "the 'typestr' field is missing"),
+    (_cai(shape=_DROP), "the 'shape' field is missing"),
+    (_cai(data=_DROP), "the 'data' field is missing"),
+    (_cai(typestr="zz"), "malformed __cuda_array_interface__"),
+    (_cai(typestr=5), "malformed __cuda_array_interface__"),
+    (_cai(shape=7), "malformed __cuda_array_interface__"),
+    (_cai(data=(-5, False)), "malformed __cuda_array_interface__"),
+    (_cai(data=(2**70, False)), "malformed __cuda_array_interface__"),
+    (_cai(data=5), "malformed __cuda_array_interface__"),
+    (_cai(strides=(4,)), "malformed __cuda_array_interface__"),
+    (_cai(stream="s"), "malformed __cuda_array_interface__"),
+    (_cai(stream=-3), "malformed __cuda_array_interface__"),
+    ([1, 2], "__cuda_array_interface__ is not a dict"),
+    (_cai(shape=(2**26, 4096)), r"shape \[67108864, 4096\] is larger than any draft"),
+    (_cai(shape=(4, 10**6)), r"shape \[4, 1000000\] is larger than any draft"),
+    (_cai(shape=(4,)), "must be 2-D, got a device array of shape"),
+    (_cai(shape=(4, -1)), "negative extent"),
+])
+def test_malformed_device_array_drafts_are_clear_errors(toy_setup, cai, match):
+    """A producer's __cuda_array_interface__ that is malformed, or that declares an absurd shape,
+    is a ValueError naming the drafter output (before any host buffer of that size is made, or
+    any CUDA call); the generator works afterwards."""
+    target, ref = toy_setup[0], toy_setup[3]
+    with pytest.raises(ValueError, match=match):
+        generate(target, PROMPT, 8, drafter=lambda c, d, k: _CAI(cai), tree_budget=8, depth=4)
+    with pytest.raises(ValueError, match=match):
+        generate(target, PROMPT, 8, drafter=lambda c, d, k: (_CAI(cai), _CAI(cai)), tree_budget=8, depth=4)
+    np.testing.assert_array_equal(generate(target, PROMPT, 8, drafter=NgramDrafter()).tokens, ref[:8])
+
+
+class _BadDLPackDevice:
+    def __init__(self, dev):
+        self.dev = dev
+
+    def __dlpack_device__(self):
+        return self.dev
+
+    def __dlpack__(self, stream=None):
+        return None
+
+
+def test_malformed_dlpack_drafts_are_clear_errors(toy_setup):
+    target, ref = toy_setup[0], toy_setup[3]
+    for dev in (("a", "b"), (), 5):
+        with pytest.raises(ValueError, match=r"__dlpack_device__\(\) (failed|is not)"):
+            generate(target, PROMPT, 8, drafter=lambda c, d, k: _BadDLPackDevice(dev), tree_budget=8, depth=4)
+    with pytest.raises(ValueError, match="DLPack export could not be read as a numpy array"):
+        generate(target, PROMPT, 8, drafter=lambda c, d, k: _BadDLPackDevice((1, 0)), tree_budget=8, depth=4)
+    torch = pytest.importorskip("torch")
+    x = torch.zeros((2, target.vocab_size), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="DLPack export could not be read as a numpy array"):
+        generate(target, PROMPT, 8, drafter=lambda c, d, k: x, tree_budget=8, depth=4)
+    np.testing.assert_array_equal(generate(target, PROMPT, 8, drafter=NgramDrafter()).tokens, ref[:8])
+
+
+def test_a_drafter_that_changes_the_target_cache_is_named(toy_setup):
+    target, ref = toy_setup[0], toy_setup[3]
+
+    def meddle(ctx, depth, top_k):
+        target.reset()
+        return None
+
+    with pytest.raises(ValueError, match="cache changed during generate .* must not run prefill / reset"):
+        generate(target, PROMPT, 8, drafter=meddle, tree_budget=8, depth=4)
+    np.testing.assert_array_equal(generate(target, PROMPT, 8).tokens, ref[:8])
+
+
 class _FakeDLPack:
     """Claims CUDA memory through DLPack (__dlpack_device__ -> (2, 0)) but exports a host array."""
 

@@ -11,6 +11,7 @@ import math
 import numpy as np
 import pytest
 
+from kdtree_native import _native
 from kdtree_native.drafters import NgramDrafter, OracleDrafter
 from kdtree_native.generation import generate
 from test_engine_loop import PROMPT, random_logits_drafter, toy
@@ -137,3 +138,23 @@ def test_same_seed_same_tokens_ar_equals_ddtree():
     assert len(outs) > 1  # the seed matters
     r = generate(t, PROMPT, 5, temperature=0.8)
     assert isinstance(r.stats["seed"], int)  # seed=None draws one and reports it
+
+
+def test_plus_infinity_logits_take_all_the_mass():
+    """A row with +inf logits: every mode picks one of them (the softmax's limit gives them all the
+    mass), the lowest id among them (first in id order, and first in the filtered order, logit
+    descending then id); the sampled modes used to return id 0 when unfiltered."""
+    rng = np.random.default_rng(5)
+    V, T = 50, 12
+    x = rng.standard_normal((T, V)).astype(np.float32)
+    x[rng.random((T, V)) < 0.1] = np.nan
+    first = []
+    for t in range(T):
+        where = np.sort(rng.choice(np.arange(1, V), size=1 + t % 3, replace=False))
+        x[t, where] = np.inf
+        first.append(where[0])
+    pos = np.arange(T, dtype=np.int64)
+    for temperature, top_k, top_p in [(0.0, 0, 1.0), (1.0, 0, 1.0), (0.7, 0, 0.9), (1.3, 5, 1.0), (2.0, 1, 0.3)]:
+        for seed in (0, 9):
+            got = _native.sampler_choose(x, pos, temperature, top_k, top_p, seed)
+            np.testing.assert_array_equal(got, first, err_msg=f"T={temperature} k={top_k} p={top_p}")
