@@ -116,6 +116,22 @@ class OracleDrafter:
     __call__ = draft
 
 
+def _context_ids(context) -> np.ndarray:
+    """A drafter's context as int32 ids, refusing what int32 would change (floats, negatives, ids past
+    2**31 - 1: they used to wrap silently on direct ``draft`` calls)."""
+    ctx = np.asarray(context).reshape(-1)
+    if ctx.dtype == np.int32:
+        if ctx.size and ctx.min() < 0:
+            raise ValueError(f"context holds a negative token id ({int(ctx.min())})")
+        return ctx
+    if ctx.size and ctx.dtype.kind not in "iu":
+        raise TypeError(f"context must hold integer token ids, got dtype {ctx.dtype}")
+    if ctx.size and (ctx.min() < 0 or ctx.max() > np.iinfo(np.int32).max):
+        bad = ctx.min() if ctx.min() < 0 else ctx.max()
+        raise ValueError(f"context holds token id {int(bad)}, outside [0, 2**31 - 1]")
+    return ctx.astype(np.int32)
+
+
 class NgramDrafter:
     """Prompt lookup: finds earlier occurrences of the context's last n tokens (n from
     ``max_ngram`` down to ``min_ngram``) and counts what followed each occurrence at every offset
@@ -140,7 +156,7 @@ class NgramDrafter:
         self._native = _native.NgramDraft(self.max_ngram, self.min_ngram, self.max_matches)
 
     def draft(self, context, depth, top_k):
-        return self._native(np.asarray(context).reshape(-1), int(depth), int(top_k))
+        return self._native(_context_ids(context), int(depth), int(top_k))
 
     def __reduce__(self):  # picklable / copyable: the native object is rebuilt from the parameters
         return (type(self), (self.max_ngram, self.min_ngram, self.max_matches))
@@ -259,8 +275,8 @@ class ModelDrafter:
 
     def draft(self, context, depth, top_k):
         if self._native is not None:
-            return self._native(np.asarray(context, dtype=np.int32).reshape(-1), int(depth), int(top_k))
-        ctx = np.asarray(context)
+            return self._native(_context_ids(context), int(depth), int(top_k))
+        ctx = _context_ids(context)
         n = len(ctx)
         max_len = int(self.model.max_seq_len)
         if n == 0 or n >= max_len:

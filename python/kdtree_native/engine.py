@@ -36,6 +36,7 @@ _CUDA_OPTIONS = ("max_tokens", "device", "math", "attention_naive", "expert_kern
 
 # keyword arguments of _native.CpuModel that an Engine passes through (docs/MODEL.md)
 _CPU_OPTIONS = ("bf16_weight_copies",)
+_BOOL_OPTIONS = ("attention_naive", "graphs", "side_stream", "tile_tensor_cores", "bf16_weight_copies")
 
 
 def _check_options(options, known, what) -> dict:
@@ -46,6 +47,9 @@ def _check_options(options, known, what) -> dict:
     unknown = sorted(k for k in options if k not in known)
     if unknown:
         raise ValueError(f"unknown {what} {unknown}; known: {list(known)}")
+    for k, v in options.items():  # (pybind would take 3.5 as True for a bool)
+        if k in _BOOL_OPTIONS and not isinstance(v, (bool, np.bool_)):
+            raise ValueError(f"{what}: {k} must be True or False, got {v!r}")
     return dict(options)
 
 
@@ -159,10 +163,17 @@ class Engine:
     def _build(cls, cfg: ModelConfig, weights: dict, device: str, max_seq_len: int,
                cuda_options: Optional[dict] = None, cpu_options: Optional[dict] = None,
                check_finite: bool = True) -> "Engine":
-        if device == "cuda":
-            model = _native.CudaModel(cfg.to_native(), max_seq_len, **(cuda_options or {}))
-        else:
-            model = _native.CpuModel(cfg.to_native(), max_seq_len, **(cpu_options or {}))
+        opts, what = (cuda_options, "cuda_options") if device == "cuda" else (cpu_options, "cpu_options")
+        try:
+            if device == "cuda":
+                model = _native.CudaModel(cfg.to_native(), max_seq_len, **(opts or {}))
+            else:
+                model = _native.CpuModel(cfg.to_native(), max_seq_len, **(opts or {}))
+        except TypeError:  # pybind's signature dump names the whole config: say what was wrong
+            types = {k: type(v).__name__ for k, v in (opts or {}).items()}
+            raise ValueError(f"{what}: a value of the wrong type in {opts!r} (types {types}; booleans for "
+                             "switches, integers for sizes and counts, strings for kernel names: "
+                             "docs/MODEL.md, docs/CUDA_MODEL.md)") from None
         missing = [n for n, _ in _native.model_weight_specs(cfg.to_native()) if n not in weights]
         if missing:
             raise ValueError(f"{len(missing)} weight tensor(s) missing: " + ", ".join(missing[:20])

@@ -364,3 +364,23 @@ def test_topk_logsoftmax_matches_reference():
     lp, ids = topk_logsoftmax(x, 5)
     rlp, rids = kn.reference.topk_logsoftmax(x, 5)
     assert np.array_equal(ids, np.asarray(rids)) and np.allclose(lp, rlp, atol=1e-6)
+
+
+def test_direct_draft_calls_refuse_ids_int32_would_change():
+    """NgramDrafter / ModelDrafter .draft() on a context int32 cannot hold (ids past 2**31 - 1,
+    negatives, floats): a clear error instead of wrapped ids (2**32 + 5 used to be read as 5)."""
+    (eng, _), cfg = _engine_pair()
+    good = (np.arange(12) * 5 % cfg.vocab_size).astype(np.int64)
+    for d in (NgramDrafter(), ModelDrafter(eng), ModelDrafter(eng, native=False)):
+        ref = d.draft(good, 3, 4)
+        for bad, err, what in ((np.append(good, 2**32 + 5), ValueError, "4294967301"),
+                               (np.append(good, -1), ValueError, "-1"),
+                               (good.astype(np.float64), TypeError, "integer token ids")):
+            with pytest.raises(err, match=what):
+                d.draft(bad, 3, 4)
+        again = d.draft(good.astype(np.int32), 3, 4)
+        if ref is None:
+            assert again is None
+        else:
+            for a, b in zip(ref if isinstance(ref, tuple) else (ref,), again if isinstance(again, tuple) else (again,)):
+                np.testing.assert_array_equal(a, b)

@@ -282,3 +282,6 @@ def test_cpu_options_are_checked_and_reach_the_cpu_model(tmp_path):
     sig = _native.CpuModel.__init__.__doc__
     for name in _CPU_OPTIONS:
         assert f" {name}: " in sig, name
+    for bad in ("no", 3.5, [1], 1):  # a value of the wrong type: named, not pybind's signature dump (or taken)
+        with pytest.raises(ValueError, match=r"cpu_options: bf16_weight_copies must be True or False"):
+            kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=32, cpu_options={"bf16_weight_copies": bad})

@@ -170,6 +170,11 @@ def test_accept_input_errors():
                  visibility=tree.visibility)
     with pytest.raises(ValueError, match="parents"):
         R.tree_accept(bad, np.zeros(6, np.int64))
+    for impl in (R.tree_accept, kn.ops.tree_accept):
+        with pytest.raises(TypeError, match="tree must be a Tree"):
+            impl(None, np.zeros(6, np.int64))
+        with pytest.raises(ValueError, match="past int64"):
+            impl(tree, np.full(6, 2**64 - 1, np.uint64))
 
 
 def test_compaction():

@@ -104,6 +104,8 @@ def check_tree_inputs(logprobs, token_ids, budget):
 
 def check_tree(tree):
     """Validate a Tree's structure (used before an accept walk); return (parents, tokens) int32."""
+    if not (hasattr(tree, "parents") and hasattr(tree, "tokens")):
+        raise TypeError(f"tree must be a Tree (with .parents and .tokens), got {type(tree).__name__}")
     parents = np.asarray(tree.parents)
     tokens = np.asarray(tree.tokens)
     if parents.ndim != 1 or tokens.ndim != 1 or parents.shape[0] != tokens.shape[0] + 1:
@@ -128,6 +130,8 @@ def check_choice(target_choice, n):
         raise ValueError(f"target_choice must be an integer array, got dtype {choice.dtype}")
     if choice.ndim != 1 or choice.shape[0] != n + 1:
         raise ValueError(f"target_choice must have shape [n+1] = [{n + 1}], got {choice.shape}")
+    if choice.dtype.kind == "u" and choice.size and choice.max() > np.iinfo(np.int64).max:
+        raise ValueError(f"target_choice holds {int(choice.max())}, past int64")
     return choice.astype(np.int64)
 
 
