@@ -564,6 +564,21 @@ def test_malformed_dlpack_drafts_are_clear_errors(toy_setup):
     np.testing.assert_array_equal(generate(target, PROMPT, 8, drafter=NgramDrafter()).tokens, ref[:8])
 
 
+class _RaisingCAI:
+    @property
+    def __cuda_array_interface__(self):
+        raise Boom("the producer's own error")
+
+
+def test_a_raising_cuda_array_interface_propagates(toy_setup):
+    """A __cuda_array_interface__ property that raises something other than AttributeError: that
+    exception, unchanged (it used to be swallowed and reported as 'drafter must return ...')."""
+    target, ref = toy_setup[0], toy_setup[3]
+    with pytest.raises(Boom, match="the producer's own error"):
+        generate(target, PROMPT, 8, drafter=lambda c, d, k: _RaisingCAI(), tree_budget=8, depth=4)
+    np.testing.assert_array_equal(generate(target, PROMPT, 8, drafter=NgramDrafter()).tokens, ref[:8])
+
+
 def test_a_drafter_that_changes_the_target_cache_is_named(toy_setup):
     target, ref = toy_setup[0], toy_setup[3]
 
