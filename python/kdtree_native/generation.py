@@ -57,6 +57,13 @@ def native_target(engine):
     raise TypeError(f"generate: expected a kn.Engine (or a native target), got {type(engine).__name__}")
 
 
+def _same_target(a, b) -> bool:
+    try:
+        return native_target(a) is native_target(b)
+    except TypeError:  # (a drafter over some other object with forward / commit / reset)
+        return False
+
+
 _ROUNDS = ("auto", "host", "device")
 
 
@@ -217,6 +224,11 @@ def generate(engine, prompt_ids, max_new_tokens: int, drafter=None, tree_budget:
         raise TypeError(f"progress must be callable, got {type(progress).__name__}")
     fn = as_draft_fn(drafter)
     gen = generator_for(engine, rounds)
+    from .drafters import ModelDrafter  # (lazy: drafters imports this module)
+    if isinstance(drafter, ModelDrafter) and fn is not None and _same_target(drafter.model, engine):
+        # (the native ModelDraft path names this in C++; the Python path would overwrite the cache)
+        raise ValueError("ModelDrafter: the draft model is the target model itself (its cache would be "
+                         "overwritten); load a second copy to draft with")
     raw = gen.generate(prompt, max_new_tokens, drafter=fn, tree_budget=tree_budget, depth=depth, top_k=top_k,
                        temperature=temperature, top_p=top_p, target_top_k=target_top_k, seed=seed,
                        stop_token_ids=stops, progress=progress, prefill_chunk=prefill_chunk)

@@ -305,6 +305,8 @@ def test_model_drafter_native_errors_leave_the_engine_usable():
     ar = generate(tgt, ids, 12)
     with pytest.raises(ValueError, match="target model itself"):
         generate(tgt, ids, 12, drafter=ModelDrafter(tgt), tree_budget=8, depth=4)
+    with pytest.raises(ValueError, match="target model itself"):  # the Python path too
+        generate(tgt, ids, 12, drafter=ModelDrafter(tgt, native=False), tree_budget=8, depth=4)
     d = ModelDrafter(drf)
     with pytest.raises(ValueError, match="outside the draft model's vocab"):
         d.draft(np.array([1, V + 3], np.int32), 3, 4)
