@@ -247,7 +247,8 @@ DeviceArray open_device_array(const py::handle& h, const Probe& probe, const cha
     }
     a.owner = py_owner(h);
   }
-
+  for (int64_t d : a.shape)
+    if (d < 0) throw Error(who + ": a device array with a negative extent (" + std::to_string(d) + ")");
   if (a.count() > 0 && a.ptr == nullptr) throw Error(who + ": device array with a null pointer");
 #ifdef KDTREE_HAVE_CUDA
   if (a.count() > 0) a.device = cuda_pointer_device(a.ptr);
@@ -265,8 +266,6 @@ py::array device_array_to_host(const py::handle& h, const Probe& probe, const ch
   for (size_t i = 0; i < a.shape.size(); ++i) shp += (i ? ", " : "") + std::to_string(a.shape[i]);
   shp += "]";
   if (a.shape.size() != 2) throw Error(who + " must be 2-D, got a device array of shape " + shp);
-  for (int64_t d : a.shape)
-    if (d < 0) throw Error(who + ": a device array with a negative extent, shape " + shp);
   if (a.shape[0] > kTreeMaxDepth || a.shape[1] > max_cols)
     throw Error(who + ": a device array of shape " + shp + " is larger than any draft (at most " +
                 std::to_string(kTreeMaxDepth) + " rows of " + std::to_string(max_cols) + ")");

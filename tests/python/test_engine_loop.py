@@ -526,6 +526,7 @@ _DROP = object()
     (_cai(shape=(4, 10**6)), r"shape \[4, 1000000\] is larger than any draft"),
     (_cai(shape=(4,)), "must be 2-D, got a device array of shape"),
     (_cai(shape=(4, -1)), "negative extent"),
+    (_cai(shape=(-1, -1)), "negative extent"),
 ])
 def test_malformed_device_array_drafts_are_clear_errors(toy_setup, cai, match):
     """A producer's __cuda_array_interface__ that is malformed, or that declares an absurd shape,
