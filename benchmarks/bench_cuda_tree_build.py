@@ -18,6 +18,7 @@ captured engine round sees it); "stream" = one launch + event pair per op (adds 
 
     python benchmarks/bench_cuda_tree_build.py [--iters 200] [--json out.json] [--quick]
     python benchmarks/bench_cuda_tree_build.py --engine-shapes   # depth 15, K = 8 / 4, each path forced
+    python benchmarks/bench_cuda_tree_build.py --small-budgets   # B = 1..24: one warp vs parallel (auto's cut)
 """
 import argparse
 import json
@@ -80,6 +81,29 @@ def engine_shapes(N, props, iters):
                   f"{int(ref.depths.max()) if ref.n else 0} |", flush=True)
 
 
+def small_budgets(N, props, iters):
+    """Where auto's cut between the one-warp path and the parallel path belongs: both forced at
+    B = 1..24 on peaked rows (K = B, and the engine's K = 8 / 4) and flat rows (K = B)."""
+    print(f"## GPU tree build at small budgets ({props['name']}): depth 15, one warp vs parallel "
+          f"(auto takes one warp for B <= {N.CUDA_TREE_WARP_PATH_MAX_B}); graph-replay median us")
+    print("| B | peaked K=B: one warp / parallel | flat K=B | peaked K=8 | peaked K=4 |")
+    print("|---|---|---|---|---|")
+    peaked, flat = drafter_logits(0, "peaked", V=32000), drafter_logits(0, "flat", V=32000)
+    for B in (1, 2, 4, 6, 8, 12, 16, 20, 24):
+        cells = []
+        for logits, K in ((peaked, B), (flat, B), (peaked, 8), (peaked, 4)):
+            lp_all, ids_all = kn.reference.topk_logsoftmax(logits, K)
+            lp, ids = np.ascontiguousarray(lp_all), np.ascontiguousarray(ids_all)
+            ref = kn.ops.tree_build(lp, ids, B, device="cpu")
+            t = []
+            for fp in (2, 3):
+                r = N.cuda_time_tree_build(lp, ids, B, iters=iters, warmup=10, force_path=fp)
+                assert int(r["n"]) == ref.n and np.array_equal(r["parents"][: ref.n + 1], ref.parents), (B, K, fp)
+                t.append(r["graph_median_ms"] * 1e3)
+            cells.append(f"{t[0]:.1f} / {t[1]:.1f}")
+        print(f"| {B} | " + " | ".join(cells) + " |", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=200)
@@ -87,6 +111,8 @@ def main():
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--engine-shapes", action="store_true",
                     help="only the engine's default shapes (depth 15, top-k 8: deep trees) with each path forced")
+    ap.add_argument("--small-budgets", action="store_true",
+                    help="only budgets 1..24 with the one-warp and the parallel path forced (auto's cut)")
     args = ap.parse_args()
     if not kn.cuda_available():
         raise SystemExit("no CUDA device")
@@ -96,6 +122,9 @@ def main():
     iters = 30 if args.quick else args.iters
     if args.engine_shapes:
         engine_shapes(N, props, iters)
+        return
+    if args.small_budgets:
+        small_budgets(N, props, iters)
         return
     tables = {}
     for kind in ("peaked", "flat"):
