@@ -38,15 +38,28 @@ py::dtype numpy_dtype(kdtree::KdtrDtype d) {
   throw kdtree::Error("unknown KDTR dtype");
 }
 
+// The path's bytes as the OS sees them: str (undecodable bytes carried as surrogate escapes),
+// bytes or os.PathLike, through os.fsencode, as open() takes them.
 std::string as_path(const py::object& path) {
   py::module_ os = py::module_::import("os");
-  return os.attr("fsdecode")(os.attr("fspath")(path)).cast<std::string>();
+  return os.attr("fsencode")(os.attr("fspath")(path)).cast<std::string>();
 }
 
 std::shared_ptr<kdtree::KdtrFile> open_file(const py::object& path, bool verify) {
   std::string p = as_path(path);
-  py::gil_scoped_release nogil;  // the checksum pass can be long
-  return std::make_shared<kdtree::KdtrFile>(kdtree::KdtrFile::open(p, verify));
+  try {
+    py::gil_scoped_release nogil;  // the checksum pass can be long
+    return std::make_shared<kdtree::KdtrFile>(kdtree::KdtrFile::open(p, verify));
+  } catch (const kdtree::Error& e) {
+    // The message starts with the path, which need not be UTF-8: decode it as os.fsdecode does,
+    // so the text equals the Python reader's. (The GIL is held again here.)
+    const std::string what = e.what();
+    py::object msg = py::reinterpret_steal<py::object>(
+        PyUnicode_DecodeFSDefaultAndSize(what.data(), py::ssize_t(what.size())));
+    if (!msg) throw py::error_already_set();
+    PyErr_SetObject(PyExc_ValueError, msg.ptr());
+    throw py::error_already_set();
+  }
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <charconv>
 #include <climits>
 #include <cctype>
 #include <cmath>
@@ -264,6 +265,7 @@ class JsonSyntax {
       i_ = start;
       return syntax("expecting a value");
     }
+    const size_t int_end = i_;
     if (at('.') && digit_at(i_ + 1)) {
       i_ += 2;
       while (digit_at(i_)) ++i_;
@@ -277,7 +279,41 @@ class JsonSyntax {
     }
     if (i_ - start > kKdtrMaxJsonNumberLen)
       return limit("metadata JSON has a number longer than " + std::to_string(kKdtrMaxJsonNumberLen) + " characters");
+    if (i_ - start > int_end - start && overflows_double(start, int_end, i_))
+      return limit("metadata JSON has a number outside the float64 range");
     return true;
+  }
+
+  // Whether the number token [start, end), whose integer part ends at int_end and which has a
+  // fraction or an exponent, rounds to infinity as a double: Python's float() makes it inf
+  // (1e400), which the Python reader refuses. from_chars rounds correctly, as float() does, and
+  // reports both overflow and underflow to 0 as out of range; those lie hundreds of decades
+  // apart, so the decimal exponent of the first non-zero digit tells them apart.
+  bool overflows_double(size_t start, size_t int_end, size_t end) const {
+    const char* s = reinterpret_cast<const char*>(s_);
+    double v;
+    auto r = std::from_chars(s + start, s + end, v);
+    if (r.ec != std::errc::result_out_of_range) return false;
+    int64_t exp10 = 0;  // exponent of the first non-zero digit, saturated
+    size_t k = start + (s[start] == '-');
+    bool seen = false;
+    for (size_t q = k; q < end && s[q] != 'e' && s[q] != 'E'; ++q) {
+      if (s[q] == '.') continue;
+      if (!seen && s[q] != '0') {
+        seen = true;
+        exp10 = q < int_end ? int64_t(int_end - q) - 1 : -int64_t(q - int_end);
+      }
+    }
+    for (size_t q = k; q < end; ++q) {
+      if (s[q] != 'e' && s[q] != 'E') continue;
+      bool neg = s[q + 1] == '-';
+      int64_t e = 0;
+      for (size_t d = q + 1 + (s[q + 1] == '-' || s[q + 1] == '+'); d < end; ++d)
+        e = std::min<int64_t>(e * 10 + (s[d] - '0'), int64_t(1) << 40);
+      exp10 += neg ? -e : e;
+      break;
+    }
+    return seen && exp10 > 0;
   }
 
   const uint8_t* s_;
@@ -409,7 +445,11 @@ const KdtrTensor& KdtrFile::at(const std::string& name) const {
 KdtrFile KdtrFile::open(const std::string& path, bool verify_checksum) {
   KdtrFile f;
   f.path_ = path;
-  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  // (as Python's open(): a NUL would silently cut the path short at the system call)
+  if (path.find('\0') != std::string::npos) throw Error("embedded null byte");
+  // O_NONBLOCK: opening a FIFO for reading would wait for a writer; it is refused as "not a
+  // regular file" below instead. The flag does not matter to mmap.
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) throw Error(path + ": cannot open: " + std::strerror(errno));
   struct stat st;
   if (fstat(fd, &st) != 0) {

@@ -7,6 +7,7 @@
 import argparse
 import os
 import json
+import re
 import sys
 import time
 
@@ -25,10 +26,15 @@ def _cmd_info(args):
 
 # ---- shared helpers ---------------------------------------------------------------------------
 
-def _load_tokenizer(model_dir):
-    """HF `tokenizers` Tokenizer from MODEL_DIR/tokenizer.json, or None."""
-    import os
+class _UsageError(Exception):
+    """A bad command line that argparse cannot see by itself; main() reports it as argparse does
+    (the usage, then "kdtree-native CMD: error: MESSAGE") with exit status 2."""
 
+
+def _load_tokenizer(model_dir, required=False):
+    """HF `tokenizers` Tokenizer from MODEL_DIR/tokenizer.json, or None. A tokenizer.json that
+    does not load is an error when ``required`` (the prompt is text), else a note (the output is
+    then printed as token ids)."""
     path = os.path.join(model_dir, "tokenizer.json") if model_dir else None
     if not path or not os.path.isfile(path):
         return None
@@ -37,14 +43,117 @@ def _load_tokenizer(model_dir):
     except ImportError:
         print("note: tokenizer.json found but the `tokenizers` package is missing; use --ids", file=sys.stderr)
         return None
-    return Tokenizer.from_file(path)
-
-
-def _parse_ids(text):
     try:
-        return [int(x) for x in text.replace(",", " ").split()]
+        return Tokenizer.from_file(path)
+    except Exception as e:  # (`tokenizers` raises a bare Exception for a malformed file)
+        if required:
+            raise ValueError(f"cannot load {path}: {e}") from None
+        print(f"note: cannot load {path} ({e}); printing token ids", file=sys.stderr)
+        return None
+
+
+def _check_model_dir(path, what="model directory"):
+    """FileNotFoundError / NotADirectoryError naming ``path`` unless it is a directory."""
+    if not os.path.isdir(path):
+        if os.path.exists(path):
+            raise NotADirectoryError(f"{what} {path!r} is not a directory")
+        raise FileNotFoundError(f"{what} {path!r} does not exist")
+
+
+# argparse types. int() and float() also take "1_0" and digits of other scripts ("١٢"); a
+# number on this command line is ASCII: an optional sign, then decimal digits.
+_INT_RE = re.compile(r"[+-]?[0-9]+")
+_FLOAT_RE = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?|[+-]?(inf|infinity|nan)", re.IGNORECASE)
+
+
+def _short(text, limit=40):
+    return repr(text) if len(text) <= limit else f"{text[:limit]!r}... ({len(text)} characters)"
+
+
+def _int_value(text):
+    """An int in ASCII decimal, optionally signed, or ValueError."""
+    if not _INT_RE.fullmatch(text):
+        raise ValueError(text)
+    return int(text)  # (ValueError past sys.get_int_max_str_digits() digits)
+
+
+def _int_arg(text):
+    try:
+        return _int_value(text)
     except ValueError:
-        raise SystemExit(f"--ids must be integers separated by commas or spaces, got {text!r}")
+        raise argparse.ArgumentTypeError(f"invalid int value: {_short(text)}") from None
+
+
+def _positive_int_arg(text):
+    value = _int_arg(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {value}")
+    return value
+
+
+def _float_value(text):
+    if not _FLOAT_RE.fullmatch(text):
+        raise ValueError(text)
+    return float(text)
+
+
+def _float_arg(text):
+    try:
+        return _float_value(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {_short(text)}") from None
+
+
+def _temperature_arg(text):
+    value = _float_arg(text)
+    with np.errstate(over="ignore"):  # (the sampler works in float32: 1e39 is inf there)
+        finite = bool(np.isfinite(np.float32(value)))
+    if not (finite and value >= 0):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0 (within the float32 range), got {text!r}")
+    return value
+
+
+def _ids_arg(text):
+    """--ids: token ids separated by commas or spaces."""
+    ids = []
+    for token in text.replace(",", " ").split():
+        try:
+            ids.append(_int_value(token))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"must be integers separated by commas or spaces, got {_short(token)}") from None
+    return ids
+
+
+def _text_arg(text):
+    """Prompt text: valid Unicode (argv bytes that are not UTF-8 arrive as lone surrogates)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise argparse.ArgumentTypeError("must be UTF-8 text; the command line held bytes that are not UTF-8") from None
+    return text
+
+
+DRAFTERS = "none, ngram, model, oracle[:noise]"
+
+
+def _drafter_arg(text):
+    """--drafter: none | ar | ngram | model | oracle | oracle:NOISE with NOISE in [0, 1]."""
+    name, colon, noise = text.partition(":")
+    if name in ("none", "ar", "ngram", "model") and not colon:
+        return text
+    if name == "oracle":
+        if not colon:
+            return text
+        try:
+            value = _float_value(noise)
+        except ValueError:
+            value = None
+        if value is None or not 0.0 <= value <= 1.0:
+            raise argparse.ArgumentTypeError(f"the oracle's noise (oracle:NOISE) must be a number in [0, 1], "
+                                             f"got {_short(noise)}")
+        return text
+    raise argparse.ArgumentTypeError(f"unknown drafter {_short(text)} (choose from {DRAFTERS})")
 
 
 class _Streamer:
@@ -81,7 +190,7 @@ class _Streamer:
             sys.stderr.write("\n")
 
 
-def _make_drafter(name, engine, args, prompt, n):
+def _make_drafter(name, engine, args, prompt, n, max_seq_len):
     from . import drafters
     from .generation import generate
 
@@ -91,16 +200,17 @@ def _make_drafter(name, engine, args, prompt, n):
         return drafters.NgramDrafter()
     if name == "model":
         if not getattr(args, "draft_model", None):
-            raise SystemExit("--drafter model needs --draft-model DIR")
+            raise _UsageError("--drafter model needs --draft-model DIR")
         from .engine import Engine
 
-        draft_engine = Engine.from_pretrained(args.draft_model, device=args.device, max_seq_len=args.max_seq_len)
+        _check_model_dir(args.draft_model, "draft model directory")
+        draft_engine = Engine.from_pretrained(args.draft_model, device=args.device, max_seq_len=max_seq_len)
         return drafters.ModelDrafter(draft_engine, min_chain_prob=DEMO_MODEL_MIN_CHAIN_PROB)
-    if name.startswith("oracle"):
-        noise = float(name.split(":", 1)[1]) if ":" in name else 0.0
+    if name == "oracle" or name.startswith("oracle:"):
+        noise = _float_value(name.split(":", 1)[1]) if ":" in name else 0.0
         ref = generate(engine, prompt, n, temperature=0.0).tokens  # the answer, from AR
         return drafters.OracleDrafter(ref, noise=noise, seed=0, vocab_size=engine.vocab_size)
-    raise SystemExit(f"unknown drafter {name!r} (none, ngram, model, oracle[:noise])")
+    raise ValueError(f"unknown drafter {name!r} (choose from {DRAFTERS})")
 
 
 def _stats_line(res):
@@ -114,21 +224,36 @@ def _stats_line(res):
 
 # ---- generate ---------------------------------------------------------------------------------
 
+# The default KV capacity of `generate`, capped at the model's max_position_embeddings.
+DEFAULT_MAX_SEQ_LEN = 4096
+
+
 def _cmd_generate(args):
+    from .config import load_config
     from .engine import Engine
     from .generation import generate
 
-    tok = _load_tokenizer(args.model_dir)
+    if args.ids is None and args.prompt is None:
+        raise _UsageError("give a prompt: --prompt TEXT (with tokenizer.json) or --ids 1,2,3")
+    if args.drafter == "model" and not args.draft_model:
+        raise _UsageError("--drafter model needs --draft-model DIR")
+    _check_model_dir(args.model_dir)
+    max_positions = load_config(args.model_dir).max_position_embeddings
+    max_seq_len = args.max_seq_len
+    if max_seq_len is None:
+        max_seq_len = min(DEFAULT_MAX_SEQ_LEN, max_positions)
+    elif max_positions < max_seq_len <= 2**31 - 1:  # (beyond that the engine refuses it)
+        print(f"note: --max-seq-len {max_seq_len} is more than the model's max_position_embeddings "
+              f"({max_positions}); positions past it are outside what the model was trained for", file=sys.stderr)
+    tok = _load_tokenizer(args.model_dir, required=args.ids is None)
     if args.ids is not None:
-        prompt = _parse_ids(args.ids)
-    elif args.prompt is not None:
-        if tok is None:
-            raise SystemExit("--prompt needs MODEL_DIR/tokenizer.json (and the `tokenizers` package); use --ids")
-        prompt = tok.encode(args.prompt).ids
+        prompt = args.ids
     else:
-        raise SystemExit("give a prompt: --prompt TEXT (with tokenizer.json) or --ids 1,2,3")
-    eng = Engine.from_pretrained(args.model_dir, device=args.device, max_seq_len=args.max_seq_len)
-    drafter = _make_drafter(args.drafter, eng, args, prompt, args.max_new_tokens)
+        if tok is None:
+            raise _UsageError("--prompt needs MODEL_DIR/tokenizer.json (and the `tokenizers` package); use --ids")
+        prompt = tok.encode(args.prompt).ids
+    eng = Engine.from_pretrained(args.model_dir, device=args.device, max_seq_len=max_seq_len)
+    drafter = _make_drafter(args.drafter, eng, args, prompt, args.max_new_tokens, max_seq_len)
     stream = _Streamer(tok, stream=not args.no_stream)
     stops = list(args.stop or [])
     if args.eos and getattr(eng.config, "eos_token_id", None) is not None:
@@ -289,7 +414,7 @@ def _cmd_demo(args):
               f"{res.stats['mean_acceptance_length']:>10.2f}  {'yes' if same else 'NO'}")
     print("(oracle: a drafter that knows the AR answer, with the n-gram row's budget/depth: the ceiling there)")
     if not ok:
-        print("error: DDTree output differs from AR", file=sys.stderr)
+        print("kdtree-native demo: error: DDTree output differs from AR", file=sys.stderr)
         return 1
     return 0
 
@@ -301,33 +426,36 @@ def main(argv=None):
 
     g = sub.add_parser("generate", help="generate from an HF checkpoint directory")
     g.add_argument("model_dir")
-    g.add_argument("--prompt", help="prompt text (needs MODEL_DIR/tokenizer.json)")
-    g.add_argument("--ids", help="prompt token ids, e.g. 1,2,3")
-    g.add_argument("-n", "--max-new-tokens", type=int, default=64)
-    g.add_argument("--drafter", default="ngram", help="none | ngram | model | oracle[:noise] (default ngram)")
+    g.add_argument("--prompt", type=_text_arg, help="prompt text (needs MODEL_DIR/tokenizer.json)")
+    g.add_argument("--ids", type=_ids_arg, help="prompt token ids, e.g. 1,2,3")
+    g.add_argument("-n", "--max-new-tokens", type=_int_arg, default=64)
+    g.add_argument("--drafter", type=_drafter_arg, default="ngram",
+                   help="none | ngram | model | oracle[:noise] (default ngram)")
     g.add_argument("--draft-model", help="checkpoint dir of the drafter model (--drafter model)")
-    g.add_argument("--budget", type=int, default=64, help="tree nodes per round (0 = AR)")
-    g.add_argument("--depth", type=int, default=15)
-    g.add_argument("--top-k", type=int, default=None, help="drafter candidates per depth (default: budget)")
-    g.add_argument("-t", "--temperature", type=float, default=0.0)
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", type=int, nargs="*", help="stop token ids")
+    g.add_argument("--budget", type=_int_arg, default=64, help="tree nodes per round (0 = AR)")
+    g.add_argument("--depth", type=_int_arg, default=15)
+    g.add_argument("--top-k", type=_int_arg, default=None, help="drafter candidates per depth (default: budget)")
+    g.add_argument("-t", "--temperature", type=_temperature_arg, default=0.0)
+    g.add_argument("--top-p", type=_float_arg, default=1.0)
+    g.add_argument("--seed", type=_int_arg, default=None)
+    g.add_argument("--stop", type=_int_arg, nargs="*", help="stop token ids")
     g.add_argument("--eos", action="store_true", help="also stop at the config's eos_token_id")
-    g.add_argument("--max-seq-len", type=int, default=4096)
+    g.add_argument("--max-seq-len", type=_int_arg, default=None,
+                   help=f"KV cache capacity in tokens (default: {DEFAULT_MAX_SEQ_LEN}, or the model's "
+                        f"max_position_embeddings when smaller)")
     g.add_argument("--device", default="cpu")
     g.add_argument("--no-stream", action="store_true", help="print the output at the end, with a progress line")
     g.add_argument("--json", action="store_true", help="also print tokens and stats as JSON")
 
     d = sub.add_parser("demo", help="AR vs DDTree side by side on the embedded default model")
-    d.add_argument("-n", "--max-new-tokens", type=int, default=128)
-    d.add_argument("--budget", type=int, default=None,
+    d.add_argument("-n", "--max-new-tokens", type=_int_arg, default=128)
+    d.add_argument("--budget", type=_int_arg, default=None,
                    help=f"tree budget of every drafter (default: n-gram {DEMO_NGRAM[0]}, model {DEMO_MODEL[0]})")
-    d.add_argument("--depth", type=int, default=None,
+    d.add_argument("--depth", type=_int_arg, default=None,
                    help=f"draft depth of every drafter (default: n-gram {DEMO_NGRAM[1]}, model {DEMO_MODEL[1]})")
-    d.add_argument("--prompt", default=None, help="prompt text (default: a few lines of a Python class)")
-    d.add_argument("--repeats", type=int, default=3, help="timed runs per mode (median)")
-    d.add_argument("--max-seq-len", type=int, default=1024)
+    d.add_argument("--prompt", type=_text_arg, default=None, help="prompt text (default: a few lines of a Python class)")
+    d.add_argument("--repeats", type=_positive_int_arg, default=3, help="timed runs per mode (median; >= 1)")
+    d.add_argument("--max-seq-len", type=_int_arg, default=1024)
     d.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                    help="where the models run (auto: the GPU when one is usable, else the CPU)")
 
@@ -336,11 +464,23 @@ def main(argv=None):
         p.print_help()
         return 0
     cmd = {"info": _cmd_info, "generate": _cmd_generate, "demo": _cmd_demo}[args.cmd]
+    # Errors, one convention: "kdtree-native CMD: error: ..." on stderr and exit status 2, for a
+    # bad command line (argparse's own checks and _UsageError, with the usage line) as for a
+    # failure the command runs into (bad model dir, out-of-range ids, no GPU: the exception's
+    # type and message, no traceback; KDTREE_DEBUG=1 shows it).
     try:
         return cmd(args)
-    except (ValueError, OSError, RuntimeError, NotImplementedError) as e:
-        # A user error (bad model dir, bad ids, no GPU, ...): one clear line, no traceback
-        # (set KDTREE_DEBUG=1 to see it).
+    except _UsageError as e:
+        sub.choices[args.cmd].error(str(e))  # (exits with status 2)
+    except BrokenPipeError:
+        # The reader of stdout went away (`| head`): stop quietly, as Python's documentation
+        # advises (stdout to /dev/null, so that the interpreter's final flush does not complain).
+        try:
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        except (OSError, ValueError):
+            pass
+        return 1
+    except (ValueError, TypeError, OSError, RuntimeError, NotImplementedError) as e:
         if os.environ.get("KDTREE_DEBUG"):
             raise
         print(f"kdtree-native {args.cmd}: error: {type(e).__name__}: {e}", file=sys.stderr)

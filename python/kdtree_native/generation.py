@@ -123,7 +123,12 @@ def _stop_ids(stop_token_ids):
     if arr.ndim > 1:
         raise ValueError(f"stop_token_ids must be a sequence of token ids, got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
-        raise TypeError(f"stop_token_ids must be integers, got dtype {arr.dtype}")
+        # Python ints past the 64-bit range make an object array: out of range, not of the wrong type
+        # (_int_arg names the first one).
+        big_ints = arr.dtype == object and all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in arr.reshape(-1).tolist())
+        if not big_ints:
+            raise TypeError(f"stop_token_ids must be integers, got dtype {arr.dtype}")
     return [_int_arg(t, "stop token id") for t in arr.reshape(-1).tolist()]
 
 
@@ -132,6 +137,10 @@ def _prompt_array(prompt_ids):
     if arr.ndim != 1:
         raise ValueError(f"prompt_ids must be a 1-D sequence of token ids, got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
+        if arr.dtype == object:  # Python ints past the 64-bit range: out of the vocab, named
+            for i, t in enumerate(arr.tolist()):
+                if isinstance(t, (int, np.integer)) and not isinstance(t, bool) and not -2**63 <= t < 2**63:
+                    raise ValueError(f"prompt token {t} at index {i} outside the vocab")
         raise ValueError(f"prompt_ids must be integers, got dtype {arr.dtype}")
     if arr.size == 0:
         raise ValueError("prompt_ids must contain at least one token")
@@ -210,7 +219,9 @@ def generate(engine, prompt_ids, max_new_tokens: int, drafter=None, tree_budget:
     top_k = 0 if top_k is None else _int_arg(top_k, "top_k", 1)
     target_top_k = 0 if target_top_k is None else _int_arg(target_top_k, "target_top_k", 1)
     temperature = float(temperature)
-    if not np.isfinite(np.float32(temperature)) or temperature < 0:  # (the native sampler works in float32)
+    with np.errstate(over="ignore"):  # (a value past float32 is refused below, without a warning)
+        t32 = np.float32(temperature)
+    if not np.isfinite(t32) or temperature < 0:  # (the native sampler works in float32)
         raise ValueError(f"temperature must be a finite float32 number >= 0, got {temperature}")
     top_p = float(top_p)
     if not (0.0 < top_p <= 1.0) or not np.float32(top_p) > 0:

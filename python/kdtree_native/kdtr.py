@@ -7,9 +7,12 @@ The C++ reader (cpp/kdtr.cpp) applies the same checks in the same order with the
 tests/python/test_kdtr*.py compare the two. Corrupt input raises KdtrError (a ValueError)
 whose message names the file and the problem.
 """
+import errno
 import json
+import math
 import mmap as _mmap
 import os
+import stat as _stat
 import struct
 import tempfile
 import zlib
@@ -137,6 +140,8 @@ def _encode_metadata(metadata):
         raise TypeError(f"metadata is not JSON-serialisable: {e}") from None
     except ValueError as e:
         raise ValueError(f"metadata is not valid JSON: {e}") from None
+    except RecursionError:  # (nested far deeper than the readers' limit: the encoder ran out of stack)
+        raise KdtrError(f"cannot write KDTR: metadata JSON is nested deeper than {MAX_JSON_DEPTH} levels") from None
     try:
         blob = text.encode("utf-8")
     except UnicodeEncodeError:
@@ -151,8 +156,13 @@ def save_kdtr(path, arrays, metadata=None):
     """Write ``arrays`` ({name: ndarray or Bf16}) and ``metadata`` (a JSON-able dict) to ``path``.
 
     The file is written to a temporary file next to ``path``, fsynced and renamed over it, so
-    readers never see a half-written file.
+    readers never see a half-written file. ``path`` is a str, bytes or os.PathLike, as for open().
     """
+    path = os.fsdecode(os.fspath(path))
+    if not path:  # (open("") fails the same way; refused before a temporary file is made)
+        raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT), path)
+    if path.endswith(os.sep) or (os.altsep and path.endswith(os.altsep)) or _is_dir_entry(path):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), path)
     if not isinstance(arrays, Mapping):
         raise TypeError(f"arrays must be a dict of name -> array, got {type(arrays).__name__}")
     if len(arrays) > MAX_TENSORS:
@@ -189,9 +199,11 @@ def save_kdtr(path, arrays, metadata=None):
     assert len(table) == table_size
     head = _HEADER.pack(MAGIC, VERSION, 0, file_size, len(tensors), table_size, len(meta), data_offset, 0)
 
-    path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".", suffix=".tmp", dir=directory)
+    except OSError as e:  # (name the target, not the temporary file the caller never asked for)
+        raise _retarget(e, path) from None
     try:
         with os.fdopen(fd, "wb") as f:
             crc = 0
@@ -219,7 +231,10 @@ def save_kdtr(path, arrays, metadata=None):
         umask = os.umask(0)
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except OSError as e:
+            raise _retarget(e, path) from None
     except BaseException:
         try:
             os.unlink(tmp)
@@ -234,6 +249,21 @@ def save_kdtr(path, arrays, metadata=None):
             os.close(dfd)
     except OSError:
         pass
+
+
+def _is_dir_entry(path):
+    """Whether ``path`` itself is a directory (a symlink to one is replaced like any other entry)."""
+    try:
+        return _stat.S_ISDIR(os.lstat(path).st_mode)
+    except (OSError, ValueError):
+        return False
+
+
+def _retarget(error, path):
+    """The same OSError, naming ``path`` (the target) instead of the writer's temporary file."""
+    if error.errno is None:
+        return error
+    return type(error)(error.errno, error.strerror, path)
 
 
 # ----------------------------------------------------------------------------------- reader
@@ -252,10 +282,17 @@ def _json_int(s):
     return int(s)
 
 
+class _NumberOutOfRange(Exception):
+    pass
+
+
 def _json_float(s):
     if len(s) > MAX_JSON_NUMBER_LEN:
         raise _NumberTooLong
-    return float(s)
+    value = float(s)
+    if math.isinf(value):  # (e.g. 1e400: float() would make it inf, which JSON cannot express)
+        raise _NumberOutOfRange
+    return value
 
 
 def _json_constant(s):
@@ -292,6 +329,8 @@ def _decode_metadata(blob, where):
         raise KdtrError(f"{where}: metadata is not valid JSON: {e} is not allowed") from None
     except _NumberTooLong:
         raise KdtrError(f"{where}: metadata JSON has a number longer than {MAX_JSON_NUMBER_LEN} characters") from None
+    except _NumberOutOfRange:
+        raise KdtrError(f"{where}: metadata JSON has a number outside the float64 range") from None
     except RecursionError:
         raise KdtrError(f"{where}: metadata JSON is nested deeper than {MAX_JSON_DEPTH} levels") from None
     if not _json_depth_ok(value):
@@ -331,6 +370,29 @@ def _shape_str(shape):
     return "[" + ", ".join(str(d) for d in shape) + "]"
 
 
+def _check_header(head, size, where):
+    """Checks 1-5 of docs/kdtr.md "Validation", those that need only the file's ``size`` and its
+    first 64 bytes ``head`` (read only when size >= 64). Returns (version, crc, file_size,
+    tensor_count, table_size, metadata_size, data_offset)."""
+    if size < HEADER_SIZE:
+        raise KdtrError(f"{where}: truncated file: {size} bytes is smaller than the {HEADER_SIZE}-byte KDTR header")
+    magic, version, crc, file_size, count, table_size, meta_size, data_offset, flags = _HEADER.unpack_from(head, 0)
+    problem = None
+    if magic != MAGIC:
+        problem = "bad magic: not a KDTR file"
+    elif version != VERSION:
+        problem = f"unsupported KDTR format version {version} (this reader reads version {VERSION})"
+    elif flags != 0:
+        problem = f"unsupported header flags {flags} (must be 0 in version {VERSION})"
+    elif file_size > size:
+        problem = f"truncated file: the header says {file_size} bytes but the file has {size}"
+    elif file_size < size:
+        problem = f"trailing bytes: the header says {file_size} bytes but the file has {size}"
+    if problem:
+        raise KdtrError(f"{where}: {problem}")
+    return version, crc, file_size, count, table_size, meta_size, data_offset
+
+
 def _parse(buf, where="<buffer>", verify=True):
     """Validate a whole KDTR image (any buffer: bytes, mmap) without copying payloads.
 
@@ -341,19 +403,7 @@ def _parse(buf, where="<buffer>", verify=True):
         raise KdtrError(f"{where}: {msg}")
 
     size = len(buf)
-    if size < HEADER_SIZE:
-        fail(f"truncated file: {size} bytes is smaller than the {HEADER_SIZE}-byte KDTR header")
-    magic, version, crc, file_size, count, table_size, meta_size, data_offset, flags = _HEADER.unpack_from(buf, 0)
-    if magic != MAGIC:
-        fail("bad magic: not a KDTR file")
-    if version != VERSION:
-        fail(f"unsupported KDTR format version {version} (this reader reads version {VERSION})")
-    if flags != 0:
-        fail(f"unsupported header flags {flags} (must be 0 in version {VERSION})")
-    if file_size > size:
-        fail(f"truncated file: the header says {file_size} bytes but the file has {size}")
-    if file_size < size:
-        fail(f"trailing bytes: the header says {file_size} bytes but the file has {size}")
+    version, crc, file_size, count, table_size, meta_size, data_offset = _check_header(buf, size, where)
     if verify:
         with memoryview(buf) as mv:
             computed = zlib.crc32(mv[16:size])
@@ -446,6 +496,21 @@ def _parse(buf, where="<buffer>", verify=True):
     return header, entries, meta
 
 
+def _open_regular(path):
+    """``open(path, "rb")`` for a regular file only: anything else (a FIFO, a device, a directory)
+    raises KdtrError "<path>: not a regular file", as the C++ reader does. The open does not block
+    (O_NONBLOCK: opening a FIFO would wait for a writer); the check is on the opened file itself."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        if not _stat.S_ISREG(os.fstat(fd).st_mode):
+            raise KdtrError(f"{path}: not a regular file")
+        os.set_blocking(fd, True)
+        return open(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def load_kdtr(path, mmap=True, verify=True):
     """Read a KDTR file: returns ``(arrays, metadata)``, ``arrays`` in file order.
 
@@ -456,11 +521,15 @@ def load_kdtr(path, mmap=True, verify=True):
     always run. Corrupt files raise KdtrError (a ValueError) naming the problem.
     """
     path = os.fsdecode(os.fspath(path))
-    with open(path, "rb") as f:
+    with _open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         if mmap and size > 0:
             buf = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_READ)
         else:
+            head = f.read(HEADER_SIZE)  # (a file that is no KDTR file is refused before a big read)
+            if len(head) == HEADER_SIZE:
+                _check_header(head, size, path)
+            f.seek(0)
             buf = bytearray(size)
             del buf[f.readinto(buf):]
     try:
@@ -485,7 +554,7 @@ def kdtr_table(path, verify=True):
     """The tensor table of a KDTR file, without touching payloads (beyond the checksum):
     a list of dicts name, dtype, shape, offset, nbytes — the same as ``_native.kdtr_table``."""
     path = os.fsdecode(os.fspath(path))
-    with open(path, "rb") as f:
+    with _open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         buf = _mmap.mmap(f.fileno(), 0, access=_mmap.ACCESS_READ) if size else b""
     try:

@@ -13,6 +13,9 @@
 #include <utility>
 #include <vector>
 
+#include <sys/stat.h>
+#include <unistd.h>
+
 #include "check.h"
 #include "kdtr.h"
 
@@ -215,6 +218,26 @@ void test_corrupt() {
   CHECK(throws_with([] { KdtrFile::open(kdtest::golden_path("")); }, "not a regular file"));
 }
 
+// Paths that are not a readable regular file: a FIFO is refused without waiting for a writer (the
+// open used to block forever; SIGALRM ends the test if it ever does again), a NUL inside the path
+// is refused instead of opening the path cut short at it.
+void test_special_paths() {
+  char dir[] = "/tmp/kdtr_test_XXXXXX";
+  CHECK(mkdtemp(dir) != nullptr);
+  const std::string fifo = std::string(dir) + "/fifo.kdtr";
+  CHECK(mkfifo(fifo.c_str(), 0600) == 0);
+  alarm(60);
+  std::string got;
+  CHECK(throws_with([&] { KdtrFile::open(fifo); }, fifo + ": not a regular file", &got));
+  alarm(0);
+  ::unlink(fifo.c_str());
+  ::rmdir(dir);
+  const std::string good = kdtest::golden_path("kdtr_golden_all.kdtr");
+  CHECK(KdtrFile::open(good).tensors().size() > 0);
+  const std::string with_nul = good + std::string("\0.bak", 5);
+  CHECK(throws_with([&] { KdtrFile::open(with_nul); }, "embedded null byte", &got));
+}
+
 }  // namespace
 
 int main() {
@@ -223,6 +246,7 @@ int main() {
     test_all_dtypes();
     test_many_and_empty();
     test_corrupt();
+    test_special_paths();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "unexpected exception: %s\n", e.what());
     return 1;

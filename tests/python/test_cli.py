@@ -1,5 +1,6 @@
 """The command line (`python -m kdtree_native`): info, demo and generate run end to end on the
 embedded default model and print what they promise; bad arguments fail with a message."""
+import json
 import os
 import subprocess
 import sys
@@ -7,6 +8,7 @@ import sys
 import pytest
 
 import kdtree_native as kn
+from kdtree_native import cli
 
 
 def _run(*args, timeout=240):
@@ -54,3 +56,187 @@ def test_generate_bad_arguments_fail_cleanly():
     assert "Traceback" not in r.stderr and "999999" in r.stderr and "vocab" in r.stderr
     r = _run("demo", "--device", "tpu")
     assert r.returncode != 0 and "invalid choice" in r.stderr
+
+
+# ---- robustness (in-process through cli.main where no subprocess is needed) --------------------
+
+def _main(capsys, *argv):
+    """(exit status, stdout, stderr) of cli.main(argv); argparse's errors exit through SystemExit."""
+    try:
+        rc = cli.main(list(argv))
+    except SystemExit as e:
+        rc = e.code
+    out, err = capsys.readouterr()
+    assert "Traceback" not in err, err
+    return rc, out, err
+
+
+@pytest.fixture
+def no_debug(monkeypatch):
+    monkeypatch.delenv("KDTREE_DEBUG", raising=False)
+
+
+def _model_copy(tmp_path, tokenizer_text=None):
+    """A model directory with the default model's config and weights (symlinks) and, optionally,
+    a tokenizer.json holding ``tokenizer_text``."""
+    src = kn.default_model_dir()
+    d = tmp_path / "model"
+    d.mkdir()
+    for name in os.listdir(src):
+        if name != "tokenizer.json":
+            os.symlink(os.path.join(src, name), d / name)
+    if tokenizer_text is not None:
+        (d / "tokenizer.json").write_text(tokenizer_text)
+    return str(d)
+
+
+def test_generate_corrupt_tokenizer_is_a_note_with_ids_and_an_error_with_a_prompt(tmp_path, capsys, no_debug):
+    """A tokenizer.json that does not load used to end in a traceback even with --ids (where no
+    tokenizer is needed): with --ids the output is printed as ids, after a note; with --prompt
+    it is a clean error."""
+    pytest.importorskip("tokenizers")
+    model = _model_copy(tmp_path, "{not json")
+    rc, out, err = _main(capsys, "generate", model, "--ids", "1,5,9", "-n", "4", "--drafter", "none",
+                         "--no-stream", "--device", "cpu")
+    assert rc == 0, err
+    assert "note: cannot load" in err and "tokenizer.json" in err
+    assert len(out.split()) == 4 and all(t.isdigit() for t in out.split())
+    rc, out, err = _main(capsys, "generate", model, "--prompt", "def f", "-n", "4", "--device", "cpu")
+    assert rc == 2 and "kdtree-native generate: error:" in err and "cannot load" in err, err
+
+
+def test_generate_prompt_that_is_not_utf8(capsys, no_debug):
+    """argv bytes that are not UTF-8 arrive as lone surrogates; the tokenizer used to raise a
+    TypeError (traceback). Now an argparse error (exit 2), for generate and demo; the same through
+    a real command line."""
+    model = kn.default_model_dir()
+    rc, _, err = _main(capsys, "generate", model, "--prompt", "abc\udcff", "-n", "2")
+    assert rc == 2 and "argument --prompt: must be UTF-8 text" in err, err
+    rc, _, err = _main(capsys, "demo", "--prompt", "\udcfe\udcff", "-n", "2")
+    assert rc == 2 and "argument --prompt: must be UTF-8 text" in err, err
+    r = subprocess.run([sys.executable, "-m", "kdtree_native", "generate", model, "--prompt", b"\xff\xfe", "-n", "2"],
+                       capture_output=True, timeout=240, env=dict(os.environ))
+    assert r.returncode == 2 and b"Traceback" not in r.stderr and b"argument --prompt" in r.stderr, r.stderr
+
+
+def test_generate_stop_id_past_int64_is_a_clean_error(capsys, no_debug):
+    """--stop 2**70 reached generate() as an object array and ended in a TypeError traceback."""
+    rc, _, err = _main(capsys, "generate", kn.default_model_dir(), "--ids", "1", "-n", "4", "--device", "cpu",
+                       "--stop", str(2**70))
+    assert rc == 2, err
+    assert f"error: ValueError: stop token id must be <= 9223372036854775807, got {2**70}" in err, err
+
+
+@pytest.mark.parametrize("repeats", ["0", "-1"])
+def test_demo_repeats_must_be_positive(capsys, no_debug, repeats):
+    """demo --repeats 0 / -1 used to time nothing and fail with an IndexError (traceback)."""
+    rc, out, err = _main(capsys, "demo", "-n", "4", "--repeats", repeats)
+    assert rc == 2 and f"argument --repeats: must be an integer >= 1, got {repeats}" in err, err
+    assert out == ""  # refused before any model is loaded
+
+
+@pytest.mark.parametrize("drafter, message", [
+    ("oraclefoo", "argument --drafter: unknown drafter 'oraclefoo' (choose from none, ngram, model, oracle[:noise])"),
+    ("bogus", "argument --drafter: unknown drafter 'bogus' (choose from none, ngram, model, oracle[:noise])"),
+    ("oracle:abc", "argument --drafter: the oracle's noise (oracle:NOISE) must be a number in [0, 1], got 'abc'"),
+    ("oracle:nan", "argument --drafter: the oracle's noise (oracle:NOISE) must be a number in [0, 1], got 'nan'"),
+    ("oracle:1.5", "argument --drafter: the oracle's noise (oracle:NOISE) must be a number in [0, 1], got '1.5'"),
+    ("ngram:3", "argument --drafter: unknown drafter 'ngram:3'"),
+])
+def test_generate_drafter_names_are_checked(capsys, no_debug, drafter, message):
+    """--drafter oraclefoo used to run the oracle; oracle:abc said only "could not convert string
+    to float". Both are argparse errors naming --drafter, before any model is loaded."""
+    rc, _, err = _main(capsys, "generate", kn.default_model_dir(), "--ids", "1", "-n", "4", "--drafter", drafter)
+    assert rc == 2 and message in err, err
+
+
+def test_generate_oracle_with_noise_still_runs(capsys, no_debug):
+    rc, _, err = _main(capsys, "generate", kn.default_model_dir(), "--ids", "1,5,9", "-n", "4", "--device", "cpu",
+                       "--drafter", "oracle:0.25", "--no-stream")
+    assert rc == 0, err
+
+
+def test_generate_temperature_past_float32_is_refused_without_warnings(capsys, no_debug):
+    """-t 1e39 overflowed float32 in the engine's check: NumPy printed a RuntimeWarning before the
+    error. The command line refuses it (and NaN, inf, negatives) itself."""
+    import warnings
+
+    for t in ("1e39", "1e308", "inf", "nan", "-1"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            rc, _, err = _main(capsys, "generate", kn.default_model_dir(), "--ids", "1", "-n", "4", "-t", t)
+        assert rc == 2 and "argument -t/--temperature: must be a finite number >= 0" in err, (t, err)
+        assert "RuntimeWarning" not in err
+
+
+@pytest.mark.parametrize("ids", ["\u0661\u0662", "1_0", "1,\uff12", "0x10", "1.5"])
+def test_ids_are_ascii_decimal(capsys, no_debug, ids):
+    """--ids "١٢" (Arabic-Indic digits) and "1_0" used to be taken as 12 and 10 (int() accepts
+    both); token ids are ASCII decimal. Other int options follow the same rule."""
+    rc, _, err = _main(capsys, "generate", kn.default_model_dir(), "--ids", ids, "-n", "2")
+    assert rc == 2 and "argument --ids: must be integers separated by commas or spaces" in err, err
+    rc, _, err = _main(capsys, "generate", kn.default_model_dir(), "--ids", "1", "-n", "1_0")
+    assert rc == 2 and "argument -n/--max-new-tokens: invalid int value: '1_0'" in err, err
+    rc, _, err = _main(capsys, "generate", kn.default_model_dir(), "--ids", " +1, 5 ,-0", "-n", "0")
+    assert rc == 0, err
+
+
+def test_model_dir_that_is_a_file_or_a_fifo(tmp_path, capsys, no_debug):
+    """A regular file or a FIFO given as MODEL_DIR was reported as "does not exist"."""
+    f = tmp_path / "afile"
+    f.write_text("x")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    for path in (f, fifo):
+        rc, _, err = _main(capsys, "generate", str(path), "--ids", "1", "-n", "2")
+        assert rc == 2, err
+        assert f"error: NotADirectoryError: model directory {str(path)!r} is not a directory" in err, err
+    rc, _, err = _main(capsys, "generate", kn.default_model_dir(), "--ids", "1", "-n", "2", "--drafter", "model",
+                       "--draft-model", str(f))
+    assert rc == 2 and f"draft model directory {str(f)!r} is not a directory" in err, err
+    rc, _, err = _main(capsys, "generate", str(tmp_path / "missing"), "--ids", "1", "-n", "2")
+    assert rc == 2 and "does not exist" in err, err
+
+
+def test_usage_errors_are_argparse_style(capsys, no_debug):
+    """Usage errors found after parsing used to exit 1 with a bare message; they now look like
+    argparse's own: the usage line, "kdtree-native generate: error: ...", exit status 2."""
+    model = kn.default_model_dir()
+    for argv, message in [((), "give a prompt: --prompt TEXT"),
+                          (("--ids", "1", "--drafter", "model"), "--drafter model needs --draft-model DIR")]:
+        rc, _, err = _main(capsys, "generate", model, *argv)
+        assert rc == 2, err
+        assert err.startswith("usage: kdtree-native generate") and f"kdtree-native generate: error: {message}" in err
+
+
+def test_generate_max_seq_len_defaults_to_the_model_limit(capsys, no_debug):
+    """The default --max-seq-len (4096) exceeded the embedded model's max_position_embeddings
+    (2048) silently: positions the model never saw. The default is now capped at it, and a larger
+    explicit value gets a note."""
+    model = kn.default_model_dir()
+    with open(os.path.join(model, "config.json")) as f:
+        limit = json.load(f)["max_position_embeddings"]
+    assert limit < 4096
+    ids = ",".join(["5"] * (limit - 1))
+    rc, _, err = _main(capsys, "generate", model, "--ids", ids, "-n", "2", "--drafter", "none", "--device", "cpu")
+    assert rc == 2 and f"exceeds max_seq_len ({limit})" in err, err
+    rc, _, err = _main(capsys, "generate", model, "--ids", "1", "-n", "2", "--drafter", "none", "--device", "cpu",
+                       "--max-seq-len", str(limit + 8))
+    assert rc == 0 and f"note: --max-seq-len {limit + 8} is more than the model's max_position_embeddings" in err, err
+
+
+def test_closed_stdout_stops_quietly():
+    """`kdtree-native generate ... | head -c1`: the reader of stdout goes away and the next write
+    raises BrokenPipeError, which used to print "error: BrokenPipeError". Now: no output on
+    stderr but the stats line's absence, exit status 1 (Python's documented convention)."""
+    r_fd, w_fd = os.pipe()
+    env = dict(os.environ)
+    env.pop("KDTREE_DEBUG", None)
+    p = subprocess.Popen([sys.executable, "-m", "kdtree_native", "generate", kn.default_model_dir(), "--ids", "1,5,9",
+                          "-n", "64", "--drafter", "none", "--device", "cpu"],
+                         stdout=w_fd, stderr=subprocess.PIPE, env=env)
+    os.close(w_fd)
+    os.close(r_fd)  # before the child writes anything: its first write fails
+    _, err = p.communicate(timeout=240)
+    assert p.returncode == 1, err
+    assert err.decode() == "", err

@@ -9,6 +9,8 @@ import threading
 import time
 import traceback
 
+import warnings
+
 import numpy as np
 import pytest
 
@@ -290,12 +292,35 @@ def test_huge_integer_arguments_are_clear_errors(toy_setup):
         generate(tgt, PROMPT, 4, stop_token_ids=[[4]])
     with pytest.raises(ValueError, match="prompt token 18446744073709551615 at index 1"):
         generate(tgt, np.array([1, 2**64 - 1], np.uint64), 4)
-    with pytest.raises(ValueError, match="temperature"):
-        generate(tgt, PROMPT, 4, temperature=1e39)
+    with pytest.raises(ValueError, match="prompt token 1180591620717411303424 at index 1 outside the vocab"):
+        generate(tgt, [1, 2**70], 4)  # (a Python int past int64: an object array)
+    with pytest.raises(ValueError, match="prompt token -18446744073709551616 at index 0"):
+        generate(tgt, [-2**64, 1], 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # refused without NumPy's overflow warning on the way
+        with pytest.raises(ValueError, match="temperature"):
+            generate(tgt, PROMPT, 4, temperature=1e39)
     with pytest.raises(ValueError, match="top_p"):
         generate(tgt, PROMPT, 4, top_p=1e-300)
     assert np.array_equal(generate(tgt, PROMPT, 4, seed=2**200, temperature=0.5).tokens.shape, (4,))
     assert np.array_equal(generate(tgt, PROMPT, len(ref), stop_token_ids=np.array([], np.int64)).tokens, ref)
+    assert np.array_equal(generate(tgt, PROMPT, len(ref)).tokens, ref)
+
+
+def test_stop_ids_past_int64_are_out_of_range(toy_setup):
+    """A stop id past int64 makes NumPy build an object array; it used to be refused as a TypeError
+    ("must be integers, got dtype object") although it is an integer: it is a ValueError naming
+    the value, like every other out-of-range integer argument. Non-integers stay TypeErrors."""
+    tgt, _, V, ref = toy_setup
+    for stops in ([2**70], [1, 2**70], (2**64,), [np.int64(3), 2**100]):
+        big = next(int(t) for t in stops if int(t) > 2**63 - 1)
+        with pytest.raises(ValueError, match=f"stop token id must be <= 9223372036854775807, got {big}"):
+            generate(tgt, PROMPT, 4, stop_token_ids=stops)
+    with pytest.raises(ValueError, match=f"stop token id must be >= 0, got {-2**70}"):
+        generate(tgt, PROMPT, 4, stop_token_ids=[-2**70])
+    for stops in ([None], [1, None], [2**70, "a"], [2**70, 1.5], [True]):
+        with pytest.raises(TypeError, match="stop_token_ids must be integers"):
+            generate(tgt, PROMPT, 4, stop_token_ids=stops)
     assert np.array_equal(generate(tgt, PROMPT, len(ref)).tokens, ref)
 
 

@@ -5,6 +5,9 @@ import json
 import os
 import pathlib
 import struct
+import subprocess
+import sys
+import textwrap
 import zlib
 
 import numpy as np
@@ -425,6 +428,12 @@ JSON_CASES = [
     (b'{"n":' + b"7" * 4000 + b"}", True), (b'{"n":' + b"7" * 4001 + b"}", False),
     (b'{"n":-' + b"7" * 3999 + b"}", True), (b'{"n":1.' + b"5" * 3998 + b"}", True), (b'{"n":1.' + b"5" * 3999 + b"}", False),
     (b'{"n":' + b"7" * 4001 + b".}", False), (b'true', False), (b'null', False), (b'12', False), (b'[{}]', False),
+    # numbers that overflow a float64 (Python's float() makes them inf) are refused; integers of any
+    # length (up to 4000 characters) and underflow to 0 are fine
+    (b'{"x":1e400}', False), (b'{"x":-1e400}', False), (b'{"x":1E+309}', False), (b'{"x":1.7976931348623159e308}', False),
+    (b'{"x":' + b"9" * 400 + b'.0}', False), (b'{"x":0.0000001e316}', False), (b'{"x":[1,2,1e99999999999999999999]}', False),
+    (b'{"x":1.7976931348623158e308}', True), (b'{"x":0.0000001e315}', True), (b'{"x":' + b"9" * 400 + b'}', True),
+    (b'{"x":1e-400}', True), (b'{"x":-1e-99999999999999999999}', True), (b'{"x":0e99999}', True),
 ]
 
 
@@ -439,3 +448,205 @@ def test_metadata_json_rules_agree(tmp_path, corrupt_base, text, valid):
         assert kn.load_kdtr(path)[1] == json.loads(_native.kdtr_read(str(path))[1])
     else:
         assert _same_problem(py_err, cpp_err) or ("metadata" in py_err and "metadata" in cpp_err), (py_err, cpp_err)
+
+
+def test_metadata_number_overflowing_a_double_is_refused(tmp_path, corrupt_base):
+    """1e400 used to load as inf in Python (the C++ reader passed it on as text): JSON has no
+    infinity, so both readers refuse it with the same message, and so does the writer's check."""
+    path = tmp_path / "inf.kdtr"
+    path.write_bytes(golden.make_corrupt(corrupt_base, golden._meta(b'{"ok":1.5,"x":1e400}'), True))
+    py_err, cpp_err = read_both(path)
+    assert py_err == cpp_err == f"{path}: metadata JSON has a number outside the float64 range"
+    with pytest.raises(KdtrError, match="cannot write KDTR: metadata JSON has a number outside the float64 range"):
+        kdtr._decode_metadata(b'{"x":1e400}', "cannot write KDTR")
+
+
+# ------------------------------------------------------------------------------ paths
+
+def test_readers_refuse_a_fifo_without_blocking(tmp_path):
+    """Opening a FIFO for reading waits for a writer: both readers used to hang forever on one.
+    They now refuse it (and any non-regular file) at once, with the same message. Run in a
+    subprocess so that a regression fails on the timeout instead of hanging the suite."""
+    fifo = tmp_path / "fifo.kdtr"
+    os.mkfifo(fifo)
+    code = textwrap.dedent(f"""
+        import kdtree_native as kn
+        from kdtree_native import _native, kdtr
+        path = {str(fifo)!r}
+        for name, read in [("load_kdtr", kn.load_kdtr), ("load_kdtr_nomm", lambda p: kn.load_kdtr(p, mmap=False)),
+                           ("kdtr_table", kdtr.kdtr_table), ("kdtr_read", _native.kdtr_read),
+                           ("_native.kdtr_table", _native.kdtr_table)]:
+            try:
+                read(path)
+                print(name, "loaded")
+            except ValueError as e:
+                print(name, type(e).__name__, e)
+        """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ))
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines == [f"load_kdtr KdtrError {fifo}: not a regular file",
+                     f"load_kdtr_nomm KdtrError {fifo}: not a regular file",
+                     f"kdtr_table KdtrError {fifo}: not a regular file",
+                     f"kdtr_read ValueError {fifo}: not a regular file",
+                     f"_native.kdtr_table ValueError {fifo}: not a regular file"], r.stdout
+
+
+@pytest.mark.parametrize("target", ["directory", "/dev/zero", "/dev/null"])
+def test_readers_agree_on_non_regular_files(tmp_path, target):
+    """A directory or a device: both readers say "not a regular file" (Python used to raise
+    IsADirectoryError, or read /dev/zero as a 0-byte "truncated file")."""
+    path = str(tmp_path) if target == "directory" else target
+    if not os.path.exists(path):
+        pytest.skip(f"no {path}")
+    for mmap in (True, False):
+        with pytest.raises(KdtrError, match="not a regular file") as e:
+            kn.load_kdtr(path, mmap=mmap)
+        assert str(e.value) == f"{path}: not a regular file"
+    with pytest.raises(KdtrError, match="not a regular file"):
+        kdtr.kdtr_table(path)
+    with pytest.raises(ValueError) as e:
+        _native.kdtr_read(path)
+    assert str(e.value) == f"{path}: not a regular file"
+
+
+def test_readers_refuse_an_embedded_nul(tmp_path):
+    """The C++ reader used to open the path cut at the NUL (here: a valid file); both readers
+    now raise ValueError as Python's open() does."""
+    p = tmp_path / "ok.kdtr"
+    kn.save_kdtr(p, {"a": np.arange(3, dtype=np.float32)})
+    bad = str(p) + "\0.bak"
+    for read in (kn.load_kdtr, kdtr.kdtr_table, _native.kdtr_read, _native.kdtr_table):
+        with pytest.raises(ValueError, match="embedded null byte"):
+            read(bad)
+    with pytest.raises(ValueError, match="embedded null byte"):
+        _native.kdtr_read(os.fsencode(bad))
+
+
+def test_save_kdtr_takes_bytes_and_pathlike_paths(tmp_path):
+    """save_kdtr(b"...") used to raise TypeError (str and bytes mixed in the temp file name);
+    it takes what open() takes, as load_kdtr does."""
+    p = os.fsencode(tmp_path / "b.kdtr")
+    kn.save_kdtr(p, {"a": np.arange(3, dtype=np.int16)}, {"k": 1})
+    for path in (p, os.fsdecode(p), pathlib.Path(os.fsdecode(p))):
+        arrays, meta = kn.load_kdtr(path)
+        assert arrays["a"].tolist() == [0, 1, 2] and meta == {"k": 1}
+        assert _native.kdtr_read(path)[0]["a"].tolist() == [0, 1, 2]
+    assert sorted(os.listdir(tmp_path)) == ["b.kdtr"]
+
+
+@pytest.mark.skipif(sys.getfilesystemencoding().lower().replace("-", "") != "utf8",
+                    reason="needs a UTF-8 filesystem encoding (surrogate escapes)")
+def test_readers_take_a_path_that_is_not_utf8(tmp_path):
+    """A file name with a byte that is not UTF-8: the C++ reader used to fail with a pybind11
+    cast error for it (bytes or the os.fsdecode str). Both readers read it and name it alike."""
+    raw = os.fsencode(tmp_path) + b"/n\xffame.kdtr"
+    kn.save_kdtr(raw, {"a": np.arange(4, dtype=np.uint8)})
+    for path in (raw, os.fsdecode(raw)):
+        assert kn.load_kdtr(path)[0]["a"].tolist() == [0, 1, 2, 3]
+        assert _native.kdtr_read(path)[0]["a"].tolist() == [0, 1, 2, 3]
+        assert [e["name"] for e in _native.kdtr_table(path)] == ["a"]
+    bad = raw[:-5] + b"-bad.kdtr"
+    with open(bad, "wb") as f:
+        f.write(b"PK\x03\x04" + bytes(100))
+    py_err, cpp_err = read_both(os.fsdecode(bad))
+    assert py_err == cpp_err == os.fsdecode(bad) + ": bad magic: not a KDTR file"
+    with pytest.raises(ValueError, match="cannot open") as e:
+        _native.kdtr_read(raw + b".missing")
+    assert str(e.value).startswith(os.fsdecode(raw + b".missing") + ": cannot open")
+
+
+def test_writer_path_errors_name_the_target(tmp_path, monkeypatch):
+    """An empty path used to create (and remove) a temporary file in the current directory; a
+    directory or a missing parent gave an error naming that temporary file. They are refused
+    naming the path, as open() would, and leave nothing behind."""
+    work = tmp_path / "cwd"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    arrays = {"a": np.ones(2)}
+    with pytest.raises(FileNotFoundError) as e:
+        kn.save_kdtr("", arrays)
+    assert e.value.filename == ""
+    target = tmp_path / "dir.kdtr"
+    target.mkdir()
+    for path in (target, str(target) + os.sep, str(tmp_path / "no_such_dir") + os.sep):
+        with pytest.raises(IsADirectoryError) as e:
+            kn.save_kdtr(path, arrays)
+        assert e.value.filename == os.fspath(path) and ".tmp" not in str(e.value)
+    missing = tmp_path / "no_such_dir" / "x.kdtr"
+    with pytest.raises(FileNotFoundError) as e:
+        kn.save_kdtr(missing, arrays)
+    assert e.value.filename == str(missing) and ".tmp" not in str(e.value)
+    assert os.listdir(work) == [] and os.listdir(target) == []
+    assert sorted(os.listdir(tmp_path)) == ["cwd", "dir.kdtr"]
+
+
+def test_writer_refuses_a_directory_that_appears_before_the_rename(tmp_path, monkeypatch):
+    """If the target becomes a directory while the file is written, the error of the final rename
+    names the target (not the temporary file), and the temporary file is removed."""
+    target = tmp_path / "t.kdtr"
+    real_fsync = os.fsync
+
+    def fsync_then_mkdir(fd):
+        real_fsync(fd)
+        if not target.exists():
+            target.mkdir()
+
+    monkeypatch.setattr(kdtr.os, "fsync", fsync_then_mkdir)
+    with pytest.raises(IsADirectoryError) as e:
+        kn.save_kdtr(target, {"a": np.ones(2)})
+    assert e.value.filename == str(target) and ".tmp" not in str(e.value)
+    assert os.listdir(tmp_path) == ["t.kdtr"] and os.listdir(target) == []
+
+
+def test_load_without_mmap_checks_the_header_before_reading(tmp_path, monkeypatch):
+    """mmap=False used to allocate (and read) the whole file before looking at the magic: a huge
+    file that is not a KDTR file raised MemoryError. Checks 1-5 now run on the header first.
+    (A sparse 8 GiB file; the reader's bytearray allocations are watched.)"""
+    big = 8 << 30
+    allocations = []
+
+    def watched_bytearray(*args):
+        if args and isinstance(args[0], int):
+            allocations.append(args[0])
+            if args[0] > 1 << 30:
+                raise MemoryError(f"bytearray({args[0]}) (test: a reader must not allocate this)")
+        return bytearray(*args)
+
+    monkeypatch.setattr(kdtr, "bytearray", watched_bytearray, raising=False)
+    junk = tmp_path / "junk.bin"
+    with open(junk, "wb") as f:
+        f.write(b"PK\x03\x04" + bytes(60))
+        f.truncate(big)
+    with pytest.raises(KdtrError, match=r"junk\.bin: bad magic: not a KDTR file"):
+        kn.load_kdtr(junk, mmap=False)
+    lying = tmp_path / "lying.kdtr"  # a KDTR header that says 4096 bytes, on an 8 GiB file
+    with open(lying, "wb") as f:
+        f.write(struct.pack("<8sIIQQQQQQ", kdtr.MAGIC, 1, 0, 4096, 0, 0, 2, 128, 0))
+        f.truncate(big)
+    with pytest.raises(KdtrError, match=f"trailing bytes: the header says 4096 bytes but the file has {big}"):
+        kn.load_kdtr(lying, mmap=False)
+    assert all(n <= 1 << 30 for n in allocations), allocations
+    p, loaded, _ = save_load(tmp_path, {"x": np.arange(5, dtype=np.int32)}, mmap=False)  # still reads
+    assert loaded["x"].tolist() == [0, 1, 2, 3, 4] and loaded["x"].flags.writeable
+
+
+def test_metadata_nested_far_too_deep_is_a_kdtr_error(tmp_path):
+    """100,000 levels of nesting: the writer used to raise RecursionError from json.dumps; it now
+    raises the container's own error, as both readers do for such a file."""
+    deep = []
+    for _ in range(100_000):
+        deep = [deep]
+    with pytest.raises(KdtrError, match="cannot write KDTR: metadata JSON is nested deeper than 256 levels"):
+        kn.save_kdtr(tmp_path / "w.kdtr", {"x": np.zeros(1)}, {"deep": deep})
+    assert os.listdir(tmp_path) == []
+    path = tmp_path / "deep.kdtr"
+    meta = b'{"a":' + b"[" * 100_000 + b"]" * 100_000 + b"}"  # (a file without tensors, by hand)
+    data_offset = (64 + len(meta) + 63) // 64 * 64
+    head = struct.pack("<8sIIQQQQQQ", kdtr.MAGIC, 1, 0, data_offset, 0, 0, len(meta), data_offset, 0)
+    path.write_bytes(kdtr._reseal(bytearray(head + meta + bytes(data_offset - 64 - len(meta)))))
+    with pytest.raises(KdtrError):
+        kn.load_kdtr(path)
+    py_err, cpp_err = read_both(path)
+    assert py_err == cpp_err == f"{path}: metadata JSON is nested deeper than 256 levels"
