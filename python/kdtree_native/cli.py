@@ -77,13 +77,6 @@ def _int_value(text):
     return int(text)  # (ValueError past sys.get_int_max_str_digits() digits)
 
 
-def _int_arg(text):
-    try:
-        return _int_value(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid int value: {_short(text)}") from None
-
-
 def _positive_int_arg(text):
     value = _int_arg(text)
     if value < 1:
@@ -97,11 +90,18 @@ def _float_value(text):
     return float(text)
 
 
-def _float_arg(text):
-    try:
-        return _float_value(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"invalid float value: {_short(text)}") from None
+def _arg_type(parse, kind):
+    """An argparse type from a parser that raises ValueError: "invalid KIND value: TEXT"."""
+    def convert(text):
+        try:
+            return parse(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid {kind} value: {_short(text)}") from None
+    return convert
+
+
+_int_arg = _arg_type(_int_value, "int")
+_float_arg = _arg_type(_float_value, "float")
 
 
 def _temperature_arg(text):
