@@ -10,7 +10,10 @@ Names are the HF hub layout (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`
 `expected_weight_shapes`. The MTP layers stored after the main ones
 (`model.layers.{num_hidden_layers}.*` and up) are ignored, as HF does. Missing, unexpected or
 mis-shaped tensors are reported together in one ValueError; a damaged file (truncated, bad
-JSON header, offsets outside the file) raises ValueError naming the file and the problem.
+JSON header: not JSON, too deeply nested, a name listed twice; a dtype, shape or offsets of the
+wrong type; offsets outside the file or overlapping another tensor's) raises ValueError naming
+the file, the tensor and the problem. A directory holding both `model.safetensors` and an index
+loads the single file, as transformers does.
 """
 from __future__ import annotations
 
@@ -45,6 +48,40 @@ _ST_DTYPES = {
 }
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 _MAX_HEADER = 100 * 1024 * 1024   # safetensors' own limit on the JSON header
+# "model.layers.{i}." with i in plain ASCII decimal, no leading zero, at most 9 digits: any other
+# spelling ("03", a non-ASCII digit, a 5000-digit number) is no layer of this model, so it is
+# reported as an unexpected tensor instead of being skipped as an MTP layer (or overflowing int()).
+_LAYER_RE = re.compile(r"^model\.layers\.(0|[1-9][0-9]{0,8})\.")
+_EXPERT_RE = re.compile(r"^model\.layers\.(?:0|[1-9][0-9]{0,8})\.mlp\.experts\.(0|[1-9][0-9]{0,8})\.")
+
+
+def _show(name: str) -> str:
+    """A tensor name for a message: as is when printable, else its repr (a lone surrogate in a
+    name would otherwise make the message itself unprintable)."""
+    return name if name.isprintable() else repr(name)
+
+
+def _no_duplicate_keys(pairs):
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"the key {k!r} appears twice in one object")
+        out[k] = v
+    return out
+
+
+def _parse_json(text, what: str):
+    """json.loads(text) refusing duplicate keys; any failure (not UTF-8 / not JSON / nested
+    past Python's recursion limit / a number past its 4300-digit limit / a duplicate key) is a
+    ValueError starting with `what`."""
+    try:
+        if isinstance(text, bytes):
+            text = text.decode("utf-8")
+        return json.loads(text, object_pairs_hook=_no_duplicate_keys)
+    except RecursionError:
+        raise ValueError(f"{what}: not valid JSON (nested too deeply)") from None
+    except ValueError as e:   # JSONDecodeError, UnicodeDecodeError, the int digit limit, duplicates
+        raise ValueError(f"{what}: not valid JSON ({e})") from None
 
 
 def expected_weight_shapes(cfg: ModelConfig) -> dict:
@@ -106,12 +143,10 @@ def read_safetensors_header(path: str, file_size: Optional[int] = None) -> tuple
         if n > _MAX_HEADER:
             raise ValueError(f"{path}: bad safetensors header: claims a {n}-byte JSON header")
         if 8 + n > file_size:
-            raise ValueError(f"{path}: truncated safetensors file: header of {n} bytes but the file has {file_size}")
+            raise ValueError(f"{path}: truncated safetensors file: the header length field says {n} bytes of JSON, "
+                             f"but only {file_size - 8} bytes follow it")
         raw = f.read(n)
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"{path}: bad safetensors header: not valid JSON ({e})") from None
+    header = _parse_json(raw, f"{path}: bad safetensors header")
     if not isinstance(header, dict):
         raise ValueError(f"{path}: bad safetensors header: not a JSON object")
     header.pop("__metadata__", None)
@@ -120,8 +155,9 @@ def read_safetensors_header(path: str, file_size: Optional[int] = None) -> tuple
     for name, e in header.items():
         if not isinstance(e, dict) or not {"dtype", "shape", "data_offsets"} <= set(e):
             raise ValueError(f"{path}: bad safetensors header: entry {name!r} lacks dtype/shape/data_offsets")
-        if e["dtype"] not in _ST_DTYPES:
-            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {e['dtype']!r}")
+        if not isinstance(e["dtype"], str) or e["dtype"] not in _ST_DTYPES:
+            raise ValueError(f"{path}: tensor {name!r} has unsupported dtype {e['dtype']!r} "
+                             f"(supported: {', '.join(_ST_DTYPES)})")
         shape, offs = e["shape"], e["data_offsets"]
         if (not isinstance(shape, list) or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 0 for s in shape)):
             raise ValueError(f"{path}: bad safetensors header: tensor {name!r} has shape {shape!r}")
@@ -140,6 +176,14 @@ def read_safetensors_header(path: str, file_size: Optional[int] = None) -> tuple
         if count * _ST_DTYPES[e["dtype"]][1] != end - begin:
             raise ValueError(f"{path}: bad safetensors header: tensor {name!r} of shape {shape} {e['dtype']} "
                              f"needs {count * _ST_DTYPES[e['dtype']][1]} bytes, offsets give {end - begin}")
+    # Two tensors sharing bytes would load the same (or shifted) data under two names: the
+    # safetensors format forbids it (its reader requires the payloads to be packed in order).
+    spans = sorted((e["data_offsets"][0], e["data_offsets"][1], name) for name, e in header.items()
+                   if e["data_offsets"][1] > e["data_offsets"][0])
+    for (b0, e0, n0), (b1, e1, n1) in zip(spans, spans[1:]):
+        if b1 < e0:
+            raise ValueError(f"{path}: bad safetensors header: tensors {n0!r} (bytes {b0}..{e0}) and {n1!r} "
+                             f"(bytes {b1}..{e1}) overlap")
     return header, start
 
 
@@ -183,27 +227,42 @@ def _to_float(raw: np.ndarray, st_dtype: str, dtype) -> np.ndarray:
     return raw.astype(dtype)
 
 
+_MAX_INDEX = 256 * 1024 * 1024   # a 1T-parameter model's index is ~10 MB
+
+
 def _checkpoint_files(model_dir: str) -> tuple[list, Optional[dict]]:
-    """(file paths, weight_map from the index or None)."""
+    """(file paths, weight_map from the index or None). model.safetensors first, then the
+    index, in transformers' order (`modeling_utils._get_resolved_checkpoint_files`)."""
     index = os.path.join(model_dir, INDEX_FILE)
     single = os.path.join(model_dir, SINGLE_FILE)
-    if os.path.isfile(index):
-        try:
-            with open(index, "r", encoding="utf-8") as f:
-                weight_map = json.load(f)["weight_map"]
-            if not isinstance(weight_map, dict):
-                raise TypeError("weight_map is not an object")
-        except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise ValueError(f"{index}: bad index file ({e})") from None
-        files = sorted(set(weight_map.values()))
-        for fn in files:
-            if not isinstance(fn, str) or os.path.basename(fn) != fn:
-                raise ValueError(f"{index}: bad shard file name {fn!r}")
-            if not os.path.isfile(os.path.join(model_dir, fn)):
-                raise ValueError(f"{index}: shard {fn!r} is missing from {model_dir}")
-        return [os.path.join(model_dir, fn) for fn in files], weight_map
     if os.path.isfile(single):
         return [single], None
+    if os.path.isfile(index):
+        size = os.path.getsize(index)
+        if size > _MAX_INDEX:
+            raise ValueError(f"{index}: bad index file: {size} bytes (more than {_MAX_INDEX})")
+        with open(index, "rb") as f:
+            doc = _parse_json(f.read(), f"{index}: bad index file")
+        if not isinstance(doc, dict) or not isinstance(doc.get("weight_map"), dict):
+            raise ValueError(f"{index}: bad index file: it must be a JSON object whose `weight_map` is an object "
+                             "{tensor name: shard file name}")
+        weight_map = doc["weight_map"]
+        for name, fn in weight_map.items():
+            if not isinstance(fn, str):
+                raise ValueError(f"{index}: bad index file: weight_map[{name!r}] is {fn!r}, not a shard file name")
+        files = sorted(set(weight_map.values()))
+        for fn in files:
+            if os.path.basename(fn) != fn or fn in ("", ".", "..") or "\0" in fn:
+                raise ValueError(f"{index}: bad shard file name {fn!r} (a file name in {model_dir} is expected)")
+            p = os.path.join(model_dir, fn)
+            if not os.path.isfile(p):
+                raise ValueError(f"{index}: shard {fn!r} is " + (
+                    "not a regular file" if os.path.lexists(p) else f"missing from {model_dir}"))
+        return [os.path.join(model_dir, fn) for fn in files], weight_map
+    odd = [p for p in (single, index) if os.path.lexists(p)]
+    if odd:
+        raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}: {odd[0]} is not a regular file "
+                                "(a directory, FIFO, device or broken link)")
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
 
 
@@ -223,21 +282,29 @@ def load_weights(model_dir, cfg: ModelConfig, dtype=np.float32,
     files, weight_map = _checkpoint_files(model_dir)
 
     opened = [SafetensorsFile(p) for p in files]
-    # A config naming more layers than the checkpoint holds is a mismatch to report before the
-    # table of expected names is built: that table grows with num_hidden_layers (a corrupt value
-    # such as 10**9 would take minutes and gigabytes to list what is missing).
-    layer_re = re.compile(r"^model\.layers\.(\d+)\.")
-    n_layers = 0
+    # A config naming more layers or experts than the checkpoint holds is a mismatch to report
+    # before the table of expected names is built: that table grows with num_hidden_layers *
+    # n_routed_experts (a corrupt value such as 10**9 would take minutes and gigabytes to list
+    # what is missing).
+    layer_re = _LAYER_RE
+    n_layers = n_experts = 0
     for st in opened:
         for full in st.names():
             name = full[len(prefix):] if prefix and full.startswith(prefix) else full
             m = layer_re.match(name)
             if m:
                 n_layers = max(n_layers, int(m.group(1)) + 1)
+                m = _EXPERT_RE.match(name)
+                if m:
+                    n_experts = max(n_experts, int(m.group(1)) + 1)
     if cfg.num_hidden_layers > n_layers:
         raise ValueError(f"config.json says num_hidden_layers = {cfg.num_hidden_layers}, but the checkpoint in "
                          f"{model_dir} holds tensors of " + (f"model.layers.0 .. {n_layers - 1} only"
                                                              if n_layers else "no model.layers.* at all"))
+    if cfg.first_k_dense_replace < cfg.num_hidden_layers and cfg.n_routed_experts > n_experts:
+        raise ValueError(f"config.json says n_routed_experts = {cfg.n_routed_experts}, but the checkpoint in "
+                         f"{model_dir} holds tensors of " + (f"mlp.experts.0 .. {n_experts - 1} only"
+                                                             if n_experts else "no mlp.experts.* at all"))
     expected = expected_weight_shapes(cfg)
     where = {}                        # name (without prefix) -> SafetensorsFile
     unexpected, mismatched = [], []
@@ -260,10 +327,10 @@ def load_weights(model_dir, cfg: ModelConfig, dtype=np.float32,
                 if (cfg.n_shared_experts == 0 and ".mlp.shared_experts." in name
                         and 0 in st.shape(full)):
                     continue          # HF saves zero-sized shared experts when n_shared_experts == 0
-                unexpected.append(f"{full} {list(st.shape(full))}")
+                unexpected.append(f"{_show(full)} {list(st.shape(full))}")
                 continue
             if name in where:
-                unexpected.append(f"{full} (duplicate, also in {os.path.basename(where[name][0].path)})")
+                unexpected.append(f"{_show(full)} (duplicate, also in {os.path.basename(where[name][0].path)})")
                 continue
             where[name] = (st, full)
     missing = sorted(n for n in expected if n not in where)

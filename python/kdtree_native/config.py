@@ -11,7 +11,11 @@ text model under `text_config` (weights then carry the `language_model.` prefix)
 from `rope_parameters` (transformers >= 5) or the legacy `rope_scaling` + top-level
 `rope_theta`, exactly as HF's `convert_rope_params_to_dict` / `standardize_rope_params` do.
 Anything the engine cannot run (another rope type, a quantization_config, a scoring function
-other than sigmoid, ...) raises ValueError naming the field.
+other than sigmoid, ...) raises ValueError naming the field; so does a value of the wrong type
+or out of range (integer sizes in [minimum, 2**31 - 1], finite floats, true/false switches; a
+`null` switch is false where HF's annotation allows None and the forward tests its truth, as in
+`if config.norm_topk_prob:`). A config.json that is not a regular file (a FIFO, a device), is
+over 16 MiB or is not valid JSON (nested too deeply included) raises ValueError naming the file.
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import dataclasses
 import json
 import math
 import os
+import stat
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -61,6 +66,11 @@ _HF_DEFAULTS = {
     "attention_bias": False,
 }
 _DEFAULT_ROPE_THETA = 10000.0  # PreTrainedConfig.default_theta
+_MAX_INT = 2**31 - 1           # every size / count the native model takes (vocab, dims, positions)
+_MAX_CONFIG_BYTES = 16 * 1024 * 1024
+# Switches HF annotates `bool | None` and tests by truth in the forward: `null` there means false
+# (`if config.norm_topk_prob:` / `if config.rope_interleave:`), not the default true.
+_NULL_IS_FALSE = ("norm_topk_prob", "rope_interleave")
 
 
 def yarn_get_mscale(scale: float = 1.0, mscale: float = 1.0) -> float:
@@ -253,6 +263,9 @@ def _int(d: dict, key: str, *, minimum: int = 0, allow_none_as=None) -> int:
     v = int(v)
     if v < minimum:
         raise ValueError(f"config field `{key}` must be >= {minimum}, got {v}")
+    if v > _MAX_INT:
+        shown = v if v < 10**30 else f"a {len(str(v))}-digit number"
+        raise ValueError(f"config field `{key}` must be <= 2**31 - 1, got {shown}")
     return v
 
 
@@ -265,23 +278,27 @@ def _float(d: dict, key: str) -> float:
 
 def _bool(d: dict, key: str) -> bool:
     v = d.get(key, _HF_DEFAULTS.get(key))
-    if v is None:
-        v = _HF_DEFAULTS.get(key)
+    if v is None and key in _NULL_IS_FALSE:
+        return False
     if not isinstance(v, bool):
         raise ValueError(f"config field `{key}` must be true/false, got {v!r}")
     return v
+
+
+def _is_number(v) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
 
 
 def _parse_rope(d: dict) -> tuple[str, float, Optional[dict]]:
     """(rope_type, rope_theta, standardized rope dict or None) as HF standardizes them."""
     # HF: `self.rope_parameters = rope_scaling or self.rope_parameters`
     rp = d.get("rope_scaling") or d.get("rope_parameters")
+    if rp and not isinstance(rp, dict):
+        raise ValueError(f"config field `rope_scaling`/`rope_parameters` must be an object (or null), got {rp!r}")
     rp = dict(rp) if rp else {}
-    if not isinstance(rp, dict):
-        raise ValueError(f"config field `rope_scaling`/`rope_parameters` must be an object, got {rp!r}")
     theta = rp.get("rope_theta", d.get("rope_theta", _DEFAULT_ROPE_THETA))
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
-        raise ValueError(f"config field `rope_theta` must be a positive number, got {theta!r}")
+    if not _is_number(theta) or not theta > 0:
+        raise ValueError(f"config field `rope_theta` must be a finite positive number, got {theta!r}")
     rope_type = rp.get("rope_type", rp.get("type", "default"))
     if rope_type not in SUPPORTED_ROPE_TYPES:
         _refuse("rope_scaling.rope_type", rope_type, f"only {list(SUPPORTED_ROPE_TYPES)} are supported")
@@ -299,15 +316,23 @@ def _parse_rope(d: dict) -> tuple[str, float, Optional[dict]]:
         rp.setdefault("original_max_position_embeddings",
                       d.get("max_position_embeddings", _HF_DEFAULTS["max_position_embeddings"]))
     factor = rp.get("factor")
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not factor >= 1.0:
-        _refuse("rope_scaling.factor", factor, "YaRN needs a number >= 1")
+    # (float32 range: HF computes the frequencies with factor as a float32)
+    if not _is_number(factor) or not 1.0 <= factor <= float(np.finfo(np.float32).max):
+        _refuse("rope_scaling.factor", factor, "YaRN needs a finite number >= 1")
     for key in ("mscale", "mscale_all_dim", "beta_fast", "beta_slow", "attention_factor"):
         v = rp.get(key)
-        if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)):
-            _refuse(f"rope_scaling.{key}", v, "must be a number")
+        if v is not None and not _is_number(v):
+            _refuse(f"rope_scaling.{key}", v, "must be a finite number")
+    for key in ("beta_fast", "beta_slow"):   # HF: `get(key) or default`, then log(orig_max / (beta * 2 pi))
+        if rp.get(key) is not None and rp[key] < 0:
+            _refuse(f"rope_scaling.{key}", rp[key], "must be a positive number (0 or null: the default)")
+    if rp.get("truncate") is not None and not isinstance(rp["truncate"], bool):
+        _refuse("rope_scaling.truncate", rp["truncate"], "must be true/false")
+    if not theta > 1:
+        _refuse("rope_theta", theta, "YaRN needs rope_theta > 1 (its correction range divides by log(rope_theta))")
     omp = rp["original_max_position_embeddings"]
-    if isinstance(omp, bool) or not isinstance(omp, (int, float)) or not omp > 0:
-        _refuse("rope_scaling.original_max_position_embeddings", omp, "must be a positive number")
+    if not _is_number(omp) or not omp > 0:
+        _refuse("rope_scaling.original_max_position_embeddings", omp, "must be a finite positive number")
     known = {"rope_type", "type", "rope_theta", "factor", "mscale", "mscale_all_dim", "beta_fast",
              "beta_slow", "attention_factor", "original_max_position_embeddings", "truncate",
              "partial_rotary_factor"}
@@ -394,11 +419,11 @@ def config_from_dict(raw: dict) -> ModelConfig:
         rope_scaling=rope_scaling,
         max_position_embeddings=_int(d, "max_position_embeddings", minimum=1),
         tie_word_embeddings=_bool(d, "tie_word_embeddings"),
-        bos_token_id=d.get("bos_token_id", _HF_DEFAULTS["bos_token_id"]),
-        eos_token_id=d.get("eos_token_id", _HF_DEFAULTS["eos_token_id"]),
+        bos_token_id=_token_id(d, "bos_token_id"),
+        eos_token_id=_token_id(d, "eos_token_id", allow_list=True),
         model_type=model_type,
         weight_prefix=prefix,
-        num_nextn_predict_layers=int(d.get("num_nextn_predict_layers") or 0),
+        num_nextn_predict_layers=_int(d, "num_nextn_predict_layers", minimum=0, allow_none_as=0),
         raw=raw,
     )
 
@@ -416,7 +441,28 @@ def config_from_dict(raw: dict) -> ModelConfig:
                 f"must be <= topk_group * experts per group ({cfg.topk_group * cfg.experts_per_group})")
     if cfg.rms_norm_eps <= 0:
         _refuse("rms_norm_eps", cfg.rms_norm_eps, "must be > 0")
+    # the derived numbers the native model takes as given: finite, or the field that broke them
+    with np.errstate(all="ignore"):
+        inv_freq = cfg.rope_inv_freq()
+    if not np.isfinite(inv_freq).all():
+        _refuse("rope_theta", cfg.rope_theta, "gives non-finite RoPE inverse frequencies in float32")
+    if cfg.rope_type == "yarn":
+        if not math.isfinite(cfg.rope_attention_factor):
+            _refuse("rope_scaling", cfg.rope_scaling, "gives a non-finite YaRN attention factor (mscale too large)")
+        if not (math.isfinite(cfg.softmax_scale) and cfg.softmax_scale > 0):
+            _refuse("rope_scaling.mscale_all_dim", cfg.rope_scaling.get("mscale_all_dim"),
+                    f"gives a softmax scale of {cfg.softmax_scale} (must be finite and > 0)")
     return cfg
+
+
+def _token_id(d: dict, key: str, allow_list: bool = False):
+    """bos/eos: an integer, null or (eos) a list of integers, as HF's annotations say."""
+    v = d.get(key, _HF_DEFAULTS[key])
+    ok = lambda x: isinstance(x, int) and not isinstance(x, bool) and -2**63 <= x < 2**63  # noqa: E731
+    if v is None or ok(v) or (allow_list and isinstance(v, list) and all(ok(x) for x in v)):
+        return v
+    raise ValueError(f"config field `{key}` must be an integer{', a list of integers' if allow_list else ''} "
+                     f"or null, got {v!r}")
 
 
 def load_config(model_dir_or_config_json) -> ModelConfig:
@@ -425,10 +471,23 @@ def load_config(model_dir_or_config_json) -> ModelConfig:
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
     try:
-        with open(path, "r", encoding="utf-8") as f:
-            raw = json.load(f)
+        st = os.stat(path)
     except FileNotFoundError:
         raise FileNotFoundError(f"no config.json at {path}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+    except OSError as e:   # a symlink loop, a name too long, no permission on a parent ...
+        raise ValueError(f"{path}: cannot read the config: {e.strerror or e}") from None
+    # (checked before opening: reading a FIFO would block, a device such as /dev/zero never ends)
+    if not stat.S_ISREG(st.st_mode):
+        raise ValueError(f"{path}: not a regular file (a directory, FIFO or device); config.json must be a file")
+    if st.st_size > _MAX_CONFIG_BYTES:
+        raise ValueError(f"{path}: {st.st_size} bytes, more than the {_MAX_CONFIG_BYTES} a config.json may have "
+                         "(a model config is a few kilobytes)")
+    try:
+        with open(path, "rb") as f:
+            data = f.read(_MAX_CONFIG_BYTES + 1)
+        raw = json.loads(data.decode("utf-8"))
+    except RecursionError:
+        raise ValueError(f"{path}: not valid JSON: nested too deeply") from None
+    except ValueError as e:   # JSONDecodeError, UnicodeDecodeError, the 4300-digit int limit
         raise ValueError(f"{path}: not valid JSON: {e}") from None
     return config_from_dict(raw)
