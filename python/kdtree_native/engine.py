@@ -165,6 +165,11 @@ class Engine:
                cuda_options: Optional[dict] = None, cpu_options: Optional[dict] = None,
                check_finite: bool = True) -> "Engine":
         opts, what = (cuda_options, "cuda_options") if device == "cuda" else (cpu_options, "cpu_options")
+        # (before the model is built: its buffers are sized from the config alone)
+        missing = [n for n, _ in _native.model_weight_specs(cfg.to_native()) if n not in weights]
+        if missing:
+            raise ValueError(f"{len(missing)} weight tensor(s) missing: " + ", ".join(missing[:20])
+                             + (" ..." if len(missing) > 20 else ""))
         try:
             if device == "cuda":
                 model = _native.CudaModel(cfg.to_native(), max_seq_len, **(opts or {}))
@@ -175,10 +180,6 @@ class Engine:
             raise ValueError(f"{what}: a value of the wrong type in {opts!r} (types {types}; booleans for "
                              "switches, integers for sizes and counts, strings for kernel names: "
                              "docs/MODEL.md, docs/CUDA_MODEL.md)") from None
-        missing = [n for n, _ in _native.model_weight_specs(cfg.to_native()) if n not in weights]
-        if missing:
-            raise ValueError(f"{len(missing)} weight tensor(s) missing: " + ", ".join(missing[:20])
-                             + (" ..." if len(missing) > 20 else ""))
         # Upload one tensor at a time and drop the Python side right away (F32 tensors are
         # views of the mmap'd file, BF16/F16 ones were widened to float32 by load_weights).
         for name in list(weights):

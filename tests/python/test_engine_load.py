@@ -94,6 +94,11 @@ def test_missing_tensor(tmp_path):
         kn.Engine.from_pretrained(root, device="cpu", max_seq_len=32)
     with pytest.raises(ValueError, match=r"missing.*experts\.5\.down_proj"):
         kn.Engine.from_weights(cfg, w, max_seq_len=32)
+    # checked before the model is built: a config whose buffers are huge (the embedding alone
+    # 2**31 - 1 rows here, ~1 TB) with no weights is a missing-weights error, not an allocation
+    big = config_from_dict({**config_dict(NAME), "vocab_size": 2**31 - 1})
+    with pytest.raises(ValueError, match=r"weight tensor\(s\) missing"):
+        kn.Engine.from_weights(big, {}, max_seq_len=32)
 
 
 def test_config_layers_past_the_checkpoint_and_broken_config_values(tmp_path):
