@@ -286,12 +286,11 @@ def load_weights(model_dir, cfg: ModelConfig, dtype=np.float32,
     # before the table of expected names is built: that table grows with num_hidden_layers *
     # n_routed_experts (a corrupt value such as 10**9 would take minutes and gigabytes to list
     # what is missing).
-    layer_re = _LAYER_RE
     n_layers = n_experts = 0
     for st in opened:
         for full in st.names():
             name = full[len(prefix):] if prefix and full.startswith(prefix) else full
-            m = layer_re.match(name)
+            m = _LAYER_RE.match(name)
             if m:
                 n_layers = max(n_layers, int(m.group(1)) + 1)
                 m = _EXPERT_RE.match(name)
@@ -318,7 +317,7 @@ def load_weights(model_dir, cfg: ModelConfig, dtype=np.float32,
                 name = full[len(prefix):]
             else:
                 name = full
-            m = layer_re.match(name)
+            m = _LAYER_RE.match(name)
             if m and int(m.group(1)) >= cfg.num_hidden_layers:
                 continue              # MTP layer(s): ignored as HF does
             if name not in expected:

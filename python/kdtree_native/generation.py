@@ -118,6 +118,13 @@ def _int_arg(value, name, lo=0, hi=_INT64_MAX):
     return value
 
 
+def _all_python_ints(arr) -> bool:
+    """Whether an array NumPy could not give an integer dtype holds integers all the same (an
+    object array: some are past the 64-bit range)."""
+    return arr.dtype == object and all(
+        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in arr.reshape(-1).tolist())
+
+
 def _stop_ids(stop_token_ids):
     arr = np.asarray(stop_token_ids)
     if arr.ndim > 1:
@@ -125,9 +132,7 @@ def _stop_ids(stop_token_ids):
     if arr.size and arr.dtype.kind not in "iu":
         # Python ints past the 64-bit range make an object array: out of range, not of the wrong type
         # (_int_arg names the first one).
-        big_ints = arr.dtype == object and all(
-            isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in arr.reshape(-1).tolist())
-        if not big_ints:
+        if not _all_python_ints(arr):
             raise TypeError(f"stop_token_ids must be integers, got dtype {arr.dtype}")
     return [_int_arg(t, "stop token id") for t in arr.reshape(-1).tolist()]
 
@@ -137,10 +142,9 @@ def _prompt_array(prompt_ids):
     if arr.ndim != 1:
         raise ValueError(f"prompt_ids must be a 1-D sequence of token ids, got shape {arr.shape}")
     if arr.size and arr.dtype.kind not in "iu":
-        if arr.dtype == object:  # Python ints past the 64-bit range: out of the vocab, named
-            for i, t in enumerate(arr.tolist()):
-                if isinstance(t, (int, np.integer)) and not isinstance(t, bool) and not -2**63 <= t < 2**63:
-                    raise ValueError(f"prompt token {t} at index {i} outside the vocab")
+        if _all_python_ints(arr):  # Python ints past the 64-bit range: out of the vocab, named
+            bad = next(i for i, t in enumerate(arr.tolist()) if not -2**63 <= t < 2**63)
+            raise ValueError(f"prompt token {arr[bad]} at index {bad} outside the vocab")
         raise ValueError(f"prompt_ids must be integers, got dtype {arr.dtype}")
     if arr.size == 0:
         raise ValueError("prompt_ids must contain at least one token")
