@@ -22,7 +22,7 @@ namespace cuda {
 
 constexpr int kTreeMaxDepth = 16;
 constexpr int kTreeMaxBudget = 1024;
-constexpr int kTreeWarpPathMaxB = 16;  // auto: budgets up to this take the one-warp path (H200: docs/CUDA.md)
+constexpr int kTreeWarpPathMaxB = 8;  // auto: budgets up to this take the one-warp path (H200: docs/CUDA.md)
 constexpr int kTopkMaxK = 1024;
 constexpr int kTopkMaxV = 16 * 32768;
 inline int tree_vis_words(int budget) { return (budget + 64) / 64; }

@@ -85,7 +85,7 @@ constexpr const char* kProfNames[kProfTimed] = {"phase0", "level1", "count", "pr
 
 constexpr int kMaxDepth = 16;      // D limit of the CUDA tree build
 constexpr int kMaxBudget = 1024;   // B limit of the CUDA tree build (one block)
-constexpr int kWarpPathMaxB = 16;  // == cuda::kTreeWarpPathMaxB (kernels.h; this header is also
+constexpr int kWarpPathMaxB = 8;   // == cuda::kTreeWarpPathMaxB (kernels.h; this header is also
                                    // built without CUDA for the block emulation test)
 constexpr int kNB = 2048;          // score buckets
 constexpr int kBottom = kNB - 1;   // bucket of -inf (and NaN) scores
