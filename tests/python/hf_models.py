@@ -15,12 +15,14 @@ test cleanly (pytest.skip) when they are absent or cannot be imported.
 """
 from __future__ import annotations
 
+import atexit
 import copy
 import functools
 import hashlib
 import json
 import math
 import os
+import shutil
 import tempfile
 
 import numpy as np
@@ -249,11 +251,13 @@ _SESSION_DIR = None
 
 
 def cached_checkpoint(name_or_overrides, seed=0, dtype="float32"):
-    """`make_checkpoint` into a per-process temporary directory, once per (config, seed, dtype)."""
+    """`make_checkpoint` into a per-process temporary directory (removed at exit), once per (config, seed, dtype)."""
     global _SESSION_DIR
     key = json.dumps(config_dict(name_or_overrides), sort_keys=True) + f"|{seed}|{dtype}"
     if _SESSION_DIR is None:
         _SESSION_DIR = tempfile.mkdtemp(prefix="kn_hf_ckpt_")
+        # removed when the test process ends (each run used to leave its checkpoints in the temp dir)
+        atexit.register(shutil.rmtree, _SESSION_DIR, ignore_errors=True)
     sub = os.path.join(_SESSION_DIR, hashlib.sha1(key.encode()).hexdigest()[:16])
     if not os.path.isfile(os.path.join(sub, "config.json")):
         make_checkpoint(sub, name_or_overrides, seed=seed, dtype=dtype)
