@@ -318,8 +318,10 @@ enum {
   M_FIX = 24, // how the parallel path ended: 0 adaptive (no estimate), 1 fixed threshold, 2 fixed then adaptive
   M_LS = 28,  // [kMaxDepth + 2] level start offsets in the candidate store
   M_WD = 48, M_WT = 49, M_WU = 50, M_WP = 51,  // fixed_levels: warp 0 hands back (depth, T, used, p0)
+  M_ES = 52,  // [2] fixed_threshold's early stop flag, by step parity (dp_steps)
+  M_EX = 54,  // [2] ... and the step's crossing (first bin whose total reaches B), by step parity
 };
-static_assert(M_LS + kMaxDepth + 2 <= M_WD && M_WP < 64, "misc[] slots overlap or pass its 64 ints (make_tree_layout)");
+static_assert(M_LS + kMaxDepth + 2 <= M_WD && M_WP < M_ES && M_EX + 1 < 64, "misc[] slots overlap or pass its 64 ints (make_tree_layout)");
 
 // ---------------------------------------------------------------- the block algorithm
 template <class Ctx>
@@ -611,6 +613,8 @@ struct TreeBlock {
       misc[M_FAIL] = 0;
       misc[M_MAXE] = -100000;
       misc[M_MINQ] = 100000;
+      misc[M_ES] = misc[M_ES + 1] = 0;
+      misc[M_EX] = misc[M_EX + 1] = kDpG;
       for (int d = 0; d < kMaxDepth; ++d) misc[M_FB + d] = keff;
     }
     for (int i = tid; i < kNB; i += nt) {  // (phist and cur: the threshold estimate's scratch)
@@ -700,7 +704,8 @@ struct TreeBlock {
   // ranks with every sibling along it, one rank part each) has deficits <= U, so its members land
   // within the bins even after rounding up (kDpG - 3 bins span U); without one, a generous guess.
   // Cost: one barrier for the histograms and one per depth, until a depth adds nothing below the
-  // crossing (N is cumulative, so that is a per-bin test, no scan). Scratch in phist and cur,
+  // crossing (N is cumulative, so that is a per-bin test, no scan) or dp_steps' early stop judges
+  // that the depths left cannot move the crossing. Scratch in phist and cur,
   // which phase 0 initialised (cur's S_0 = 1).
   KD_HD int fixed_threshold() {
     int* H = phist;                  // [D][kDpG] row histograms of ceil(e / w) (zeroed in phase 0)
@@ -787,9 +792,18 @@ struct TreeBlock {
   // which also tells whether the depth added anything below the crossing. (The block's shared-
   // memory loads, 2 * kDpG^2 per step whatever the thread count, are what a step costs beyond
   // its barrier, hence the skipped bins.)
+  //
+  // The early stop (thirty-second session): N is a lower bound after any number of steps, so
+  // stopping early only loosens the threshold (never a wrong tree), and the last steps rarely move
+  // the crossing. The bins' owners post the first bin whose new total reaches B (atomicMin); one
+  // step later lane 0 of the last warp (its bins are past the crossing: idle) reads it with the
+  // step's additions below it (the cumulative Sin at the crossing minus the shift) and the gap to
+  // B. When the additions shrink by a ratio r < 1 a depth and even r / (1 - r) times them could not
+  // fill the gap, the current step is the last (its totals are complete after its barrier).
   template <int TPB>
   KD_HD const int* dp_steps(const int* H, int* S, int* N, float inv) {
     const int j = tid / TPB, q = tid % TPB;
+    int ab_prev = 0, c_prev = 0;  // the early stop's state (lane 0 of the last warp)
     float sp = 0.0f;
     const int* fin = N;  // the buffer the last step wrote (D >= 1: at least one step runs)
     for (int n = 0; n < D; ++n) {
@@ -799,6 +813,19 @@ struct TreeBlock {
       const int* Nin = N + (n & 1) * kDpG;
       int* Nout = N + ((n + 1) & 1) * kDpG;
       if (n > 0) sp -= lpc[(size_t)n * keff];
+      if (n >= 1 && warp == nw - 1 && lane == 0) {
+        const int below = misc[M_EX + ((n - 1) & 1)];  // step n - 1's crossing
+        misc[M_EX + ((n - 1) & 1)] = kDpG;  // free for step n + 1's owners (after this step's barrier)
+        if (below < kDpG) {
+          bool stop = below == 0;
+          if (!stop) {
+            const int a1 = Sin[below - 1 - c_prev], gap = B - Nin[below - 1];  // (index >= -kDpG: zeros)
+            stop = ab_prev > a1 && a1 * a1 < gap * (ab_prev - a1);  // (<= 8192^2: no overflow)
+            ab_prev = a1;
+          }
+          if (stop) misc[M_ES + (n & 1)] = 1;  // by parity: a slow thread may still read step n - 1's
+        }
+      }
       int v = 0;
       // bins where N already reached B are done for good (N is cumulative, so they are every bin
       // from the crossing on, and no bin below reads theirs): skipped, whole warps at a time
@@ -810,20 +837,26 @@ struct TreeBlock {
 #pragma unroll
       for (int o = 1; o < TPB; o <<= 1) v += ctx.warp_shfl(v, lane ^ o);
       int more = 0;
+      c_prev = dp_shift(sp, inv);
       if (q == 0) {
         v = v < kDpCap ? v : kDpCap;
         Sout[j] = v;
         const int c = dp_shift(sp, inv);
-        if (j < c) Nout[j] = Nin[j];  // no bin lands here this step
+        if (j < c) {
+          Nout[j] = Nin[j];  // no bin lands here this step
+          if (Nin[j] >= B) ctx.atomic_min(&misc[M_EX + (n & 1)], j);
+        }
         const int t = j + c;
         if (t < kDpG) {
           const int tot = Nin[t] + v;
           Nout[t] = tot;
+          if (tot >= B) ctx.atomic_min(&misc[M_EX + (n & 1)], t);
           more = v > 0 && tot < B;  // deeper prefixes land in bins >= this depth's lowest
         }
       }
       fin = Nout;
       if (!ctx.sync_or(more)) break;
+      if (misc[M_ES + (n & 1)]) break;  // the early stop
     }
     return fin;
   }
