@@ -837,11 +837,10 @@ struct TreeBlock {
 #pragma unroll
       for (int o = 1; o < TPB; o <<= 1) v += ctx.warp_shfl(v, lane ^ o);
       int more = 0;
-      c_prev = dp_shift(sp, inv);
+      const int c = dp_shift(sp, inv);  // this depth's shift (also the early stop's c_prev next step)
       if (q == 0) {
         v = v < kDpCap ? v : kDpCap;
         Sout[j] = v;
-        const int c = dp_shift(sp, inv);
         if (j < c) {
           Nout[j] = Nin[j];  // no bin lands here this step
           if (Nin[j] >= B) ctx.atomic_min(&misc[M_EX + (n & 1)], j);
@@ -854,6 +853,7 @@ struct TreeBlock {
           more = v > 0 && tot < B;  // deeper prefixes land in bins >= this depth's lowest
         }
       }
+      c_prev = c;
       fin = Nout;
       if (!ctx.sync_or(more)) break;
       if (misc[M_ES + (n & 1)]) break;  // the early stop
