@@ -924,8 +924,16 @@ struct TreeBlock {
         c1 = c;
         sum += c;
       }
-      const int incl = ctx.warp_incl_sum(sum);
-      if (lane == 31) scan_tmp[warp] = incl;
+      // Only the nwa warps that own nodes of the level scan its counts; the others just pass the
+      // two barriers (their shuffles only queued up in front of the owners', thirty-fourth
+      // session: peaked B = 512 / 1024 -0.5 us) and read the next level's size from misc[M_T].
+      const int nwa = (((T + per - 1) / per) + 31) >> 5;  // (warp-uniform)
+      const bool owner = warp < nwa;
+      int incl = 0;
+      if (owner) {
+        incl = ctx.warp_incl_sum(sum);
+        if (lane == 31) scan_tmp[warp] = incl;
+      }
       const bool more = ctx.sync_or(sum > 0);  // level d materialised, its cnt / nid read
       KD_TREE_MARK(P_MAT);
       p0 = used;
@@ -935,18 +943,21 @@ struct TreeBlock {
         T = 0;
         break;
       }
-      const int wt = lane < nw ? scan_tmp[lane] : 0;
-      const int wi = ctx.warp_incl_sum(wt);
-      T = ctx.warp_shfl(wi, 31);
-      int run = ctx.warp_shfl(wi - wt, warp) + incl - sum;
-      for (int t = t0; t < t1; ++t) {
-        ctx.step(1);
-        const int c = per > 1 ? (int)ord[t] : c1;
-        cnt[t] = run;
-        for (int r = 0; r < c && run + r < cap; ++r) nid[run + r] = (uint16_t)t;
-        run += c;
+      if (owner) {
+        const int wt = lane < nwa ? scan_tmp[lane] : 0;
+        const int wi = ctx.warp_incl_sum(wt);
+        if (warp == 0 && lane == 31) misc[M_T] = wi;  // the next level's size
+        int run = ctx.warp_shfl(wi - wt, warp) + incl - sum;
+        for (int t = t0; t < t1; ++t) {
+          ctx.step(1);
+          const int c = per > 1 ? (int)ord[t] : c1;
+          cnt[t] = run;
+          for (int r = 0; r < c && run + r < cap; ++r) nid[run + r] = (uint16_t)t;
+          run += c;
+        }
       }
       ctx.sync();
+      T = misc[M_T];  // (rewritten only after the next level's first barrier)
       KD_TREE_MARK(P_OFFS);
       KD_TREE_COUNT(P_LEVELS);
     }
