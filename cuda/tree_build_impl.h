@@ -510,6 +510,15 @@ struct TreeBlock {
   KD_HD bool vec4_ok() const {
     return keff % 4 == 0 && a.ld % 4 == 0 && (reinterpret_cast<uintptr_t>(a.lp) & 15) == 0;
   }
+  // The row of phase 0's item `it` (per_row items a row): it / per_row, as a shift when per_row is a
+  // power of two (K = B = 2^k: the common case). A runtime integer division is ~20 instructions
+  // around a MUFU.RCP, and this one delays the first loads' issue (thirty-fifth session: the
+  // divisions and runtime trip counts taken off the build's path cost 0.7 us at peaked B = 256).
+  KD_HD static int item_row(int it, int per_row) {
+    if ((per_row & (per_row - 1)) == 0) return it >> (31 - clz32((uint32_t)per_row));
+    return it / per_row;
+  }
+
   // Phase 0's first two items of this thread (item = W consecutive elements of a row and the
   // element before them), loaded before the scratch initialisation and its barrier so that their
   // global-memory latency overlaps it (the loads cannot move across a barrier by themselves).
@@ -526,7 +535,7 @@ struct TreeBlock {
     for (int k = 0; k < 2; ++k) {
       const int it = tid + k * nt;
       if (it < nitems) {
-        const int d = it / per_row, r0 = (it - d * per_row) * W;
+        const int d = item_row(it, per_row), r0 = (it - d * per_row) * W;
         const float* rowp = a.lp + (size_t)d * a.ld;
         load_row<W>(rowp + r0, P.x[k]);
         P.prev[k] = r0 > 0 ? rowp[r0 - 1] : 0.0f;  // the left neighbour (unused for r0 = 0)
@@ -574,8 +583,8 @@ struct TreeBlock {
       check(P.d[1], P.r0[1], P.x[1], P.prev[1]);
     }
     if (tid + 2 * nt < nitems) {  // large inputs (K = 1024, or unaligned rows): more items
-      int d = (tid + 2 * nt) / per_row, q = tid + 2 * nt - d * per_row;
-      const int dd = nt / per_row, dq = nt - dd * per_row;  // a step of nt items: dd rows and dq items
+      int d = item_row(tid + 2 * nt, per_row), q = tid + 2 * nt - d * per_row;
+      const int dd = item_row(nt, per_row), dq = nt - dd * per_row;  // a step of nt items: dd rows and dq items
       for (int it = tid + 2 * nt; it < nitems; it += nt) {
         ctx.step(1);
         const float* rowp = a.lp + (size_t)d * a.ld;
@@ -617,6 +626,9 @@ struct TreeBlock {
       misc[M_EX] = misc[M_EX + 1] = kDpG;
       for (int d = 0; d < kMaxDepth; ++d) misc[M_FB + d] = keff;
     }
+    // (not unrolled: an unrolled loop of runtime stride nt starts with an integer division for its
+    // trip count, on the path of every tree)
+#pragma unroll 1
     for (int i = tid; i < kNB; i += nt) {  // (phist and cur: the threshold estimate's scratch)
       ctx.step(1);
       hist[i] = 0;
@@ -660,6 +672,8 @@ struct TreeBlock {
     *fixed = btf < kBottom && n != -2;
     if (tid == 0) misc[M_FIX] = btf == kBottom ? 0 : n == -2 ? 2 : 1;
     if (n == -2) {  // the estimate failed (every thread returned at the same barrier-ordered point)
+      // (not unrolled: no trip-count division)
+#pragma unroll 1
       for (int i = tid; i < kNB; i += nt) { ctx.step(1); hist[i] = 0; }
       if (tid < kNG) gcnt[tid] = 0;
       ctx.sync();
@@ -744,7 +758,10 @@ struct TreeBlock {
     // row histograms, one group of threads per row, each row cut where it leaves the range (rows
     // are sorted, so the rest of a thread's strided ranks are out too)
     {
-      const int tpr = nt / D, d = tid / tpr, q = tid - d * tpr;
+      // nt / 2^ceil(log2 D) threads a row (shifts; D <= 16 <= nt / 8): two integer divisions for
+      // nt / D threads a row cost more than the few extra ranks a thread walks
+      const int lgd = D > 1 ? 32 - clz32((uint32_t)(D - 1)) : 0;
+      const int tpr = nt >> lgd, d = tid >> (lgnt - lgd), q = tid & (tpr - 1);
       if (d < D) {
         const int fb = misc[M_FB + d];
         const int hi = fb < keff ? fb : keff;
@@ -771,7 +788,9 @@ struct TreeBlock {
     // the crossing (every warp the same): the number of bins whose total is below B
     const int below = ctx.warp_shfl(ctx.warp_incl_sum((Nf[2 * lane] < B) + (Nf[2 * lane + 1] < B)), 31);
     if (below >= kDpG) return kBottom;
-    return bucket_of_delta((double)below * (double)U / (double)span);
+    // (times 1 / span, not divided by span: a double division is ~10 dependent instructions; any
+    // bound here is valid, the levels check what it gives)
+    return bucket_of_delta((double)below * (double)U * (1.0 / (double)span));
   }
 
   // The bin shift of a depth's chain part sp: ceil(sp / w), clamped at kDpG (such a depth lands past
@@ -924,11 +943,12 @@ struct TreeBlock {
         c1 = c;
         sum += c;
       }
-      // Only the nwa warps that own nodes of the level scan its counts; the others just pass the
-      // two barriers (their shuffles only queued up in front of the owners', thirty-fourth
-      // session: peaked B = 512 / 1024 -0.5 us) and read the next level's size from misc[M_T].
-      const int nwa = (((T + per - 1) / per) + 31) >> 5;  // (warp-uniform)
-      const bool owner = warp < nwa;
+      // Only the warps that own nodes of the level scan its counts; the others just pass the two
+      // barriers (their shuffles only queued up in front of the owners', thirty-fourth session:
+      // peaked B = 512 / 1024 -0.5 us) and read the next level's size from misc[M_T]. Warp w owns
+      // nodes when its first thread's first node 32 w per is below T (no integer division here:
+      // the first version's ceil(ceil(T / per) / 32) cost 0.4-1 us a tree, thirty-fifth session).
+      const bool owner = warp * 32 * per < T;  // (warp-uniform)
       int incl = 0;
       if (owner) {
         incl = ctx.warp_incl_sum(sum);
@@ -944,7 +964,7 @@ struct TreeBlock {
         break;
       }
       if (owner) {
-        const int wt = lane < nwa ? scan_tmp[lane] : 0;
+        const int wt = lane * 32 * per < T ? scan_tmp[lane] : 0;  // warp `lane` is an owner
         const int wi = ctx.warp_incl_sum(wt);
         if (warp == 0 && lane == 31) misc[M_T] = wi;  // the next level's size
         int run = ctx.warp_shfl(wi - wt, warp) + incl - sum;
@@ -1048,6 +1068,8 @@ struct TreeBlock {
       if (T > B || used + T > cap) {
         // probe: count every allowed child into a copy of the histogram, take the tighter
         // threshold (the B-th over materialised + probed prefixes), recount.
+        // (not unrolled: no trip-count division)
+#pragma unroll 1
         for (int i = tid; i < kNB; i += nt) { ctx.step(1); phist[i] = hist[i]; }  // level halves are 0
         if (tid < kNG) pgc[tid] = gcnt[tid];
         if (tid == 0) misc[M_BT2] = kBottom;
@@ -1425,6 +1447,7 @@ struct TreeBlock {
   // node's depth, rank and parent index.
   KD_HD void write_outputs(int n, int path, bool by_store) {
     const int W = vis_words(B);
+#pragma unroll 1  // (no trip-count division, as in phase 0)
     for (int i = tid; i < B; i += nt) {
       ctx.step(1);
       if (i < n && by_store) {
@@ -1457,7 +1480,7 @@ struct TreeBlock {
     // over every warp) and copies those rows, one contiguous run of the output, itself after a
     // warp barrier: no block barrier, and a warp's stores start while other warps still walk.
     uint64_t* const st = reinterpret_cast<uint64_t*>(sm);  // the staged rows
-    const int rpw0 = (B + nw) / nw, rpw = rpw0 < 32 ? rpw0 : 32;  // ceil((B + 1) / nw), at most 32
+    const int rpw0 = (B + nw) >> (lgnt - 5), rpw = rpw0 < 32 ? rpw0 : 32;  // ceil((B + 1) / nw), at most 32
     for (int i0 = warp * rpw; i0 <= B; i0 += nw * rpw) {  // warp-uniform trip count
       const int i = i0 + lane;
       if (lane < rpw && i <= B) {
