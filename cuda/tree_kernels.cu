@@ -39,6 +39,7 @@ struct GpuCtx {
     return v;
   }
   __device__ int warp_shfl(int v, int src) const { return __shfl_sync(0xffffffffu, v, src); }
+  __device__ int warp_sum(int v) const { return __reduce_add_sync(0xffffffffu, v); }  // the warp's total (redux.sync)
   __device__ void warp_sync() const { __syncwarp(); }  // orders the warp's shared-memory accesses
 };
 

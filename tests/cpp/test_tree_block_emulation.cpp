@@ -150,6 +150,16 @@ struct HostCtx {
     step(1);
     blk->warps[t >> 5].barrier();
   }
+  int warp_sum(int v) const {  // __reduce_add_sync: every lane gets the warp's total
+    step(1);
+    Warp& w = blk->warps[t >> 5];
+    w.buf[t & 31] = v;
+    w.barrier();
+    int r = 0;
+    for (int i = 0; i < 32; ++i) r += w.buf[i];
+    w.barrier();
+    return r;
+  }
   int warp_shfl(int v, int src) const {
     step(1);
     Warp& w = blk->warps[t >> 5];
