@@ -948,7 +948,8 @@ struct TreeBlock {
       // peaked B = 512 / 1024 -0.5 us) and read the next level's size from misc[M_T]. Warp w owns
       // nodes when its first thread's first node 32 w per is below T (no integer division here:
       // the first version's ceil(ceil(T / per) / 32) cost 0.4-1 us a tree, thirty-fifth session).
-      const bool owner = warp * 32 * per < T;  // (warp-uniform)
+      auto owns = [&](int w) { return w * 32 * per < T; };  // warp w holds nodes of this level
+      const bool owner = owns(warp);  // (warp-uniform)
       int incl = 0;
       if (owner) {
         incl = ctx.warp_incl_sum(sum);
@@ -964,13 +965,13 @@ struct TreeBlock {
         break;
       }
       if (owner) {
-        const int wt = lane * 32 * per < T ? scan_tmp[lane] : 0;  // warp `lane` is an owner
+        const int wt = owns(lane) ? scan_tmp[lane] : 0;  // warp `lane`'s total
         // the warps before this one (warp 0: all of them, the next level's size) in one warp
         // reduction (redux.sync) rather than a second warp scan and a shuffle (thirty-fifth session:
         // peaked B = 256 / 1024 -0.3 / -0.5 us)
-        const int r = ctx.warp_sum(warp == 0 || lane < warp ? wt : 0);
-        if (warp == 0 && lane == 0) misc[M_T] = r;  // the next level's size
-        int run = (warp == 0 ? 0 : r) + incl - sum;
+        const int before = ctx.warp_sum(warp == 0 || lane < warp ? wt : 0);
+        if (warp == 0 && lane == 0) misc[M_T] = before;  // the next level's size
+        int run = (warp == 0 ? 0 : before) + incl - sum;
         for (int t = t0; t < t1; ++t) {
           ctx.step(1);
           const int c = per > 1 ? (int)ord[t] : c1;

@@ -133,18 +133,15 @@ struct HostCtx {
   // call its warp makes hangs the test (on the GPU it would be undefined behaviour).
   int warp_incl_sum(int v) const {
     step(5);  // 5 shuffle rounds on the GPU
-    Warp& w = blk->warps[t >> 5];
-    const int lane = t & 31;
-    if (lane == 0) {
+    if ((t & 31) == 0) {
       std::lock_guard<std::mutex> lk(blk->mu);
       blk->scan_elems += 32;
     }
-    w.buf[lane] = v;
-    w.barrier();
-    int r = 0;
-    for (int i = 0; i <= lane; ++i) r += w.buf[i];
-    w.barrier();
-    return r;
+    return exchange(v, [&](const int* buf) {
+      int r = 0;
+      for (int i = 0; i <= (t & 31); ++i) r += buf[i];
+      return r;
+    });
   }
   void warp_sync() const {
     step(1);
@@ -152,20 +149,26 @@ struct HostCtx {
   }
   int warp_sum(int v) const {  // __reduce_add_sync: every lane gets the warp's total
     step(1);
-    Warp& w = blk->warps[t >> 5];
-    w.buf[t & 31] = v;
-    w.barrier();
-    int r = 0;
-    for (int i = 0; i < 32; ++i) r += w.buf[i];
-    w.barrier();
-    return r;
+    return exchange(v, [](const int* buf) {
+      int r = 0;
+      for (int i = 0; i < 32; ++i) r += buf[i];
+      return r;
+    });
   }
   int warp_shfl(int v, int src) const {
     step(1);
+    return exchange(v, [&](const int* buf) { return buf[src & 31]; });
+  }
+
+ private:
+  // Every lane publishes v in the warp's buffer, a warp barrier, `read` computes this lane's result
+  // from the buffer, a second warp barrier (the buffer is reused by the next call).
+  template <class F>
+  int exchange(int v, F read) const {
     Warp& w = blk->warps[t >> 5];
     w.buf[t & 31] = v;
     w.barrier();
-    const int r = w.buf[src & 31];
+    const int r = read(w.buf);
     w.barrier();
     return r;
   }
