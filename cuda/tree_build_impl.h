@@ -98,24 +98,6 @@ constexpr int kDpCap = 8192;       // threshold estimate: counts saturate here (
                                    // products <= kDpCap * kMaxBudget, kDpG of them: no int overflow)
 static_assert(kDpG == 64 && 6 * kDpG <= kNB, "fixed_threshold: 2 bins per lane; its scratch fits in cur");
 
-// Arguments of one build. Pointers are device pointers on the GPU, host pointers in emulation.
-struct TreeArgs {
-  const float* lp;        // [D, ld] log-probs, rows sorted descending (first K used)
-  const int32_t* ids;     // [D, ld] token ids
-  int D, K, ld, B;        // depth rows, top-k, row stride (elements), budget
-  int cache_len;          // positions = cache_len + depth
-  int32_t* tokens;        // [B]      token of node i+1 (-1 past n)
-  int32_t* depths;        // [B]      depth of node i+1 (0 past n)
-  int32_t* parents;       // [B+1]    parents[0] = -1 (and -1 past n)
-  int32_t* positions;     // [B+1]    cache_len + depth (-1 past n)
-  uint64_t* visibility;   // [B+1, W] W = (B+64)/64; bit j%64 of word j/64 of row i: i sees j
-  int32_t* n_out;         // [1]      n
-  int32_t* path_out;      // [1]      0 = parallel exact path (adaptive threshold), 1 = sequential fallback,
-                          //          2 = one-warp path, 3 = parallel exact path with the threshold estimate (may be null)
-  int force_fallback;     // 0 = auto; testing: 1 = sequential path, 2 = one-warp path, 3 = parallel path,
-                          //   4 = parallel path with the adaptive threshold only
-};
-
 KD_HD inline int vis_words(int B) { return (B + 64) / 64; }
 
 // Shared-memory layout (bytes), the same on host and device.
@@ -167,6 +149,27 @@ KD_HD inline TreeLayout make_tree_layout(int B, int D, int K) {
   L.total = o;
   return L;
 }
+
+// Arguments of one build. Pointers are device pointers on the GPU, host pointers in emulation.
+struct TreeArgs {
+  const float* lp;        // [D, ld] log-probs, rows sorted descending (first K used)
+  const int32_t* ids;     // [D, ld] token ids
+  int D, K, ld, B;        // depth rows, top-k, row stride (elements), budget
+  int cache_len;          // positions = cache_len + depth
+  int32_t* tokens;        // [B]      token of node i+1 (-1 past n)
+  int32_t* depths;        // [B]      depth of node i+1 (0 past n)
+  int32_t* parents;       // [B+1]    parents[0] = -1 (and -1 past n)
+  int32_t* positions;     // [B+1]    cache_len + depth (-1 past n)
+  uint64_t* visibility;   // [B+1, W] W = (B+64)/64; bit j%64 of word j/64 of row i: i sees j
+  int32_t* n_out;         // [1]      n
+  int32_t* path_out;      // [1]      0 = parallel exact path (adaptive threshold), 1 = sequential fallback,
+                          //          2 = one-warp path, 3 = parallel exact path with the threshold estimate (may be null)
+  int force_fallback;     // 0 = auto; testing: 1 = sequential path, 2 = one-warp path, 3 = parallel path,
+                          //   4 = parallel path with the adaptive threshold only
+  TreeLayout lay;         // make_tree_layout(B, D, K), filled by the launcher: read from the kernel's
+                          // parameters, not recomputed by every thread (a chain of ~60 dependent
+                          // instructions before the first load; thirty-sixth session: -0.2 us a tree)
+};
 
 // Fallback heap storage, aliased onto the candidate store (sc .. dp), which is large enough:
 // heap (B+1) x (8+2+2+1) bytes plus rank tuples (B+1) x 16 x 2 bytes <= cap x 13 bytes.
@@ -357,11 +360,10 @@ struct TreeBlock {
     lane = tid & 31;
     warp = tid >> 5;
     nw = nt >> 5;
-    lgnt = 0;
-    while ((1 << lgnt) < nt) ++lgnt;  // nt is a power of two
+    lgnt = 31 - clz32((uint32_t)nt);  // nt is a power of two (a loop here cost ~0.1 us a tree)
     B = a.B;
     D = a.D;
-    L = make_tree_layout(B, D, a.K);
+    L = a.lay;
     keff = L.keff;
     cap = L.cap;
     sc = (double*)(sm + L.o_sc);

@@ -231,8 +231,8 @@ cudaError_t tree_build(const TreeBuildParams& p, cudaStream_t stream) {
   a.n_out = p.n_nodes;
   a.path_out = p.path_taken;
   a.force_fallback = p.force_fallback;
-  treeimpl::TreeLayout L = treeimpl::make_tree_layout(p.budget, p.D, a.K);
-  const size_t smem = L.total;
+  a.lay = treeimpl::make_tree_layout(p.budget, p.D, a.K);
+  const size_t smem = a.lay.total;
   static size_t smem_set = 48 * 1024;  // the dynamic shared memory limit already granted
   if (smem > smem_set) {
     cudaError_t e = cudaFuncSetAttribute(tree_build_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);

@@ -212,7 +212,8 @@ Out run_block(const std::vector<float>& lp, const std::vector<int32_t>& ids, int
   a.n_out = o.n.data();
   a.path_out = o.path.data();
   a.force_fallback = mode;
-  const auto L = kdtree::treeimpl::make_tree_layout(B, D, K);
+  a.lay = kdtree::treeimpl::make_tree_layout(B, D, K);  // as the launcher does
+  const auto& L = a.lay;
   std::vector<double> smem_storage(L.total / sizeof(double) + 2, 0.0);  // 8-byte aligned
   unsigned char* smem = reinterpret_cast<unsigned char*>(smem_storage.data());
   Block blk;
