@@ -96,7 +96,12 @@ constexpr uint16_t kRoot = 0xFFFF; // parent id of a depth-1 node in the candida
 constexpr int kDpG = 64;           // threshold estimate: deficit bins (fixed_threshold)
 constexpr int kDpCap = 8192;       // threshold estimate: counts saturate here (>= every budget;
                                    // products <= kDpCap * kMaxBudget, kDpG of them: no int overflow)
-static_assert(kDpG == 64 && 6 * kDpG <= kNB, "fixed_threshold: 2 bins per lane; its scratch fits in cur");
+constexpr int kSZ = 67;            // threshold estimate: bin i of a count buffer sits at [kSZ + i], zeros below
+                                   // (kSZ = 3 mod 4 puts dp_warp's windows on 16-byte boundaries)
+constexpr int kSB = 136;           // ... and a buffer's length (two buffers in cur)
+static_assert(kDpG == 64 && kSZ % 4 == 3 && kSZ >= kDpG + 2 && kSZ + kDpG + 1 <= kSB && kSB % 4 == 0 &&
+                  2 * kSB <= kNB,
+              "dp_warp: 4 bins x 32 k per lane pair, windows 16-byte aligned, reads within the zeros and the buffer");
 
 KD_HD inline int vis_words(int B) { return (B + 64) / 64; }
 
@@ -227,6 +232,15 @@ KD_HD inline void load_row(const float* p, float (&x)[W]) {
     for (int j = 0; j < W; ++j) x[j] = p[j];
   }
 }
+// Four consecutive ints (16-byte aligned) from shared memory into registers.
+KD_HD inline void load_int4(const int* p, int* x) {
+#ifdef __CUDA_ARCH__
+  const int4 v = *reinterpret_cast<const int4*>(p);
+  x[0] = v.x; x[1] = v.y; x[2] = v.z; x[3] = v.w;
+#else
+  for (int j = 0; j < 4; ++j) x[j] = p[j];
+#endif
+}
 template <int W>
 KD_HD inline void store_row(float* p, const float (&x)[W]) {
 #ifdef __CUDA_ARCH__
@@ -321,10 +335,9 @@ enum {
   M_FIX = 24, // how the parallel path ended: 0 adaptive (no estimate), 1 fixed threshold, 2 fixed then adaptive
   M_LS = 28,  // [kMaxDepth + 2] level start offsets in the candidate store
   M_WD = 48, M_WT = 49, M_WU = 50, M_WP = 51,  // fixed_levels: warp 0 hands back (depth, T, used, p0)
-  M_ES = 52,  // [2] fixed_threshold's early stop flag, by step parity (dp_steps)
-  M_EX = 54,  // [2] ... and the step's crossing (first bin whose total reaches B), by step parity
+  M_DPB = 52, // fixed_threshold: the crossing dp_warp found (warp 0 hands it to the block)
 };
-static_assert(M_LS + kMaxDepth + 2 <= M_WD && M_WP < M_ES && M_EX + 1 < 64, "misc[] slots overlap or pass its 64 ints (make_tree_layout)");
+static_assert(M_LS + kMaxDepth + 2 <= M_WD && M_WP < M_DPB && M_DPB < 64, "misc[] slots overlap or pass its 64 ints (make_tree_layout)");
 
 // ---------------------------------------------------------------- the block algorithm
 template <class Ctx>
@@ -624,8 +637,6 @@ struct TreeBlock {
       misc[M_FAIL] = 0;
       misc[M_MAXE] = -100000;
       misc[M_MINQ] = 100000;
-      misc[M_ES] = misc[M_ES + 1] = 0;
-      misc[M_EX] = misc[M_EX + 1] = kDpG;
       for (int d = 0; d < kMaxDepth; ++d) misc[M_FB + d] = keff;
     }
     // (not unrolled: an unrolled loop of runtime stride nt starts with an integer division for its
@@ -634,7 +645,7 @@ struct TreeBlock {
     for (int i = tid; i < kNB; i += nt) {  // (phist and cur: the threshold estimate's scratch)
       ctx.step(1);
       hist[i] = 0;
-      if (i < 6 * kDpG) cur[i] = i >= kDpG && i < 2 * kDpG ? 1 : 0;  // S_0 of fixed_threshold: the root, in every bin
+      if (i < 2 * kSB) cur[i] = i >= kSZ && i < kSZ + kDpG ? 1 : 0;  // fixed_threshold's S_0 (the root, in every bin), zeros
       if (i < kMaxDepth * kDpG) phist[i] = 0;
     }
     if (tid < kNG) gcnt[tid] = 0;
@@ -719,14 +730,12 @@ struct TreeBlock {
   // B). Counts saturate at kDpCap. w: a set of >= B prefixes formed up front (the chain of top
   // ranks with every sibling along it, one rank part each) has deficits <= U, so its members land
   // within the bins even after rounding up (kDpG - 3 bins span U); without one, a generous guess.
-  // Cost: one barrier for the histograms and one per depth, until a depth adds nothing below the
-  // crossing (N is cumulative, so that is a per-bin test, no scan) or dp_steps' early stop judges
-  // that the depths left cannot move the crossing. Scratch in phist and cur,
-  // which phase 0 initialised (cur's S_0 = 1).
+  // Cost: one barrier for the histograms, then the depth steps in warp 0 (dp_warp: warp barriers
+  // only) until a depth adds nothing below the crossing (N is cumulative, so that is a per-bin
+  // test, no scan) or the early stop judges that the depths left cannot move the crossing, and one
+  // barrier to hand the crossing over. Scratch in phist and cur, which phase 0 initialised.
   KD_HD int fixed_threshold() {
     int* H = phist;                  // [D][kDpG] row histograms of ceil(e / w) (zeroed in phase 0)
-    int* S = cur;                    // [2][2 * kDpG] cumulative counts, kDpG zeros before each buffer
-    int* N = cur + 4 * kDpG;         // [2][kDpG] running totals over the depths (two buffers)
     // the range, the same in every thread (no barrier)
     float U = 0.0f, spine = 0.0f, emax = 0.0f;
     int have = 0;
@@ -780,15 +789,13 @@ struct TreeBlock {
       }
     }
     ctx.sync();
-    const int* Nf;        // the final totals
-    switch (nt / kDpG) {  // threads per bin: a template argument, for fixed trip counts
-      case 2: Nf = dp_steps<2>(H, S, N, inv); break;
-      case 4: Nf = dp_steps<4>(H, S, N, inv); break;
-      case 8: Nf = dp_steps<8>(H, S, N, inv); break;
-      default: Nf = dp_steps<16>(H, S, N, inv); break;
+    if (warp == 0) {
+      const int bw = dp_warp(H, inv);
+      if (lane == 0) misc[M_DPB] = bw;
     }
-    // the crossing (every warp the same): the number of bins whose total is below B
-    const int below = ctx.warp_shfl(ctx.warp_incl_sum((Nf[2 * lane] < B) + (Nf[2 * lane + 1] < B)), 31);
+    ctx.sync();
+    // the crossing: the number of bins whose total is below B
+    const int below = misc[M_DPB];
     if (below >= kDpG) return kBottom;
     // (times 1 / span, not divided by span: a double division is ~10 dependent instructions; any
     // bound here is valid, the levels check what it gives)
@@ -805,81 +812,93 @@ struct TreeBlock {
     return x < (float)kDpG ? (int)ceilf(x) : kDpG;
   }
 
-  // fixed_threshold's depth steps, TPB threads per bin (adjacent lanes, reduced by shuffles), a
-  // fixed trip count (the zeros before each buffer stand for negative bins); bin j's owner adds
-  // its count to N at j + ceil(sp / w). N has two buffers, read from one and written to the other
-  // each step, every entry by one owner (bins below the shift are copied by their own owner), so
-  // the skip test below reads totals nobody writes in that step. One barrier per step,
-  // which also tells whether the depth added anything below the crossing. (The block's shared-
-  // memory loads, 2 * kDpG^2 per step whatever the thread count, are what a step costs beyond
-  // its barrier, hence the skipped bins.)
+  // fixed_threshold's depth steps in warp 0 alone: warp barriers only, while the other warps wait at
+  // one block barrier (thirty-sixth session: the block-wide steps, a block barrier each, cost as much
+  // at 512 threads and more at 1024). Lane 2g + h owns bins 4g .. 4g + 3 over the deficit bins k of
+  // [32h, 32h + 32) of the depth's histogram, in quarters of 8: two 16-byte loads of H and three of S
+  // (the window of the 4 bins x 8 k; kSZ puts it on a 16-byte boundary), 32 multiply-adds into four
+  // independent sums; the pair's halves meet by one shuffle. S has zeros below bin 0 (fixed trip
+  // counts; the triangle's zero terms cost no latency in a warp). The running totals N stay in
+  // registers (both lanes of a pair hold the pair's four). Bins past the crossing are computed too:
+  // they can only feed bins past it, so the crossing, the `more` test and the early stop are the
+  // block-wide version's (checked bin for bin in the CPU emulation when it was replaced). Buffer
+  // reuse needs one warp barrier a step: step n + 1 writes the buffer step n read its windows from
+  // (before step n's barrier), and Sout is next written at step n + 2 (after step n + 1's barrier).
+  // Returns the final crossing.
   //
   // The early stop (thirty-second session): N is a lower bound after any number of steps, so
   // stopping early only loosens the threshold (never a wrong tree), and the last steps rarely move
-  // the crossing. The bins' owners post the first bin whose new total reaches B (atomicMin); one
-  // step later lane 0 of the last warp (its bins are past the crossing: idle) reads it with the
-  // step's additions below it (the cumulative Sin at the crossing minus the shift) and the gap to
-  // B. When the additions shrink by a ratio r < 1 a depth and even r / (1 - r) times them could not
-  // fill the gap, the current step is the last (its totals are complete after its barrier).
-  template <int TPB>
-  KD_HD const int* dp_steps(const int* H, int* S, int* N, float inv) {
-    const int j = tid / TPB, q = tid % TPB;
-    int ab_prev = 0, c_prev = 0;  // the early stop's state (lane 0 of the last warp)
+  // the crossing. After step n, with a1 = what it added just below the crossing and the gap to B
+  // there: when the additions shrink by a ratio r < 1 a depth and even r / (1 - r) times them
+  // could not fill the gap, step n + 1 is the last (the block-wide version decided one step late,
+  // so it kept that one step; the same step count here).
+  KD_HD int dp_warp(const int* H, float inv) {
+    int* S = cur;  // two buffers of kSB ints, bin i at [kSZ + i] (phase 0 wrote S_0 = 1 and the zeros)
+    const int g = lane >> 1, h = lane & 1, j0 = 4 * g, k0 = 32 * h;
+    int N0 = 0, N1 = 0, N2 = 0, N3 = 0;
+    int ab_prev = 0;
+    bool stop_next = false;
     float sp = 0.0f;
-    const int* fin = N;  // the buffer the last step wrote (D >= 1: at least one step runs)
     for (int n = 0; n < D; ++n) {
+      const int* Sin = S + (n & 1) * kSB + kSZ;
+      int* Sout = S + ((n + 1) & 1) * kSB + kSZ;
       const int* Hn = H + n * kDpG;
-      const int* Sin = S + (n & 1) * 2 * kDpG + kDpG;
-      int* Sout = S + ((n + 1) & 1) * 2 * kDpG + kDpG;
-      const int* Nin = N + (n & 1) * kDpG;
-      int* Nout = N + ((n + 1) & 1) * kDpG;
       if (n > 0) sp -= lpc[(size_t)n * keff];
-      if (n >= 1 && warp == nw - 1 && lane == 0) {
-        const int below = misc[M_EX + ((n - 1) & 1)];  // step n - 1's crossing
-        misc[M_EX + ((n - 1) & 1)] = kDpG;  // free for step n + 1's owners (after this step's barrier)
-        if (below < kDpG) {
-          bool stop = below == 0;
-          if (!stop) {
-            const int a1 = Sin[below - 1 - c_prev], gap = B - Nin[below - 1];  // (index >= -kDpG: zeros)
-            stop = ab_prev > a1 && a1 * a1 < gap * (ab_prev - a1);  // (<= 8192^2: no overflow)
-            ab_prev = a1;
-          }
-          if (stop) misc[M_ES + (n & 1)] = 1;  // by parity: a slow thread may still read step n - 1's
-        }
-      }
-      int v = 0;
-      // bins where N already reached B are done for good (N is cumulative, so they are every bin
-      // from the crossing on, and no bin below reads theirs): skipped, whole warps at a time
-      if (Nin[j] < B) {
-        ctx.step(kDpG / TPB);
+      int v[4] = {0, 0, 0, 0};
+      ctx.step(4);
 #pragma unroll
-        for (int t = 0; t < kDpG / TPB; ++t) v += Hn[q + t * TPB] * Sin[j - q - t * TPB];
+      for (int qq = 0; qq < 4; ++qq) {
+        const int kq = k0 + 8 * qq;
+        int hv[8], w[12];
+        load_int4(Hn + kq, hv);
+        load_int4(Hn + kq + 4, hv + 4);
+        const int* wp = Sin + (j0 - kq - 7);  // bins j0 - kq - 7 .. j0 - kq + 4 (the last unused)
+        load_int4(wp, w);
+        load_int4(wp + 4, w + 4);
+        load_int4(wp + 8, w + 8);
+#pragma unroll
+        for (int t = 0; t < 8; ++t) {
+#pragma unroll
+          for (int b = 0; b < 4; ++b) v[b] += hv[t] * w[7 + b - t];
+        }
       }
 #pragma unroll
-      for (int o = 1; o < TPB; o <<= 1) v += ctx.warp_shfl(v, lane ^ o);
-      int more = 0;
-      const int c = dp_shift(sp, inv);  // this depth's shift (also the early stop's c_prev next step)
-      if (q == 0) {
-        v = v < kDpCap ? v : kDpCap;
-        Sout[j] = v;
-        if (j < c) {
-          Nout[j] = Nin[j];  // no bin lands here this step
-          if (Nin[j] >= B) ctx.atomic_min(&misc[M_EX + (n & 1)], j);
-        }
-        const int t = j + c;
-        if (t < kDpG) {
-          const int tot = Nin[t] + v;
-          Nout[t] = tot;
-          if (tot >= B) ctx.atomic_min(&misc[M_EX + (n & 1)], t);
-          more = v > 0 && tot < B;  // deeper prefixes land in bins >= this depth's lowest
+      for (int b = 0; b < 4; ++b) {
+        v[b] += ctx.warp_shfl(v[b], lane ^ 1);
+        v[b] = v[b] < kDpCap ? v[b] : kDpCap;
+      }
+      if (h == 0) {
+#pragma unroll
+        for (int b = 0; b < 4; ++b) Sout[j0 + b] = v[b];
+      }
+      ctx.warp_sync();  // Sout complete (and every lane done reading Sin)
+      const int c = dp_shift(sp, inv);
+      // bin t gains what this depth put at t - c (zeros below bin 0)
+      const int a0 = Sout[j0 - c], a1 = Sout[j0 + 1 - c], a2 = Sout[j0 + 2 - c], a3 = Sout[j0 + 3 - c];
+      N0 += a0; N1 += a1; N2 += a2; N3 += a3;
+      // one warp reduction for both tests: the bins below B (the crossing; N is nondecreasing) and,
+      // above them (<< 8), the bins this depth raised and left below B (deeper prefixes land there)
+      const int more = (a0 > 0 && N0 < B) + (a1 > 0 && N1 < B) + (a2 > 0 && N2 < B) + (a3 > 0 && N3 < B);
+      const int cnt = (N0 < B) + (N1 < B) + (N2 < B) + (N3 < B);
+      const int red = ctx.warp_sum(h == 0 ? cnt + (more << 8) : 0);
+      if ((red >> 8) == 0) break;
+      if (stop_next) break;
+      const int below = red & 255;
+      if (below < kDpG) {
+        if (below == 0) {
+          stop_next = true;
+        } else {
+          const int m = below - 1;  // the last bin below the crossing
+          const int am = Sout[m - c];  // what this depth added there
+          const int e = m & 3;
+          const int mine = e == 0 ? N0 : e == 1 ? N1 : e == 2 ? N2 : N3;
+          const int gap = B - ctx.warp_shfl(mine, 2 * (m >> 2));
+          stop_next = ab_prev > am && am * am < gap * (ab_prev - am);
+          ab_prev = am;
         }
       }
-      c_prev = c;
-      fin = Nout;
-      if (!ctx.sync_or(more)) break;
-      if (misc[M_ES + (n & 1)]) break;  // the early stop
     }
-    return fin;
+    return ctx.warp_sum(h == 0 ? (N0 < B) + (N1 < B) + (N2 < B) + (N3 < B) : 0);
   }
 
   // The fixed threshold's levels (btf < kBottom): every prefix whose bucket is <= btf, level by
