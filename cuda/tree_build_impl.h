@@ -828,7 +828,7 @@ struct TreeBlock {
   //
   // The early stop (thirty-second session): N is a lower bound after any number of steps, so
   // stopping early only loosens the threshold (never a wrong tree), and the last steps rarely move
-  // the crossing. After step n, with a1 = what it added just below the crossing and the gap to B
+  // the crossing. After step n, with am = what it added just below the crossing and the gap to B
   // there: when the additions shrink by a ratio r < 1 a depth and even r / (1 - r) times them
   // could not fill the gap, step n + 1 is the last (the block-wide version decided one step late,
   // so it kept that one step; the same step count here).
@@ -893,7 +893,7 @@ struct TreeBlock {
           const int e = m & 3;
           const int mine = e == 0 ? N0 : e == 1 ? N1 : e == 2 ? N2 : N3;
           const int gap = B - ctx.warp_shfl(mine, 2 * (m >> 2));
-          stop_next = ab_prev > am && am * am < gap * (ab_prev - am);
+          stop_next = ab_prev > am && am * am < gap * (ab_prev - am);  // (<= 8192^2: no overflow)
           ab_prev = am;
         }
       }
