@@ -824,7 +824,7 @@ struct TreeBlock {
   // block-wide version's (checked bin for bin in the CPU emulation when it was replaced). Buffer
   // reuse needs one warp barrier a step: step n + 1 writes the buffer step n read its windows from
   // (before step n's barrier), and Sout is next written at step n + 2 (after step n + 1's barrier).
-  // Returns the final crossing.
+  // Returns the final crossing (the last step's count of bins below B; no second reduction).
   //
   // The early stop (thirty-second session): N is a lower bound after any number of steps, so
   // stopping early only loosens the threshold (never a wrong tree), and the last steps rarely move
@@ -836,7 +836,7 @@ struct TreeBlock {
     int* S = cur;  // two buffers of kSB ints, bin i at [kSZ + i] (phase 0 wrote S_0 = 1 and the zeros)
     const int g = lane >> 1, h = lane & 1, j0 = 4 * g, k0 = 32 * h;
     int N0 = 0, N1 = 0, N2 = 0, N3 = 0;
-    int ab_prev = 0;
+    int ab_prev = 0, below = kDpG;  // (no step: every total 0 < B)
     bool stop_next = false;
     float sp = 0.0f;
     for (int n = 0; n < D; ++n) {
@@ -881,9 +881,9 @@ struct TreeBlock {
       const int more = (a0 > 0 && N0 < B) + (a1 > 0 && N1 < B) + (a2 > 0 && N2 < B) + (a3 > 0 && N3 < B);
       const int cnt = (N0 < B) + (N1 < B) + (N2 < B) + (N3 < B);
       const int red = ctx.warp_sum(h == 0 ? cnt + (more << 8) : 0);
+      below = red & 255;  // the totals do not change after this: the final crossing if the steps end here
       if ((red >> 8) == 0) break;
       if (stop_next) break;
-      const int below = red & 255;
       if (below < kDpG) {
         if (below == 0) {
           stop_next = true;
@@ -898,7 +898,7 @@ struct TreeBlock {
         }
       }
     }
-    return ctx.warp_sum(h == 0 ? (N0 < B) + (N1 < B) + (N2 < B) + (N3 < B) : 0);
+    return below;
   }
 
   // The fixed threshold's levels (btf < kBottom): every prefix whose bucket is <= btf, level by
