@@ -485,6 +485,48 @@ __device__ __forceinline__ void cp_async_wait_le(int n) {
 
 __device__ __forceinline__ float4 lds4(const float* x) { return *reinterpret_cast<const float4*>(x); }
 
+// One split-KV chunk's key rows kbase .. kbase + KC - 1 -> s.k, NSL cp.async groups of SLW columns
+// (rows past N zero-filled; `commit`: one group per slice, else all in the caller's group). Thread t
+// copies float4 column t % 16 of every slice of rows t / 16 + 8 r: four row pointers a chunk and
+// fixed offsets from them (16 lanes per row: an 8-lane phase of the 16-byte stores covers the 32
+// banks). The first version formed each of the 36 copies' address apart (by the 64-bit row product
+// and a select against the base pointer): ~800 SASS instructions a chunk, more than the chunk's
+// products at decode sizes (thirty-eighth session).
+template <class S>
+__device__ __forceinline__ void splitkv_load_chunk(const VerifyAttentionParams& p, S& s, int kbase, int N, int tid,
+                                                   bool commit) {
+  using namespace sk;
+  constexpr int RPI = sk::NT / (SLW / 4);  // rows per pass (8)
+  static_assert(KC % RPI == 0, "whole passes");
+  const int f4 = 4 * (tid % (SLW / 4)), r0 = tid / (SLW / 4);
+  const float* src[KC / RPI];
+  bool ok[KC / RPI];
+#pragma unroll
+  for (int r2 = 0; r2 < KC / RPI; ++r2) {
+    const int j = kbase + r0 + RPI * r2;
+    ok[r2] = j < N;
+    src[r2] = p.kv + (size_t)(ok[r2] ? j : 0) * p.kv_stride + f4;  // (row 0 when zero-filled: never read)
+  }
+#pragma unroll
+  for (int sl = 0; sl < NSL; ++sl) {
+#pragma unroll
+    for (int r2 = 0; r2 < KC / RPI; ++r2) cp_async16(&s.k[r0 + RPI * r2][sl * SLW + f4], src[r2] + sl * SLW, ok[r2]);
+    if (commit) cp_async_commit();
+  }
+}
+
+// L2 prefetch of chunk rows j0 .. j0 + KC - 1 (< N): thread t, row t / 4, 128-byte lines t % 4 + 4 i
+__device__ __forceinline__ void splitkv_prefetch_chunk(const VerifyAttentionParams& p, int j0, int N, int tid) {
+  using namespace sk;
+  static_assert(sk::NT == 4 * KC && DQ % 32 == 0 && DQ / 32 <= 20, "five lines per thread at most");
+  const int j = j0 + (tid >> 2), e = (tid & 3) * 32;
+  if (j >= N) return;
+  const float* row = p.kv + (size_t)j * p.kv_stride;
+#pragma unroll
+  for (int i = 0; i < 5; ++i)
+    if (e + 128 * i < DQ) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + e + 128 * i));
+}
+
 template <int RG>
 __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAttentionParams p) {
   pdl_trigger();
@@ -519,16 +561,7 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
   // instead of following them. The queries come after the wait (the previous kernel wrote them).
   const bool pre = p.committed_ready && c0 < c1 && (c0 + 1) * KC <= L;
   if (pre) {
-#pragma unroll
-    for (int sl = 0; sl < NSL; ++sl) {
-#pragma unroll
-      for (int r2 = 0; r2 < (KC * SLW / 4) / sk::NT; ++r2) {
-        const int idx = tid + r2 * sk::NT;
-        const int kk = idx >> 4, f = idx & 15;
-        // pdl: pre-wait (committed cache rows, complete before the step)
-        cp_async16(&s.k[kk][sl * SLW + f * 4], p.kv + (size_t)(c0 * KC + kk) * p.kv_stride + sl * SLW + f * 4, true);
-      }
-    }
+    splitkv_load_chunk(p, s, c0 * KC, N, tid, false);  // pdl: pre-wait (committed cache rows, complete before the step)
     cp_async_commit();
   }
   pdl_wait();
@@ -537,13 +570,17 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
     s.m[tid] = attn_neg_inf();
     s.l[tid] = 0.f;
   }
-  if (c0 < c1) {  // Q rows [m0, m0+16) -> shared, one cp.async group ahead of the first chunk's
-    for (int i = tid; i < RG * (DQ / 4); i += sk::NT) {
-      const int r = i / (DQ / 4), d = (i % (DQ / 4)) * 4, g = m0 + r;
-      const bool ok = g < M;
-      const float* src = p.q_latent;
-      if (ok) src = d < C_ ? p.q_latent + (size_t)g * C_ + d : p.q_rope + (size_t)g * R_ + (d - C_);
-      cp_async16(&s.q[r][d], src, ok);
+  if (c0 < c1) {  // Q rows [m0, m0 + RG) -> shared, one cp.async group ahead of the first chunk's:
+    // NT / RG threads per row, thread t float4 columns t % (NT / RG) + (NT / RG) i (two row pointers)
+    constexpr int TQ = sk::NT / RG, QF = (DQ / 4 + TQ - 1) / TQ;
+    const int r = tid / TQ, f0 = tid % TQ, g = m0 + r;
+    const bool ok = g < M;
+    const float* pl = p.q_latent + (size_t)(ok ? g : 0) * C_;  // column d < C_: pl + d
+    const float* pr = p.q_rope + (size_t)(ok ? g : 0) * R_;    // else pr + (d - C_)
+#pragma unroll
+    for (int i = 0; i < QF; ++i) {
+      const int d = 4 * (f0 + TQ * i);
+      if (d < DQ) cp_async16(&s.q[r][d], d < C_ ? pl + d : pr + (d - C_), ok);
     }
     cp_async_commit();
   }
@@ -559,18 +596,7 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
     if (kbase + KC > L && !__syncthreads_or(attn_sees_any<KPT>(p, L, N, node2, kbase, KPT * pq))) continue;
     const bool loaded = pre && ch == c0;  // issued before the PDL wait (one group, before Q's)
     // ---- K chunk -> shared (rows past N zero-filled), 9 groups of 64 columns
-#pragma unroll
-    for (int sl = 0; sl < NSL && !loaded; ++sl) {
-#pragma unroll
-      for (int r2 = 0; r2 < (KC * SLW / 4) / sk::NT; ++r2) {
-        const int idx = tid + r2 * sk::NT;
-        const int kk = idx >> 4, f = idx & 15, j = kbase + kk;
-        const bool ok = j < N;
-        const float* src = ok ? p.kv + (size_t)j * p.kv_stride + sl * SLW + f * 4 : p.kv;
-        cp_async16(&s.k[kk][sl * SLW + f * 4], src, ok);
-      }
-      cp_async_commit();
-    }
+    if (!loaded) splitkv_load_chunk(p, s, kbase, N, tid, true);
     // ---------------- phase 1: S = Q K^T. Each thread: a 4x4 (row, key) tile over a quarter of
     // every slice's columns (float4 columns 2h, 2h+1, 2h+8, 2h+9 of 16), then the 4 quarters are
     // summed across lanes. Per step 4 Q + 4 K float4 loads feed 64 FMAs; Q loads: 2 wavefronts,
@@ -581,12 +607,7 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
     // L2 prefetch of the next chunk's rows (it then lands from L2, not HBM)
-    if (ch + 1 < c1) {
-      for (int i = tid; i < KC * (DQ / 32); i += sk::NT) {
-        const int j = kbase + KC + i / (DQ / 32);
-        if (j < N) asm volatile("prefetch.global.L2 [%0];" ::"l"(p.kv + (size_t)j * p.kv_stride + (i % (DQ / 32)) * 32));
-      }
-    }
+    if (ch + 1 < c1) splitkv_prefetch_chunk(p, kbase + KC, N, tid);
     for (int sl = 0; sl < NSL; ++sl) {
       cp_async_wait_le(loaded ? 0 : NSL - 1 - sl);  // preloaded: Q's group came last, wait for all
       __syncthreads();
