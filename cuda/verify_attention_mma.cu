@@ -93,16 +93,24 @@ __device__ __forceinline__ void mv_wait_le(int n) {
 // The key rows kbase .. kbase + KC - 1 of cp.async group r, warp w's slab NGRP w + r (the columns
 // its phase 1 reads) -> their columns of s.k (rows past N zero-filled). Each warp copies only its own
 // slabs, so phase 1 waits for its own copies (cp.async.wait_group + __syncwarp), not the block's.
+// Lane mapping: copy i of lane l is piece (l + 32 i) % 6 of row (l + 32 i) / 6, so consecutive lanes
+// read consecutive 16-byte pieces of a row (an instruction covers ~5 rows' 96-byte slabs, the fewest
+// 128-byte lines; a mapping with 16 rows of 32 bytes per instruction, cheaper to address, made the
+// chunk loop 2-7 % slower, thirty-eighth session). The addresses are 32-bit offsets from the chunk's
+// first row (the first version formed each one by a 64-bit product and a select against the base
+// pointer: ~300 SASS instructions a chunk per warp for 18 copies).
 __device__ __forceinline__ void mv_load_group(const VerifyAttentionParams& p, MvSmem& s, int r, int kbase, int N,
                                               int warp, int lane) {
   using namespace mv;
+  const float* base = p.kv + (size_t)kbase * p.kv_stride;  // row kbase < N: a valid address
+  const int rows = N - kbase;                               // rows of the chunk that exist (> 0)
 #pragma unroll
   for (int i = 0; i < (KC * SLAB / 4) / 32; ++i) {
     const int idx = lane + 32 * i;
     const int kk = idx / (SLAB / 4), f = idx % (SLAB / 4);
-    const int col = (NGRP * warp + r) * SLAB + 4 * f, j = kbase + kk;
-    const bool ok = j < N;
-    cp_async16(&s.k[kk][col], ok ? p.kv + (size_t)j * p.kv_stride + col : p.kv, ok);
+    const int col = (NGRP * warp + r) * SLAB + 4 * f;
+    const bool ok = kk < rows;
+    cp_async16(&s.k[kk][col], base + ((ok ? kk : 0) * p.kv_stride + col), ok);
   }
 }
 
@@ -151,9 +159,8 @@ __device__ __forceinline__ void mv_block(const VerifyAttentionParams& p, MvSmem&
     for (int i = lane; i < 16 * MT2 * QW; i += 32) {
       const int r = i / QW, d = NGRP * SLAB * warp + (i % QW) * 4, gm = m0 + r;
       const bool ok = gm < M;
-      const float* src = p.q_latent;
-      if (ok) src = d < C ? p.q_latent + (size_t)gm * C + d : p.q_rope + (size_t)gm * R + (d - C);
-      cp_async16(&s.q[r][d], src, ok);
+      const int g = ok ? gm : 0;  // (row 0 when zero-filled: never read)
+      cp_async16(&s.q[r][d], d < C ? p.q_latent + (g * C + d) : p.q_rope + (g * R + (d - C)), ok);
     }
     cp_async_commit();
   }
@@ -178,10 +185,14 @@ __device__ __forceinline__ void mv_block(const VerifyAttentionParams& p, MvSmem&
         cp_async_commit();
       }
     }
-    if (ch + 1 < c1) {  // L2 prefetch of the next chunk's rows
-      for (int i = tid; i < KC * (DQ / 32); i += NT) {
-        const int j = kbase + KC + i / (DQ / 32);
-        if (j < N) asm volatile("prefetch.global.L2 [%0];" ::"l"(p.kv + (size_t)j * p.kv_stride + (i % (DQ / 32)) * 32));
+    if (ch + 1 < c1) {  // L2 prefetch of the next chunk's rows: thread t, row t / 8, 128-byte lines t % 8 + 8 i
+      static_assert(NT == 8 * KC && DQ * 4 <= 3 * 8 * 128 && DQ * 4 > 2 * 8 * 128, "three lines per thread at most");
+      const int j = kbase + KC + (tid >> 3), e = (tid & 7) * 32;
+      if (j < N) {
+        const float* row = p.kv + (size_t)j * p.kv_stride;
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + e));
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + e + 256));
+        if (e + 512 < DQ) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + e + 512));
       }
     }
     // ---------------- phase 1: partial S over this warp's k-part, 3xTF32 (hi*hi to big, the
