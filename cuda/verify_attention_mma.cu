@@ -38,6 +38,8 @@
 // since then latency-bound (ncu, T = 17, H = 16, L = 4096: an instruction every 6.1 cycles per warp,
 // 0.43 eligible warps per scheduler). 16 warps per block (128 registers) lost 5-8 %; the next
 // chunk's first group in a buffer of its own, issued during phases 2 and 3, lost 5-6 %.
+// Thirty-eighth session: the key copies' addresses as offsets from the chunk's first row (mv_load_group):
+// 2.7-4.3 % (ncu had 1.9 of 7.6 cycles per instruction waiting for instruction fetch).
 #include <cuda_runtime.h>
 
 #include <algorithm>
