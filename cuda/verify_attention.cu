@@ -515,18 +515,6 @@ __device__ __forceinline__ void splitkv_load_chunk(const VerifyAttentionParams& 
   }
 }
 
-// L2 prefetch of chunk rows j0 .. j0 + KC - 1 (< N): thread t, row t / 4, 128-byte lines t % 4 + 4 i
-__device__ __forceinline__ void splitkv_prefetch_chunk(const VerifyAttentionParams& p, int j0, int N, int tid) {
-  using namespace sk;
-  static_assert(sk::NT == 4 * KC && DQ % 32 == 0 && DQ / 32 <= 20, "five lines per thread at most");
-  const int j = j0 + (tid >> 2), e = (tid & 3) * 32;
-  if (j >= N) return;
-  const float* row = p.kv + (size_t)j * p.kv_stride;
-#pragma unroll
-  for (int i = 0; i < 5; ++i)
-    if (e + 128 * i < DQ) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + e + 128 * i));
-}
-
 template <int RG>
 __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAttentionParams p) {
   pdl_trigger();
@@ -575,8 +563,9 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
     constexpr int TQ = sk::NT / RG, QF = (DQ / 4 + TQ - 1) / TQ;
     const int r = tid / TQ, f0 = tid % TQ, g = m0 + r;
     const bool ok = g < M;
-    const float* pl = p.q_latent + (size_t)(ok ? g : 0) * C_;  // column d < C_: pl + d
-    const float* pr = p.q_rope + (size_t)(ok ? g : 0) * R_;    // else pr + (d - C_)
+    const size_t gr = ok ? g : 0;  // (row 0 when zero-filled: never read)
+    const float* pl = p.q_latent + gr * C_;  // column d < C_: pl + d
+    const float* pr = p.q_rope + gr * R_;    // else pr + (d - C_)
 #pragma unroll
     for (int i = 0; i < QF; ++i) {
       const int d = 4 * (f0 + TQ * i);
@@ -607,7 +596,7 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[i][j] = 0.f;
     // L2 prefetch of the next chunk's rows (it then lands from L2, not HBM)
-    if (ch + 1 < c1) splitkv_prefetch_chunk(p, kbase + KC, N, tid);
+    if (ch + 1 < c1) attn_prefetch_rows_l2<sk::NT / KC, DQ>(p.kv, p.kv_stride, kbase + KC + tid / (sk::NT / KC), N, tid % (sk::NT / KC));
     for (int sl = 0; sl < NSL; ++sl) {
       cp_async_wait_le(loaded ? 0 : NSL - 1 - sl);  // preloaded: Q's group came last, wait for all
       __syncthreads();

@@ -25,6 +25,21 @@ __device__ __forceinline__ bool attn_key_visible(const VerifyAttentionParams& p,
   return (p.visibility[(size_t)node * p.vis_stride + (t >> 6)] >> (t & 63)) & 1ull;
 }
 
+// L2 prefetch of a chunk's key rows j0 .. j0 + (threads / TPR) - 1 (those < N; rows of DQ floats,
+// `stride` apart) before the chunk's cp.async copies need them: thread `sub` of TPR per row takes the
+// 128-byte lines sub, sub + TPR, ... of row j0 + t / TPR (the split-KV kernel: TPR = 4; the tensor-core
+// kernel: TPR = 8). No divisions: the loops that mapped a flat line index to (row, line) cost more
+// instructions than the prefetches (thirty-eighth session).
+template <int TPR, int DQ>
+__device__ __forceinline__ void attn_prefetch_rows_l2(const float* kv, int stride, int j, int N, int sub) {
+  static_assert(DQ % 32 == 0, "whole 128-byte lines");
+  if (j >= N) return;
+  const float* row = kv + (size_t)j * stride + 32 * sub;
+#pragma unroll
+  for (int i = 0; i < (DQ / 32 + TPR - 1) / TPR; ++i)
+    if (32 * (sub + TPR * i) < DQ) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + 32 * TPR * i));
+}
+
 // does tree node `node` (-1: a padding row, none) see any of keys kbase + kofs + (0 .. KPT - 1)?
 template <int KPT>
 __device__ __forceinline__ bool attn_sees_any(const VerifyAttentionParams& p, int L, int N, int node, int kbase,

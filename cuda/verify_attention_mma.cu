@@ -39,7 +39,10 @@
 // 0.43 eligible warps per scheduler). 16 warps per block (128 registers) lost 5-8 %; the next
 // chunk's first group in a buffer of its own, issued during phases 2 and 3, lost 5-6 %.
 // Thirty-eighth session: the key copies' addresses as offsets from the chunk's first row (mv_load_group):
-// 2.7-4.3 % (ncu had 1.9 of 7.6 cycles per instruction waiting for instruction fetch).
+// 2.7-4.3 % (ncu had 1.9 of 7.6 cycles per instruction waiting for instruction fetch). Thirty-ninth
+// session: mv_block<2> from one call site (SASS 6216 -> 4040 instructions): equal time within 0.5 %
+// (T = 1, H = 128, L = 512 -2 %); kept for the smaller code, the instruction-fetch stalls did not
+// turn into time.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -187,16 +190,8 @@ __device__ __forceinline__ void mv_block(const VerifyAttentionParams& p, MvSmem&
         cp_async_commit();
       }
     }
-    if (ch + 1 < c1) {  // L2 prefetch of the next chunk's rows: thread t, row t / 8, 128-byte lines t % 8 + 8 i
-      static_assert(NT == 8 * KC && DQ * 4 <= 3 * 8 * 128 && DQ * 4 > 2 * 8 * 128, "three lines per thread at most");
-      const int j = kbase + KC + (tid >> 3), e = (tid & 7) * 32;
-      if (j < N) {
-        const float* row = p.kv + (size_t)j * p.kv_stride;
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + e));
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(row + e + 256));
-        if (e + 512 < DQ) asm volatile("prefetch.global.L2 [%0];" ::"l"(row + e + 512));
-      }
-    }
+    if (ch + 1 < c1)  // L2 prefetch of the next chunk's rows
+      attn_prefetch_rows_l2<NT / KC, DQ>(p.kv, p.kv_stride, kbase + KC + tid / (NT / KC), N, tid % (NT / KC));
     // ---------------- phase 1: partial S over this warp's k-part, 3xTF32 (hi*hi to big, the
     // two cross terms to small: independent chains, summed in FP32 at the end)
     {
@@ -373,15 +368,15 @@ __global__ void __launch_bounds__(mv::NT, 1) mla_verify_mma_kernel(VerifyAttenti
   const int rg = (M + RM - 1) / RM;
   const int b = blockIdx.x, nfull = (rg - 1) * s_full;
   const int nslots = s_full > s_last ? s_full : s_last;
-  if (b < nfull) {
-    mv_block<2>(p, s, (b / s_full) * RM, b % s_full, s_full, nslots);
-  } else {
-    const int m0 = (rg - 1) * RM;
-    if (M - m0 <= 16)
-      mv_block<1>(p, s, m0, b - nfull, s_last, nslots);
-    else
-      mv_block<2>(p, s, m0, b - nfull, s_last, nslots);
-  }
+  // one call site per instantiation (the kernel's code is ~25 KB per copy of the chunk loop; two
+  // inlined copies of mv_block<2> doubled it)
+  const bool full = b < nfull;
+  const int m0 = full ? (b / s_full) * RM : (rg - 1) * RM;
+  const int split = full ? b % s_full : b - nfull, nsplit = full ? s_full : s_last;
+  if (!full && M - m0 <= 16)
+    mv_block<1>(p, s, m0, split, nsplit, nslots);
+  else
+    mv_block<2>(p, s, m0, split, nsplit, nslots);
 }
 
 }  // namespace
