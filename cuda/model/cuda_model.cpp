@@ -123,6 +123,8 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   if (opt.expert_mma_rows != 0 && opt.expert_mma_rows != 8 && opt.expert_mma_rows != 16 && opt.expert_mma_rows != 32 &&
       opt.expert_mma_rows != 64)
     throw Error("CudaModel: expert_mma_rows must be 0 (auto), 8, 16, 32 or 64, got " + std::to_string(opt.expert_mma_rows));
+  if (opt.context_buckets != 1 && opt.context_buckets != 2 && opt.context_buckets != 4 && opt.context_buckets != 8)
+    throw Error("CudaModel: context_buckets must be 1, 2, 4 or 8, got " + std::to_string(opt.context_buckets));
   if (opt.uv_combine_max_tokens < 0 || opt.uv_combine_max_tokens > cuda::kUvMaxT)
     throw Error("CudaModel: uv_combine_max_tokens must be 0.." + std::to_string(cuda::kUvMaxT) + ", got " +
                 std::to_string(opt.uv_combine_max_tokens));
@@ -1064,12 +1066,17 @@ void CudaModel::forward_device(const int32_t* tokens_d, const int32_t* positions
   pending_ = T;
 }
 
-// Context bucket: the attention grid and its key splits are sized for the next power of two >=
-// L + 1 (at least 256, at most what still leaves room for T), so one graph serves a range of
-// lengths.
+// Context bucket: the attention grid, its kernel and its key splits are sized for the next power of
+// two >= L + 1 (at least 256), or, with context_buckets = n > 1, for the next of the n equal steps
+// that divide that doubling (lb / 2, lb] (steps of >= 32 keys: whole attention chunks), at most what
+// still leaves room for T; one graph serves a bucket's lengths.
 int64_t CudaModel::context_bucket(int64_t L, int64_t T) const {
   int64_t lb = 256;
   while (lb < L + 1) lb *= 2;
+  if (opt_.context_buckets > 1 && lb > 256) {
+    const int64_t lo = lb / 2, step = lo / opt_.context_buckets;
+    lb = lo + (L + 1 - lo + step - 1) / step * step;
+  }
   return std::min(lb, max_seq_len_ - T);
 }
 

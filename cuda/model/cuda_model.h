@@ -77,6 +77,10 @@ struct CudaModelOptions {
                                   // order than linear_skinny's); decode only by default (docs/CUDA_MODEL.md)
   bool graphs = true;            // forward_device replays a CUDA graph per (T, context bucket, buffers) from
                                  // the second call with the same shape on (docs/CUDA_MODEL.md)
+  int context_buckets = 1;       // context buckets per doubling of the context past 256 (1, 2, 4 or 8): the
+                                 // attention of a step at context L is sized for the bucket's top (grid, key
+                                 // splits, kernel), so more buckets fit L more tightly at the price of more
+                                 // graphs (docs/CUDA_MODEL.md "CUDA graphs")
   static constexpr int kMathDefault = 0, kMathPedantic = 1, kMathTf32 = 2;
   static constexpr int kExpertAuto = 0, kExpertSkinny = 1, kExpertTiled = 2, kExpertMma = 3;
 };
@@ -93,6 +97,10 @@ class CudaModel : public TargetModel {
   const ModelConfig& config() const override { return cfg_; }
   int64_t max_seq_len() const override { return max_seq_len_; }
   const char* device() const override { return "cuda"; }
+  // The context bucket of a T-token step at committed length L: the next power of two >= L + 1 (at
+  // least 256), or with context_buckets = n > 1 the next of n equal steps inside that doubling, at
+  // most max_seq_len - T. Every step's attention is sized for it (docs/CUDA_MODEL.md "CUDA graphs").
+  int64_t context_bucket(int64_t L, int64_t T) const;
 
   void set_weight(const std::string& name, const float* data, const std::vector<int64_t>& shape) override;
   std::vector<std::string> missing_weights() const override;
@@ -225,7 +233,6 @@ class CudaModel : public TargetModel {
   // context_bucket(row0, T); every step (eager, captured, host path) goes through this shape
   void run_step_bucketed(const int32_t* tokens_d, const int32_t* positions_d, const uint64_t* vis_d,
                          int64_t vis_stride, int64_t T, int64_t row0, float* logits_d);
-  int64_t context_bucket(int64_t L, int64_t T) const;
   // in: the layer input x_ with its RMSNorm (in_norm) fused into the projections (fuse_norm(T)),
   // or the normed hn_ (in_norm = nullptr)
   void attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, int64_t T,

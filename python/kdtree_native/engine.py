@@ -31,7 +31,8 @@ _DEVICES = ("auto", "cpu", "cuda")
 # keyword arguments of _native.CudaModel that an Engine passes through (docs/CUDA_MODEL.md)
 _CUDA_OPTIONS = ("max_tokens", "device", "math", "attention_naive", "expert_kernel", "graphs", "skinny_max_tokens",
                  "attention_kernel", "side_stream", "skinny_big_max_tokens", "tile_max_tokens",
-                 "tile_tensor_cores", "expert_mma_rows", "bf16_weight_copies", "uv_combine_max_tokens")
+                 "tile_tensor_cores", "expert_mma_rows", "bf16_weight_copies", "uv_combine_max_tokens",
+                 "context_buckets")
 
 
 # keyword arguments of _native.CpuModel that an Engine passes through (docs/MODEL.md)

@@ -323,8 +323,9 @@ def test_expert_kernels_match_cpu(name, expert_kernel, mma_rows):
 
 @pytest.mark.cuda
 @needs_device
+@pytest.mark.parametrize("context_buckets", [1, 4])
 @pytest.mark.parametrize("name", ["mla512", "kimi_like"])
-def test_eager_graph_and_host_steps_are_bit_identical(name):
+def test_eager_graph_and_host_steps_are_bit_identical(name, context_buckets):
     """A step gives the same bits whether it runs eagerly (the first forward_ptr of a shape), is
     captured and replayed (the second and third), or goes through the host path forward(): every
     step sizes the attention for its context bucket and reads the committed length from the
@@ -337,7 +338,7 @@ def test_eager_graph_and_host_steps_are_bit_identical(name):
         pytest.skip("torch needed for device buffers")
     cfg = config_from_dict(config_dict(spec(name)))
     w = {k: v.astype(np.float32) for k, v in random_weights(cfg, 0).items()}
-    m = load(_native.CudaModel(cfg.to_native(), 700), w)
+    m = load(_native.CudaModel(cfg.to_native(), 700, context_buckets=context_buckets), w)
     V = cfg.vocab_size
     dev = torch.device("cuda")
     for L, T in ((37, 1), (300, 1), (300, 5), (600, 17)):
@@ -356,6 +357,49 @@ def test_eager_graph_and_host_steps_are_bit_identical(name):
         for rep in (1, 2):
             assert np.array_equal(outs[0], outs[rep]), f"L={L} T={T} eager vs graph (call {rep + 1})"
         assert np.array_equal(outs[0], host), f"L={L} T={T} device vs host path"
+
+
+def _bucket_plain(L, T, n, max_seq_len):
+    """The context bucket by enumeration: every bucket top (256, then n equal steps per doubling
+    past it), the first that holds L + 1 keys, capped so T more rows fit."""
+    tops, lo = [256], 256
+    while lo < 1 << 22:
+        tops += [lo + j * lo // n for j in range(1, n + 1)]
+        lo *= 2
+    return min(min(t for t in tops if t >= L + 1), max_seq_len - T)
+
+
+@pytest.mark.cuda
+@needs_device
+def test_context_buckets_rule_and_logits():
+    """context_buckets = n splits each doubling of the context past 256 into n buckets: the bucket
+    equals its plain enumeration at the doublings' edges and between them; the option outside 1 / 2
+    / 4 / 8 is refused; and the logits of steps whose attention is sized for the finer bucket (other
+    key splits) match the CPU model as the default's do."""
+    cfg = config_from_dict(config_dict(spec("mla512")))
+    w = {k: v.astype(np.float32) for k, v in random_weights(cfg, 0).items()}
+    msl = 1700
+    cpu = load(_native.CpuModel(cfg.to_native(), msl), w)
+    models = {n: load(_native.CudaModel(cfg.to_native(), msl, context_buckets=n), w) for n in (1, 2, 4, 8)}
+    for n, m in models.items():
+        for L in (0, 1, 254, 255, 256, 257, 300, 319, 320, 511, 512, 513, 700, 1023, 1024, 1100, 1600, 1690):
+            for T in (1, 9, 65):
+                if L + T <= msl:
+                    assert m.context_bucket(L, T) == _bucket_plain(L, T, n, msl), f"n={n} L={L} T={T}"
+    for bad in (0, 3, 16, -1):
+        with pytest.raises(Exception, match="context_buckets"):
+            _native.CudaModel(cfg.to_native(), 64, context_buckets=bad)
+    V = cfg.vocab_size
+    for L, T in ((300, 1), (700, 1), (1500, 1), (700, 17)):
+        ids = prompt(V, L, seed=L)
+        toks = prompt(V, T, seed=L + 1)
+        pos = L + np.arange(T)
+        prefill(cpu, ids)
+        ref = cpu.forward(toks, pos, None)
+        for n in (1, 4):
+            prefill(models[n], ids)
+            got = models[n].forward(toks, pos, None)
+            assert rel_to_scale(got, ref) < TOL, f"n={n} L={L} T={T}"
 
 
 @pytest.mark.cuda
