@@ -121,7 +121,16 @@ void bind_cuda_model(py::module_& m) {
            py::arg("side_stream") = true, py::arg("skinny_big_max_tokens") = -1,
            py::arg("tile_max_tokens") = -1, py::arg("tile_tensor_cores") = true, py::arg("expert_mma_rows") = 0,
            py::arg("bf16_weight_copies") = true, py::arg("uv_combine_max_tokens") = 1, py::arg("context_buckets") = 1)
-      .def("context_bucket", &Model::context_bucket, py::arg("L"), py::arg("T"),
+      .def(
+          "context_bucket",
+          [](const Model& self, int64_t L, int64_t T) {
+            if (L < 0 || T < 1 || L + T > self.max_seq_len())
+              throw kdtree::Error("context_bucket: need L >= 0, T >= 1 and L + T <= max_seq_len (" +
+                                  std::to_string(self.max_seq_len()) + "), got L = " + std::to_string(L) +
+                                  ", T = " + std::to_string(T));
+            return self.context_bucket(L, T);
+          },
+          py::arg("L"), py::arg("T"),
            "the context bucket of a T-token step at committed length L: the upper bound of L its attention "
            "(grid, kernel, key splits) is sized for")
       .def_property_readonly("graph_replays", &Model::graph_replays,

@@ -387,8 +387,11 @@ def test_context_buckets_rule_and_logits():
                 if L + T <= msl:
                     assert m.context_bucket(L, T) == _bucket_plain(L, T, n, msl), f"n={n} L={L} T={T}"
     for bad in (0, 3, 16, -1):
-        with pytest.raises(Exception, match="context_buckets"):
+        with pytest.raises(ValueError, match="context_buckets"):
             _native.CudaModel(cfg.to_native(), 64, context_buckets=bad)
+    for L, T in ((-1, 1), (0, 0), (msl, 1), (msl - 8, 9)):
+        with pytest.raises(ValueError, match="context_bucket"):
+            models[1].context_bucket(L, T)
     V = cfg.vocab_size
     for L, T in ((300, 1), (700, 1), (1500, 1), (700, 17)):
         ids = prompt(V, L, seed=L)
