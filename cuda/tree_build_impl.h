@@ -241,6 +241,14 @@ KD_HD inline void load_int4(const int* p, int* x) {
   for (int j = 0; j < 4; ++j) x[j] = p[j];
 #endif
 }
+// Four ints to 16-byte aligned shared memory.
+KD_HD inline void store_int4(int* p, int x0, int x1, int x2, int x3) {
+#ifdef __CUDA_ARCH__
+  *reinterpret_cast<int4*>(p) = make_int4(x0, x1, x2, x3);
+#else
+  p[0] = x0; p[1] = x1; p[2] = x2; p[3] = x3;
+#endif
+}
 template <int W>
 KD_HD inline void store_row(float* p, const float (&x)[W]) {
 #ifdef __CUDA_ARCH__
@@ -639,14 +647,21 @@ struct TreeBlock {
       misc[M_MINQ] = 100000;
       for (int d = 0; d < kMaxDepth; ++d) misc[M_FB + d] = keff;
     }
-    // (not unrolled: an unrolled loop of runtime stride nt starts with an integer division for its
-    // trip count, on the path of every tree)
+    // 16 bytes a store (the thirty-ninth session's one int a store took four trips of the loop at 512
+    // threads; this one trip: -0.2 to -0.3 us a tree on the H200, fortieth session). (Not unrolled:
+    // an unrolled loop of runtime stride nt starts with an integer division for its trip count, on
+    // the path of every tree.)
+    static_assert(kNB % 4 == 0 && (kMaxDepth * kDpG) % 4 == 0 && (2 * kSB) % 4 == 0, "phase 0's 16-byte stores");
 #pragma unroll 1
-    for (int i = tid; i < kNB; i += nt) {  // (phist and cur: the threshold estimate's scratch)
+    for (int i = tid; i < kNB / 4; i += nt) {  // (phist and cur: the threshold estimate's scratch)
       ctx.step(1);
-      hist[i] = 0;
-      if (i < 2 * kSB) cur[i] = i >= kSZ && i < kSZ + kDpG ? 1 : 0;  // fixed_threshold's S_0 (the root, in every bin), zeros
-      if (i < kMaxDepth * kDpG) phist[i] = 0;
+      const int e = 4 * i;
+      store_int4(hist + e, 0, 0, 0, 0);
+      if (e < kMaxDepth * kDpG) store_int4(phist + e, 0, 0, 0, 0);
+      if (e < 2 * kSB) {  // fixed_threshold's S_0 (the root, in every bin), zeros
+        auto s0 = [](int x) { return x >= kSZ && x < kSZ + kDpG ? 1 : 0; };
+        store_int4(cur + e, s0(e), s0(e + 1), s0(e + 2), s0(e + 3));
+      }
     }
     if (tid < kNG) gcnt[tid] = 0;
     ctx.sync();
@@ -789,9 +804,20 @@ struct TreeBlock {
       }
     }
     ctx.sync();
+#if defined(KDTREE_EMU_MARKS) && !defined(__CUDA_ARCH__)
+    // block emulation (tests/cpp/test_tree_block_emulation.cpp): the crossing is checked against a
+    // serial recount of every depth (the early stop may only loosen it)
+    if (tid == 0) ctx.emu_estimate_rows(H, D, kDpG);
+    ctx.emu_sync();
+#endif
     if (warp == 0) {
       const int bw = dp_warp(H, inv);
-      if (lane == 0) misc[M_DPB] = bw;
+      if (lane == 0) {
+        misc[M_DPB] = bw;
+#if defined(KDTREE_EMU_MARKS) && !defined(__CUDA_ARCH__)
+        ctx.emu_estimate_result(bw, lpc, keff, D, B, inv);
+#endif
+      }
     }
     ctx.sync();
     // the crossing: the number of bins whose total is below B

@@ -75,6 +75,10 @@ struct Block {  // what the threads of one emulated block share
   int last_cat = -1;  // the category of thread 0's last mark: it also gets the tail after the last barrier
 
   int or_acc = 0, or_result = 0;  // barrier_or: the OR of this generation's predicates, then its result
+  // The threshold estimate's crossing recounted serially (emu_estimate_*): the row histograms as
+  // the block counted them, and the estimates checked / mismatched.
+  std::vector<int> est_h;
+  int est_checked = 0, est_mismatch = 0, est_exact = 0;
 
   // gpu = false: a barrier of the emulation only (the GPU has none there): not counted.
   // Returns the OR of every thread's pred (__syncthreads_or).
@@ -115,6 +119,45 @@ struct HostCtx {
     if (cat >= 0 && cat < kdtree::treeimpl::kProfTimed) blk->phase[cat] += blk->crit - blk->phase_last;
     blk->phase_last = blk->crit;
     blk->last_cat = cat;
+  }
+  void emu_sync() const { blk->barrier(false); }  // a barrier of the emulation only (not counted)
+  // Thread 0, right after the estimate's histograms are complete: keep a copy of the D rows
+  // (row d's bin k at H[d * stride + k]).
+  void emu_estimate_rows(const int* H, int D, int stride) const {
+    blk->est_h.assign((size_t)D * 64, 0);
+    for (int d = 0; d < D; ++d)
+      for (int k = 0; k < 64; ++k) blk->est_h[(size_t)d * 64 + k] = H[(size_t)d * stride + k];
+  }
+  // Thread 0 with the block's crossing `below` (bins whose N is below B): the count by its
+  // definition, one depth at a time in 64-bit counts (S_{n+1} = H_n * S_n cumulative from S_0 = 1,
+  // saturated at 2^20 >= B, which keeps every comparison with B), every depth, the chain part's
+  // shifts as ceil(sp_n * inv) with sp_n summed in float in depth order. The block's N is a lower
+  // bound of this one (its early stop skips the last depths), so its crossing may lie later, never
+  // earlier: an earlier one would claim B prefixes within a bound that holds fewer.
+  void emu_estimate_result(int below, const float* lpc, int keff, int D, int B, float inv) const {
+    constexpr long long cap = 1LL << 20;
+    std::vector<long long> S(64, 1), Sn(64), N(64, 0);
+    float sp = 0.0f;
+    for (int n = 0; n < D; ++n) {
+      if (n > 0) sp -= lpc[(size_t)n * keff];
+      for (int j = 0; j < 64; ++j) {
+        long long v = 0;
+        for (int k = 0; k <= j; ++k) v += (long long)blk->est_h[(size_t)n * 64 + k] * S[j - k];
+        Sn[j] = std::min(v, cap);
+      }
+      S = Sn;
+      const float x = sp * inv;
+      const int c = x < 64.0f ? (int)std::ceil(x) : 64;
+      for (int m = c; m < 64; ++m) N[m] = std::min(N[m] + S[m - c], cap);
+    }
+    int ref = 0;
+    for (int m = 0; m < 64; ++m) ref += N[m] < B;
+    ++blk->est_checked;
+    blk->est_exact += ref == below;
+    if (below < ref) {
+      if (blk->est_mismatch < 5) std::fprintf(stderr, "estimate crossing %d, serial recount %d (D=%d B=%d)\n", below, ref, D, B);
+      ++blk->est_mismatch;
+    }
   }
   int atomic_add(int* p, int v) const { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
   void atomic_min(int* p, int v) const {
@@ -182,6 +225,7 @@ struct Out {
   long gpu_barriers = 0, scan_elems = 0, crit = 0;
   long phase[kdtree::treeimpl::kProfCats] = {};
   int fix = -1;  // misc[M_FIX] after the run: how the parallel path ended (0 no estimate, 1 estimate, 2 estimate failed)
+  int est_checked = 0, est_mismatch = 0, est_exact = 0;  // threshold estimates recounted serially / earlier than the recount / equal to it
 };
 
 // mode: TreeArgs::force_fallback (0 auto, 1 sequential fallback, 2 one-warp path, 3 parallel path)
@@ -238,10 +282,13 @@ Out run_block(const std::vector<float>& lp, const std::vector<int32_t>& ids, int
   for (int i = 0; i < kdtree::treeimpl::kProfCats; ++i) o.phase[i] = blk.phase[i];
   if (blk.last_cat >= 0 && blk.last_cat < kdtree::treeimpl::kProfTimed) o.phase[blk.last_cat] += m;  // (the outputs' copy)
   o.fix = reinterpret_cast<const int*>(smem + L.o_misc)[kdtree::treeimpl::M_FIX];
+  o.est_checked = blk.est_checked;
+  o.est_mismatch = blk.est_mismatch;
+  o.est_exact = blk.est_exact;
   return o;
 }
 
-int failures = 0, runs = 0, parallel = 0, parallel_big = 0, estimated = 0;
+int failures = 0, runs = 0, parallel = 0, parallel_big = 0, estimated = 0, estimates_checked = 0, estimates_exact = 0;
 void fail(const std::string& what) {
   if (failures < 20) std::fprintf(stderr, "FAIL: %s\n", what.c_str());
   ++failures;
@@ -303,6 +350,9 @@ void check_case(int c, const std::vector<float>& lp, const std::vector<int32_t>&
       fail(where + ": n " + std::to_string(o.n[0]) + " vs CPU " + std::to_string(n));
       continue;
     }
+    estimates_checked += o.est_checked;
+    estimates_exact += o.est_exact;
+    if (o.est_mismatch) fail(where + ": the threshold estimate's crossing lies before its serial recount's");
     if (mode == 1 && o.path[0] != 1) fail(where + ": force_fallback did not take the fallback");
     if (mode == 2 && o.path[0] != 2) fail(where + ": the one-warp path was not taken");
     if (mode == 4 && o.path[0] != 0 && o.path[0] != 1) fail(where + ": the threshold estimate ran");
@@ -634,8 +684,11 @@ int main() {
   // and the threshold estimate must give most of the parallel path's trees
   if (estimated * 2 < parallel) fail("the threshold estimate gave only " + std::to_string(estimated) + " of " +
                                      std::to_string(parallel) + " parallel trees");
+  // (every estimate's crossing was recounted serially; there must have been some)
+  if (estimates_checked < estimated) fail("only " + std::to_string(estimates_checked) + " estimates recounted");
   std::printf("tree block emulation: %d random cases x 4 paths + the empty tree (parallel path taken in %d of %d, "
-              "%d with B >= 256, %d with the threshold estimate), %d failures\n", done, parallel, runs, parallel_big,
-              estimated, failures);
+              "%d with B >= 256, %d with the threshold estimate; %d estimate crossings recounted serially, %d of them "
+              "equal), %d failures\n", done, parallel, runs, parallel_big, estimated, estimates_checked, estimates_exact,
+              failures);
   return failures ? 1 : 0;
 }
