@@ -702,7 +702,7 @@ struct TreeBlock {
     if (n == -2) {  // the estimate failed (every thread returned at the same barrier-ordered point)
       // (not unrolled: no trip-count division)
 #pragma unroll 1
-      for (int i = tid; i < kNB; i += nt) { ctx.step(1); hist[i] = 0; }
+      for (int i = tid; i < kNB / 4; i += nt) { ctx.step(1); store_int4(hist + 4 * i, 0, 0, 0, 0); }
       if (tid < kNG) gcnt[tid] = 0;
       ctx.sync();
       n = build_levels(kBottom);
@@ -1121,7 +1121,12 @@ struct TreeBlock {
         // threshold (the B-th over materialised + probed prefixes), recount.
         // (not unrolled: no trip-count division)
 #pragma unroll 1
-        for (int i = tid; i < kNB; i += nt) { ctx.step(1); phist[i] = hist[i]; }  // level halves are 0
+        for (int i = tid; i < kNB / 4; i += nt) {  // 16 bytes a copy (level halves are 0)
+          ctx.step(1);
+          int v[4];
+          load_int4(hist + 4 * i, v);
+          store_int4(phist + 4 * i, v[0], v[1], v[2], v[3]);
+        }
         if (tid < kNG) pgc[tid] = gcnt[tid];
         if (tid == 0) misc[M_BT2] = kBottom;
         ctx.sync();
