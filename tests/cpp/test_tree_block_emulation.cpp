@@ -78,7 +78,7 @@ struct Block {  // what the threads of one emulated block share
   // The threshold estimate's crossing recounted serially (emu_estimate_*): the row histograms as
   // the block counted them, and the estimates checked / mismatched.
   std::vector<int> est_h;
-  int est_checked = 0, est_mismatch = 0, est_exact = 0;
+  int est_checked = 0, est_earlier = 0, est_exact = 0;
 
   // gpu = false: a barrier of the emulation only (the GPU has none there): not counted.
   // Returns the OR of every thread's pred (__syncthreads_or).
@@ -106,6 +106,7 @@ struct Block {  // what the threads of one emulated block share
 };
 
 struct HostCtx {
+  static constexpr int kBins = kdtree::treeimpl::kDpG;  // the threshold estimate's deficit bins
   Block* blk;
   int t;
   int tid() const { return t; }
@@ -124,9 +125,9 @@ struct HostCtx {
   // Thread 0, right after the estimate's histograms are complete: keep a copy of the D rows
   // (row d's bin k at H[d * stride + k]).
   void emu_estimate_rows(const int* H, int D, int stride) const {
-    blk->est_h.assign((size_t)D * 64, 0);
+    blk->est_h.assign((size_t)D * kBins, 0);
     for (int d = 0; d < D; ++d)
-      for (int k = 0; k < 64; ++k) blk->est_h[(size_t)d * 64 + k] = H[(size_t)d * stride + k];
+      for (int k = 0; k < kBins; ++k) blk->est_h[(size_t)d * kBins + k] = H[(size_t)d * stride + k];
   }
   // Thread 0 with the block's crossing `below` (bins whose N is below B): the count by its
   // definition, one depth at a time in 64-bit counts (S_{n+1} = H_n * S_n cumulative from S_0 = 1,
@@ -136,27 +137,27 @@ struct HostCtx {
   // earlier: an earlier one would claim B prefixes within a bound that holds fewer.
   void emu_estimate_result(int below, const float* lpc, int keff, int D, int B, float inv) const {
     constexpr long long cap = 1LL << 20;
-    std::vector<long long> S(64, 1), Sn(64), N(64, 0);
+    std::vector<long long> S(kBins, 1), Sn(kBins), N(kBins, 0);
     float sp = 0.0f;
     for (int n = 0; n < D; ++n) {
       if (n > 0) sp -= lpc[(size_t)n * keff];
-      for (int j = 0; j < 64; ++j) {
+      for (int j = 0; j < kBins; ++j) {
         long long v = 0;
-        for (int k = 0; k <= j; ++k) v += (long long)blk->est_h[(size_t)n * 64 + k] * S[j - k];
+        for (int k = 0; k <= j; ++k) v += (long long)blk->est_h[(size_t)n * kBins + k] * S[j - k];
         Sn[j] = std::min(v, cap);
       }
       S = Sn;
-      const float x = sp * inv;
-      const int c = x < 64.0f ? (int)std::ceil(x) : 64;
-      for (int m = c; m < 64; ++m) N[m] = std::min(N[m] + S[m - c], cap);
+      const float x = sp * inv;  // (the shift by its definition, not through the block's dp_shift)
+      const int c = x < (float)kBins ? (int)std::ceil(x) : kBins;
+      for (int m = c; m < kBins; ++m) N[m] = std::min(N[m] + S[m - c], cap);
     }
     int ref = 0;
-    for (int m = 0; m < 64; ++m) ref += N[m] < B;
+    for (int m = 0; m < kBins; ++m) ref += N[m] < B;
     ++blk->est_checked;
     blk->est_exact += ref == below;
     if (below < ref) {
-      if (blk->est_mismatch < 5) std::fprintf(stderr, "estimate crossing %d, serial recount %d (D=%d B=%d)\n", below, ref, D, B);
-      ++blk->est_mismatch;
+      if (blk->est_earlier < 5) std::fprintf(stderr, "estimate crossing %d, serial recount %d (D=%d B=%d)\n", below, ref, D, B);
+      ++blk->est_earlier;
     }
   }
   int atomic_add(int* p, int v) const { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
@@ -225,7 +226,7 @@ struct Out {
   long gpu_barriers = 0, scan_elems = 0, crit = 0;
   long phase[kdtree::treeimpl::kProfCats] = {};
   int fix = -1;  // misc[M_FIX] after the run: how the parallel path ended (0 no estimate, 1 estimate, 2 estimate failed)
-  int est_checked = 0, est_mismatch = 0, est_exact = 0;  // threshold estimates recounted serially / earlier than the recount / equal to it
+  int est_checked = 0, est_earlier = 0, est_exact = 0;  // threshold estimates recounted serially / earlier than the recount / equal to it
 };
 
 // mode: TreeArgs::force_fallback (0 auto, 1 sequential fallback, 2 one-warp path, 3 parallel path)
@@ -283,7 +284,7 @@ Out run_block(const std::vector<float>& lp, const std::vector<int32_t>& ids, int
   if (blk.last_cat >= 0 && blk.last_cat < kdtree::treeimpl::kProfTimed) o.phase[blk.last_cat] += m;  // (the outputs' copy)
   o.fix = reinterpret_cast<const int*>(smem + L.o_misc)[kdtree::treeimpl::M_FIX];
   o.est_checked = blk.est_checked;
-  o.est_mismatch = blk.est_mismatch;
+  o.est_earlier = blk.est_earlier;
   o.est_exact = blk.est_exact;
   return o;
 }
@@ -352,7 +353,7 @@ void check_case(int c, const std::vector<float>& lp, const std::vector<int32_t>&
     }
     estimates_checked += o.est_checked;
     estimates_exact += o.est_exact;
-    if (o.est_mismatch) fail(where + ": the threshold estimate's crossing lies before its serial recount's");
+    if (o.est_earlier) fail(where + ": the threshold estimate's crossing lies before its serial recount's");
     if (mode == 1 && o.path[0] != 1) fail(where + ": force_fallback did not take the fallback");
     if (mode == 2 && o.path[0] != 2) fail(where + ": the one-warp path was not taken");
     if (mode == 4 && o.path[0] != 0 && o.path[0] != 1) fail(where + ": the threshold estimate ran");
