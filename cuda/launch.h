@@ -27,6 +27,11 @@
 //     for anything an earlier kernel wrote. scripts/check_pdl_loads.py (tests/python/
 //     test_pdl_audit.py) checks the machine code: every load that a path reaches before the wait
 //     must sit on a source line marked `pdl: pre-wait`.
+//   * The other way round, a load written before the wait may be issued after it: ptxas can sink
+//     it to its first use (an __ldg, or even a volatile asm load; seen in uv_combine, forty-first
+//     session). Where the overlap matters, make something before the wait need the value (a
+//     volatile shared store of it) or copy with cp.async; the audit reports a `pdl: pre-wait`
+//     marker that accepts no load before the wait.
 // Without the attribute (pre-sm_90 GPUs, KDTREE_CUDA_PDL=0, cuda::set_pdl(false)) both
 // instructions are no-ops and launches are ordinary stream-ordered launches.
 #pragma once

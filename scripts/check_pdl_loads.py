@@ -16,7 +16,8 @@ seventeenth session). So this script reads the machine code itself:
    ACQBULK,
 4. accepts such a load only when a line of its inline chain in this repository carries the marker
    comment `pdl: pre-wait` (the call sites that load immutable data on purpose), and reports every
-   other one with its source location;
+   other one with its source location; and reports every marker comment in cuda/ that accepted no
+   load (the compiler moved that load below the wait: the overlap the source asks for is lost);
 5. reports every global store or atomic that a path reaches before the wait (the contract allows
    none: the previous kernel may still read what it would overwrite), and every exit that a path
    reaches without a wait (a grid whose blocks all waited cannot complete before its predecessor;
@@ -191,15 +192,55 @@ def marked(path, line, repo=REPO):
     return above.startswith("//") and MARKER in above
 
 
-def audit_cubin(nvdisasm, cubin, repo=REPO):
+def repo_path(path):
+    """A source path of the build as its path in the repository (from cuda/ or cpp/ on)."""
+    norm = path.replace("\\", "/")
+    for root in ("/cuda/", "/cpp/"):
+        j = norm.rfind(root)
+        if j >= 0:
+            return norm[j + 1:]
+    return norm
+
+
+def marker_site(path, line, repo=REPO):
+    """(repository path, line) of the marker that accepts a load at path:line (its own line or the
+    comment line above it), or None."""
+    if MARKER in (source_line(path, line, repo) or ""):
+        return repo_path(path), line
+    if marked(path, line, repo):
+        return repo_path(path), line - 1
+    return None
+
+
+_MARK_LINE = re.compile(r'//\s*' + re.escape(MARKER))
+
+
+def marker_lines(repo=REPO):
+    """{(repository path, line)} of every `// pdl: pre-wait` marker comment in cuda/."""
+    out = set()
+    for f in sorted(glob.glob(os.path.join(repo, "cuda", "**", "*"), recursive=True)):
+        if not f.endswith((".cu", ".cuh", ".h")):
+            continue
+        with open(f, encoding="utf-8") as fh:
+            for i, text in enumerate(fh.read().splitlines(), 1):
+                if _MARK_LINE.search(text):
+                    out.add((os.path.relpath(f, repo).replace(os.sep, "/"), i))
+    return out
+
+
+def audit_cubin(nvdisasm, cubin, repo=REPO, used=None):
     """(number of kernels, [(kernel, opcode, frames)] of the unmarked pre-wait loads and all the
-    pre-wait stores) of one cubin."""
+    pre-wait stores) of one cubin. used (a set, optional) collects the marker sites that accepted a
+    pre-wait load."""
     bad = []
     ks = kernels(nvdisasm, cubin)
     for name, lines in ks.items():
         for kind, op, frames in pre_wait_accesses(lines):
-            if kind != "load" or not any(marked(p, l, repo) for p, l in frames):
+            sites = [marker_site(p, l, repo) for p, l in frames] if kind == "load" else []
+            if not any(sites):
                 bad.append((name, op, frames))
+            elif used is not None:
+                used.update(x for x in sites if x)
     return len(ks), bad
 
 
@@ -226,8 +267,9 @@ def main(argv):
         subprocess.run([cuobjdump, "-xelf", "all", os.path.abspath(module)], cwd=tmp, capture_output=True, check=True)
         total = 0
         report = collections.defaultdict(set)
+        used = set()
         for cubin in sorted(glob.glob(os.path.join(tmp, "*.sm_90.cubin"))):
-            ks, bad = audit_cubin(nvdisasm, cubin)
+            ks, bad = audit_cubin(nvdisasm, cubin, used=used)
             total += ks
             for name, op, frames in bad:
                 site = frames[-1] if frames else ("?", 0)
@@ -238,7 +280,13 @@ def main(argv):
             what = "store" if op.startswith(_STORE_OPS) else "exit" if op.startswith("EXIT") else "unmarked load"
             print(f"  pre-wait {what} {op} at {os.path.basename(f)}:{l} in {len(ks)} kernel(s), e.g. "
                   f"{sorted(ks)[0][:90]}\n    {text}")
-        return 1 if report else 0
+        # The other direction: a load marked to run before the wait whose instructions the compiler
+        # moved below it (a plain __ldg may be sunk to its first use: the forty-first session found
+        # uv_combine's W_UV loads after the wait), so the overlap the source asks for is not there.
+        sunk = sorted(marker_lines() - used)
+        for f, l in sunk:
+            print(f"  marked pre-wait load issued only after the wait at {f}:{l}\n    {(source_line(f, l) or '').strip()}")
+        return 1 if report or sunk else 0
 
 
 if __name__ == "__main__":

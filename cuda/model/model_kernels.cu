@@ -507,8 +507,10 @@ __global__ void __launch_bounds__(kGroupSmallMax) moe_route_group_kernel(RoutePa
 // so knows which tokens chose it (tmask); the schedule follows without a scan: expert e's slots
 // start after every assignment to a lower expert, its tiles after the tiles of the lower chosen
 // experts (each counted once, at its first token), and its slot for token t after the earlier
-// tokens that chose it (a token chooses an expert at most once). The router bias is read before
-// the PDL wait (a weight). moe_route_group_fast_ok says when it applies.
+// tokens that chose it (a token chooses an expert at most once). The router bias load is written
+// before the PDL wait, but the compiler issues it after the wait, beside the logits' load (one round
+// trip either way; the SASS, forty-first session), so it carries no marker. moe_route_group_fast_ok
+// says when it applies.
 constexpr int kFastRouteMaxK = 32;
 
 template <int T>
@@ -641,9 +643,24 @@ __global__ void __launch_bounds__(kUvThreads) uv_combine_kernel(UvCombineParams 
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const size_t o = ((size_t)h * Dv + v0 + r) * C + 4 * lane + 128 * i;
-      if constexpr (BF) w[r][i] = ldg_bf16x4(p.w_uv_bf16 + o);
-      else w[r][i] = ldg_vec<float4>(p.w_uv + o);
+      if constexpr (BF) w[r][i] = ldg_bf16x4(p.w_uv_bf16 + o);  // pdl: pre-wait (weights)
+      else w[r][i] = ldg_vec<float4>(p.w_uv + o);               // pdl: pre-wait (weights)
     }
+  // Keep those loads above the wait: ptxas sank them below it, next to their use after the merge (the
+  // machine code of the forty-first session had every W_UV load after the ACQBULK, so the weights'
+  // DRAM round trip sat on the step's critical path after the attention). A volatile shared store of
+  // bits of every loaded value needs them all first; it is never read.
+  {
+    unsigned any = 0u;
+#pragma unroll
+    for (int r = 0; r < 2; ++r)
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        any |= __float_as_uint(w[r][i].x) ^ __float_as_uint(w[r][i].y) ^ __float_as_uint(w[r][i].z) ^
+               __float_as_uint(w[r][i].w);
+    __shared__ unsigned pin[kUvThreads];
+    reinterpret_cast<volatile unsigned*>(pin)[tid] = any;
+  }
   pdl_wait();
   const float* wso = p.partials;
   const float* wsml = wso + (size_t)S * M * C;

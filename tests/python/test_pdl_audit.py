@@ -81,3 +81,41 @@ def test_audit_reports_a_load_behind_a_branched_wait(tmp_path):
     assert any("branched" in name for name in flagged), bad
     assert any("early_store" in name and op.startswith("ST") for name, op, _ in bad), bad  # a store: never allowed
     assert not any("straight" in name or "marked" in name for name in flagged), bad
+
+
+TINY_MARKS = r"""
+__global__ void kept(const int* a, int* b, const int* w) {
+  __shared__ int pin[1];
+  const int v = __ldg(w);  // pdl: pre-wait (issued before the wait: this marker accepts it)
+  *(volatile int*)pin = v;  // (needs the load before the wait; a bare __ldg there may be sunk below it)
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  b[0] = __ldg(a) + v;
+}
+__global__ void after(const int* a, int* b, const int* w) {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  b[0] = __ldg(a) + __ldg(w);  // pdl: pre-wait (marked, but the load runs after the wait)
+}
+"""
+
+
+@needs_tools
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
+def test_audit_reports_a_marked_load_that_runs_after_the_wait(tmp_path):
+    """The other direction (forty-first session: uv_combine's W_UV loads, written before the wait,
+    ran after it in the machine code): every `// pdl: pre-wait` marker in cuda/ must accept a load
+    that some kernel issues before its wait; a marker whose load runs after the wait is reported."""
+    (tmp_path / "cuda").mkdir()
+    src = tmp_path / "cuda" / "marks.cu"
+    src.write_text(TINY_MARKS)
+    cubin = tmp_path / "marks.cubin"
+    subprocess.run(["nvcc", "-cubin", "-arch=sm_90", "-O3", "-lineinfo", "-o", str(cubin), str(src)], check=True,
+                   capture_output=True)
+    used = set()
+    n, bad = audit.audit_cubin(NVDISASM, str(cubin), repo=str(tmp_path), used=used)
+    assert n == 2 and not bad, bad
+    marks = audit.marker_lines(str(tmp_path))
+    lines = TINY_MARKS.splitlines()
+    kept_line = next(i for i, t in enumerate(lines, 1) if "issued before the wait" in t)
+    after_line = next(i for i, t in enumerate(lines, 1) if "runs after the wait" in t)
+    assert marks == {("cuda/marks.cu", kept_line), ("cuda/marks.cu", after_line)}, marks
+    assert marks - used == {("cuda/marks.cu", after_line)}, (marks, used)
