@@ -23,7 +23,7 @@ seventeenth session). So this script reads the machine code itself:
    reaches without a wait (a grid whose blocks all waited cannot complete before its predecessor;
    the kernels that read what a kernel two or more launches back wrote rely on that).
 
-Exit status: 0 clean, 1 unmarked pre-wait loads or pre-wait stores found, 2 the tools or an sm_90 cubin are missing
+Exit status: 0 clean, 1 unmarked pre-wait loads, pre-wait stores or exits, or markers whose load runs after the wait found, 2 the tools or an sm_90 cubin are missing
 (the test suite skips then). The tools come with the CUDA toolkit or from PyPI
 (`pip install nvidia-cuda-nvdisasm nvidia-cuda-cuobjdump`).
 
@@ -165,17 +165,21 @@ def pre_wait_accesses(lines):
     return found
 
 
-def source_line(path, line, repo=REPO):
-    """The text of a source line of this repository (paths from another checkout are mapped by
-    their part from cuda/ or cpp/ on), or None."""
+def repo_path(path):
+    """A source path of the build as its path in a repository (its part from cuda/ or cpp/ on: paths
+    from another checkout map too), or None when it lies in neither."""
     norm = path.replace("\\", "/")
     for root in ("/cuda/", "/cpp/"):
         j = norm.rfind(root)
         if j >= 0:
-            cand = os.path.join(repo, norm[j + 1:])
-            break
-    else:
-        cand = norm
+            return norm[j + 1:]
+    return None
+
+
+def source_line(path, line, repo=REPO):
+    """The text of a source line of this repository (repo_path), or None."""
+    rel = repo_path(path)
+    cand = os.path.join(repo, rel) if rel else path.replace("\\", "/")
     try:
         with open(cand, encoding="utf-8") as f:
             lines = f.read().splitlines()
@@ -184,31 +188,15 @@ def source_line(path, line, repo=REPO):
         return None
 
 
-def marked(path, line, repo=REPO):
-    """Whether the source line, or a comment line right above it, carries the marker."""
-    if MARKER in (source_line(path, line, repo) or ""):
-        return True
-    above = (source_line(path, line - 1, repo) or "").strip() if line > 1 else ""
-    return above.startswith("//") and MARKER in above
-
-
-def repo_path(path):
-    """A source path of the build as its path in the repository (from cuda/ or cpp/ on)."""
-    norm = path.replace("\\", "/")
-    for root in ("/cuda/", "/cpp/"):
-        j = norm.rfind(root)
-        if j >= 0:
-            return norm[j + 1:]
-    return norm
-
-
 def marker_site(path, line, repo=REPO):
-    """(repository path, line) of the marker that accepts a load at path:line (its own line or the
-    comment line above it), or None."""
+    """(repository path, line) of the marker that accepts a load at path:line: the source line itself
+    or a comment line right above it carries `pdl: pre-wait`; None when neither does."""
+    site = repo_path(path) or path.replace("\\", "/")
     if MARKER in (source_line(path, line, repo) or ""):
-        return repo_path(path), line
-    if marked(path, line, repo):
-        return repo_path(path), line - 1
+        return site, line
+    above = (source_line(path, line - 1, repo) or "").strip() if line > 1 else ""
+    if above.startswith("//") and MARKER in above:
+        return site, line - 1
     return None
 
 
