@@ -21,7 +21,9 @@
 //    order equals the order of the top-B prefixes by (score desc, rank tuple asc). First a
 //    threshold is estimated (fixed_threshold: a lower-bound count of prefixes by deficit, per-row
 //    histograms convolved depth by depth); when the prefixes within it are at least B they hold
-//    the tree, found level by level with no further threshold work. Otherwise (and for trees of
+//    the tree, found level by level with no further threshold work. A parent's children count
+//    there starts from its row's rank table (the estimate's histogram summed up, built by the
+//    warps the estimate leaves idle), which narrows the search to one histogram bin of ranks. Otherwise (and for trees of
 //    at most two levels) the adaptive levels: we find
 //    that set level by level with a score threshold (a 2048-bucket histogram of the scores of
 //    all prefixes materialised so far; a prefix in a bucket past the one holding the B-th is
@@ -360,6 +362,7 @@ struct TreeBlock {
   uint16_t* nid;
   uint8_t* odp; uint16_t* ork; int16_t* opar; int* misc; int* scan_tmp;
   double smax;
+  float dp_inv = 0.0f;  // fixed_threshold's 1 / w (the rank tables in hpre use it)
 #if defined(KDTREE_TREE_PROFILE) && defined(__CUDA_ARCH__)
   long long prof_acc[kProfCats] = {0};
   long long prof_last = 0;
@@ -729,7 +732,38 @@ struct TreeBlock {
       if (c < 8) return c;
       lo = 8;
     }
-    return ranks_above(row, lo, row_end(d), fl);
+    // (the rank tables exist for rows of more than 8 ranks; shorter rows are done by the 8 above
+    // when keff is a multiple of 4, else by a search of at most 3 steps)
+    return keff > 8 ? ranks_hint(row, d - 1, lo, row_end(d), fl) : ranks_above(row, lo, row_end(d), fl);
+  }
+
+  // ranks_above(row, lo, hi, fl) for row d of the fixed path, its search narrowed by the row's rank
+  // table first (hpre[d][k] = the ranks r < hi with ceil((row[0] - row[r]) * dp_inv) <= k, from the
+  // estimate's histogram H[d]). g(v) = (row[0] - v) * dp_inv in floats is nonincreasing in v, so with
+  // K = ceil(g(fl)): a rank of bin < K has row[r] > fl (a child), one of bin > K has row[r] < fl,
+  // and ranks past the table (their g > 63) are children only when K > 63. The answer lies in
+  // [table[K - 1], table[K]]: two loads and a search of the one bin instead of ~log2(hi) steps.
+  KD_HD int ranks_hint(const float* row, int d, int lo, int hi, float fl) const {
+    const float x = (row[0] - fl) * dp_inv;
+    const int* tab = hpre + d * kDpG;
+    int l2 = lo, h2 = hi;
+    if (x < (float)kDpG) {
+      int K = (int)ceilf(x);
+      if (K < 0) K = 0;  // (fl >= row[0]: no children; table[0] is still an upper bound)
+      const int a0 = K >= 1 ? tab[K - 1 < kDpG - 1 ? K - 1 : kDpG - 1] : 0;
+      if (K < kDpG) h2 = tab[K];
+      l2 = a0 > lo ? a0 : lo;
+    } else {
+      const int a0 = tab[kDpG - 1];
+      l2 = a0 > lo ? a0 : lo;
+    }
+    if (h2 > hi) h2 = hi;
+    if (h2 < l2) h2 = l2;
+    const int r = ranks_above(row, l2, h2, fl);
+#if defined(KDTREE_EMU_MARKS) && !defined(__CUDA_ARCH__)
+    ctx.emu_hint_check(r, ranks_above(row, lo, hi, fl), h2 - l2);  // block emulation: the full search's answer
+#endif
+    return r;
   }
 
   // Threshold estimate (a speed device only: build_levels checks what it gives). A prefix's
@@ -810,6 +844,7 @@ struct TreeBlock {
     if (tid == 0) ctx.emu_estimate_rows(H, D, kDpG);
     ctx.emu_sync();
 #endif
+    dp_inv = inv;
     if (warp == 0) {
       const int bw = dp_warp(H, inv);
       if (lane == 0) {
@@ -817,6 +852,15 @@ struct TreeBlock {
 #if defined(KDTREE_EMU_MARKS) && !defined(__CUDA_ARCH__)
         ctx.emu_estimate_result(bw, lpc, keff, D, B, inv);
 #endif
+      }
+    } else if (keff > 8) {
+      // meanwhile the other warps turn each row's histogram into its rank table (ranks_hint)
+      for (int d = warp - 1; d < D; d += nw - 1) {
+        ctx.step(1);
+        const int h0 = H[d * kDpG + 2 * lane], h1 = H[d * kDpG + 2 * lane + 1];
+        const int incl = ctx.warp_incl_sum(h0 + h1);
+        hpre[d * kDpG + 2 * lane] = incl - h1;
+        hpre[d * kDpG + 2 * lane + 1] = incl;
       }
     }
     ctx.sync();
@@ -939,7 +983,8 @@ struct TreeBlock {
   // and each node's parent position in nid (by position in its level).
   KD_HD int fixed_levels(int btf) {
     const double lim = bucket_limit(btf);
-    int T = ranks_above(lpc, 0, row_end(1), child_floor(smax, 0.0, lim));  // depth 1: a prefix of row 0
+    const float fl1 = child_floor(smax, 0.0, lim);
+    int T = keff > 8 ? ranks_hint(lpc, 0, 0, row_end(1), fl1) : ranks_above(lpc, 0, row_end(1), fl1);  // depth 1: a prefix of row 0
     int d = 1, used = 0, p0 = 0;  // level d: T nodes from store index `used`; its parents from p0
     if (tid == 0) misc[M_BT] = kBottom;  // the final gscan's crossing slot (written there by one warp)
     while (T > 0) {

@@ -79,6 +79,9 @@ struct Block {  // what the threads of one emulated block share
   // the block counted them, and the estimates checked / mismatched.
   std::vector<int> est_h;
   int est_checked = 0, est_earlier = 0, est_exact = 0;
+  // Children counts found through the rank tables (ranks_hint) against the full binary search:
+  // checked / wrong / narrowed to a span of more than one rank.
+  std::atomic<long> hint_checked{0}, hint_wrong{0}, hint_wide{0};
 
   // gpu = false: a barrier of the emulation only (the GPU has none there): not counted.
   // Returns the OR of every thread's pred (__syncthreads_or).
@@ -160,6 +163,14 @@ struct HostCtx {
       ++blk->est_earlier;
     }
   }
+  void emu_hint_check(int got, int full, int span) const {
+    ++blk->hint_checked;
+    if (got != full) {
+      if (blk->hint_wrong < 5) std::fprintf(stderr, "rank-table children count %d, full search %d\n", got, full);
+      ++blk->hint_wrong;
+    }
+    if (span > 1) ++blk->hint_wide;
+  }
   int atomic_add(int* p, int v) const { return __atomic_fetch_add(p, v, __ATOMIC_SEQ_CST); }
   void atomic_min(int* p, int v) const {
     int cur = __atomic_load_n(p, __ATOMIC_SEQ_CST);
@@ -227,6 +238,7 @@ struct Out {
   long phase[kdtree::treeimpl::kProfCats] = {};
   int fix = -1;  // misc[M_FIX] after the run: how the parallel path ended (0 no estimate, 1 estimate, 2 estimate failed)
   int est_checked = 0, est_earlier = 0, est_exact = 0;  // threshold estimates recounted serially / earlier than the recount / equal to it
+  long hint_checked = 0, hint_wrong = 0, hint_wide = 0;  // rank-table children counts (Block)
 };
 
 // mode: TreeArgs::force_fallback (0 auto, 1 sequential fallback, 2 one-warp path, 3 parallel path)
@@ -286,10 +298,14 @@ Out run_block(const std::vector<float>& lp, const std::vector<int32_t>& ids, int
   o.est_checked = blk.est_checked;
   o.est_earlier = blk.est_earlier;
   o.est_exact = blk.est_exact;
+  o.hint_checked = blk.hint_checked;
+  o.hint_wrong = blk.hint_wrong;
+  o.hint_wide = blk.hint_wide;
   return o;
 }
 
 int failures = 0, runs = 0, parallel = 0, parallel_big = 0, estimated = 0, estimates_checked = 0, estimates_exact = 0;
+long hints_checked = 0, hints_wide = 0;
 void fail(const std::string& what) {
   if (failures < 20) std::fprintf(stderr, "FAIL: %s\n", what.c_str());
   ++failures;
@@ -354,6 +370,9 @@ void check_case(int c, const std::vector<float>& lp, const std::vector<int32_t>&
     estimates_checked += o.est_checked;
     estimates_exact += o.est_exact;
     if (o.est_earlier) fail(where + ": the threshold estimate's crossing lies before its serial recount's");
+    hints_checked += o.hint_checked;
+    hints_wide += o.hint_wide;
+    if (o.hint_wrong) fail(where + ": " + std::to_string(o.hint_wrong) + " children counts through the rank tables differ from the full search");
     if (mode == 1 && o.path[0] != 1) fail(where + ": force_fallback did not take the fallback");
     if (mode == 2 && o.path[0] != 2) fail(where + ": the one-warp path was not taken");
     if (mode == 4 && o.path[0] != 0 && o.path[0] != 1) fail(where + ": the threshold estimate ran");
@@ -687,9 +706,12 @@ int main() {
                                      std::to_string(parallel) + " parallel trees");
   // (every estimate's crossing was recounted serially; there must have been some)
   if (estimates_checked < estimated) fail("only " + std::to_string(estimates_checked) + " estimates recounted");
+  // (and the rank tables' searches must have run, some over more than one rank)
+  if (hints_checked == 0 || hints_wide == 0) fail("the rank-table children counts were not exercised");
   std::printf("tree block emulation: %d random cases x 4 paths + the empty tree (parallel path taken in %d of %d, "
               "%d with B >= 256, %d with the threshold estimate; %d estimate crossings recounted serially, %d of them "
-              "equal), %d failures\n", done, parallel, runs, parallel_big, estimated, estimates_checked, estimates_exact,
-              failures);
+              "equal; %ld children counts through the rank tables checked against the full search, %ld of them "
+              "narrowed to more than one rank), %d failures\n", done, parallel, runs, parallel_big, estimated,
+              estimates_checked, estimates_exact, hints_checked, hints_wide, failures);
   return failures ? 1 : 0;
 }
