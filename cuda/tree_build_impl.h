@@ -761,7 +761,11 @@ struct TreeBlock {
     if (h2 < l2) h2 = l2;
     const int r = ranks_above(row, l2, h2, fl);
 #if defined(KDTREE_EMU_MARKS) && !defined(__CUDA_ARCH__)
-    ctx.emu_hint_check(r, ranks_above(row, lo, hi, fl), h2 - l2);  // block emulation: the full search's answer
+    {  // block emulation: the answer of a plain scan of [lo, hi) (no ctx.step: the latency proxy is unchanged)
+      int ref = lo;
+      while (ref < hi && row[ref] > fl) ++ref;
+      ctx.emu_hint_check(r, ref, h2 - l2);
+    }
 #endif
     return r;
   }

@@ -79,7 +79,7 @@ struct Block {  // what the threads of one emulated block share
   // the block counted them, and the estimates checked / mismatched.
   std::vector<int> est_h;
   int est_checked = 0, est_earlier = 0, est_exact = 0;
-  // Children counts found through the rank tables (ranks_hint) against the full binary search:
+  // Children counts found through the rank tables (ranks_hint) against a plain scan of the row:
   // checked / wrong / narrowed to a span of more than one rank.
   std::atomic<long> hint_checked{0}, hint_wrong{0}, hint_wide{0};
 
@@ -166,7 +166,7 @@ struct HostCtx {
   void emu_hint_check(int got, int full, int span) const {
     ++blk->hint_checked;
     if (got != full) {
-      if (blk->hint_wrong < 5) std::fprintf(stderr, "rank-table children count %d, full search %d\n", got, full);
+      if (blk->hint_wrong < 5) std::fprintf(stderr, "rank-table children count %d, a scan of the row %d\n", got, full);
       ++blk->hint_wrong;
     }
     if (span > 1) ++blk->hint_wide;
@@ -372,7 +372,7 @@ void check_case(int c, const std::vector<float>& lp, const std::vector<int32_t>&
     if (o.est_earlier) fail(where + ": the threshold estimate's crossing lies before its serial recount's");
     hints_checked += o.hint_checked;
     hints_wide += o.hint_wide;
-    if (o.hint_wrong) fail(where + ": " + std::to_string(o.hint_wrong) + " children counts through the rank tables differ from the full search");
+    if (o.hint_wrong) fail(where + ": " + std::to_string(o.hint_wrong) + " children counts through the rank tables differ from a scan of the row");
     if (mode == 1 && o.path[0] != 1) fail(where + ": force_fallback did not take the fallback");
     if (mode == 2 && o.path[0] != 2) fail(where + ": the one-warp path was not taken");
     if (mode == 4 && o.path[0] != 0 && o.path[0] != 1) fail(where + ": the threshold estimate ran");
@@ -710,7 +710,7 @@ int main() {
   if (hints_checked == 0 || hints_wide == 0) fail("the rank-table children counts were not exercised");
   std::printf("tree block emulation: %d random cases x 4 paths + the empty tree (parallel path taken in %d of %d, "
               "%d with B >= 256, %d with the threshold estimate; %d estimate crossings recounted serially, %d of them "
-              "equal; %ld children counts through the rank tables checked against the full search, %ld of them "
+              "equal; %ld children counts through the rank tables checked against a scan of the row, %ld of them "
               "narrowed to more than one rank), %d failures\n", done, parallel, runs, parallel_big, estimated,
               estimates_checked, estimates_exact, hints_checked, hints_wide, failures);
   return failures ? 1 : 0;
