@@ -19,6 +19,7 @@ captured engine round sees it); "stream" = one launch + event pair per op (adds 
     python benchmarks/bench_cuda_tree_build.py [--iters 200] [--json out.json] [--quick]
     python benchmarks/bench_cuda_tree_build.py --engine-shapes   # depth 15, K = 8 / 4, each path forced
     python benchmarks/bench_cuda_tree_build.py --small-budgets   # B = 1..24: one warp vs parallel (auto's cut)
+    python benchmarks/bench_cuda_tree_build.py --ab new          # one JSON line for same-lease A/B runs
 """
 import argparse
 import json
@@ -104,6 +105,28 @@ def small_budgets(N, props, iters):
         print(f"| {B} | " + " | ".join(cells) + " |", flush=True)
 
 
+def ab_line(N, label, iters):
+    """One line, `AB <label> {shape: graph-replay median us}`, for same-lease A/B runs: run it in
+    alternating processes against two builds (e.g. PYTHONPATH=/tmp/mainmod for main's module,
+    installed with `pip install --no-deps --no-build-isolation --target /tmp/mainmod <main's tree>`).
+    Shapes: peaked K = B at every budget, flat K = B at 256 / 1024, the engine's K = 8 at 64 / 256;
+    every tree is checked against the CPU twin."""
+    pk, fl = drafter_logits(0, "peaked"), drafter_logits(0, "flat")
+    lp_p, ids_p = kn.reference.topk_logsoftmax(pk, 1024)
+    lp_f, ids_f = kn.reference.topk_logsoftmax(fl, 1024)
+    lp_8, ids_8 = kn.reference.topk_logsoftmax(drafter_logits(0, "peaked", V=32000), 8)
+    shapes = [("pk", B, lp_p[:, :B], ids_p[:, :B]) for B in (16, 64, 256, 512, 1024)] + \
+             [("fl", B, lp_f[:, :B], ids_f[:, :B]) for B in (256, 1024)] + [("k8", B, lp_8, ids_8) for B in (64, 256)]
+    out = {}
+    for name, B, lp, ids in shapes:
+        lp, ids = np.ascontiguousarray(lp), np.ascontiguousarray(ids)
+        r = N.cuda_time_tree_build(lp, ids, B, iters=iters, warmup=10)
+        ref = kn.ops.tree_build(lp, ids, B, device="cpu")
+        assert int(r["n"]) == ref.n and np.array_equal(r["parents"][: ref.n + 1], ref.parents), (name, B)
+        out[f"{name}{B}"] = round(r["graph_median_ms"] * 1e3, 2)
+    print("AB", label, json.dumps(out), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iters", type=int, default=200)
@@ -113,6 +136,9 @@ def main():
                     help="only the engine's default shapes (depth 15, top-k 8: deep trees) with each path forced")
     ap.add_argument("--small-budgets", action="store_true",
                     help="only budgets 1..24 with the one-warp and the parallel path forced (auto's cut)")
+    ap.add_argument("--ab", metavar="LABEL", default=None,
+                    help="only one line 'AB LABEL {shape: us}' of the A/B shapes (40 launches each): for alternating "
+                         "runs against another build in the same lease")
     args = ap.parse_args()
     if not kn.cuda_available():
         raise SystemExit("no CUDA device")
@@ -120,6 +146,9 @@ def main():
     props = N.cuda_device_props()
     budgets = [16, 64, 256, 512, 1024]
     iters = 30 if args.quick else args.iters
+    if args.ab is not None:
+        ab_line(N, args.ab, 40)
+        return
     if args.engine_shapes:
         engine_shapes(N, props, iters)
         return
