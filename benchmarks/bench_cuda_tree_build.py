@@ -47,6 +47,12 @@ def drafter_logits(seed, kind="peaked", D=15, V=163840):
     return np.asarray(rows, dtype=np.float32)
 
 
+def checked(r, ref, what):
+    """r (a timing call's result) after checking that its tree is the CPU twin's (n and parents)."""
+    assert int(r["n"]) == ref.n and np.array_equal(r["parents"][: ref.n + 1], ref.parents), what
+    return r
+
+
 def cpu_twin_ms(lp, ids, budget, reps):
     fn = kn._native.tree_build_cpu
     fn(lp, ids, budget)
@@ -72,9 +78,8 @@ def engine_shapes(N, props, iters):
             ref = kn.ops.tree_build(lp, ids, B, device="cpu")
             t = {}
             for name, fp in (("auto", 0), ("warp", 2), ("parallel", 3), ("adaptive", 4)):
-                r = N.cuda_time_tree_build(lp, ids, B, iters=iters, warmup=10, force_path=fp)
-                assert int(r["n"]) == ref.n and np.array_equal(r["parents"][: ref.n + 1], ref.parents), (B, K, name)
-                t[name] = r
+                t[name] = checked(N.cuda_time_tree_build(lp, ids, B, iters=iters, warmup=10, force_path=fp), ref,
+                                  (B, K, name))
             print(f"| {B} | {K} | {t['auto']['graph_median_ms'] * 1e3:.1f} | "
                   f"{PATH_NAMES[int(t['auto']['path'])]} | "
                   f"{t['warp']['graph_median_ms'] * 1e3:.1f} | {t['parallel']['graph_median_ms'] * 1e3:.1f} | "
@@ -98,8 +103,8 @@ def small_budgets(N, props, iters):
             ref = kn.ops.tree_build(lp, ids, B, device="cpu")
             t = []
             for fp in (2, 3):
-                r = N.cuda_time_tree_build(lp, ids, B, iters=iters, warmup=10, force_path=fp)
-                assert int(r["n"]) == ref.n and np.array_equal(r["parents"][: ref.n + 1], ref.parents), (B, K, fp)
+                r = checked(N.cuda_time_tree_build(lp, ids, B, iters=iters, warmup=10, force_path=fp), ref,
+                            (B, K, fp))
                 t.append(r["graph_median_ms"] * 1e3)
             cells.append(f"{t[0]:.1f} / {t[1]:.1f}")
         print(f"| {B} | " + " | ".join(cells) + " |", flush=True)
@@ -120,9 +125,8 @@ def ab_line(N, label, iters):
     out = {}
     for name, B, lp, ids in shapes:
         lp, ids = np.ascontiguousarray(lp), np.ascontiguousarray(ids)
-        r = N.cuda_time_tree_build(lp, ids, B, iters=iters, warmup=10)
         ref = kn.ops.tree_build(lp, ids, B, device="cpu")
-        assert int(r["n"]) == ref.n and np.array_equal(r["parents"][: ref.n + 1], ref.parents), (name, B)
+        r = checked(N.cuda_time_tree_build(lp, ids, B, iters=iters, warmup=10), ref, (name, B))
         out[f"{name}{B}"] = round(r["graph_median_ms"] * 1e3, 2)
     print("AB", label, json.dumps(out), flush=True)
 
@@ -162,13 +166,12 @@ def main():
         rows = []
         for B in budgets:
             lp, ids = np.ascontiguousarray(lp_all[:, :B]), np.ascontiguousarray(ids_all[:, :B])
-            r = N.cuda_time_tree_build(lp, ids, B, iters=iters, warmup=10)
             ref = kn.ops.tree_build(lp, ids, B, device="cpu")
-            assert int(r["n"]) == ref.n and np.array_equal(r["parents"][: ref.n + 1], ref.parents), "GPU != CPU twin"
-            ra = N.cuda_time_tree_build(lp, ids, B, iters=iters, warmup=10, force_path=4)  # no threshold estimate
-            assert int(ra["n"]) == ref.n and np.array_equal(ra["parents"][: ref.n + 1], ref.parents), "adaptive != CPU twin"
-            rl = N.cuda_time_tree_build_from_logits(logits, B, B, iters=max(10, iters // 2), warmup=5)
-            assert int(rl["n"]) == ref.n and np.array_equal(rl["parents"][: ref.n + 1], ref.parents), "logits path != CPU twin"
+            r = checked(N.cuda_time_tree_build(lp, ids, B, iters=iters, warmup=10), ref, "GPU != CPU twin")
+            ra = checked(N.cuda_time_tree_build(lp, ids, B, iters=iters, warmup=10, force_path=4),  # no threshold estimate
+                         ref, "adaptive != CPU twin")
+            rl = checked(N.cuda_time_tree_build_from_logits(logits, B, B, iters=max(10, iters // 2), warmup=5),
+                         ref, "logits path != CPU twin")
             cpu = cpu_twin_ms(lp, ids, B, 20 if args.quick else 100)
             row = dict(budget=B, depth=15, K=B, path=int(r["path"]),
                        gpu_lp_us=r["graph_median_ms"] * 1e3, gpu_lp_stream_us=r["median_ms"] * 1e3,

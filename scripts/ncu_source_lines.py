@@ -31,7 +31,6 @@ import gzip
 import io
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -110,17 +109,14 @@ def parse_disasm(text: str, kernel: str) -> list[tuple[int, str, tuple[str, int]
 
 
 def tool(name: str) -> str:
-    path = shutil.which(name)
-    if path:
-        return path
-    for site in sys.path:  # PyPI's nvidia-cuda-nvdisasm / -cuobjdump wheels
-        hits = glob.glob(os.path.join(site, "nvidia", "cu*", "bin", name))
-        if hits:
-            return hits[0]
-    for root in ("/usr/local/cuda/bin", "/usr/local/bin"):
-        if os.path.exists(os.path.join(root, name)):
-            return os.path.join(root, name)
-    raise SystemExit(f"{name} not found (the CUDA toolkit's, or PyPI's nvidia-cuda-{name} wheel)")
+    """The CUDA tool by check_pdl_loads.find_tool (PATH, next to nvcc, the toolkit, PyPI's wheels)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from check_pdl_loads import find_tool
+
+    path = find_tool(name)
+    if not path:
+        raise SystemExit(f"{name} not found (the CUDA toolkit's, or PyPI's nvidia-cuda-{name} wheel)")
+    return path
 
 
 def disasm_for(kernel: str, cubin: str | None, so: str | None, arch: str) -> str:
