@@ -12,7 +12,17 @@
 // ~24 cycles of latency per dependent mma.
 #include <cstdio>
 #include <cstdint>
+#include <cstdlib>
 #include <cuda_runtime.h>
+
+#define CHECK(x)                                                                                   \
+  do {                                                                                             \
+    cudaError_t err_ = (x);                                                                        \
+    if (err_ != cudaSuccess) {                                                                     \
+      fprintf(stderr, "cuda_mma_rate: %s failed: %s\n", #x, cudaGetErrorString(err_));             \
+      exit(1);                                                                                     \
+    }                                                                                              \
+  } while (0)
 template <int KIND, int NACC>
 __global__ void k(float* out, long long* cyc, int iters) {
   float c[NACC][4];
@@ -46,26 +56,47 @@ template <int KIND, int NACC>
 void run(const char* name, int warps_per_block, int blocks_per_sm, int nsm) {
   const int iters = 4096, nb = nsm * blocks_per_sm, nt = 32 * warps_per_block;
   float* out; long long* cyc;
-  cudaMalloc(&out, sizeof(float) * nb * nt); cudaMalloc(&cyc, sizeof(long long) * nb);
-  k<KIND, NACC><<<nb, nt>>>(out, cyc, 64);
-  cudaEvent_t e0, e1; cudaEventCreate(&e0); cudaEventCreate(&e1);
-  cudaEventRecord(e0);
+  CHECK(cudaMalloc(&out, sizeof(float) * nb * nt));
+  CHECK(cudaMalloc(&cyc, sizeof(long long) * nb));
+  k<KIND, NACC><<<nb, nt>>>(out, cyc, 64);  // warm-up
+  CHECK(cudaGetLastError());
+  cudaEvent_t e0, e1;
+  CHECK(cudaEventCreate(&e0));
+  CHECK(cudaEventCreate(&e1));
+  CHECK(cudaEventRecord(e0));
   k<KIND, NACC><<<nb, nt>>>(out, cyc, iters);
-  cudaEventRecord(e1); cudaEventSynchronize(e1);
-  float ms; cudaEventElapsedTime(&ms, e0, e1);
+  CHECK(cudaGetLastError());
+  CHECK(cudaEventRecord(e1));
+  CHECK(cudaEventSynchronize(e1));
+  float ms;
+  CHECK(cudaEventElapsedTime(&ms, e0, e1));
   static long long h[1 << 16];
   if (nb > (1 << 16)) return;
-  cudaMemcpy(h, cyc, sizeof(long long) * nb, cudaMemcpyDeviceToHost);
+  CHECK(cudaMemcpy(h, cyc, sizeof(long long) * nb, cudaMemcpyDeviceToHost));
   long long mx = 0; for (int i = 0; i < nb; ++i) mx = h[i] > mx ? h[i] : mx;
   const double mmas_per_sm = (double)warps_per_block * blocks_per_sm * iters * NACC;
   const double fma_per = KIND == 0 ? 16 * 8 * 8 : 16 * 8 * 16;
   printf("%-5s acc %d warps/SM %3d: %.2f cycles per mma per SM, %.0f FMA/clk/SM, %.1f TFLOP/s (%.3f ms)\n", name, NACC,
          warps_per_block * blocks_per_sm, mx / mmas_per_sm, mmas_per_sm * fma_per / mx,
          2.0 * mmas_per_sm * nsm * fma_per / (ms * 1e-3) / 1e12, ms);
-  cudaFree(out); cudaFree(cyc);
+  CHECK(cudaFree(out));
+  CHECK(cudaFree(cyc));
+  CHECK(cudaEventDestroy(e0));
+  CHECK(cudaEventDestroy(e1));
 }
 int main() {
-  int nsm; cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0);
+  int ndev = 0;
+  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
+    fprintf(stderr, "cuda_mma_rate: no CUDA device\n");
+    return 1;
+  }
+  int nsm = 0, major = 0;
+  CHECK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0));
+  CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));
+  if (major < 8) {
+    fprintf(stderr, "cuda_mma_rate: needs sm_80 or newer (TF32 / BF16 mma.sync), found sm_%d\n", major);
+    return 1;
+  }
   for (int w : {4, 8, 16}) { run<0, 8>("tf32", w, 1, nsm); run<1, 8>("f16", w, 1, nsm); run<2, 8>("bf16", w, 1, nsm); }
   run<0, 4>("tf32", 8, 1, nsm); run<0, 2>("tf32", 8, 1, nsm); run<0, 1>("tf32", 8, 1, nsm);
   run<1, 1>("f16", 8, 1, nsm); run<0, 1>("tf32", 32, 1, nsm);
