@@ -272,18 +272,18 @@ def main():
         sync()
         vp = t_vis.data_ptr() if t_vis is not None else 0
         vs = t_vis.shape[1] if t_vis is not None else 0
-        fn = lambda: model.forward_ptr(t_tok.data_ptr(), t_pos.data_ptr(), vp, vs, T, logits_buf.data_ptr())
+        fn = lambda sync_step=True: model.forward_ptr(t_tok.data_ptr(), t_pos.data_ptr(), vp, vs, T,
+                                                      logits_buf.data_ptr(), sync_step)
         t = median_time(fn, sync, args.reps)
         # queued: steps back to back with one synchronisation at the end, per step (the device time of a
         # step without the host's launch and wake-up around each single call)
-        fnq = lambda: model.forward_ptr(t_tok.data_ptr(), t_pos.data_ptr(), vp, vs, T, logits_buf.data_ptr(), False)
         nq = max(10, 5 * args.reps)
         for _ in range(3):
-            fnq()
+            fn(False)
         model.synchronize()
         t0 = time.perf_counter()
         for _ in range(nq):
-            fnq()
+            fn(False)
         model.synchronize()
         tq = (time.perf_counter() - t0) / nq
         touched = int((model.last_expert_counts() > 0).sum())
