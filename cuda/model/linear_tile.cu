@@ -21,7 +21,10 @@
 //   * few output tiles (o_proj: 1024 rows = 16 tiles) would leave most SMs idle, so the k range is
 //     split over a thread-block cluster of up to 8 blocks (Hopper); each block leaves its partial
 //     tile in its shared memory and, after a cluster barrier, block r sums slice r of the tile over
-//     the cluster's blocks through distributed shared memory, in rank order.
+//     the cluster's blocks through distributed shared memory, in rank order;
+//   * a large matrix (the head) in one token tile runs 2 or 4 warps per row group (KH, 256 or 512
+//     threads), each on its own part of every k-chunk, the parts added in order after the loop
+//     (launch_rows; forty-fourth session: the head 9-13 % faster at 6-24 tokens).
 // Deterministic: per output a thread sums its k range in ascending k (per accumulator), the partial tiles are added
 // in split order; the split count is a function of the shape and the SM count only. Measured and
 // routed in docs/BENCHMARKS.md ("Eighth session", "Ninth session"); what bounds it: docs/CUDA_MODEL.md.
@@ -58,18 +61,21 @@ constexpr int kPadB = kTilePadB<kBK>;  // BF: BF16 weight rows in shared memory 
 
 // BF (with TC): the weights from the exact BF16 copy p.w_bf16 (Kd, w_batch multiples of 8): half the
 // bytes copied, no split of the weights, two mma per product (tile_mma.h, mma_chunk_bf16w): the same sums.
-template <int BM, bool TC, bool BF = false>
-__global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, int chunks_per_split) {
+template <int BM, bool TC, bool BF = false, int KH = 1>
+__global__ void __launch_bounds__(kThreads * KH) linear_tile_kernel(LinearParams p, int chunks_per_split) {
   static_assert(!BF || TC, "BF16 weights on the tensor-core path only");
+  static_assert(KH == 1 || (TC && (KH == 2 || KH == 4)), "k parts on the tensor-core path only");
+  constexpr int NT = kThreads * KH;  // KH warps per row group, each on its own part of every chunk
   constexpr int TM = BM / 8;
-  constexpr int RSTEP = kThreads / KQ;  // rows per pass of the block's copies
-  constexpr int KQB = kBK / 8, RSTEPB = kThreads / KQB;  // BF: 16-byte pieces per row and chunk, rows per pass
+  constexpr int RSTEP = NT / KQ;  // rows per pass of the block's copies
+  constexpr int KQB = kBK / 8, RSTEPB = NT / KQB;  // BF: 16-byte pieces per row and chunk, rows per pass
   extern __shared__ __align__(16) float smem[];
   float* const Ws = smem;                              // [kStages][kBN][kPad]
   uint16_t* const Wsb = reinterpret_cast<uint16_t*>(smem);  // BF: [kStages][kBN][kPadB]
   float* const Xs = BF ? smem + kStages * kBN * kPadB / 2 : smem + kStages * kBN * kPad;  // [kStages][BM][kPad]
   const int tid = threadIdx.x, tn = tid & 15, tm = tid >> 4;
-  const int lane = tid & 31, warp = tid >> 5, g = lane >> 2, q = lane & 3;  // mma fragment coordinates
+  const int lane = tid & 31, warp = (tid >> 5) & 3, g = lane >> 2, q = lane & 3;  // mma fragment coordinates
+  const int kh = tid >> 7;  // the k part of every chunk this warp multiplies (KH parts)
   const int splits = (int)gridDim.x, split = (int)blockIdx.x;
   const int mtiles = (p.T + BM - 1) / BM;
   const int b = (int)blockIdx.z / mtiles, m0 = ((int)blockIdx.z % mtiles) * BM, n0 = (int)blockIdx.y * kBN;
@@ -87,7 +93,7 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
   // to form every address by a 64-bit product and a select against the base pointer (copy-loop SASS
   // of the 16 / 24 / 48 / 72-row tiles 172 / 195 / 333 / 378 -> 145 / 114 / 191 / 172 instructions;
   // H200, thirty-ninth session, graph-replayed mini-kimi steps: T = 17 / 65 -2.4 to -2.9 %).
-  constexpr int WCP = kBN * kBK / 4 / kThreads, XCP = (BM * kBK / 4 + kThreads - 1) / kThreads;
+  constexpr int WCP = kBN * kBK / 4 / NT, XCP = (BM * kBK / 4 + NT - 1) / NT;
   const float* wp[BF ? 1 : WCP];
   const float* xp[XCP];
   bool wok[BF ? 1 : WCP], xok[XCP];
@@ -109,7 +115,7 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
     if constexpr (BF) {
       const int k = c * kBK + (tid % KQB) * 8;
 #pragma unroll
-      for (int j = 0; j < kBN * kBK / 8 / kThreads; ++j) {
+      for (int j = 0; j < kBN * kBK / 8 / NT; ++j) {
         const int r = tid / KQB + RSTEPB * j;
         const bool ok = n0 + r < p.N && k < Kd;
         cp_async16(reinterpret_cast<float*>(Wsb + ((size_t)slot * kBN + r) * kPadB + (tid % KQB) * 8),
@@ -162,10 +168,12 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
     cp_async_commit();
     const float* ws = Ws + (size_t)(c % kStages) * kBN * kPad;
     const float* xs = Xs + (size_t)(c % kStages) * BM * kPad;
+    constexpr int BKH = kBK / KH;
     if constexpr (BF) {  // the FP32 path's chains: hi*hi, hi*lo (lo*hi = +0: s1 stays +0, not computed)
-      mma_chunk_bf16w<TM, kBK, kPadB, kPad>(acc, s2, Wsb + (size_t)(c % kStages) * kBN * kPadB, xs, warp, g, q);
+      mma_chunk_bf16w<TM, BKH, kPadB, kPad>(acc, s2, Wsb + (size_t)(c % kStages) * kBN * kPadB + kh * BKH,
+                                            xs + kh * BKH, warp, g, q);
     } else if constexpr (TC) {
-      mma_chunk_3xtf32<TM, kBK, kPad, true>(acc, s1, s2, ws, xs, warp, g, q);
+      mma_chunk_3xtf32<TM, BKH, kPad, true>(acc, s1, s2, ws + kh * BKH, xs + kh * BKH, warp, g, q);
     } else {
 #pragma unroll
       for (int kk = 0; kk < kBK; kk += 4) {
@@ -198,25 +206,37 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
   // the block's (partial) tile [BM tokens][kBN rows] in shared memory, then written out (one
   // split) or summed over the cluster's blocks in rank order, slice `split` of it by this block
   __syncthreads();  // every thread is done reading the stages
+  constexpr int E = BM * kBN;
   float* const part = smem;
+  {
+    float* const mine = part + kh * E;  // k part kh's tile (KH > 1: added to part 0 below)
 #pragma unroll
-  for (int i = 0; i < TM; ++i) {
-    if constexpr (TC) {
-      const int r = 16 * warp + g, t = 8 * i + 2 * q;
-      part[t * kBN + r] = acc[i][0];
-      part[(t + 1) * kBN + r] = acc[i][1];
-      part[t * kBN + r + 8] = acc[i][2];
-      part[(t + 1) * kBN + r + 8] = acc[i][3];
-    } else {
+    for (int i = 0; i < TM; ++i) {
+      if constexpr (TC) {
+        const int r = 16 * warp + g, t = 8 * i + 2 * q;
+        mine[t * kBN + r] = acc[i][0];
+        mine[(t + 1) * kBN + r] = acc[i][1];
+        mine[t * kBN + r + 8] = acc[i][2];
+        mine[(t + 1) * kBN + r + 8] = acc[i][3];
+      } else {
 #pragma unroll
-      for (int j = 0; j < 4; ++j) part[(tm + 8 * i) * kBN + tn + 16 * j] = acc[i][j];
+        for (int j = 0; j < 4; ++j) mine[(tm + 8 * i) * kBN + tn + 16 * j] = acc[i][j];
+      }
+    }
+  }
+  if constexpr (KH > 1) {  // the k parts in order, into part 0 (each element by one thread)
+    __syncthreads();
+    for (int e = tid; e < E; e += NT) {
+      float s = part[e];
+#pragma unroll
+      for (int h = 1; h < KH; ++h) s += part[h * E + e];
+      part[e] = s;
     }
   }
   float* const Y = p.y + (size_t)b * p.y_batch + (size_t)m0 * p.ldy + n0;
-  constexpr int E = BM * kBN;
   if (splits == 1) {
     __syncthreads();
-    for (int e = tid; e < E; e += kThreads) {
+    for (int e = tid; e < E; e += NT) {
       const int m = e / kBN, n = e % kBN;
       if (m < rows && n0 + n < p.N) {
         float* out = Y + (size_t)m * p.ldy + n;
@@ -228,7 +248,7 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
   const int e0 = (int)((long long)E * split / splits), e1 = (int)((long long)E * (split + 1) / splits);
-  for (int e = e0 + tid; e < e1; e += kThreads) {
+  for (int e = e0 + tid; e < e1; e += NT) {
     const int m = e / kBN, n = e % kBN;
     if (m >= rows || n0 + n >= p.N) continue;
     float s = 0.f;
@@ -239,11 +259,11 @@ __global__ void __launch_bounds__(kThreads) linear_tile_kernel(LinearParams p, i
   cluster.sync();  // no block leaves while another still reads its shared memory
 }
 
-template <int BM, bool TC, bool BF>
+template <int BM, bool TC, bool BF, int KH = 1>
 cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
-  constexpr size_t smem = tile_smem_bytes<BM, kBK, kStages, BF>();
+  constexpr size_t smem = std::max(tile_smem_bytes<BM, kBK, kStages, BF>(), (size_t)KH * BM * kBN * sizeof(float));
   static const cudaError_t attr_err =
-      cudaFuncSetAttribute(linear_tile_kernel<BM, TC, BF>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
+      cudaFuncSetAttribute(linear_tile_kernel<BM, TC, BF, KH>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (attr_err != cudaSuccess) return attr_err;
   const long long mtiles = (p.T + BM - 1) / BM, ntiles = (p.N + kBN - 1) / kBN;
   const long long base = ntiles * mtiles * p.batch;
@@ -265,7 +285,9 @@ cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
     // (bench_cuda_linear_tile.py --splits 1 2 --only lm_head, twenty-fourth session): T = 8 44.5 ->
     // 42.2 us, T = 17 61.4 -> 54.1; in the step T = 17 / 24 -0.8 / -0.9 %, T = 8 unchanged. Taller
     // tiles (fewer blocks per SM) were slower with two: T = 33 72.9 -> 88.4, T = 65 96.2 -> 113.4.
-    if (splits == 1 && BM <= 24 && nchunks >= 4 && linear_weight_bytes(p) >= (64LL << 20)) splits = 2;
+    // (Not with KH = 4, whose 16 warps a block already cover the k-chunk: one split was the fastest at
+    // T = 2-13, the head 36-43 us against 39-48 with two splits and KH = 1, forty-fourth session.)
+    if (KH < 4 && splits == 1 && BM <= 24 && nchunks >= 4 && linear_weight_bytes(p) >= (64LL << 20)) splits = 2;
   }
   splits = std::min(splits, nchunks);
   const int cps = (nchunks + splits - 1) / splits;
@@ -287,12 +309,12 @@ cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
   }
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = dim3((unsigned)splits, (unsigned)ntiles, (unsigned)(mtiles * p.batch));
-  cfg.blockDim = dim3(kThreads);
+  cfg.blockDim = dim3(kThreads * KH);
   cfg.dynamicSmemBytes = smem;
   cfg.stream = stream;
   cfg.attrs = attr;
   cfg.numAttrs = (unsigned)na;
-  return cudaLaunchKernelEx(&cfg, linear_tile_kernel<BM, TC, BF>, p, cps);
+  return cudaLaunchKernelEx(&cfg, linear_tile_kernel<BM, TC, BF, KH>, p, cps);
 }
 
 }  // namespace
@@ -326,9 +348,27 @@ bool tile_height_ok(int rows) {
 }
 }  // namespace
 
+// Large matrices (past kLinearTileSmallBytes: the head), streamed once from HBM in one token tile of
+// a long k loop, run more warps per row group, each on its own part of every k-chunk: KH = 4 for
+// tiles of <= 16 rows (one k split: 16 warps a block already cover the chunk), KH = 2 for 24 rows (the
+// automatic two splits). H200, mini-kimi's 131 MB head (bench_cuda_linear_tile.py --only lm_head,
+// forty-fourth session): T = 6 / 9 / 13 / 16 / 17 / 20 / 24 40.7 / 47.1 / 48.4 / 49.2 / 52.8 / 53.8 /
+// 55.4 -> 38.2 / 41.0 / 43.2 / 43.8 / 47.7 / 48.4 / 49.8 us; KH = 4 for 24 rows (512 threads of 81
+// registers: one block an SM) 55-56 us; KH = 2 for 32 rows no change; two warps per row group on the
+// small matrices (the attention side's projections, latency-bound grids of 2-4 chunks a block) 0.4-0.9 us
+// slower each. The k parts are added in order after the loop: other bits than KH = 1, as deterministic.
 template <bool TC, bool BF = false>
 cudaError_t launch_rows(const LinearParams& p, cudaStream_t stream) {
-  switch (p.tile_rows ? p.tile_rows : linear_tile_rows(p.T, linear_weight_bytes(p))) {
+  const int rows = p.tile_rows ? p.tile_rows : linear_tile_rows(p.T, linear_weight_bytes(p));
+  if (TC && linear_weight_bytes(p) > kLinearTileSmallBytes) {
+    switch (rows) {
+      case 8: return launch_tile<8, TC, BF, TC ? 4 : 1>(p, stream);
+      case 16: return launch_tile<16, TC, BF, TC ? 4 : 1>(p, stream);
+      case 24: return launch_tile<24, TC, BF, TC ? 2 : 1>(p, stream);
+      default: break;
+    }
+  }
+  switch (rows) {
     case 8: return launch_tile<8, TC, BF>(p, stream);
     case 16: return launch_tile<16, TC, BF>(p, stream);
     case 24: return launch_tile<24, TC, BF>(p, stream);

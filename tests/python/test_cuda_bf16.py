@@ -83,6 +83,21 @@ def test_linear_tile_bf16_weights_same_bits(T, splits):
     assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
+@pytest.mark.parametrize("T", [9, 17, 24])
+def test_linear_tile_bf16_weights_same_bits_large_matrix(T):
+    """The same on a matrix past kLinearTileSmallBytes (33.6 MB as FP32), which runs more warps per row
+    group (KH = 4 for 16-row tiles, 2 for 24): the BF16 copy gives the FP32 path's bits there too."""
+    rng = np.random.default_rng(900 + T)
+    Kd, Nn = 1024, 8200
+    x = rng.standard_normal((T, Kd)).astype(np.float32)
+    w = to_bf16(rng.standard_normal((1, Nn * Kd)).astype(np.float32) * 0.1)
+    y = np.full((T, Nn), np.nan, np.float32)
+    a = N.cuda_linear_skinny(x, w, y, T, Nn, Kd, kernel="tile")
+    b = N.cuda_linear_skinny(x, w, y, T, Nn, Kd, bf16_weights=True, kernel="tile")
+    assert np.isfinite(a).all()
+    assert np.array_equal(a.view(np.uint32), b.view(np.uint32))
+
+
 def test_linear_skinny_bf16_weights_rejects_inexact_values():
     x = np.ones((1, 128), np.float32)
     w = np.full((1, 128 * 4), 0.1, np.float32)  # 0.1 is not a BF16

@@ -451,3 +451,14 @@ def test_tile_refuses_what_it_cannot_take():
         N.cuda_linear_skinny(x, w, y, 4, 8, 8, x_swiglu=True, kernel="tile")
     with pytest.raises(ValueError):
         N.cuda_linear_skinny(x, w, y, 4, 8, 16, kernel="flash")
+
+
+@pytest.mark.parametrize("T", [6, 9, 16, 17, 24, 25, 32])
+def test_tile_large_matrix_more_warps_per_row_group(T):
+    """A matrix past kLinearTileSmallBytes (32 MiB as FP32: the head's case) runs two or four warps per row
+    group, each on its own part of every k-chunk (KH, linear_tile.cu): every tile height it takes, the
+    automatic and forced k splits, beta = 1 with padded rows and a partial last weight tile."""
+    rng = np.random.default_rng(700 + T)
+    run_case(rng, T, 8200, 1024, beta=0.0, kernel="tile")
+    run_case(rng, T, 8257, 1028, beta=1.0, x_pad=4, y_pad=3, kernel="tile")
+    run_case(rng, T, 8200, 1024, beta=0.0, kernel="tile", splits=3)
