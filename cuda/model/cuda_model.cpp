@@ -67,6 +67,10 @@ constexpr int64_t kTileAutoMaxT = 72;
 // 4.734 -> 1.990 / 2.206 / 2.677 / 4.288 ms. Prefill chunks (512 tokens) stay on cuBLAS.
 constexpr int64_t kTileSmallAutoMaxT = 264;
 constexpr int64_t kTileFirstMinT = 6, kTileFirstMaxT = 16;
+// The head (past kSkinnyBigBytes) from 5 tokens (below, its RMSNorm runs inside linear_skinny): with
+// four warps per row group on its 8-row tiles (linear_tile.cu, forty-fourth session) it takes 37.8 us
+// there against 44.3 on skinny; in-step at T = 5 0.795 -> 0.785 ms (three rounds, T = 6 unchanged).
+constexpr int64_t kTileFirstBigMinT = 5;
 // 17-20 tokens (B = 16 trees): linear_tile also takes the projections of at least this many weight
 // bytes (not the batched W_UK / W_UV heads: W_UK carries the query RoPE block on skinny, and W_UV
 // measured faster there). H200, bench_cuda_linear_tile.py at T = 17, us skinny -> tile: qkv_a 6.5
@@ -612,7 +616,7 @@ int64_t CudaModel::tile_max_for(int64_t wbytes) const {
 
 bool CudaModel::tile_first(int64_t T, int64_t wbytes) const {
   if (opt_.skinny_max_tokens >= 0) return false;
-  return (T >= kTileFirstMinT && T <= kTileFirstMaxT) ||
+  return (T >= (wbytes > kSkinnyBigBytes ? kTileFirstBigMinT : kTileFirstMinT) && T <= kTileFirstMaxT) ||
          (T > kTileFirstMaxT && T <= kSkinnyAutoMaxT && wbytes >= kTileFirstLateMinBytes);
 }
 

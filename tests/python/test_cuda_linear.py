@@ -453,7 +453,7 @@ def test_tile_refuses_what_it_cannot_take():
         N.cuda_linear_skinny(x, w, y, 4, 8, 16, kernel="flash")
 
 
-@pytest.mark.parametrize("T", [6, 9, 16, 17, 24, 25, 32])
+@pytest.mark.parametrize("T", [5, 6, 9, 16, 17, 24, 25, 32])
 def test_tile_large_matrix_more_warps_per_row_group(T):
     """A matrix past kLinearTileSmallBytes (32 MiB as FP32: the head's case) runs two or four warps per row
     group, each on its own part of every k-chunk (KH, linear_tile.cu): every tile height it takes, the
