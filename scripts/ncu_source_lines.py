@@ -110,7 +110,9 @@ def parse_disasm(text: str, kernel: str) -> list[tuple[int, str, tuple[str, int]
 
 def tool(name: str) -> str:
     """The CUDA tool by check_pdl_loads.find_tool (PATH, next to nvcc, the toolkit, PyPI's wheels)."""
-    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    here = os.path.dirname(os.path.abspath(__file__))
+    if here not in sys.path:
+        sys.path.insert(0, here)
     from check_pdl_loads import find_tool
 
     path = find_tool(name)
@@ -156,13 +158,12 @@ def report(recs, top: int, out=sys.stdout) -> None:
     total = sum(r[3] for r in recs) or 1.0
     by_line: "collections.Counter[tuple]" = collections.Counter()
     why: "dict[tuple, collections.Counter]" = collections.defaultdict(collections.Counter)
+    stalls: "collections.Counter[str]" = collections.Counter()
     for _, _, loc, s, st in recs:
         key = loc or ("?", 0)
         by_line[key] += s
         why[key].update(st)
-    stalls = collections.Counter()
-    for r in recs:
-        stalls.update(r[4])
+        stalls.update(st)
     print(f"{len(recs)} instructions, {total:.0f} samples; stall reasons: " +
           ", ".join(f"{k} {v / total * 100:.1f}%" for k, v in stalls.most_common(8) if v), file=out)
     print("| share | samples | file:line | top reasons |", file=out)

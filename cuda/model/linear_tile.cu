@@ -360,12 +360,14 @@ bool tile_height_ok(int rows) {
 template <bool TC, bool BF = false>
 cudaError_t launch_rows(const LinearParams& p, cudaStream_t stream) {
   const int rows = p.tile_rows ? p.tile_rows : linear_tile_rows(p.T, linear_weight_bytes(p));
-  if (TC && linear_weight_bytes(p) > kLinearTileSmallBytes) {
-    switch (rows) {
-      case 8: return launch_tile<8, TC, BF, TC ? 4 : 1>(p, stream);
-      case 16: return launch_tile<16, TC, BF, TC ? 4 : 1>(p, stream);
-      case 24: return launch_tile<24, TC, BF, TC ? 2 : 1>(p, stream);
-      default: break;
+  if constexpr (TC) {
+    if (linear_weight_bytes(p) > kLinearTileSmallBytes) {
+      switch (rows) {
+        case 8: return launch_tile<8, TC, BF, 4>(p, stream);
+        case 16: return launch_tile<16, TC, BF, 4>(p, stream);
+        case 24: return launch_tile<24, TC, BF, 2>(p, stream);
+        default: break;
+      }
     }
   }
   switch (rows) {
