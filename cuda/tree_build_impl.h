@@ -732,9 +732,16 @@ struct TreeBlock {
       if (c < 8) return c;
       lo = 8;
     }
-    // (the rank tables exist for rows of more than 8 ranks; shorter rows are done by the 8 above
-    // when keff is a multiple of 4, else by a search of at most 3 steps)
-    return keff > 8 ? ranks_hint(row, d - 1, lo, row_end(d), fl) : ranks_above(row, lo, row_end(d), fl);
+    return ranks_fixed(d - 1, lo, fl);
+  }
+
+  // The fixed path's count of the ranks r in [lo, row end) of row d (0-based) with row[r] > fl, from
+  // the row's rank table (ranks_hint) when it has one: the tables exist for rows of more than 8
+  // ranks; shorter rows are done by count_fixed's first 8 when keff is a multiple of 4, else by a
+  // search of at most 3 steps.
+  KD_HD int ranks_fixed(int d, int lo, float fl) const {
+    const float* row = lpc + (size_t)d * keff;
+    return keff > 8 ? ranks_hint(row, d, lo, row_end(d + 1), fl) : ranks_above(row, lo, row_end(d + 1), fl);
   }
 
   // ranks_above(row, lo, hi, fl) for row d of the fixed path, its search narrowed by the row's rank
@@ -750,7 +757,7 @@ struct TreeBlock {
     if (x < (float)kDpG) {
       int K = (int)ceilf(x);
       if (K < 0) K = 0;  // (fl >= row[0]: no children; table[0] is still an upper bound)
-      const int a0 = K >= 1 ? tab[K - 1 < kDpG - 1 ? K - 1 : kDpG - 1] : 0;
+      const int a0 = K >= 1 ? tab[K - 1] : 0;  // (K <= kDpG: x < kDpG)
       if (K < kDpG) h2 = tab[K];
       l2 = a0 > lo ? a0 : lo;
     } else {
@@ -988,7 +995,7 @@ struct TreeBlock {
   KD_HD int fixed_levels(int btf) {
     const double lim = bucket_limit(btf);
     const float fl1 = child_floor(smax, 0.0, lim);
-    int T = keff > 8 ? ranks_hint(lpc, 0, 0, row_end(1), fl1) : ranks_above(lpc, 0, row_end(1), fl1);  // depth 1: a prefix of row 0
+    int T = ranks_fixed(0, 0, fl1);  // depth 1: a prefix of row 0
     int d = 1, used = 0, p0 = 0;  // level d: T nodes from store index `used`; its parents from p0
     if (tid == 0) misc[M_BT] = kBottom;  // the final gscan's crossing slot (written there by one warp)
     while (T > 0) {
