@@ -374,8 +374,12 @@ __global__ void __launch_bounds__(NT, 1) mla_verify_fast_kernel(VerifyAttentionP
 // merge split partials: one block of C/4 = 128 threads per query row. The splits' (max, sum)
 // are read in parallel (one split per thread) and their weights w = 2^(max - global max) staged
 // in shared memory, so the O loop has independent loads (many in flight) instead of a serial
-// chain per split. A split with max = -inf (it saw no key) is skipped.
+// chain per split. A split with max = -inf (it saw no key) is skipped. The first kCombinePre
+// splits' partials of the thread's 4 columns are loaded together with the (max, sum) pairs,
+// before the weights are known, so the kernel waits for one round trip to the L2, not three
+// (max, then (max, sum) again, then O); the arithmetic and its order are unchanged.
 constexpr int kCombineThreads = C_ / 4;
+constexpr int kCombinePre = 16;
 __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(VerifyAttentionParams p, int nsplit) {
   pdl_prologue();
   __shared__ float sw[kCombineThreads], swl[kCombineThreads], red[kCombineThreads / 32];
@@ -384,8 +388,20 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(Ver
   const int tid = threadIdx.x;
   const float* wso = (const float*)p.workspace;
   const float* wsml = wso + (size_t)nsplit * M * C_;
-  float mx = attn_neg_inf();
-  for (int sp = tid; sp < nsplit; sp += kCombineThreads) mx = fmaxf(mx, wsml[((size_t)sp * M + g) * 2]);
+  // this thread's split of the first round: its (max, sum)
+  float m0 = attn_neg_inf(), l0 = 0.f;
+  if (tid < nsplit) {
+    const float2 ml = *reinterpret_cast<const float2*>(wsml + ((size_t)tid * M + g) * 2);
+    m0 = ml.x;
+    l0 = ml.y;
+  }
+  float4 pre[kCombinePre];  // (an empty split's slot may hold anything: its w is 0, never read then)
+#pragma unroll
+  for (int k = 0; k < kCombinePre; ++k)
+    if (k < nsplit) pre[k] = *reinterpret_cast<const float4*>(wso + ((size_t)k * M + g) * C_ + 4 * tid);
+  float mx = fmaxf(attn_neg_inf(), m0);  // (as the loop below: a NaN max never wins)
+  for (int sp = tid + kCombineThreads; sp < nsplit; sp += kCombineThreads)
+    mx = fmaxf(mx, wsml[((size_t)sp * M + g) * 2]);
   for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
   if ((tid & 31) == 0) red[tid >> 5] = mx;
   __syncthreads();
@@ -397,15 +413,34 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(Ver
   for (int base = 0; base < nsplit; base += kCombineThreads) {
     const int sp = base + tid;
     if (sp < nsplit) {
-      const float m = wsml[((size_t)sp * M + g) * 2], l = wsml[((size_t)sp * M + g) * 2 + 1];
+      float m = m0, l = l0;
+      if (base > 0) {
+        m = wsml[((size_t)sp * M + g) * 2];
+        l = wsml[((size_t)sp * M + g) * 2 + 1];
+      }
       const float w = m == attn_neg_inf() ? 0.f : exp2f(m - mx);
       sw[tid] = w;
       swl[tid] = w * l;
     }
     __syncthreads();
     const int n = nsplit - base < kCombineThreads ? nsplit - base : kCombineThreads;
+    int k = 0;
+    if (base == 0) {
+#pragma unroll
+      for (; k < kCombinePre; ++k) {
+        if (k >= n) break;
+        const float w = sw[k];
+        den += swl[k];
+        if (w != 0.f) {
+          acc.x = fmaf(w, pre[k].x, acc.x);
+          acc.y = fmaf(w, pre[k].y, acc.y);
+          acc.z = fmaf(w, pre[k].z, acc.z);
+          acc.w = fmaf(w, pre[k].w, acc.w);
+        }
+      }
+    }
 #pragma unroll 8
-    for (int k = 0; k < n; ++k) {
+    for (; k < n; ++k) {
       const float w = sw[k];
       den += swl[k];
       if (w != 0.f) {
