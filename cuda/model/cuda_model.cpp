@@ -22,8 +22,6 @@
 
 #include <algorithm>
 #include <cstring>
-#include <stdexcept>
-#include <string>
 
 #include "common.h"
 #include "device_util.h"
@@ -321,11 +319,6 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
       oom("latent cache", cache_bytes_, e);
     for (int64_t l = 0; l < nL; ++l) layers_[(size_t)l].cache = static_cast<float*>(cache_mem_) + l * max_seq_len * CR;
     if ((e = cudaMalloc(&work_mem_, (size_t)workspace_bytes_)) != cudaSuccess) oom("workspaces", workspace_bytes_, e);
-    // zeroed once: the attention's split merge loads every split's partial slot before it knows which
-    // are empty (their weight is 0 and the value unused), so no read is of never-written memory
-    // (compute-sanitizer initcheck)
-    if ((e = cudaMemset(work_mem_, 0, (size_t)workspace_bytes_)) != cudaSuccess)
-      throw std::runtime_error(std::string("CudaModel: cannot clear the workspaces: ") + cudaGetErrorString(e));
     ws.commit(work_mem_);
     if (attn_ws_bytes_ == 0) attn_ws_ = nullptr;
     d_count_ = d_keep_ + max_seq_len;
