@@ -17,6 +17,7 @@ with its own split choice), in us.
 
     python benchmarks/bench_cuda_verify_attention.py [--iters 10] [--json out.json] [--quick]
         [--kernels auto,mma] [--contexts 4096,32768] [--no-decode] [--decode-only]
+    python benchmarks/bench_cuda_verify_attention.py --ab LABEL   # one JSON line for same-lease A/B runs
 """
 import argparse
 import json
@@ -83,8 +84,27 @@ def print_decode(decode):
               f"{r['decode_us']:.1f}{'' if r['decode_kernel'] == 3 else ' (split-KV)'} | {r['mma_splits']}, {r['mma_us']:.1f} |")
 
 
+def ab_line(N, label):
+    """One line, `AB <label> {shape: graph-replay median us}`, for same-lease A/B runs in alternating
+    processes (two builds, or an experiment switch that a process reads once): the automatic kernel and
+    split count with its combine, at the verify shapes of mini-kimi's B = 16 / 64 / 256 trees (H = 16,
+    contexts 512 and 4096); the key is T, L and the split count taken."""
+    rng = np.random.default_rng(0)
+    out = {}
+    for T, L in ((17, 512), (17, 4096), (65, 512), (65, 4096), (257, 512)):
+        vis = tree_visibility(T - 1, T)
+        bits = cu.pack_visibility(vis)
+        ql = rng.standard_normal((T, 16, C), dtype=np.float32)
+        qr = rng.standard_normal((T, 16, R), dtype=np.float32)
+        kv = rng.standard_normal((L + T, C + R), dtype=np.float32)
+        r = N.cuda_time_verify_attention(ql, qr, kv, bits, 0.0722, iters=40, warmup=5, force_kernel=0)
+        out[f"T{T}L{L}s{int(r['splits'])}"] = round(r["graph_median_ms"] * 1e3, 2)
+    print("AB", label, json.dumps(out), flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--ab", default=None, metavar="LABEL", help="print one A/B line (see ab_line) and stop")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true")
@@ -103,6 +123,9 @@ def main():
     if not kn.cuda_available():
         raise SystemExit("no CUDA device")
     N = kn._native
+    if args.ab:
+        ab_line(N, args.ab)
+        return
     props = N.cuda_device_props()
     bw = N.cuda_copy_bandwidth(1 << 31, 10)
     peak = props["fp32_peak_flops"]

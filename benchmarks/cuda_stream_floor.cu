@@ -15,9 +15,11 @@
 //
 //   nvcc -gencode arch=compute_90,code=sm_90 -O3 -o /tmp/stream_floor benchmarks/cuda_stream_floor.cu && /tmp/stream_floor
 //
-// H200 (forty-fifth session, docs/BENCHMARKS.md "Stream floors"): the layout changes nothing (every row
-// within 1-2 % of the other layout's); the head streams at ~4.0 TB/s (the copy rate), the experts'
-// gate/up at 3.5 and down at 3.0 TB/s, the small projections at 0.7-1.6 TB/s (too few bytes in flight).
+// H200 (forty-fifth session, docs/BENCHMARKS.md "Forty-fifth session" under the GPU model): the layout
+// changes nothing (the head and the experts within 1.5 % of the other layout, the small shapes scatter
+// by up to 10 % either way); the head streams at ~4.0 TB/s (the copy rate), the experts' gate/up at 3.5 and
+// down at 3.0 TB/s, and every small projection takes ~5-6 us however it is split (0.6-1.5 TB/s): a kernel's
+// ramp, latency and drain, not its bytes.
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>

@@ -1,5 +1,5 @@
 """benchmarks/cuda_stream_floor.cu is a standalone tool outside the CMake build (how fast linear_tile's weight
-streams can go with no products, docs/BENCHMARKS.md "Stream floors"). These tests keep it compiling wherever nvcc
+streams can go with no products, docs/BENCHMARKS.md "Forty-fifth session"). These tests keep it compiling wherever nvcc
 is on the PATH (CI included), check that without a device it says so and exits 1 instead of printing garbage,
 and, on a GPU, that it prints every row with a plausible rate."""
 import os
