@@ -395,7 +395,7 @@ __global__ void __launch_bounds__(kCombineThreads) mla_verify_combine_kernel(Ver
     m0 = ml.x;
     l0 = ml.y;
   }
-  float4 pre[kCombinePre];  // (an empty split's slot may hold anything: its w is 0, never read then)
+  float4 pre[kCombinePre];  // (an empty split's slot may hold anything: loaded, but its w is 0, so never used)
 #pragma unroll
   for (int k = 0; k < kCombinePre; ++k)
     if (k < nsplit) pre[k] = *reinterpret_cast<const float4*>(wso + ((size_t)k * M + g) * C_ + 4 * tid);
