@@ -1,0 +1,75 @@
+"""The standalone CUDA tools in benchmarks/ (single .cu files outside the CMake build, built with nvcc on their own;
+cuda_tools.TOOLS): every one keeps compiling wherever nvcc is on the PATH (CI included) and without a device says
+so and exits 1 instead of printing rows; on a GPU each prints all its rows with plausible figures.
+cuda_mma_rate.cu: the mma.sync issue rate per SM (docs/BENCHMARKS.md "Verify attention at T = 17");
+cuda_stream_floor.cu: how fast linear_tile's weight streams can go with no products (docs/BENCHMARKS.md
+"Forty-fifth session" under the GPU model)."""
+import subprocess
+
+import pytest
+
+import kdtree_native as kn
+from cuda_tools import MMA_RATE_ROW, STREAM_FLOOR_PLAIN, STREAM_FLOOR_ROW, TOOLS, build_tool, \
+    check_refuses_without_device, needs_nvcc
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """built(source) -> the tool's executable, built once per module."""
+    cache = {}
+
+    def get(source):
+        if source not in cache:
+            cache[source] = build_tool(tmp_path_factory, source)
+        return cache[source]
+    return get
+
+
+def run_on_device(tool, timeout):
+    """The tool's stdout on a device (skips without one); it must exit 0."""
+    if not kn.cuda_available():
+        pytest.skip("no usable CUDA device")
+    r = subprocess.run([tool], capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr
+    return r.stdout
+
+
+@needs_nvcc
+@pytest.mark.parametrize("source", sorted(TOOLS))
+def test_builds_and_refuses_without_a_device(built, source):
+    tool = built(source)
+    if kn.cuda_available():
+        pytest.skip("a CUDA device is present (the tool's device test covers the run)")
+    prefix, rows = TOOLS[source]
+    check_refuses_without_device(tool, prefix, *rows)
+
+
+@needs_nvcc
+@pytest.mark.cuda
+def test_mma_rate_on_the_device(built):
+    out = run_on_device(built("cuda_mma_rate.cu"), 120)
+    rows = [MMA_RATE_ROW.match(line) for line in out.splitlines()]
+    assert len(rows) == 14 and all(rows), out
+    for m in rows:
+        cycles, fma = float(m.group(4)), int(m.group(5))
+        per = 16 * 8 * (8 if m.group(1) == "tf32" else 16)
+        assert 0.25 < cycles < 100, m.group(0)
+        # the two columns are the same measurement: FMA per cycle = products per mma / cycles per mma
+        assert abs(fma - per / cycles) <= 0.02 * fma + 1, m.group(0)
+
+
+@needs_nvcc
+@pytest.mark.cuda
+def test_stream_floor_on_the_device(built):
+    out = run_on_device(built("cuda_stream_floor.cu"), 300)
+    lines = out.splitlines()
+    plain = [STREAM_FLOOR_PLAIN.match(line) for line in lines if line.startswith("plain")]
+    rows = [STREAM_FLOOR_ROW.match(line) for line in lines[2:]]
+    assert len(plain) == 1 and plain[0], out
+    # 6 shapes: 2 + 2 + 1 + 4 + 4 + 4 split counts, each at 3 ring depths x 2 layouts
+    assert len(rows) == 17 * 6 and all(rows), out
+    for m in rows:
+        R, K, us, tbs = int(m.group(2)), int(m.group(3)), float(m.group(8)), float(m.group(9))
+        assert 0.05 < tbs < 10, m.group(0)
+        # the two columns are the same measurement: bytes / time
+        assert abs(tbs - R * K * 4 / (us * 1e-6) / 1e12) <= 0.01 * tbs + 0.01, m.group(0)
