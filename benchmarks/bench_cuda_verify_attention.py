@@ -40,6 +40,15 @@ def tree_visibility(B, seed):
     return tree.visibility
 
 
+def case_arrays(rng, T, H, L):
+    """A verify case's mask bits (a best-first tree's, or the one row of a decode step), queries and cache."""
+    vis = tree_visibility(T - 1, T) if T > 1 else np.ones((1, 1), bool)
+    ql = rng.standard_normal((T, H, C), dtype=np.float32)
+    qr = rng.standard_normal((T, H, R), dtype=np.float32)
+    kv = rng.standard_normal((L + T, C + R), dtype=np.float32)
+    return cu.pack_visibility(vis), ql, qr, kv
+
+
 def decode_rows(N, rng, args):
     """T = 1 (AR decode) and small trees: auto vs each fast kernel forced."""
     shapes = [(1, H, L) for H in (16, 64, 128) for L in (512, 1024, 2048, 4096, 8192, 16384, 32768)]
@@ -48,11 +57,7 @@ def decode_rows(N, rng, args):
         shapes = [s for s in shapes if s[2] <= 4096]
     out = []
     for T, H, L in shapes:
-        vis = tree_visibility(T - 1, T) if T > 1 else np.ones((1, 1), bool)
-        bits = cu.pack_visibility(vis)
-        ql = rng.standard_normal((T, H, C), dtype=np.float32)
-        qr = rng.standard_normal((T, H, R), dtype=np.float32)
-        kv = rng.standard_normal((L + T, C + R), dtype=np.float32)
+        bits, ql, qr, kv = case_arrays(rng, T, H, L)
         row = dict(T=T, H=H, L=L)
         for name, fk, rows in (("auto", 0, 0), ("tiled", 1, 0), ("splitkv16", 2, 16), ("splitkv8", 2, 8),
                                ("splitkv4", 2, 4), ("decode", 3, 0), ("mma", 4, 0)):
@@ -92,11 +97,7 @@ def ab_line(N, label):
     rng = np.random.default_rng(0)
     out = {}
     for T, L in ((17, 512), (17, 4096), (65, 512), (65, 4096), (257, 512)):
-        vis = tree_visibility(T - 1, T)
-        bits = cu.pack_visibility(vis)
-        ql = rng.standard_normal((T, 16, C), dtype=np.float32)
-        qr = rng.standard_normal((T, 16, R), dtype=np.float32)
-        kv = rng.standard_normal((L + T, C + R), dtype=np.float32)
+        bits, ql, qr, kv = case_arrays(rng, T, 16, L)
         r = N.cuda_time_verify_attention(ql, qr, kv, bits, 0.0722, iters=40, warmup=5, force_kernel=0)
         out[f"T{T}L{L}s{int(r['splits'])}"] = round(r["graph_median_ms"] * 1e3, 2)
     print("AB", label, json.dumps(out), flush=True)
