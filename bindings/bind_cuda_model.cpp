@@ -84,13 +84,13 @@ void bind_cuda_model(py::module_& m) {
                     "max_tokens=0, device=0, math='default', attention_naive=False, expert_kernel='auto', graphs=True, skinny_max_tokens=-1, "
                     "attention_kernel='auto', side_stream=True, skinny_big_max_tokens=-1, tile_max_tokens=-1, "
                     "tile_tensor_cores=True, expert_mma_rows=0, bf16_weight_copies=True, uv_combine_max_tokens=1, "
-                    "context_buckets=1) with "
+                    "context_buckets=1, combine_norm=True) with "
                     "config_dict = ModelConfig.to_native(); the same methods as CpuModel."))
       .def(py::init([](const py::dict& cfg, int64_t max_seq_len, int64_t max_tokens, int device, const std::string& math,
                        bool attention_naive, const std::string& expert_kernel, bool graphs, int skinny_max_tokens,
                        const std::string& attention_kernel, bool side_stream, int skinny_big_max_tokens, int tile_max_tokens,
                        bool tile_tensor_cores, int expert_mma_rows, bool bf16_weight_copies, int uv_combine_max_tokens,
-                       int context_buckets) {
+                       int context_buckets, bool combine_norm) {
              kdtree::ModelConfig c = config_from_dict(cfg);
              kdtree::CudaModelOptions o;
              o.max_tokens = max_tokens;
@@ -108,6 +108,7 @@ void bind_cuda_model(py::module_& m) {
              o.bf16_weight_copies = bf16_weight_copies;
              o.uv_combine_max_tokens = uv_combine_max_tokens;
              o.context_buckets = context_buckets;
+             o.combine_norm = combine_norm;
              const int ak = parse_choice(attention_kernel, "attention_kernel",
                                          {"auto", "tiled", "splitkv", "decode", "splitkv16", "splitkv8", "splitkv4", "mma"});
              o.attention_kernel = ak == 7 ? 4 : ak >= 4 ? 2 : ak;  // splitkv16 / 8 / 4: split-KV with
@@ -120,7 +121,8 @@ void bind_cuda_model(py::module_& m) {
            py::arg("graphs") = true, py::arg("skinny_max_tokens") = -1, py::arg("attention_kernel") = "auto",
            py::arg("side_stream") = true, py::arg("skinny_big_max_tokens") = -1,
            py::arg("tile_max_tokens") = -1, py::arg("tile_tensor_cores") = true, py::arg("expert_mma_rows") = 0,
-           py::arg("bf16_weight_copies") = true, py::arg("uv_combine_max_tokens") = 1, py::arg("context_buckets") = 1)
+           py::arg("bf16_weight_copies") = true, py::arg("uv_combine_max_tokens") = 1, py::arg("context_buckets") = 1,
+           py::arg("combine_norm") = true)
       .def(
           "context_bucket",
           [](const Model& self, int64_t L, int64_t T) {

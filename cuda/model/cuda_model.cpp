@@ -736,21 +736,24 @@ void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, co
   ep.cs = rope_cs_;
   check_cuda(cuda::embed(ep, st), "embed");
   const bool fuse = fuse_norm(T);  // few tokens: the norms before q_a/kv_a, q_b and lm_head run in those kernels
-  for (Layer& ly : layers_) {
+  bool normed = false;             // hn_ already holds the norm of x_ that comes next (a MoE combine wrote it)
+  for (size_t l = 0; l < layers_.size(); ++l) {
+    Layer& ly = layers_[l];
     cuda::RmsNormParams np{x_, ly.input_ln, (int)T, (int)Dm, (int)Dm, (int)Dm, c.rms_norm_eps, hn_};
     if (fuse) {
       attention(ly, vis_d, vis_stride, T, row0, len_d, x_, ly.input_ln);
     } else {
-      check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
+      if (!normed) check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
       attention(ly, vis_d, vis_stride, T, row0, len_d, hn_, nullptr);
     }
+    normed = false;
     // post-attention RMSNorm: fused into the MLP's first projection for few tokens (which also
     // writes hn_ for the routed experts), else its own kernel
     if (!fuse) {
       np.w = ly.post_ln;
       check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
     }
-    if (ly.moe) moe_mlp(ly, T, fuse);
+    if (ly.moe) normed = moe_mlp(ly, T, fuse, fuse ? nullptr : l + 1 < layers_.size() ? layers_[l + 1].input_ln : final_ln_);
     else dense_mlp(ly, T, fuse);
   }
   const float* head = c.tie_word_embeddings ? embed_ : lm_head_;
@@ -758,7 +761,7 @@ void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, co
     gemm_nt(T, c.vocab_size, Dm, x_, Dm, head, logits_d, c.vocab_size, 0.f, final_ln_, c.rms_norm_eps);
   } else {
     cuda::RmsNormParams np{x_, final_ln_, (int)T, (int)Dm, (int)Dm, (int)Dm, c.rms_norm_eps, hn_};
-    check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
+    if (!normed) check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
     gemm_nt(T, c.vocab_size, Dm, hn_, Dm, head, logits_d, c.vocab_size);
   }
 }
@@ -880,7 +883,7 @@ void CudaModel::dense_mlp(const Layer& ly, int64_t T, bool fused_norm) {
   swiglu_gemm_nt(T, Dm, I, gu_, 2 * I, ly.mlp_down, x_, Dm, 1.f);
 }
 
-void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
+bool CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm, const float* next_norm) {
   const ModelConfig& c = cfg_;
   const int64_t Dm = c.hidden_size, E = c.n_routed_experts, K = c.num_experts_per_tok, Ie = c.moe_intermediate_size;
   const int64_t Is = Ie * c.n_shared_experts, A = T * K;
@@ -991,7 +994,14 @@ void CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm) {
     swiglu_gemm_nt(T, Dm, Is, gu_, 2 * Is, ly.shared_down, ys_, Dm);
   }
   cuda::MoeCombineParams cp{ye_, topk_idx_, topk_w_, slot_of_, Is > 0 ? ys_ : nullptr, (int)T, (int)K, (int)Dm, x_, 1};
-  check_cuda(cuda::moe_combine(cp, st), "moe_combine");
+  const bool norm = next_norm && opt_.combine_norm && cuda::moe_combine_norm_ok((int)Dm, (int)K);
+  if (norm) {  // the RMSNorm that follows, in the same launch (hn_ is free again: the experts have read it)
+    cp.norm_w = next_norm;
+    cp.norm_eps = c.rms_norm_eps;
+    cp.norm_out = hn_;
+  }
+  check_cuda(cuda::moe_combine(cp, st), norm ? "moe_combine(+rmsnorm)" : "moe_combine");
+  return norm;
 }
 
 // ---------------------------------------------------------------- forward / commit

@@ -77,6 +77,9 @@ struct CudaModelOptions {
                                   // order than linear_skinny's); decode only by default (docs/CUDA_MODEL.md)
   bool graphs = true;            // forward_device replays a CUDA graph per (T, context bucket, buffers) from
                                  // the second call with the same shape on (docs/CUDA_MODEL.md)
+  bool combine_norm = true;      // steps whose norms run as their own kernels (> 4 tokens): the RMSNorm after a
+                                 // MoE layer (the next layer's input norm, or the final one) runs inside the
+                                 // MoE combine kernel (same bits; one launch fewer a MoE layer)
   int context_buckets = 1;       // context buckets per doubling of the context past 256 (1, 2, 4 or 8): the
                                  // attention of a step at context L is sized for the bucket's top (grid, key
                                  // splits, kernel), so more buckets fit L more tightly at the price of more
@@ -256,7 +259,10 @@ class CudaModel : public TargetModel {
   // fused_norm: the post-attention RMSNorm of x_ runs inside the first projection (fuse_norm(T)),
   // else hn_ holds the normalised input already
   void dense_mlp(const Layer& ly, int64_t T, bool fused_norm);
-  void moe_mlp(const Layer& ly, int64_t T, bool fused_norm);
+  // next_norm (nullable): the RMSNorm weights of what follows (the next layer's input norm or the
+  // final one); when the combine can take it (combine_norm option, moe_combine_norm_ok), hn_ =
+  // next_norm * rmsnorm(x_) is written by moe_combine too and the call returns true.
+  bool moe_mlp(const Layer& ly, int64_t T, bool fused_norm, const float* next_norm = nullptr);
   void launch_compact(const int32_t* keep_d, const int32_t* count_d);
   // The BF16 copy of the weights [w, w + n) when they lie in one BF16-exact range and the copies
   // exist (finalize), else nullptr.

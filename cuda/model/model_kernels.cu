@@ -1028,6 +1028,124 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(MoeCombine
   *reinterpret_cast<VT*>(p.out + o) = res;
 }
 
+// MoE combine + the RMSNorm that follows it (MoeCombineParams::norm_w): the next layer's input norm
+// or the final one, which was its own kernel after the combine. One block per token row; thread i
+// owns the NV float4s (VEC; else floats) i + j * blockDim of the row, so the whole row is in
+// registers when its sum of squares is formed (in double, in the thread's element order, then
+// block_sum_once as rmsnorm_reg_kernel). The combine's per-element operations are
+// moe_combine_kernel's (the same x bits); the norm's summation order is another than rmsnorm's
+// (per thread, consecutive elements), which can change the double sum's last bits but, in every
+// case tested, not the float 1 / rms taken from it (tests/python/test_cuda_model.py).
+template <bool VEC, int NV>
+__global__ void __launch_bounds__(256) moe_combine_norm_kernel(MoeCombineParams p) {
+  pdl_trigger();
+  using VT = typename std::conditional<VEC, float4, float>::type;
+  constexpr int VW = VEC ? 4 : 1;
+  __shared__ int sidx[64], sslot[64];
+  __shared__ float sw[64];
+  __shared__ double red[32];
+  const int t = blockIdx.x, K = p.K, Dm = p.Dm, tid = threadIdx.x, bd = blockDim.x;
+  VT nw[NV];
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    vzero(nw[j]);
+    if ((tid + j * bd) * VW < Dm) nw[j] = ldg_vec<VT>(p.norm_w + (tid + j * bd) * VW);  // pdl: pre-wait (weights)
+  }
+  pdl_wait();
+  int my_idx = 0, my_slot = 0;
+  float my_w = 0.f;
+  if (tid < K) {
+    const int a = t * K + tid;
+    my_idx = p.topk_idx[a];
+    my_slot = p.slot_of[a];
+    my_w = p.topk_w[a];
+    sidx[tid] = my_idx;
+  }
+  const size_t row = (size_t)t * Dm;
+  VT prev[NV], sh[NV];
+  float acc[NV][VW];
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int i = (tid + j * bd) * VW;
+    vzero(prev[j]);
+    vzero(sh[j]);
+    if (i < Dm && p.accumulate) prev[j] = *reinterpret_cast<const VT*>(p.out + row + i);
+    if (i < Dm && p.shared) sh[j] = ldg_vec<VT>(p.shared + row + i);
+#pragma unroll
+    for (int c = 0; c < VW; ++c) acc[j][c] = 0.f;
+  }
+  __syncthreads();
+  if (tid < K) {
+    int rank = 0;
+    for (int j = 0; j < K; ++j) {
+      const int v = sidx[j];
+      rank += (v < my_idx || (v == my_idx && j < tid)) ? 1 : 0;
+    }
+    sslot[rank] = my_slot;
+    sw[rank] = my_w;
+  }
+  __syncthreads();
+  for (int j0 = 0; j0 < K; j0 += 8) {  // 8 expert rows in flight
+    VT v[8][NV];
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const float* yr = p.y + (size_t)sslot[j0 + jj < K ? j0 + jj : 0] * Dm;
+#pragma unroll
+      for (int j = 0; j < NV; ++j) {
+        const int i = (tid + j * bd) * VW;
+        vzero(v[jj][j]);
+        if (j0 + jj < K && i < Dm) v[jj][j] = ldg_vec<VT>(yr + i);
+      }
+    }
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      if (j0 + jj < K) {
+        const float w = sw[j0 + jj];
+#pragma unroll
+        for (int j = 0; j < NV; ++j) {
+          const float* vv = reinterpret_cast<const float*>(&v[jj][j]);
+#pragma unroll
+          for (int c = 0; c < VW; ++c) acc[j][c] = __fadd_rn(acc[j][c], __fmul_rn(vv[c], w));
+        }
+      }
+    }
+  }
+  VT xv[NV];
+  double ss = 0.0;
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int i = (tid + j * bd) * VW;
+    const float* shv = reinterpret_cast<const float*>(&sh[j]);
+    const float* pv = reinterpret_cast<const float*>(&prev[j]);
+    float* xr = reinterpret_cast<float*>(&xv[j]);
+#pragma unroll
+    for (int c = 0; c < VW; ++c) {
+      float a = acc[j][c];
+      if (p.shared) a = __fadd_rn(a, shv[c]);
+      xr[c] = p.accumulate ? __fadd_rn(pv[c], a) : a;
+    }
+    if (i < Dm) {
+      *reinterpret_cast<VT*>(p.out + row + i) = xv[j];
+#pragma unroll
+      for (int c = 0; c < VW; ++c) ss += (double)xr[c] * (double)xr[c];
+    }
+  }
+  ss = block_sum_once(ss, red);
+  const float inv = rms_inv(ss, Dm, p.norm_eps);
+#pragma unroll
+  for (int j = 0; j < NV; ++j) {
+    const int i = (tid + j * bd) * VW;
+    if (i >= Dm) continue;
+    const float* xr = reinterpret_cast<const float*>(&xv[j]);
+    const float* wr = reinterpret_cast<const float*>(&nw[j]);
+    VT y;
+    float* yv = reinterpret_cast<float*>(&y);
+#pragma unroll
+    for (int c = 0; c < VW; ++c) yv[c] = __fmul_rn(wr[c], __fmul_rn(xr[c], inv));
+    *reinterpret_cast<VT*>(p.norm_out + row + i) = y;
+  }
+}
+
 // ---------------------------------------------------------------- cache compaction
 constexpr int kCompactThreads = 256, kCompactRegs = 16;
 
@@ -1252,10 +1370,32 @@ cudaError_t expert_gemm(const ExpertGemmParams& p, cudaStream_t stream) {
   return cudaErrorInvalidValue;
 }
 
+bool moe_combine_norm_ok(int Dm, int K) { return Dm >= 1 && Dm <= 8 * 256 && K >= 1 && K <= 64; }
+
 cudaError_t moe_combine(const MoeCombineParams& p, cudaStream_t stream) {
   if (!p.y || !p.topk_idx || !p.topk_w || !p.slot_of || !p.out || p.T < 0 || p.K < 1 || p.K > 64 || p.Dm <= 0)
     return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
+  if (p.norm_w) {
+    if (!p.norm_out || !moe_combine_norm_ok(p.Dm, p.K)) return cudaErrorInvalidValue;
+    const bool vec = p.Dm % 4 == 0 && ((uintptr_t)p.y % 16) == 0 && ((uintptr_t)p.out % 16) == 0 &&
+                     ((uintptr_t)p.shared % 16) == 0 && ((uintptr_t)p.norm_w % 16) == 0 &&
+                     ((uintptr_t)p.norm_out % 16) == 0;
+    const int n = vec ? p.Dm / 4 : p.Dm;  // float4s / floats per row
+    int th = threads_for(n);
+    if (th < p.K) th = (p.K + 31) / 32 * 32;
+    const int nv = (n + th - 1) / th;  // <= 8: moe_combine_norm_ok
+    if (vec) {
+      if (nv == 1) launch_kernel(moe_combine_norm_kernel<true, 1>, p.T, th, 0, stream, p);
+      else launch_kernel(moe_combine_norm_kernel<true, 2>, p.T, th, 0, stream, p);
+    } else {
+      if (nv == 1) launch_kernel(moe_combine_norm_kernel<false, 1>, p.T, th, 0, stream, p);
+      else if (nv == 2) launch_kernel(moe_combine_norm_kernel<false, 2>, p.T, th, 0, stream, p);
+      else if (nv <= 4) launch_kernel(moe_combine_norm_kernel<false, 4>, p.T, th, 0, stream, p);
+      else launch_kernel(moe_combine_norm_kernel<false, 8>, p.T, th, 0, stream, p);
+    }
+    return cudaGetLastError();
+  }
   const bool vec = p.Dm % 4 == 0 && ((uintptr_t)p.y % 16) == 0 && ((uintptr_t)p.out % 16) == 0 &&
                    ((uintptr_t)p.shared % 16) == 0;
   const int n = vec ? p.Dm / 4 : p.Dm;  // float4s / floats per row, one per thread

@@ -277,8 +277,15 @@ struct MoeCombineParams {
   int T, K, Dm;
   float* out;              // [T, Dm]
   int accumulate;
+  // Optional: then norm_out[t] = norm_w * rmsnorm(out[t]) (eps norm_eps), the RMSNorm that follows
+  // the combine (the next layer's input norm, or the final one), in the same launch: the same bits
+  // as rmsnorm() on out afterwards. Needs moe_combine_norm_ok(Dm, K).
+  const float* norm_w = nullptr;  // [Dm]
+  double norm_eps = 0.0;
+  float* norm_out = nullptr;      // [T, Dm], not aliasing out
 };
 cudaError_t moe_combine(const MoeCombineParams& p, cudaStream_t stream);
+bool moe_combine_norm_ok(int Dm, int K);  // Dm <= 2048, K <= 64
 
 // ---------------------------------------------------------------- cache compaction
 // For every layer: row L + j <- row L + keep[j], j < *count (keep strictly increasing, so

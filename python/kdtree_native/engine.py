@@ -32,12 +32,13 @@ _DEVICES = ("auto", "cpu", "cuda")
 _CUDA_OPTIONS = ("max_tokens", "device", "math", "attention_naive", "expert_kernel", "graphs", "skinny_max_tokens",
                  "attention_kernel", "side_stream", "skinny_big_max_tokens", "tile_max_tokens",
                  "tile_tensor_cores", "expert_mma_rows", "bf16_weight_copies", "uv_combine_max_tokens",
-                 "context_buckets")
+                 "context_buckets", "combine_norm")
 
 
 # keyword arguments of _native.CpuModel that an Engine passes through (docs/MODEL.md)
 _CPU_OPTIONS = ("bf16_weight_copies",)
-_BOOL_OPTIONS = ("attention_naive", "graphs", "side_stream", "tile_tensor_cores", "bf16_weight_copies")
+_BOOL_OPTIONS = ("attention_naive", "graphs", "side_stream", "tile_tensor_cores", "bf16_weight_copies",
+                 "combine_norm")
 
 
 def _check_options(options, known, what) -> dict:

@@ -854,3 +854,33 @@ def test_uv_combine_model_matches_cpu_and_separate_kernels(attention_kernel):
     assert_same_cache(cpu, gpu, cfg)
     with pytest.raises(ValueError):
         _native.CudaModel(cfg.to_native(), 64, uv_combine_max_tokens=9)
+
+
+@pytest.mark.cuda
+@needs_device
+@pytest.mark.parametrize("name", ["ds3_base", "neox_yarn_groups", "odd_sizes", "tied_nonorm"])
+def test_combine_norm_same_bits_as_separate_kernels(name):
+    """combine_norm (default on): past 4 tokens the RMSNorm after each MoE layer (the next layer's
+    input norm, or the final one) runs inside the MoE combine kernel. Its logits and caches must be
+    the bits of the separate rmsnorm kernel (combine_norm=False), at every step size the norms take
+    as kernels (prefill, trees of 5-40 tokens) and at decode (where the norms sit in the projections
+    either way), and within the parity bound of the CPU model."""
+    cpu, gpu, cfg = pair(spec(name), max_seq_len=256)
+    _, sep, _ = pair(spec(name), max_seq_len=256, combine_norm=False)
+    ids = prompt(cfg.vocab_size, 70, seed=60)
+    a, b, c = prefill(cpu, ids), prefill(gpu, ids), prefill(sep, ids)
+    assert np.array_equal(b, c), "prefill"
+    assert rel_to_scale(b, a) < TOL
+    for T in (1, 5, 17, 40):
+        parents, depths, vis = random_tree(T, seed=61 + T)
+        toks = prompt(cfg.vocab_size, T, seed=70 + T)
+        pos = cpu.cache_len + depths
+        a, b, c = cpu.forward(toks, pos, vis), gpu.forward(toks, pos, vis), sep.forward(toks, pos, vis)
+        assert np.array_equal(b, c), f"T={T}"
+        assert rel_to_scale(b, a) < TOL, f"T={T} vs CPU"
+        keep = path_to(parents, int(np.argmax(depths)))
+        for m in (cpu, gpu, sep):
+            m.commit(keep)
+    assert_same_cache(cpu, gpu, cfg)
+    for layer in range(cfg.num_hidden_layers):
+        assert np.array_equal(gpu.read_cache(layer, 0, gpu.cache_len), sep.read_cache(layer, 0, sep.cache_len))
