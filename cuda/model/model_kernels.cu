@@ -1045,13 +1045,7 @@ __global__ void __launch_bounds__(256) moe_combine_norm_kernel(MoeCombineParams 
   __shared__ float sw[64];
   __shared__ double red[32];
   const int t = blockIdx.x, K = p.K, Dm = p.Dm, tid = threadIdx.x, bd = blockDim.x;
-  VT nw[NV];
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    vzero(nw[j]);
-    if ((tid + j * bd) * VW < Dm) nw[j] = ldg_vec<VT>(p.norm_w + (tid + j * bd) * VW);  // pdl: pre-wait (weights)
-  }
-  pdl_wait();
+  pdl_wait();  // (the norm weights are loaded below, beside the row: ptxas sank a load placed before the wait)
   int my_idx = 0, my_slot = 0;
   float my_w = 0.f;
   if (tid < K) {
@@ -1062,13 +1056,15 @@ __global__ void __launch_bounds__(256) moe_combine_norm_kernel(MoeCombineParams 
     sidx[tid] = my_idx;
   }
   const size_t row = (size_t)t * Dm;
-  VT prev[NV], sh[NV];
+  VT prev[NV], sh[NV], nw[NV];
   float acc[NV][VW];
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
     const int i = (tid + j * bd) * VW;
     vzero(prev[j]);
     vzero(sh[j]);
+    vzero(nw[j]);
+    if (i < Dm) nw[j] = ldg_vec<VT>(p.norm_w + i);
     if (i < Dm && p.accumulate) prev[j] = *reinterpret_cast<const VT*>(p.out + row + i);
     if (i < Dm && p.shared) sh[j] = ldg_vec<VT>(p.shared + row + i);
 #pragma unroll

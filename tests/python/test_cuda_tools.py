@@ -3,13 +3,14 @@ cuda_tools.TOOLS): every one keeps compiling wherever nvcc is on the PATH (CI in
 so and exits 1 instead of printing rows; on a GPU each prints all its rows with plausible figures.
 cuda_mma_rate.cu: the mma.sync issue rate per SM (docs/BENCHMARKS.md "Verify attention at T = 17");
 cuda_stream_floor.cu: how fast linear_tile's weight streams can go with no products (docs/BENCHMARKS.md
-"Forty-fifth session" under the GPU model)."""
+"Forty-fifth session" under the GPU model); cuda_chain_floor.cu: what a kernel boundary costs in a graph of dependent
+kernels, with and without PDL, against a persistent kernel's grid barrier ("Forty-sixth session")."""
 import subprocess
 
 import pytest
 
 import kdtree_native as kn
-from cuda_tools import MMA_RATE_ROW, STREAM_FLOOR_PLAIN, STREAM_FLOOR_ROW, TOOLS, build_tool, \
+from cuda_tools import CHAIN_CHECK, CHAIN_ROW, MMA_RATE_ROW, STREAM_FLOOR_PLAIN, STREAM_FLOOR_ROW, TOOLS, build_tool, \
     check_refuses_without_device, needs_nvcc
 
 
@@ -73,3 +74,21 @@ def test_stream_floor_on_the_device(built):
         assert 0.05 < tbs < 10, m.group(0)
         # the two columns are the same measurement: bytes / time
         assert abs(tbs - R * K * 4 / (us * 1e-6) / 1e12) <= 0.01 * tbs + 0.01, m.group(0)
+
+
+@needs_nvcc
+@pytest.mark.cuda
+def test_chain_floor_on_the_device(built):
+    out = run_on_device(built("cuda_chain_floor.cu"), 120)
+    lines = out.splitlines()
+    rows = [CHAIN_ROW.match(line) for line in lines[1:-1]]
+    assert all(rows) and len(rows) >= 8, out
+    kinds = [(m.group(1), int(m.group(2))) for m in rows]
+    # four grid sizes, each with both chains (and the persistent kernel where its blocks fit at once)
+    assert sum(k == "chain pdl" for k, _ in kinds) == 4 and sum(k == "chain plain" for k, _ in kinds) == 4, out
+    for m in rows:
+        assert 0.02 < float(m.group(3)) < 100, m.group(0)
+    check = CHAIN_CHECK.match(lines[-1])
+    assert check, out
+    # the data dependence held: 128 phases of +1 through both ways
+    assert int(check.group(1)) == int(check.group(3)) == 128 and int(check.group(2)) == 128, out
