@@ -12,6 +12,9 @@
 //     griddepcontrol.wait before its read, as every kernel of the model does;
 //   * "chain plain": the same launches without the attribute (stream order: the next kernel's blocks are
 //     scheduled only after this one has drained);
+//   * each chain also with 160 KB of dynamic shared memory held per block ("smem 160 KB": one block an SM,
+//     like the tensor-core attention's 194 KB), so a dependent block can only become resident where a
+//     block of the previous kernel has exited: what PDL's early launch is worth when it cannot overlap;
 //   * "persistent": one kernel of `blocks` co-resident blocks running the N phases, a grid barrier (an
 //     atomic arrival counter in global memory, release / acquire) between them: the cost a fused
 //     per-layer kernel would pay per step instead of a kernel boundary.
@@ -41,6 +44,7 @@ constexpr int kThreads = 256, kN = 128;
 
 // one link of the chain: out[i] = in[i] + 1 for this thread's element (in = what the previous kernel wrote)
 __global__ void __launch_bounds__(kThreads) link_kernel(const float* in, float* out) {
+  extern __shared__ float held[];  // (dynamic shared memory only held: at 160 KB one block fits an SM)
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
   asm volatile("griddepcontrol.wait;" ::: "memory");
   const int i = blockIdx.x * kThreads + threadIdx.x;
@@ -110,8 +114,11 @@ int main() {
   int max_resident = 0;  // blocks of the persistent kernel that fit at once (all must, for its barrier)
   CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&max_resident, persistent_kernel, kThreads, 0));
   max_resident *= sms;
+  constexpr int kBigSmem = 160 << 10;
+  CHECK(cudaFuncSetAttribute(link_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kBigSmem));
   for (int blocks : {1, 17, sms, 2 * sms}) {
-    for (int pdl = 1; pdl >= 0; --pdl) {
+    for (int v = 0; v < 4; ++v) {
+      const int pdl = v % 2 == 0, smem = v < 2 ? 0 : kBigSmem;
       cudaGraph_t g;
       cudaGraphExec_t ge;
       CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
@@ -122,6 +129,7 @@ int main() {
         cudaLaunchConfig_t cfg = {};
         cfg.gridDim = dim3(blocks);
         cfg.blockDim = dim3(kThreads);
+        cfg.dynamicSmemBytes = smem;
         cfg.stream = st;
         cfg.attrs = attr;
         cfg.numAttrs = pdl;
@@ -132,7 +140,7 @@ int main() {
       CHECK(cudaStreamEndCapture(st, &g));
       CHECK(cudaGraphInstantiate(&ge, g, 0));
       const float us = median_us([&] { CHECK(cudaGraphLaunch(ge, st)); });
-      printf("chain %-10s blocks %4d: %7.3f us per boundary\n", pdl ? "pdl" : "plain", blocks, us);
+      printf("chain %-10s blocks %4d smem %3d KB: %7.3f us per boundary\n", pdl ? "pdl" : "plain", blocks, smem >> 10, us);
       CHECK(cudaGraphExecDestroy(ge));
       CHECK(cudaGraphDestroy(g));
     }
@@ -142,7 +150,7 @@ int main() {
         persistent_kernel<<<blocks, kThreads, 0, st>>>(a, b, count, kN);
         CHECK(cudaGetLastError());
       });
-      printf("persistent       blocks %4d: %7.3f us per boundary\n", blocks, us);
+      printf("persistent       blocks %4d smem   0 KB: %7.3f us per boundary\n", blocks, us);
     }
   }
   // the values: from zeros, 128 phases of +1 leave 128 in every element a phase wrote (a and b alternate,

@@ -36,7 +36,7 @@ MMA_RATE_ROW = re.compile(r"^(tf32|f16|bf16)\s+acc (\d+) warps/SM\s+(\d+): ([0-9
 STREAM_FLOOR_ROW = re.compile(r"^(\w+)\s+(\d+)x(\d+)\s+splits\s+(\d+)\s+(\d+) blocks\s+NBUF (\d)\s+(row-major|tiled)"
                               r"\s+([0-9.]+) us\s+([0-9.]+) TB/s$")
 STREAM_FLOOR_PLAIN = re.compile(r"^plain 512MiB: ([0-9.]+) us, ([0-9.]+) TB/s$")
-CHAIN_ROW = re.compile(r"^(chain pdl|chain plain|persistent)\s+blocks\s+(\d+):\s+([0-9.]+) us per boundary$")
+CHAIN_ROW = re.compile(r"^(chain pdl|chain plain|persistent)\s+blocks\s+(\d+) smem\s+(\d+) KB:\s+([0-9.]+) us per boundary$")
 CHAIN_CHECK = re.compile(r"^check: persistent (-?\d+), chain (-?\d+) \(expected (\d+)\)$")
 
 # source -> (its stderr prefix, the rows it must not print without a device)
