@@ -79,7 +79,8 @@ struct CudaModelOptions {
                                  // the second call with the same shape on (docs/CUDA_MODEL.md)
   bool combine_norm = true;      // steps whose norms run as their own kernels (> 4 tokens): the RMSNorm after a
                                  // MoE layer (the next layer's input norm, or the final one) runs inside the
-                                 // MoE combine kernel (same bits; one launch fewer a MoE layer)
+                                 // MoE combine kernel (one launch fewer a MoE layer; the same bits as the
+                                 // separate kernel in every case tested, model_kernels.h)
   int context_buckets = 1;       // context buckets per doubling of the context past 256 (1, 2, 4 or 8): the
                                  // attention of a step at context L is sized for the bucket's top (grid, key
                                  // splits, kernel), so more buckets fit L more tightly at the price of more

@@ -278,8 +278,10 @@ struct MoeCombineParams {
   float* out;              // [T, Dm]
   int accumulate;
   // Optional: then norm_out[t] = norm_w * rmsnorm(out[t]) (eps norm_eps), the RMSNorm that follows
-  // the combine (the next layer's input norm, or the final one), in the same launch: the same bits
-  // as rmsnorm() on out afterwards. Needs moe_combine_norm_ok(Dm, K).
+  // the combine (the next layer's input norm, or the final one), in the same launch. out gets the
+  // bits of the plain combine; norm_out those of rmsnorm() on out afterwards in every case tested (its
+  // double sum of squares runs in another order, which could move a last float bit in a rare row).
+  // Needs moe_combine_norm_ok(Dm, K).
   const float* norm_w = nullptr;  // [Dm]
   double norm_eps = 0.0;
   float* norm_out = nullptr;      // [T, Dm], not aliasing out
