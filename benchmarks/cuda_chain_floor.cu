@@ -111,6 +111,20 @@ int main() {
     std::sort(ts.begin(), ts.end());
     return ts[ts.size() / 2];
   };
+  // link k of a chain: a -> b for even k, b -> a for odd (with the PDL attribute when pdl)
+  auto link = [&](int k, int blocks, int smem, int pdl) {
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(blocks);
+    cfg.blockDim = dim3(kThreads);
+    cfg.dynamicSmemBytes = smem;
+    cfg.stream = st;
+    cfg.attrs = attr;
+    cfg.numAttrs = pdl;
+    CHECK(cudaLaunchKernelEx(&cfg, link_kernel, (const float*)(k % 2 ? b : a), k % 2 ? a : b));
+  };
   int max_resident = 0;  // blocks of the persistent kernel that fit at once (all must, for its barrier)
   CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&max_resident, persistent_kernel, kThreads, 0));
   max_resident *= sms;
@@ -122,21 +136,7 @@ int main() {
       cudaGraph_t g;
       cudaGraphExec_t ge;
       CHECK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-      for (int k = 0; k < kN; ++k) {
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[0].val.programmaticStreamSerializationAllowed = 1;
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(blocks);
-        cfg.blockDim = dim3(kThreads);
-        cfg.dynamicSmemBytes = smem;
-        cfg.stream = st;
-        cfg.attrs = attr;
-        cfg.numAttrs = pdl;
-        const float* in = k % 2 ? b : a;
-        float* out = k % 2 ? a : b;
-        CHECK(cudaLaunchKernelEx(&cfg, link_kernel, in, out));
-      }
+      for (int k = 0; k < kN; ++k) link(k, blocks, smem, pdl);
       CHECK(cudaStreamEndCapture(st, &g));
       CHECK(cudaGraphInstantiate(&ge, g, 0));
       const float us = median_us([&] { CHECK(cudaGraphLaunch(ge, st)); });
@@ -165,18 +165,7 @@ int main() {
       persistent_kernel<<<sms, kThreads, 0, st>>>(a, b, count, kN);
       CHECK(cudaGetLastError());
     } else {
-      for (int k = 0; k < kN; ++k) {
-        cudaLaunchAttribute attr[1];
-        attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-        attr[0].val.programmaticStreamSerializationAllowed = 1;
-        cudaLaunchConfig_t cfg = {};
-        cfg.gridDim = dim3(sms);
-        cfg.blockDim = dim3(kThreads);
-        cfg.stream = st;
-        cfg.attrs = attr;
-        cfg.numAttrs = 1;
-        CHECK(cudaLaunchKernelEx(&cfg, link_kernel, (const float*)(k % 2 ? b : a), k % 2 ? a : b));
-      }
+      for (int k = 0; k < kN; ++k) link(k, sms, 0, 1);
     }
     float v0 = 0.f, v1 = 0.f;
     CHECK(cudaMemcpyAsync(&v0, a, sizeof(float), cudaMemcpyDeviceToHost, st));

@@ -958,6 +958,34 @@ __global__ void __launch_bounds__(TThreads) expert_tiled_kernel(ExpertGemmParams
 // the same order as the CPU's (cpu_model.cpp) and the previous kernel's.
 constexpr int kCombineThreads = 128;
 
+// A token's K picks in the order the combine adds them (a stable sort by expert index): load() by
+// threads k < K (its expert, slot and weight; the expert index staged in shared memory), then, after a
+// block barrier, rank() puts slot and weight at the pick's position in that order (sslot / sw).
+struct CombinePicks {
+  int idx = 0, slot = 0;
+  float w = 0.f;
+  __device__ __forceinline__ void load(const MoeCombineParams& p, int t, int k, int* sidx) {
+    if (k < p.K) {
+      const int a = t * p.K + k;
+      idx = p.topk_idx[a];
+      slot = p.slot_of[a];
+      w = p.topk_w[a];
+      sidx[k] = idx;
+    }
+  }
+  __device__ __forceinline__ void rank(int K, int k, const int* sidx, int* sslot, float* sw) const {
+    if (k < K) {
+      int r = 0;
+      for (int j = 0; j < K; ++j) {
+        const int v = sidx[j];
+        r += (v < idx || (v == idx && j < k)) ? 1 : 0;
+      }
+      sslot[r] = slot;
+      sw[r] = w;
+    }
+  }
+};
+
 template <bool VEC>
 __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(MoeCombineParams p) {
   pdl_prologue();
@@ -966,15 +994,8 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(MoeCombine
   __shared__ int sidx[64], sslot[64];
   __shared__ float sw[64];
   const int t = blockIdx.x, K = p.K, Dm = p.Dm, tid = threadIdx.x;
-  int my_idx = 0, my_slot = 0;
-  float my_w = 0.f;
-  if (tid < K) {
-    const int a = t * K + tid;
-    my_idx = p.topk_idx[a];
-    my_slot = p.slot_of[a];
-    my_w = p.topk_w[a];
-    sidx[tid] = my_idx;
-  }
+  CombinePicks pk;
+  pk.load(p, t, tid, sidx);
   const int i = (blockIdx.y * blockDim.x + tid) * VW;
   const bool active = i < Dm;
   const size_t o = (size_t)t * Dm + i;
@@ -984,15 +1005,7 @@ __global__ void __launch_bounds__(kCombineThreads) moe_combine_kernel(MoeCombine
   if (active && p.accumulate) prev = *reinterpret_cast<const VT*>(p.out + o);
   if (active && p.shared) sh = ldg_vec<VT>(p.shared + o);
   __syncthreads();
-  if (tid < K) {
-    int rank = 0;
-    for (int j = 0; j < K; ++j) {
-      const int v = sidx[j];
-      rank += (v < my_idx || (v == my_idx && j < tid)) ? 1 : 0;
-    }
-    sslot[rank] = my_slot;
-    sw[rank] = my_w;
-  }
+  pk.rank(K, tid, sidx, sslot, sw);
   __syncthreads();
   if (!active) return;
   float acc[VW];
@@ -1046,15 +1059,8 @@ __global__ void __launch_bounds__(256) moe_combine_norm_kernel(MoeCombineParams 
   __shared__ double red[32];
   const int t = blockIdx.x, K = p.K, Dm = p.Dm, tid = threadIdx.x, bd = blockDim.x;
   pdl_wait();  // (the norm weights are loaded below, beside the row: ptxas sank a load placed before the wait)
-  int my_idx = 0, my_slot = 0;
-  float my_w = 0.f;
-  if (tid < K) {
-    const int a = t * K + tid;
-    my_idx = p.topk_idx[a];
-    my_slot = p.slot_of[a];
-    my_w = p.topk_w[a];
-    sidx[tid] = my_idx;
-  }
+  CombinePicks pk;
+  pk.load(p, t, tid, sidx);
   const size_t row = (size_t)t * Dm;
   VT prev[NV], sh[NV], nw[NV];
   float acc[NV][VW];
@@ -1071,15 +1077,7 @@ __global__ void __launch_bounds__(256) moe_combine_norm_kernel(MoeCombineParams 
     for (int c = 0; c < VW; ++c) acc[j][c] = 0.f;
   }
   __syncthreads();
-  if (tid < K) {
-    int rank = 0;
-    for (int j = 0; j < K; ++j) {
-      const int v = sidx[j];
-      rank += (v < my_idx || (v == my_idx && j < tid)) ? 1 : 0;
-    }
-    sslot[rank] = my_slot;
-    sw[rank] = my_w;
-  }
+  pk.rank(K, tid, sidx, sslot, sw);
   __syncthreads();
   for (int j0 = 0; j0 < K; j0 += 8) {  // 8 expert rows in flight
     VT v[8][NV];
