@@ -31,14 +31,10 @@
 
 #include <cuda_runtime.h>
 
-#define CHECK(x)                                                                                   \
-  do {                                                                                             \
-    cudaError_t err_ = (x);                                                                        \
-    if (err_ != cudaSuccess) {                                                                     \
-      fprintf(stderr, "cuda_chain_floor: %s failed: %s\n", #x, cudaGetErrorString(err_));          \
-      exit(1);                                                                                     \
-    }                                                                                              \
-  } while (0)
+#include "cuda_tool.h"
+
+constexpr const char* kTool = "cuda_chain_floor";
+#define CHECK(x) tool_check((x), #x, kTool)
 
 constexpr int kThreads = 256, kN = 128;
 
@@ -76,11 +72,7 @@ __global__ void __launch_bounds__(kThreads) persistent_kernel(float* a, float* b
 }
 
 int main() {
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-    fprintf(stderr, "cuda_chain_floor: no CUDA device\n");
-    return 1;
-  }
+  if (!tool_has_device(kTool)) return 1;
   cudaDeviceProp pr;
   CHECK(cudaGetDeviceProperties(&pr, 0));
   const int sms = pr.multiProcessorCount;

@@ -15,14 +15,10 @@
 #include <cstdlib>
 #include <cuda_runtime.h>
 
-#define CHECK(x)                                                                                   \
-  do {                                                                                             \
-    cudaError_t err_ = (x);                                                                        \
-    if (err_ != cudaSuccess) {                                                                     \
-      fprintf(stderr, "cuda_mma_rate: %s failed: %s\n", #x, cudaGetErrorString(err_));             \
-      exit(1);                                                                                     \
-    }                                                                                              \
-  } while (0)
+#include "cuda_tool.h"
+
+constexpr const char* kTool = "cuda_mma_rate";
+#define CHECK(x) tool_check((x), #x, kTool)
 template <int KIND, int NACC>
 __global__ void k(float* out, long long* cyc, int iters) {
   float c[NACC][4];
@@ -85,11 +81,7 @@ void run(const char* name, int warps_per_block, int blocks_per_sm, int nsm) {
   CHECK(cudaEventDestroy(e1));
 }
 int main() {
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-    fprintf(stderr, "cuda_mma_rate: no CUDA device\n");
-    return 1;
-  }
+  if (!tool_has_device(kTool)) return 1;
   int nsm = 0, major = 0;
   CHECK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0));
   CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, 0));

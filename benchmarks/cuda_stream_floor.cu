@@ -27,14 +27,10 @@
 
 #include <cuda_runtime.h>
 
-#define CHECK(x)                                                                                   \
-  do {                                                                                             \
-    cudaError_t err_ = (x);                                                                        \
-    if (err_ != cudaSuccess) {                                                                     \
-      fprintf(stderr, "cuda_stream_floor: %s failed: %s\n", #x, cudaGetErrorString(err_));         \
-      exit(1);                                                                                     \
-    }                                                                                              \
-  } while (0)
+#include "cuda_tool.h"
+
+constexpr const char* kTool = "cuda_stream_floor";
+#define CHECK(x) tool_check((x), #x, kTool)
 
 __device__ __forceinline__ void cp16(void* s, const void* g) {
   const unsigned sa = (unsigned)__cvta_generic_to_shared(s);
@@ -93,11 +89,7 @@ __global__ void plain_kernel(const float4* __restrict__ a, size_t n, float* out)
 }
 
 int main() {
-  int ndev = 0;
-  if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev == 0) {
-    fprintf(stderr, "cuda_stream_floor: no CUDA device\n");
-    return 1;
-  }
+  if (!tool_has_device(kTool)) return 1;
   cudaDeviceProp pr;
   CHECK(cudaGetDeviceProperties(&pr, 0));
   const size_t total = 1ull << 31;  // 2 GiB of matrix copies to rotate over

@@ -1,5 +1,5 @@
 """Shared by the tests of the standalone CUDA tools in benchmarks/ (single .cu files outside the CMake build, built
-with nvcc on their own): build one into a temporary directory, and check that without a device it says so on stderr
+with nvcc on their own; their error check and device refusal in benchmarks/cuda_tool.h): build one into a temporary directory, and check that without a device it says so on stderr
 and exits 1 instead of printing rows."""
 import os
 import re
