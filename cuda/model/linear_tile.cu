@@ -245,18 +245,44 @@ __global__ void __launch_bounds__(kThreads * KH) linear_tile_kernel(LinearParams
     }
     return;
   }
+  // Block `split` sums slice `split` of the tile, in float4 units (4 outputs of one token row; kBN is a
+  // multiple of 4): all the blocks' float4s of a unit are loaded first, then added in rank order, so a
+  // thread waits for one distributed-shared-memory round trip per unit, not one per block and output
+  // (the loads of a scalar loop could not pass its global stores).
   cg::cluster_group cluster = cg::this_cluster();
   cluster.sync();
-  const int e0 = (int)((long long)E * split / splits), e1 = (int)((long long)E * (split + 1) / splits);
-  for (int e = e0 + tid; e < e1; e += NT) {
-    const int m = e / kBN, n = e % kBN;
-    if (m >= rows || n0 + n >= p.N) continue;
-    float s = 0.f;
-    for (int r = 0; r < splits; ++r) s += cluster.map_shared_rank(part, r)[e];
-    float* out = Y + (size_t)m * p.ldy + n;
-    *out = p.beta != 0.f ? fmaf(p.beta, *out, s) : s;
+  constexpr int E4 = E / 4;
+  static_assert(kBN % 4 == 0, "a float4 unit stays within one token row");
+  const int u0 = (int)((long long)E4 * split / splits), u1 = (int)((long long)E4 * (split + 1) / splits);
+  for (int u = u0 + tid; u < u1; u += NT) {
+    const int m = (4 * u) / kBN, n = (4 * u) % kBN;
+    if (m >= rows || n0 + n >= p.N) continue;  // (no load whose value goes unused: see the barrier below)
+    float4 v[kMaxSplits];
+#pragma unroll
+    for (int r = 0; r < kMaxSplits; ++r)
+      if (r < splits) v[r] = reinterpret_cast<const float4*>(cluster.map_shared_rank(part, r))[u];
+    float s[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int r = 0; r < kMaxSplits; ++r)
+      if (r < splits) {
+        s[0] += v[r].x;
+        s[1] += v[r].y;
+        s[2] += v[r].z;
+        s[3] += v[r].w;
+      }
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      if (n0 + n + j >= p.N) break;
+      float* out = Y + (size_t)m * p.ldy + n + j;
+      *out = p.beta != 0.f ? fmaf(p.beta, *out, s[j]) : s[j];
+    }
   }
-  cluster.sync();  // no block leaves while another still reads its shared memory
+  // No block leaves while another still reads its shared memory. A relaxed arrival: cluster.sync()'s
+  // release ordering compiles to MEMBAR.ALL.GPU, which here waited for this thread's output stores to
+  // reach L2 before the block could leave. The loads from the other blocks have returned by now (each
+  // loaded float4 fed a store above), which is all this barrier has to protect.
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.aligned;\n" ::: "memory");
 }
 
 template <int BM, bool TC, bool BF, int KH = 1>
