@@ -28,19 +28,14 @@
 #include <cuda_runtime.h>
 
 #include "cuda_tool.h"
+#include "../cuda/model/tile_mma.h"
 
 constexpr const char* kTool = "cuda_stream_floor";
 #define CHECK(x) tool_check((x), #x, kTool)
 
-__device__ __forceinline__ void cp16(void* s, const void* g) {
-  const unsigned sa = (unsigned)__cvta_generic_to_shared(s);
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(g) : "memory");
-}
-__device__ __forceinline__ void commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int N>
-__device__ __forceinline__ void wait_groups() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
-}
+using kdtree::cuda::cp_async16;  // the kernels' own copy helpers (cuda/model/tile_mma.h)
+using kdtree::cuda::cp_async_commit;
+using kdtree::cuda::cp_async_wait;
 
 // grid: (R / 64) * splits blocks; block b streams rows [64 (b / splits), + 64) over chunks
 // [(b % splits) * cps, + cps) with cps = (K / 64) / splits
@@ -56,25 +51,25 @@ __global__ void __launch_bounds__(256) stream_kernel(const float* __restrict__ w
       const int i = t + 256 * j;  // 16-byte piece i of the chunk: row i / 16, columns 4 (i % 16) ..
       const float* src = tiled ? w + ((size_t)(rb * nch + c) * 4096 + (size_t)i * 4)
                                : w + ((size_t)(rb * 64 + (i >> 4)) * K + c * 64 + (i & 15) * 4);
-      cp16(ring + slot * 4096 + i * 4, src);
+      cp_async16(ring + slot * 4096 + i * 4, src, true);
     }
-    commit();
+    cp_async_commit();
   };
   float acc = 0.f;
 #pragma unroll
   for (int k = 0; k < NBUF - 1; ++k) {
     if (k < cps) issue(c0 + k, k);
-    else commit();  // (empty groups keep the wait count uniform)
+    else cp_async_commit();  // (empty groups keep the wait count uniform)
   }
   for (int k = 0; k < cps; ++k) {
-    wait_groups<NBUF - 2>();
+    cp_async_wait<NBUF - 2>();
     __syncthreads();
     const float* c = ring + (k % NBUF) * 4096;
 #pragma unroll
     for (int j = 0; j < 16; ++j) acc += c[t + 256 * j];
     __syncthreads();
     if (k + NBUF - 1 < cps) issue(c0 + k + NBUF - 1, (k + NBUF - 1) % NBUF);
-    else commit();
+    else cp_async_commit();
   }
   if (acc == 12345.f) out[b * 256 + t] = acc;  // (never true: keeps the reads)
 }
