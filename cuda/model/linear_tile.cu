@@ -250,7 +250,13 @@ __global__ void __launch_bounds__(kThreads * KH) linear_tile_kernel(LinearParams
   // thread waits for one distributed-shared-memory round trip per unit, not one per block and output
   // (the loads of a scalar loop could not pass its global stores).
   cg::cluster_group cluster = cg::this_cluster();
-  cluster.sync();
+  // Publish the partial tiles to the cluster: a release fence restricted to this block's shared memory
+  // (SASS: MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S), a relaxed arrival and an acquiring wait. cluster.sync()
+  // did the same with a GPU-scope release (MEMBAR.ALL.GPU), which also waited for global stores this
+  // block has no need to publish here (forty-eighth session: same bits, steps -0.5 to -2 %).
+  asm volatile("fence.release.sync_restrict::shared::cta.cluster;\n" ::: "memory");
+  asm volatile("barrier.cluster.arrive.relaxed.aligned;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
   constexpr int E4 = E / 4;
   static_assert(kBN % 4 == 0, "a float4 unit stays within one token row");
   const int u0 = (int)((long long)E4 * split / splits), u1 = (int)((long long)E4 * (split + 1) / splits);
