@@ -753,8 +753,14 @@ void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, co
       np.w = ly.post_ln;
       check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
     }
-    if (ly.moe) normed = moe_mlp(ly, T, fuse, fuse ? nullptr : l + 1 < layers_.size() ? layers_[l + 1].input_ln : final_ln_);
-    else dense_mlp(ly, T, fuse);
+    if (ly.moe) {
+      // the norm that follows this layer (the next layer's input norm, or the final one), which the MoE
+      // combine may write with the new rows; none when the next projection fuses it
+      const float* next_norm = l + 1 < layers_.size() ? layers_[l + 1].input_ln : final_ln_;
+      normed = moe_mlp(ly, T, fuse, fuse ? nullptr : next_norm);
+    } else {
+      dense_mlp(ly, T, fuse);
+    }
   }
   const float* head = c.tie_word_embeddings ? embed_ : lm_head_;
   if (fuse) {

@@ -1370,11 +1370,12 @@ cudaError_t moe_combine(const MoeCombineParams& p, cudaStream_t stream) {
   if (!p.y || !p.topk_idx || !p.topk_w || !p.slot_of || !p.out || p.T < 0 || p.K < 1 || p.K > 64 || p.Dm <= 0)
     return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
+  // float4 rows: every row the kernels read or write starts 16-byte aligned (the norm adds two more)
+  const bool vec_base = p.Dm % 4 == 0 && ((uintptr_t)p.y % 16) == 0 && ((uintptr_t)p.out % 16) == 0 &&
+                        ((uintptr_t)p.shared % 16) == 0;
   if (p.norm_w) {
     if (!p.norm_out || !moe_combine_norm_ok(p.Dm, p.K)) return cudaErrorInvalidValue;
-    const bool vec = p.Dm % 4 == 0 && ((uintptr_t)p.y % 16) == 0 && ((uintptr_t)p.out % 16) == 0 &&
-                     ((uintptr_t)p.shared % 16) == 0 && ((uintptr_t)p.norm_w % 16) == 0 &&
-                     ((uintptr_t)p.norm_out % 16) == 0;
+    const bool vec = vec_base && ((uintptr_t)p.norm_w % 16) == 0 && ((uintptr_t)p.norm_out % 16) == 0;
     const int n = vec ? p.Dm / 4 : p.Dm;  // float4s / floats per row
     int th = threads_for(n);
     if (th < p.K) th = (p.K + 31) / 32 * 32;
@@ -1390,8 +1391,7 @@ cudaError_t moe_combine(const MoeCombineParams& p, cudaStream_t stream) {
     }
     return cudaGetLastError();
   }
-  const bool vec = p.Dm % 4 == 0 && ((uintptr_t)p.y % 16) == 0 && ((uintptr_t)p.out % 16) == 0 &&
-                   ((uintptr_t)p.shared % 16) == 0;
+  const bool vec = vec_base;
   const int n = vec ? p.Dm / 4 : p.Dm;  // float4s / floats per row, one per thread
   int th = threads_for(n) < kCombineThreads ? threads_for(n) : kCombineThreads;
   if (th < p.K) th = (p.K + 31) / 32 * 32;  // the threads k < K rank the picks (K <= 64)
