@@ -13,12 +13,18 @@ BENCH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "be
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not found")
 
 
+# the target each tool is built for (sm_90 unless it needs the architecture-specific sm_90a: wgmma)
+TOOL_ARCH = {"cuda_wgmma_probe.cu": "90a"}
+
+
 def build_tool(tmp_path_factory, source):
-    """nvcc -O3 for sm_90 of benchmarks/<source> into a temporary directory; the executable's path."""
+    """nvcc -O3 for sm_90 (or TOOL_ARCH's target) of benchmarks/<source> into a temporary directory; the executable's
+    path."""
     name = os.path.splitext(source)[0]
     exe = tmp_path_factory.mktemp(name) / name
-    subprocess.run(["nvcc", "-gencode", "arch=compute_90,code=sm_90", "-O3", "-o", str(exe), os.path.join(BENCH, source)],
-                   check=True, capture_output=True)
+    arch = TOOL_ARCH.get(source, "90")
+    subprocess.run(["nvcc", "-gencode", f"arch=compute_{arch},code=sm_{arch}", "-O3", "-o", str(exe),
+                    os.path.join(BENCH, source)], check=True, capture_output=True)
     return str(exe)
 
 
@@ -38,10 +44,13 @@ STREAM_FLOOR_ROW = re.compile(r"^(\w+)\s+(\d+)x(\d+)\s+splits\s+(\d+)\s+(\d+) bl
 STREAM_FLOOR_PLAIN = re.compile(r"^plain 512MiB: ([0-9.]+) us, ([0-9.]+) TB/s$")
 CHAIN_ROW = re.compile(r"^(chain pdl|chain plain|persistent)\s+blocks\s+(\d+) smem\s+(\d+) KB:\s+([0-9.]+) us per boundary$")
 CHAIN_CHECK = re.compile(r"^check: persistent (-?\d+), chain (-?\d+) \(expected (\d+)\)$")
+WGMMA_ROW = re.compile(r"^PROBE BM=(\d+) mode=(mma\.sync|wgmma|wgmma-pipe|wgmma-ss) K=(\d+) blocks=(\d+): worst \|err\| / "
+                       r"sum\|xw\| ([0-9.e+-]+|nan|inf), cycles per chunk repeat \(median block, R = K / 64\) ([0-9.]+)$")
 
 # source -> (its stderr prefix, the rows it must not print without a device)
 TOOLS = {
     "cuda_mma_rate.cu": ("cuda_mma_rate:", (MMA_RATE_ROW,)),
     "cuda_stream_floor.cu": ("cuda_stream_floor:", (STREAM_FLOOR_ROW, STREAM_FLOOR_PLAIN)),
     "cuda_chain_floor.cu": ("cuda_chain_floor:", (CHAIN_ROW, CHAIN_CHECK)),
+    "cuda_wgmma_probe.cu": ("cuda_wgmma_probe:", (WGMMA_ROW,)),
 }

@@ -4,14 +4,15 @@ so and exits 1 instead of printing rows; on a GPU each prints all its rows with 
 cuda_mma_rate.cu: the mma.sync issue rate per SM (docs/BENCHMARKS.md "Verify attention at T = 17");
 cuda_stream_floor.cu: how fast linear_tile's weight streams can go with no products (docs/BENCHMARKS.md
 "Forty-fifth session" under the GPU model); cuda_chain_floor.cu: what a kernel boundary costs in a graph of dependent
-kernels, with and without PDL, against a persistent kernel's grid barrier ("Forty-sixth session")."""
+kernels, with and without PDL, against a persistent kernel's grid barrier ("Forty-sixth session"); cuda_wgmma_probe.cu
+(built for sm_90a): linear_tile's chunk products with wgmma against mma.sync ("Forty-eighth session")."""
 import subprocess
 
 import pytest
 
 import kdtree_native as kn
-from cuda_tools import CHAIN_CHECK, CHAIN_ROW, MMA_RATE_ROW, STREAM_FLOOR_PLAIN, STREAM_FLOOR_ROW, TOOLS, build_tool, \
-    check_refuses_without_device, needs_nvcc
+from cuda_tools import CHAIN_CHECK, CHAIN_ROW, MMA_RATE_ROW, STREAM_FLOOR_PLAIN, STREAM_FLOOR_ROW, TOOLS, WGMMA_ROW, \
+    build_tool, check_refuses_without_device, needs_nvcc
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +95,20 @@ def test_chain_floor_on_the_device(built):
     assert check, out
     # the data dependence held: 128 phases of +1 through both ways
     assert int(check.group(1)) == int(check.group(3)) == 128 and int(check.group(2)) == 128, out
+
+
+@needs_nvcc
+@pytest.mark.cuda
+def test_wgmma_probe_on_the_device(built):
+    out = run_on_device(built("cuda_wgmma_probe.cu"), 120)
+    rows = [WGMMA_ROW.match(line) for line in out.splitlines()]
+    assert len(rows) == 24 and all(rows), out
+    # every mode at every height, at one and three blocks per SM
+    assert sorted((int(m.group(1)), m.group(2), int(m.group(4)) > 200) for m in rows) == sorted(
+        (bm, mode, many) for bm in (8, 16, 24) for mode in ("mma.sync", "wgmma", "wgmma-pipe", "wgmma-ss")
+        for many in (False, True)), out
+    for m in rows:
+        # each mode's products are right (a wrong descriptor or fragment layout gives errors of order 1), and
+        # FP32-accurate: 3xTF32 over 1024 terms (16 repeats of one 64-k chunk) stays near 1e-6 of sum |x w|
+        assert float(m.group(5)) < 1e-5, m.group(0)
+        assert 50 < float(m.group(6)) < 1e6, m.group(0)
