@@ -313,13 +313,16 @@ cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
       splits = std::max<long long>(splits, std::min<long long>({(long long)kMaxSplits, (long long)nchunks,
                                                                  (num_sms() + base - 1) / base}));
     // a large matrix (>= 64 MB as FP32) in tiles of <= 24 token rows, where the rule above takes
-    // one split (more than two tiles per SM), takes two: H200, mini-kimi's 131 MB lm_head
-    // (bench_cuda_linear_tile.py --splits 1 2 --only lm_head, twenty-fourth session): T = 8 44.5 ->
-    // 42.2 us, T = 17 61.4 -> 54.1; in the step T = 17 / 24 -0.8 / -0.9 %, T = 8 unchanged. Taller
-    // tiles (fewer blocks per SM) were slower with two: T = 33 72.9 -> 88.4, T = 65 96.2 -> 113.4.
-    // (Not with KH = 4, whose 16 warps a block already cover the k-chunk: one split was the fastest at
-    // T = 2-13, the head 36-43 us against 39-48 with two splits and KH = 1, forty-fourth session.)
-    if (KH < 4 && splits == 1 && BM <= 24 && nchunks >= 4 && linear_weight_bytes(p) >= (64LL << 20)) splits = 2;
+    // one split (more than two tiles per SM), takes two when a block runs one warp per row group (KH = 1):
+    // H200, mini-kimi's 131 MB lm_head (bench_cuda_linear_tile.py --splits 1 2 --only lm_head,
+    // twenty-fourth session): T = 8 44.5 -> 42.2 us, T = 17 61.4 -> 54.1; in the step T = 17 / 24 -0.8 /
+    // -0.9 %. Taller tiles (fewer blocks per SM) were slower with two: T = 33 72.9 -> 88.4, T = 65 96.2 ->
+    // 113.4. With more warps per row group (KH = 4 on <= 16 rows, 2 on 24: the tensor-core path's large
+    // matrices) one split is the faster: KH = 4 at T = 2-13, the head 36-43 us against 39-48 with two
+    // splits and KH = 1 (forty-fourth session); KH = 2 at T = 17 / 18 / 20 / 24 44.9 / 45.2 / 45.8 / 46.9
+    // against 47.7 / 48.2 / 48.7 / 49.9 with two, the step -0.2 / -0.4 / -0.4 % (forty-eighth session,
+    // after the cluster barriers got cheaper).
+    if (KH == 1 && splits == 1 && BM <= 24 && nchunks >= 4 && linear_weight_bytes(p) >= (64LL << 20)) splits = 2;
   }
   splits = std::min(splits, nchunks);
   const int cps = (nchunks + splits - 1) / splits;

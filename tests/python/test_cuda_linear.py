@@ -457,8 +457,10 @@ def test_tile_refuses_what_it_cannot_take():
 def test_tile_large_matrix_more_warps_per_row_group(T):
     """A matrix past kLinearTileSmallBytes (32 MiB as FP32: the head's case) runs two or four warps per row
     group, each on its own part of every k-chunk (KH, linear_tile.cu): every tile height it takes, the
-    automatic and forced k splits, beta = 1 with padded rows and a partial last weight tile."""
+    automatic and forced k splits, beta = 1 with padded rows and a partial last weight tile; and one of >= 64 MiB
+    (the split rule's own case for the head)."""
     rng = np.random.default_rng(700 + T)
     run_case(rng, T, 8200, 1024, beta=0.0, kernel="tile")
+    run_case(rng, T, 16400, 1024, beta=0.0, kernel="tile")
     run_case(rng, T, 8257, 1028, beta=1.0, x_pad=4, y_pad=3, kernel="tile")
     run_case(rng, T, 8200, 1024, beta=0.0, kernel="tile", splits=3)
