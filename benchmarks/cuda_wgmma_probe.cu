@@ -136,6 +136,34 @@ __device__ __forceinline__ int b_off(int n, int kk) {
   return (kk >> 3) * (BM / 8 * 256) + (n >> 3) * 256 + ((kk >> 2) & 1) * 128 + (n & 7) * 16 + (kk & 3) * 4;
 }
 
+// The chunk's A fragments of warp w (rows 16 w + g (+8), k 8 s + q (+4)), split into hi / lo registers.
+__device__ __forceinline__ void split_a_frags(const float* wa, uint32_t (&ah)[kBK / 8][4], uint32_t (&al)[kBK / 8][4]) {
+#pragma unroll
+  for (int s = 0; s < kBK / 8; ++s) {
+    const int kk = 8 * s;
+    split_tf32(wa[kk], ah[s][0], al[s][0]);
+    split_tf32(wa[8 * kPad + kk], ah[s][1], al[s][1]);
+    split_tf32(wa[kk + 4], ah[s][2], al[s][2]);
+    split_tf32(wa[8 * kPad + kk + 4], ah[s][3], al[s][3]);
+  }
+}
+
+// The chunk's 24 wgmma with A from registers and B from the canonical hi / lo buffers bh / bl: lo*hi, hi*lo and
+// hi*hi of each k-step into d1, d2, d0.
+template <int BM>
+__device__ __forceinline__ void wgmma_rs_chunk(float (&d0)[BM / 2], float (&d1)[BM / 2], float (&d2)[BM / 2],
+                                               const uint32_t (&ah)[kBK / 8][4], const uint32_t (&al)[kBK / 8][4],
+                                               const unsigned char* bh, const unsigned char* bl) {
+#pragma unroll
+  for (int s = 0; s < kBK / 8; ++s) {
+    const uint64_t dh = smem_desc(bh + s * (BM / 8 * 256), 128, 256);
+    const uint64_t dl = smem_desc(bl + s * (BM / 8 * 256), 128, 256);
+    wgmma_tf32<BM>(d1, al[s], dh, 1);
+    wgmma_tf32<BM>(d2, ah[s], dl, 1);
+    wgmma_tf32<BM>(d0, ah[s], dh, 1);
+  }
+}
+
 // Y[BM][64] = R x (X[BM][0:64] W[64][0:64]^T) with R = K / 64, every block the same problem (a rate probe).
 // MODE 0 mma.sync, 1 wgmma, 2 wgmma-pipe, 3 wgmma-ss (the header).
 template <int BM, int MODE>
@@ -200,15 +228,7 @@ __global__ void __launch_bounds__(kThreads) probe(const float* W, const float* X
         *reinterpret_cast<uint32_t*>(bl + o) = lv;
       }
       asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
-      const float* wa = Ws + (16 * warp + g) * kPad + q;
-#pragma unroll
-      for (int s = 0; s < kBK / 8; ++s) {
-        const int kk = 8 * s;
-        split_tf32(wa[kk], ah[s][0], al[s][0]);
-        split_tf32(wa[8 * kPad + kk], ah[s][1], al[s][1]);
-        split_tf32(wa[kk + 4], ah[s][2], al[s][2]);
-        split_tf32(wa[8 * kPad + kk + 4], ah[s][3], al[s][3]);
-      }
+      split_a_frags(Ws + (16 * warp + g) * kPad + q, ah, al);
 #pragma unroll
       for (int s = 0; s < kBK / 8; ++s)
         asm volatile("" : "+r"(ah[s][0]), "+r"(ah[s][1]), "+r"(ah[s][2]), "+r"(ah[s][3]), "+r"(al[s][0]), "+r"(al[s][1]),
@@ -216,14 +236,7 @@ __global__ void __launch_bounds__(kThreads) probe(const float* W, const float* X
       __syncthreads();  // every thread's B stores are in
       fence_acc();
       wg_fence();
-#pragma unroll
-      for (int s = 0; s < kBK / 8; ++s) {
-        const uint64_t dh = smem_desc(bh + s * (BM / 8 * 256), 128, 256);
-        const uint64_t dl = smem_desc(bl + s * (BM / 8 * 256), 128, 256);
-        wgmma_tf32<BM>(d1, al[s], dh, 1);
-        wgmma_tf32<BM>(d2, ah[s], dl, 1);
-        wgmma_tf32<BM>(d0, ah[s], dh, 1);
-      }
+      wgmma_rs_chunk<BM>(d0, d1, d2, ah, al, bh, bl);
       wg_commit();
       fence_acc();
     };
@@ -248,25 +261,10 @@ __global__ void __launch_bounds__(kThreads) probe(const float* W, const float* X
     if (MODE == 0) {
       mma_chunk_3xtf32<TM, kBK, kPad, true>(acc, s1, s2, Ws, Xs, warp, g, q);
     } else {
-      const float* wa = Ws + (16 * warp + g) * kPad + q;
       uint32_t ah[kBK / 8][4], al[kBK / 8][4];
-#pragma unroll
-      for (int s = 0; s < kBK / 8; ++s) {
-        const int kk = 8 * s;
-        split_tf32(wa[kk], ah[s][0], al[s][0]);
-        split_tf32(wa[8 * kPad + kk], ah[s][1], al[s][1]);
-        split_tf32(wa[kk + 4], ah[s][2], al[s][2]);
-        split_tf32(wa[8 * kPad + kk + 4], ah[s][3], al[s][3]);
-      }
+      split_a_frags(Ws + (16 * warp + g) * kPad + q, ah, al);
       wg_fence();
-#pragma unroll
-      for (int s = 0; s < kBK / 8; ++s) {
-        const uint64_t dh = smem_desc(Bh + s * (BM / 8 * 256), 128, 256);
-        const uint64_t dl = smem_desc(Bl + s * (BM / 8 * 256), 128, 256);
-        wgmma_tf32<BM>(d1, al[s], dh, 1);
-        wgmma_tf32<BM>(d2, ah[s], dl, 1);
-        wgmma_tf32<BM>(d0, ah[s], dh, 1);
-      }
+      wgmma_rs_chunk<BM>(d0, d1, d2, ah, al, Bh, Bl);
       wg_commit();
       wg_wait0();
     }
