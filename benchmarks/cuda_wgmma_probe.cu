@@ -53,39 +53,36 @@ __device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.s
 __device__ __forceinline__ void wg_wait0() { asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory"); }
 __device__ __forceinline__ void wg_wait1() { asm volatile("wgmma.wait_group.sync.aligned 1;\n" ::: "memory"); }
 
-// d (+)= a (registers, tf32 bits) * B (descriptor), m64 n{8,16,24} k8
+// d += a (registers, tf32 bits) * B (descriptor), m64 n{8,16,24} k8
 template <int N>
-__device__ __forceinline__ void wgmma_tf32(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc, int accumulate);
+__device__ __forceinline__ void wgmma_tf32(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t desc);
 template <>
-__device__ __forceinline__ void wgmma_tf32<8>(float (&d)[4], const uint32_t (&a)[4], uint64_t desc, int acc) {
+__device__ __forceinline__ void wgmma_tf32<8>(float (&d)[4], const uint32_t (&a)[4], uint64_t desc) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %9, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n8k8.f32.tf32.tf32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1;\n}\n"
+      "wgmma.mma_async.sync.aligned.m64n8k8.f32.tf32.tf32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, 1, 1, 1;\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 template <>
-__device__ __forceinline__ void wgmma_tf32<16>(float (&d)[8], const uint32_t (&a)[4], uint64_t desc, int acc) {
+__device__ __forceinline__ void wgmma_tf32<16>(float (&d)[8], const uint32_t (&a)[4], uint64_t desc) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %13, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n16k8.f32.tf32.tf32 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, %12, "
-      "p, 1, 1;\n}\n"
+      "1, 1, 1;\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 template <>
-__device__ __forceinline__ void wgmma_tf32<24>(float (&d)[12], const uint32_t (&a)[4], uint64_t desc, int acc) {
+__device__ __forceinline__ void wgmma_tf32<24>(float (&d)[12], const uint32_t (&a)[4], uint64_t desc) {
   asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %17, 0;\n"
       "wgmma.mma_async.sync.aligned.m64n24k8.f32.tf32.tf32 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11}, "
-      "{%12, %13, %14, %15}, %16, p, 1, 1;\n}\n"
+      "{%12, %13, %14, %15}, %16, 1, 1, 1;\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
         "+f"(d[9]), "+f"(d[10]), "+f"(d[11])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc), "r"(acc));
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
 }
 
 
-// d (+)= A (descriptor) * B (descriptor), m64 n{8,16,24} k8
+// d += A (descriptor) * B (descriptor), m64 n{8,16,24} k8
 template <int N>
 __device__ __forceinline__ void wgmma_ss(float (&d)[N / 2], uint64_t da, uint64_t db);
 template <>
@@ -158,9 +155,9 @@ __device__ __forceinline__ void wgmma_rs_chunk(float (&d0)[BM / 2], float (&d1)[
   for (int s = 0; s < kBK / 8; ++s) {
     const uint64_t dh = smem_desc(bh + s * (BM / 8 * 256), 128, 256);
     const uint64_t dl = smem_desc(bl + s * (BM / 8 * 256), 128, 256);
-    wgmma_tf32<BM>(d1, al[s], dh, 1);
-    wgmma_tf32<BM>(d2, ah[s], dl, 1);
-    wgmma_tf32<BM>(d0, ah[s], dh, 1);
+    wgmma_tf32<BM>(d1, al[s], dh);
+    wgmma_tf32<BM>(d2, ah[s], dl);
+    wgmma_tf32<BM>(d0, ah[s], dh);
   }
 }
 
