@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 namespace kdtree {
 
@@ -18,6 +19,9 @@ struct Error : std::runtime_error {
 struct RuntimeFailure : std::runtime_error {
   explicit RuntimeFailure(const std::string& msg) : std::runtime_error(msg) {}
 };
+
+// "[2, 3]": a tensor shape for error messages (model/config.cpp)
+std::string shape_str(const std::vector<int64_t>& shape);
 
 #define KD_CHECK(cond, msg)                                  \
   do {                                                       \

@@ -333,15 +333,6 @@ const char* json_top_type(uint8_t c) {
   }
 }
 
-std::string shape_str(const std::vector<int64_t>& shape) {
-  std::string s = "[";
-  for (size_t i = 0; i < shape.size(); ++i) {
-    if (i) s += ", ";
-    s += std::to_string(shape[i]);
-  }
-  return s + "]";
-}
-
 uint64_t round_up(uint64_t n, uint64_t a) { return (n + a - 1) / a * a; }
 
 // A tensor name as messages show it (same as kdtr.py _quote): control bytes, DEL, backslash and

@@ -59,6 +59,4 @@ struct WeightSpec {
 // n_shared_experts == 0.
 std::vector<WeightSpec> model_weight_specs(const ModelConfig& cfg);
 
-std::string shape_str(const std::vector<int64_t>& shape);
-
 }  // namespace kdtree

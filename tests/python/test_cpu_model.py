@@ -22,6 +22,7 @@ from kdtree_native.config import config_from_dict
 from kdtree_native.reference import ReferenceModel
 
 from hf_models import PARITY_CONFIGS, cached_checkpoint, config_dict, hf_greedy, hf_logits, random_weights, to_bf16
+from tree_cases import path_to, random_tree
 
 NAMES = list(PARITY_CONFIGS)
 
@@ -50,37 +51,6 @@ def numpy_engine(name, seed=0, max_seq_len=256):
     eng.reset()
     ref.reset()
     return eng, ref, cfg
-
-
-def random_tree(n, seed, max_children=3):
-    """parents [n] (parents[0] = -1, parent < child), depths [n], ancestor-only visibility."""
-    rng = np.random.default_rng(seed)
-    parents = np.full(n, -1, dtype=np.int64)
-    children = np.zeros(n, dtype=np.int64)
-    for i in range(1, n):
-        while True:
-            p = int(rng.integers(0, i))
-            if children[p] < max_children:
-                break
-        parents[i] = p
-        children[p] += 1
-    depths = np.zeros(n, dtype=np.int64)
-    vis = np.zeros((n, n), dtype=bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            vis[i, j] = True
-            j = parents[j]
-        depths[i] = 0 if parents[i] < 0 else depths[parents[i]] + 1
-    return parents, depths, vis
-
-
-def path_to(parents, i):
-    path = []
-    while i >= 0:
-        path.append(i)
-        i = parents[i]
-    return path[::-1]
 
 
 def greedy_incremental(eng, ids, n):

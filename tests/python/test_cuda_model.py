@@ -22,6 +22,7 @@ from kdtree_native.checkpoint import load_weights
 from kdtree_native.config import config_from_dict, load_config
 
 from hf_models import PARITY_CONFIGS, cached_checkpoint, config_dict, hf_greedy, hf_logits, random_weights
+from tree_cases import path_to, random_tree
 
 NAMES = list(PARITY_CONFIGS)
 HAS_MODEL = hasattr(_native, "CudaModel")
@@ -59,37 +60,6 @@ def rel_to_scale(a, b):
 
 def prompt(vocab, n, seed):
     return np.random.default_rng(seed).integers(0, vocab, n)
-
-
-def random_tree(n, seed, max_children=3):
-    """parents [n] (parents[0] = -1), depths [n], ancestor-only visibility bool [n, n]."""
-    rng = np.random.default_rng(seed)
-    parents = np.full(n, -1, dtype=np.int64)
-    children = np.zeros(n, dtype=np.int64)
-    for i in range(1, n):
-        while True:
-            p = int(rng.integers(0, i))
-            if children[p] < max_children:
-                break
-        parents[i] = p
-        children[p] += 1
-    depths = np.zeros(n, dtype=np.int64)
-    vis = np.zeros((n, n), dtype=bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            vis[i, j] = True
-            j = parents[j]
-        depths[i] = 0 if parents[i] < 0 else depths[parents[i]] + 1
-    return parents, depths, vis
-
-
-def path_to(parents, i):
-    path = []
-    while i >= 0:
-        path.append(i)
-        i = parents[i]
-    return path[::-1]
 
 
 def vis_bits(vis):

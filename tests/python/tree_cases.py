@@ -15,7 +15,8 @@ Kinds cover the awkward corners of the contract (docs/tree_contract.md):
                  so only the contract's exact operation order reproduces the order
 
 Use `case(seed, budget, depth, k, kind)` for one case (a fixed seed per case) and
-`case_grid(...)` for the sweep the tests run.
+`case_grid(...)` for the sweep the tests run. `random_tree(n, seed)` and `path_to` give the CPU and
+CUDA model tests their verify trees (parents, depths, ancestor-only visibility).
 """
 import numpy as np
 
@@ -121,3 +122,36 @@ def deepest_choice(tree):
         choice[parent] = tree.tokens[node - 1]
         node = parent
     return choice
+
+
+def random_tree(n, seed, max_children=3):
+    """A random verify tree of n nodes for the model tests (CPU and CUDA): parents [n] (parents[0] = -1,
+    parent < child, at most max_children each), depths [n], ancestor-only visibility bool [n, n]."""
+    rng = np.random.default_rng(seed)
+    parents = np.full(n, -1, dtype=np.int64)
+    children = np.zeros(n, dtype=np.int64)
+    for i in range(1, n):
+        while True:
+            p = int(rng.integers(0, i))
+            if children[p] < max_children:
+                break
+        parents[i] = p
+        children[p] += 1
+    depths = np.zeros(n, dtype=np.int64)
+    vis = np.zeros((n, n), dtype=bool)
+    for i in range(n):
+        j = i
+        while j >= 0:
+            vis[i, j] = True
+            j = parents[j]
+        depths[i] = 0 if parents[i] < 0 else depths[parents[i]] + 1
+    return parents, depths, vis
+
+
+def path_to(parents, i):
+    """The nodes from the root to node i (a root-to-leaf path of random_tree)."""
+    path = []
+    while i >= 0:
+        path.append(i)
+        i = parents[i]
+    return path[::-1]
