@@ -9,6 +9,7 @@ from kdtree_native.checkpoint import load_weights
 from kdtree_native.config import config_from_dict, load_config
 from kdtree_native.reference import ReferenceModel
 from kdtree_native.reference.model import moe_route
+from tree_cases import path_to
 
 
 def rel_to_scale(a, b):
@@ -144,14 +145,6 @@ def random_tree(rng, T, vocab):
             vis[i, j] = True
             j = parents[j]
     return rng.integers(0, vocab, T), parents, depths, vis
-
-
-def path_to(parents, node):
-    path = []
-    while node >= 0:
-        path.append(node)
-        node = parents[node]
-    return path[::-1]
 
 
 @pytest.mark.parametrize("name", ["ds3_base", "neox_yarn_groups", "no_q_lora", "kimi_like"])
