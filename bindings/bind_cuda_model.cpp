@@ -33,6 +33,7 @@ using kdtree_py::config_from_dict;
 using kdtree_py::dtype_str;
 using kdtree_py::int_vector;
 using kdtree_py::model_forward;
+using kdtree_py::ModelUse;
 
 namespace {
 
@@ -194,6 +195,7 @@ void bind_cuda_model(py::module_& m) {
             const int32_t* ps = device_ptr<const int32_t>(positions, "positions_ptr");
             const uint64_t* vb = device_ptr<const uint64_t>(vis, "vis_ptr", true);
             float* lg = device_ptr<float>(logits, "logits_ptr");
+            ModelUse use(&self, "forward_ptr");
             py::gil_scoped_release nogil;
             self.forward_device(tk, ps, vb, vis_stride, T, lg);
             if (sync) self.synchronize();
@@ -208,13 +210,20 @@ void bind_cuda_model(py::module_& m) {
           [](Model& self, uintptr_t keep, uintptr_t count) {
             const int32_t* k = device_ptr<const int32_t>(keep, "keep_ptr");
             const int32_t* c = device_ptr<const int32_t>(count, "count_ptr");
+            ModelUse use(&self, "commit_ptr");
             py::gil_scoped_release nogil;
             self.commit_device(k, c);
           },
           py::arg("keep_ptr"), py::arg("count_ptr"),
           "Device path: compact pending entries keep[0..*count) after the context (queued on `stream`); "
           "then call set_committed(count) once the count is known on the host.")
-      .def("set_committed", &Model::set_committed, py::arg("n"))
+      .def(
+          "set_committed",
+          [](Model& self, int64_t n) {
+            ModelUse use(&self, "set_committed");
+            self.set_committed(n);
+          },
+          py::arg("n"))
       .def("synchronize", &Model::synchronize, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("stream", [](const Model& self) { return reinterpret_cast<uintptr_t>(self.stream()); },
                              "The model's cudaStream_t as an integer (torch.cuda.ExternalStream(ptr)).");

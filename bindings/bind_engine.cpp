@@ -25,6 +25,7 @@
 #include "engine/toy_target.h"
 #include "model/cpu_model.h"
 #include "model/model.h"
+#include "model_py.h"
 #if defined(KDTREE_HAVE_CUDA) && defined(KDTREE_HAVE_CUBLAS)
 #include "engine/cuda_model_drafter.h"
 #include "engine/cuda_rounds.h"
@@ -566,8 +567,14 @@ py::dict run_generate(py::object self, py::array_t<int64_t, py::array::c_style |
     };
   }
 
+  // the models the run drives, held for the whole run (kdtree_py::ModelUse: a Python-facing call on either
+  // meanwhile raises instead of corrupting the cache)
+  kdtree_py::ModelUse use_target(static_cast<const TargetModel*>(g.target_model), "generate");
+  kdtree_py::ModelUse use_draft(native_model ? &native_model->drafter->model() : nullptr, "generate (its ModelDrafter)");
   bool expected = false;
-  if (!g.busy.compare_exchange_strong(expected, true)) throw RuntimeFailure("this Generator is already running");
+  if (!g.busy.compare_exchange_strong(expected, true))
+    throw RuntimeFailure("generate: this Generator is already running (a generate on the same engine in another "
+                         "thread); one at a time per engine");
   GenerateResult res;
   std::exception_ptr native_error;
   {
@@ -743,6 +750,7 @@ void bind_engine(py::module_& m) {
           "__call__",
           [](PyModelDraft& d, py::array_t<int32_t, py::array::c_style | py::array::forcecast> context, int64_t depth,
              int64_t top_k) -> py::object {
+            kdtree_py::ModelUse use(&d.drafter->model(), "ModelDraft");
             return call_native_drafter("ModelDraft", d.mu, context, [&](const int32_t* c, int64_t n, DraftOutput& out) {
               d.drafter->draft(c, n, depth, top_k, out);
             });

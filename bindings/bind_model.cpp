@@ -23,6 +23,7 @@ using kdtree_py::config_from_dict;
 using kdtree_py::dtype_str;
 using kdtree_py::int_vector;
 using kdtree_py::model_forward;
+using kdtree_py::ModelUse;
 
 namespace {
 
@@ -107,7 +108,12 @@ void bind_model(py::module_& m) {
       .def_property_readonly("device", [](const Model& self) { return std::string(self.device()); })
       .def_property_readonly("memory_bytes", &Model::memory_bytes)
       .def(
-          "use_bf16_weights", [](Model& self, bool on) { self.use_bf16_weights(on); }, py::arg("on"),
+          "use_bf16_weights",
+          [](Model& self, bool on) {
+            ModelUse use(&self, "use_bf16_weights");
+            self.use_bf16_weights(on);
+          },
+          py::arg("on"),
           "Keep BF16 copies of the projection weights that are exactly BF16 (the default, made at finalize) "
           "for the few-row GEMMs (the same results, half the bytes read), or drop them (False).")
       .def_property_readonly("bf16_weight_bytes", &Model::bf16_weight_bytes,

@@ -9,16 +9,57 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <mutex>
 #include <string>
+#include <unordered_map>
 #include <vector>
 
 #include "common.h"
 #include "model/config.h"
+#include "model/model.h"
 
 namespace kdtree_py {
 
 namespace py = pybind11;
 using kdtree::Error;
+
+// One call at a time per native model. A generate holds its target (and a native ModelDrafter's draft model) for
+// the whole run, every Python-facing model method that moves the cache or the weights for its own call; a second
+// call meanwhile (another thread, or a drafter / progress callback of the running generate) raises RuntimeError
+// instead of interleaving with the first: interleaved forward / commit calls overwrite each other's pending cache
+// entries, which gave wrong tokens without an error. Never waits (a callback waiting for its own generate would
+// hang). Keys: the model as a TargetModel*, as the Generator records its target.
+class ModelUse {
+ public:
+  ModelUse(const kdtree::TargetModel* model, const char* what) : key_(model) {
+    if (!key_) return;
+    std::lock_guard<std::mutex> lock(mu());
+    auto it = holders().find(key_);
+    if (it != holders().end())
+      throw kdtree::RuntimeFailure(std::string(what) + ": the model is busy with " + it->second +
+                                   " (another thread, or a callback of that call): a model runs one call at a "
+                                   "time; use one Engine per thread");
+    holders().emplace(key_, what);
+  }
+  ~ModelUse() {
+    if (!key_) return;
+    std::lock_guard<std::mutex> lock(mu());
+    holders().erase(key_);
+  }
+  ModelUse(const ModelUse&) = delete;
+  ModelUse& operator=(const ModelUse&) = delete;
+
+ private:
+  static std::mutex& mu() {
+    static std::mutex m;
+    return m;
+  }
+  static std::unordered_map<const kdtree::TargetModel*, const char*>& holders() {
+    static std::unordered_map<const kdtree::TargetModel*, const char*> h;
+    return h;
+  }
+  const kdtree::TargetModel* key_;
+};
 
 inline py::object dict_get(const py::dict& d, const char* key) {
   if (!d.contains(key)) throw Error(std::string("model config dict: missing key '") + key + "'");
@@ -121,6 +162,7 @@ inline std::vector<int32_t> int_vector(const py::object& obj, const char* what, 
 template <class Model>
 py::array_t<float> model_forward(Model& m, const py::object& tokens_obj, const py::object& positions_obj,
                                  const py::object& vis_obj) {
+  ModelUse use(&m, "forward");
   if (!m.finalized()) throw Error("forward: the model is not finalized (set every weight, then finalize())");
   const int64_t V = m.config().vocab_size;
   std::vector<int32_t> tokens = int_vector(tokens_obj, "tokens", 0, V);
@@ -184,6 +226,7 @@ py::class_<Model> def_model_common(py::class_<Model> cls) {
             if (!a) throw Error("set_weight: '" + name + "' could not be made contiguous");
             std::vector<int64_t> shape(a.shape(), a.shape() + a.ndim());
             const float* p = a.data();
+            ModelUse use(&self, "set_weight");
             py::gil_scoped_release nogil;
             if (check_finite) {
               const int64_t bad = first_non_finite(p, (int64_t)a.size());
@@ -196,11 +239,17 @@ py::class_<Model> def_model_common(py::class_<Model> cls) {
           },
           py::arg("name"), py::arg("array"), py::arg("check_finite") = true)
       .def("missing_weights", &Model::missing_weights)
-      .def("finalize", &Model::finalize, py::call_guard<py::gil_scoped_release>())
+      .def("finalize",
+           [](Model& self) {
+             ModelUse use(&self, "finalize");
+             py::gil_scoped_release nogil;
+             self.finalize();
+           })
       .def_property_readonly("finalized", &Model::finalized)
       .def(
           "commit",
           [](Model& self, const py::object& keep_obj) {
+            ModelUse use(&self, "commit");
             std::vector<int32_t> keep = int_vector(keep_obj, "keep", 0, std::max<int64_t>(self.pending_len(), 1));
             if ((int64_t)keep.size() > self.pending_len())
               throw Error("commit: keeping " + std::to_string(keep.size()) + " entries but only " +
@@ -209,9 +258,18 @@ py::class_<Model> def_model_common(py::class_<Model> cls) {
             self.commit(keep.data(), (int64_t)keep.size());
           },
           py::arg("keep"), "Keep pending entries keep[j] (strictly increasing) packed after the context.")
-      .def("truncate", &Model::truncate, py::arg("n"),
-           "Keep only the first n committed cache entries (0 <= n <= cache_len) and drop the pending ones.")
-      .def("reset", &Model::reset)
+      .def(
+          "truncate",
+          [](Model& self, int64_t n) {
+            ModelUse use(&self, "truncate");
+            self.truncate(n);
+          },
+          py::arg("n"), "Keep only the first n committed cache entries (0 <= n <= cache_len) and drop the pending ones.")
+      .def("reset",
+           [](Model& self) {
+             ModelUse use(&self, "reset");
+             self.reset();
+           })
       .def_property_readonly("cache_len", &Model::cache_len)
       .def_property_readonly("pending_len", &Model::pending_len)
       .def_property_readonly("max_seq_len", &Model::max_seq_len);

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
+from contextlib import contextmanager
 from typing import Callable, Optional, Union
 
 import numpy as np
@@ -100,6 +102,23 @@ class Engine:
         self.device = device
         self.max_seq_len = int(max_seq_len)
         self.model_dir = model_dir
+        # one call at a time (_one_call): prefill / decode / generate are sequences of model calls that another
+        # thread's calls must not interleave with (the native model refuses overlapping calls one by one too)
+        self._busy = threading.Lock()
+        self._holder = ""
+
+    @contextmanager
+    def _one_call(self, what: str):
+        if not self._busy.acquire(blocking=False):
+            raise RuntimeError(f"{what}: this Engine is busy with {self._holder or 'another call'} (another thread, "
+                               "or a drafter / progress callback of a running generate): an Engine runs one call at "
+                               "a time; use one Engine per thread")
+        self._holder = what
+        try:
+            yield
+        finally:
+            self._holder = ""
+            self._busy.release()
 
     # ---- loading ------------------------------------------------------------------------
     @classmethod
@@ -197,12 +216,14 @@ class Engine:
         cache_len + depth) against the committed cache. visibility bool/uint8 [T, T]: row i =
         which of the new tokens token i sees (None = causal). The T new cache entries stay
         pending until `commit`; another forward replaces them."""
-        return self.model.forward(tokens, positions, visibility)
+        with self._one_call("forward"):
+            return self.model.forward(tokens, positions, visibility)
 
     def commit(self, keep) -> None:
         """Keep pending entries `keep` (indices into the last forward's tokens, strictly
         increasing), packed right after the committed context; cache_len grows by len(keep)."""
-        self.model.commit(np.asarray(keep).reshape(-1))
+        with self._one_call("commit"):
+            self.model.commit(np.asarray(keep).reshape(-1))
 
     def truncate(self, n: int) -> None:
         """Keep only the first ``n`` committed cache entries (0 <= n <= cache_len; ValueError
@@ -211,13 +232,15 @@ class Engine:
         prefix."""
         if isinstance(n, bool) or not isinstance(n, (int, np.integer)):
             raise ValueError(f"truncate: n must be an integer, got {n!r}")
-        if not 0 <= int(n) <= self.model.cache_len:
-            raise ValueError(f"truncate: n must be in [0, cache_len = {self.model.cache_len}], got {int(n)}")
-        self.model.truncate(int(n))
+        with self._one_call("truncate"):
+            if not 0 <= int(n) <= self.model.cache_len:
+                raise ValueError(f"truncate: n must be in [0, cache_len = {self.model.cache_len}], got {int(n)}")
+            self.model.truncate(int(n))
 
     def reset(self) -> None:
         """Empty the cache."""
-        self.model.reset()
+        with self._one_call("reset"):
+            self.model.reset()
 
     @property
     def cache_len(self) -> int:
@@ -239,17 +262,19 @@ class Engine:
             raise ValueError(f"prefill: prompt_ids must be integers, got dtype {ids.dtype}")
         if ids.size > self.max_seq_len:
             raise ValueError(f"prefill: prompt of {ids.size} tokens exceeds max_seq_len ({self.max_seq_len})")
-        self.model.reset()
-        T = ids.size
-        logits = self.model.forward(ids, np.arange(T, dtype=np.int32), None)
-        self.model.commit(np.arange(T, dtype=np.int32))
+        with self._one_call("prefill"):
+            self.model.reset()
+            T = ids.size
+            logits = self.model.forward(ids, np.arange(T, dtype=np.int32), None)
+            self.model.commit(np.arange(T, dtype=np.int32))
         return logits
 
     def decode(self, token: int) -> np.ndarray:
         """One token at position cache_len, committed: logits float32 [vocab]."""
-        pos = self.model.cache_len
-        logits = self.model.forward(np.asarray([token]), np.asarray([pos], dtype=np.int32), None)
-        self.model.commit(np.zeros(1, dtype=np.int32))
+        with self._one_call("decode"):
+            pos = self.model.cache_len
+            logits = self.model.forward(np.asarray([token]), np.asarray([pos], dtype=np.int32), None)
+            self.model.commit(np.zeros(1, dtype=np.int32))
         return logits[0]
 
     # ---- generation -------------------------------------------------------------------------
@@ -262,8 +287,9 @@ class Engine:
         ``kdtree_native.generation.generate``."""
         from .generation import generate
 
-        return generate(self, prompt_ids, max_new_tokens, drafter=drafter, tree_budget=tree_budget, depth=depth,
-                        top_k=top_k, temperature=temperature, seed=seed, stop_token_ids=stop_token_ids, **kwargs)
+        with self._one_call("generate"):
+            return generate(self, prompt_ids, max_new_tokens, drafter=drafter, tree_budget=tree_budget, depth=depth,
+                            top_k=top_k, temperature=temperature, seed=seed, stop_token_ids=stop_token_ids, **kwargs)
 
     def __repr__(self) -> str:
         c = self.config

@@ -702,3 +702,81 @@ def test_rounds_option(toy_setup):
         generate(target, PROMPT, 4, rounds="gpu")
     r = generate(target, PROMPT, 12)
     np.testing.assert_array_equal(r.tokens, ref[:12])
+
+
+# ---- one call at a time per native model (bindings/model_py.h ModelUse) ------------------------
+
+def _native_engine():
+    from hf_models import config_dict, random_weights
+    from kdtree_native.config import config_from_dict
+    cfg = config_from_dict(config_dict("ds3_base"))
+    return kn.Engine.from_weights(cfg, random_weights(cfg, 5), device="cpu", max_seq_len=512)
+
+
+def test_calls_into_a_model_during_its_generate_are_refused():
+    """A drafter or progress callback that calls the target's forward / commit / truncate / reset during its
+    generate gets a RuntimeError naming the busy model (before, they ran and overwrote the round's pending cache
+    entries); the generate raises it, and the engine generates the AR answer afterwards."""
+    eng = _native_engine()
+    prompt = np.array([3, 17, 42, 99, 3, 17, 42, 8], np.int64)
+    ref = eng.generate(prompt, 24).tokens
+    calls = {
+        "forward": lambda: eng.forward(np.array([1]), np.array([eng.cache_len])),
+        "commit": lambda: eng.commit([0]),
+        "truncate": lambda: eng.truncate(1),
+        "reset": lambda: eng.reset(),
+        "prefill": lambda: eng.prefill(prompt),
+    }
+    for name, call in calls.items():
+        def drafter(ctx, depth, top_k, call=call):
+            call()
+            return None
+
+        with pytest.raises(RuntimeError, match="busy with generate"):
+            eng.generate(prompt, 24, drafter=drafter, tree_budget=8, depth=4)
+        with pytest.raises(RuntimeError, match="busy with generate"):
+            eng.generate(prompt, 24, progress=lambda new, done, total, call=call: call())
+        np.testing.assert_array_equal(eng.generate(prompt, 24, drafter=NgramDrafter(), tree_budget=8, depth=4).tokens,
+                                      ref, err_msg=name)
+
+
+def test_concurrent_calls_on_one_engine_never_corrupt_a_generate():
+    """One thread generates (AR and n-gram DDTree) while another calls forward / commit / reset on the same engine:
+    each of those either runs between the generates or raises RuntimeError (the model is busy), and every
+    generate returns the AR answer (before, the interleaved calls gave wrong tokens without an error)."""
+    eng = _native_engine()
+    prompt = np.array([5, 9, 11, 5, 9, 13, 2, 7], np.int64)
+    ref = eng.generate(prompt, 120).tokens
+    outs, errors, stop = [], [], threading.Event()
+
+    def gen():
+        try:
+            for i in range(4):
+                dr = NgramDrafter() if i % 2 else None
+                outs.append(eng.generate(prompt, 120, drafter=dr, tree_budget=4, depth=4).tokens)
+        except Exception as e:  # (asserted below: no generate may fail)
+            outs.append(e)
+        finally:
+            stop.set()
+
+    def meddle():
+        while not stop.is_set():
+            for call in (lambda: eng.forward(np.array([1, 2]), np.array([0, 1])), lambda: eng.commit([0]),
+                         lambda: eng.reset()):
+                try:
+                    call()
+                except RuntimeError as e:
+                    errors.append(str(e))
+                except ValueError:  # a commit with nothing pending, when it ran between the generates
+                    pass
+            time.sleep(0.0005)
+
+    threads = [threading.Thread(target=gen), threading.Thread(target=meddle)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(outs) == 4 and not any(isinstance(o, Exception) for o in outs), outs
+    for out in outs:
+        np.testing.assert_array_equal(out, ref)
+    assert all("busy" in e for e in errors), errors[:3]
