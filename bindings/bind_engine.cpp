@@ -535,6 +535,7 @@ py::dict run_generate(py::object self, py::array_t<int64_t, py::array::c_style |
   } else if (native_model) {
     draft_fn = [native_model](const int32_t* ctx, int64_t n, int64_t d, int64_t k, DraftOutput& out) {
       std::lock_guard<std::mutex> lock(native_model->mu);
+      kdtree_py::ModelUse use(&native_model->drafter->model(), "a ModelDrafter's draft", true);
       native_model->drafter->draft(ctx, n, d, k, out);
     };
   } else if (!drafter.is_none()) {
@@ -567,10 +568,9 @@ py::dict run_generate(py::object self, py::array_t<int64_t, py::array::c_style |
     };
   }
 
-  // the models the run drives, held for the whole run (kdtree_py::ModelUse: a Python-facing call on either
-  // meanwhile raises instead of corrupting the cache)
+  // the target, held for the whole run (kdtree_py::ModelUse: a Python-facing call on it meanwhile raises instead of
+  // corrupting the cache); a native ModelDrafter's model is held by each draft call (draft_fn)
   kdtree_py::ModelUse use_target(static_cast<const TargetModel*>(g.target_model), "generate");
-  kdtree_py::ModelUse use_draft(native_model ? &native_model->drafter->model() : nullptr, "generate (its ModelDrafter)");
   bool expected = false;
   if (!g.busy.compare_exchange_strong(expected, true))
     throw RuntimeFailure("generate: this Generator is already running (a generate on the same engine in another "
@@ -750,8 +750,8 @@ void bind_engine(py::module_& m) {
           "__call__",
           [](PyModelDraft& d, py::array_t<int32_t, py::array::c_style | py::array::forcecast> context, int64_t depth,
              int64_t top_k) -> py::object {
-            kdtree_py::ModelUse use(&d.drafter->model(), "ModelDraft");
             return call_native_drafter("ModelDraft", d.mu, context, [&](const int32_t* c, int64_t n, DraftOutput& out) {
+              kdtree_py::ModelUse use(&d.drafter->model(), "a ModelDrafter's draft", true);
               d.drafter->draft(c, n, depth, top_k, out);
             });
           },

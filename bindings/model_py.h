@@ -9,6 +9,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <condition_variable>
 #include <mutex>
 #include <string>
 #include <unordered_map>
@@ -23,28 +24,36 @@ namespace kdtree_py {
 namespace py = pybind11;
 using kdtree::Error;
 
-// One call at a time per native model. A generate holds its target (and a native ModelDrafter's draft model) for
-// the whole run, every Python-facing model method that moves the cache or the weights for its own call; a second
-// call meanwhile (another thread, or a drafter / progress callback of the running generate) raises RuntimeError
-// instead of interleaving with the first: interleaved forward / commit calls overwrite each other's pending cache
-// entries, which gave wrong tokens without an error. Never waits (a callback waiting for its own generate would
-// hang). Keys: the model as a TargetModel*, as the Generator records its target.
+// One call at a time per native model. A generate holds its target for the whole run, every Python-facing model
+// method that moves the cache or the weights for its own call, and a native ModelDrafter's draft for its own call; a
+// second call meanwhile (another thread, or a drafter / progress callback of the running generate) raises
+// RuntimeError instead of interleaving with the first: interleaved forward / commit calls overwrite each other's
+// pending cache entries, which gave wrong tokens without an error. Only the draft calls wait (wait = true: no
+// callback runs while one is held, so the wait ends; a ModelDrafter re-syncs its cache at every call, so drafts of
+// two generates sharing a draft model may take turns, as they did under the drafter's own mutex); every other
+// call raises at once (a callback waiting for its own generate would hang). Keys: the model as a TargetModel*, as
+// the Generator records its target.
 class ModelUse {
  public:
-  ModelUse(const kdtree::TargetModel* model, const char* what) : key_(model) {
+  ModelUse(const kdtree::TargetModel* model, const char* what, bool wait = false) : key_(model) {
     if (!key_) return;
-    std::lock_guard<std::mutex> lock(mu());
-    auto it = holders().find(key_);
-    if (it != holders().end())
-      throw kdtree::RuntimeFailure(std::string(what) + ": the model is busy with " + it->second +
-                                   " (another thread, or a callback of that call): a model runs one call at a "
-                                   "time; use one Engine per thread");
+    std::unique_lock<std::mutex> lock(mu());
+    for (auto it = holders().find(key_); it != holders().end(); it = holders().find(key_)) {
+      if (!wait)
+        throw kdtree::RuntimeFailure(std::string(what) + ": the model is busy with " + it->second +
+                                     " (another thread, or a callback of that call): a model runs one call at a "
+                                     "time; use one Engine per thread");
+      cv().wait(lock);
+    }
     holders().emplace(key_, what);
   }
   ~ModelUse() {
     if (!key_) return;
-    std::lock_guard<std::mutex> lock(mu());
-    holders().erase(key_);
+    {
+      std::lock_guard<std::mutex> lock(mu());
+      holders().erase(key_);
+    }
+    cv().notify_all();
   }
   ModelUse(const ModelUse&) = delete;
   ModelUse& operator=(const ModelUse&) = delete;
@@ -53,6 +62,10 @@ class ModelUse {
   static std::mutex& mu() {
     static std::mutex m;
     return m;
+  }
+  static std::condition_variable& cv() {
+    static std::condition_variable c;
+    return c;
   }
   static std::unordered_map<const kdtree::TargetModel*, const char*>& holders() {
     static std::unordered_map<const kdtree::TargetModel*, const char*> h;

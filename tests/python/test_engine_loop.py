@@ -780,3 +780,35 @@ def test_concurrent_calls_on_one_engine_never_corrupt_a_generate():
     for out in outs:
         np.testing.assert_array_equal(out, ref)
     assert all("busy" in e for e in errors), errors[:3]
+
+
+def test_two_generates_may_share_one_model_drafter():
+    """Two engines generating at once from two threads with one native ModelDrafter (one draft engine): the draft
+    calls take turns on the draft model (a ModelDrafter re-syncs its cache at every call), so both give their AR
+    answers and neither raises."""
+    from hf_models import config_dict, random_weights
+    from kdtree_native.config import config_from_dict
+    cfg = config_from_dict(config_dict("ds3_base"))
+    engines = [kn.Engine.from_weights(cfg, random_weights(cfg, 5), device="cpu", max_seq_len=512) for _ in range(2)]
+    draft = ModelDrafter(kn.Engine.from_weights(cfg, random_weights(cfg, 6), device="cpu", max_seq_len=512))
+    prompts = [np.array([5, 9, 11, 5, 9, 13, 2, 7], np.int64), np.array([1, 2, 3, 1, 2, 4, 8], np.int64)]
+    refs = [e.generate(p, 80).tokens for e, p in zip(engines, prompts)]
+    results, errors = [[], []], []
+
+    def run(i):
+        try:
+            for _ in range(3):
+                results[i].append(engines[i].generate(prompts[i], 80, drafter=draft, tree_budget=4, depth=4).tokens)
+        except Exception as e:  # (asserted below: none)
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    for i in range(2):
+        assert len(results[i]) == 3
+        for out in results[i]:
+            np.testing.assert_array_equal(out, refs[i])
