@@ -706,11 +706,12 @@ def test_rounds_option(toy_setup):
 
 # ---- one call at a time per native model (bindings/model_py.h ModelUse) ------------------------
 
-def _native_engine():
+def _native_engine(seed=5):
+    """A CpuModel engine on random weights of the ds3_base config (no torch needed)."""
     from hf_models import config_dict, random_weights
     from kdtree_native.config import config_from_dict
     cfg = config_from_dict(config_dict("ds3_base"))
-    return kn.Engine.from_weights(cfg, random_weights(cfg, 5), device="cpu", max_seq_len=512)
+    return kn.Engine.from_weights(cfg, random_weights(cfg, seed), device="cpu", max_seq_len=512)
 
 
 def test_calls_into_a_model_during_its_generate_are_refused():
@@ -786,11 +787,8 @@ def test_two_generates_may_share_one_model_drafter():
     """Two engines generating at once from two threads with one native ModelDrafter (one draft engine): the draft
     calls take turns on the draft model (a ModelDrafter re-syncs its cache at every call), so both give their AR
     answers and neither raises."""
-    from hf_models import config_dict, random_weights
-    from kdtree_native.config import config_from_dict
-    cfg = config_from_dict(config_dict("ds3_base"))
-    engines = [kn.Engine.from_weights(cfg, random_weights(cfg, 5), device="cpu", max_seq_len=512) for _ in range(2)]
-    draft = ModelDrafter(kn.Engine.from_weights(cfg, random_weights(cfg, 6), device="cpu", max_seq_len=512))
+    engines = [_native_engine(), _native_engine()]
+    draft = ModelDrafter(_native_engine(seed=6))
     prompts = [np.array([5, 9, 11, 5, 9, 13, 2, 7], np.int64), np.array([1, 2, 3, 1, 2, 4, 8], np.int64)]
     refs = [e.generate(p, 80).tokens for e, p in zip(engines, prompts)]
     results, errors = [[], []], []

@@ -6,6 +6,7 @@ Random sizes at awkward values, L = 0 and L > 0, T = 1..33, visibility from rand
 import numpy as np
 import pytest
 
+from kdtree_native.reference import tree_visibility
 from kdtree_native.reference.mla import (
     absorb_queries, attention_mask, expand_kv, unabsorb_output, verify_attention, verify_attention_plain,
 )
@@ -23,13 +24,7 @@ def random_tree_visibility(rng, T):
     parents = np.full(T, -1)
     for j in range(1, T):
         parents[j] = rng.integers(0, j)
-    vis = np.zeros((T, T), dtype=bool)
-    for i in range(T):
-        j = i
-        while j >= 0:
-            vis[i, j] = True
-            j = parents[j]
-    return vis, parents
+    return tree_visibility(parents), parents
 
 
 def rel_err(a, b):

@@ -7,7 +7,7 @@ from hf_models import (PARITY_CONFIGS, cached_checkpoint, config_dict, hf_greedy
                        random_weights, require_hf)
 from kdtree_native.checkpoint import load_weights
 from kdtree_native.config import config_from_dict, load_config
-from kdtree_native.reference import ReferenceModel
+from kdtree_native.reference import ReferenceModel, tree_visibility
 from kdtree_native.reference.model import moe_route
 from tree_cases import path_to
 
@@ -138,13 +138,7 @@ def random_tree(rng, T, vocab):
     for j in range(1, T):
         parents[j] = rng.integers(0, j)
         depths[j] = depths[parents[j]] + 1
-    vis = np.zeros((T, T), dtype=bool)
-    for i in range(T):
-        j = i
-        while j >= 0:
-            vis[i, j] = True
-            j = parents[j]
-    return rng.integers(0, vocab, T), parents, depths, vis
+    return rng.integers(0, vocab, T), parents, depths, tree_visibility(parents)
 
 
 @pytest.mark.parametrize("name", ["ds3_base", "neox_yarn_groups", "no_q_lora", "kimi_like"])

@@ -20,6 +20,8 @@ CUDA model tests their verify trees (parents, depths, ancestor-only visibility).
 """
 import numpy as np
 
+from kdtree_native.reference import tree_visibility
+
 KINDS = ("random", "quantised", "equal", "neginf", "dup", "positive", "rounding")
 BUDGETS = (0, 1, 2, 3, 17, 64, 255, 256, 1024)
 
@@ -138,14 +140,9 @@ def random_tree(n, seed, max_children=3):
         parents[i] = p
         children[p] += 1
     depths = np.zeros(n, dtype=np.int64)
-    vis = np.zeros((n, n), dtype=bool)
-    for i in range(n):
-        j = i
-        while j >= 0:
-            vis[i, j] = True
-            j = parents[j]
-        depths[i] = 0 if parents[i] < 0 else depths[parents[i]] + 1
-    return parents, depths, vis
+    for i in range(1, n):
+        depths[i] = depths[parents[i]] + 1
+    return parents, depths, tree_visibility(parents)
 
 
 def path_to(parents, i):
