@@ -4,7 +4,9 @@ Where it sits: `Engine.from_pretrained` and `kn.reference` call `load_weights(di
 No torch needed: the safetensors header (8-byte little-endian length + JSON) is parsed here and
 each file is memory-mapped once. F32 tensors come back as zero-copy read-only views of the
 map; BF16 / F16 are converted to float32 once (BF16 exactly, by a 16-bit shift; F16 exactly,
-by numpy). Every tensor is read at most once.
+by numpy). Every tensor is read at most once. With a quantization_config (quantization.py) a
+quantized Linear's packed parts (`.weight_packed`, `.weight_scale`, ...) stand for its `.weight`,
+which comes back dequantized to float32 exactly as compressed-tensors computes it for HF.
 
 Names are the HF hub layout (`model.layers.{i}.mlp.experts.{e}.gate_proj.weight`, ...), see
 `expected_weight_shapes`. The MTP layers stored after the main ones
@@ -27,6 +29,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .config import ModelConfig
+from .quantization import QUANT_SUFFIXES, dequantize_packed
 
 __all__ = ["expected_weight_shapes", "load_weights", "read_safetensors_header", "SafetensorsFile"]
 
@@ -266,6 +269,60 @@ def _checkpoint_files(model_dir: str) -> tuple[list, Optional[dict]]:
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
 
 
+def _quant_part(name: str):
+    """(module, suffix) when `name` is one of a quantized Linear's tensors, else (None, None)."""
+    for suffix in QUANT_SUFFIXES:
+        if name.endswith(suffix):
+            return name[:-len(suffix)], suffix
+    return None, None
+
+
+def _quant_parts_problem(parts: dict, scheme, shape: tuple) -> Optional[str]:
+    """Why a quantized Linear's stored tensors cannot be read (None when they can)."""
+    if scheme is None:
+        return "stored quantized, but no quantization_config group covers it (or `ignore` names it)"
+    if ".weight_packed" not in parts:
+        return f"quantized parts {sorted(parts)} without .weight_packed"
+    if ".weight_scale" not in parts:
+        return "no .weight_scale"
+    if ".weight_g_idx" in parts:
+        return "activation-ordered groups (.weight_g_idx) are not supported"
+    if not scheme.symmetric and ".weight_zero_point" not in parts:
+        return f"asymmetric scheme ({scheme.describe()}) but no .weight_zero_point"
+    if scheme.symmetric and ".weight_zero_point" in parts:
+        return f"a .weight_zero_point for a symmetric scheme ({scheme.describe()})"
+    st, full = parts[".weight_packed"]
+    if st.dtype(full) != "I32":
+        return f".weight_packed has dtype {st.dtype(full)}, expected I32"
+    st, full = parts[".weight_scale"]
+    if st.dtype(full) not in ("F32", "F16", "BF16"):
+        return f".weight_scale has dtype {st.dtype(full)}, expected BF16, F16 or F32"
+    if ".weight_shape" in parts:
+        st, full = parts[".weight_shape"]
+        if st.dtype(full) not in ("I32", "I64") or st.shape(full) != (2,):
+            return f".weight_shape must be 2 integers, got dtype {st.dtype(full)} shape {list(st.shape(full))}"
+        stored = tuple(int(x) for x in st.raw(full))
+        if stored != shape:
+            return f".weight_shape says {list(stored)}, expected {list(shape)}"
+    if ".weight_zero_point" in parts:
+        st, full = parts[".weight_zero_point"]
+        if st.dtype(full) not in ("I32", "I8", "I64"):
+            return f".weight_zero_point has dtype {st.dtype(full)}, expected an integer type"
+    return None
+
+
+def _dequantize(module: str, shape, scheme, parts: dict) -> np.ndarray:
+    st, full = parts[".weight_scale"]
+    sdt = st.dtype(full)
+    scale = _to_float(st.raw(full), sdt, np.float32)
+    packed = parts[".weight_packed"][0].raw(parts[".weight_packed"][1])
+    zp = None
+    if ".weight_zero_point" in parts:
+        zst, zfull = parts[".weight_zero_point"]
+        zp = zst.raw(zfull)
+    return dequantize_packed(module, scheme, shape, packed, scale, sdt, zp)
+
+
 def load_weights(model_dir, cfg: ModelConfig, dtype=np.float32,
                  progress: Optional[Callable[[int, int], None]] = None) -> dict:
     """Load every tensor of `expected_weight_shapes(cfg)` as `dtype` (float32 by default).
@@ -305,6 +362,8 @@ def load_weights(model_dir, cfg: ModelConfig, dtype=np.float32,
                          f"{model_dir} holds tensors of " + (f"mlp.experts.0 .. {n_experts - 1} only"
                                                              if n_experts else "no mlp.experts.* at all"))
     expected = expected_weight_shapes(cfg)
+    quant = cfg.quantization
+    qparts = {}                       # quantized Linear (name without prefix) -> {suffix: (st, full)}
     where = {}                        # name (without prefix) -> SafetensorsFile
     unexpected, mismatched = [], []
     for st in opened:
@@ -326,13 +385,34 @@ def load_weights(model_dir, cfg: ModelConfig, dtype=np.float32,
                 if (cfg.n_shared_experts == 0 and ".mlp.shared_experts." in name
                         and 0 in st.shape(full)):
                     continue          # HF saves zero-sized shared experts when n_shared_experts == 0
+                base, suffix = _quant_part(name) if quant is not None else (None, None)
+                if base is not None and base + ".weight" in expected:
+                    parts = qparts.setdefault(base, {})
+                    if suffix in parts:
+                        unexpected.append(f"{_show(full)} (duplicate, also in {os.path.basename(parts[suffix][0].path)})")
+                    else:
+                        parts[suffix] = (st, full)
+                    continue          # a part of a quantized Linear (quantization.py)
                 unexpected.append(f"{_show(full)} {list(st.shape(full))}")
                 continue
             if name in where:
                 unexpected.append(f"{_show(full)} (duplicate, also in {os.path.basename(where[name][0].path)})")
                 continue
             where[name] = (st, full)
-    missing = sorted(n for n in expected if n not in where)
+    quantized = {}                    # weight name -> (scheme, {suffix: (st, full)})
+    for base, parts in sorted(qparts.items()):
+        wname = base + ".weight"
+        full_base = prefix + base
+        if wname in where:
+            unexpected.append(f"{_show(full_base)}: quantized parts {sorted(parts)} beside a float weight")
+            continue
+        scheme = quant.scheme_for(full_base)
+        why = _quant_parts_problem(parts, scheme, tuple(expected[wname]))
+        if why:
+            mismatched.append(f"{_show(full_base)}: {why}")
+            continue
+        quantized[wname] = (scheme, parts)
+    missing = sorted(n for n in expected if n not in where and n not in quantized)
     for name, (st, full) in where.items():
         if st.shape(full) != tuple(expected[name]):
             mismatched.append(f"{full}: shape {list(st.shape(full))}, expected {list(expected[name])}")
@@ -354,8 +434,12 @@ def load_weights(model_dir, cfg: ModelConfig, dtype=np.float32,
     out = {}
     total = len(expected)
     for k, name in enumerate(expected):      # each tensor read exactly once
-        st, full = where[name]
-        out[name] = _to_float(st.raw(full), st.dtype(full), dtype)
+        if name in quantized:
+            w = _dequantize(prefix + name[:-len(".weight")], expected[name], *quantized[name])
+            out[name] = w if dtype == np.float32 else w.astype(dtype)
+        else:
+            st, full = where[name]
+            out[name] = _to_float(st.raw(full), st.dtype(full), dtype)
         if progress is not None:
             progress(k + 1, total)
     return out

@@ -10,7 +10,9 @@ Accepted: `model_type` "deepseek_v3" and "kimi_k2", and the Kimi K2.5 layout tha
 text model under `text_config` (weights then carry the `language_model.` prefix). RoPE is read
 from `rope_parameters` (transformers >= 5) or the legacy `rope_scaling` + top-level
 `rope_theta`, exactly as HF's `convert_rope_params_to_dict` / `standardize_rope_params` do.
-Anything the engine cannot run (another rope type, a quantization_config, a scoring function
+A `quantization_config` of compressed-tensors pack-quantized integer weights (Kimi K2-Thinking's
+INT4) is parsed into `ModelConfig.quantization` (quantization.py); other methods are refused.
+Anything the engine cannot run (another rope type, another quantization method, a scoring function
 other than sigmoid, ...) raises ValueError naming the field; so does a value of the wrong type
 or out of range (integer sizes in [minimum, 2**31 - 1], finite floats, true/false switches; a
 `null` switch is false where HF's annotation allows None and the forward tests its truth, as in
@@ -28,6 +30,8 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 import numpy as np
+
+from .quantization import QuantizationSpec, parse_quantization_config
 
 __all__ = ["ModelConfig", "load_config", "config_from_dict", "yarn_get_mscale"]
 
@@ -123,6 +127,9 @@ class ModelConfig:
     num_nextn_predict_layers: int = 0
     # The RMSNorm eps HF uses for q_a_layernorm / kv_a_layernorm (its RMSNorm default).
     latent_norm_eps: float = 1e-6
+    # A quantized checkpoint's storage (compressed-tensors pack-quantized integer weights, read
+    # by checkpoint.load_weights into float32); None for FP32 / BF16 / F16 checkpoints.
+    quantization: Optional[QuantizationSpec] = None
     raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     # ---- derived --------------------------------------------------------------------------
@@ -366,9 +373,7 @@ def config_from_dict(raw: dict) -> ModelConfig:
 
     # -- settings we cannot run ----------------------------------------------------------
     qc = d.get("quantization_config")
-    if qc:
-        method = qc.get("quant_method") if isinstance(qc, dict) else qc
-        _refuse("quantization_config", method, "quantized checkpoints are not supported yet (FP32/BF16/F16 only)")
+    quantization = parse_quantization_config(qc) if qc else None
     if d.get("hidden_act", "silu") != "silu":
         _refuse("hidden_act", d.get("hidden_act"), "only silu (SwiGLU experts) is supported")
     if d.get("scoring_func", "sigmoid") != "sigmoid":
@@ -424,6 +429,7 @@ def config_from_dict(raw: dict) -> ModelConfig:
         model_type=model_type,
         weight_prefix=prefix,
         num_nextn_predict_layers=_int(d, "num_nextn_predict_layers", minimum=0, allow_none_as=0),
+        quantization=quantization,
         raw=raw,
     )
 

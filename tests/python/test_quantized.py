@@ -1,0 +1,474 @@
+"""Quantized checkpoints: compressed-tensors `pack-quantized` integer weights (the format of Kimi
+K2-Thinking's INT4 release), read by kdtree_native.quantization + checkpoint.load_weights.
+
+* config parsing: the Kimi-shaped scheme accepted, and every setting the loader cannot honour
+  refused with the field named;
+* NumPy only: checkpoints packed here by a writer that follows the format's description field by
+  field (independent of the loader's vectorised unpacking), loaded back equal to (q - zp) * scale
+  rounded to the scale's dtype (BF16 by hf_models.to_bf16); clear errors for damaged parts;
+* with torch + compressed-tensors: the loader's weights bit for bit against compressed-tensors'
+  own decompressor for several schemes, and the engine on a Kimi-shaped INT4 checkpoint against
+  HF transformers (which loads it through compressed-tensors): the same dequantized weights,
+  logits within 1e-4, DDTree == AR;
+* with a CUDA device: the CUDA engine on that checkpoint against the CPU engine.
+"""
+import copy
+import json
+import os
+
+import numpy as np
+import pytest
+
+import kdtree_native as kn
+from hf_models import config_dict, random_weights, to_bf16, to_bf16_bits
+from kdtree_native.checkpoint import load_weights
+from kdtree_native.config import config_from_dict, load_config
+from kdtree_native.quantization import WeightQuantization, dequantize_packed, unpack_fields
+from test_checkpoint import write_safetensors
+
+# Shaped like Kimi K2-Thinking's quantization_config: 4-bit symmetric integers in groups of 32 for
+# every Linear except attention, shared experts, dense MLPs and lm_head.
+KIMI_QC = {
+    "config_groups": {"group_0": {
+        "input_activations": None, "output_activations": None, "targets": ["Linear"],
+        "weights": {"actorder": None, "block_structure": None, "dynamic": False, "group_size": 32,
+                    "num_bits": 4, "observer": "minmax", "observer_kwargs": {}, "strategy": "group",
+                    "symmetric": True, "type": "int"}}},
+    "format": "pack-quantized",
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"],
+    "kv_cache_scheme": None, "quant_method": "compressed-tensors", "quantization_status": "compressed",
+}
+# The tiny model with widths that group_size 32 divides (hidden 64, experts 32 wide).
+KIMI_LIKE = dict(hidden_size=64, moe_intermediate_size=32, intermediate_size=96)
+
+
+def qc_with(group_size=32, num_bits=4, strategy="group", symmetric=True, ignore=None):
+    qc = copy.deepcopy(KIMI_QC)
+    w = qc["config_groups"]["group_0"]["weights"]
+    w.update(group_size=group_size if strategy == "group" else None, num_bits=num_bits, strategy=strategy,
+             symmetric=symmetric)
+    if ignore is not None:
+        qc["ignore"] = ignore
+    return qc
+
+
+# ---- config -----------------------------------------------------------------------------------
+
+def test_config_reads_the_kimi_scheme():
+    cfg = config_from_dict(dict(config_dict(KIMI_LIKE), quantization_config=KIMI_QC))
+    spec = cfg.quantization
+    assert spec.method == "compressed-tensors" and spec.format == "pack-quantized"
+    s = spec.scheme_for("model.layers.1.mlp.experts.3.down_proj")
+    assert s == WeightQuantization(num_bits=4, strategy="group", group_size=32, symmetric=True)
+    for name in ("model.layers.1.self_attn.q_a_proj", "model.layers.1.mlp.shared_experts.up_proj",
+                 "model.layers.0.mlp.gate_proj", "lm_head"):
+        assert spec.scheme_for(name) is None, name
+    # K2.5 keeps the quantization_config at the top level, beside text_config
+    k25 = config_from_dict({"text_config": config_dict(KIMI_LIKE), "quantization_config": KIMI_QC})
+    assert k25.quantization == spec and k25.weight_prefix == "language_model."
+    assert config_from_dict(config_dict(KIMI_LIKE)).quantization is None
+
+
+def _weights(**kw):
+    return ("config_groups", {"g": {"targets": ["Linear"], "weights": dict(
+        dict(num_bits=4, strategy="group", group_size=32, symmetric=True, type="int"), **kw)}})
+
+
+@pytest.mark.parametrize("change, field", [
+    (("quant_method", "fp8"), "quant_method"),
+    (("format", "float-quantized"), "format"),
+    (("quantization_status", "frozen"), "quantization_status"),
+    (("kv_cache_scheme", {"num_bits": 8}), "kv_cache_scheme"),
+    (("config_groups", {}), "config_groups"),
+    (("config_groups", {"g": {"targets": ["Linear"], "weights": {"num_bits": 4, "strategy": "group",
+                                                                   "group_size": 32},
+                              "input_activations": {"num_bits": 8}}}), "input_activations"),
+    (("config_groups", {"g": {"targets": [], "weights": {}}}), "targets"),
+    (("config_groups", {"g": {"targets": ["re:("], "weights": {}}}), "targets"),
+    (("ignore", ["re:[z-a]"]), "ignore"),
+    (_weights(num_bits=3), "num_bits"),
+    (_weights(num_bits=True), "num_bits"),
+    (_weights(type="float"), "type"),
+    (_weights(strategy="block"), "strategy"),
+    (_weights(group_size=None), "group_size"),
+    (_weights(group_size=0), "group_size"),
+    (_weights(symmetric="yes"), "symmetric"),
+    (_weights(dynamic=True), "dynamic"),
+    (_weights(actorder="group"), "actorder"),
+])
+def test_config_refuses_what_the_loader_cannot_read(change, field):
+    qc = copy.deepcopy(KIMI_QC)
+    qc[change[0]] = change[1]
+    with pytest.raises(ValueError, match=f"quantization_config.*{field}"):
+        config_from_dict(dict(config_dict(KIMI_LIKE), quantization_config=qc))
+
+
+# ---- NumPy: a field-by-field writer of the format ---------------------------------------------
+
+def pack_rows(q, bits):
+    """int [rows, cols] in [-2**(bits-1), 2**(bits-1)) -> int32 [rows, ceil(cols * bits / 32)]: each
+    value + 2**(bits-1) as a `bits`-wide field; 32 / bits fields a word, column c in word
+    c // (32 / bits) at bit (c % (32 / bits)) * bits. Written one field at a time on purpose."""
+    per = 32 // bits
+    rows, cols = q.shape
+    words = np.zeros((rows, -(-cols // per)), dtype=np.uint64)
+    for r in range(rows):
+        for c in range(cols):
+            field = int(q[r, c]) + (1 << (bits - 1))
+            assert 0 <= field < (1 << bits)
+            words[r, c // per] |= np.uint64(field << ((c % per) * bits))
+    return words.astype(np.uint32).view(np.int32)
+
+
+SCALE_DTYPES = {"BF16": np.uint16, "F16": np.float16, "F32": np.float32}
+
+
+def stored_scale(values, st_dtype):
+    """(array to write, the float32 values it holds)."""
+    v = np.asarray(values, dtype=np.float32)
+    if st_dtype == "BF16":
+        return to_bf16_bits(v).reshape(v.shape), to_bf16(v)
+    if st_dtype == "F16":
+        h = v.astype(np.float16)
+        return h, h.astype(np.float32)
+    return v, v
+
+
+def round_like(x, st_dtype):
+    x = np.asarray(x, dtype=np.float32)
+    if st_dtype == "BF16":
+        return to_bf16(x)
+    if st_dtype == "F16":
+        return x.astype(np.float16).astype(np.float32)
+    return x
+
+
+def quantize_numpy(name, w, scheme, st_dtype, rng):
+    """A quantized Linear's tensors {suffix: array} for float weight w, and the float32 weight the
+    loader must give back, computed here in float64 then rounded once to the scale's dtype."""
+    out_f, in_f = w.shape
+    bits = scheme.num_bits
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    if scheme.strategy == "group":
+        ng = in_f // scheme.group_size
+        col_group = np.arange(in_f) // scheme.group_size
+        sc_shape = (out_f, ng)
+    elif scheme.strategy == "channel":
+        ng, col_group, sc_shape = 1, np.zeros(in_f, int), (out_f, 1)
+    else:
+        ng, col_group, sc_shape = 1, np.zeros(in_f, int), (1,)
+    raw_scale = np.abs(rng.standard_normal(sc_shape)) * 0.05 + 0.01
+    scale_arr, scale = stored_scale(raw_scale, st_dtype)
+    if scheme.strategy == "group":
+        sc_cols = scale[:, col_group]
+    elif scheme.strategy == "channel":
+        sc_cols = np.broadcast_to(scale, (out_f, in_f))
+    else:
+        sc_cols = np.full((out_f, in_f), scale[0])
+    parts = {}
+    if scheme.symmetric:
+        zp_cols = np.zeros((out_f, in_f))
+    else:
+        zshape = (out_f, ng) if scheme.strategy != "tensor" else (1,)
+        zp = rng.integers(lo, hi + 1, zshape)
+        if scheme.strategy == "tensor":
+            parts[".weight_zero_point"] = zp.astype(np.int32)
+            zp_cols = np.full((out_f, in_f), zp[0])
+        else:
+            parts[".weight_zero_point"] = np.ascontiguousarray(pack_rows(np.ascontiguousarray(zp.T), bits).T)
+            zp_cols = zp[:, col_group] if scheme.strategy == "group" else np.broadcast_to(zp, (out_f, in_f))
+    q = np.clip(np.round(w / sc_cols + zp_cols), lo, hi).astype(np.int64)
+    parts[".weight_packed"] = pack_rows(q, bits)
+    parts[".weight_scale"] = scale_arr
+    parts[".weight_shape"] = np.array([out_f, in_f], dtype=np.int32)
+    expect = round_like((q - zp_cols).astype(np.float64) * sc_cols.astype(np.float64), st_dtype)
+    return parts, expect
+
+
+def write_quantized(dirpath, cfg_dict, qc, weights, quantize, st_dtype, seed=0, extra=None):
+    """A checkpoint dir: `weights` {name: float32}, the Linears for which quantize(name) is true stored
+    packed under `qc`'s scheme. Returns {name: the float32 weight the loader must give}."""
+    cfg = config_from_dict(dict(cfg_dict, quantization_config=qc))
+    rng = np.random.default_rng(seed)
+    tensors, expect = {}, {}
+    for name, w in weights.items():
+        module = name[:-len(".weight")]
+        if name.endswith(".weight") and quantize(name):
+            scheme = cfg.quantization.scheme_for(module)
+            parts, back = quantize_numpy(name, w, scheme, st_dtype, rng)
+            for suffix, arr in parts.items():
+                tensors[module + suffix] = arr
+            expect[name] = back
+        else:
+            tensors[name] = w.astype(np.float32)
+            expect[name] = w.astype(np.float32)
+    if extra:
+        extra(tensors)
+    os.makedirs(dirpath, exist_ok=True)
+    with open(os.path.join(dirpath, "config.json"), "w") as f:
+        json.dump(dict(cfg_dict, quantization_config=qc), f)
+    write_safetensors(os.path.join(dirpath, "model.safetensors"), {
+        k: (v if v.dtype != np.int64 else v.astype(np.int32)) for k, v in tensors.items()})
+    return expect
+
+
+def is_expert(name):
+    return ".mlp.experts." in name
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+def test_unpack_fields_against_the_field_writer(bits):
+    rng = np.random.default_rng(bits)
+    for cols in (1, 7, 32, 33, 70):
+        q = rng.integers(-(1 << (bits - 1)), 1 << (bits - 1), (5, cols))
+        assert np.array_equal(unpack_fields(pack_rows(q, bits), bits, cols), q)
+
+
+SCHEMES = [  # (num_bits, strategy, group_size, symmetric, scale dtype)
+    (4, "group", 32, True, "BF16"),     # Kimi K2-Thinking
+    (4, "group", 16, False, "BF16"),
+    (8, "channel", None, False, "F16"),
+    (2, "tensor", None, True, "F32"),
+    (8, "tensor", None, False, "BF16"),
+    (1, "group", 8, True, "F16"),
+]
+
+
+@pytest.mark.parametrize("bits, strategy, gs, sym, sdt", SCHEMES)
+def test_load_dequantizes_exactly(tmp_path, bits, strategy, gs, sym, sdt):
+    d = config_dict(KIMI_LIKE)
+    qc = qc_with(gs, bits, strategy, sym)
+    weights = {k: v.astype(np.float32) for k, v in random_weights(config_from_dict(d), seed=3).items()}
+    expect = write_quantized(tmp_path, d, qc, weights, is_expert, sdt, seed=bits)
+    cfg = load_config(tmp_path)
+    got = load_weights(tmp_path, cfg)
+    assert sorted(got) == sorted(expect)
+    nq = 0
+    for name in expect:
+        assert got[name].dtype == np.float32 and np.array_equal(got[name], expect[name]), name
+        nq += is_expert(name)
+    assert nq == 3 * cfg.n_routed_experts * (cfg.num_hidden_layers - cfg.first_k_dense_replace)
+    if sdt == "BF16":   # exactly BF16: the native models' BF16 weight copies apply
+        w = got["model.layers.1.mlp.experts.0.up_proj.weight"]
+        assert not (w.view(np.uint32) & 0xFFFF).any()
+
+
+def test_engine_on_a_numpy_packed_checkpoint_equals_the_float_one(tmp_path):
+    """The engine on the quantized checkpoint == the engine on its dequantized weights saved as F32."""
+    d = config_dict(KIMI_LIKE)
+    weights = {k: v.astype(np.float32) for k, v in random_weights(config_from_dict(d), seed=4).items()}
+    expect = write_quantized(tmp_path / "q", d, KIMI_QC, weights, is_expert, "BF16")
+    os.makedirs(tmp_path / "f")
+    with open(tmp_path / "f" / "config.json", "w") as f:
+        json.dump(d, f)
+    write_safetensors(str(tmp_path / "f" / "model.safetensors"), expect)
+    ids = np.array([3, 9, 27, 81, 100, 5, 7], dtype=np.int32)
+    a = kn.Engine.from_pretrained(tmp_path / "q", device="cpu")
+    b = kn.Engine.from_pretrained(tmp_path / "f", device="cpu")
+    assert a.config.quantization is not None and b.config.quantization is None
+    assert np.array_equal(a.prefill(ids), b.prefill(ids))
+    from kdtree_native.drafters import NgramDrafter
+    ar = a.generate(ids, 24)
+    dd = a.generate(ids, 24, drafter=NgramDrafter(), tree_budget=8, depth=4)
+    assert np.array_equal(ar.tokens, b.generate(ids, 24).tokens) and np.array_equal(dd.tokens, ar.tokens)
+
+
+EXPERT = "model.layers.1.mlp.experts.2.down_proj"
+
+
+def _nan_scale(t):
+    s = t[EXPERT + ".weight_scale"].copy()
+    s[0, 0] = 0x7FC0   # a BF16 NaN
+    t[EXPERT + ".weight_scale"] = s
+
+
+def _rename(suffix_from, suffix_to):
+    def f(t):
+        t[EXPERT + suffix_to] = t.pop(EXPERT + suffix_from)
+    return f
+
+
+@pytest.mark.parametrize("mutate, qc, match", [
+    (lambda t: t.pop(EXPERT + ".weight_scale"), KIMI_QC, "down_proj: no .weight_scale"),
+    (lambda t: t.pop(EXPERT + ".weight_packed"), KIMI_QC, "without .weight_packed"),
+    (lambda t: t.__setitem__(EXPERT + ".weight_g_idx", np.zeros(24, np.int32)), KIMI_QC, "g_idx"),
+    (lambda t: t.__setitem__(EXPERT + ".weight_zero_point", np.zeros((1, 1), np.int32)), KIMI_QC,
+     "zero_point for a symmetric"),
+    (lambda t: t.__setitem__(EXPERT + ".weight_shape", np.array([64, 31], np.int32)), KIMI_QC,
+     r"weight_shape says \[64, 31\], expected \[64, 32\]"),
+    (lambda t: t.__setitem__(EXPERT + ".weight_packed", t[EXPERT + ".weight_packed"].view(np.float32)), KIMI_QC,
+     "weight_packed has dtype F32"),
+    (lambda t: t.__setitem__(EXPERT + ".weight_packed", t[EXPERT + ".weight_packed"][:, :-1].copy()), KIMI_QC,
+     r"weight_packed: shape \[64, 3\], expected \[64, 4\]"),
+    (lambda t: t.__setitem__(EXPERT + ".weight_scale", t[EXPERT + ".weight_scale"][:-1].copy()), KIMI_QC,
+     r"weight_scale: shape \[63, 1\], expected \[64, 1\]"),
+    (_nan_scale, KIMI_QC, "weight_scale contains NaN"),
+    (lambda t: t.__setitem__(EXPERT + ".weight", np.zeros((64, 32), np.float32)), KIMI_QC, "beside a float weight"),
+    (None, qc_with(ignore=["re:.*experts\\.2\\.down.*"]), "no quantization_config group covers it"),
+    (None, qc_with(symmetric=False), "no .weight_zero_point"),
+])
+def test_damaged_quantized_parts_are_named(tmp_path, mutate, qc, match):
+    d = config_dict(KIMI_LIKE)
+    weights = {k: v.astype(np.float32) for k, v in random_weights(config_from_dict(d), seed=6).items()}
+    write_quantized(tmp_path, d, KIMI_QC, weights, is_expert, "BF16", extra=mutate)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(dict(d, quantization_config=qc), f)
+    with pytest.raises(ValueError, match=match):
+        load_weights(tmp_path, load_config(tmp_path))
+    with pytest.raises(ValueError, match=match):
+        kn.Engine.from_pretrained(tmp_path, device="cpu")
+
+
+def test_quantized_parts_without_a_quantization_config_are_unexpected(tmp_path):
+    d = config_dict(KIMI_LIKE)
+    weights = {k: v.astype(np.float32) for k, v in random_weights(config_from_dict(d), seed=7).items()}
+    write_quantized(tmp_path, d, KIMI_QC, weights, is_expert, "BF16")
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(d, f)
+    with pytest.raises(ValueError, match=r"unexpected .*weight_packed"):
+        load_weights(tmp_path, load_config(tmp_path))
+
+
+def test_a_quantization_config_over_float_weights_loads_them(tmp_path):
+    """Modules the config would quantize but stored as float: read as float (nothing to undo)."""
+    d = config_dict(KIMI_LIKE)
+    weights = {k: v.astype(np.float32) for k, v in random_weights(config_from_dict(d), seed=8).items()}
+    expect = write_quantized(tmp_path, d, KIMI_QC, weights, lambda n: False, "BF16")
+    got = load_weights(tmp_path, load_config(tmp_path))
+    assert all(np.array_equal(got[k], expect[k]) for k in expect)
+
+
+# ---- against compressed-tensors and HF transformers -------------------------------------------
+
+def require_ct():
+    torch = pytest.importorskip("torch")
+    try:
+        from compressed_tensors.compressors.pack_quantized.helpers import pack_to_int32
+        from compressed_tensors.compressors import PackedQuantizationCompressor
+        from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    except Exception as e:   # absent or broken
+        pytest.skip(f"compressed-tensors not usable: {e}")
+    return torch, pack_to_int32, PackedQuantizationCompressor, QuantizationArgs, QuantizationScheme
+
+
+@pytest.mark.parametrize("bits, strategy, gs, sym, sdt", SCHEMES + [(4, "channel", None, True, "BF16")])
+def test_dequantize_equals_compressed_tensors(bits, strategy, gs, sym, sdt):
+    torch, pack_to_int32, Compressor, QArgs, QScheme = require_ct()
+    tdt = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32}[sdt]
+    args = QArgs(num_bits=bits, type="int", strategy=strategy, group_size=gs, symmetric=sym)
+    scheme = QScheme(targets=["Linear"], weights=args)
+    gen = torch.Generator().manual_seed(bits * 10 + len(strategy))
+    out_f, in_f = 40, 64
+    ng = in_f // gs if strategy == "group" else 1
+    lo, hi = -(1 << (bits - 1)), (1 << (bits - 1)) - 1
+    q = torch.randint(lo, hi + 1, (out_f, in_f), generator=gen, dtype=torch.int8)
+    sshape = (out_f, ng) if strategy != "tensor" else (1,)
+    scale = (torch.rand(sshape, generator=gen) * 0.3 + 1e-3).to(tdt)
+    sd = {"weight_packed": pack_to_int32(q, bits), "weight_scale": scale,
+          "weight_shape": torch.tensor([out_f, in_f])}
+    zp_np = None
+    if not sym:
+        zp = torch.randint(lo, hi + 1, sshape, generator=gen, dtype=torch.int8)
+        if strategy == "tensor":
+            sd["weight_zero_point"] = zp
+            zp_np = zp.numpy().astype(np.int32)
+        else:
+            sd["weight_zero_point"] = pack_to_int32(zp, bits, packed_dim=0)
+            zp_np = sd["weight_zero_point"].numpy()
+    ref = Compressor.decompress(dict(sd), scheme)["weight"].to(torch.float32).numpy()
+    ours = dequantize_packed("m", WeightQuantization(bits, strategy, gs, sym), (out_f, in_f),
+                             sd["weight_packed"].numpy(), scale.to(torch.float32).numpy(), sdt, zp_np)
+    assert np.array_equal(ours, ref)
+
+
+@pytest.fixture(scope="module")
+def kimi_like_int4(tmp_path_factory):
+    """A Kimi-shaped INT4 checkpoint built from a random HF model: its experts quantized with
+    compressed-tensors (scales = group absmax / 7, BF16), packed by compressed-tensors."""
+    torch, pack_to_int32, *_ = require_ct()
+    from hf_models import make_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    base = tmp_path_factory.mktemp("int4")
+    fp = make_checkpoint(str(base / "bf16"), KIMI_LIKE, seed=11, dtype="bfloat16")
+    sd = load_file(os.path.join(fp, "model.safetensors"))
+    out = {}
+    for k, v in sd.items():
+        if is_expert(k) and k.endswith(".weight"):
+            w = v.float()
+            o, i = w.shape
+            g = w.reshape(o, i // 32, 32)
+            scale = (g.abs().amax(-1) / 7.0).clamp(min=1e-8).to(torch.bfloat16)
+            q = torch.clamp(torch.round(g / scale.float().unsqueeze(-1)), -8, 7).to(torch.int8).reshape(o, i)
+            m = k[:-len(".weight")]
+            out[m + ".weight_packed"] = pack_to_int32(q, 4)
+            out[m + ".weight_scale"] = scale
+            out[m + ".weight_shape"] = torch.tensor([o, i])
+        else:
+            out[k] = v
+    qdir = base / "int4"
+    os.makedirs(qdir)
+    save_file(out, str(qdir / "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(fp, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = KIMI_QC
+    with open(qdir / "config.json", "w") as f:
+        json.dump(cfg, f)
+    return qdir
+
+
+def _hf_int4(path):
+    """HF transformers' model of the INT4 checkpoint (decompressed by compressed-tensors), with
+    every parameter widened to float32 (the decompressed experts come as BF16)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    try:
+        model = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    except Exception as e:   # this transformers cannot read compressed-tensors checkpoints
+        pytest.skip(f"transformers could not load the compressed-tensors checkpoint: {e}")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data = p.data.float()
+    model.eval()
+    return model
+
+
+def test_int4_checkpoint_matches_hf_transformers(kimi_like_int4):
+    torch = pytest.importorskip("torch")
+    model = _hf_int4(kimi_like_int4)
+    cfg = load_config(kimi_like_int4)
+    ours = load_weights(kimi_like_int4, cfg)
+    inter = cfg.moe_intermediate_size
+    # the dequantized experts: the same values HF holds (it stores them fused, gate then up)
+    for li in range(cfg.first_k_dense_replace, cfg.num_hidden_layers):
+        ex = model.model.layers[li].mlp.experts
+        gu, dn = ex.gate_up_proj.detach().numpy(), ex.down_proj.detach().numpy()
+        for e in range(cfg.n_routed_experts):
+            p = f"model.layers.{li}.mlp.experts.{e}."
+            assert np.array_equal(ours[p + "gate_proj.weight"], gu[e][:inter])
+            assert np.array_equal(ours[p + "up_proj.weight"], gu[e][inter:])
+            assert np.array_equal(ours[p + "down_proj.weight"], dn[e])
+    ids = np.random.default_rng(1).integers(2, cfg.vocab_size, 12)
+    with torch.no_grad():
+        ref = model(torch.as_tensor(ids)[None], use_cache=False).logits[0].numpy()
+    eng = kn.Engine.from_pretrained(kimi_like_int4, device="cpu")
+    got = eng.prefill(ids)
+    assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
+    from kdtree_native.drafters import NgramDrafter
+    ar = eng.generate(ids, 32)
+    assert np.array_equal(eng.generate(ids, 32, drafter=NgramDrafter(), tree_budget=16, depth=6).tokens, ar.tokens)
+
+
+@pytest.mark.cuda
+def test_int4_checkpoint_on_cuda_matches_cpu(kimi_like_int4):
+    if not kn.cuda_available():
+        pytest.skip("no usable CUDA device")
+    ids = np.random.default_rng(2).integers(2, 150, 20)
+    cpu = kn.Engine.from_pretrained(kimi_like_int4, device="cpu")
+    gpu = kn.Engine.from_pretrained(kimi_like_int4, device="cuda")
+    a, b = cpu.prefill(ids), gpu.prefill(ids)
+    assert np.abs(a - b).max() <= 1e-4 * np.abs(a).max()
+    from kdtree_native.drafters import NgramDrafter
+    ar = gpu.generate(ids, 32)
+    assert np.array_equal(ar.tokens, cpu.generate(ids, 32).tokens)
+    assert np.array_equal(gpu.generate(ids, 32, drafter=NgramDrafter(), tree_budget=16, depth=6).tokens, ar.tokens)
