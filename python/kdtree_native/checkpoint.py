@@ -29,7 +29,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from .config import ModelConfig
-from .quantization import QUANT_SUFFIXES, dequantize_packed
+from .quantization import dequantize_fp8, dequantize_packed
 
 __all__ = ["expected_weight_shapes", "load_weights", "read_safetensors_header", "SafetensorsFile"]
 
@@ -48,6 +48,7 @@ _ST_DTYPES = {
     "I8": (np.dtype("i1"), 1),
     "U8": (np.dtype("u1"), 1),
     "BOOL": (np.dtype("?"), 1),
+    "F8_E4M3": (np.dtype("u1"), 1),  # raw bytes; only an FP8 checkpoint's weights (quantization.py)
 }
 _FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 _MAX_HEADER = 100 * 1024 * 1024   # safetensors' own limit on the JSON header
@@ -269,9 +270,9 @@ def _checkpoint_files(model_dir: str) -> tuple[list, Optional[dict]]:
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
 
 
-def _quant_part(name: str):
+def _quant_part(name: str, suffixes):
     """(module, suffix) when `name` is one of a quantized Linear's tensors, else (None, None)."""
-    for suffix in QUANT_SUFFIXES:
+    for suffix in suffixes:
         if name.endswith(suffix):
             return name[:-len(suffix)], suffix
     return None, None
@@ -312,6 +313,11 @@ def _quant_parts_problem(parts: dict, scheme, shape: tuple) -> Optional[str]:
 
 
 def _dequantize(module: str, shape, scheme, parts: dict) -> np.ndarray:
+    if ".weight_scale_inv" in parts:   # FP8
+        st, full = parts[".weight_scale_inv"]
+        scale = _to_float(st.raw(full), st.dtype(full), np.float32)
+        st, full = parts[".weight"]
+        return dequantize_fp8(module, shape, st.raw(full), scale, scheme.weight_block_size)
     st, full = parts[".weight_scale"]
     sdt = st.dtype(full)
     scale = _to_float(st.raw(full), sdt, np.float32)
@@ -385,7 +391,7 @@ def load_weights(model_dir, cfg: ModelConfig, dtype=np.float32,
                 if (cfg.n_shared_experts == 0 and ".mlp.shared_experts." in name
                         and 0 in st.shape(full)):
                     continue          # HF saves zero-sized shared experts when n_shared_experts == 0
-                base, suffix = _quant_part(name) if quant is not None else (None, None)
+                base, suffix = _quant_part(name, quant.suffixes) if quant is not None else (None, None)
                 if base is not None and base + ".weight" in expected:
                     parts = qparts.setdefault(base, {})
                     if suffix in parts:
@@ -400,6 +406,24 @@ def load_weights(model_dir, cfg: ModelConfig, dtype=np.float32,
                 continue
             where[name] = (st, full)
     quantized = {}                    # weight name -> (scheme, {suffix: (st, full)})
+    if quant is not None and quant.method == "fp8":
+        for base, parts in sorted(qparts.items()):   # a .weight_scale_inv: its F8_E4M3 .weight
+            wname = base + ".weight"
+            if wname not in where:
+                continue                  # reported as missing below
+            st, full = where[wname]
+            if st.dtype(full) != "F8_E4M3":
+                mismatched.append(f"{full}: dtype {st.dtype(full)} with a .weight_scale_inv (FP8 weights are F8_E4M3)")
+                continue
+            if st.shape(full) != tuple(expected[wname]):
+                mismatched.append(f"{full}: shape {list(st.shape(full))}, expected {list(expected[wname])}")
+                continue
+            sst, sfull = parts[".weight_scale_inv"]
+            if sst.dtype(sfull) not in ("F32", "BF16", "F16"):
+                mismatched.append(f"{sfull}: dtype {sst.dtype(sfull)}, expected F32, BF16 or F16")
+                continue
+            quantized[wname] = (quant, dict(parts, **{".weight": where.pop(wname)}))
+        qparts = {}
     for base, parts in sorted(qparts.items()):
         wname = base + ".weight"
         full_base = prefix + base
@@ -416,6 +440,8 @@ def load_weights(model_dir, cfg: ModelConfig, dtype=np.float32,
     for name, (st, full) in where.items():
         if st.shape(full) != tuple(expected[name]):
             mismatched.append(f"{full}: shape {list(st.shape(full))}, expected {list(expected[name])}")
+        elif st.dtype(full) == "F8_E4M3" and quant is not None and quant.method == "fp8":
+            mismatched.append(f"{full}: an F8_E4M3 weight without its .weight_scale_inv")
         elif st.dtype(full) not in _FLOAT_DTYPES:
             mismatched.append(f"{full}: dtype {st.dtype(full)} is not a float type")
     if missing or unexpected or mismatched:

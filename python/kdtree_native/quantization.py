@@ -1,4 +1,15 @@
-"""Quantized checkpoints: compressed-tensors `pack-quantized` integer weights (W4A16 and kin).
+"""Quantized checkpoints: compressed-tensors `pack-quantized` integer weights (W4A16 and kin) and
+block-scaled FP8 (the format of DeepSeek-V3's and Kimi K2's releases).
+
+FP8 (`quant_method` "fp8", `fmt` "e4m3", `weight_block_size` [rows, cols], activation scheme
+"dynamic"): a quantized Linear stores its `.weight` as F8_E4M3 bytes and a float32 (or BF16 / F16)
+`.weight_scale_inv` [ceil(out / rows), ceil(in / cols)]; `dequantize_fp8` gives each weight the
+e4m3 value times its block's scale, rounded to float32, which is what HF transformers'
+Fp8Dequantize gives a float32 model (HF derives the block from the scale grid and so refuses
+widths that are not a multiple of the block; the edge blocks here are partial, as in DeepSeek's
+own dequantization). The activations stay FP32 (HF's dequantized model does the same).
+
+Integer weights (compressed-tensors):
 
 Where it sits: `config.config_from_dict` parses a config.json `quantization_config` into a
 `QuantizationSpec` (`ModelConfig.quantization`), and `checkpoint.load_weights` turns each stored
@@ -38,10 +49,12 @@ from typing import Optional
 import numpy as np
 
 __all__ = ["WeightQuantization", "QuantizationSpec", "parse_quantization_config", "dequantize_packed",
-           "QUANT_SUFFIXES", "BITS_SUPPORTED"]
+           "dequantize_fp8", "e4m3_values", "QUANT_SUFFIXES", "FP8_SUFFIXES", "BITS_SUPPORTED"]
 
-# Tensors a quantized Linear `<module>` stores instead of `<module>.weight`.
+# Tensors a quantized Linear `<module>` stores instead of `<module>.weight` (compressed-tensors),
+# or beside its F8_E4M3 `.weight` (fp8).
 QUANT_SUFFIXES = (".weight_packed", ".weight_scale", ".weight_shape", ".weight_zero_point", ".weight_g_idx")
+FP8_SUFFIXES = (".weight_scale_inv",)
 BITS_SUPPORTED = (1, 2, 4, 8)
 _STRATEGIES = ("group", "channel", "tensor")
 _FORMATS = ("pack-quantized",)
@@ -69,10 +82,11 @@ class WeightQuantization:
 class QuantizationSpec:
     """A parsed `quantization_config` (compressed-tensors, pack-quantized)."""
 
-    method: str                                           # "compressed-tensors"
-    format: str                                           # "pack-quantized"
+    method: str                                           # "compressed-tensors" | "fp8"
+    format: str                                           # "pack-quantized" | "e4m3"
     groups: tuple                                         # ((name, targets tuple, WeightQuantization), ...)
-    ignore: tuple                                         # target strings
+    ignore: tuple                                         # target strings (fp8: modules_to_not_convert)
+    weight_block_size: Optional[tuple] = None             # fp8: (rows, columns) of one scale's block
 
     def scheme_for(self, module: str) -> Optional[WeightQuantization]:
         """The weight scheme of the Linear module `module` (its full name in the checkpoint, e.g.
@@ -84,7 +98,14 @@ class QuantizationSpec:
                 return scheme
         return None
 
+    @property
+    def suffixes(self) -> tuple:
+        """The tensors a quantized Linear `<module>` stores besides (fp8) or instead of its `.weight`."""
+        return FP8_SUFFIXES if self.method == "fp8" else QUANT_SUFFIXES
+
     def describe(self) -> str:
+        if self.method == "fp8":
+            return f"FP8 e4m3 weights, one scale per {self.weight_block_size[0]}x{self.weight_block_size[1]} block"
         return "; ".join(f"{s.describe()} for {list(t)}" for _, t, s in self.groups) + (
             f" (ignoring {list(self.ignore)})" if self.ignore else "")
 
@@ -109,10 +130,11 @@ def parse_quantization_config(qc) -> QuantizationSpec:
     if not isinstance(qc, dict):
         raise ValueError(f"unsupported config: `quantization_config` = {qc!r}: must be a JSON object")
     method = qc.get("quant_method")
+    if method == "fp8":
+        return _parse_fp8(qc)
     if method != "compressed-tensors":
-        _refuse("quant_method", method, "the supported quantized format is compressed-tensors pack-quantized "
-                                        "integer weights (e.g. Kimi K2-Thinking INT4); FP8 and other methods are "
-                                        "not read yet")
+        _refuse("quant_method", method, "supported: 'fp8' (block-scaled FP8, DeepSeek-V3 / Kimi K2) and "
+                                        "'compressed-tensors' pack-quantized integer weights (Kimi K2-Thinking INT4)")
     fmt = qc.get("format")
     if fmt not in _FORMATS:
         _refuse("format", fmt, f"supported: {list(_FORMATS)}")
@@ -149,6 +171,25 @@ def parse_quantization_config(qc) -> QuantizationSpec:
             _check_regex(f"{where}.targets", t)
         groups.append((str(gname), tuple(targets), _parse_weights(f"{where}.weights", g.get("weights"))))
     return QuantizationSpec(method=method, format=fmt, groups=tuple(groups), ignore=tuple(ignore))
+
+
+def _parse_fp8(qc: dict) -> QuantizationSpec:
+    fmt = qc.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        _refuse("fmt", fmt, "only e4m3 FP8 weights are read")
+    act = qc.get("activation_scheme", "dynamic")
+    if act != "dynamic":
+        _refuse("activation_scheme", act, "only 'dynamic' (no stored activation scales; the engine's activations "
+                                          "stay FP32)")
+    bs = qc.get("weight_block_size")
+    if (not isinstance(bs, list) or len(bs) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and 1 <= b <= 2**31 - 1 for b in bs)):
+        _refuse("weight_block_size", bs, "must be two positive integers [rows, columns] (per-tensor FP8 is not read)")
+    skip = qc.get("modules_to_not_convert") or []
+    if not isinstance(skip, list) or not all(isinstance(t, str) for t in skip):
+        _refuse("modules_to_not_convert", skip, "must be a list of strings")
+    return QuantizationSpec(method="fp8", format="e4m3", groups=(), ignore=tuple(skip),
+                            weight_block_size=(bs[0], bs[1]))
 
 
 def _parse_weights(where: str, w) -> WeightQuantization:
@@ -276,4 +317,49 @@ def dequantize_packed(module: str, scheme: WeightQuantization, shape, packed: np
     w = _round_to(np.ascontiguousarray(prod, dtype=np.float32), scale_dtype)
     if not np.isfinite(w).all():
         raise ValueError(f"{module}: dequantized weight overflows {scale_dtype} (scale too large)")
+    return w
+
+
+# ---- FP8 (block-scaled e4m3, DeepSeek-V3 / Kimi K2 releases) ---------------------------------
+
+def e4m3_values() -> np.ndarray:
+    """float32 [256]: the value of each FP8 e4m3fn byte (1 sign, 4 exponent bits with bias 7, 3
+    mantissa bits; exponent 0 subnormal; no infinities; S.1111.111 is NaN)."""
+    b = np.arange(256)
+    sign = np.where(b & 0x80, -1.0, 1.0)
+    e, m = (b >> 3) & 0xF, b & 0x7
+    v = np.where(e == 0, m / 8.0 * 2.0 ** -6, (1 + m / 8.0) * 2.0 ** (e - 7.0)) * sign
+    v[(b & 0x7F) == 0x7F] = np.nan
+    return v.astype(np.float32)
+
+
+_E4M3 = None
+
+
+def dequantize_fp8(module: str, shape, raw: np.ndarray, scale: np.ndarray, block) -> np.ndarray:
+    """One FP8 Linear's weight as float32 [out, in]: each e4m3 value times the float32 scale of its
+    block (`weight_scale_inv` [ceil(out / rows), ceil(in / cols)], the last block row / column
+    partial where the width is not a multiple, as DeepSeek's own dequantization does), the product
+    rounded to float32: what HF transformers' Fp8Dequantize gives a float32 model.
+    raw: uint8 [out, in] (the stored bytes). Raises ValueError naming `module` on a wrong scale
+    shape, a NaN weight byte or a non-finite scale."""
+    global _E4M3
+    if _E4M3 is None:
+        _E4M3 = e4m3_values()
+    out, cols = int(shape[0]), int(shape[1])
+    bm, bn = block
+    want = (-(-out // bm), -(-cols // bn))
+    s = np.asarray(scale, dtype=np.float32)
+    if tuple(s.shape) != want:
+        raise ValueError(f"{module}.weight_scale_inv: shape {list(s.shape)}, expected {list(want)} "
+                         f"(a [{out}, {cols}] weight in {bm}x{bn} blocks)")
+    if not np.isfinite(s).all():
+        raise ValueError(f"{module}.weight_scale_inv contains NaN or inf")
+    w = _E4M3[np.asarray(raw)]
+    if np.isnan(w).any():
+        raise ValueError(f"{module}.weight: an FP8 byte is NaN")
+    s_full = np.repeat(np.repeat(s, bm, axis=0)[:out], bn, axis=1)[:, :cols]
+    w *= s_full
+    if not np.isfinite(w).all():
+        raise ValueError(f"{module}: dequantized weight overflows float32 (scale too large)")
     return w

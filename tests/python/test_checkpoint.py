@@ -237,7 +237,7 @@ def write_raw_header(path, header_bytes, payload):
     ({"dtype": "F32", "shape": [2], "data_offsets": [-8, 0]}, "data_offsets"),
     ({"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}, "needs 12 bytes"),
     ({"dtype": "F32", "shape": [-1], "data_offsets": [0, 8]}, "shape"),
-    ({"dtype": "F8_E4M3", "shape": [2], "data_offsets": [0, 2]}, "unsupported dtype"),
+    ({"dtype": "F8_E5M2", "shape": [2], "data_offsets": [0, 2]}, "unsupported dtype"),
     ({"dtype": "F32", "shape": [2]}, "lacks"),
 ])
 def test_bad_entries(tmp_path, cfg, entry, match):

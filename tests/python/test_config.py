@@ -8,7 +8,8 @@ import pytest
 from hf_models import PARITY_CONFIGS, config_dict, require_hf
 from kdtree_native.config import ModelConfig, config_from_dict, load_config
 
-# The published DeepSeek-V3 config.json (FP8 block quantization removed further down).
+# The published DeepSeek-V3 config.json (its FP8 block quantization removed by `unquantized` where a test
+# is about the rest).
 DEEPSEEK_V3 = {
     "architectures": ["DeepseekV3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
     "aux_loss_alpha": 0.001, "bos_token_id": 0, "eos_token_id": 1, "ep_size": 1, "first_k_dense_replace": 3,
@@ -79,8 +80,10 @@ def test_kimi_k2_and_k25_nesting():
     # a quantization_config at the top level of K2.5 is seen too
     with pytest.raises(ValueError, match="quantization_config"):
         config_from_dict(dict(kimi_k25(unquantized(KIMI_K2)), quantization_config={"quant_method": "compressed-tensors"}))
-    with pytest.raises(ValueError, match="quantization_config"):
-        config_from_dict(kimi_k25(KIMI_K2))
+    # the published FP8 block quantization (inside text_config here) is read (test_quantized.py)
+    q = config_from_dict(kimi_k25(KIMI_K2)).quantization
+    assert q.method == "fp8" and q.weight_block_size == (128, 128)
+    assert config_from_dict(DEEPSEEK_V3).quantization == q
 
 
 def test_q_lora_null_and_defaults():

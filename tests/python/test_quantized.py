@@ -75,7 +75,7 @@ def _weights(**kw):
 
 
 @pytest.mark.parametrize("change, field", [
-    (("quant_method", "fp8"), "quant_method"),
+    (("quant_method", "gptq"), "quant_method"),
     (("format", "float-quantized"), "format"),
     (("quantization_status", "frozen"), "quantization_status"),
     (("kv_cache_scheme", {"num_bits": 8}), "kv_cache_scheme"),
@@ -417,9 +417,9 @@ def kimi_like_int4(tmp_path_factory):
     return qdir
 
 
-def _hf_int4(path):
-    """HF transformers' model of the INT4 checkpoint (decompressed by compressed-tensors), with
-    every parameter widened to float32 (the decompressed experts come as BF16)."""
+def _hf_quantized(path):
+    """HF transformers' model of a quantized checkpoint (dequantized by its loader: compressed-tensors
+    or FP8), with every parameter widened to float32 (compressed-tensors' experts come as BF16)."""
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     try:
@@ -435,7 +435,7 @@ def _hf_int4(path):
 
 def test_int4_checkpoint_matches_hf_transformers(kimi_like_int4):
     torch = pytest.importorskip("torch")
-    model = _hf_int4(kimi_like_int4)
+    model = _hf_quantized(kimi_like_int4)
     cfg = load_config(kimi_like_int4)
     ours = load_weights(kimi_like_int4, cfg)
     inter = cfg.moe_intermediate_size
@@ -472,3 +472,226 @@ def test_int4_checkpoint_on_cuda_matches_cpu(kimi_like_int4):
     ar = gpu.generate(ids, 32)
     assert np.array_equal(ar.tokens, cpu.generate(ids, 32).tokens)
     assert np.array_equal(gpu.generate(ids, 32, drafter=NgramDrafter(), tree_budget=16, depth=6).tokens, ar.tokens)
+
+
+# ---- FP8 (block-scaled e4m3: DeepSeek-V3 and Kimi K2's releases) -------------------------------
+
+FP8_QC = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [16, 16]}
+
+
+def test_e4m3_table_equals_torch():
+    torch = pytest.importorskip("torch")
+    from kdtree_native.quantization import e4m3_values
+
+    ref = torch.arange(256, dtype=torch.int32).to(torch.uint8).view(torch.float8_e4m3fn).to(torch.float32).numpy()
+    ours = e4m3_values()
+    assert np.array_equal(np.isnan(ours), np.isnan(ref)) and np.isnan(ours).sum() == 2
+    fin = ~np.isnan(ref)
+    assert np.array_equal(ours[fin], ref[fin]) and np.array_equal(np.signbit(ours[fin]), np.signbit(ref[fin]))
+
+
+def fp8_encode(x):
+    """float -> the nearest e4m3fn byte (ties to the even code), searching the finite codes: a
+    plain encoder for building test checkpoints (values are clipped to +-448)."""
+    from kdtree_native.quantization import e4m3_values
+
+    vals = e4m3_values().astype(np.float64)
+    codes = np.array([c for c in range(256) if np.isfinite(vals[c]) and c != 0x80])   # one zero
+    v = vals[codes]
+    x = np.clip(np.asarray(x, dtype=np.float64), -448, 448)
+    d = np.abs(x[..., None] - v)
+    best = d.min(-1, keepdims=True)
+    tie = d == best
+    pick = np.where(tie.sum(-1) > 1, np.argmax(tie & (codes % 2 == 0), -1), np.argmin(d, -1))
+    return codes[pick].astype(np.uint8)
+
+
+def write_fp8(dirpath, cfg_dict, weights, block, quantize, scale_dtype="F32", extra=None):
+    """An FP8 checkpoint: the Linears for which quantize(name) is true stored as F8_E4M3 bytes with a
+    `weight_scale_inv` per block (partial blocks at the edges); returns {name: the float32 weight
+    the loader must give}, computed here: byte value x the block's scale, exact in float64, rounded
+    once to float32."""
+    from kdtree_native.quantization import e4m3_values
+
+    vals = e4m3_values().astype(np.float64)
+    bm, bn = block
+    tensors, expect = {}, {}
+    for name, w in weights.items():
+        if not (name.endswith("_proj.weight") and quantize(name)):
+            tensors[name] = w.astype(np.float32)
+            expect[name] = w.astype(np.float32)
+            continue
+        o, i = w.shape
+        so, si = -(-o // bm), -(-i // bn)
+        scale = np.zeros((so, si), np.float32)
+        q = np.zeros((o, i), np.uint8)
+        for r in range(so):
+            for c in range(si):
+                blk = w[r * bm:(r + 1) * bm, c * bn:(c + 1) * bn]
+                sc = np.float32(max(np.abs(blk).max(), 1e-6) / 448.0)
+                stored, sc_val = stored_scale(np.array([sc]), scale_dtype)
+                scale[r, c] = sc_val[0]
+                q[r * bm:(r + 1) * bm, c * bn:(c + 1) * bn] = fp8_encode(blk / scale[r, c])
+        back = np.zeros((o, i), np.float64)
+        for r in range(o):
+            for c in range(i):
+                back[r, c] = vals[q[r, c]] * np.float64(scale[r // bm, c // bn])
+        tensors[name] = ("F8_E4M3", [o, i], q.tobytes())
+        tensors[name[:-len("weight")] + "weight_scale_inv"] = stored_scale(scale, scale_dtype)[0]
+        expect[name] = back.astype(np.float32)
+    if extra:
+        extra(tensors)
+    os.makedirs(dirpath, exist_ok=True)
+    with open(os.path.join(dirpath, "config.json"), "w") as f:
+        json.dump(dict(cfg_dict, quantization_config=dict(FP8_QC, weight_block_size=list(block))), f)
+    write_safetensors(os.path.join(dirpath, "model.safetensors"), tensors)
+    return expect
+
+
+@pytest.fixture(scope="module")
+def small_weights():
+    d = config_dict(KIMI_LIKE)
+    return d, {k: v.astype(np.float32) for k, v in random_weights(config_from_dict(d), seed=9).items()}
+
+
+@pytest.mark.parametrize("block, scale_dtype", [((16, 16), "F32"), ((5, 7), "BF16"), ((128, 128), "F32")])
+def test_fp8_load_dequantizes_exactly(tmp_path, small_weights, block, scale_dtype):
+    """Partial edge blocks included (5 x 7 and 16 x 16 blocks over 24-, 40-, 44-, 64-wide weights;
+    128 x 128: one partial block per weight), and a BF16 scale grid."""
+    d, weights = small_weights
+    expect = write_fp8(tmp_path, d, weights, block, lambda n: "layers.1" in n or "layers.0.self_attn" in n,
+                       scale_dtype)
+    cfg = load_config(tmp_path)
+    assert cfg.quantization.method == "fp8" and cfg.quantization.weight_block_size == block
+    got = load_weights(tmp_path, cfg)
+    assert sorted(got) == sorted(expect)
+    for name in expect:
+        assert got[name].dtype == np.float32 and np.array_equal(got[name], expect[name]), name
+    # and the engine runs it: == the engine on the dequantized weights saved as F32
+    os.makedirs(tmp_path / "f")
+    with open(tmp_path / "f" / "config.json", "w") as f:
+        json.dump(d, f)
+    write_safetensors(str(tmp_path / "f" / "model.safetensors"), expect)
+    ids = np.array([4, 8, 15, 16, 23, 42], dtype=np.int32)
+    assert np.array_equal(kn.Engine.from_pretrained(tmp_path, device="cpu").prefill(ids),
+                          kn.Engine.from_pretrained(tmp_path / "f", device="cpu").prefill(ids))
+
+
+FP8_MOD = "model.layers.1.self_attn.kv_b_proj"
+
+
+def _fp8_set(name, value):
+    return lambda t: t.__setitem__(name, value)
+
+
+def _fp8_nan_byte(t):
+    dt, shape, data = t[FP8_MOD + ".weight"]
+    t[FP8_MOD + ".weight"] = (dt, shape, b"\x7f" + data[1:])
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (_fp8_set(FP8_MOD + ".weight_scale_inv", np.ones((2, 1), np.float32)),
+     r"kv_b_proj.weight_scale_inv: shape \[2, 1\], expected \[3, 1\]"),
+    (_fp8_set(FP8_MOD + ".weight_scale_inv", np.full((3, 1), np.inf, np.float32)), "weight_scale_inv contains NaN"),
+    (_fp8_nan_byte, "an FP8 byte is NaN"),
+    (lambda t: t.pop(FP8_MOD + ".weight_scale_inv"), "F8_E4M3 weight without its .weight_scale_inv"),
+    (lambda t: t.pop(FP8_MOD + ".weight"), r"missing \(1\): model.layers.1.self_attn.kv_b_proj.weight"),
+    (_fp8_set(FP8_MOD + ".weight", np.zeros((44, 16), np.float32)), "dtype F32 with a .weight_scale_inv"),
+    (_fp8_set(FP8_MOD + ".weight", ("F8_E4M3", [44, 8], bytes(44 * 8))), r"shape \[44, 8\], expected \[44, 16\]"),
+    (_fp8_set(FP8_MOD + ".weight_scale_inv", np.ones((3, 1), np.int32)), "expected F32, BF16 or F16"),
+])
+def test_fp8_damaged_parts_are_named(tmp_path, small_weights, mutate, match):
+    d, weights = small_weights
+    write_fp8(tmp_path, d, weights, (16, 16), lambda n: True, extra=mutate)
+    with pytest.raises(ValueError, match=match):
+        load_weights(tmp_path, load_config(tmp_path))
+
+
+def test_fp8_weights_without_a_quantization_config_are_refused(tmp_path, small_weights):
+    d, weights = small_weights
+    write_fp8(tmp_path, d, weights, (16, 16), lambda n: True)
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(d, f)
+    with pytest.raises(ValueError, match="F8_E4M3 is not a float type"):
+        load_weights(tmp_path, load_config(tmp_path))
+
+
+@pytest.mark.parametrize("change, field", [
+    (("fmt", "e5m2"), "fmt"),
+    (("activation_scheme", "static"), "activation_scheme"),
+    (("weight_block_size", None), "weight_block_size"),
+    (("weight_block_size", [128]), "weight_block_size"),
+    (("weight_block_size", [0, 128]), "weight_block_size"),
+    (("weight_block_size", [128.0, 128]), "weight_block_size"),
+    (("modules_to_not_convert", "lm_head"), "modules_to_not_convert"),
+])
+def test_fp8_config_refusals(change, field):
+    qc = dict(FP8_QC)
+    qc[change[0]] = change[1]
+    with pytest.raises(ValueError, match=f"quantization_config.*{field}"):
+        config_from_dict(dict(config_dict(KIMI_LIKE), quantization_config=qc))
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """An FP8 checkpoint from a random HF model, quantized by torch's float8_e4m3fn cast, 4 x 4 blocks
+    (every width here is a multiple of 4: HF transformers' dequantizer derives the block from the
+    scale grid and cannot read partial blocks)."""
+    torch = pytest.importorskip("torch")
+    from hf_models import make_checkpoint
+    from safetensors.torch import load_file, save_file
+
+    base = tmp_path_factory.mktemp("fp8")
+    src = make_checkpoint(str(base / "bf16"), KIMI_LIKE, seed=12, dtype="bfloat16")
+    sd = load_file(os.path.join(src, "model.safetensors"))
+    out = {}
+    for k, v in sd.items():
+        if k.endswith("_proj.weight"):
+            w = v.float()
+            o, i = w.shape
+            blk = w.reshape(o // 4, 4, i // 4, 4)
+            s = (blk.abs().amax((1, 3)) / 448.0).clamp(min=1e-12)
+            out[k] = (blk / s[:, None, :, None]).reshape(o, i).to(torch.float8_e4m3fn)
+            out[k[:-len("weight")] + "weight_scale_inv"] = s
+        else:
+            out[k] = v
+    qdir = base / "fp8"
+    os.makedirs(qdir)
+    save_file(out, str(qdir / "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(src, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = dict(FP8_QC, weight_block_size=[4, 4])
+    with open(qdir / "config.json", "w") as f:
+        json.dump(cfg, f)
+    return qdir
+
+
+def test_fp8_checkpoint_matches_hf_transformers(fp8_checkpoint):
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("accelerate")   # transformers' FP8 loader needs it
+    model = _hf_quantized(fp8_checkpoint)
+    cfg = load_config(fp8_checkpoint)
+    ours = load_weights(fp8_checkpoint, cfg)
+    hf = dict(model.named_parameters())
+    for name in ("model.layers.0.self_attn.q_a_proj.weight", "model.layers.1.self_attn.kv_b_proj.weight",
+                 "model.layers.0.mlp.down_proj.weight", "lm_head.weight"):
+        assert np.array_equal(ours[name], hf[name].detach().numpy()), name
+    ex = model.model.layers[1].mlp.experts
+    inter = cfg.moe_intermediate_size
+    for e in range(cfg.n_routed_experts):
+        p = f"model.layers.1.mlp.experts.{e}."
+        assert np.array_equal(ours[p + "gate_proj.weight"], ex.gate_up_proj[e, :inter].detach().numpy())
+        assert np.array_equal(ours[p + "down_proj.weight"], ex.down_proj[e].detach().numpy())
+    ids = np.random.default_rng(3).integers(2, cfg.vocab_size, 12)
+    with torch.no_grad():
+        ref = model(torch.as_tensor(ids)[None], use_cache=False).logits[0].numpy()
+    eng = kn.Engine.from_pretrained(fp8_checkpoint, device="cpu")
+    assert np.abs(eng.prefill(ids) - ref).max() <= 1e-4 * np.abs(ref).max()
+    from kdtree_native.drafters import NgramDrafter
+    ar = eng.generate(ids, 32)
+    assert np.array_equal(eng.generate(ids, 32, drafter=NgramDrafter(), tree_budget=16, depth=6).tokens, ar.tokens)
+
+
+@pytest.mark.cuda
+def test_fp8_checkpoint_on_cuda_matches_cpu(fp8_checkpoint):
+    test_int4_checkpoint_on_cuda_matches_cpu(fp8_checkpoint)
