@@ -3,7 +3,7 @@ for each drafter, on held-out prompts (never trained on). Picks the configuratio
 tokens/s per drafter (what `kdtree-native demo` uses by default).
 
     python benchmarks/bench_cpu_engine.py [-n 128] [--prompts 4] [--prompt-tokens 64]
-        [--drafters ngram model] [--budgets 4 8 16 32 64] [--depths 4 6 8 15]
+        [--drafters ngram model] [--budgets 4 8 16 32 64] [--adaptive 16 64] [--depths 4 6 8 15]
         [--min-chain-prob 0] [--repeats 1] [--demo-prompt] [--json PATH]
     python benchmarks/bench_cpu_engine.py --forward-sizes 1 2 4 8 16 33 [--context 100] [--repeats 30] [--fp32-only]
 
@@ -12,6 +12,9 @@ Prompts: the beginnings of --prompts held-out files spread over `kdtree_native.m
 at a token boundary near --prompt-tokens whose text does not end in whitespace and re-tokenises to
 the same ids (docs/TRAINING.md); --demo-prompt adds the demo's own prompt. Falls back to a small
 random model (and random prompts) when the embedded model is not installed.
+
+--adaptive B ...: also each drafter at every depth with adaptive_budget=True and tree_budget B (each
+round's size chosen from its draft, at most B; rows "<=B").
 
 Order: for each repeat, for each prompt, for each drafter: one AR run, then every (budget, depth)
 of that drafter (so load changes hit the AR baseline and the trees alike). A configuration's
@@ -98,6 +101,8 @@ def main():
     ap.add_argument("--demo-prompt", action="store_true", help="also run the demo's default prompt")
     ap.add_argument("--drafters", nargs="*", default=["ngram", "model"])
     ap.add_argument("--budgets", type=int, nargs="*", default=[4, 8, 16, 32, 64])
+    ap.add_argument("--adaptive", type=int, nargs="*", default=[],
+                    help="tree budgets to run with adaptive_budget=True (each round's size chosen, at most B)")
     ap.add_argument("--depths", type=int, nargs="*", default=[4, 6, 8, 15])
     ap.add_argument("--min-chain-prob", type=float, nargs="*", default=[0.0],
                     help="ModelDrafter early-stop thresholds to sweep (0 = always the full depth)")
@@ -130,14 +135,15 @@ def main():
     n = args.max_new_tokens
     load0 = os.getloadavg()[0]
 
-    configs = []  # (drafter name, budget, depth, min_chain_prob)
+    configs = []  # (drafter name, budget, depth, min_chain_prob, adaptive)
+    budget_rows = [(b, False) for b in args.budgets] + [(b, True) for b in args.adaptive]
     for name in args.drafters:
         if name == "model" and draft_eng is None:
             continue
-        for b in args.budgets:
+        for b, ada in budget_rows:
             for d in args.depths:
                 for mcp in (args.min_chain_prob if name == "model" else [0.0]):
-                    configs.append((name, b, d, mcp))
+                    configs.append((name, b, d, mcp, ada))
 
     def make(name, mcp):
         return NgramDrafter() if name == "ngram" else ModelDrafter(draft_eng, min_chain_prob=mcp)
@@ -156,8 +162,8 @@ def main():
                 for cfg in configs:
                     if cfg[0] != name:
                         continue
-                    _, b, d, mcp = cfg
-                    res = generate(eng, ids, n, drafter=make(name, mcp), tree_budget=b, depth=d)
+                    _, b, d, mcp, ada = cfg
+                    res = generate(eng, ids, n, drafter=make(name, mcp), tree_budget=b, depth=d, adaptive_budget=ada)
                     if not np.array_equal(res.tokens, ar_tokens[pi]):
                         print(f"error: {cfg} on prompt {pi} differs from AR", file=sys.stderr)
                         return 1
@@ -187,7 +193,7 @@ def main():
     rows = []
     for cfg in configs:
         p = pooled(cfg)
-        p.update(drafter=cfg[0], budget=cfg[1], depth=cfg[2], min_chain_prob=cfg[3],
+        p.update(drafter=cfg[0], budget=cfg[1], depth=cfg[2], min_chain_prob=cfg[3], adaptive=cfg[4],
                  speedup=p["tokens_per_second"] / ar_p["tokens_per_second"])
         rows.append(p)
 
@@ -205,14 +211,14 @@ def main():
             title = f"{name}" + (f" (min_chain_prob {mcp:g})" if name == "model" and len(mcps) > 1 else "")
             print(f"\n{title}: speed-up over AR (mean acceptance length)")
             print("budget \\ depth" + "".join(f"{d:>16}" for d in args.depths))
-            for b in args.budgets:
+            for b, ada in budget_rows:
                 cells = []
                 for d in args.depths:
-                    r = next(x for x in sub if x["budget"] == b and x["depth"] == d)
+                    r = next(x for x in sub if x["budget"] == b and x["depth"] == d and x["adaptive"] == ada)
                     cells.append(f"{r['speedup']:.2f}x ({r['mean_acceptance_length']:.2f})")
-                print(f"{b:>14}" + "".join(f"{c:>16}" for c in cells))
+                print(f"{('<=' if ada else '') + str(b):>14}" + "".join(f"{c:>16}" for c in cells))
         best = max(rs, key=lambda r: r["tokens_per_second"])
-        print(f"best {name}: budget {best['budget']}, depth {best['depth']}"
+        print(f"best {name}: budget {('<=' if best['adaptive'] else '') + str(best['budget'])}, depth {best['depth']}"
               + (f", min_chain_prob {best['min_chain_prob']:g}" if name == "model" else "")
               + f": {best['tokens_per_second']:.1f} tok/s = {best['speedup']:.2f}x AR, "
               f"mean acceptance {best['mean_acceptance_length']:.2f}, draft {best['draft_seconds']:.2f} s, "

@@ -489,7 +489,8 @@ struct PyGenerator {
 py::dict run_generate(py::object self, py::array_t<int64_t, py::array::c_style | py::array::forcecast> prompt,
                       int64_t max_new_tokens, py::object drafter, int64_t tree_budget, int64_t depth, int64_t top_k,
                       double temperature, double top_p, int64_t target_top_k, uint64_t seed,
-                      std::vector<int64_t> stop_tokens, py::object progress, int64_t prefill_chunk) {
+                      std::vector<int64_t> stop_tokens, py::object progress, int64_t prefill_chunk,
+                      bool adaptive_budget) {
   PyGenerator& g = self.cast<PyGenerator&>();
   if (prompt.ndim() != 1) throw Error("prompt_ids must be 1-D, got " + std::to_string(prompt.ndim()) + " dims");
   const int64_t V = g.gen->executor().vocab_size();
@@ -511,6 +512,7 @@ py::dict run_generate(py::object self, py::array_t<int64_t, py::array::c_style |
   p.sampling.top_k = target_top_k;
   p.sampling.seed = seed;
   p.prefill_chunk = prefill_chunk;
+  p.adaptive_budget = adaptive_budget;
   for (int64_t t : stop_tokens) {
     if (t < 0 || t >= V) throw Error("stop token " + std::to_string(t) + " outside the vocab [0, " + std::to_string(V) + ")");
     p.stop_tokens.push_back(static_cast<int32_t>(t));
@@ -675,6 +677,38 @@ void bind_engine(py::module_& m) {
       "The engine's host sampler (cpp/engine/sampler.h) on logits [T, V]: row t's choice with the uniform "
       "of sequence index positions[t] + 1. For tests (the oracle of the GPU sampler).");
 
+  py::class_<AdaptiveBudget>(m, "AdaptiveBudget",
+                             "The adaptive tree-size policy of generate(adaptive_budget=True) "
+                             "(cpp/engine/adaptive_budget.h), exposed for tests.")
+      .def(py::init<>())
+      .def("reset", &AdaptiveBudget::reset, py::arg("max_nodes"))
+      .def(
+          "choose",
+          [](AdaptiveBudget& a, py::array_t<float, py::array::c_style | py::array::forcecast> logprobs,
+             py::array_t<int32_t, py::array::c_style | py::array::forcecast> ids, int64_t cap, int64_t root_index) {
+            if (logprobs.ndim() != 2 || ids.ndim() != 2 || logprobs.shape(0) != ids.shape(0) ||
+                logprobs.shape(1) != ids.shape(1))
+              throw Error("AdaptiveBudget.choose: logprobs and ids must both be [d, k]");
+            const int64_t d = logprobs.shape(0), k = logprobs.shape(1);
+            const std::string err = tree_build_input_error(logprobs.data(), ids.data(), d, k, cap);
+            if (!err.empty()) throw Error("AdaptiveBudget.choose: " + err);
+            if (d > kTreeMaxDepth) throw Error("AdaptiveBudget.choose: d > kTreeMaxDepth");
+            return a.choose(logprobs.data(), ids.data(), d, k, cap, root_index);
+          },
+          py::arg("logprobs"), py::arg("ids"), py::arg("cap"), py::arg("root_index"),
+          "Nodes to verify (0..cap) for this draft [d, k] (finite log-probs: cap must not exceed the finite prefixes)")
+      .def("observe", &AdaptiveBudget::observe, py::arg("n"), py::arg("round_seconds"), py::arg("draft_seconds"))
+      .def(
+          "label",
+          [](AdaptiveBudget& a, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens) {
+            if (tokens.ndim() != 1) throw Error("AdaptiveBudget.label: tokens must be 1-D");
+            a.label(tokens.data(), tokens.shape(0));
+          },
+          py::arg("tokens"))
+      .def("round_cost", &AdaptiveBudget::round_cost, py::arg("T"))
+      .def("calibration", &AdaptiveBudget::calibration, py::arg("edge_probability"))
+      .def_property_readonly("trees_pending", &AdaptiveBudget::trees_pending);
+
   py::class_<ToyTarget>(m, "ToyTarget",
                         "Deterministic test target (cpp/engine/toy_target.h): a real cache of (token, position) "
                         "whose logits depend on every visible entry.")
@@ -771,5 +805,5 @@ void bind_engine(py::module_& m) {
            py::arg("tree_budget") = 64, py::arg("depth") = 15, py::arg("top_k") = 0, py::arg("temperature") = 0.0,
            py::arg("top_p") = 1.0, py::arg("target_top_k") = 0, py::arg("seed") = 0,
            py::arg("stop_token_ids") = std::vector<int64_t>{}, py::arg("progress") = py::none(),
-           py::arg("prefill_chunk") = 512);
+           py::arg("prefill_chunk") = 512, py::arg("adaptive_budget") = false);
 }

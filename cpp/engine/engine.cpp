@@ -243,6 +243,7 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
   // ---- rounds
   DraftOutput draft;
   RoundResult rr;
+  if (p.adaptive_budget) adapt_.reset(p.tree_budget);
   const int64_t K = p.top_k > 0 ? p.top_k : std::min<int64_t>(std::max<int64_t>(p.tree_budget, 1), V);
   while (!res.stopped && static_cast<int64_t>(res.tokens.size()) < p.max_new_tokens) {
     const int64_t L = exec_.cache_len();
@@ -259,12 +260,14 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
     rq.L = L;
     rq.top_k = k_r;
     int64_t d_got = 0;
+    double draft_s = -1;     // this round's drafting seconds (-1: no draft asked for)
     if (drafter && depth_r > 0 && budget_r > 0) {
       draft.clear();
       draft.device_ok = exec_.draft_device();
       auto t0 = Clock::now();
       drafter(buf_.data(), n_, depth_r, k_r, draft);
-      res.seconds.draft += since(t0);
+      draft_s = since(t0);
+      res.seconds.draft += draft_s;
       t0 = Clock::now();
       if (draft.device_values && !draft.device_checked) {
         check_draft_shape(draft, depth_r, k_r, V);
@@ -276,10 +279,24 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
       if (draft.d > 0) {
         rq.draft = &draft;
         rq.nodes = draft_tree_nodes(draft, draft.is_logits ? k_r : draft.k, budget_r);
+        if (p.adaptive_budget && rq.nodes > 0 && !draft.device_values) {
+          if (draft.is_logits) {  // top-k + log-softmax once, here; the executor gets the [d, k] form
+            adapt_lp_.resize(static_cast<size_t>(draft.d * k_r));
+            adapt_ids_.resize(static_cast<size_t>(draft.d * k_r));
+            const int64_t kk = topk_logsoftmax(draft.values.data(), draft.d, V, k_r, adapt_lp_.data(), adapt_ids_.data());
+            draft.values.assign(adapt_lp_.begin(), adapt_lp_.begin() + draft.d * kk);
+            draft.ids.assign(adapt_ids_.begin(), adapt_ids_.begin() + draft.d * kk);
+            draft.k = kk;
+            draft.is_logits = false;
+          }
+          rq.nodes = adapt_.choose(draft.values.data(), draft.ids.data(), draft.d, draft.k, rq.nodes, n_ - 1);
+        }
       }
       res.seconds.tree_build += since(t0);
     }
+    const auto t_round = Clock::now();
     exec_.round(rq, rr);
+    if (p.adaptive_budget) adapt_.observe(rr.tree_nodes, since(t_round), draft_s);
     res.seconds.tree_build += rr.tree_build;
     res.seconds.verify += rr.verify;
     res.seconds.verify_forward_gpu += rr.verify_forward_gpu;
@@ -296,6 +313,7 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
       }
       if (static_cast<int64_t>(res.tokens.size()) == p.max_new_tokens) break;
     }
+    if (p.adaptive_budget) adapt_.label(buf_.data(), n_);
     res.acceptance_lengths.push_back(static_cast<int32_t>(n_ - n0));
     res.tree_sizes.push_back(static_cast<int32_t>(rr.tree_nodes));
     res.draft_depths.push_back(static_cast<int32_t>(d_got));

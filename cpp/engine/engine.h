@@ -17,6 +17,7 @@
 #include <memory>
 #include <vector>
 
+#include "engine/adaptive_budget.h"
 #include "engine/sampler.h"
 #include "engine/target.h"
 #include "tree.h"
@@ -87,6 +88,9 @@ struct GenerateParams {
   SamplingParams sampling;
   std::vector<int32_t> stop_tokens;
   int64_t prefill_chunk = 512;  // prompt tokens per prefill forward
+  // Each round verifies the n <= tree_budget nodes that maximise the expected tokens per second
+  // (adaptive_budget.h); false: min(tree_budget, finite prefixes) every round.
+  bool adaptive_budget = false;
 };
 
 struct StageSeconds {
@@ -207,6 +211,9 @@ class Generator {
   void size_buffer();
   std::unique_ptr<HostRounds> host_;
   RoundExecutor& exec_;
+  AdaptiveBudget adapt_;
+  std::vector<float> adapt_lp_;
+  std::vector<int32_t> adapt_ids_;
   std::vector<int32_t> buf_;
   int64_t n_ = 0;
 };

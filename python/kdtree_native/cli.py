@@ -261,7 +261,7 @@ def _cmd_generate(args):
         stops += list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
     res = generate(eng, prompt, args.max_new_tokens, drafter=drafter, tree_budget=args.budget, depth=args.depth,
                    top_k=args.top_k, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                   stop_token_ids=stops, progress=stream)
+                   stop_token_ids=stops, progress=stream, adaptive_budget=args.adaptive)
     if not args.no_stream:
         sys.stdout.write("\n")
     elif tok is not None:
@@ -341,6 +341,8 @@ DEMO_PROMPT = ('class Stack:\n    """A last-in, first-out stack."""\n\n    def _
 DEMO_NGRAM = (4, 8)
 DEMO_MODEL = (4, 4)
 DEMO_MODEL_MIN_CHAIN_PROB = 0.1
+# --adaptive: the most nodes a round may verify (each round's size is chosen from its draft).
+DEMO_ADAPTIVE_BUDGET = 16
 
 
 def _demo_prompt_ids(tok, text=DEMO_PROMPT):
@@ -377,6 +379,8 @@ def _cmd_demo(args):
 
     nb, nd = setting(DEMO_NGRAM)
     mb, md = setting(DEMO_MODEL)
+    if args.adaptive and args.budget is None:
+        nb = mb = DEMO_ADAPTIVE_BUDGET
     modes = [("AR (no drafter)", lambda: None, 0, 1)]
     modes.append(("DDTree n-gram", NgramDrafter, nb, nd))
     if draft_eng is not None:
@@ -394,7 +398,7 @@ def _cmd_demo(args):
                     sys.stdout.write(f"\r  timing {label} ({rep + 1}/{args.repeats}): {done}/{total} tokens   ")
                     sys.stdout.flush()
             runs[label].append(generate(eng, prompt, n, drafter=make(), tree_budget=budget, depth=depth,
-                                        progress=progress))
+                                        progress=progress, adaptive_budget=bool(args.adaptive and budget)))
     if tty:
         sys.stdout.write("\r" + " " * 60 + "\r")
 
@@ -409,7 +413,7 @@ def _cmd_demo(args):
         res = runs[label][-1]
         same = all(np.array_equal(r.tokens, ref.tokens) for r in runs[label])
         ok &= same
-        bd = (f"{budget:>7}{depth:>6}") if budget else f"{'-':>7}{'-':>6}"
+        bd = (f"{('<=' if args.adaptive else '') + str(budget):>7}{depth:>6}") if budget else f"{'-':>7}{'-':>6}"
         print(f"{label:<18}{bd}{tps(label):>9.1f}{tps(label) / base if base else 0:>8.2f}x"
               f"{res.stats['mean_acceptance_length']:>10.2f}  {'yes' if same else 'NO'}")
     print("(oracle: a drafter that knows the AR answer, with the n-gram row's budget/depth: the ceiling there)")
@@ -432,7 +436,9 @@ def main(argv=None):
     g.add_argument("--drafter", type=_drafter_arg, default="ngram",
                    help="none | ngram | model | oracle[:noise] (default ngram)")
     g.add_argument("--draft-model", help="checkpoint dir of the drafter model (--drafter model)")
-    g.add_argument("--budget", type=_int_arg, default=64, help="tree nodes per round (0 = AR)")
+    g.add_argument("--budget", type=_int_arg, default=64, help="tree nodes per round (0 = AR); with --adaptive, the most")
+    g.add_argument("--adaptive", action="store_true",
+                   help="choose each round's tree size (<= --budget) from the draft and the measured round costs")
     g.add_argument("--depth", type=_int_arg, default=15)
     g.add_argument("--top-k", type=_int_arg, default=None, help="drafter candidates per depth (default: budget)")
     g.add_argument("-t", "--temperature", type=_temperature_arg, default=0.0)
@@ -453,6 +459,9 @@ def main(argv=None):
                    help=f"tree budget of every drafter (default: n-gram {DEMO_NGRAM[0]}, model {DEMO_MODEL[0]})")
     d.add_argument("--depth", type=_int_arg, default=None,
                    help=f"draft depth of every drafter (default: n-gram {DEMO_NGRAM[1]}, model {DEMO_MODEL[1]})")
+    d.add_argument("--adaptive", action="store_true",
+                   help=f"DDTree rows choose each round's tree size from the draft, up to --budget (default "
+                        f"{DEMO_ADAPTIVE_BUDGET})")
     d.add_argument("--prompt", type=_text_arg, default=None, help="prompt text (default: a few lines of a Python class)")
     d.add_argument("--repeats", type=_positive_int_arg, default=3, help="timed runs per mode (median; >= 1)")
     d.add_argument("--max-seq-len", type=_int_arg, default=1024)

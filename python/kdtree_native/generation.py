@@ -178,6 +178,7 @@ def compute_stats(raw: dict, depth: int, drafted: bool, seed: int, temperature: 
         "per_position_acceptance_rate": per_pos,
         "acceptance_histogram": [int(x) for x in hist],  # [i] = rounds with acceptance length i+1
         "num_draft_tokens": int(sizes.sum()),             # tree nodes verified (root excluded)
+        "mean_tree_size": float(sizes.mean()) if rounds else 0.0,
         "num_accepted_tokens": int(accepted.sum()),
         "draft_acceptance_rate": float(accepted.sum() / sizes.sum()) if sizes.sum() else 0.0,
         "seconds": {k: float(secs.get(k, 0.0)) for k in ("prefill", "draft", "tree_build", "verify",
@@ -195,13 +196,20 @@ def generate(engine, prompt_ids, max_new_tokens: int, drafter=None, tree_budget:
              top_k: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
              seed: Optional[int] = None, stop_token_ids: Sequence[int] = (), progress=None,
              target_top_k: Optional[int] = None, prefill_chunk: int = 512,
-             rounds: str = "auto") -> GenerationResult:
+             rounds: str = "auto", adaptive_budget: bool = False) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
     engine          a ``kn.Engine`` (or a native target: ``_native.CpuModel`` / ``_native.ToyTarget``)
     drafter         None (plain AR) or a drafter (``kdtree_native.drafters``: a callable
                     ``drafter(context, depth, top_k)`` or an object with ``.draft``)
-    tree_budget     B, tree nodes verified per round besides the root (0 = AR)
+    tree_budget     B, tree nodes verified per round besides the root (0 = AR); with
+                    adaptive_budget, the most a round verifies
+    adaptive_budget False: every round verifies min(B, finite-score prefixes) nodes. True: each
+                    round verifies the n <= B best-first nodes that maximise the expected tokens
+                    per second, from the draft's path probabilities (calibrated online against
+                    what the target accepted) and the measured cost of rounds of each size
+                    (docs/ENGINE.md "Adaptive tree budget"). Output unchanged either way.
+                    Drafts handed over in device memory keep the fixed budget.
     depth           D, how many future positions the drafter is asked for
     top_k           K, candidates per depth the drafter may return (None = min(B, vocab))
     temperature     0 = greedy; > 0 samples from softmax(logits / temperature)
@@ -235,6 +243,8 @@ def generate(engine, prompt_ids, max_new_tokens: int, drafter=None, tree_budget:
     seed = _int_arg(seed, "seed", hi=None) & 0xFFFFFFFFFFFFFFFF  # (any size: its low 64 bits)
     stops = _stop_ids(stop_token_ids)
     prefill_chunk = _int_arg(prefill_chunk, "prefill_chunk", 1)
+    if not isinstance(adaptive_budget, (bool, np.bool_)):
+        raise TypeError(f"adaptive_budget must be True or False, got {adaptive_budget!r}")
     if progress is not None and not callable(progress):
         raise TypeError(f"progress must be callable, got {type(progress).__name__}")
     fn = as_draft_fn(drafter)
@@ -246,7 +256,8 @@ def generate(engine, prompt_ids, max_new_tokens: int, drafter=None, tree_budget:
                          "overwritten); load a second copy to draft with")
     raw = gen.generate(prompt, max_new_tokens, drafter=fn, tree_budget=tree_budget, depth=depth, top_k=top_k,
                        temperature=temperature, top_p=top_p, target_top_k=target_top_k, seed=seed,
-                       stop_token_ids=stops, progress=progress, prefill_chunk=prefill_chunk)
+                       stop_token_ids=stops, progress=progress, prefill_chunk=prefill_chunk,
+                       adaptive_budget=bool(adaptive_budget))
     stats = compute_stats(raw, depth, fn is not None and tree_budget > 0, seed, temperature)
     stats["rounds_on"] = gen.rounds
     return GenerationResult(tokens=raw["tokens"], acceptance_lengths=raw["acceptance_lengths"], stats=stats)

@@ -47,6 +47,24 @@ def test_generate_text_prompt_and_ids():
     assert r.returncode == 0, r.stderr
 
 
+def test_adaptive_budget_flags(capsys, no_debug):
+    """--adaptive: the demo's DDTree rows choose their sizes (budget column "<=16") and still equal AR;
+    generate --adaptive gives the same ids as without."""
+    pytest.importorskip("tokenizers")
+    rc, out, err = _main(capsys, "demo", "-n", "24", "--repeats", "1", "--device", "cpu", "--adaptive")
+    assert rc == 0, err
+    for label in ("DDTree n-gram", "DDTree model", "oracle (ceiling)"):
+        line = next(l for l in out.splitlines() if l.startswith(label))
+        assert "<=16" in line and line.rstrip().endswith("yes"), line
+    runs = []
+    for extra in ([], ["--adaptive"]):
+        rc, out, err = _main(capsys, "generate", kn.default_model_dir(), "--ids", "1,5,9,5,9", "-n", "12",
+                             "--device", "cpu", "--no-stream", "--budget", "16", "--depth", "4", "--json", *extra)
+        assert rc == 0, err
+        runs.append(json.loads(out.strip().splitlines()[-1])["tokens"])
+    assert runs[0] == runs[1]
+
+
 def test_generate_bad_arguments_fail_cleanly():
     r = _run("generate", "/nonexistent/model/dir", "--ids", "1,2", "-n", "4")
     assert r.returncode == 2

@@ -86,6 +86,33 @@ def test_every_drafter_lossless_and_equal_to_host_rounds(name):
     assert r.stats["mean_acceptance_length"] > 8
 
 
+def test_adaptive_budget_on_device_rounds():
+    """adaptive_budget=True with device rounds: every drafter == AR (host drafts get a chosen size,
+    device drafts keep the fixed budget), greedy and sampled with one seed."""
+    cpu, gpu, draft, cfg = models("kimi_like")
+    V = cfg.vocab_size
+    P = prompt_ids(V)
+    n = 40
+    ar = generate(gpu, P, n, seed=0)
+    for dname, make in drafter_zoo(ar.tokens, V, len(P), draft).items():
+        for budget, depth in [(1, 1), (48, 15)]:
+            res = generate(gpu, P, n, drafter=make(), tree_budget=budget, depth=depth, seed=0, adaptive_budget=True)
+            assert res.stats["rounds_on"] == "device"
+            np.testing.assert_array_equal(res.tokens, ar.tokens, err_msg=f"{dname} B={budget} D={depth}")
+            check_stats(res, depth)
+    ars = generate(gpu, P, n, temperature=0.8, seed=3)
+    for drafter in (NgramDrafter(), OracleDrafter(ars.tokens, 0.3, vocab_size=V), ModelDrafter(gpu_draft(cfg))):
+        res = generate(gpu, P, n, drafter=drafter, tree_budget=32, depth=6, temperature=0.8, seed=3,
+                       adaptive_budget=True)
+        np.testing.assert_array_equal(res.tokens, ars.tokens)
+
+
+def gpu_draft(cfg, max_seq_len=320, seed=100):
+    """A CudaModel drafter (its drafts stay in device memory: the fixed budget applies)."""
+    w = {k: v.astype(np.float32) for k, v in random_weights(cfg, seed).items()}
+    return load(_native.CudaModel(cfg.to_native(), max_seq_len), w)
+
+
 @pytest.mark.parametrize("temperature,top_p,target_top_k", [(0.8, 1.0, 0), (1.3, 0.9, 0), (0.7, 1.0, 20),
                                                              (1.0, 0.5, 5)])
 def test_sampling_device_equals_host_and_ar(temperature, top_p, target_top_k):

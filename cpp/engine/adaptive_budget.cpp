@@ -1,0 +1,146 @@
+// adaptive_budget.cpp: see adaptive_budget.h.
+#include "engine/adaptive_budget.h"
+
+#include <algorithm>
+#include <cmath>
+
+namespace kdtree {
+
+namespace {
+constexpr double kEma = 0.3;        // weight of a new measurement in the moving averages
+constexpr double kForget = 0.99;    // calibration memory: ~100 rounds
+constexpr double kPrior = 1.0;      // pseudo probability mass per band, accepted at the draft's word
+constexpr int64_t kFirstNodes = 2;  // the first measured tree size (then the plain step)
+
+int band_of(double p) {
+  if (!(p > 0)) return AdaptiveBudget::kBands - 1;
+  const int b = static_cast<int>(std::floor(-std::log2(p)));
+  return std::clamp(b, 0, AdaptiveBudget::kBands - 1);
+}
+
+double ema(double old, double x) { return old > 0 ? (1 - kEma) * old + kEma * x : x; }
+}  // namespace
+
+void AdaptiveBudget::reset(int64_t max_nodes) {
+  max_nodes_ = std::max<int64_t>(max_nodes, 0);
+  // the round costs are the target's: kept from earlier calls (sizes past the old range unmeasured)
+  cost_.resize(static_cast<size_t>(max_nodes_ + 2), 0.0);
+  std::fill(band_mass_, band_mass_ + kBands, 0.0);
+  std::fill(band_hits_, band_hits_ + kBands, 0.0);
+  draft_s_ = 0;
+  draft_seen_ = false;
+  rounds_ = 0;
+  tree_.n = 0;
+  phat_.assign(1, 1.0);
+  pending_.clear();
+}
+
+double AdaptiveBudget::round_cost(int64_t T) const {
+  const int64_t top = static_cast<int64_t>(cost_.size()) - 1;
+  if (T < 1) return 0;
+  if (T <= top && cost_[T] > 0) return cost_[T];
+  int64_t lo = -1, hi = -1, first = -1;
+  for (int64_t t = 1; t <= top; ++t) {
+    if (cost_[t] <= 0) continue;
+    if (first < 0) first = t;
+    if (t < T) lo = t;
+    if (t > T && hi < 0) hi = t;
+  }
+  if (lo > 0 && hi > 0) return cost_[lo] + (cost_[hi] - cost_[lo]) * double(T - lo) / double(hi - lo);
+  if (lo > 0) {  // past the largest measured size: the slope from the smallest one, else proportional
+    if (first < lo) return cost_[lo] + std::max(0.0, (cost_[lo] - cost_[first]) / double(lo - first)) * double(T - lo);
+    return cost_[lo] * double(T) / double(lo);
+  }
+  if (hi > 0) return cost_[hi] * double(T) / double(hi);  // below the smallest: proportional
+  return 0;
+}
+
+double AdaptiveBudget::calibration(double p) const {
+  const int b = band_of(p);
+  return (band_hits_[b] + kPrior) / (band_mass_[b] + kPrior);
+}
+
+int64_t AdaptiveBudget::choose(const float* lp, const int32_t* ids, int64_t d, int64_t k, int64_t cap,
+                               int64_t root_index) {
+  cap = std::min(cap, max_nodes_);
+  tree_.n = 0;
+  if (d <= 0 || cap <= 0) return 0;
+  tree_build(lp, ids, d, k, cap, &tree_, &ws_);
+  const int64_t n = tree_.n, width = std::max<int64_t>(d, 1);
+  phat_.resize(static_cast<size_t>(n + 1));
+  phat_[0] = 1;
+  // keep the tree (its first kKeepNodes nodes) for label()
+  if (static_cast<int64_t>(pending_.size()) >= kTreeMaxDepth) pending_.erase(pending_.begin());
+  pending_.emplace_back();
+  Kept& kept = pending_.back();
+  const int64_t nk = std::min<int64_t>(n, kKeepNodes);
+  kept.root_index = root_index;
+  kept.tokens.assign(tree_.tokens.begin(), tree_.tokens.begin() + nk);
+  kept.depths.assign(tree_.depths.begin(), tree_.depths.begin() + nk);
+  kept.parents.assign(tree_.parents.begin(), tree_.parents.begin() + nk + 1);
+  kept.prob.resize(static_cast<size_t>(nk));
+  kept.max_depth = 0;
+
+  const double draft = draft_seen_ ? draft_s_ : 0.0;
+  const bool ends_known = cost_[1] > 0 && std::any_of(cost_.begin() + 2, cost_.end(), [](double c) { return c > 0; });
+  double gain = 1.0, best = ends_known ? 1.0 / (draft + round_cost(1)) : 0.0;
+  int64_t best_n = 0;
+  for (int64_t i = 1; i <= n; ++i) {
+    const int32_t dep = tree_.depths[i - 1];
+    const int32_t rank = ws_.rank_paths[i * width + dep - 1];
+    const double p = std::exp(static_cast<double>(lp[(dep - 1) * k + rank]));  // the edge's probability
+    phat_[i] = phat_[tree_.parents[i]] * std::min(1.0, p * calibration(p));
+    if (i <= nk) {
+      kept.prob[i - 1] = p;
+      kept.max_depth = std::max(kept.max_depth, dep);
+    }
+    if (!ends_known) continue;
+    gain += phat_[i];
+    const double rate = gain / (draft + round_cost(i + 1));
+    if (rate > best) {
+      best = rate;
+      best_n = i;
+    }
+  }
+  // Two sizes measured first: a small tree (up to kFirstNodes nodes), then a plain step; other
+  // sizes are interpolated / extrapolated from what is measured until they are chosen.
+  if (!ends_known)
+    return std::any_of(cost_.begin() + 2, cost_.end(), [](double c) { return c > 0; }) ? 0 : std::min(n, kFirstNodes);
+  return best_n;
+}
+
+void AdaptiveBudget::observe(int64_t n, double round_seconds, double draft_seconds) {
+  ++rounds_;
+  const int64_t T = n + 1;
+  if (T < static_cast<int64_t>(cost_.size()) && round_seconds > 0) cost_[T] = ema(cost_[T], round_seconds);
+  if (draft_seconds >= 0) {
+    draft_s_ = draft_seen_ ? (1 - kEma) * draft_s_ + kEma * draft_seconds : draft_seconds;
+    draft_seen_ = true;
+  }
+}
+
+void AdaptiveBudget::label(const int32_t* tokens, int64_t len) {
+  size_t done = 0;
+  for (; done < pending_.size(); ++done) {
+    const Kept& t = pending_[done];
+    if (t.root_index + t.max_depth > len - 1) break;  // (trees are kept in root order)
+    // node i matches iff its parent does and its token is the text's token at its depth
+    const int64_t n = static_cast<int64_t>(t.tokens.size());
+    acc_.assign(static_cast<size_t>(n + 1), 0);
+    acc_[0] = 1;
+    for (int b = 0; b < kBands; ++b) {
+      band_mass_[b] *= kForget;
+      band_hits_[b] *= kForget;
+    }
+    for (int64_t i = 1; i <= n; ++i) {
+      if (!acc_[t.parents[i]]) continue;  // what an edge says is learned where its parent matched
+      acc_[i] = t.tokens[i - 1] == tokens[t.root_index + t.depths[i - 1]];
+      const int b = band_of(t.prob[i - 1]);
+      band_mass_[b] += t.prob[i - 1];
+      band_hits_[b] += acc_[i];
+    }
+  }
+  pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(done));
+}
+
+}  // namespace kdtree

@@ -1,0 +1,87 @@
+// adaptive_budget.h: each round's tree size chosen from the draft itself (GenerateParams::
+// adaptive_budget; docs/ENGINE.md "Adaptive tree budget").
+//
+// A fixed budget B verifies B nodes whatever the draft says; where the drafter is unsure, most
+// of them are rejected and their verify cost is lost, and where it is sure, a larger tree would
+// pay. Here the round's best-first tree of up to B nodes is built on the host from the draft
+// (the same pops the executor makes, so its first n nodes are exactly the tree of budget n), and
+// n is the size that maximises the expected tokens per second of the round:
+//
+//   rate(n) = (1 + sum_{i <= n} p_i) / (t_draft + t_round(n + 1))
+//
+// p_i = the chance node i is on the accepted path = p_parent x min(1, q x f(q)), q = the draft's
+// probability of the node's own token at its depth (the edge from its parent), f = a calibration
+// factor learned from what the target did, per band of q ([2^-(b+1), 2^-b)) with exponential
+// forgetting; 1 + sum p_i is the expected tokens emitted (the bonus token always). Calibrating
+// edges, not whole paths, matters for drafters that are sure all the way down (an n-gram match
+// gives q = 1 at every depth: a path probability of 1 at depth 8 would say nothing about depth).
+// f learns from every node of every round's tree of B nodes, verified or not: once the generated
+// text has passed a tree's depth, a node whose parent matched the text "would have been
+// accepted" iff its token is the text's next one (what the accept walk takes at temperature 0,
+// and its distribution when sampling). Learning from the verified nodes only would trap it: a
+// bad stretch drives the sizes to 0, after which nothing more is learned even once the drafter
+// is right again. t_round(T) = the measured wall time of a round of T
+// tokens (tree build, verify forward, choice, accept, commit; an exponential moving average per
+// T, interpolated linearly between measured sizes and extrapolated past them) and t_draft = the
+// drafter's measured time. The first drafted round verifies up to 2 nodes and the next is a
+// plain step (n = 0), to have two sizes measured; every later round measures the size it chose.
+// The costs are the target's, so they carry over to the next generate call on the same
+// generator; the calibration and the draft time start afresh each call.
+//
+// The choice never changes what is generated (every tree is verified by the target: the output
+// is the target's whatever n is), only how fast. A draft in device memory is not read on the host:
+// such rounds keep the fixed budget.
+#pragma once
+#include <cstdint>
+#include <vector>
+
+#include "tree.h"
+
+namespace kdtree {
+
+class AdaptiveBudget {
+ public:
+  static constexpr int kBands = 24;  // calibration bands of path probability: [2^-(b+1), 2^-b), the last open
+  static constexpr int64_t kKeepNodes = 1024;  // nodes of a tree kept to learn from (the most likely)
+
+  // A new generate call with trees of up to max_nodes nodes (keeps the measured round costs).
+  void reset(int64_t max_nodes);
+  // The nodes to verify this round, 0..cap, from the draft's log-probs / ids [d, k] (rows sorted
+  // descending, checked) for the root at index `root_index` of the token sequence. The tree is
+  // kept until label() can tell which of its nodes the generated text matches.
+  int64_t choose(const float* logprobs, const int32_t* ids, int64_t d, int64_t k, int64_t cap, int64_t root_index);
+  // A round of T = n + 1 tokens took round_seconds (the executor's round) after draft_seconds of
+  // drafting (< 0: no draft this round).
+  void observe(int64_t n, double round_seconds, double draft_seconds);
+  // The token sequence so far, tokens[0, len): labels the kept trees whose depth it has passed
+  // and learns from them.
+  void label(const int32_t* tokens, int64_t len);
+
+  // For tests: the expected cost of a round of T tokens (seconds; 0 when nothing is measured),
+  // and the calibration factor of a path probability.
+  double round_cost(int64_t T) const;
+  double calibration(double path_probability) const;
+  int64_t rounds_observed() const { return rounds_; }
+  int64_t trees_pending() const { return static_cast<int64_t>(pending_.size()); }
+
+ private:
+  struct Kept {                    // a tree waiting for the text to pass its depth
+    int64_t root_index = 0;
+    int32_t max_depth = 0;
+    std::vector<int32_t> tokens, depths, parents;  // [n], [n], [n+1]
+    std::vector<double> prob;                      // [n] probability of the node's edge under the draft
+  };
+  Tree tree_;
+  TreeBuildWorkspace ws_;
+  std::vector<double> phat_;   // [n+1] calibrated chance each node of the last tree is accepted (root: 1)
+  std::vector<double> cost_;   // [max+2] EMA of round seconds by T (0 = not measured)
+  std::vector<uint8_t> acc_;   // scratch: node on the generated path
+  std::vector<Kept> pending_;  // oldest first
+  double band_mass_[kBands] = {}, band_hits_[kBands] = {};
+  double draft_s_ = 0;
+  bool draft_seen_ = false;
+  int64_t rounds_ = 0;
+  int64_t max_nodes_ = 0;
+};
+
+}  // namespace kdtree

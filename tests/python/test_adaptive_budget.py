@@ -1,0 +1,248 @@
+"""generate(adaptive_budget=True): each round's tree size chosen from the draft (cpp/engine/
+adaptive_budget.h, docs/ENGINE.md "Adaptive tree budget").
+
+* end to end: the output is AR's for every drafter of the engine tests (greedy, and sampled with the
+  same seed), on the toy target and on the CPU model; sizes within the budget;
+* the policy, through _native.AdaptiveBudget with made-up round costs, against the rule written out
+  here: the two first sizes (a tree of <= 2 nodes, then a plain step), the cost curve's
+  interpolation / extrapolation and moving average, the choice = argmax of (1 + sum p_i) /
+  (t_draft + t_round(n + 1)) with p_i = p_parent * min(1, q * f(q)), and f learned per band of q
+  from every labelled node whose parent matched the text (verified or not);
+* what it is for: a confidently wrong drafter drives the sizes to 0 and a right one keeps them at
+  the budget, with the same made-up costs.
+"""
+import math
+
+import numpy as np
+import pytest
+
+from kdtree_native import _native
+from kdtree_native import reference as R
+from kdtree_native.drafters import ModelDrafter, NgramDrafter, OracleDrafter
+from kdtree_native.generation import generate
+from test_engine_loop import PROMPT, _native_engine, check_stats, drafter_zoo, random_logits_drafter, toy
+
+
+@pytest.fixture(scope="module")
+def toy_setup():
+    V = 48
+    tgt, drf = toy(V, 512, seed=7), toy(V, 512, seed=8)
+    return tgt, drf, V, generate(tgt, PROMPT, 60).tokens
+
+
+@pytest.mark.parametrize("budget, depth", [(1, 4), (16, 4), (64, 15), (256, 6)])
+def test_adaptive_is_lossless_for_every_drafter(toy_setup, budget, depth):
+    tgt, drf, V, ref = toy_setup
+    for name, make in drafter_zoo(ref, V, len(PROMPT), drf).items():
+        res = generate(tgt, PROMPT, len(ref), drafter=make(), tree_budget=budget, depth=depth, adaptive_budget=True)
+        assert np.array_equal(res.tokens, ref), (name, budget, depth)
+        check_stats(res, depth)
+        assert 0 <= res.stats["mean_tree_size"] <= budget
+
+
+def test_adaptive_same_seed_same_tokens_when_sampling():
+    t = toy(48, 256, seed=9, scale=1.0)
+    for seed in (0, 5):
+        ar = generate(t, PROMPT, 40, temperature=0.8, seed=seed)
+        for drafter in (OracleDrafter(ar.tokens, 0.3, vocab_size=48), NgramDrafter(), random_logits_drafter(48)):
+            res = generate(t, PROMPT, 40, drafter=drafter, tree_budget=32, depth=5, temperature=0.8, seed=seed,
+                           adaptive_budget=True)
+            assert np.array_equal(res.tokens, ar.tokens)
+
+
+def test_adaptive_on_the_cpu_model():
+    eng, draft = _native_engine(5), _native_engine(6)
+    prompt = np.array([3, 17, 42, 99, 3, 17, 42, 8, 3, 17], np.int64)
+    ref = eng.generate(prompt, 40).tokens
+    for drafter in (NgramDrafter(), ModelDrafter(draft), OracleDrafter(ref, 0.3, vocab_size=eng.vocab_size)):
+        for _ in range(2):   # the second call starts with the first one's round costs
+            res = eng.generate(prompt, 40, drafter=drafter, tree_budget=16, depth=6, adaptive_budget=True)
+            assert np.array_equal(res.tokens, ref), drafter
+    oracle = eng.generate(prompt, 40, drafter=OracleDrafter(ref, vocab_size=eng.vocab_size), tree_budget=16,
+                          depth=6, adaptive_budget=True)
+    assert np.array_equal(oracle.tokens, ref) and oracle.stats["mean_acceptance_length"] > 2
+
+
+def test_adaptive_budget_argument_is_checked(toy_setup):
+    tgt, _, V, ref = toy_setup
+    with pytest.raises(TypeError, match="adaptive_budget"):
+        generate(tgt, PROMPT, 4, drafter=NgramDrafter(), adaptive_budget="yes")
+    assert np.array_equal(generate(tgt, PROMPT, 8, drafter=NgramDrafter(), adaptive_budget=True).tokens, ref[:8])
+
+
+# ---- the policy, against the rule ------------------------------------------------------------
+
+EMA = 0.3
+N_BANDS = 24
+
+
+def band(q):
+    return min(max(int(math.floor(-math.log2(q))), 0), N_BANDS - 1) if q > 0 else N_BANDS - 1
+
+
+class Rule:
+    """The documented policy, written out (the oracle of AdaptiveBudget)."""
+
+    def __init__(self):
+        self.cost, self.mass, self.hits = {}, [0.0] * N_BANDS, [0.0] * N_BANDS
+        self.draft = None
+
+    def factor(self, q):
+        b = band(q)
+        return (self.hits[b] + 1.0) / (self.mass[b] + 1.0)
+
+    def round_cost(self, T):
+        if T in self.cost:
+            return self.cost[T]
+        ks = sorted(self.cost)
+        lo = [t for t in ks if t < T]
+        hi = [t for t in ks if t > T]
+        if lo and hi:
+            a, b = lo[-1], hi[0]
+            return self.cost[a] + (self.cost[b] - self.cost[a]) * (T - a) / (b - a)
+        if lo:
+            a, f = lo[-1], ks[0]
+            if f < a:
+                return self.cost[a] + max(0.0, (self.cost[a] - self.cost[f]) / (a - f)) * (T - a)
+            return self.cost[a] * T / a
+        return self.cost[hi[0]] * T / hi[0]
+
+    def observe(self, n, secs, draft=-1.0):
+        T = n + 1
+        self.cost[T] = secs if T not in self.cost else (1 - EMA) * self.cost[T] + EMA * secs
+        if draft >= 0:
+            self.draft = draft if self.draft is None else (1 - EMA) * self.draft + EMA * draft
+
+    def nodes(self, lp, ids, cap):
+        """(tree, per-node edge probability q, p_hat)."""
+        t = R.tree_build(lp, ids, cap)
+        n = len(t.tokens)
+        q = np.zeros(n + 1)
+        ph = np.ones(n + 1)
+        for i in range(1, n + 1):
+            dep = t.depths[i - 1]
+            r = int(np.where(ids[dep - 1] == t.tokens[i - 1])[0][0])
+            q[i] = math.exp(float(lp[dep - 1, r]))
+            ph[i] = ph[t.parents[i]] * min(1.0, q[i] * self.factor(q[i]))
+        return t, q, ph
+
+    def choose(self, lp, ids, cap):
+        t, q, ph = self.nodes(lp, ids, cap)
+        n = len(t.tokens)
+        if 1 not in self.cost or not any(k > 1 for k in self.cost):
+            return 0 if any(k > 1 for k in self.cost) else min(n, 2)
+        draft = self.draft or 0.0
+        best, best_n, gain = 1.0 / (draft + self.round_cost(1)), 0, 1.0
+        for i in range(1, n + 1):
+            gain += ph[i]
+            r = gain / (draft + self.round_cost(i + 1))
+            if r > best:
+                best, best_n = r, i
+        return best_n
+
+    def label(self, lp, ids, cap, text, root):
+        t, q, _ = self.nodes(lp, ids, min(cap, 1024))
+        self.mass = [m * 0.99 for m in self.mass]
+        self.hits = [h * 0.99 for h in self.hits]
+        ok = {0: True}
+        for i in range(1, len(t.tokens) + 1):
+            if not ok.get(t.parents[i], False):
+                continue
+            ok[i] = t.tokens[i - 1] == text[root + t.depths[i - 1]]
+            self.mass[band(q[i])] += q[i]
+            self.hits[band(q[i])] += ok[i]
+
+
+def draft_of(rng, D=4, K=3, V=50, sharp=2.0):
+    logits = rng.standard_normal((D, V)) * sharp
+    lp, ids = R.topk_logsoftmax(logits.astype(np.float32), K)
+    return np.ascontiguousarray(lp), np.ascontiguousarray(ids)
+
+
+def test_round_cost_curve():
+    a, r = _native.AdaptiveBudget(), Rule()
+    a.reset(16)
+    assert a.round_cost(1) == 0
+    for n, s in [(0, 1.0), (2, 2.0), (2, 3.0), (7, 2.5), (0, 0.5)]:
+        a.observe(n, s, -1.0)
+        r.observe(n, s)
+        for T in range(1, 20):
+            assert a.round_cost(T) == pytest.approx(r.round_cost(T), rel=1e-12), (n, s, T)
+    assert a.round_cost(3) == pytest.approx(0.7 * 2.0 + 0.3 * 3.0)
+
+
+def test_choices_follow_the_rule():
+    rng = np.random.default_rng(0)
+    for trial in range(30):
+        a, r = _native.AdaptiveBudget(), Rule()
+        cap = int(rng.integers(1, 40))
+        a.reset(cap)
+        text = rng.integers(0, 50, 400).astype(np.int32)
+        pos = 10
+        slope = float(rng.uniform(0.0, 0.3))
+        for rnd in range(12):
+            lp, ids = draft_of(rng, D=int(rng.integers(1, 6)), K=int(rng.integers(1, 5)), sharp=float(rng.uniform(0.5, 4)))
+            c = cap
+            n = a.choose(lp, ids, c, pos)
+            assert n == r.choose(lp, ids, c), (trial, rnd)
+            secs = 1.0 + slope * n + float(rng.uniform(0, 0.01))
+            draft = float(rng.uniform(0, 0.5))
+            a.observe(n, secs, draft)
+            r.observe(n, secs, draft)
+            # a random text, long enough past the root for the tree to be labelled at once
+            tail = text[:pos + 1 + lp.shape[0] + 1].copy()
+            a.label(tail)
+            r.label(lp, ids, c, tail, pos)
+            assert a.trees_pending == 0
+            for q in (1.0, 0.7, 0.3, 0.1, 0.01):
+                assert a.calibration(q) == pytest.approx(r.factor(q), rel=1e-12)
+            pos += int(rng.integers(1, 4))
+
+
+def test_trees_wait_for_the_text_to_pass_their_depth():
+    a = _native.AdaptiveBudget()
+    a.reset(8)
+    lp = np.log(np.full((3, 2), 0.5, np.float32))
+    ids = np.array([[1, 2], [3, 4], [5, 6]], np.int32)
+    a.choose(lp, ids, 8, 4)                      # root at index 4: depths 1..3 need indices 5..7
+    a.label(np.arange(7, dtype=np.int32))        # up to index 6 only
+    assert a.trees_pending == 1 and a.calibration(0.5) == 1.0
+    text = np.array([0, 0, 0, 0, 0, 1, 9, 9], np.int32)   # depth 1 matches token 1, depth 2 neither
+    a.label(text)
+    assert a.trees_pending == 0
+    # labelled: both depth-1 nodes (1 hit), the children of the matching one at depth 2 (no hit)
+    t = R.tree_build(lp, ids, 8)
+    d1 = sum(1 for d in t.depths if d == 1)
+    d2_under_hit = sum(1 for i, d in enumerate(t.depths) if d == 2 and t.tokens[t.parents[i + 1] - 1] == 1)
+    mass = 0.5 * (d1 + d2_under_hit)
+    assert a.calibration(0.5) == pytest.approx((0.99 * 0 + 1 + 1) / (mass + 1))
+
+
+def _run(a, rng, right, rounds=40, cap=16):
+    """Rounds over a made-up text with made-up costs (1 + 0.08 n seconds, drafting 0.05): a drafter
+    that is sure (0.95 at each depth) of a 5-token chain, right (the text's next tokens) or wrong."""
+    true = rng.integers(0, 50, 1000).astype(np.int32)
+    L, sizes = 8, []
+    lp = np.log(np.array([[0.95, 0.05]] * 5, np.float32))
+    for _ in range(rounds):
+        nxt = true[L:L + 5]
+        chain = nxt if right else (nxt + 1) % 50
+        ids = np.stack([chain, (chain + 7) % 50], 1).astype(np.int32)
+        n = a.choose(lp, ids, cap, L - 1)
+        sizes.append(n)
+        a.observe(n, 1.0 + 0.08 * n, 0.05)
+        L += (min(n, 5) if right else 0) + 1   # the chain is the first 5 nodes of the tree
+        a.label(true[:L])
+    return sizes
+
+
+def test_wrong_drafter_goes_to_plain_steps_and_a_right_one_to_the_budget():
+    rng = np.random.default_rng(3)
+    a = _native.AdaptiveBudget()
+    a.reset(16)
+    wrong = _run(a, rng, right=False)
+    assert wrong[:2] == [2, 0] and all(n == 0 for n in wrong[-20:]), wrong
+    b = _native.AdaptiveBudget()
+    b.reset(16)
+    right = _run(b, rng, right=True)
+    assert right[:2] == [2, 0] and all(n >= 5 for n in right[-20:]), right
