@@ -32,7 +32,7 @@ void AdaptiveBudget::reset(int64_t max_nodes) {
   rounds_ = 0;
   tree_.n = 0;
   phat_.assign(1, 1.0);
-  pending_.clear();
+  head_ = count_ = 0;
 }
 
 double AdaptiveBudget::round_cost(int64_t T) const {
@@ -70,9 +70,15 @@ int64_t AdaptiveBudget::choose(const float* lp, const int32_t* ids, int64_t d, i
   phat_.resize(static_cast<size_t>(n + 1));
   phat_[0] = 1;
   // keep the tree (its first kKeepNodes nodes) for label()
-  if (static_cast<int64_t>(pending_.size()) >= kTreeMaxDepth) pending_.erase(pending_.begin());
-  pending_.emplace_back();
-  Kept& kept = pending_.back();
+  // a slot of the ring (its vectors keep their capacity: no allocation once warm); when full, the
+  // oldest tree is dropped (a tree waits at most its depth <= kTreeMaxDepth rounds)
+  if (ring_.size() < static_cast<size_t>(kTreeMaxDepth)) ring_.resize(static_cast<size_t>(kTreeMaxDepth));
+  if (count_ == kTreeMaxDepth) {
+    head_ = (head_ + 1) % kTreeMaxDepth;
+    --count_;
+  }
+  Kept& kept = ring_[static_cast<size_t>((head_ + count_) % kTreeMaxDepth)];
+  ++count_;
   const int64_t nk = std::min<int64_t>(n, kKeepNodes);
   kept.root_index = root_index;
   kept.tokens.assign(tree_.tokens.begin(), tree_.tokens.begin() + nk);
@@ -120,9 +126,8 @@ void AdaptiveBudget::observe(int64_t n, double round_seconds, double draft_secon
 }
 
 void AdaptiveBudget::label(const int32_t* tokens, int64_t len) {
-  size_t done = 0;
-  for (; done < pending_.size(); ++done) {
-    const Kept& t = pending_[done];
+  while (count_ > 0) {
+    const Kept& t = ring_[static_cast<size_t>(head_)];
     if (t.root_index + t.max_depth > len - 1) break;  // (trees are kept in root order)
     // node i matches iff its parent does and its token is the text's token at its depth
     const int64_t n = static_cast<int64_t>(t.tokens.size());
@@ -139,8 +144,9 @@ void AdaptiveBudget::label(const int32_t* tokens, int64_t len) {
       band_mass_[b] += t.prob[i - 1];
       band_hits_[b] += acc_[i];
     }
+    head_ = (head_ + 1) % kTreeMaxDepth;
+    --count_;
   }
-  pending_.erase(pending_.begin(), pending_.begin() + static_cast<std::ptrdiff_t>(done));
 }
 
 }  // namespace kdtree

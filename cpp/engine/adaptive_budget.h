@@ -62,7 +62,7 @@ class AdaptiveBudget {
   double round_cost(int64_t T) const;
   double calibration(double path_probability) const;
   int64_t rounds_observed() const { return rounds_; }
-  int64_t trees_pending() const { return static_cast<int64_t>(pending_.size()); }
+  int64_t trees_pending() const { return count_; }
 
  private:
   struct Kept {                    // a tree waiting for the text to pass its depth
@@ -76,7 +76,8 @@ class AdaptiveBudget {
   std::vector<double> phat_;   // [n+1] calibrated chance each node of the last tree is accepted (root: 1)
   std::vector<double> cost_;   // [max+2] EMA of round seconds by T (0 = not measured)
   std::vector<uint8_t> acc_;   // scratch: node on the generated path
-  std::vector<Kept> pending_;  // oldest first
+  std::vector<Kept> ring_;     // [kTreeMaxDepth] kept trees: count_ of them from head_, oldest first
+  int64_t head_ = 0, count_ = 0;
   double band_mass_[kBands] = {}, band_hits_[kBands] = {};
   double draft_s_ = 0;
   bool draft_seen_ = false;

@@ -246,3 +246,21 @@ def test_wrong_drafter_goes_to_plain_steps_and_a_right_one_to_the_budget():
     b.reset(16)
     right = _run(b, rng, right=True)
     assert right[:2] == [2, 0] and all(n >= 5 for n in right[-20:]), right
+
+
+def test_at_most_64_trees_wait():
+    """Trees wait in a ring of 64 (a tree waits at most its depth in rounds); more drop the oldest."""
+    a = _native.AdaptiveBudget()
+    a.reset(4)
+    lp = np.log(np.full((3, 2), 0.5, np.float32))
+    ids = np.array([[1, 2], [3, 4], [5, 6]], np.int32)
+    for r in range(70):
+        a.choose(lp, ids, 4, 10 + r)
+        assert a.trees_pending == min(r + 1, 64)
+    text = np.zeros(10 + 69 + 4, np.int32)
+    # the 4-node trees reach depth 2; a text of 22 tokens (indices 0..21) has passed those rooted at
+    # <= 19: of the kept ones (rooted at 16 .. 79; 10 .. 15 were dropped), 16 .. 19
+    a.label(text[:22])
+    assert a.trees_pending == 64 - 4
+    a.label(text)
+    assert a.trees_pending == 0
