@@ -698,6 +698,7 @@ void bind_engine(py::module_& m) {
           py::arg("logprobs"), py::arg("ids"), py::arg("cap"), py::arg("root_index"),
           "Nodes to verify (0..cap) for this draft [d, k] (finite log-probs: cap must not exceed the finite prefixes)")
       .def("observe", &AdaptiveBudget::observe, py::arg("n"), py::arg("round_seconds"), py::arg("draft_seconds"))
+      .def("skip_draft", &AdaptiveBudget::skip_draft, "True: this round is a plain step without drafting")
       .def(
           "label",
           [](AdaptiveBudget& a, py::array_t<int32_t, py::array::c_style | py::array::forcecast> tokens) {

@@ -11,6 +11,8 @@ constexpr double kEma = 0.3;        // weight of a new measurement in the moving
 constexpr double kForget = 0.99;    // calibration memory: ~100 rounds
 constexpr double kPrior = 1.0;      // pseudo probability mass per band, accepted at the draft's word
 constexpr int64_t kFirstNodes = 2;  // the first measured tree size (then the plain step)
+constexpr double kSkipMargin = 0.05;  // drafting must be expected to cost < 5 % more than it brings
+constexpr int64_t kMaxSkip = 32;      // the longest run of rounds without drafting between two tries
 
 int band_of(double p) {
   if (!(p > 0)) return AdaptiveBudget::kBands - 1;
@@ -33,6 +35,7 @@ void AdaptiveBudget::reset(int64_t max_nodes) {
   tree_.n = 0;
   phat_.assign(1, 1.0);
   head_ = count_ = 0;
+  skip_len_ = skip_left_ = 0;
 }
 
 double AdaptiveBudget::round_cost(int64_t T) const {
@@ -112,7 +115,22 @@ int64_t AdaptiveBudget::choose(const float* lp, const int32_t* ids, int64_t d, i
   // sizes are interpolated / extrapolated from what is measured until they are chosen.
   if (!ends_known)
     return std::any_of(cost_.begin() + 2, cost_.end(), [](double c) { return c > 0; }) ? 0 : std::min(n, kFirstNodes);
+  // Did drafting pay? The best expected rate against a plain step without a draft (1 / t_round(1)).
+  // If not by a margin, the next rounds skip the drafter: 1, then 2, 4, ... (up to kMaxSkip) after
+  // each further drafted round that does not pay; one that pays ends the skipping.
+  if (best * round_cost(1) < 1.0 - kSkipMargin) {
+    skip_len_ = skip_len_ > 0 ? std::min<int64_t>(2 * skip_len_, kMaxSkip) : 1;
+    skip_left_ = skip_len_;
+  } else {
+    skip_len_ = 0;
+  }
   return best_n;
+}
+
+bool AdaptiveBudget::skip_draft() {
+  if (skip_left_ <= 0) return false;
+  --skip_left_;
+  return true;
 }
 
 void AdaptiveBudget::observe(int64_t n, double round_seconds, double draft_seconds) {

@@ -28,6 +28,11 @@
 // The costs are the target's, so they carry over to the next generate call on the same
 // generator; the calibration and the draft time start afresh each call.
 //
+// When even the best size does not repay the drafter's own time (its expected rate, drafting
+// included, is more than 5 % under a plain step's), the next rounds are plain steps without
+// drafting: 1 round, then 2, 4, ... up to 32 after each further drafted round that does not pay,
+// until one does. So a drafter slower than it is worth costs little more than AR.
+//
 // The choice never changes what is generated (every tree is verified by the target: the output
 // is the target's whatever n is), only how fast. A draft in device memory is not read on the host:
 // such rounds keep the fixed budget.
@@ -50,6 +55,9 @@ class AdaptiveBudget {
   // descending, checked) for the root at index `root_index` of the token sequence. The tree is
   // kept until label() can tell which of its nodes the generated text matches.
   int64_t choose(const float* logprobs, const int32_t* ids, int64_t d, int64_t k, int64_t cap, int64_t root_index);
+  // Whether this round should not ask the drafter at all (a plain step): after drafted rounds whose
+  // best expected rate, drafting included, fell short of a plain step's (see the .cpp).
+  bool skip_draft();
   // A round of T = n + 1 tokens took round_seconds (the executor's round) after draft_seconds of
   // drafting (< 0: no draft this round).
   void observe(int64_t n, double round_seconds, double draft_seconds);
@@ -78,6 +86,7 @@ class AdaptiveBudget {
   std::vector<uint8_t> acc_;   // scratch: node on the generated path
   std::vector<Kept> ring_;     // [kTreeMaxDepth] kept trees: count_ of them from head_, oldest first
   int64_t head_ = 0, count_ = 0;
+  int64_t skip_len_ = 0, skip_left_ = 0;  // draft skipping: the current run length, rounds left
   double band_mass_[kBands] = {}, band_hits_[kBands] = {};
   double draft_s_ = 0;
   bool draft_seen_ = false;

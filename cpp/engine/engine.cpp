@@ -261,7 +261,7 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
     rq.top_k = k_r;
     int64_t d_got = 0;
     double draft_s = -1;     // this round's drafting seconds (-1: no draft asked for)
-    if (drafter && depth_r > 0 && budget_r > 0) {
+    if (drafter && depth_r > 0 && budget_r > 0 && !(p.adaptive_budget && adapt_.skip_draft())) {
       draft.clear();
       draft.device_ok = exec_.draft_device();
       auto t0 = Clock::now();

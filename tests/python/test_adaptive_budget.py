@@ -264,3 +264,48 @@ def test_at_most_64_trees_wait():
     assert a.trees_pending == 64 - 4
     a.label(text)
     assert a.trees_pending == 0
+
+
+def _skips(a, rounds, right, draft_s, rng):
+    """Rounds as the engine runs them (skip_draft first); the drafted rounds' sizes, None where skipped."""
+    true = rng.integers(0, 50, 2000).astype(np.int32)
+    L, out = 8, []
+    lp = np.log(np.array([[0.95, 0.05]] * 5, np.float32))
+    for _ in range(rounds):
+        if a.skip_draft():
+            out.append(None)
+            a.observe(0, 1.0, -1.0)
+            L += 1
+            a.label(true[:L])
+            continue
+        nxt = true[L:L + 5]
+        chain = nxt if right else (nxt + 1) % 50
+        n = a.choose(lp, np.stack([chain, (chain + 7) % 50], 1).astype(np.int32), 16, L - 1)
+        out.append(n)
+        a.observe(n, 1.0 + 0.08 * n, draft_s)
+        L += (min(n, 5) if right else 0) + 1
+        a.label(true[:L])
+    return out
+
+
+def test_a_drafter_that_does_not_pay_is_skipped_for_doubling_runs():
+    rng = np.random.default_rng(4)
+    a = _native.AdaptiveBudget()
+    a.reset(16)
+    seq = _skips(a, 120, right=False, draft_s=0.5, rng=rng)
+    # once drafting does not pay (every round here: the draft alone costs half a plain step), the
+    # runs of skipped rounds between two drafted ones are 1, 2, 4, ..., 32, 32, ...
+    runs, cur = [], 0
+    for x in seq[2:]:
+        if x is None:
+            cur += 1
+        else:
+            if cur:
+                runs.append(cur)
+            cur = 0
+    assert runs[:6] == [1, 2, 4, 8, 16, 32] and all(r == 32 for r in runs[6:]), runs
+    # a drafter that pays is never skipped; nor is a free one that is wrong (its plain steps cost nothing more)
+    for right, draft_s in ((True, 0.5), (False, 0.0)):
+        b = _native.AdaptiveBudget()
+        b.reset(16)
+        assert None not in _skips(b, 60, right=right, draft_s=draft_s, rng=rng)
