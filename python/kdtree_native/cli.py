@@ -253,6 +253,9 @@ def _cmd_generate(args):
             raise _UsageError("--prompt needs MODEL_DIR/tokenizer.json (and the `tokenizers` package); use --ids")
         prompt = tok.encode(args.prompt).ids
     eng = Engine.from_pretrained(args.model_dir, device=args.device, max_seq_len=max_seq_len)
+    if eng.config.quantization is not None:
+        print(f"note: quantized checkpoint ({eng.config.quantization.describe()}): its weights were dequantized on "
+              "load and run with FP32 activations (docs/MODEL.md)", file=sys.stderr)
     drafter = _make_drafter(args.drafter, eng, args, prompt, args.max_new_tokens, max_seq_len)
     stream = _Streamer(tok, stream=not args.no_stream)
     stops = list(args.stop or [])

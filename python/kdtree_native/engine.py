@@ -295,4 +295,6 @@ class Engine:
         c = self.config
         return (f"Engine(device={self.device!r}, model_type={c.model_type!r}, layers={c.num_hidden_layers}, "
                 f"hidden={c.hidden_size}, vocab={c.vocab_size}, max_seq_len={self.max_seq_len}, "
-                f"cache_len={self.cache_len})")
+                f"cache_len={self.cache_len}"
+                + (f", quantized={c.quantization.describe()!r} (dequantized on load)" if c.quantization else "")
+                + ")")

@@ -106,8 +106,7 @@ class QuantizationSpec:
     def describe(self) -> str:
         if self.method == "fp8":
             return f"FP8 e4m3 weights, one scale per {self.weight_block_size[0]}x{self.weight_block_size[1]} block"
-        return "; ".join(f"{s.describe()} for {list(t)}" for _, t, s in self.groups) + (
-            f" (ignoring {list(self.ignore)})" if self.ignore else "")
+        return "compressed-tensors " + "; ".join(s.describe() for _, t, s in self.groups) + " weights"
 
 
 def _matches(module: str, target: str) -> bool:

@@ -266,6 +266,7 @@ def test_engine_on_a_numpy_packed_checkpoint_equals_the_float_one(tmp_path):
     a = kn.Engine.from_pretrained(tmp_path / "q", device="cpu")
     b = kn.Engine.from_pretrained(tmp_path / "f", device="cpu")
     assert a.config.quantization is not None and b.config.quantization is None
+    assert "int4 group 32, symmetric" in repr(a) and "quantized" not in repr(b)
     assert np.array_equal(a.prefill(ids), b.prefill(ids))
     from kdtree_native.drafters import NgramDrafter
     ar = a.generate(ids, 24)
