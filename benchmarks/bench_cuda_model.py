@@ -18,7 +18,8 @@ Physical limit per step = max(bytes / measured copy bandwidth, FLOPs / FP32 peak
   the weights the step must read (routed experts: only those the step's tokens route to, read
   back from the model) + the latent cache read once + embeddings, and FLOPs = 2 x params used
   per token x T + absorbed attention (2 (C+R) + 2 C per head per visible key).
-Also AR and DDTree decode tokens/s with OracleDrafter (noise 0, 0.3, 0.6) through the engine
+Also AR and DDTree decode tokens/s with OracleDrafter (noise 0, 0.3, 0.6; --adaptive adds adaptive_budget=True
+runs of each) through the engine
 (generate(): rounds="device", the round on the GPU, and rounds="host" for comparison), the round
 overhead (round time - the verify forward of that tree size - the drafter), and HF generate()
 tokens/s on the same checkpoint as the ratio.
@@ -201,6 +202,8 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer cases (context 512 only, no HF 4096)")
     ap.add_argument("--no-hf", action="store_true")
     ap.add_argument("--budget", type=int, default=64, help="tree budget of the DDTree runs")
+    ap.add_argument("--adaptive", action="store_true",
+                    help="also each oracle noise with adaptive_budget=True (device rounds; --budget the ceiling)")
     ap.add_argument("--bf16-weights", action="store_true",
                     help="round the checkpoint's weights to BF16 (a BF16 checkpoint): the model keeps BF16 copies "
                          "(bf16_weight_copies) and the limits count 2 bytes per weight; no HF rows")
@@ -435,6 +438,21 @@ def main():
                   f" = verify {d['verify_forward_gpu_ms'] or t_fwd * 1e3:.3f} + drafter {d['draft_ms_per_round']:.3f} + overhead "
                   f"{d['round_overhead_us']:.0f} us; host rounds {h['decode_tok_s']:.1f} tok/s (overhead "
                   f"{h['round_overhead_us']:.0f} us); == AR: {d['equals_ar']} / {h['equals_ar']}", flush=True)
+            if args.adaptive:
+                mk = lambda: OracleDrafter(ref, noise=noise, seed=1, vocab_size=V)
+                generate(model, prompt_ids, n_new, drafter=mk(), tree_budget=budget, depth=depth, top_k=top_k,
+                         adaptive_budget=True)  # warm-up (graphs of the sizes it picks)
+                r = generate(model, prompt_ids, n_new, drafter=mk(), tree_budget=budget, depth=depth, top_k=top_k,
+                             adaptive_budget=True)
+                dec = r.stats["seconds"]["total"] - r.stats["seconds"]["prefill"]
+                row["adaptive"] = dict(decode_tok_s=(n_new - 1) / dec, speedup_over_ar=((n_new - 1) / dec) / ar_dec,
+                                       mean_acceptance_length=r.stats["mean_acceptance_length"],
+                                       mean_tree_size=r.stats["mean_tree_size"], rounds=r.stats["rounds"],
+                                       equals_ar=bool(np.array_equal(r.tokens, ref)))
+                a = row["adaptive"]
+                print(f"  adaptive (<= {budget} nodes): {a['decode_tok_s']:.1f} tok/s ({a['speedup_over_ar']:.2f}x AR), "
+                      f"mean acceptance {a['mean_acceptance_length']:.2f}, mean tree {a['mean_tree_size']:.1f}, "
+                      f"== AR: {a['equals_ar']}", flush=True)
         # The oracle's log-probs are the same constant row at every depth ([-0.01, -4, -5, ...]),
         # so its best-first tree is one 15-deep chain plus leaves: the deepest tree the GPU build
         # meets (one pass per level). Same ids with drafter-like log-probs (per depth a Zipf-like
