@@ -185,16 +185,19 @@ def quantize_numpy(name, w, scheme, st_dtype, rng):
     return parts, expect
 
 
-def write_quantized(dirpath, cfg_dict, qc, weights, quantize, st_dtype, seed=0, extra=None):
+def write_quantized(dirpath, cfg_dict, qc, weights, quantize, st_dtype, seed=0, extra=None, prefix="",
+                    shards=1):
     """A checkpoint dir: `weights` {name: float32}, the Linears for which quantize(name) is true stored
-    packed under `qc`'s scheme. Returns {name: the float32 weight the loader must give}."""
+    packed under `qc`'s scheme (tensor names prefixed by `prefix`; `shards` > 1: the tensors dealt
+    round-robin into that many files with an index, so a module's parts sit in different shards).
+    Returns {name: the float32 weight the loader must give}."""
     cfg = config_from_dict(dict(cfg_dict, quantization_config=qc))
     rng = np.random.default_rng(seed)
     tensors, expect = {}, {}
     for name, w in weights.items():
         module = name[:-len(".weight")]
         if name.endswith(".weight") and quantize(name):
-            scheme = cfg.quantization.scheme_for(module)
+            scheme = cfg.quantization.scheme_for(prefix + module)
             parts, back = quantize_numpy(name, w, scheme, st_dtype, rng)
             for suffix, arr in parts.items():
                 tensors[module + suffix] = arr
@@ -206,9 +209,22 @@ def write_quantized(dirpath, cfg_dict, qc, weights, quantize, st_dtype, seed=0, 
         extra(tensors)
     os.makedirs(dirpath, exist_ok=True)
     with open(os.path.join(dirpath, "config.json"), "w") as f:
-        json.dump(dict(cfg_dict, quantization_config=qc), f)
-    write_safetensors(os.path.join(dirpath, "model.safetensors"), {
-        k: (v if v.dtype != np.int64 else v.astype(np.int32)) for k, v in tensors.items()})
+        if prefix:   # the Kimi K2.5 layout: the text model under text_config, quantization at the top
+            json.dump({"model_type": "kimi_k25", "text_config": cfg_dict, "quantization_config": qc}, f)
+        else:
+            json.dump(dict(cfg_dict, quantization_config=qc), f)
+    tensors = {prefix + k: (v if v.dtype != np.int64 else v.astype(np.int32)) for k, v in tensors.items()}
+    if shards == 1:
+        write_safetensors(os.path.join(dirpath, "model.safetensors"), tensors)
+        return expect
+    files = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
+    parts = [{} for _ in files]
+    for i, (k, v) in enumerate(sorted(tensors.items())):
+        parts[i % shards][k] = v
+    for fn, part in zip(files, parts):
+        write_safetensors(os.path.join(dirpath, fn), part)
+    with open(os.path.join(dirpath, "model.safetensors.index.json"), "w") as f:
+        json.dump({"weight_map": {k: files[i] for i, part in enumerate(parts) for k in part}}, f)
     return expect
 
 
@@ -251,6 +267,19 @@ def test_load_dequantizes_exactly(tmp_path, bits, strategy, gs, sym, sdt):
     if sdt == "BF16":   # exactly BF16: the native models' BF16 weight copies apply
         w = got["model.layers.1.mlp.experts.0.up_proj.weight"]
         assert not (w.view(np.uint32) & 0xFFFF).any()
+
+
+@pytest.mark.parametrize("prefix, shards", [("language_model.", 1), ("", 3), ("language_model.", 2)])
+def test_load_k25_prefix_and_shards(tmp_path, prefix, shards):
+    """Kimi K2.5's nesting (names under language_model., the quantization_config at the top level) and
+    sharded files whose index puts a module's packed parts in different shards."""
+    d = config_dict(KIMI_LIKE)
+    weights = {k: v.astype(np.float32) for k, v in random_weights(config_from_dict(d), seed=10).items()}
+    expect = write_quantized(tmp_path, d, KIMI_QC, weights, is_expert, "BF16", prefix=prefix, shards=shards)
+    cfg = load_config(tmp_path)
+    assert cfg.weight_prefix == prefix and cfg.quantization is not None
+    got = load_weights(tmp_path, cfg)
+    assert sorted(got) == sorted(expect) and all(np.array_equal(got[k], expect[k]) for k in expect)
 
 
 def test_engine_on_a_numpy_packed_checkpoint_equals_the_float_one(tmp_path):
