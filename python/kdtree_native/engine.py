@@ -107,18 +107,24 @@ class Engine:
         self._busy = threading.Lock()
         self._holder = ""
 
-    @contextmanager
-    def _one_call(self, what: str):
+    def _acquire(self, what: str):
         if not self._busy.acquire(blocking=False):
             raise RuntimeError(f"{what}: this Engine is busy with {self._holder or 'another call'} (another thread, "
-                               "or a drafter / progress callback of a running generate): an Engine runs one call at "
-                               "a time; use one Engine per thread")
+                               "a drafter / progress callback of a running generate, or an open stream): an Engine "
+                               "runs one call at a time; use one Engine per thread")
         self._holder = what
+
+    def _release(self):
+        self._holder = ""
+        self._busy.release()
+
+    @contextmanager
+    def _one_call(self, what: str):
+        self._acquire(what)
         try:
             yield
         finally:
-            self._holder = ""
-            self._busy.release()
+            self._release()
 
     # ---- loading ------------------------------------------------------------------------
     @classmethod
@@ -290,6 +296,25 @@ class Engine:
         with self._one_call("generate"):
             return generate(self, prompt_ids, max_new_tokens, drafter=drafter, tree_budget=tree_budget, depth=depth,
                             top_k=top_k, temperature=temperature, seed=seed, stop_token_ids=stop_token_ids, **kwargs)
+
+    def stream(self, prompt_ids, max_new_tokens: int, drafter=None, progress=None, **kwargs):
+        """``generate()`` as an iterator: a ``kdtree_native.generation.TokenStream`` of each round's new
+        tokens (int32 arrays) while the call runs in a background thread; ``.result`` is the
+        ``GenerationResult`` at the end. Arguments as ``generate``'s, checked before it starts. The
+        Engine is held until the stream ends or is closed (other calls raise RuntimeError meanwhile).
+
+            with eng.stream(ids, 128, drafter=NgramDrafter(), tree_budget=8, depth=6) as s:
+                for new in s:
+                    print(tok.decode(new.tolist()), end="", flush=True)"""
+        from .generation import TokenStream, _prepare
+
+        self._acquire("stream")
+        try:
+            run = _prepare(self, prompt_ids, max_new_tokens, drafter=drafter, **kwargs)
+            return TokenStream(run, progress, on_done=self._release)
+        except BaseException:
+            self._release()
+            raise
 
     def __repr__(self) -> str:
         c = self.config

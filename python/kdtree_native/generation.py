@@ -224,6 +224,17 @@ def generate(engine, prompt_ids, max_new_tokens: int, drafter=None, tree_budget:
                     choice, accept and KV compaction on the device, one small copy back per
                     round; the host otherwise), "host" (the host path of any target), "device"
     """
+    return _prepare(engine, prompt_ids, max_new_tokens, drafter=drafter, tree_budget=tree_budget, depth=depth,
+                    top_k=top_k, temperature=temperature, top_p=top_p, seed=seed, stop_token_ids=stop_token_ids,
+                    target_top_k=target_top_k, prefill_chunk=prefill_chunk, rounds=rounds,
+                    adaptive_budget=adaptive_budget)(progress)
+
+
+def _prepare(engine, prompt_ids, max_new_tokens, drafter=None, tree_budget=64, depth=15, top_k=None,
+             temperature=0.0, top_p=1.0, seed=None, stop_token_ids=(), target_top_k=None, prefill_chunk=512,
+             rounds="auto", adaptive_budget=False) -> Callable:
+    """Checks generate()'s arguments (raising what generate() raises) and returns run(progress) ->
+    GenerationResult, which runs the call (stream() runs it in a thread)."""
     prompt = _prompt_array(prompt_ids)
     max_new_tokens = _int_arg(max_new_tokens, "max_new_tokens")
     tree_budget = _int_arg(tree_budget, "tree_budget")
@@ -245,8 +256,6 @@ def generate(engine, prompt_ids, max_new_tokens: int, drafter=None, tree_budget:
     prefill_chunk = _int_arg(prefill_chunk, "prefill_chunk", 1)
     if not isinstance(adaptive_budget, (bool, np.bool_)):
         raise TypeError(f"adaptive_budget must be True or False, got {adaptive_budget!r}")
-    if progress is not None and not callable(progress):
-        raise TypeError(f"progress must be callable, got {type(progress).__name__}")
     fn = as_draft_fn(drafter)
     gen = generator_for(engine, rounds)
     from .drafters import ModelDrafter  # (lazy: drafters imports this module)
@@ -254,10 +263,130 @@ def generate(engine, prompt_ids, max_new_tokens: int, drafter=None, tree_budget:
         # (the native ModelDraft path names this in C++; the Python path would overwrite the cache)
         raise ValueError("ModelDrafter: the draft model is the target model itself (its cache would be "
                          "overwritten); load a second copy to draft with")
-    raw = gen.generate(prompt, max_new_tokens, drafter=fn, tree_budget=tree_budget, depth=depth, top_k=top_k,
-                       temperature=temperature, top_p=top_p, target_top_k=target_top_k, seed=seed,
-                       stop_token_ids=stops, progress=progress, prefill_chunk=prefill_chunk,
-                       adaptive_budget=bool(adaptive_budget))
-    stats = compute_stats(raw, depth, fn is not None and tree_budget > 0, seed, temperature)
-    stats["rounds_on"] = gen.rounds
-    return GenerationResult(tokens=raw["tokens"], acceptance_lengths=raw["acceptance_lengths"], stats=stats)
+
+    def run(progress=None) -> GenerationResult:
+        if progress is not None and not callable(progress):
+            raise TypeError(f"progress must be callable, got {type(progress).__name__}")
+        raw = gen.generate(prompt, max_new_tokens, drafter=fn, tree_budget=tree_budget, depth=depth, top_k=top_k,
+                           temperature=temperature, top_p=top_p, target_top_k=target_top_k, seed=seed,
+                           stop_token_ids=stops, progress=progress, prefill_chunk=prefill_chunk,
+                           adaptive_budget=bool(adaptive_budget))
+        stats = compute_stats(raw, depth, fn is not None and tree_budget > 0, seed, temperature)
+        stats["rounds_on"] = gen.rounds
+        return GenerationResult(tokens=raw["tokens"], acceptance_lengths=raw["acceptance_lengths"], stats=stats)
+
+    return run
+
+
+class _StreamClosed(Exception):
+    """Raised inside a stream's progress callback once the stream is closed: ends its generate."""
+
+
+_END = object()
+
+
+class _StreamState:
+    """What a stream's thread shares with its TokenStream (the thread holds this, not the stream, so
+    a dropped stream is collected and its __del__ can stop the call)."""
+
+    def __init__(self):
+        import queue
+        import threading
+
+        self.queue = queue.SimpleQueue()
+        self.closed = threading.Event()
+        self.error: Optional[BaseException] = None
+        self.result: Optional[GenerationResult] = None
+
+
+class TokenStream:
+    """The new tokens of one generate call, round by round, as it runs (``stream()``,
+    ``kn.Engine.stream``): iterate to get int32 arrays (the first token, then each round's accepted
+    tokens and bonus); their concatenation is ``generate()``'s ``tokens``. The call runs in a
+    background thread (the native loop releases the GIL); an error it raises (a drafter's, a bad
+    draft) is raised by the iteration. ``result`` is the ``GenerationResult`` once the stream is
+    exhausted. ``close()`` (or leaving a ``with`` block) stops the call at its next round and waits
+    for it; a stream dropped unfinished stops its call at the next round without waiting. The
+    engine is usable again after."""
+
+    def __init__(self, run: Callable, progress=None, on_done: Optional[Callable] = None):
+        import threading
+
+        if progress is not None and not callable(progress):
+            raise TypeError(f"progress must be callable, got {type(progress).__name__}")
+        st = self._state = _StreamState()
+        self._finished = False
+
+        def cb(new_tokens, done, total):
+            if st.closed.is_set():
+                raise _StreamClosed()
+            st.queue.put(np.array(new_tokens, dtype=np.int32, copy=True))
+            if progress is not None:
+                progress(new_tokens, done, total)
+
+        def body():
+            try:
+                st.result = run(cb)
+            except _StreamClosed:
+                pass
+            except BaseException as e:  # handed to the iterating thread
+                st.error = e
+            finally:
+                if on_done is not None:
+                    on_done()
+                st.queue.put(_END)
+
+        self._thread = threading.Thread(target=body, name="kdtree-native stream", daemon=True)
+        self._thread.start()
+
+    @property
+    def result(self) -> Optional[GenerationResult]:
+        return self._state.result
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> np.ndarray:
+        if self._finished:
+            raise StopIteration
+        st = self._state
+        item = st.queue.get()
+        if item is _END:
+            self._finished = True
+            self._thread.join()
+            if st.error is not None:
+                err, st.error = st.error, None
+                raise err
+            raise StopIteration
+        return item
+
+    def close(self) -> None:
+        """Stop the call (at its next round) and wait for it to end."""
+        if self._finished:
+            return
+        st = self._state
+        st.closed.set()
+        while st.queue.get() is not _END:
+            pass
+        self._finished = True
+        self._thread.join()
+        st.error = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        # (dropped without close(): ask the call to stop at its next round, without waiting: a wait here
+        # could block interpreter shutdown, where the thread is no longer scheduled)
+        st = getattr(self, "_state", None)
+        if st is not None:
+            st.closed.set()
+
+
+def stream(engine, prompt_ids, max_new_tokens: int, drafter=None, progress=None, **kwargs) -> TokenStream:
+    """``generate()`` as an iterator of each round's new tokens (a ``TokenStream``). The arguments
+    are generate()'s and are checked here, before anything runs (the same errors)."""
+    return TokenStream(_prepare(engine, prompt_ids, max_new_tokens, drafter=drafter, **kwargs), progress)
