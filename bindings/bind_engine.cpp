@@ -490,7 +490,7 @@ py::dict run_generate(py::object self, py::array_t<int64_t, py::array::c_style |
                       int64_t max_new_tokens, py::object drafter, int64_t tree_budget, int64_t depth, int64_t top_k,
                       double temperature, double top_p, int64_t target_top_k, uint64_t seed,
                       std::vector<int64_t> stop_tokens, py::object progress, int64_t prefill_chunk,
-                      bool adaptive_budget) {
+                      bool adaptive_budget, bool reuse_prefix) {
   PyGenerator& g = self.cast<PyGenerator&>();
   if (prompt.ndim() != 1) throw Error("prompt_ids must be 1-D, got " + std::to_string(prompt.ndim()) + " dims");
   const int64_t V = g.gen->executor().vocab_size();
@@ -513,6 +513,7 @@ py::dict run_generate(py::object self, py::array_t<int64_t, py::array::c_style |
   p.sampling.seed = seed;
   p.prefill_chunk = prefill_chunk;
   p.adaptive_budget = adaptive_budget;
+  p.reuse_prefix = reuse_prefix;
   for (int64_t t : stop_tokens) {
     if (t < 0 || t >= V) throw Error("stop token " + std::to_string(t) + " outside the vocab [0, " + std::to_string(V) + ")");
     p.stop_tokens.push_back(static_cast<int32_t>(t));
@@ -603,6 +604,7 @@ py::dict run_generate(py::object self, py::array_t<int64_t, py::array::c_style |
   out["draft_depths"] = to_np(res.draft_depths);
   out["stopped"] = res.stopped;
   out["device_drafts"] = res.device_drafts;
+  out["prefill_reused"] = res.prefill_reused;
   secs["prefill"] = res.seconds.prefill;
   secs["draft"] = res.seconds.draft;
   secs["tree_build"] = res.seconds.tree_build;
@@ -806,5 +808,5 @@ void bind_engine(py::module_& m) {
            py::arg("tree_budget") = 64, py::arg("depth") = 15, py::arg("top_k") = 0, py::arg("temperature") = 0.0,
            py::arg("top_p") = 1.0, py::arg("target_top_k") = 0, py::arg("seed") = 0,
            py::arg("stop_token_ids") = std::vector<int64_t>{}, py::arg("progress") = py::none(),
-           py::arg("prefill_chunk") = 512, py::arg("adaptive_budget") = false);
+           py::arg("prefill_chunk") = 512, py::arg("adaptive_budget") = false, py::arg("reuse_prefix") = false);
 }

@@ -93,11 +93,15 @@ void RoundExecutor::check_device_draft(DraftOutput&, int64_t) {
 }
 
 // ---------------------------------------------------------------- HostRounds
-int32_t HostRounds::prefill(const int32_t* prompt, int64_t P, int64_t chunk) {
+int32_t HostRounds::prefill(const int32_t* prompt, int64_t P, int64_t chunk, int64_t keep) {
   const int64_t V = target_.vocab_size();
-  target_.reset();
+  KD_CHECK(keep >= 0 && keep < P, "prefill: keep must be in [0, P)");
+  if (keep > 0)
+    target_.truncate(keep);
+  else
+    target_.reset();
   int32_t first = 0;
-  for (int64_t c0 = 0; c0 < P; c0 += chunk) {
+  for (int64_t c0 = keep; c0 < P; c0 += chunk) {
     const int64_t T = std::min(chunk, P - c0);
     pos_.resize(T);
     keep_.resize(T);
@@ -216,10 +220,21 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
   }
 
   GenerateResult res;
+  // Prefix reuse: the entries the last generate left are still valid when the cache epoch has not
+  // moved since; they are buf_[0, min(cache_len, n_)) (a round cut short by max_new_tokens or a
+  // stop token committed path nodes past the last emitted token: those are not in buf_).
+  int64_t keep = 0;
+  uint64_t epoch = 0;
+  if (p.reuse_prefix && left_valid_ && exec_.cache_epoch(&epoch) && epoch == left_epoch_) {
+    const int64_t lim = std::min({exec_.cache_len(), n_, P - 1});
+    while (keep < lim && buf_[keep] == prompt[keep]) ++keep;
+  }
+  left_valid_ = false;  // (set again at the end of a call that completes)
   std::copy(prompt, prompt + P, buf_.begin());
   n_ = P;
   if (p.max_new_tokens == 0) {
     exec_.reset();
+    left_valid_ = exec_.cache_epoch(&left_epoch_);
     res.seconds.total = since(t_start);
     return res;
   }
@@ -232,7 +247,8 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
   // ---- prefill (in chunks: causal inside a chunk, earlier chunks committed)
   {
     const auto t0 = Clock::now();
-    const int32_t first = exec_.prefill(prompt, P, p.prefill_chunk);
+    const int32_t first = exec_.prefill(prompt, P, p.prefill_chunk, keep);
+    res.prefill_reused = keep;
     buf_[n_++] = first;
     res.tokens.push_back(first);
     res.seconds.prefill = since(t0);
@@ -320,6 +336,7 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
     res.seconds.accept_commit += rr.accept_commit + since(t0);
     if (progress) progress(&buf_[n0], n_ - n0, static_cast<int64_t>(res.tokens.size()), p.max_new_tokens);
   }
+  left_valid_ = exec_.cache_epoch(&left_epoch_);
   res.seconds.total = since(t_start);
   return res;
 }

@@ -91,6 +91,10 @@ struct GenerateParams {
   // Each round verifies the n <= tree_budget nodes that maximise the expected tokens per second
   // (adaptive_budget.h); false: min(tree_budget, finite prefixes) every round.
   bool adaptive_budget = false;
+  // Keep the cache entries this Generator's previous generate left for the longest common prefix
+  // of its tokens and this prompt, when the target's cache epoch shows nothing changed it since;
+  // prefill only the rest (GenerateResult::prefill_reused).
+  bool reuse_prefix = false;
 };
 
 struct StageSeconds {
@@ -105,6 +109,7 @@ struct GenerateResult {
   std::vector<int32_t> draft_depths;        // [rounds] d returned by the drafter (0 = none)
   StageSeconds seconds;
   bool stopped = false;                     // ended on a stop token
+  int64_t prefill_reused = 0;               // prompt tokens whose cache entries were kept (reuse_prefix)
   int64_t device_drafts = 0;                // rounds whose draft the executor took in device memory
 };
 
@@ -143,9 +148,15 @@ class RoundExecutor {
   virtual int64_t cache_len() const = 0;
   // Checks the executor's own limits (throws Error) and takes the sampling parameters.
   virtual void begin(const GenerateParams& p) = 0;
-  // Empties the cache, then prefills prompt [P] in chunks of `chunk`; returns the first
-  // generated token (the choice after the last prompt token, sequence index P).
-  virtual int32_t prefill(const int32_t* prompt, int64_t P, int64_t chunk) = 0;
+  // Keeps the first `keep` committed cache entries (0: empties the cache; keep < P, and those
+  // entries are prompt[0, keep)'s), then prefills prompt[keep, P) in chunks of `chunk`; returns
+  // the first generated token (the choice after the last prompt token, sequence index P).
+  virtual int32_t prefill(const int32_t* prompt, int64_t P, int64_t chunk, int64_t keep) = 0;
+  // The target's cache epoch (TargetModel::cache_epoch); false: not tracked (no prefix reuse).
+  virtual bool cache_epoch(uint64_t* out) const {
+    (void)out;
+    return false;
+  }
   // Empties the cache only (max_new_tokens == 0).
   virtual void reset() = 0;
   // Builds the tree (rq.nodes nodes), verifies root + nodes in one forward, chooses per node,
@@ -170,7 +181,8 @@ class HostRounds : public RoundExecutor {
   int64_t max_seq_len() const override { return target_.max_seq_len(); }
   int64_t cache_len() const override { return target_.cache_len(); }
   void begin(const GenerateParams& p) override { sampler_ = Sampler(p.sampling); }
-  int32_t prefill(const int32_t* prompt, int64_t P, int64_t chunk) override;
+  int32_t prefill(const int32_t* prompt, int64_t P, int64_t chunk, int64_t keep) override;
+  bool cache_epoch(uint64_t* out) const override { return target_.cache_epoch(out); }
   void reset() override { target_.reset(); }
   void round(const RoundRequest& rq, RoundResult& out) override;
   Target& target() { return target_; }
@@ -216,6 +228,8 @@ class Generator {
   std::vector<int32_t> adapt_ids_;
   std::vector<int32_t> buf_;
   int64_t n_ = 0;
+  bool left_valid_ = false;  // the cache holds entries for buf_[0, min(cache_len, n_)) as of left_epoch_
+  uint64_t left_epoch_ = 0;
 };
 
 }  // namespace kdtree

@@ -19,6 +19,8 @@ class ModelTarget : public Target {
   }
   void commit(const int32_t* keep, int64_t n) override { model_.commit(keep, n); }
   void reset() override { model_.reset(); }
+  void truncate(int64_t n) override { model_.truncate(n); }
+  bool cache_epoch(uint64_t* out) const override { return model_.cache_epoch(out); }
   TargetModel& model() { return model_; }
 
  private:

@@ -31,6 +31,14 @@ class Target {
   virtual void commit(const int32_t* keep, int64_t n) = 0;
   // Empties the cache.
   virtual void reset() = 0;
+  // Keeps the first n committed entries (0 <= n <= cache_len()) and drops any pending ones.
+  virtual void truncate(int64_t n) = 0;
+  // A counter changed by every call that can change the cache (TargetModel::cache_epoch);
+  // false: not tracked (then the engine never reuses a cache it left).
+  virtual bool cache_epoch(uint64_t* out) const {
+    (void)out;
+    return false;
+  }
 };
 
 }  // namespace kdtree

@@ -30,6 +30,7 @@ ToyTarget::ToyTarget(int64_t vocab_size, int64_t max_seq_len, uint64_t seed, flo
 }
 
 void ToyTarget::reset() {
+  ++epoch_;
   cache_tok_.clear();
   cache_pos_.clear();
   pend_tok_.clear();
@@ -47,6 +48,7 @@ void ToyTarget::forward(const int32_t* tokens, const int32_t* positions, const u
     KD_CHECK(tokens[i] >= 0 && tokens[i] < vocab_, "ToyTarget.forward: token id out of range");
     KD_CHECK(positions[i] >= 0, "ToyTarget.forward: negative position");
   }
+  ++epoch_;
   ++forward_calls_;
   forward_tokens_ += T;
   pend_tok_.assign(tokens, tokens + T);
@@ -77,6 +79,7 @@ void ToyTarget::forward(const int32_t* tokens, const int32_t* positions, const u
 }
 
 void ToyTarget::commit(const int32_t* keep, int64_t n) {
+  ++epoch_;
   const int64_t T = static_cast<int64_t>(pend_tok_.size());
   for (int64_t j = 0; j < n; ++j) {
     KD_CHECK(keep[j] >= 0 && keep[j] < T, "ToyTarget.commit: keep index outside the last forward's window");
@@ -87,6 +90,17 @@ void ToyTarget::commit(const int32_t* keep, int64_t n) {
     cache_pos_.push_back(pend_pos_[keep[j]]);
     cache_sum_ += entry_hash(seed_, pend_tok_[keep[j]], pend_pos_[keep[j]]);
   }
+  pend_tok_.clear();
+  pend_pos_.clear();
+}
+
+void ToyTarget::truncate(int64_t n) {
+  KD_CHECK(n >= 0 && n <= cache_len(), "ToyTarget.truncate: n outside [0, cache_len]");
+  ++epoch_;
+  cache_tok_.resize(static_cast<size_t>(n));
+  cache_pos_.resize(static_cast<size_t>(n));
+  cache_sum_ = 0;
+  for (int64_t j = 0; j < n; ++j) cache_sum_ += entry_hash(seed_, cache_tok_[j], cache_pos_[j]);
   pend_tok_.clear();
   pend_pos_.clear();
 }

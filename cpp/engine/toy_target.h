@@ -25,6 +25,11 @@ class ToyTarget : public Target {
                int64_t T, float* logits_out) override;
   void commit(const int32_t* keep, int64_t n) override;
   void reset() override;
+  void truncate(int64_t n) override;
+  bool cache_epoch(uint64_t* out) const override {
+    *out = epoch_;
+    return true;
+  }
   int64_t forward_calls() const { return forward_calls_; }
   int64_t forward_tokens() const { return forward_tokens_; }
 
@@ -36,6 +41,7 @@ class ToyTarget : public Target {
   uint64_t cache_sum_ = 0;                          // sum of entry hashes over committed entries
   std::vector<int32_t> pend_tok_, pend_pos_;        // last forward's window
   int64_t forward_calls_ = 0, forward_tokens_ = 0;
+  uint64_t epoch_ = 0;  // bumped by forward / commit / truncate / reset
 };
 
 }  // namespace kdtree

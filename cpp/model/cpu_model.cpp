@@ -136,6 +136,7 @@ CpuModel::CpuModel(const ModelConfig& cfg, int64_t max_seq_len) : cfg_(cfg), max
 
 void CpuModel::set_weight(const std::string& name, const float* data, const std::vector<int64_t>& shape) {
   std::lock_guard<std::mutex> lock(mu_);
+  ++epoch_;
   auto it = slots_.find(name);
   if (it == slots_.end()) {
     std::string hint;
@@ -178,6 +179,7 @@ std::vector<std::string> CpuModel::missing_weights() const {
 void CpuModel::finalize() {
   std::vector<std::string> missing = missing_weights();
   std::lock_guard<std::mutex> lock(mu_);
+  ++epoch_;
   check_no_missing_weights(missing);
   // The absorbed matrices W_UK / W_UV were split from kv_b_proj as it arrived (set_weight);
   // the only derived data are the BF16 copies of the weights that are exactly BF16. The cache
@@ -190,6 +192,7 @@ void CpuModel::finalize() {
 
 void CpuModel::reset() {
   std::lock_guard<std::mutex> lock(mu_);
+  ++epoch_;
   cache_len_ = 0;
   pending_ = 0;
 }
@@ -239,6 +242,7 @@ void CpuModel::ensure_workspace(int64_t T) {
 void CpuModel::forward(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
                        float* logits_out) {
   std::lock_guard<std::mutex> lock(mu_);
+  ++epoch_;
   check_forward_args(*this, tokens, positions, T);
   ensure_workspace(T);
   const ModelConfig& c = cfg_;
@@ -481,6 +485,7 @@ void CpuModel::moe_mlp(const Layer& ly, int64_t T) {
 
 void CpuModel::commit(const int32_t* keep, int64_t n) {
   std::lock_guard<std::mutex> lock(mu_);
+  ++epoch_;
   check_commit_args(*this, keep, n);
   const int64_t CR = cfg_.kv_lora_rank + cfg_.qk_rope_head_dim, L = cache_len_;
   for (Layer& ly : layers_) {
@@ -494,6 +499,7 @@ void CpuModel::commit(const int32_t* keep, int64_t n) {
 
 void CpuModel::truncate(int64_t n) {
   std::lock_guard<std::mutex> lock(mu_);
+  ++epoch_;
   check_truncate_args(*this, n);
   cache_len_ = n;  // rows past n are simply overwritten by later forwards
   pending_ = 0;
@@ -531,6 +537,7 @@ void CpuModel::build_bf16_weights() {
 
 void CpuModel::use_bf16_weights(bool on) {
   std::lock_guard<std::mutex> lock(mu_);
+  ++epoch_;
   bf16_on_ = on;
   if (!on) {
     bf16_.clear();

@@ -36,6 +36,10 @@ class CpuModel : public TargetModel {
   void reset() override;
   int64_t cache_len() const override { return cache_len_; }
   int64_t pending_len() const override { return pending_; }
+  bool cache_epoch(uint64_t* out) const override {
+    *out = epoch_;
+    return true;
+  }
 
   // Test access: copy n cache rows [begin, begin + n) of `layer` into out [n, C + R]
   // (normed latent, then roped k_rope). Rows past cache_len + pending are refused.
@@ -107,6 +111,7 @@ class CpuModel : public TargetModel {
   std::vector<std::string> slot_order_;
   bool finalized_ = false;
   int64_t cache_len_ = 0;
+  uint64_t epoch_ = 0;  // cache_epoch(): bumped by every call that can change the cache or weights
   int64_t pending_ = 0;
 
   // Workspaces, grown (never shrunk) to the largest T seen; no allocation per forward otherwise.

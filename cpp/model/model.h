@@ -50,6 +50,13 @@ class TargetModel {
   virtual void reset() = 0;
   virtual int64_t cache_len() const = 0;
   virtual int64_t pending_len() const = 0;  // T of the last forward not yet committed, else 0
+  // A counter that changes with every call that can change the cache or the weights (forward,
+  // commit, truncate, reset, set_weight, finalize, ...): a caller that recorded it can tell
+  // whether the cache is still what it left (the engine's prefix reuse). false: not tracked.
+  virtual bool cache_epoch(uint64_t* out) const {
+    (void)out;
+    return false;
+  }
 };
 
 // Input checks shared by the backends (throw Error naming the problem).

@@ -194,7 +194,8 @@ void CudaRounds::check_device_draft(DraftOutput& draft, int64_t vocab) {
   draft.device_checked = true;
 }
 
-int32_t CudaRounds::prefill(const int32_t* prompt, int64_t P, int64_t chunk) {
+int32_t CudaRounds::prefill(const int32_t* prompt, int64_t P, int64_t chunk, int64_t keep) {
+  KD_CHECK(keep == 0, "GPU rounds: prefix reuse is not supported (keep must be 0)");
   DeviceGuard guard(model_.device_ordinal());
   cudaStream_t st = static_cast<cudaStream_t>(model_.stream());
   model_.reset();

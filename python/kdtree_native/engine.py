@@ -289,7 +289,8 @@ class Engine:
         """Prefill ``prompt_ids`` and generate up to ``max_new_tokens`` tokens: plain AR when
         ``drafter`` is None, DDTree speculative decoding otherwise (lossless). Returns a
         ``GenerationResult`` (``tokens``, ``acceptance_lengths``, ``stats``). Other keyword
-        arguments (``top_p``, ``target_top_k``, ``progress``, ``prefill_chunk``, ``adaptive_budget``) are those of
+        arguments (``top_p``, ``target_top_k``, ``progress``, ``prefill_chunk``, ``adaptive_budget``,
+        ``reuse_prefix``) are those of
         ``kdtree_native.generation.generate``."""
         from .generation import generate
 

@@ -196,7 +196,7 @@ def generate(engine, prompt_ids, max_new_tokens: int, drafter=None, tree_budget:
              top_k: Optional[int] = None, temperature: float = 0.0, top_p: float = 1.0,
              seed: Optional[int] = None, stop_token_ids: Sequence[int] = (), progress=None,
              target_top_k: Optional[int] = None, prefill_chunk: int = 512,
-             rounds: str = "auto", adaptive_budget: bool = False) -> GenerationResult:
+             rounds: str = "auto", adaptive_budget: bool = False, reuse_prefix: bool = False) -> GenerationResult:
     """Generate up to ``max_new_tokens`` tokens after ``prompt_ids``.
 
     engine          a ``kn.Engine`` (or a native target: ``_native.CpuModel`` / ``_native.ToyTarget``)
@@ -210,6 +210,15 @@ def generate(engine, prompt_ids, max_new_tokens: int, drafter=None, tree_budget:
                     what the target accepted) and the measured cost of rounds of each size
                     (docs/ENGINE.md "Adaptive tree budget"). Output unchanged either way.
                     Drafts handed over in device memory keep the fixed budget.
+    reuse_prefix    keep the cache entries the previous generate on this engine left for the
+                    longest common prefix of its tokens (prompt + generated) and this prompt, and
+                    prefill only the rest (multi-turn: the history is not recomputed); used only
+                    when nothing has touched the cache since (the model's cache epoch: any forward,
+                    commit, reset, truncate or weight change in between, by anyone, disables it).
+                    CPU models and the toy target; a CUDA model always prefills in full.
+                    stats["prefill_reused"] = the prompt tokens kept. The kept entries were computed
+                    in other forward shapes than a fresh prefill's, so logits may differ from a
+                    fresh call's in the last bits (the tokens, in a near tie).
     depth           D, how many future positions the drafter is asked for
     top_k           K, candidates per depth the drafter may return (None = min(B, vocab))
     temperature     0 = greedy; > 0 samples from softmax(logits / temperature)
@@ -227,12 +236,12 @@ def generate(engine, prompt_ids, max_new_tokens: int, drafter=None, tree_budget:
     return _prepare(engine, prompt_ids, max_new_tokens, drafter=drafter, tree_budget=tree_budget, depth=depth,
                     top_k=top_k, temperature=temperature, top_p=top_p, seed=seed, stop_token_ids=stop_token_ids,
                     target_top_k=target_top_k, prefill_chunk=prefill_chunk, rounds=rounds,
-                    adaptive_budget=adaptive_budget)(progress)
+                    adaptive_budget=adaptive_budget, reuse_prefix=reuse_prefix)(progress)
 
 
 def _prepare(engine, prompt_ids, max_new_tokens, drafter=None, tree_budget=64, depth=15, top_k=None,
              temperature=0.0, top_p=1.0, seed=None, stop_token_ids=(), target_top_k=None, prefill_chunk=512,
-             rounds="auto", adaptive_budget=False) -> Callable:
+             rounds="auto", adaptive_budget=False, reuse_prefix=False) -> Callable:
     """Checks generate()'s arguments (raising what generate() raises) and returns run(progress) ->
     GenerationResult, which runs the call (stream() runs it in a thread)."""
     prompt = _prompt_array(prompt_ids)
@@ -254,8 +263,9 @@ def _prepare(engine, prompt_ids, max_new_tokens, drafter=None, tree_budget=64, d
     seed = _int_arg(seed, "seed", hi=None) & 0xFFFFFFFFFFFFFFFF  # (any size: its low 64 bits)
     stops = _stop_ids(stop_token_ids)
     prefill_chunk = _int_arg(prefill_chunk, "prefill_chunk", 1)
-    if not isinstance(adaptive_budget, (bool, np.bool_)):
-        raise TypeError(f"adaptive_budget must be True or False, got {adaptive_budget!r}")
+    for name, v in (("adaptive_budget", adaptive_budget), ("reuse_prefix", reuse_prefix)):
+        if not isinstance(v, (bool, np.bool_)):
+            raise TypeError(f"{name} must be True or False, got {v!r}")
     fn = as_draft_fn(drafter)
     gen = generator_for(engine, rounds)
     from .drafters import ModelDrafter  # (lazy: drafters imports this module)
@@ -270,9 +280,10 @@ def _prepare(engine, prompt_ids, max_new_tokens, drafter=None, tree_budget=64, d
         raw = gen.generate(prompt, max_new_tokens, drafter=fn, tree_budget=tree_budget, depth=depth, top_k=top_k,
                            temperature=temperature, top_p=top_p, target_top_k=target_top_k, seed=seed,
                            stop_token_ids=stops, progress=progress, prefill_chunk=prefill_chunk,
-                           adaptive_budget=bool(adaptive_budget))
+                           adaptive_budget=bool(adaptive_budget), reuse_prefix=bool(reuse_prefix))
         stats = compute_stats(raw, depth, fn is not None and tree_budget > 0, seed, temperature)
         stats["rounds_on"] = gen.rounds
+        stats["prefill_reused"] = int(raw.get("prefill_reused", 0))
         return GenerationResult(tokens=raw["tokens"], acceptance_lengths=raw["acceptance_lengths"], stats=stats)
 
     return run

@@ -107,6 +107,17 @@ def test_adaptive_budget_on_device_rounds():
         np.testing.assert_array_equal(res.tokens, ars.tokens)
 
 
+def test_reuse_prefix_is_a_full_prefill_on_the_gpu():
+    """A CUDA model tracks no cache epoch: reuse_prefix=True prefills in full (0 reused), same tokens."""
+    cpu, gpu, draft, cfg = models("kimi_like")
+    P = prompt_ids(cfg.vocab_size)
+    a = generate(gpu, P, 12, reuse_prefix=True)
+    p2 = np.concatenate([P, a.tokens])
+    b = generate(gpu, p2, 12, reuse_prefix=True)
+    assert b.stats["prefill_reused"] == 0
+    np.testing.assert_array_equal(b.tokens, generate(cpu, p2, 12).tokens)
+
+
 def gpu_draft(cfg, max_seq_len=320, seed=100):
     """A CudaModel drafter (its drafts stay in device memory: the fixed budget applies)."""
     w = {k: v.astype(np.float32) for k, v in random_weights(cfg, seed).items()}
