@@ -218,33 +218,40 @@ def test_trees_wait_for_the_text_to_pass_their_depth():
     assert a.calibration(0.5) == pytest.approx((0.99 * 0 + 1 + 1) / (mass + 1))
 
 
-def _run(a, rng, right, rounds=40, cap=16):
-    """Rounds over a made-up text with made-up costs (1 + 0.08 n seconds, drafting 0.05): a drafter
-    that is sure (0.95 at each depth) of a 5-token chain, right (the text's next tokens) or wrong."""
-    true = rng.integers(0, 50, 1000).astype(np.int32)
-    L, sizes = 8, []
+def _rounds(a, rng, right, rounds=40, draft_s=0.05, skips=False):
+    """Rounds over a made-up text with made-up costs (1 + 0.08 n seconds, drafting draft_s): a drafter
+    that is sure (0.95 at each depth) of a 5-token chain, right (the text's next tokens) or wrong.
+    With `skips`, each round first asks skip_draft() as the engine does (None: a plain step).
+    Returns the sizes chosen."""
+    true = rng.integers(0, 50, 2000).astype(np.int32)
+    L, out = 8, []
     lp = np.log(np.array([[0.95, 0.05]] * 5, np.float32))
     for _ in range(rounds):
+        if skips and a.skip_draft():
+            out.append(None)
+            a.observe(0, 1.0, -1.0)
+            L += 1
+            a.label(true[:L])
+            continue
         nxt = true[L:L + 5]
         chain = nxt if right else (nxt + 1) % 50
-        ids = np.stack([chain, (chain + 7) % 50], 1).astype(np.int32)
-        n = a.choose(lp, ids, cap, L - 1)
-        sizes.append(n)
-        a.observe(n, 1.0 + 0.08 * n, 0.05)
+        n = a.choose(lp, np.stack([chain, (chain + 7) % 50], 1).astype(np.int32), 16, L - 1)
+        out.append(n)
+        a.observe(n, 1.0 + 0.08 * n, draft_s)
         L += (min(n, 5) if right else 0) + 1   # the chain is the first 5 nodes of the tree
         a.label(true[:L])
-    return sizes
+    return out
 
 
 def test_wrong_drafter_goes_to_plain_steps_and_a_right_one_to_the_budget():
     rng = np.random.default_rng(3)
     a = _native.AdaptiveBudget()
     a.reset(16)
-    wrong = _run(a, rng, right=False)
+    wrong = _rounds(a, rng, right=False)
     assert wrong[:2] == [2, 0] and all(n == 0 for n in wrong[-20:]), wrong
     b = _native.AdaptiveBudget()
     b.reset(16)
-    right = _run(b, rng, right=True)
+    right = _rounds(b, rng, right=True)
     assert right[:2] == [2, 0] and all(n >= 5 for n in right[-20:]), right
 
 
@@ -266,33 +273,11 @@ def test_at_most_64_trees_wait():
     assert a.trees_pending == 0
 
 
-def _skips(a, rounds, right, draft_s, rng):
-    """Rounds as the engine runs them (skip_draft first); the drafted rounds' sizes, None where skipped."""
-    true = rng.integers(0, 50, 2000).astype(np.int32)
-    L, out = 8, []
-    lp = np.log(np.array([[0.95, 0.05]] * 5, np.float32))
-    for _ in range(rounds):
-        if a.skip_draft():
-            out.append(None)
-            a.observe(0, 1.0, -1.0)
-            L += 1
-            a.label(true[:L])
-            continue
-        nxt = true[L:L + 5]
-        chain = nxt if right else (nxt + 1) % 50
-        n = a.choose(lp, np.stack([chain, (chain + 7) % 50], 1).astype(np.int32), 16, L - 1)
-        out.append(n)
-        a.observe(n, 1.0 + 0.08 * n, draft_s)
-        L += (min(n, 5) if right else 0) + 1
-        a.label(true[:L])
-    return out
-
-
 def test_a_drafter_that_does_not_pay_is_skipped_for_doubling_runs():
     rng = np.random.default_rng(4)
     a = _native.AdaptiveBudget()
     a.reset(16)
-    seq = _skips(a, 120, right=False, draft_s=0.5, rng=rng)
+    seq = _rounds(a, rng, right=False, rounds=120, draft_s=0.5, skips=True)
     # once drafting does not pay (every round here: the draft alone costs half a plain step), the
     # runs of skipped rounds between two drafted ones are 1, 2, 4, ..., 32, 32, ...
     runs, cur = [], 0
@@ -308,4 +293,4 @@ def test_a_drafter_that_does_not_pay_is_skipped_for_doubling_runs():
     for right, draft_s in ((True, 0.5), (False, 0.0)):
         b = _native.AdaptiveBudget()
         b.reset(16)
-        assert None not in _skips(b, 60, right=right, draft_s=draft_s, rng=rng)
+        assert None not in _rounds(b, rng, right=right, rounds=60, draft_s=draft_s, skips=True)

@@ -411,13 +411,27 @@ def test_dequantize_equals_compressed_tensors(bits, strategy, gs, sym, sdt):
     assert np.array_equal(ours, ref)
 
 
+def save_quantized(qdir, tensors, src_dir, qc):
+    """Write torch `tensors` as qdir/model.safetensors with src_dir's config.json plus `qc`."""
+    from safetensors.torch import save_file
+
+    os.makedirs(qdir)
+    save_file(tensors, str(qdir / "model.safetensors"), metadata={"format": "pt"})
+    with open(os.path.join(src_dir, "config.json")) as f:
+        cfg = json.load(f)
+    cfg["quantization_config"] = qc
+    with open(qdir / "config.json", "w") as f:
+        json.dump(cfg, f)
+    return qdir
+
+
 @pytest.fixture(scope="module")
 def kimi_like_int4(tmp_path_factory):
     """A Kimi-shaped INT4 checkpoint built from a random HF model: its experts quantized with
     compressed-tensors (scales = group absmax / 7, BF16), packed by compressed-tensors."""
     torch, pack_to_int32, *_ = require_ct()
     from hf_models import make_checkpoint
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     base = tmp_path_factory.mktemp("int4")
     fp = make_checkpoint(str(base / "bf16"), KIMI_LIKE, seed=11, dtype="bfloat16")
@@ -436,15 +450,7 @@ def kimi_like_int4(tmp_path_factory):
             out[m + ".weight_shape"] = torch.tensor([o, i])
         else:
             out[k] = v
-    qdir = base / "int4"
-    os.makedirs(qdir)
-    save_file(out, str(qdir / "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(fp, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = KIMI_QC
-    with open(qdir / "config.json", "w") as f:
-        json.dump(cfg, f)
-    return qdir
+    return save_quantized(base / "int4", out, fp, KIMI_QC)
 
 
 def _hf_quantized(path):
@@ -669,7 +675,7 @@ def fp8_checkpoint(tmp_path_factory):
     scale grid and cannot read partial blocks)."""
     torch = pytest.importorskip("torch")
     from hf_models import make_checkpoint
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     base = tmp_path_factory.mktemp("fp8")
     src = make_checkpoint(str(base / "bf16"), KIMI_LIKE, seed=12, dtype="bfloat16")
@@ -685,15 +691,7 @@ def fp8_checkpoint(tmp_path_factory):
             out[k[:-len("weight")] + "weight_scale_inv"] = s
         else:
             out[k] = v
-    qdir = base / "fp8"
-    os.makedirs(qdir)
-    save_file(out, str(qdir / "model.safetensors"), metadata={"format": "pt"})
-    with open(os.path.join(src, "config.json")) as f:
-        cfg = json.load(f)
-    cfg["quantization_config"] = dict(FP8_QC, weight_block_size=[4, 4])
-    with open(qdir / "config.json", "w") as f:
-        json.dump(cfg, f)
-    return qdir
+    return save_quantized(base / "fp8", out, src, dict(FP8_QC, weight_block_size=[4, 4]))
 
 
 def test_fp8_checkpoint_matches_hf_transformers(fp8_checkpoint):
