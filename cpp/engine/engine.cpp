@@ -221,8 +221,8 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
 
   GenerateResult res;
   // Prefix reuse: the entries the last generate left are still valid when the cache epoch has not
-  // moved since; they are buf_[0, min(cache_len, n_)) (a round cut short by max_new_tokens or a
-  // stop token committed path nodes past the last emitted token: those are not in buf_).
+  // moved since; they are buf_[0, min(cache_len, n_)) (a round cut short by a stop token committed
+  // path nodes past the last emitted token: those are not in buf_).
   int64_t keep = 0;
   uint64_t epoch = 0;
   if (p.reuse_prefix && left_valid_ && exec_.cache_epoch(&epoch) && epoch == left_epoch_) {
