@@ -195,17 +195,20 @@ void CudaRounds::check_device_draft(DraftOutput& draft, int64_t vocab) {
 }
 
 int32_t CudaRounds::prefill(const int32_t* prompt, int64_t P, int64_t chunk, int64_t keep) {
-  KD_CHECK(keep == 0, "GPU rounds: prefix reuse is not supported (keep must be 0)");
+  KD_CHECK(keep >= 0 && keep < P, "GPU prefill: keep must be in [0, P)");
   DeviceGuard guard(model_.device_ordinal());
   cudaStream_t st = static_cast<cudaStream_t>(model_.stream());
-  model_.reset();
+  if (keep > 0)
+    model_.truncate(keep);  // prefix reuse: the first `keep` entries are prompt[0, keep)'s already
+  else
+    model_.reset();
   chunk = std::min(chunk, max_chunk_);
   float* logits = model_.logits_device();
-  for (int64_t c0 = 0; c0 < P; c0 += chunk) {
+  for (int64_t c0 = keep; c0 < P; c0 += chunk) {
     const int64_t T = std::min(chunk, P - c0);
     // The previous chunk's copies have finished (forward_device is ordered on the stream, but
     // the pinned staging is reused): wait for them before overwriting.
-    if (c0 > 0) check(cudaStreamSynchronize(st), "prefill");
+    if (c0 > keep) check(cudaStreamSynchronize(st), "prefill");
     int32_t* h_tok = h_small_;
     int32_t* h_pos = h_small_ + max_chunk_;
     std::memcpy(h_tok, prompt + c0, (size_t)T * sizeof(int32_t));

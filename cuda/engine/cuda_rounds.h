@@ -48,9 +48,8 @@ class CudaRounds : public RoundExecutor {
   int64_t max_seq_len() const override { return model_.max_seq_len(); }
   int64_t cache_len() const override { return model_.cache_len(); }
   void begin(const GenerateParams& p) override;
-  // keep must be 0: the CUDA model does not track a cache epoch, so the engine never asks to
-  // keep entries here.
   int32_t prefill(const int32_t* prompt, int64_t P, int64_t chunk, int64_t keep) override;
+  bool cache_epoch(uint64_t* out) const override { return model_.cache_epoch(out); }
   void reset() override { model_.reset(); }
   void round(const RoundRequest& rq, RoundResult& out) override;
   int draft_device() const override { return model_.device_ordinal(); }

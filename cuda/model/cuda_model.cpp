@@ -459,6 +459,7 @@ void CudaModel::join() {
 // ---------------------------------------------------------------- weights
 void CudaModel::set_weight(const std::string& name, const float* data, const std::vector<int64_t>& shape) {
   std::lock_guard<std::mutex> lock(mu_);
+  ++epoch_;
   auto it = slots_.find(name);
   if (it == slots_.end()) {
     std::string hint;
@@ -506,6 +507,7 @@ std::vector<std::string> CudaModel::missing_weights() const {
 void CudaModel::finalize() {
   std::vector<std::string> missing = missing_weights();
   std::lock_guard<std::mutex> lock(mu_);
+  ++epoch_;
   check_no_missing_weights(missing);
   DeviceGuard guard(opt_.device);
   check_cuda(cudaStreamSynchronize(as_stream(stream_)), "finalize");
@@ -602,6 +604,7 @@ int64_t CudaModel::bf16_weight_elements() const {
 
 void CudaModel::reset() {
   std::lock_guard<std::mutex> lock(mu_);
+  ++epoch_;
   cache_len_ = 0;
   pending_ = 0;
 }
@@ -1014,6 +1017,7 @@ bool CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm, const float
 void CudaModel::forward(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
                         float* logits_out) {
   std::lock_guard<std::mutex> lock(mu_);
+  ++epoch_;
   check_forward_args(*this, tokens, positions, T);
   if (visibility && T > max_tokens_)
     throw Error("forward: " + std::to_string(T) + " tokens with an explicit visibility exceed max_tokens (" +
@@ -1056,6 +1060,7 @@ void CudaModel::forward(const int32_t* tokens, const int32_t* positions, const u
 void CudaModel::forward_device(const int32_t* tokens_d, const int32_t* positions_d, const uint64_t* vis_bits_d,
                                int64_t vis_stride, int64_t T, float* logits_d) {
   std::lock_guard<std::mutex> lock(mu_);
+  ++epoch_;
   if (!finalized_) throw Error("model: forward() before finalize() (weights not complete)");
   if (T <= 0 || T > max_tokens_)
     throw Error("forward_device: T = " + std::to_string(T) + " outside [1, max_tokens = " + std::to_string(max_tokens_) + "]");
@@ -1158,6 +1163,7 @@ void CudaModel::launch_compact(const int32_t* keep_d, const int32_t* count_d) {
 
 void CudaModel::commit(const int32_t* keep, int64_t n) {
   std::lock_guard<std::mutex> lock(mu_);
+  ++epoch_;
   check_commit_args(*this, keep, n);
   bool identity = true;
   for (int64_t j = 0; j < n && identity; ++j) identity = keep[j] == j;
@@ -1178,6 +1184,7 @@ void CudaModel::commit(const int32_t* keep, int64_t n) {
 
 void CudaModel::truncate(int64_t n) {
   std::lock_guard<std::mutex> lock(mu_);
+  ++epoch_;
   check_truncate_args(*this, n);
   cache_len_ = n;  // a host-side length: later forwards overwrite the device rows past n
   pending_ = 0;
@@ -1185,6 +1192,7 @@ void CudaModel::truncate(int64_t n) {
 
 void CudaModel::commit_device(const int32_t* keep_d, const int32_t* count_d) {
   std::lock_guard<std::mutex> lock(mu_);
+  ++epoch_;
   if (!keep_d || !count_d) throw Error("commit_device: null device pointer");
   if (pending_ == 0) throw Error("commit_device: nothing pending (run forward first)");
   DeviceGuard guard(opt_.device);
@@ -1193,6 +1201,7 @@ void CudaModel::commit_device(const int32_t* keep_d, const int32_t* count_d) {
 
 void CudaModel::set_committed(int64_t n) {
   std::lock_guard<std::mutex> lock(mu_);
+  ++epoch_;
   if (n < 0 || n > pending_)
     throw Error("set_committed: " + std::to_string(n) + " outside [0, pending = " + std::to_string(pending_) + "]");
   cache_len_ += n;

@@ -118,6 +118,10 @@ class CudaModel : public TargetModel {
   void reset() override;
   int64_t cache_len() const override { return cache_len_; }
   int64_t pending_len() const override { return pending_; }
+  bool cache_epoch(uint64_t* out) const override {
+    *out = epoch_;
+    return true;
+  }
 
   // ---- device path (all pointers device memory; work queued on stream(), not synchronised)
   // tokens_d [T], positions_d [T], vis_bits_d [T, vis_stride] uint64 (bit j of row i: new token
@@ -310,6 +314,7 @@ class CudaModel : public TargetModel {
   std::vector<std::string> slot_order_;
   bool finalized_ = false;
   int64_t cache_len_ = 0, pending_ = 0;
+  uint64_t epoch_ = 0;  // cache_epoch(): bumped by every call that can change the cache or the weights
   int64_t n_moe_layers_ = 0;
   std::vector<GraphEntry> graphs_;
   int64_t graph_replays_ = 0, graph_captures_ = 0;

@@ -215,7 +215,7 @@ def generate(engine, prompt_ids, max_new_tokens: int, drafter=None, tree_budget:
                     prefill only the rest (multi-turn: the history is not recomputed); used only
                     when nothing has touched the cache since (the model's cache epoch: any forward,
                     commit, reset, truncate or weight change in between, by anyone, disables it).
-                    CPU models and the toy target; a CUDA model always prefills in full.
+                    CPU and CUDA models and the toy target.
                     stats["prefill_reused"] = the prompt tokens kept. The kept entries were computed
                     in other forward shapes than a fresh prefill's, so logits may differ from a
                     fresh call's in the last bits (the tokens, in a near tie).

@@ -107,15 +107,27 @@ def test_adaptive_budget_on_device_rounds():
         np.testing.assert_array_equal(res.tokens, ars.tokens)
 
 
-def test_reuse_prefix_is_a_full_prefill_on_the_gpu():
-    """A CUDA model tracks no cache epoch: reuse_prefix=True prefills in full (0 reused), same tokens."""
+@pytest.mark.parametrize("rounds", ["device", "host"])
+def test_reuse_prefix_on_the_gpu(rounds):
+    """reuse_prefix=True with a CUDA model (its cache epoch; CudaRounds::prefill truncates to the kept
+    entries): the second turn keeps the first's entries and gives a fresh call's tokens; a forward
+    in between disables it."""
     cpu, gpu, draft, cfg = models("kimi_like")
     P = prompt_ids(cfg.vocab_size)
-    a = generate(gpu, P, 12, reuse_prefix=True)
-    p2 = np.concatenate([P, a.tokens])
-    b = generate(gpu, p2, 12, reuse_prefix=True)
-    assert b.stats["prefill_reused"] == 0
-    np.testing.assert_array_equal(b.tokens, generate(cpu, p2, 12).tokens)
+    for kw in ({}, dict(drafter=NgramDrafter(), tree_budget=8, depth=4)):
+        generate(gpu, P, 4, rounds=rounds)   # (another prompt last: the first turn below reuses nothing)
+        a = generate(gpu, np.concatenate([[5], P]), 12, reuse_prefix=True, rounds=rounds, **kw)
+        assert a.stats["prefill_reused"] == 0
+        p2 = np.concatenate([[5], P, a.tokens, [5, 6, 7]])
+        b = generate(gpu, p2, 12, reuse_prefix=True, rounds=rounds, **kw)
+        assert b.stats["prefill_reused"] == len(P) + 1 + 12
+        fresh = generate(gpu, p2, 12, rounds=rounds, **kw)
+        np.testing.assert_array_equal(b.tokens, fresh.tokens)
+        np.testing.assert_array_equal(b.tokens, generate(cpu, p2, 12, **kw).tokens)
+        gpu.forward(np.array([1], np.int32), np.array([gpu.cache_len], np.int32), None)
+        c = generate(gpu, p2, 12, reuse_prefix=True, rounds=rounds, **kw)
+        assert c.stats["prefill_reused"] == 0
+        np.testing.assert_array_equal(c.tokens, fresh.tokens)
 
 
 def gpu_draft(cfg, max_seq_len=320, seed=100):
