@@ -21,6 +21,7 @@
 
 #ifdef KDTREE_HAVE_CBLAS
 #include <cblas.h>
+#include <dlfcn.h>
 #endif
 #ifdef _OPENMP
 #include <omp.h>
@@ -514,6 +515,36 @@ bool sgemm_skinny(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, co
 #endif
 }  // namespace
 
+#ifdef KDTREE_HAVE_CBLAS
+namespace {
+// OpenBLAS has its own threads, which busy-wait between calls as the pool's helpers do: with both
+// at work on the same cores each waits out the other (measured on the 2-vCPU VM, the embedded
+// model's prefill: 512 tokens 170 ms with OpenBLAS's 2 threads, 142 ms with 1). So, unless the user
+// chose OPENBLAS_NUM_THREADS, OpenBLAS runs single-threaded and the pool shares a large call out
+// by column ranges (each a single-threaded BLAS call over its own rows of B and columns of C).
+bool blas_split() {
+  static const bool on = [] {
+    const char* user = std::getenv("OPENBLAS_NUM_THREADS");
+    if (user && *user) return false;  // the user's setting stands; BLAS threads itself
+    using SetThreads = void (*)(int);
+    auto set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
+    if (!set) return false;  // another BLAS: left as it is
+    set(1);
+    return true;
+  }();
+  return on;
+}
+
+constexpr int64_t kBlasSplitWork = 1 << 21;  // multiply-adds (~40 us) before a BLAS call is shared out
+
+void cblas_gemm(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+                const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+  cblas_sgemm(CblasRowMajor, CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, (int)M, (int)N, (int)K, alpha, A,
+              (int)lda, B, (int)ldb, beta, C, (int)ldc);
+}
+}  // namespace
+#endif
+
 void sgemm(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
            const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   if (g_force_portable.load(std::memory_order_relaxed)) {
@@ -537,8 +568,18 @@ void sgemm(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const flo
       cblas_sgemv(CblasRowMajor, CblasTrans, (int)K, (int)N, alpha, B, (int)ldb, A, 1, beta, C, 1);
     return;
   }
-  cblas_sgemm(CblasRowMajor, CblasNoTrans, trans_b ? CblasTrans : CblasNoTrans, (int)M, (int)N, (int)K, alpha, A,
-              (int)lda, B, (int)ldb, beta, C, (int)ldc);
+  const int nt = (blas_split() && M * N * K >= kBlasSplitWork) ? parallel_threads() : 1;
+  const int64_t chunks = std::min<int64_t>(2 * nt, N / 64);
+  if (nt <= 1 || chunks <= 1) {
+    cblas_gemm(trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+    return;
+  }
+  auto chunk = [&](int64_t i) {  // columns [n0, n1), whole multiples of 16 but the last
+    const int64_t c = (N + 15) / 16, n0 = std::min(N, c * i / chunks * 16), n1 = std::min(N, c * (i + 1) / chunks * 16);
+    if (n1 > n0)
+      cblas_gemm(trans_b, M, n1 - n0, K, alpha, A, lda, trans_b ? B + n0 * ldb : B + n0, ldb, beta, C + n0, ldc);
+  };
+  parallel_chunks(chunks, chunk);
 #else
   sgemm_portable(trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 #endif

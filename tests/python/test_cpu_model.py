@@ -591,3 +591,27 @@ def test_read_cache_range_is_checked_before_allocating():
         with pytest.raises(ValueError, match="outside the cache of 16 rows"):
             eng.model.read_cache(0, begin, n)
     assert eng.model.read_cache(0, 0, 3).shape == (3, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+
+
+def test_blas_calls_shared_over_the_pool_give_the_same_bits(tmp_path):
+    """With OpenBLAS, large prefill GEMMs run single-threaded and are shared out over the pool by column
+    ranges (sgemm.cpp); OPENBLAS_NUM_THREADS set by the user leaves OpenBLAS to thread itself. The
+    logits of a 300-token prefill (dense MLP and lm_head through BLAS) must be the same bits either way."""
+    import os
+    import subprocess
+    import sys
+
+    if "openblas" not in kn.build_info()["cpu_blas"].lower():
+        pytest.skip("the module is not linked with OpenBLAS")
+    code = ("import sys, numpy as np, kdtree_native as kn\n"
+            "eng = kn.Engine.from_pretrained(kn.default_model_dir(), device='cpu', max_seq_len=512)\n"
+            "ids = np.random.default_rng(0).integers(5, 4000, 300)\n"
+            "np.save(sys.argv[1], eng.prefill(ids))\n")
+    outs = []
+    for i, env in enumerate(({}, {"OPENBLAS_NUM_THREADS": "1"}, {"OPENBLAS_NUM_THREADS": "2"})):
+        path = tmp_path / f"l{i}.npy"
+        e = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+        e.update(env)
+        subprocess.run([sys.executable, "-c", code, str(path)], check=True, env=e, timeout=300)
+        outs.append(np.load(path))
+    assert np.array_equal(outs[0], outs[1]) and np.array_equal(outs[0], outs[2])
