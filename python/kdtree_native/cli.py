@@ -233,7 +233,12 @@ def _cmd_generate(args):
     from .engine import Engine
     from .generation import generate
 
-    if args.ids is None and args.prompt is None:
+    if args.interactive:
+        if args.ids is not None:
+            raise _UsageError("--interactive reads text lines: use --prompt (optional) instead of --ids")
+        if args.drafter is not None and args.drafter.startswith("oracle"):
+            raise _UsageError("--interactive: the oracle drafter needs the answer in advance; use ngram, model or none")
+    elif args.ids is None and args.prompt is None:
         raise _UsageError("give a prompt: --prompt TEXT (with tokenizer.json) or --ids 1,2,3")
     if args.drafter == "model" and not args.draft_model:
         raise _UsageError("--drafter model needs --draft-model DIR")
@@ -250,8 +255,9 @@ def _cmd_generate(args):
         prompt = args.ids
     else:
         if tok is None:
-            raise _UsageError("--prompt needs MODEL_DIR/tokenizer.json (and the `tokenizers` package); use --ids")
-        prompt = tok.encode(args.prompt).ids
+            raise _UsageError(("--interactive" if args.interactive else "--prompt") + " needs MODEL_DIR/tokenizer.json "
+                              "(and the `tokenizers` package)" + ("" if args.interactive else "; use --ids"))
+        prompt = tok.encode(args.prompt).ids if args.prompt else []
     eng = Engine.from_pretrained(args.model_dir, device=args.device, max_seq_len=max_seq_len)
     if eng.config.quantization is not None:
         print(f"note: quantized checkpoint ({eng.config.quantization.describe()}): its weights were dequantized on "
@@ -262,6 +268,8 @@ def _cmd_generate(args):
     if args.eos and getattr(eng.config, "eos_token_id", None) is not None:
         eos = eng.config.eos_token_id
         stops += list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
+    if args.interactive:
+        return _interactive(eng, tok, prompt, drafter, stops, args, max_seq_len)
     res = generate(eng, prompt, args.max_new_tokens, drafter=drafter, tree_budget=args.budget, depth=args.depth,
                    top_k=args.top_k, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
                    stop_token_ids=stops, progress=stream, adaptive_budget=args.adaptive)
@@ -276,6 +284,41 @@ def _cmd_generate(args):
                           "stats": res.stats}))
     print(_stats_line(res), file=sys.stderr)
     return 0
+
+
+def _interactive(eng, tok, start, drafter, stops, args, max_seq_len):
+    """generate --interactive: each line read from stdin is appended to the running text (the
+    starting --prompt, the lines, and every continuation so far), and -n tokens are generated after
+    it, streamed; the cache of the text so far is kept between turns (reuse_prefix), so a turn
+    prefills only its new line. Ends at end of input or when the text would pass --max-seq-len."""
+    from .generation import generate
+
+    text = list(start)
+    tty = sys.stdin.isatty()
+    while True:
+        if tty:
+            sys.stderr.write("> ")
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        new = tok.encode(line).ids
+        if not text and not new:
+            continue
+        if len(text) + len(new) + args.max_new_tokens > max_seq_len:
+            print(f"kdtree-native generate: the conversation would pass --max-seq-len ({max_seq_len} tokens); "
+                  "stopping", file=sys.stderr)
+            return 0
+        text += new
+        res = generate(eng, text, args.max_new_tokens, drafter=drafter, tree_budget=args.budget, depth=args.depth,
+                       top_k=args.top_k, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                       stop_token_ids=stops, progress=_Streamer(tok, stream=True), adaptive_budget=args.adaptive,
+                       reuse_prefix=True)
+        text += res.tokens.tolist()
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print(_stats_line(res)[:-1] + f" | {res.stats['prefill_reused']} of {len(text) - len(res.tokens)} prompt "
+              "tokens reused]", file=sys.stderr)
 
 
 # ---- demo -------------------------------------------------------------------------------------
@@ -454,6 +497,9 @@ def main(argv=None):
                         f"max_position_embeddings when smaller)")
     g.add_argument("--device", default="cpu")
     g.add_argument("--no-stream", action="store_true", help="print the output at the end, with a progress line")
+    g.add_argument("--interactive", action="store_true",
+                   help="read lines from stdin: each is appended to the text so far and -n tokens are generated "
+                        "after it (the text's cache kept between turns); --prompt, if given, starts the text")
     g.add_argument("--json", action="store_true", help="also print tokens and stats as JSON")
 
     d = sub.add_parser("demo", help="AR vs DDTree side by side on the embedded default model")

@@ -65,6 +65,35 @@ def test_adaptive_budget_flags(capsys, no_debug):
     assert runs[0] == runs[1]
 
 
+def test_generate_interactive_keeps_the_conversation(capsys, no_debug):
+    """--interactive: one continuation per stdin line, the text's cache kept between turns (the second turn
+    reuses every cached token of the first: its prompt + what it generated, but the last one); the same
+    text as two plain generate calls would give; usage errors for --ids and the oracle."""
+    pytest.importorskip("tokenizers")
+    model = kn.default_model_dir()
+    r = subprocess.run([sys.executable, "-m", "kdtree_native", "generate", model, "--interactive", "-n", "12",
+                        "--budget", "8", "--depth", "4", "--device", "cpu", "--prompt", "import os"],
+                       input="\ndef main():\n", capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stderr
+    stats = [l for l in r.stderr.splitlines() if "prompt tokens reused" in l]
+    assert len(stats) == 2, r.stderr
+    import re
+    (u1, p1), (u2, p2) = [tuple(int(x) for x in re.search(r"(\d+) of (\d+) prompt tokens reused", l).groups())
+                          for l in stats]
+    assert u1 == 0 and u2 == p1 + 12 - 1 and p2 > u2
+    from kdtree_native.cli import _load_tokenizer
+    tok = _load_tokenizer(model)
+    eng = kn.Engine.from_pretrained(model, device="cpu")
+    text = tok.encode("import os").ids + tok.encode("\n").ids
+    first = eng.generate(text, 12, drafter=kn.drafters.NgramDrafter(), tree_budget=8, depth=4).tokens.tolist()
+    text2 = text + first + tok.encode("def main():\n").ids
+    second = eng.generate(text2, 12).tokens.tolist()
+    assert r.stdout == tok.decode(first) + "\n" + tok.decode(second) + "\n"
+    for extra, msg in ((["--ids", "1,2"], "use --prompt"), (["--drafter", "oracle"], "oracle drafter")):
+        rc, _, err = _main(capsys, "generate", model, "--interactive", "--device", "cpu", *extra)
+        assert rc == 2 and msg in err, err
+
+
 def test_generate_bad_arguments_fail_cleanly():
     r = _run("generate", "/nonexistent/model/dir", "--ids", "1,2", "-n", "4")
     assert r.returncode == 2
