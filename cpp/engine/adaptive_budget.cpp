@@ -31,7 +31,6 @@ void AdaptiveBudget::reset(int64_t max_nodes) {
   std::fill(band_hits_, band_hits_ + kBands, 0.0);
   draft_s_ = 0;
   draft_seen_ = false;
-  rounds_ = 0;
   tree_.n = 0;
   phat_.assign(1, 1.0);
   head_ = count_ = 0;
@@ -49,6 +48,12 @@ double AdaptiveBudget::round_cost(int64_t T) const {
     if (t < T) lo = t;
     if (t > T && hi < 0) hi = t;
   }
+  return cost_between(T, lo, hi, first);
+}
+
+// An unmeasured size T from its nearest measured neighbours lo < T < hi (-1: none) and the
+// smallest measured size `first`.
+double AdaptiveBudget::cost_between(int64_t T, int64_t lo, int64_t hi, int64_t first) const {
   if (lo > 0 && hi > 0) return cost_[lo] + (cost_[hi] - cost_[lo]) * double(T - lo) / double(hi - lo);
   if (lo > 0) {  // past the largest measured size: the slope from the smallest one, else proportional
     if (first < lo) return cost_[lo] + std::max(0.0, (cost_[lo] - cost_[first]) / double(lo - first)) * double(T - lo);
@@ -91,8 +96,10 @@ int64_t AdaptiveBudget::choose(const float* lp, const int32_t* ids, int64_t d, i
   kept.max_depth = 0;
 
   const double draft = draft_seen_ ? draft_s_ : 0.0;
-  const bool ends_known = cost_[1] > 0 && std::any_of(cost_.begin() + 2, cost_.end(), [](double c) { return c > 0; });
-  double gain = 1.0, best = ends_known ? 1.0 / (draft + round_cost(1)) : 0.0;
+  const bool larger_known = std::any_of(cost_.begin() + 2, cost_.end(), [](double c) { return c > 0; });
+  const bool ends_known = cost_[1] > 0 && larger_known;
+  if (ends_known) fill_curve(n + 1);
+  double gain = 1.0, best = ends_known ? 1.0 / (draft + curve_[1]) : 0.0;
   int64_t best_n = 0;
   for (int64_t i = 1; i <= n; ++i) {
     const int32_t dep = tree_.depths[i - 1];
@@ -105,7 +112,7 @@ int64_t AdaptiveBudget::choose(const float* lp, const int32_t* ids, int64_t d, i
     }
     if (!ends_known) continue;
     gain += phat_[i];
-    const double rate = gain / (draft + round_cost(i + 1));
+    const double rate = gain / (draft + curve_[i + 1]);
     if (rate > best) {
       best = rate;
       best_n = i;
@@ -113,12 +120,11 @@ int64_t AdaptiveBudget::choose(const float* lp, const int32_t* ids, int64_t d, i
   }
   // Two sizes measured first: a small tree (up to kFirstNodes nodes), then a plain step; other
   // sizes are interpolated / extrapolated from what is measured until they are chosen.
-  if (!ends_known)
-    return std::any_of(cost_.begin() + 2, cost_.end(), [](double c) { return c > 0; }) ? 0 : std::min(n, kFirstNodes);
+  if (!ends_known) return larger_known ? 0 : std::min(n, kFirstNodes);
   // Did drafting pay? The best expected rate against a plain step without a draft (1 / t_round(1)).
   // If not by a margin, the next rounds skip the drafter: 1, then 2, 4, ... (up to kMaxSkip) after
   // each further drafted round that does not pay; one that pays ends the skipping.
-  if (best * round_cost(1) < 1.0 - kSkipMargin) {
+  if (best * curve_[1] < 1.0 - kSkipMargin) {
     skip_len_ = skip_len_ > 0 ? std::min<int64_t>(2 * skip_len_, kMaxSkip) : 1;
     skip_left_ = skip_len_;
   } else {
@@ -133,8 +139,33 @@ bool AdaptiveBudget::skip_draft() {
   return true;
 }
 
+void AdaptiveBudget::fill_curve(int64_t Tmax) {
+  // round_cost(T) for T = 1 .. Tmax in one pass over the measured sizes (not one scan per T: the
+  // choice reads every size of a tree of up to B nodes each round)
+  curve_.assign(static_cast<size_t>(Tmax + 1), 0.0);
+  const int64_t top = static_cast<int64_t>(cost_.size()) - 1;
+  int64_t first = -1, lo = -1, next = 1;  // next: the first measured size >= T (top + 1: none)
+  auto advance = [&](int64_t from) {
+    int64_t t = from;
+    while (t <= top && cost_[t] <= 0) ++t;
+    return t;
+  };
+  next = advance(1);
+  first = next <= top ? next : -1;
+  for (int64_t T = 1; T <= Tmax; ++T) {
+    if (next < T) {
+      lo = next;
+      next = advance(next + 1);
+    }
+    if (next == T) {
+      curve_[T] = cost_[T];
+      continue;
+    }
+    curve_[T] = cost_between(T, lo, next <= top ? next : -1, first);
+  }
+}
+
 void AdaptiveBudget::observe(int64_t n, double round_seconds, double draft_seconds) {
-  ++rounds_;
   const int64_t T = n + 1;
   if (T < static_cast<int64_t>(cost_.size()) && round_seconds > 0) cost_[T] = ema(cost_[T], round_seconds);
   if (draft_seconds >= 0) {

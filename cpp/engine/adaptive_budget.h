@@ -69,7 +69,6 @@ class AdaptiveBudget {
   // and the calibration factor of a path probability.
   double round_cost(int64_t T) const;
   double calibration(double path_probability) const;
-  int64_t rounds_observed() const { return rounds_; }
   int64_t trees_pending() const { return count_; }
 
  private:
@@ -83,14 +82,16 @@ class AdaptiveBudget {
   TreeBuildWorkspace ws_;
   std::vector<double> phat_;   // [n+1] calibrated chance each node of the last tree is accepted (root: 1)
   std::vector<double> cost_;   // [max+2] EMA of round seconds by T (0 = not measured)
+  std::vector<double> curve_;  // [n+2] round_cost(T) for the sizes of the last choose()
   std::vector<uint8_t> acc_;   // scratch: node on the generated path
   std::vector<Kept> ring_;     // [kTreeMaxDepth] kept trees: count_ of them from head_, oldest first
   int64_t head_ = 0, count_ = 0;
+  double cost_between(int64_t T, int64_t lo, int64_t hi, int64_t first) const;
+  void fill_curve(int64_t Tmax);
   int64_t skip_len_ = 0, skip_left_ = 0;  // draft skipping: the current run length, rounds left
   double band_mass_[kBands] = {}, band_hits_[kBands] = {};
   double draft_s_ = 0;
   bool draft_seen_ = false;
-  int64_t rounds_ = 0;
   int64_t max_nodes_ = 0;
 };
 
