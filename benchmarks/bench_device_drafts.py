@@ -12,8 +12,11 @@ Per mode: median over --repeats interleaved generate() calls of the decode time 
 the stats' draft + tree_build seconds per round (the drafter call with its copy, validation and
 upload, as the host sees them); every output is checked against AR.
 
+--adaptive adds the same two modes with adaptive_budget=True (--budget the ceiling; a device
+draft's top-k is then copied back for the choice, one small copy a round), with the mean tree size.
+
     python3 benchmarks/bench_device_drafts.py [--vocab 32000 163840] [--depth 8] [--budget 32]
-        [-n 96] [--repeats 5]
+        [-n 96] [--repeats 5] [--adaptive]
 """
 import argparse
 import os
@@ -39,6 +42,7 @@ def main():
     ap.add_argument("--noise", type=float, default=0.3)
     ap.add_argument("-n", type=int, default=96)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--adaptive", action="store_true", help="also the adaptive budget (--budget as its ceiling)")
     args = ap.parse_args()
     import torch
     from hf_models import config_dict, random_weights
@@ -47,8 +51,10 @@ def main():
     print(f"## Device drafts vs numpy drafts ({kn._native.cuda_device_name()}); kimi_like shape, "
           f"depth {args.depth}, budget {args.budget}, top-k {args.top_k}, {args.n} new tokens, "
           f"median of {args.repeats}")
-    print("\n| V | draft | mode | rounds | ms / round | draft + tree_build us / round | device drafts | == AR |")
-    print("|---:|---|---|---:|---:|---:|---:|---|")
+    print("\n| V | draft | mode | rounds | ms / round | draft + tree_build us / round | mean tree | device drafts | "
+          "== AR |")
+    print("|---:|---|---|---:|---:|---:|---:|---:|---|")
+    mode_list = ["numpy", "device"] + (["numpy adaptive", "device adaptive"] if args.adaptive else [])
     for V in args.vocab:
         cfg = config_from_dict(config_dict(dict(base="kimi_like", vocab_size=V)))
         w = {k: v.astype(np.float32) for k, v in random_weights(cfg, 0).items()}
@@ -80,29 +86,31 @@ def main():
                     if t is None:
                         return None
                     lp, ids = t[0][:depth], t[1][:depth]
-                    return (lp, ids) if mode == "device" else (lp.cpu().numpy(), ids.cpu().numpy())
+                    return (lp, ids) if mode.startswith("device") else (lp.cpu().numpy(), ids.cpu().numpy())
                 x = lgt.get(n)
                 if x is None:
                     return None
                 x = x[:depth]
-                return x if mode == "device" else x.cpu().numpy()
+                return x if mode.startswith("device") else x.cpu().numpy()
             return fn
 
         for form in ("[d, k]", "[d, V] logits"):
-            rows = {m: [] for m in ("numpy", "device")}
+            rows = {m: [] for m in mode_list}
             for _ in range(args.repeats):
-                for mode in ("numpy", "device"):
+                for mode in mode_list:
                     r = generate(eng, P, args.n, drafter=drafter(form, mode), tree_budget=args.budget,
-                                 depth=args.depth, top_k=args.top_k)
+                                 depth=args.depth, top_k=args.top_k, adaptive_budget=mode.endswith("adaptive"))
                     s = r.stats
                     nr = max(1, s["rounds"])
                     dec = s["seconds"]["total"] - s["seconds"]["prefill"]
                     rows[mode].append((1e3 * dec / nr, 1e6 * (s["seconds"]["draft"] + s["seconds"]["tree_build"]) / nr,
-                                       nr, s["device_drafts"], bool(np.array_equal(r.tokens, ar.tokens))))
-            for mode in ("numpy", "device"):
+                                       nr, s["device_drafts"], bool(np.array_equal(r.tokens, ar.tokens)),
+                                       s["mean_tree_size"]))
+            for mode in mode_list:
                 rr = rows[mode]
                 print(f"| {V} | {form} | {mode} | {rr[0][2]} | {statistics.median(x[0] for x in rr):.3f} | "
-                      f"{statistics.median(x[1] for x in rr):.1f} | {rr[0][3]} | {all(x[4] for x in rr)} |")
+                      f"{statistics.median(x[1] for x in rr):.1f} | {statistics.median(x[5] for x in rr):.1f} | "
+                      f"{rr[0][3]} | {all(x[4] for x in rr)} |")
         del eng
         torch.cuda.empty_cache()
 

@@ -12,8 +12,12 @@ Two tables:
     and their ratio; mean acceptance and the drafter's share of the time (stats seconds.draft).
 Every row's tokens are checked against AR's.
 
+With --adaptive, each setting also runs the native drafter with adaptive_budget=True (the
+budget as the ceiling; on the GPU its device drafts are read back for the choice), and the
+table adds the mean tree size; --no-python leaves the Python drafter's rows out.
+
     python3 benchmarks/bench_model_drafter.py [--device cuda] [-n 128] [--repeats 5]
-        [--settings 4x4 8x4 16x6 32x8] [--min-chain-prob 0.1] [--depths 2 4 8]
+        [--settings 4x4 8x4 16x6 32x8] [--min-chain-prob 0.1] [--depths 2 4 8] [--adaptive] [--no-python]
 """
 import argparse
 import statistics
@@ -63,6 +67,8 @@ def main():
     ap.add_argument("--min-chain-prob", type=float, default=0.1)
     ap.add_argument("--depths", type=int, nargs="+", default=[2, 4, 8])
     ap.add_argument("--accept", type=int, default=2, help="tokens accepted per call in the drafter-alone table")
+    ap.add_argument("--adaptive", action="store_true", help="add adaptive-budget rows of the native drafter")
+    ap.add_argument("--no-python", action="store_true", help="leave out the Python drafter's rows")
     args = ap.parse_args()
     eng, draft, tok = load(args.device)
     dev = eng.device
@@ -77,20 +83,25 @@ def main():
           f"+{args.accept} accepted + a root per call; min_chain_prob 0)")
     print("| depth | Python | C++ | ratio |\n|---:|---:|---:|---:|")
     draft2 = kn.Engine.from_pretrained(default_draft_dir(), device=draft.device, max_seq_len=1024)
-    for depth in args.depths:
+    for depth in ([] if args.no_python else args.depths):
         py, nat = time_drafters([ModelDrafter(draft2, native=False), ModelDrafter(draft)], ctx_all, len(prompt),
                                 depth, args.accept, 3)
         print(f"| {depth} | {py:.0f} | {nat:.0f} | {py / nat:.2f}x |")
 
-    modes = [("AR", None, 0, 1)]
+    modes = [("AR", None, 0, 1, False)]
     for s in args.settings:
         b, d = (int(x) for x in s.split("x"))
-        modes.append((f"python {b}x{d}", lambda: ModelDrafter(draft, min_chain_prob=mcp, native=False), b, d))
-        modes.append((f"native {b}x{d}", lambda: ModelDrafter(draft, min_chain_prob=mcp), b, d))
+        if not args.no_python:
+            modes.append((f"python {b}x{d}", lambda: ModelDrafter(draft, min_chain_prob=mcp, native=False), b, d,
+                          False))
+        modes.append((f"native {b}x{d}", lambda: ModelDrafter(draft, min_chain_prob=mcp), b, d, False))
+        if args.adaptive:
+            modes.append((f"native <={b}x{d} adaptive", lambda: ModelDrafter(draft, min_chain_prob=mcp), b, d, True))
     runs = {m[0]: [] for m in modes}
     for rep in range(args.repeats):
-        for label, make, b, d in modes:
-            r = generate(eng, prompt, args.n, drafter=make() if make else None, tree_budget=b, depth=d)
+        for label, make, b, d, adaptive in modes:
+            r = generate(eng, prompt, args.n, drafter=make() if make else None, tree_budget=b, depth=d,
+                         adaptive_budget=adaptive)
             if not np.array_equal(r.tokens, ar.tokens):
                 print(f"error: {label} differs from AR", file=sys.stderr)
                 return 1
@@ -98,15 +109,21 @@ def main():
     tps = {k: statistics.median(r.stats["tokens_per_second"] for r in v) for k, v in runs.items()}
     print(f"\n### generate: {args.n} new tokens, greedy, tokens/s = median of {args.repeats} whole calls "
           f"(prefill included); min_chain_prob {mcp}; every row == AR")
-    print("| mode | tok/s | x AR | mean acc | draft s / call | draft share |\n|---|---:|---:|---:|---:|---:|")
+    print("| mode | tok/s | x AR | mean acc | mean tree | draft s / call | draft share |\n"
+          "|---|---:|---:|---:|---:|---:|---:|")
     for label, *_ in modes:
         r = runs[label][-1]
         sec = r.stats["seconds"]
         share = sec["draft"] / sec["total"] if sec["total"] else 0.0
         print(f"| {label} | {tps[label]:.1f} | {tps[label] / tps['AR']:.2f}x | "
-              f"{r.stats['mean_acceptance_length']:.2f} | {sec['draft']:.4f} | {100 * share:.0f} % |")
+              f"{r.stats['mean_acceptance_length']:.2f} | {r.stats['mean_tree_size']:.1f} | {sec['draft']:.4f} | "
+              f"{100 * share:.0f} % |")
     for s in args.settings:
-        print(f"native / python {s}: {tps['native ' + s] / tps['python ' + s]:.2f}x")
+        if not args.no_python:
+            print(f"native / python {s}: {tps['native ' + s] / tps['python ' + s]:.2f}x")
+        if args.adaptive:
+            b, d = s.split("x")
+            print(f"adaptive / fixed {s}: {tps[f'native <={b}x{d} adaptive'] / tps['native ' + s]:.2f}x")
     return 0
 
 

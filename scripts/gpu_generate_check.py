@@ -1,7 +1,7 @@
 """End-to-end generate on the GPU (the device round), small enough for compute-sanitizer:
 two random-weight configs (one on the fast MLA-512 attention path), AR then DDTree with the
 n-gram, oracle, model (a CPU draft model, and a GPU one whose chain stays on the device) and
-logits drafters (== AR), and sampling (DDTree == AR with one seed).
+logits drafters (== AR), the adaptive budget with a GPU, a CPU and a logits drafter, and sampling (DDTree == AR with one seed).
 Exit status non-zero on any mismatch. Run from the repository root:
 
     compute-sanitizer --tool memcheck python3 scripts/gpu_generate_check.py [NAME=VALUE ...]
@@ -42,6 +42,9 @@ for name in ["kimi_like", MLA512]:
     for dr in [NgramDrafter(), OracleDrafter(ar.tokens, 0.3, vocab_size=cfg.vocab_size), ModelDrafter(d), ModelDrafter(dg),
                ModelDrafter(dg, min_chain_prob=0.3), logits]:
         r = generate(g, P, 24, drafter=dr, tree_budget=16, depth=6)
+        assert np.array_equal(r.tokens, ar.tokens), name
+    for dr in [ModelDrafter(dg), ModelDrafter(d), logits]:  # the adaptive budget (device drafts copied back)
+        r = generate(g, P, 24, drafter=dr, tree_budget=16, depth=6, adaptive_budget=True)
         assert np.array_equal(r.tokens, ar.tokens), name
     s1 = generate(g, P, 24, temperature=0.9, top_p=0.9, seed=3)
     s2 = generate(g, P, 24, drafter=NgramDrafter(), temperature=0.9, top_p=0.9, seed=3)

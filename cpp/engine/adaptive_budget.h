@@ -34,8 +34,8 @@
 // until one does. So a drafter slower than it is worth costs little more than AR.
 //
 // The choice never changes what is generated (every tree is verified by the target: the output
-// is the target's whatever n is), only how fast. A draft in device memory is not read on the host:
-// such rounds keep the fixed budget.
+// is the target's whatever n is), only how fast. A draft in device memory is brought to the host in
+// its [d, k] form first (RoundExecutor::device_draft_to_host: the device top-k, one small copy).
 #pragma once
 #include <cstdint>
 #include <vector>

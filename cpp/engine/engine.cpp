@@ -92,6 +92,10 @@ void RoundExecutor::check_device_draft(DraftOutput&, int64_t) {
   throw Error("a draft in device memory, but these rounds take host arrays only");
 }
 
+void RoundExecutor::device_draft_to_host(DraftOutput&, int64_t) {
+  throw Error("a draft in device memory, but these rounds take host arrays only");
+}
+
 // ---------------------------------------------------------------- HostRounds
 int32_t HostRounds::prefill(const int32_t* prompt, int64_t P, int64_t chunk, int64_t keep) {
   const int64_t V = target_.vocab_size();
@@ -295,8 +299,10 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
       if (draft.d > 0) {
         rq.draft = &draft;
         rq.nodes = draft_tree_nodes(draft, draft.is_logits ? k_r : draft.k, budget_r);
-        if (p.adaptive_budget && rq.nodes > 0 && !draft.device_values) {
-          if (draft.is_logits) {  // top-k + log-softmax once, here; the executor gets the [d, k] form
+        if (p.adaptive_budget && rq.nodes > 0) {
+          if (draft.device_values) {  // the policy reads the draft on the host: its [d, k] form copied back
+            exec_.device_draft_to_host(draft, k_r);
+          } else if (draft.is_logits) {  // top-k + log-softmax once, here; the executor gets the [d, k] form
             adapt_lp_.resize(static_cast<size_t>(draft.d * k_r));
             adapt_ids_.resize(static_cast<size_t>(draft.d * k_r));
             const int64_t kk = topk_logsoftmax(draft.values.data(), draft.d, V, k_r, adapt_lp_.data(), adapt_ids_.data());

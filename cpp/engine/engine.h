@@ -170,6 +170,13 @@ class RoundExecutor {
   // checks on the device (throws Error with the same messages), fills row_finite and sets
   // device_checked. Executors with draft_device() == -1 never get one.
   virtual void check_device_draft(DraftOutput& draft, int64_t vocab);
+  // A checked device draft brought to the host in its [d, k] log-prob form, for the adaptive
+  // budget (which chooses the round's size from the draft's probabilities on the host): a logits
+  // draft reduced to its top-k (k = min(k, V), the device top-k + log-softmax the round would
+  // run), a log-prob draft copied as it is; one copy back and one synchronisation. The draft
+  // becomes a host log-prob draft (values / ids filled, the device fields cleared), which the
+  // round uploads again ([d, k]: a few KB). Executors with draft_device() == -1 never get one.
+  virtual void device_draft_to_host(DraftOutput& draft, int64_t k);
 };
 
 // Rounds through a Target's host interface (target.h): tree built on the host, logits [T, V]

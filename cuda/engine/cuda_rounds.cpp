@@ -194,6 +194,50 @@ void CudaRounds::check_device_draft(DraftOutput& draft, int64_t vocab) {
   draft.device_checked = true;
 }
 
+void CudaRounds::device_draft_to_host(DraftOutput& draft, int64_t k) {
+  KD_CHECK(draft.device_values != nullptr && draft.device_checked && draft.d >= 1 && draft.d <= kMaxDepth,
+           "GPU round: device_draft_to_host without a checked device draft");
+  DeviceGuard guard(model_.device_ordinal());
+  cudaStream_t st = static_cast<cudaStream_t>(model_.stream());
+  const int64_t d = draft.d;
+  int64_t kk = draft.k;
+  const int32_t* ids_d = d_ids_;  // a log-prob draft's ids as int32 (check_device_draft; what round() reads too)
+  if (draft.is_logits) {
+    kk = std::min<int64_t>(std::min<int64_t>(k, V_), kMaxK);
+    KD_CHECK(kk >= 1, "GPU round: top-k of a device logits draft must be >= 1");
+    // log-probs [d, kk] then ids [d, kk] into d_draft_: the layout of a host draft's upload block
+    cuda::TopkParams tp{};
+    tp.logits = draft.device_values;
+    tp.D = (int)d;
+    tp.V = (int)V_;
+    tp.ld = (int)V_;
+    tp.k = (int)kk;
+    tp.logprobs = d_draft_;
+    tp.ids = reinterpret_cast<int32_t*>(d_draft_ + d * kk);
+    tp.workspace = d_topk_ws_;  // sized for 16 rows at the largest k: covers any smaller call
+    check(cuda::topk_logsoftmax(tp, st), "topk_logsoftmax (device draft for the adaptive budget)");
+    check(cudaMemcpyAsync(h_draft_, d_draft_, (size_t)(2 * d * kk) * sizeof(float), cudaMemcpyDeviceToHost, st),
+          "copy the draft's top-k back");
+  } else {
+    check(cudaMemcpyAsync(h_draft_, draft.device_values, (size_t)(d * kk) * sizeof(float), cudaMemcpyDeviceToHost, st),
+          "copy the draft's log-probs back");
+    check(cudaMemcpyAsync(h_draft_ + d * kk, ids_d, (size_t)(d * kk) * sizeof(int32_t), cudaMemcpyDeviceToHost, st),
+          "copy the draft's ids back");
+  }
+  check(cudaStreamSynchronize(st), "device draft to host");
+  std::vector<float> lp(h_draft_, h_draft_ + d * kk);
+  std::vector<int32_t> ids(reinterpret_cast<const int32_t*>(h_draft_ + d * kk),
+                           reinterpret_cast<const int32_t*>(h_draft_ + d * kk) + d * kk);
+  const int ok = draft.device_ok;
+  draft.clear();  // (releases a Python producer's arrays: nothing reads them after the synchronisation)
+  draft.device_ok = ok;
+  draft.d = d;
+  draft.k = kk;
+  draft.is_logits = false;
+  draft.values = std::move(lp);
+  draft.ids = std::move(ids);
+}
+
 int32_t CudaRounds::prefill(const int32_t* prompt, int64_t P, int64_t chunk, int64_t keep) {
   KD_CHECK(keep >= 0 && keep < P, "GPU prefill: keep must be in [0, P)");
   DeviceGuard guard(model_.device_ordinal());

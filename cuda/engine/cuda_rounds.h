@@ -25,6 +25,11 @@
 // device (check_device_draft: after the producer's stream, one kernel, [d, 2] counts copied
 // back, one synchronisation; a log-prob draft's ids become int32 in d_ids_) and read in place.
 //
+// With the adaptive budget (docs/ENGINE.md) a device draft is brought to the host in its [d, k]
+// log-prob form first (device_draft_to_host: the device top-k of a logits draft into d_draft_,
+// one copy back, one synchronisation), because the round's size is chosen on the host from the
+// draft's probabilities; the round then uploads that [d, k] block like a host draft's.
+//
 // Limits (checked by begin() when a drafter is given, ValueError): depth <= 16,
 // tree_budget <= min(1024, max_tokens-1),
 // top_k <= 1024 for logits drafts; the model's own limits for everything else.
@@ -54,6 +59,7 @@ class CudaRounds : public RoundExecutor {
   void round(const RoundRequest& rq, RoundResult& out) override;
   int draft_device() const override { return model_.device_ordinal(); }
   void check_device_draft(DraftOutput& draft, int64_t vocab) override;
+  void device_draft_to_host(DraftOutput& draft, int64_t k) override;
   CudaModel& model() { return model_; }
 
  private:

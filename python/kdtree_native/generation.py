@@ -31,6 +31,8 @@ class GenerationResult:
     tokens: np.ndarray              # int32 [n] generated tokens only
     acceptance_lengths: np.ndarray  # int32 [rounds] tokens emitted per round, bonus included
     stats: dict = field(default_factory=dict)
+    tree_sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32 [rounds] nodes
+    #                                 verified per round, root excluded (0: a plain step)
 
     @property
     def stopped(self) -> bool:
@@ -186,7 +188,7 @@ def compute_stats(raw: dict, depth: int, drafted: bool, seed: int, temperature: 
         "tokens_per_second": n / total if total > 0 else 0.0,
         "decode_tokens_per_second": (n - 1) / decode if decode > 0 and n > 1 else 0.0,
         "stopped": bool(raw["stopped"]),
-        "device_drafts": int(raw.get("device_drafts", 0)),  # rounds whose draft stayed in GPU memory
+        "device_drafts": int(raw.get("device_drafts", 0)),  # rounds whose draft came in GPU memory
         "seed": seed,
         "temperature": temperature,
     }
@@ -209,7 +211,8 @@ def generate(engine, prompt_ids, max_new_tokens: int, drafter=None, tree_budget:
                     per second, from the draft's path probabilities (calibrated online against
                     what the target accepted) and the measured cost of rounds of each size
                     (docs/ENGINE.md "Adaptive tree budget"). Output unchanged either way.
-                    Drafts handed over in device memory keep the fixed budget.
+                    A draft in device memory is read on the host for this: its top-k
+                    ([d, k]) copied back once a round.
     reuse_prefix    keep the cache entries the previous generate on this engine left for the
                     longest common prefix of its tokens (prompt + generated) and this prompt, and
                     prefill only the rest (multi-turn: the history is not recomputed); used only
@@ -284,7 +287,8 @@ def _prepare(engine, prompt_ids, max_new_tokens, drafter=None, tree_budget=64, d
         stats = compute_stats(raw, depth, fn is not None and tree_budget > 0, seed, temperature)
         stats["rounds_on"] = gen.rounds
         stats["prefill_reused"] = int(raw.get("prefill_reused", 0))
-        return GenerationResult(tokens=raw["tokens"], acceptance_lengths=raw["acceptance_lengths"], stats=stats)
+        return GenerationResult(tokens=raw["tokens"], acceptance_lengths=raw["acceptance_lengths"], stats=stats,
+                                tree_sizes=np.asarray(raw["tree_sizes"], dtype=np.int32))
 
     return run
 

@@ -38,6 +38,9 @@ def test_adaptive_is_lossless_for_every_drafter(toy_setup, budget, depth):
         assert np.array_equal(res.tokens, ref), (name, budget, depth)
         check_stats(res, depth)
         assert 0 <= res.stats["mean_tree_size"] <= budget
+        sizes = res.tree_sizes   # per round: the chosen sizes, within the budget, summing to the stats
+        assert sizes.dtype == np.int32 and len(sizes) == res.stats["rounds"]
+        assert sizes.min() >= 0 and sizes.max() <= budget and sizes.sum() == res.stats["num_draft_tokens"]
 
 
 def test_adaptive_same_seed_same_tokens_when_sampling():

@@ -145,6 +145,48 @@ def test_logits_drafts_stay_on_the_gpu_and_equal_numpy():
     assert ref.stats["device_drafts"] == 0
 
 
+@pytest.mark.parametrize("form", ["logprobs_int64", "logprobs_int32", "logits"])
+def test_adaptive_budget_reads_device_drafts(form):
+    """adaptive_budget=True with device drafts: the policy reads the draft's [d, k] form copied back
+    (CudaRounds::device_draft_to_host; the device top-k for logits). A sure, right draft on the
+    device (a noise-free oracle; logits with the right token +12 over N(0, 2^2)): == AR, and whole
+    chains accepted (ids read back wrong would accept nothing, log-probs read back wrong would not
+    pick the chain), while the sizes are chosen (the typical drafted round well under the ceiling of 48 a fixed budget fills)."""
+    gpu, cfg, V, P, ar = _setup(n=80)
+    dev = torch.device("cuda")
+    seq = np.concatenate([P, ar.tokens])
+    orc = OracleDrafter(ar.tokens, 0.0, seed=5, vocab_size=V)
+    count = [0]
+
+    def fn(ctx, depth, top_k):
+        n = len(ctx)
+        if form == "logits":
+            d = min(depth, len(seq) - n)
+            if d <= 0:
+                return None
+            g = torch.Generator(device="cuda").manual_seed(n)
+            x = torch.randn((d, V), device=dev, generator=g) * 2
+            x[torch.arange(d, device=dev), torch.as_tensor(seq[n:n + d], device=dev)] += 12
+            count[0] += 1
+            return x
+        out = orc.draft(ctx, depth, top_k)
+        if out is None:
+            return None
+        count[0] += 1
+        lp, ids = out
+        return (torch.as_tensor(lp, device=dev),
+                torch.as_tensor(ids.astype(np.int32 if form == "logprobs_int32" else np.int64), device=dev))
+
+    res = generate(gpu, P, 80, drafter=fn, tree_budget=48, depth=15, top_k=8, adaptive_budget=True)
+    np.testing.assert_array_equal(res.tokens, ar.tokens)
+    assert res.stats["device_drafts"] == count[0] > 0
+    assert res.stats["mean_acceptance_length"] > 8, res.stats
+    sizes = res.tree_sizes
+    assert len(sizes) == res.stats["rounds"] and sizes.max() <= 48
+    # chosen: the typical drafted round verifies about the chain, not the ceiling a fixed budget fills
+    assert np.median(sizes[sizes > 0]) < 40, sizes
+
+
 def test_the_round_waits_for_the_producer():
     """The draft is written by the producer only after a ~20 ms GPU sleep; before it the memory
     holds NaN. The check kernel runs on the model's own (non-blocking) stream, so the draft is

@@ -87,8 +87,8 @@ def test_every_drafter_lossless_and_equal_to_host_rounds(name):
 
 
 def test_adaptive_budget_on_device_rounds():
-    """adaptive_budget=True with device rounds: every drafter == AR (host drafts get a chosen size,
-    device drafts keep the fixed budget), greedy and sampled with one seed."""
+    """adaptive_budget=True with device rounds: every drafter == AR, greedy and sampled with one
+    seed; the CUDA ModelDrafter's device drafts are read back for the choice (device_draft_to_host)."""
     cpu, gpu, draft, cfg = models("kimi_like")
     V = cfg.vocab_size
     P = prompt_ids(V)
@@ -100,6 +100,11 @@ def test_adaptive_budget_on_device_rounds():
             assert res.stats["rounds_on"] == "device"
             np.testing.assert_array_equal(res.tokens, ar.tokens, err_msg=f"{dname} B={budget} D={depth}")
             check_stats(res, depth)
+    res = generate(gpu, P, n, drafter=ModelDrafter(gpu_draft(cfg)), tree_budget=48, depth=6, seed=0,
+                   adaptive_budget=True)
+    np.testing.assert_array_equal(res.tokens, ar.tokens)
+    assert res.stats["device_drafts"] > 0
+    assert res.stats["mean_tree_size"] <= 48
     ars = generate(gpu, P, n, temperature=0.8, seed=3)
     for drafter in (NgramDrafter(), OracleDrafter(ars.tokens, 0.3, vocab_size=V), ModelDrafter(gpu_draft(cfg))):
         res = generate(gpu, P, n, drafter=drafter, tree_budget=32, depth=6, temperature=0.8, seed=3,
@@ -131,7 +136,7 @@ def test_reuse_prefix_on_the_gpu(rounds):
 
 
 def gpu_draft(cfg, max_seq_len=320, seed=100):
-    """A CudaModel drafter (its drafts stay in device memory: the fixed budget applies)."""
+    """A CudaModel drafter (its drafts stay in device memory)."""
     w = {k: v.astype(np.float32) for k, v in random_weights(cfg, seed).items()}
     return load(_native.CudaModel(cfg.to_native(), max_seq_len), w)
 
