@@ -510,6 +510,18 @@ def test_int4_checkpoint_on_cuda_matches_cpu(kimi_like_int4):
     assert np.array_equal(gpu.generate(ids, 32, drafter=NgramDrafter(), tree_budget=16, depth=6).tokens, ar.tokens)
 
 
+@pytest.mark.cuda
+def test_numpy_packed_checkpoint_on_cuda_matches_cpu(tmp_path):
+    """The INT4 path on the GPU without compressed-tensors (the device machine has none): the NumPy
+    writer's Kimi-scheme checkpoint, CUDA vs CPU logits within 1e-4, DDTree == AR on the GPU."""
+    if not kn.cuda_available():
+        pytest.skip("no usable CUDA device")
+    d = config_dict(KIMI_LIKE)
+    weights = {k: v.astype(np.float32) for k, v in random_weights(config_from_dict(d), seed=4).items()}
+    write_quantized(tmp_path, d, KIMI_QC, weights, is_expert, "BF16")
+    test_int4_checkpoint_on_cuda_matches_cpu(tmp_path)
+
+
 # ---- FP8 (block-scaled e4m3: DeepSeek-V3 and Kimi K2's releases) -------------------------------
 
 FP8_QC = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [16, 16]}
