@@ -280,7 +280,8 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
     rq.L = L;
     rq.top_k = k_r;
     int64_t d_got = 0;
-    double draft_s = -1;     // this round's drafting seconds (-1: no draft asked for)
+    double draft_s = -1;     // this round's drafting seconds (-1: no draft asked for), then with its
+                             // checks, top-k / copy back and choice: what the adaptive policy counts
     if (drafter && depth_r > 0 && budget_r > 0 && !(p.adaptive_budget && adapt_.skip_draft())) {
       draft.clear();
       draft.device_ok = exec_.draft_device();
@@ -314,7 +315,9 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
           rq.nodes = adapt_.choose(draft.values.data(), draft.ids.data(), draft.d, draft.k, rq.nodes, n_ - 1);
         }
       }
-      res.seconds.tree_build += since(t0);
+      const double prep_s = since(t0);
+      res.seconds.tree_build += prep_s;
+      draft_s += prep_s;
     }
     const auto t_round = Clock::now();
     exec_.round(rq, rr);

@@ -151,7 +151,7 @@ def test_adaptive_budget_reads_device_drafts(form):
     (CudaRounds::device_draft_to_host; the device top-k for logits). A sure, right draft on the
     device (a noise-free oracle; logits with the right token +12 over N(0, 2^2)): == AR, and whole
     chains accepted (ids read back wrong would accept nothing, log-probs read back wrong would not
-    pick the chain), while the sizes are chosen (the typical drafted round well under the ceiling of 48 a fixed budget fills)."""
+    pick the chain; H200: the [d, k] forms choose the 15-node chain and accept 16 a round), while the sizes are chosen (the typical drafted round well under the ceiling of 48 a fixed budget fills)."""
     gpu, cfg, V, P, ar = _setup(n=80)
     dev = torch.device("cuda")
     seq = np.concatenate([P, ar.tokens])
@@ -180,7 +180,9 @@ def test_adaptive_budget_reads_device_drafts(form):
     res = generate(gpu, P, 80, drafter=fn, tree_budget=48, depth=15, top_k=8, adaptive_budget=True)
     np.testing.assert_array_equal(res.tokens, ar.tokens)
     assert res.stats["device_drafts"] == count[0] > 0
-    assert res.stats["mean_acceptance_length"] > 8, res.stats
+    # every drafted round's depth-1 node accepted, and chains beyond it (ids read back wrong: none)
+    assert res.stats["per_position_acceptance_rate"][:2] == [1.0, 1.0], res.stats
+    assert res.stats["mean_acceptance_length"] > 4, res.stats
     sizes = res.tree_sizes
     assert len(sizes) == res.stats["rounds"] and sizes.max() <= 48
     # chosen: the typical drafted round verifies about the chain, not the ceiling a fixed budget fills
