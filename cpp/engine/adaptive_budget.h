@@ -23,8 +23,9 @@
 // is right again. t_round(T) = the measured wall time of a round of T
 // tokens (tree build, verify forward, choice, accept, commit; an exponential moving average per
 // T, interpolated linearly between measured sizes and extrapolated past them) and t_draft = the
-// drafter's measured time with the draft's checks, top-k / copy back and the choice (the engine's). The first drafted round verifies up to 2 nodes and the next is a
-// plain step (n = 0), to have two sizes measured; every later round measures the size it chose.
+// drafter's measured time with the draft's checks, top-k / copy back and the choice (the engine's).
+// The first drafted round verifies up to 2 nodes and the next is a plain step (n = 0), to have
+// two sizes measured; every later round measures the size it chose.
 // The costs are the target's, so they carry over to the next generate call on the same
 // generator; the calibration and the draft time start afresh each call.
 //

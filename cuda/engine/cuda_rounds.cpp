@@ -225,17 +225,16 @@ void CudaRounds::device_draft_to_host(DraftOutput& draft, int64_t k) {
           "copy the draft's ids back");
   }
   check(cudaStreamSynchronize(st), "device draft to host");
-  std::vector<float> lp(h_draft_, h_draft_ + d * kk);
-  std::vector<int32_t> ids(reinterpret_cast<const int32_t*>(h_draft_ + d * kk),
-                           reinterpret_cast<const int32_t*>(h_draft_ + d * kk) + d * kk);
   const int ok = draft.device_ok;
-  draft.clear();  // (releases a Python producer's arrays: nothing reads them after the synchronisation)
+  draft.clear();  // (releases a Python producer's arrays: nothing reads them after the synchronisation;
+                  // the vectors keep their capacity, so a warm loop allocates nothing here)
   draft.device_ok = ok;
   draft.d = d;
   draft.k = kk;
   draft.is_logits = false;
-  draft.values = std::move(lp);
-  draft.ids = std::move(ids);
+  const int32_t* h_ids = reinterpret_cast<const int32_t*>(h_draft_ + d * kk);
+  draft.values.assign(h_draft_, h_draft_ + d * kk);
+  draft.ids.assign(h_ids, h_ids + d * kk);
 }
 
 int32_t CudaRounds::prefill(const int32_t* prompt, int64_t P, int64_t chunk, int64_t keep) {
