@@ -710,6 +710,7 @@ void bind_engine(py::module_& m) {
           py::arg("tokens"))
       .def("round_cost", &AdaptiveBudget::round_cost, py::arg("T"))
       .def("calibration", &AdaptiveBudget::calibration, py::arg("edge_probability"))
+      .def("draft_seconds", &AdaptiveBudget::draft_seconds, "The drafting seconds the choice counts (0: none yet)")
       .def_property_readonly("trees_pending", &AdaptiveBudget::trees_pending);
 
   py::class_<ToyTarget>(m, "ToyTarget",

@@ -31,6 +31,8 @@ void AdaptiveBudget::reset(int64_t max_nodes) {
   std::fill(band_hits_, band_hits_ + kBands, 0.0);
   draft_s_ = 0;
   draft_seen_ = false;
+  draft_provisional_ = false;
+  last_drafted_ = false;
   tree_.n = 0;
   phat_.assign(1, 1.0);
   head_ = count_ = 0;
@@ -169,9 +171,22 @@ void AdaptiveBudget::observe(int64_t n, double round_seconds, double draft_secon
   const int64_t T = n + 1;
   if (T < static_cast<int64_t>(cost_.size()) && round_seconds > 0) cost_[T] = ema(cost_[T], round_seconds);
   if (draft_seconds >= 0) {
-    draft_s_ = draft_seen_ ? (1 - kEma) * draft_s_ + kEma * draft_seconds : draft_seconds;
-    draft_seen_ = true;
+    // A call after rounds without drafting (the generate's first, a try after a skip run) also fed
+    // the drafter the tokens since its last call: kept only until consecutive rounds measure one.
+    if (!last_drafted_) {
+      if (!draft_seen_) {
+        draft_s_ = draft_seconds;
+        draft_seen_ = draft_provisional_ = true;
+      }
+    } else if (!draft_seen_ || draft_provisional_) {
+      draft_s_ = draft_seconds;
+      draft_seen_ = true;
+      draft_provisional_ = false;
+    } else {
+      draft_s_ = (1 - kEma) * draft_s_ + kEma * draft_seconds;
+    }
   }
+  last_drafted_ = draft_seconds >= 0;
 }
 
 void AdaptiveBudget::label(const int32_t* tokens, int64_t len) {

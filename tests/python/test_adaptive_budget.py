@@ -88,7 +88,7 @@ class Rule:
 
     def __init__(self):
         self.cost, self.mass, self.hits = {}, [0.0] * N_BANDS, [0.0] * N_BANDS
-        self.draft = None
+        self.draft, self.provisional, self.last_drafted = None, False, False
 
     def factor(self, q):
         b = band(q)
@@ -114,7 +114,16 @@ class Rule:
         T = n + 1
         self.cost[T] = secs if T not in self.cost else (1 - EMA) * self.cost[T] + EMA * secs
         if draft >= 0:
-            self.draft = draft if self.draft is None else (1 - EMA) * self.draft + EMA * draft
+            # a call after a round without drafting (the first; a try after skipping) also fed the
+            # drafter the tokens since its last call: used only until consecutive rounds measure one
+            if not self.last_drafted:
+                if self.draft is None:
+                    self.draft, self.provisional = draft, True
+            elif self.draft is None or self.provisional:
+                self.draft, self.provisional = draft, False
+            else:
+                self.draft = (1 - EMA) * self.draft + EMA * draft
+        self.last_drafted = draft >= 0
 
     def nodes(self, lp, ids, cap):
         """(tree, per-node edge probability q, p_hat)."""
@@ -192,6 +201,10 @@ def test_choices_follow_the_rule():
             draft = float(rng.uniform(0, 0.5))
             a.observe(n, secs, draft)
             r.observe(n, secs, draft)
+            assert a.draft_seconds() == pytest.approx(r.draft, rel=1e-12)
+            if rng.random() < 0.25:  # a plain step without drafting (as when the drafter is skipped)
+                a.observe(0, secs, -1.0)
+                r.observe(0, secs)
             # a random text, long enough past the root for the tree to be labelled at once
             tail = text[:pos + 1 + lp.shape[0] + 1].copy()
             a.label(tail)
@@ -200,6 +213,33 @@ def test_choices_follow_the_rule():
             for q in (1.0, 0.7, 0.3, 0.1, 0.01):
                 assert a.calibration(q) == pytest.approx(r.factor(q), rel=1e-12)
             pos += int(rng.integers(1, 4))
+
+
+def test_draft_time_after_rounds_without_drafting():
+    """The draft time counted: a call after rounds without drafting (the first of a generate call, a
+    try after skipping) fed the drafter every token since its last call, so it is used only until
+    consecutive drafted rounds measure one, which replaces it (not averaged in)."""
+    a = _native.AdaptiveBudget()
+    a.reset(8)
+    assert a.draft_seconds() == 0
+    steps = [(5.0, 5.0),                      # the first call (after the prefill): used for now
+             (0.2, 0.2),                      # consecutive: replaces it
+             (0.4, 0.7 * 0.2 + 0.3 * 0.4),    # consecutive: moving average
+             (-1.0, None),                    # a plain step without drafting
+             (9.0, None),                     # the try after it: not counted
+             (0.3, None)]                     # consecutive again: averaged in
+    expect = 0.0
+    for draft, want in steps:
+        a.observe(1, 1.0, draft)
+        if want is not None:
+            expect = want
+        elif draft == 0.3:
+            expect = 0.7 * expect + 0.3 * 0.3
+        assert a.draft_seconds() == pytest.approx(expect, rel=1e-12), (draft, a.draft_seconds())
+    a.reset(8)   # a new generate call starts afresh
+    a.observe(0, 1.0, -1.0)
+    a.observe(1, 1.0, 2.0)
+    assert a.draft_seconds() == 2.0
 
 
 def test_trees_wait_for_the_text_to_pass_their_depth():
