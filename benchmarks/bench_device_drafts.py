@@ -63,7 +63,7 @@ def main():
         ar = generate(eng, P, args.n)
         seq = np.concatenate([P, ar.tokens])
         # every context length's draft, on the GPU
-        orc = OracleDrafter(ar.tokens, args.noise, seed=3, vocab_size=V)
+        orc = OracleDrafter(ar.tokens, args.noise, seed=3, vocab_size=V, prompt_len=len(P))
         lpk, lgt = {}, {}
         g = torch.Generator(device=dev).manual_seed(0)
         for n in range(len(P), len(seq) + 1):
