@@ -8,7 +8,7 @@ drafter's outputs for every context length are made on the GPU up front (torch t
 call only picks one: the two modes differ only in how the draft reaches the round:
   * [d, k] log-probs + int64 ids (OracleDrafter rows, noise --noise);
   * [d, V] logits (the oracle's token +12 over N(0, 2^2) noise; the round's device top-k).
-Per mode: median over --repeats interleaved generate() calls of the decode time per round, and
+Per mode: medians over --repeats interleaved generate() calls of the rounds, the decode time per round, and
 the stats' draft + tree_build seconds per round (the drafter call with its copy, validation and
 upload, as the host sees them); every output is checked against AR.
 
@@ -108,7 +108,8 @@ def main():
                                        s["mean_tree_size"]))
             for mode in mode_list:
                 rr = rows[mode]
-                print(f"| {V} | {form} | {mode} | {rr[0][2]} | {statistics.median(x[0] for x in rr):.3f} | "
+                print(f"| {V} | {form} | {mode} | {statistics.median(x[2] for x in rr):g} | "
+                      f"{statistics.median(x[0] for x in rr):.3f} | "
                       f"{statistics.median(x[1] for x in rr):.1f} | {statistics.median(x[5] for x in rr):.1f} | "
                       f"{rr[0][3]} | {all(x[4] for x in rr)} |")
         del eng

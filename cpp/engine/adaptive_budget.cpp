@@ -8,6 +8,8 @@ namespace kdtree {
 
 namespace {
 constexpr double kEma = 0.3;        // weight of a new measurement in the moving averages
+constexpr double kEmaDown = 0.5;    // ... of a round cost below the average (noise only ever adds time)
+constexpr double kCostClamp = 2.0;  // a round cost counts as at most this many times the size's estimate
 constexpr double kForget = 0.99;    // calibration memory: ~100 rounds
 constexpr double kPrior = 1.0;      // pseudo probability mass per band, accepted at the draft's word
 constexpr int64_t kFirstNodes = 2;  // the first measured tree size (then the plain step)
@@ -169,7 +171,16 @@ void AdaptiveBudget::fill_curve(int64_t Tmax) {
 
 void AdaptiveBudget::observe(int64_t n, double round_seconds, double draft_seconds) {
   const int64_t T = n + 1;
-  if (T < static_cast<int64_t>(cost_.size()) && round_seconds > 0) cost_[T] = ema(cost_[T], round_seconds);
+  if (T < static_cast<int64_t>(cost_.size()) && round_seconds > 0) {
+    // Robust to one-off slow rounds (a CUDA model runs a new window size eagerly, then captures its
+    // graph at the second use: ~10x a replay; host jitter): a round counts as at most kCostClamp
+    // times the size's estimate (measured, else from its measured neighbours), and a faster round
+    // weighs more than a slower one. A lasting change still gets in (+30 % a round at most).
+    const double ref = round_cost(T);
+    const double x = ref > 0 ? std::min(round_seconds, kCostClamp * ref) : round_seconds;
+    const double old = cost_[T];
+    cost_[T] = old > 0 ? old + (x < old ? kEmaDown : kEma) * (x - old) : x;
+  }
   if (draft_seconds >= 0) {
     // A call after rounds without drafting (the generate's first, a try after a skip run) also fed
     // the drafter the tokens since its last call: kept only until consecutive rounds measure one.

@@ -22,7 +22,8 @@
 // bad stretch drives the sizes to 0, after which nothing more is learned even once the drafter
 // is right again. t_round(T) = the measured wall time of a round of T
 // tokens (tree build, verify forward, choice, accept, commit; an exponential moving average per
-// T, interpolated linearly between measured sizes and extrapolated past them) and t_draft = the
+// T, robust to one-off slow rounds (observe()), interpolated linearly between measured sizes and
+// extrapolated past them) and t_draft = the
 // drafter's measured time with the draft's checks, top-k / copy back and the choice (the engine's),
 // in rounds that follow a drafted round: a call after rounds without drafting (the first of a
 // generate call, after the prompt's prefill; the try after a skip run) also feeds the drafter every

@@ -76,6 +76,8 @@ def test_adaptive_budget_argument_is_checked(toy_setup):
 # ---- the policy, against the rule ------------------------------------------------------------
 
 EMA = 0.3
+EMA_DOWN = 0.5   # a round cost below the average weighs more
+CLAMP = 2.0      # a round cost counts as at most CLAMP times the size's estimate
 N_BANDS = 24
 
 
@@ -112,7 +114,13 @@ class Rule:
 
     def observe(self, n, secs, draft=-1.0):
         T = n + 1
-        self.cost[T] = secs if T not in self.cost else (1 - EMA) * self.cost[T] + EMA * secs
+        ref = self.round_cost(T) if self.cost else 0.0
+        x = min(secs, CLAMP * ref) if ref > 0 else secs
+        if T in self.cost:
+            old = self.cost[T]
+            self.cost[T] = old + (EMA_DOWN if x < old else EMA) * (x - old)
+        else:
+            self.cost[T] = x
         if draft >= 0:
             # a call after a round without drafting (the first; a try after skipping) also fed the
             # drafter the tokens since its last call: used only until consecutive rounds measure one
@@ -181,6 +189,24 @@ def test_round_cost_curve():
         for T in range(1, 20):
             assert a.round_cost(T) == pytest.approx(r.round_cost(T), rel=1e-12), (n, s, T)
     assert a.round_cost(3) == pytest.approx(0.7 * 2.0 + 0.3 * 3.0)
+    assert a.round_cost(1) == pytest.approx(1.0 + 0.5 * (0.5 - 1.0))   # faster: weighs 0.5
+
+
+def test_a_slow_round_counts_at_most_twice_the_estimate():
+    """A one-off slow round (a CUDA graph captured at a size's second use, host jitter) moves a size's
+    cost by at most 30 % (clamped to 2x the estimate, then the 0.3 weight); a first measurement is
+    clamped against its measured neighbours; a lasting change still gets in."""
+    a = _native.AdaptiveBudget()
+    a.reset(16)
+    a.observe(0, 1.0, -1.0)
+    a.observe(4, 2.0, -1.0)
+    a.observe(4, 50.0, -1.0)   # a capture: counts as 4.0
+    assert a.round_cost(5) == pytest.approx(2.0 + 0.3 * (4.0 - 2.0))
+    a.observe(2, 40.0, -1.0)   # a first measurement between 1.0 (T 1) and 2.6 (T 5): estimate 1.8
+    assert a.round_cost(3) == pytest.approx(2 * 1.8)
+    for _ in range(20):        # the size really became 10x slower: learned within a few rounds
+        a.observe(0, 10.0, -1.0)
+    assert a.round_cost(1) > 9.0
 
 
 def test_choices_follow_the_rule():
