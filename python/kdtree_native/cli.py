@@ -281,7 +281,7 @@ def _cmd_generate(args):
         print(" ".join(str(t) for t in res.tokens))
     if args.json:
         print(json.dumps({"tokens": res.tokens.tolist(), "acceptance_lengths": res.acceptance_lengths.tolist(),
-                          "stats": res.stats}))
+                          "tree_sizes": res.tree_sizes.tolist(), "stats": res.stats}))
     print(_stats_line(res), file=sys.stderr)
     return 0
 
@@ -500,7 +500,8 @@ def main(argv=None):
     g.add_argument("--interactive", action="store_true",
                    help="read lines from stdin: each is appended to the text so far and -n tokens are generated "
                         "after it (the text's cache kept between turns); --prompt, if given, starts the text")
-    g.add_argument("--json", action="store_true", help="also print tokens and stats as JSON")
+    g.add_argument("--json", action="store_true",
+                   help="also print tokens, per-round acceptance lengths and tree sizes, and stats as JSON")
 
     d = sub.add_parser("demo", help="AR vs DDTree side by side on the embedded default model")
     d.add_argument("-n", "--max-new-tokens", type=_int_arg, default=128)

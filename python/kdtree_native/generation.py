@@ -31,8 +31,8 @@ class GenerationResult:
     tokens: np.ndarray              # int32 [n] generated tokens only
     acceptance_lengths: np.ndarray  # int32 [rounds] tokens emitted per round, bonus included
     stats: dict = field(default_factory=dict)
-    tree_sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))  # int32 [rounds] nodes
-    #                                 verified per round, root excluded (0: a plain step)
+    # int32 [rounds] tree nodes verified per round, root excluded (0: a plain step)
+    tree_sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
     @property
     def stopped(self) -> bool:

@@ -61,7 +61,10 @@ def test_adaptive_budget_flags(capsys, no_debug):
         rc, out, err = _main(capsys, "generate", kn.default_model_dir(), "--ids", "1,5,9,5,9", "-n", "12",
                              "--device", "cpu", "--no-stream", "--budget", "16", "--depth", "4", "--json", *extra)
         assert rc == 0, err
-        runs.append(json.loads(out.strip().splitlines()[-1])["tokens"])
+        j = json.loads(out.strip().splitlines()[-1])
+        runs.append(j["tokens"])
+        assert len(j["tree_sizes"]) == len(j["acceptance_lengths"]) == j["stats"]["rounds"]
+        assert sum(j["tree_sizes"]) == j["stats"]["num_draft_tokens"] and max(j["tree_sizes"]) <= 16
     assert runs[0] == runs[1]
 
 
