@@ -151,7 +151,9 @@ def test_adaptive_budget_reads_device_drafts(form):
     (CudaRounds::device_draft_to_host; the device top-k for logits). A sure, right draft on the
     device (a noise-free oracle; logits with the right token +12 over N(0, 2^2)): == AR, and whole
     chains accepted (ids read back wrong would accept nothing, log-probs read back wrong would not
-    pick the chain; H200: the [d, k] forms choose the 15-node chain and accept 16 a round), while the sizes are chosen (the typical drafted round well under the ceiling of 48 a fixed budget fills)."""
+    pick the chain; H200: the [d, k] forms choose the 15-node chain and accept 16 a round), while
+    the sizes are chosen (the typical drafted round well under the ceiling of 48 a fixed budget
+    fills)."""
     gpu, cfg, V, P, ar = _setup(n=80)
     dev = torch.device("cuda")
     seq = np.concatenate([P, ar.tokens])
