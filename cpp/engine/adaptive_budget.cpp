@@ -14,6 +14,7 @@ constexpr double kForget = 0.99;    // calibration memory: ~100 rounds
 constexpr double kPrior = 1.0;      // pseudo probability mass per band, accepted at the draft's word
 constexpr int64_t kFirstNodes = 2;  // the first measured tree size (then the plain step)
 constexpr double kSkipMargin = 0.05;  // drafting must be expected to cost < 5 % more than it brings
+constexpr double kEvidence = 8.0;     // labelled edges a band needs before the skip test believes it
 constexpr int64_t kMaxSkip = 32;      // the longest run of rounds without drafting between two tries
 
 int band_of(double p) {
@@ -31,6 +32,7 @@ void AdaptiveBudget::reset(int64_t max_nodes) {
   cost_.resize(static_cast<size_t>(max_nodes_ + 2), 0.0);
   std::fill(band_mass_, band_mass_ + kBands, 0.0);
   std::fill(band_hits_, band_hits_ + kBands, 0.0);
+  std::fill(band_count_, band_count_ + kBands, 0.0);
   draft_s_ = 0;
   draft_seen_ = false;
   draft_provisional_ = false;
@@ -104,31 +106,46 @@ int64_t AdaptiveBudget::choose(const float* lp, const int32_t* ids, int64_t d, i
   const bool ends_known = cost_[1] > 0 && larger_known;
   if (ends_known) fill_curve(n + 1);
   double gain = 1.0, best = ends_known ? 1.0 / (draft + curve_[1]) : 0.0;
+  // The skip test's hopeful twin: the draft's top pick at a depth (rank 0) whose band has fewer than
+  // kEvidence labelled edges counts as sure (its parent's chance), so drafting is not given up on
+  // before the calibration has seen what the draft's probabilities are worth (an under-confident
+  // draft, right at q = 0.12, looks poor at the prior's word, and skipped rounds teach nothing).
+  // Only the top pick: the siblings, many and rarely labelled, would otherwise each count their
+  // parent's chance for good.
+  popt_.resize(static_cast<size_t>(n + 1));
+  popt_[0] = 1;
+  double gain_opt = 1.0, best_opt = best;
   int64_t best_n = 0;
   for (int64_t i = 1; i <= n; ++i) {
     const int32_t dep = tree_.depths[i - 1];
     const int32_t rank = ws_.rank_paths[i * width + dep - 1];
     const double p = std::exp(static_cast<double>(lp[(dep - 1) * k + rank]));  // the edge's probability
-    phat_[i] = phat_[tree_.parents[i]] * std::min(1.0, p * calibration(p));
+    const double edge = std::min(1.0, p * calibration(p));
+    phat_[i] = phat_[tree_.parents[i]] * edge;
+    const bool hopeful = rank == 0 && band_count_[band_of(p)] < kEvidence;  // the draft's own pick, unjudged
+    popt_[i] = popt_[tree_.parents[i]] * (hopeful ? 1.0 : edge);
     if (i <= nk) {
       kept.prob[i - 1] = p;
       kept.max_depth = std::max(kept.max_depth, dep);
     }
     if (!ends_known) continue;
     gain += phat_[i];
+    gain_opt += popt_[i];
     const double rate = gain / (draft + curve_[i + 1]);
     if (rate > best) {
       best = rate;
       best_n = i;
     }
+    best_opt = std::max(best_opt, gain_opt / (draft + curve_[i + 1]));
   }
   // Two sizes measured first: a small tree (up to kFirstNodes nodes), then a plain step; other
   // sizes are interpolated / extrapolated from what is measured until they are chosen.
   if (!ends_known) return larger_known ? 0 : std::min(n, kFirstNodes);
-  // Did drafting pay? The best expected rate against a plain step without a draft (1 / t_round(1)).
-  // If not by a margin, the next rounds skip the drafter: 1, then 2, 4, ... (up to kMaxSkip) after
-  // each further drafted round that does not pay; one that pays ends the skipping.
-  if (best * curve_[1] < 1.0 - kSkipMargin) {
+  // Did drafting pay? The best expected rate (its hopeful twin: bands without evidence count as
+  // sure) against a plain step without a draft (1 / t_round(1)). If not by a margin, the next
+  // rounds skip the drafter: 1, then 2, 4, ... (up to kMaxSkip) after each further drafted round
+  // that does not pay; one that pays ends the skipping.
+  if (best_opt * curve_[1] < 1.0 - kSkipMargin) {
     skip_len_ = skip_len_ > 0 ? std::min<int64_t>(2 * skip_len_, kMaxSkip) : 1;
     skip_left_ = skip_len_;
   } else {
@@ -211,6 +228,7 @@ void AdaptiveBudget::label(const int32_t* tokens, int64_t len) {
     for (int b = 0; b < kBands; ++b) {
       band_mass_[b] *= kForget;
       band_hits_[b] *= kForget;
+      band_count_[b] *= kForget;
     }
     for (int64_t i = 1; i <= n; ++i) {
       if (!acc_[t.parents[i]]) continue;  // what an edge says is learned where its parent matched
@@ -218,6 +236,7 @@ void AdaptiveBudget::label(const int32_t* tokens, int64_t len) {
       const int b = band_of(t.prob[i - 1]);
       band_mass_[b] += t.prob[i - 1];
       band_hits_[b] += acc_[i];
+      band_count_[b] += 1;
     }
     head_ = (head_ + 1) % kTreeMaxDepth;
     --count_;

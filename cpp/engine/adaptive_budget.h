@@ -38,7 +38,11 @@
 // When even the best size does not repay the drafter's own time (its expected rate, drafting
 // included, is more than 5 % under a plain step's), the next rounds are plain steps without
 // drafting: 1 round, then 2, 4, ... up to 32 after each further drafted round that does not pay,
-// until one does. So a drafter slower than it is worth costs little more than AR.
+// until one does. So a drafter slower than it is worth costs little more than AR. That test is
+// hopeful where the calibration has no evidence yet: the draft's top pick at a depth whose band
+// has fewer than 8 labelled edges counts as sure there (only there; the size is chosen with the
+// calibrated chances), since skipped rounds teach the calibration nothing and an under-confident
+// draft would otherwise be given up on at the prior's word.
 //
 // The choice never changes what is generated (every tree is verified by the target: the output
 // is the target's whatever n is), only how fast. A draft in device memory is brought to the host in
@@ -90,6 +94,7 @@ class AdaptiveBudget {
   Tree tree_;
   TreeBuildWorkspace ws_;
   std::vector<double> phat_;   // [n+1] calibrated chance each node of the last tree is accepted (root: 1)
+  std::vector<double> popt_;   // [n+1] the same with edges of bands lacking evidence as sure (the skip test)
   std::vector<double> cost_;   // [max+2] EMA of round seconds by T (0 = not measured)
   std::vector<double> curve_;  // [n+2] round_cost(T) for the sizes of the last choose()
   std::vector<uint8_t> acc_;   // scratch: node on the generated path
@@ -98,7 +103,7 @@ class AdaptiveBudget {
   double cost_between(int64_t T, int64_t lo, int64_t hi, int64_t first) const;
   void fill_curve(int64_t Tmax);
   int64_t skip_len_ = 0, skip_left_ = 0;  // draft skipping: the current run length, rounds left
-  double band_mass_[kBands] = {}, band_hits_[kBands] = {};
+  double band_mass_[kBands] = {}, band_hits_[kBands] = {}, band_count_[kBands] = {};
   double draft_s_ = 0;
   bool draft_seen_ = false;
   bool draft_provisional_ = false;  // draft_s_ is from a call after rounds without drafting

@@ -324,6 +324,37 @@ def test_wrong_drafter_goes_to_plain_steps_and_a_right_one_to_the_budget():
     assert right[:2] == [2, 0] and all(n >= 5 for n in right[-20:]), right
 
 
+def test_an_under_confident_right_drafter_is_not_given_up_on_at_the_priors_word():
+    """A drafter always right but saying 0.12 for its tokens: at the prior's word (f = 1) a tree is
+    worth ~1.14 tokens, less than its draft costs, so a skip test that believed the uncalibrated
+    chances would skip it (and skipped rounds teach nothing); the test counts the draft's top picks
+    in bands with fewer than 8 labelled edges as sure, the calibration learns within a few trees
+    that 0.12 means ~1, and the drafter is never skipped."""
+    a = _native.AdaptiveBudget()
+    a.reset(16)
+    true = np.random.default_rng(5).integers(0, 50, 2000).astype(np.int32)
+    lp = np.log(np.array([[0.12, 0.05]] * 5, np.float32))
+    L, sizes = 8, []
+    for _ in range(30):
+        if a.skip_draft():
+            sizes.append(None)
+            a.observe(0, 1.0, -1.0)
+            L += 1
+            a.label(true[:L])
+            continue
+        chain = true[L:L + 5]
+        n = a.choose(lp, np.stack([chain, (chain + 7) % 50], 1).astype(np.int32), 16, L - 1)
+        sizes.append(n)
+        a.observe(n, 1.0 + 0.02 * n, 0.3)
+        L += 1 + (n + 1) // 2   # (the text is random; the next draft is right again whatever n was)
+        a.label(true[:L])
+    assert None not in sizes, sizes
+    assert a.calibration(0.12) > 4, a.calibration(0.12)
+    # the best-first order (by the draft's word) interleaves the chain with its 0.05 siblings: the
+    # learned choice takes the first three (chain, sibling, chain)
+    assert all(n >= 3 for n in sizes[-10:]), sizes
+
+
 def test_at_most_64_trees_wait():
     """Trees wait in a ring of 64 (a tree waits at most its depth in rounds); more drop the oldest."""
     a = _native.AdaptiveBudget()
