@@ -23,7 +23,6 @@ int band_of(double p) {
   return std::clamp(b, 0, AdaptiveBudget::kBands - 1);
 }
 
-double ema(double old, double x) { return old > 0 ? (1 - kEma) * old + kEma * x : x; }
 }  // namespace
 
 void AdaptiveBudget::reset(int64_t max_nodes) {
@@ -141,8 +140,8 @@ int64_t AdaptiveBudget::choose(const float* lp, const int32_t* ids, int64_t d, i
   // Two sizes measured first: a small tree (up to kFirstNodes nodes), then a plain step; other
   // sizes are interpolated / extrapolated from what is measured until they are chosen.
   if (!ends_known) return larger_known ? 0 : std::min(n, kFirstNodes);
-  // Did drafting pay? The best expected rate (its hopeful twin: bands without evidence count as
-  // sure) against a plain step without a draft (1 / t_round(1)). If not by a margin, the next
+  // Did drafting pay? The best expected rate (its hopeful twin: the draft's top picks in bands
+  // without evidence count as sure) against a plain step without a draft (1 / t_round(1)). If not by a margin, the next
   // rounds skip the drafter: 1, then 2, 4, ... (up to kMaxSkip) after each further drafted round
   // that does not pay; one that pays ends the skipping.
   if (best_opt * curve_[1] < 1.0 - kSkipMargin) {

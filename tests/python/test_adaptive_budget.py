@@ -287,14 +287,15 @@ def test_trees_wait_for_the_text_to_pass_their_depth():
     assert a.calibration(0.5) == pytest.approx((0.99 * 0 + 1 + 1) / (mass + 1))
 
 
-def _rounds(a, rng, right, rounds=40, draft_s=0.05, skips=False):
-    """Rounds over a made-up text with made-up costs (1 + 0.08 n seconds, drafting draft_s): a drafter
-    that is sure (0.95 at each depth) of a 5-token chain, right (the text's next tokens) or wrong.
+def _rounds(a, rng, right, rounds=40, draft_s=0.05, skips=False, probs=(0.95, 0.05), slope=0.08):
+    """Rounds over a made-up text with made-up costs (1 + slope n seconds, drafting draft_s): a drafter
+    that says probs[0] (0.95: sure) at each depth for a 5-token chain, right (the text's next tokens) or
+    wrong, and probs[1] for one other token.
     With `skips`, each round first asks skip_draft() as the engine does (None: a plain step).
     Returns the sizes chosen."""
     true = rng.integers(0, 50, 2000).astype(np.int32)
     L, out = 8, []
-    lp = np.log(np.array([[0.95, 0.05]] * 5, np.float32))
+    lp = np.log(np.array([probs] * 5, np.float32))
     for _ in range(rounds):
         if skips and a.skip_draft():
             out.append(None)
@@ -306,7 +307,7 @@ def _rounds(a, rng, right, rounds=40, draft_s=0.05, skips=False):
         chain = nxt if right else (nxt + 1) % 50
         n = a.choose(lp, np.stack([chain, (chain + 7) % 50], 1).astype(np.int32), 16, L - 1)
         out.append(n)
-        a.observe(n, 1.0 + 0.08 * n, draft_s)
+        a.observe(n, 1.0 + slope * n, draft_s)
         L += (min(n, 5) if right else 0) + 1   # the chain is the first 5 nodes of the tree
         a.label(true[:L])
     return out
@@ -332,22 +333,8 @@ def test_an_under_confident_right_drafter_is_not_given_up_on_at_the_priors_word(
     that 0.12 means ~1, and the drafter is never skipped."""
     a = _native.AdaptiveBudget()
     a.reset(16)
-    true = np.random.default_rng(5).integers(0, 50, 2000).astype(np.int32)
-    lp = np.log(np.array([[0.12, 0.05]] * 5, np.float32))
-    L, sizes = 8, []
-    for _ in range(30):
-        if a.skip_draft():
-            sizes.append(None)
-            a.observe(0, 1.0, -1.0)
-            L += 1
-            a.label(true[:L])
-            continue
-        chain = true[L:L + 5]
-        n = a.choose(lp, np.stack([chain, (chain + 7) % 50], 1).astype(np.int32), 16, L - 1)
-        sizes.append(n)
-        a.observe(n, 1.0 + 0.02 * n, 0.3)
-        L += 1 + (n + 1) // 2   # (the text is random; the next draft is right again whatever n was)
-        a.label(true[:L])
+    sizes = _rounds(a, np.random.default_rng(5), right=True, rounds=30, draft_s=0.3, skips=True,
+                    probs=(0.12, 0.05), slope=0.02)
     assert None not in sizes, sizes
     assert a.calibration(0.12) > 4, a.calibration(0.12)
     # the best-first order (by the draft's word) interleaves the chain with its 0.05 siblings: the
