@@ -270,9 +270,7 @@ def _cmd_generate(args):
         stops += list(eos) if isinstance(eos, (list, tuple)) else [int(eos)]
     if args.interactive:
         return _interactive(eng, tok, prompt, drafter, stops, args, max_seq_len)
-    res = generate(eng, prompt, args.max_new_tokens, drafter=drafter, tree_budget=args.budget, depth=args.depth,
-                   top_k=args.top_k, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                   stop_token_ids=stops, progress=stream, adaptive_budget=args.adaptive)
+    res = generate(eng, prompt, args.max_new_tokens, progress=stream, **_generate_options(args, drafter, stops))
     if not args.no_stream:
         sys.stdout.write("\n")
     elif tok is not None:
@@ -284,6 +282,13 @@ def _cmd_generate(args):
                           "tree_sizes": res.tree_sizes.tolist(), "stats": res.stats}))
     print(_stats_line(res), file=sys.stderr)
     return 0
+
+
+def _generate_options(args, drafter, stops):
+    """generate()'s options from the command line (the same for one call and for each interactive turn)."""
+    return dict(drafter=drafter, tree_budget=args.budget, depth=args.depth, top_k=args.top_k,
+                temperature=args.temperature, top_p=args.top_p, seed=args.seed, stop_token_ids=stops,
+                adaptive_budget=args.adaptive)
 
 
 def _interactive(eng, tok, start, drafter, stops, args, max_seq_len):
@@ -310,10 +315,8 @@ def _interactive(eng, tok, start, drafter, stops, args, max_seq_len):
                   "stopping", file=sys.stderr)
             return 0
         text += new
-        res = generate(eng, text, args.max_new_tokens, drafter=drafter, tree_budget=args.budget, depth=args.depth,
-                       top_k=args.top_k, temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                       stop_token_ids=stops, progress=_Streamer(tok, stream=True), adaptive_budget=args.adaptive,
-                       reuse_prefix=True)
+        res = generate(eng, text, args.max_new_tokens, progress=_Streamer(tok, stream=True), reuse_prefix=True,
+                       **_generate_options(args, drafter, stops))
         text += res.tokens.tolist()
         sys.stdout.write("\n")
         sys.stdout.flush()
