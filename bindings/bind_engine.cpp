@@ -699,6 +699,21 @@ void bind_engine(py::module_& m) {
           },
           py::arg("logprobs"), py::arg("ids"), py::arg("cap"), py::arg("root_index"),
           "Nodes to verify (0..cap) for this draft [d, k] (finite log-probs: cap must not exceed the finite prefixes)")
+      .def(
+          "draft_rows",
+          [](AdaptiveBudget& a) -> py::object {
+            const auto& lp = a.draft_logprobs();
+            const auto& ids = a.draft_ids();
+            if (lp.empty()) return py::none();
+            const int64_t k = a.draft_k(), d = static_cast<int64_t>(lp.size()) / k;
+            py::array_t<float> l({d, k});
+            py::array_t<int32_t> i({d, k});
+            std::copy(lp.begin(), lp.end(), l.mutable_data());
+            std::copy(ids.begin(), ids.end(), i.mutable_data());
+            return py::make_tuple(l, i);
+          },
+          "(log-probs [d, k], ids [d, k]) the last choose() hands the round: the draft's rows in calibrated order "
+          "(None when it chose without a tree)")
       .def("observe", &AdaptiveBudget::observe, py::arg("n"), py::arg("round_seconds"), py::arg("draft_seconds"))
       .def("skip_draft", &AdaptiveBudget::skip_draft, "True: this round is a plain step without drafting")
       .def(

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstring>
+#include <limits>
 
 namespace kdtree {
 
@@ -21,6 +23,42 @@ int band_of(double p) {
   if (!(p > 0)) return AdaptiveBudget::kBands - 1;
   const int b = static_cast<int>(std::floor(-std::log2(p)));
   return std::clamp(b, 0, AdaptiveBudget::kBands - 1);
+}
+
+// The band of a log-prob x, band_of(exp(x)), only grows as x falls: band <= b iff x >= lp_floor()[b].
+// The floors are found once by bisection over the float values with that very expression, so the band
+// read off them is band_of(exp(x)) exactly, without an exp and a log2 per entry of the draft.
+const float* lp_floor() {
+  static const std::vector<float> floors = [] {
+    std::vector<float> f(AdaptiveBudget::kBands - 1);
+    auto band_lp = [](float x) { return band_of(std::exp(static_cast<double>(x))); };
+    // order-preserving integer keys of the floats in [-inf, 0]
+    auto key = [](float x) {
+      uint32_t u;
+      std::memcpy(&u, &x, 4);
+      return (u & 0x80000000u) ? ~u : (u | 0x80000000u);
+    };
+    auto val = [](uint32_t k) {
+      uint32_t u = (k & 0x80000000u) ? (k & 0x7FFFFFFFu) : ~k;
+      float x;
+      std::memcpy(&x, &u, 4);
+      return x;
+    };
+    for (int b = 0; b + 1 < AdaptiveBudget::kBands; ++b) {
+      // the smallest x in [-inf, 0] with band_lp(x) <= b (band_lp(0) = 0 <= b; band_lp(-inf) = last > b)
+      uint32_t lo = key(-std::numeric_limits<float>::infinity()), hi = key(0.0f);
+      while (hi - lo > 1) {  // band_lp(val(lo)) > b, band_lp(val(hi)) <= b
+        const uint32_t mid = lo + (hi - lo) / 2;
+        if (band_lp(val(mid)) <= b)
+          hi = mid;
+        else
+          lo = mid;
+      }
+      f[static_cast<size_t>(b)] = val(hi);
+    }
+    return f;
+  }();
+  return floors.data();
 }
 
 }  // namespace
@@ -73,12 +111,88 @@ double AdaptiveBudget::calibration(double p) const {
   return (band_hits_[b] + kPrior) / (band_mass_[b] + kPrior);
 }
 
+void AdaptiveBudget::calibrate_rows(const float* lp, const int32_t* ids, int64_t d, int64_t k) {
+  // Each edge's log-probability raised (or lowered) by its band's calibration, capped at 0, and
+  // each row re-sorted descending by it (stable: ties keep the draft's order). A band whose factor is
+  // 1 leaves its values as they are (lp + log 1 = lp exactly). Per entry: a band read off the floors
+  // (rows are sorted: one forward walk) and an add; a row still sorted after it needs no sort.
+  const size_t m = static_cast<size_t>(d * k);
+  ck_ = k;
+  clp_.resize(m);
+  cids_.resize(m);
+  corig_.resize(m);
+  key_.resize(static_cast<size_t>(k));
+  double logf[kBands];
+  bool shift[kBands];
+  for (int b = 0; b < kBands; ++b) {
+    const double f = (band_hits_[b] + kPrior) / (band_mass_[b] + kPrior);  // = calibration() of the band
+    shift[b] = f != 1.0;
+    logf[b] = shift[b] ? std::log(f) : 0.0;
+  }
+  const float* floor_ = lp_floor();
+  runs_.resize(static_cast<size_t>(kBands + 1));
+  tmp_.resize(static_cast<size_t>(k));
+  for (int64_t r = 0; r < d; ++r) {
+    const float* row = lp + r * k;
+    int b = 0, nruns = 0;
+    bool sorted = true;
+    for (int64_t j = 0; j < k; ++j) {
+      const float x = row[j];
+      const int b0 = b;
+      while (b < kBands - 1 && !(x >= floor_[b])) ++b;          // rows descending: bands only grow
+      if (j == 0 || b != b0) runs_[static_cast<size_t>(nruns++)] = j;  // a band's entries: one sorted run
+      key_[j] = shift[b] ? static_cast<float>(std::min(0.0, static_cast<double>(x) + logf[b])) : x;
+      if (j > 0 && key_[j] > key_[j - 1]) sorted = false;
+    }
+    runs_[static_cast<size_t>(nruns)] = k;
+    int32_t* perm = corig_.data() + r * k;
+    for (int64_t j = 0; j < k; ++j) perm[j] = static_cast<int32_t>(j);
+    if (!sorted) merge_runs(perm, nruns);
+    for (int64_t j = 0; j < k; ++j) {
+      clp_[r * k + j] = key_[perm[j]];
+      cids_[r * k + j] = ids[r * k + perm[j]];
+    }
+  }
+}
+
+// Sorts perm (the identity over one row) descending by key_, stably, given that [runs_[i], runs_[i+1])
+// are nruns runs already sorted (within a band the shift is the same: the order holds): runs merged
+// pairwise, ties taken from the left run, until one is left.
+void AdaptiveBudget::merge_runs(int32_t* perm, int nruns) {
+  int32_t* src = perm;
+  int32_t* dst = tmp_.data();
+  while (nruns > 1) {
+    int out = 0;
+    for (int i = 0; i < nruns; i += 2) {
+      const int64_t a0 = runs_[static_cast<size_t>(i)];
+      const int64_t a1 = runs_[static_cast<size_t>(std::min(i + 1, nruns))];
+      const int64_t b1 = runs_[static_cast<size_t>(std::min(i + 2, nruns))];
+      int64_t x = a0, y = a1, o = a0;
+      while (x < a1 && y < b1) dst[o++] = key_[src[y]] > key_[src[x]] ? src[y++] : src[x++];
+      while (x < a1) dst[o++] = src[x++];
+      while (y < b1) dst[o++] = src[y++];
+      runs_[static_cast<size_t>(out++)] = a0;
+    }
+    runs_[static_cast<size_t>(out)] = runs_[static_cast<size_t>(nruns)];
+    nruns = out;
+    std::swap(src, dst);
+  }
+  if (src != perm) std::copy(src, src + runs_[1], perm);
+}
+
 int64_t AdaptiveBudget::choose(const float* lp, const int32_t* ids, int64_t d, int64_t k, int64_t cap,
                                int64_t root_index) {
   cap = std::min(cap, max_nodes_);
   tree_.n = 0;
+  clp_.clear();
+  cids_.clear();
   if (d <= 0 || cap <= 0) return 0;
-  tree_build(lp, ids, d, k, cap, &tree_, &ws_);
+  // The tree in the order of the calibrated chances (the rows the round must be given: draft_logprobs /
+  // draft_ids), so that its first n nodes are the n most likely to be accepted by what the target did,
+  // not by the draft's word (an under-confident chain's nodes would otherwise sit behind siblings the
+  // draft rates close to them but the target never takes).
+  calibrate_rows(lp, ids, d, k);
+  tree_build(clp_.data(), cids_.data(), d, k, cap, &tree_, &ws_);
   const int64_t n = tree_.n, width = std::max<int64_t>(d, 1);
   phat_.resize(static_cast<size_t>(n + 1));
   phat_[0] = 1;
@@ -98,7 +212,9 @@ int64_t AdaptiveBudget::choose(const float* lp, const int32_t* ids, int64_t d, i
   kept.depths.assign(tree_.depths.begin(), tree_.depths.begin() + nk);
   kept.parents.assign(tree_.parents.begin(), tree_.parents.begin() + nk + 1);
   kept.prob.resize(static_cast<size_t>(nk));
-  kept.max_depth = 0;
+  kept.acc.assign(static_cast<size_t>(nk + 1), 0);
+  kept.acc[0] = 1;
+  kept.max_depth = kept.done_depth = 0;
 
   const double draft = draft_seen_ ? draft_s_ : 0.0;
   const bool larger_known = std::any_of(cost_.begin() + 2, cost_.end(), [](double c) { return c > 0; });
@@ -117,11 +233,12 @@ int64_t AdaptiveBudget::choose(const float* lp, const int32_t* ids, int64_t d, i
   int64_t best_n = 0;
   for (int64_t i = 1; i <= n; ++i) {
     const int32_t dep = tree_.depths[i - 1];
-    const int32_t rank = ws_.rank_paths[i * width + dep - 1];
-    const double p = std::exp(static_cast<double>(lp[(dep - 1) * k + rank]));  // the edge's probability
-    const double edge = std::min(1.0, p * calibration(p));
+    const int32_t rank = ws_.rank_paths[i * width + dep - 1];            // in the calibrated row
+    const int32_t orig = corig_[static_cast<size_t>((dep - 1) * k + rank)];  // ... and in the draft's
+    const double p = std::exp(static_cast<double>(lp[(dep - 1) * k + orig]));  // the draft's probability of the edge
+    const double edge = std::exp(static_cast<double>(clp_[static_cast<size_t>((dep - 1) * k + rank)]));  // calibrated
     phat_[i] = phat_[tree_.parents[i]] * edge;
-    const bool hopeful = rank == 0 && band_count_[band_of(p)] < kEvidence;  // the draft's own pick, unjudged
+    const bool hopeful = orig == 0 && band_count_[band_of(p)] < kEvidence;  // the draft's own pick, unjudged
     popt_[i] = popt_[tree_.parents[i]] * (hopeful ? 1.0 : edge);
     if (i <= nk) {
       kept.prob[i - 1] = p;
@@ -217,26 +334,35 @@ void AdaptiveBudget::observe(int64_t n, double round_seconds, double draft_secon
 }
 
 void AdaptiveBudget::label(const int32_t* tokens, int64_t len) {
-  while (count_ > 0) {
-    const Kept& t = ring_[static_cast<size_t>(head_)];
-    if (t.root_index + t.max_depth > len - 1) break;  // (trees are kept in root order)
-    // node i matches iff its parent does and its token is the text's token at its depth
+  // Depth by depth: a kept tree's nodes at depth t are labelled once the text has its token at
+  // root + t (the text is what the target took, whichever tree was verified), not when it has passed
+  // the whole tree, so the calibration hears of a draft after one round, not after up to its depth.
+  for (int64_t c = 0; c < count_; ++c) {
+    Kept& t = ring_[static_cast<size_t>((head_ + c) % kTreeMaxDepth)];
+    const int64_t upto = std::min<int64_t>(len - 1 - t.root_index, t.max_depth);
+    if (upto <= t.done_depth) continue;
+    if (t.done_depth == 0)  // a tree's first labels: the memory forgets a step (once per tree)
+      for (int b = 0; b < kBands; ++b) {
+        band_mass_[b] *= kForget;
+        band_hits_[b] *= kForget;
+        band_count_[b] *= kForget;
+      }
+    // node i matches iff its parent does and its token is the text's token at its depth (a parent
+    // precedes its children in the tree, and sits at a smaller depth: labelled before them)
     const int64_t n = static_cast<int64_t>(t.tokens.size());
-    acc_.assign(static_cast<size_t>(n + 1), 0);
-    acc_[0] = 1;
-    for (int b = 0; b < kBands; ++b) {
-      band_mass_[b] *= kForget;
-      band_hits_[b] *= kForget;
-      band_count_[b] *= kForget;
-    }
     for (int64_t i = 1; i <= n; ++i) {
-      if (!acc_[t.parents[i]]) continue;  // what an edge says is learned where its parent matched
-      acc_[i] = t.tokens[i - 1] == tokens[t.root_index + t.depths[i - 1]];
+      const int32_t dep = t.depths[i - 1];
+      if (dep <= t.done_depth || dep > upto || !t.acc[t.parents[i]]) continue;  // learned where its parent matched
+      t.acc[i] = t.tokens[i - 1] == tokens[t.root_index + dep];
       const int b = band_of(t.prob[i - 1]);
       band_mass_[b] += t.prob[i - 1];
-      band_hits_[b] += acc_[i];
+      band_hits_[b] += t.acc[i];
       band_count_[b] += 1;
     }
+    t.done_depth = static_cast<int32_t>(upto);
+  }
+  // trees the text has passed leave (oldest first; trees are kept in root order)
+  while (count_ > 0 && ring_[static_cast<size_t>(head_)].done_depth >= ring_[static_cast<size_t>(head_)].max_depth) {
     head_ = (head_ + 1) % kTreeMaxDepth;
     --count_;
   }

@@ -15,10 +15,13 @@
 // forgetting; 1 + sum p_i is the expected tokens emitted (the bonus token always). Calibrating
 // edges, not whole paths, matters for drafters that are sure all the way down (an n-gram match
 // gives q = 1 at every depth: a path probability of 1 at depth 8 would say nothing about depth).
+// The tree is built in the calibrated order: the draft's rows rewritten to log q + log f(q) (capped
+// at 0, each row re-sorted descending, ties in the draft's order), which the round is given too
+// (draft_logprobs / draft_ids), so its first n nodes are the n likeliest by what the target did.
 // f learns from every node of every round's tree of B nodes, verified or not: once the generated
-// text has passed a tree's depth, a node whose parent matched the text "would have been
-// accepted" iff its token is the text's next one (what the accept walk takes at temperature 0,
-// and its distribution when sampling). Learning from the verified nodes only would trap it: a
+// text has a tree's depth t (depth by depth, not only once it has passed the whole tree), a node at
+// t whose parent matched the text "would have been accepted" iff its token is the text's next one
+// (what the accept walk takes at temperature 0, and its distribution when sampling). Learning from the verified nodes only would trap it: a
 // bad stretch drives the sizes to 0, after which nothing more is learned even once the drafter
 // is right again. t_round(T) = the measured wall time of a round of T
 // tokens (tree build, verify forward, choice, accept, commit; an exponential moving average per
@@ -65,15 +68,22 @@ class AdaptiveBudget {
   // The nodes to verify this round, 0..cap, from the draft's log-probs / ids [d, k] (rows sorted
   // descending, checked) for the root at index `root_index` of the token sequence. The tree is
   // kept until label() can tell which of its nodes the generated text matches.
+  // The round must then be given the calibrated rows draft_logprobs() / draft_ids() (the same
+  // [d, k] shape) in place of the draft's: its tree of n nodes is the first n of the choice's.
   int64_t choose(const float* logprobs, const int32_t* ids, int64_t d, int64_t k, int64_t cap, int64_t root_index);
+  // The last choose()'s draft rows in calibrated order: each log-prob + log(its band's factor),
+  // capped at 0, each row re-sorted descending (stable); empty when it chose without a tree.
+  const std::vector<float>& draft_logprobs() const { return clp_; }
+  const std::vector<int32_t>& draft_ids() const { return cids_; }
+  int64_t draft_k() const { return ck_; }
   // Whether this round should not ask the drafter at all (a plain step): after drafted rounds whose
   // best expected rate, drafting included, fell short of a plain step's (see the .cpp).
   bool skip_draft();
   // A round of T = n + 1 tokens took round_seconds (the executor's round) after draft_seconds of
   // drafting (< 0: no draft this round).
   void observe(int64_t n, double round_seconds, double draft_seconds);
-  // The token sequence so far, tokens[0, len): labels the kept trees whose depth it has passed
-  // and learns from them.
+  // The token sequence so far, tokens[0, len): labels the depths of the kept trees it has reached
+  // and learns from them; a tree it has passed leaves.
   void label(const int32_t* tokens, int64_t len);
 
   // For tests: the expected cost of a round of T tokens (seconds; 0 when nothing is measured),
@@ -88,6 +98,8 @@ class AdaptiveBudget {
   struct Kept {                    // a tree waiting for the text to pass its depth
     int64_t root_index = 0;
     int32_t max_depth = 0;
+    int32_t done_depth = 0;                        // depths 1..done_depth labelled
+    std::vector<uint8_t> acc;                      // [n+1] node on the generated path (labelled depths)
     std::vector<int32_t> tokens, depths, parents;  // [n], [n], [n+1]
     std::vector<double> prob;                      // [n] probability of the node's edge under the draft
   };
@@ -97,7 +109,13 @@ class AdaptiveBudget {
   std::vector<double> popt_;   // [n+1] the same with edges of bands lacking evidence as sure (the skip test)
   std::vector<double> cost_;   // [max+2] EMA of round seconds by T (0 = not measured)
   std::vector<double> curve_;  // [n+2] round_cost(T) for the sizes of the last choose()
-  std::vector<uint8_t> acc_;   // scratch: node on the generated path
+  std::vector<float> clp_, key_;                 // [d, k] calibrated rows; scratch: one row's values
+  std::vector<int32_t> cids_, corig_;            // [d, k] their ids; each entry's rank in the draft's row
+  int64_t ck_ = 0;                               // their k
+  std::vector<int64_t> runs_;                    // scratch: a row's sorted runs (their starts, then the end)
+  std::vector<int32_t> tmp_;                     // scratch: the runs' merge
+  void merge_runs(int32_t* perm, int nruns);
+  void calibrate_rows(const float* lp, const int32_t* ids, int64_t d, int64_t k);
   std::vector<Kept> ring_;     // [kTreeMaxDepth] kept trees: count_ of them from head_, oldest first
   int64_t head_ = 0, count_ = 0;
   double cost_between(int64_t T, int64_t lo, int64_t hi, int64_t first) const;

@@ -313,6 +313,10 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
             draft.is_logits = false;
           }
           rq.nodes = adapt_.choose(draft.values.data(), draft.ids.data(), draft.d, draft.k, rq.nodes, n_ - 1);
+          if (!adapt_.draft_logprobs().empty()) {  // the round builds the choice's tree: the calibrated rows
+            draft.values.assign(adapt_.draft_logprobs().begin(), adapt_.draft_logprobs().end());
+            draft.ids.assign(adapt_.draft_ids().begin(), adapt_.draft_ids().end());
+          }
         }
       }
       const double prep_s = since(t0);

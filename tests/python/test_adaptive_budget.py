@@ -6,8 +6,10 @@ adaptive_budget.h, docs/ENGINE.md "Adaptive tree budget").
 * the policy, through _native.AdaptiveBudget with made-up round costs, against the rule written out
   here: the two first sizes (a tree of <= 2 nodes, then a plain step), the cost curve's
   interpolation / extrapolation and moving average, the choice = argmax of (1 + sum p_i) /
-  (t_draft + t_round(n + 1)) with p_i = p_parent * min(1, q * f(q)), and f learned per band of q
-  from every labelled node whose parent matched the text (verified or not);
+  (t_draft + t_round(n + 1)) with p_i = p_parent * min(1, q * f(q)) over the tree built on the
+  calibrated rows (log q + log f(q), re-sorted: the rows the round is given), and f learned per
+  band of q from every labelled node whose parent matched the text (verified or not), depth by
+  depth as the text reaches it;
 * what it is for: a confidently wrong drafter drives the sizes to 0 and a right one keeps them at
   the budget, with the same made-up costs.
 """
@@ -64,6 +66,39 @@ def test_adaptive_on_the_cpu_model():
     oracle = eng.generate(prompt, 40, drafter=OracleDrafter(ref, vocab_size=eng.vocab_size), tree_budget=16,
                           depth=6, adaptive_budget=True)
     assert np.array_equal(oracle.tokens, ref) and oracle.stats["mean_acceptance_length"] > 2
+
+
+def test_the_round_builds_the_calibrated_tree():
+    """An under-confident drafter, always right at 0.12 with a 0.05 sibling that never is: once the
+    calibration has learned that (a few rounds), the round's tree of n nodes is the chain's first n
+    (the calibrated order the choice was made in), so every drafted round accepts min(n, depth)
+    nodes; a round built in the draft's order (chain, sibling, chain, ...) would accept about half."""
+    eng = _native_engine(5)   # a model (~ms a step: drafting pays; on the toy target it would not)
+    V = eng.vocab_size
+    prompt = np.array([3, 17, 42, 99, 3, 17, 42, 8, 3, 17], np.int64)
+    ref = eng.generate(prompt, 300).tokens
+    seq = np.concatenate([prompt, ref]).astype(np.int64)
+    depth = 5
+
+    def drafter(ctx, d, top_k):
+        n = len(ctx)
+        d = min(d, len(seq) - n)
+        if d <= 0:
+            return None
+        right = seq[n:n + d]
+        ids = np.stack([right, (right + 1) % V], 1).astype(np.int32)
+        return np.log(np.tile(np.array([0.12, 0.05], np.float32), (d, 1))), ids
+
+    late = []
+    for _ in range(4):   # (drafting barely pays on this small model: many rounds are plain steps)
+        res = eng.generate(prompt, len(ref), drafter=drafter, tree_budget=16, depth=depth, adaptive_budget=True)
+        assert np.array_equal(res.tokens, ref)
+        sizes, acc = res.tree_sizes, res.acceptance_lengths
+        late += [(int(n), int(a)) for n, a in list(zip(sizes, acc))[len(sizes) // 2:-2] if n > 0]
+        if len(late) >= 3:
+            break
+    assert len(late) >= 3, late
+    assert all(a - 1 == min(n, depth) for n, a in late), late
 
 
 def test_adaptive_budget_argument_is_checked(toy_setup):
@@ -133,17 +168,33 @@ class Rule:
                 self.draft = (1 - EMA) * self.draft + EMA * draft
         self.last_drafted = draft >= 0
 
+    def rows(self, lp, ids):
+        """The draft's rows in calibrated order (what the round is given): each log-prob + log(its
+        band's factor) in float64, capped at 0, as float32 (untouched where the factor is 1), each row
+        re-sorted descending, ties in the draft's order; and each entry's rank in the draft's row."""
+        clp, cids, orig = np.empty_like(lp), np.empty_like(ids), np.empty(lp.shape, np.int64)
+        for r in range(lp.shape[0]):
+            key = np.empty(lp.shape[1], np.float32)
+            for j in range(lp.shape[1]):
+                f = self.factor(math.exp(float(lp[r, j])))
+                key[j] = lp[r, j] if f == 1.0 else np.float32(min(0.0, float(lp[r, j]) + math.log(f)))
+            perm = np.argsort(-key, kind="stable")
+            clp[r], cids[r], orig[r] = key[perm], ids[r, perm], perm
+        return clp, cids, orig
+
     def nodes(self, lp, ids, cap):
-        """(tree, per-node edge probability q, p_hat)."""
-        t = R.tree_build(lp, ids, cap)
+        """(tree, per-node edge probability q under the draft, p_hat) of the tree built on the
+        calibrated rows."""
+        clp, cids, orig = self.rows(lp, ids)
+        t = R.tree_build(clp, cids, cap)
         n = len(t.tokens)
         q = np.zeros(n + 1)
         ph = np.ones(n + 1)
         for i in range(1, n + 1):
             dep = t.depths[i - 1]
-            r = int(np.where(ids[dep - 1] == t.tokens[i - 1])[0][0])
-            q[i] = math.exp(float(lp[dep - 1, r]))
-            ph[i] = ph[t.parents[i]] * min(1.0, q[i] * self.factor(q[i]))
+            r = int(np.where(cids[dep - 1] == t.tokens[i - 1])[0][0])
+            q[i] = math.exp(float(lp[dep - 1, orig[dep - 1, r]]))
+            ph[i] = ph[t.parents[i]] * math.exp(float(clp[dep - 1, r]))
         return t, q, ph
 
     def choose(self, lp, ids, cap):
@@ -223,6 +274,10 @@ def test_choices_follow_the_rule():
             c = cap
             n = a.choose(lp, ids, c, pos)
             assert n == r.choose(lp, ids, c), (trial, rnd)
+            got_lp, got_ids = a.draft_rows()   # what the round is given: the calibrated rows, exactly
+            want_lp, want_ids, _ = r.rows(lp, ids)
+            np.testing.assert_array_equal(got_lp, want_lp)
+            np.testing.assert_array_equal(got_ids, want_ids)
             secs = 1.0 + slope * n + float(rng.uniform(0, 0.01))
             draft = float(rng.uniform(0, 0.5))
             a.observe(n, secs, draft)
@@ -239,6 +294,38 @@ def test_choices_follow_the_rule():
             for q in (1.0, 0.7, 0.3, 0.1, 0.01):
                 assert a.calibration(q) == pytest.approx(r.factor(q), rel=1e-12)
             pos += int(rng.integers(1, 4))
+
+
+def test_calibrated_rows_follow_the_rule_where_they_reorder():
+    """Texts that take the drafts' lower ranks (so bands of small q learn factors above those of
+    larger q, and rows change order: the runs of a row's bands are merged) and wide rows: the rows
+    handed to the round are the rule's, exactly, and some did change order."""
+    rng = np.random.default_rng(1)
+    reordered = 0
+    for trial in range(12):
+        a, r = _native.AdaptiveBudget(), Rule()
+        cap = int(rng.integers(8, 80))
+        a.reset(cap)
+        pos, text = 10, list(rng.integers(0, 300, 11))
+        for rnd in range(10):
+            D, K = int(rng.integers(1, 7)), int(rng.integers(2, 65))
+            lp, ids = draft_of(rng, D=D, K=K, V=300, sharp=float(rng.uniform(1, 4)))
+            n = a.choose(lp, ids, cap, pos)
+            assert n == r.choose(lp, ids, cap)
+            got_lp, got_ids = a.draft_rows()
+            want_lp, want_ids, _ = r.rows(lp, ids)
+            np.testing.assert_array_equal(got_lp, want_lp)
+            np.testing.assert_array_equal(got_ids, want_ids)
+            reordered += int((got_ids != ids).any())
+            a.observe(n, 1.0 + 0.05 * n, 0.1)
+            r.observe(n, 1.0 + 0.05 * n, 0.1)
+            # the text follows the draft at a rank drawn towards the bottom of the row
+            text = text[:pos + 1] + [int(ids[t, min(K - 1, int(rng.integers(K // 2, K + 1)))]) for t in range(D)] + [0]
+            tail = np.array(text, np.int32)
+            a.label(tail)
+            r.label(lp, ids, cap, tail, pos)
+            pos += int(rng.integers(1, D + 1))
+    assert reordered >= 10, reordered
 
 
 def test_draft_time_after_rounds_without_drafting():
@@ -268,23 +355,33 @@ def test_draft_time_after_rounds_without_drafting():
     assert a.draft_seconds() == 2.0
 
 
-def test_trees_wait_for_the_text_to_pass_their_depth():
+def test_trees_are_labelled_depth_by_depth():
+    """A kept tree's depth t is labelled as soon as the text has its token (root + t), not once the
+    text has passed the whole tree; the tree leaves when it has."""
     a = _native.AdaptiveBudget()
     a.reset(8)
     lp = np.log(np.full((3, 2), 0.5, np.float32))
     ids = np.array([[1, 2], [3, 4], [5, 6]], np.int32)
     a.choose(lp, ids, 8, 4)                      # root at index 4: depths 1..3 need indices 5..7
-    a.label(np.arange(7, dtype=np.int32))        # up to index 6 only
+    a.label(np.arange(5, dtype=np.int32))        # no token past the root yet
     assert a.trees_pending == 1 and a.calibration(0.5) == 1.0
     text = np.array([0, 0, 0, 0, 0, 1, 9, 9], np.int32)   # depth 1 matches token 1, depth 2 neither
-    a.label(text)
-    assert a.trees_pending == 0
+    a.label(text[:7])                            # up to index 6: depths 1 and 2
     # labelled: both depth-1 nodes (1 hit), the children of the matching one at depth 2 (no hit)
     t = R.tree_build(lp, ids, 8)
     d1 = sum(1 for d in t.depths if d == 1)
     d2_under_hit = sum(1 for i, d in enumerate(t.depths) if d == 2 and t.tokens[t.parents[i + 1] - 1] == 1)
+    assert d1 == 2 and d2_under_hit == 2
     mass = 0.5 * (d1 + d2_under_hit)
+    assert a.trees_pending == 1
     assert a.calibration(0.5) == pytest.approx((0.99 * 0 + 1 + 1) / (mass + 1))
+    a.label(text)          # depth 3: no node under a matching parent; the tree is passed and leaves
+    assert a.trees_pending == 0
+    assert a.calibration(0.5) == pytest.approx((1 + 1) / (mass + 1))
+    # the next tree's first labels forget a step (x 0.99), once
+    a.choose(lp, ids, 8, 7)
+    a.label(np.concatenate([text, [3]]).astype(np.int32))   # depth 1 of the tree at 7: neither node matches
+    assert a.calibration(0.5) == pytest.approx((0.99 * 1 + 1) / (0.99 * mass + 1.0 + 1))
 
 
 def _rounds(a, rng, right, rounds=40, draft_s=0.05, skips=False, probs=(0.95, 0.05), slope=0.08):
@@ -308,9 +405,23 @@ def _rounds(a, rng, right, rounds=40, draft_s=0.05, skips=False, probs=(0.95, 0.
         n = a.choose(lp, np.stack([chain, (chain + 7) % 50], 1).astype(np.int32), 16, L - 1)
         out.append(n)
         a.observe(n, 1.0 + slope * n, draft_s)
-        L += (min(n, 5) if right else 0) + 1   # the chain is the first 5 nodes of the tree
+        L += _accepted(a.draft_rows(), n, true, L) + 1
         a.label(true[:L])
     return out
+
+
+def _accepted(rows, n, text, L):
+    """The accept walk (greedy target = the text from index L) over the tree of n nodes the round
+    builds from the rows choose() hands it."""
+    if n == 0:
+        return 0
+    t = R.tree_build(rows[0], rows[1], n)
+    cur = acc = 0
+    while True:
+        kids = [i + 1 for i in range(len(t.tokens)) if t.parents[i + 1] == cur and t.tokens[i] == text[L + acc]]
+        if not kids:
+            return acc
+        cur, acc = kids[0], acc + 1
 
 
 def test_wrong_drafter_goes_to_plain_steps_and_a_right_one_to_the_budget():
@@ -336,10 +447,13 @@ def test_an_under_confident_right_drafter_is_not_given_up_on_at_the_priors_word(
     sizes = _rounds(a, np.random.default_rng(5), right=True, rounds=30, draft_s=0.3, skips=True,
                     probs=(0.12, 0.05), slope=0.02)
     assert None not in sizes, sizes
-    assert a.calibration(0.12) > 4, a.calibration(0.12)
-    # the best-first order (by the draft's word) interleaves the chain with its 0.05 siblings: the
-    # learned choice takes the first three (chain, sibling, chain)
-    assert all(n >= 3 for n in sizes[-10:]), sizes
+    assert a.calibration(0.12) > 4 and a.calibration(0.05) < 0.5, (a.calibration(0.12), a.calibration(0.05))
+    # the tree is built in the calibrated order, so the chain (0.12, right) comes before its 0.05
+    # siblings (never right), which the draft's own order interleaves with it: the whole chain and
+    # nothing else is chosen (in the draft's order the best prefix was chain, sibling, chain)
+    assert all(n == 5 for n in sizes[-20:]), sizes
+    lp, ids = a.draft_rows()
+    assert (lp[:, 0] > -0.1).all() and (lp[:, 1] < np.log(0.05)).all(), lp
 
 
 def test_at_most_64_trees_wait():

@@ -1,0 +1,115 @@
+"""The adaptive tree budget's policy (cpp/engine/adaptive_budget.h) replayed on made-up rounds: no
+model, no device, deterministic, so a policy change can be compared on exactly the same drafts.
+
+Each round draws a logits draft over V columns (N(0, sd^2) noise, the text's next token at each
+depth + boost; `--noise` drops the boost at a depth with that chance), reduces it to its top-k
+(kdtree_native.reference), asks `_native.AdaptiveBudget` for the size n (the round is then given
+the rows `draft_rows()` hands over, as the engine does), walks the tree of n nodes against the text
+(greedy: the longest matching path plus the bonus token), and charges the round t0 + slope x (n + 1)
+seconds plus the draft's time; skipped rounds (skip_draft) are plain steps. The default costs are
+GPU-like (a 0.13 ms step, 2 us a node, a 50 us draft: the fifty-first session's H200 device-draft
+rounds). Beside it, the fixed budget (n = the ceiling every round) on the same drafts.
+
+    python benchmarks/bench_adaptive_replay.py [--seeds 16] [--vocab 32000 163840] [--tokens 96]
+        [--depth 8] [--top-k 8] [--ceiling 32] [--boost 12] [--sd 2] [--noise 0]
+        [--t0-ms 0.13] [--node-us 2] [--draft-us 50]
+"""
+import argparse
+import statistics
+
+import numpy as np
+
+from kdtree_native import _native
+from kdtree_native import reference as R
+
+
+def accepted(lp, ids, n, text, L):
+    """Tokens the greedy walk accepts in the tree of n nodes built from (lp, ids), the target
+    taking text[L], text[L + 1], ..."""
+    if n <= 0:
+        return 0
+    t = R.tree_build(lp, ids, n)
+    children = {}
+    for i in range(len(t.tokens)):
+        children.setdefault(int(t.parents[i + 1]), []).append(i + 1)
+    cur = acc = 0
+    while True:
+        nxt = [c for c in children.get(cur, []) if t.tokens[c - 1] == text[L + acc]]
+        if not nxt:
+            return acc
+        cur, acc = nxt[0], acc + 1
+
+
+def replay(a, V, seed, fixed, args):
+    rng = np.random.default_rng(seed)
+    text = rng.integers(0, V, args.tokens + args.depth + 64).astype(np.int32)
+    t0, slope, draft = args.t0_ms * 1e-3, args.node_us * 1e-6, args.draft_us * 1e-6
+    a.reset(args.ceiling)
+    L = start = 16
+    rounds = plain = 0
+    secs = 0.0
+    sizes = []
+    while L - start < args.tokens:
+        rounds += 1
+        if not fixed and a.skip_draft():
+            a.observe(0, t0 + slope, -1.0)
+            secs += t0 + slope
+            plain += 1
+            L += 1
+            a.label(text[:L])
+            continue
+        x = rng.standard_normal((args.depth, V)).astype(np.float32) * args.sd
+        for d in range(args.depth):
+            if rng.random() >= args.noise:
+                x[d, text[L + d]] += args.boost
+        lp, ids = R.topk_logsoftmax(x, args.top_k)
+        lp, ids = np.ascontiguousarray(lp), np.ascontiguousarray(ids)
+        n = a.choose(lp, ids, args.ceiling, L - 1)
+        if fixed:
+            n = min(args.ceiling, args.depth * args.top_k)
+        else:
+            rows = a.draft_rows() if hasattr(a, "draft_rows") else None
+            if rows is not None:
+                lp, ids = rows
+        acc = accepted(lp, ids, n, text, L)
+        t = t0 + slope * (n + 1)
+        a.observe(n, t, draft)
+        secs += t + draft
+        sizes.append(n)
+        L += acc + 1
+        a.label(text[:L])
+    return rounds, plain, secs, sizes
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seeds", type=int, default=16)
+    ap.add_argument("--vocab", type=int, nargs="+", default=[32000, 163840])
+    ap.add_argument("--tokens", type=int, default=96)
+    ap.add_argument("--depth", type=int, default=8)
+    ap.add_argument("--top-k", type=int, default=8)
+    ap.add_argument("--ceiling", type=int, default=32)
+    ap.add_argument("--boost", type=float, default=12.0)
+    ap.add_argument("--sd", type=float, default=2.0)
+    ap.add_argument("--noise", type=float, default=0.0)
+    ap.add_argument("--t0-ms", type=float, default=0.13)
+    ap.add_argument("--node-us", type=float, default=2.0)
+    ap.add_argument("--draft-us", type=float, default=50.0)
+    args = ap.parse_args()
+    print(f"## Adaptive budget replay: {args.tokens} tokens, depth {args.depth}, top-k {args.top_k}, ceiling "
+          f"{args.ceiling}, boost {args.boost} over N(0, {args.sd}^2), noise {args.noise}; a round "
+          f"{args.t0_ms} ms + {args.node_us} us a node, a draft {args.draft_us} us; {args.seeds} seeds\n")
+    print("| V | mode | ms (median) | ms (sum) | rounds (median) | plain steps (median) | mean tree |")
+    print("|---:|---|---:|---:|---:|---:|---:|")
+    for V in args.vocab:
+        for fixed in (True, False):
+            res = [replay(_native.AdaptiveBudget(), V, s, fixed, args) for s in range(args.seeds)]
+            ms = [r[2] * 1e3 for r in res]
+            tree = [n for r in res for n in r[3]]
+            print(f"| {V} | {'fixed' if fixed else 'adaptive'} | {statistics.median(ms):.2f} | {sum(ms):.1f} | "
+                  f"{statistics.median([r[0] for r in res]):.1f} | {statistics.median([r[1] for r in res]):.1f} | "
+                  f"{np.mean(tree) if tree else 0:.1f} |")
+
+
+if __name__ == "__main__":
+    main()
