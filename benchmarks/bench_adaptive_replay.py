@@ -2,7 +2,8 @@
 model, no device, deterministic, so a policy change can be compared on exactly the same drafts.
 
 Each round draws a logits draft over V columns (N(0, sd^2) noise, the text's next token at each
-depth + boost; `--noise` drops the boost at a depth with that chance), reduces it to its top-k
+depth + boost; `--noise` drops the boost at a depth with that chance; `--scale` multiplies the
+logits, > 1 making the draft over-confident), reduces it to its top-k
 (kdtree_native.reference), asks `_native.AdaptiveBudget` for the size n (the round is then given
 the rows `draft_rows()` hands over, as the engine does), walks the tree of n nodes against the text
 (greedy: the longest matching path plus the bonus token), and charges the round t0 + slope x (n + 1)
@@ -11,7 +12,7 @@ GPU-like (a 0.13 ms step, 2 us a node, a 50 us draft: the fifty-first session's 
 rounds). Beside it, the fixed budget (n = the ceiling every round) on the same drafts.
 
     python benchmarks/bench_adaptive_replay.py [--seeds 16] [--vocab 32000 163840] [--tokens 96]
-        [--depth 8] [--top-k 8] [--ceiling 32] [--boost 12] [--sd 2] [--noise 0]
+        [--depth 8] [--top-k 8] [--ceiling 32] [--boost 12] [--sd 2] [--noise 0] [--scale 1]
         [--t0-ms 0.13] [--node-us 2] [--draft-us 50]
 """
 import argparse
@@ -62,7 +63,7 @@ def replay(a, V, seed, fixed, args):
         for d in range(args.depth):
             if rng.random() >= args.noise:
                 x[d, text[L + d]] += args.boost
-        lp, ids = R.topk_logsoftmax(x, args.top_k)
+        lp, ids = R.topk_logsoftmax(x * np.float32(args.scale), args.top_k)
         lp, ids = np.ascontiguousarray(lp), np.ascontiguousarray(ids)
         n = a.choose(lp, ids, args.ceiling, L - 1)
         if fixed:
@@ -92,12 +93,13 @@ def main():
     ap.add_argument("--boost", type=float, default=12.0)
     ap.add_argument("--sd", type=float, default=2.0)
     ap.add_argument("--noise", type=float, default=0.0)
+    ap.add_argument("--scale", type=float, default=1.0, help="logits x scale (> 1: an over-confident draft)")
     ap.add_argument("--t0-ms", type=float, default=0.13)
     ap.add_argument("--node-us", type=float, default=2.0)
     ap.add_argument("--draft-us", type=float, default=50.0)
     args = ap.parse_args()
     print(f"## Adaptive budget replay: {args.tokens} tokens, depth {args.depth}, top-k {args.top_k}, ceiling "
-          f"{args.ceiling}, boost {args.boost} over N(0, {args.sd}^2), noise {args.noise}; a round "
+          f"{args.ceiling}, boost {args.boost} over N(0, {args.sd}^2), noise {args.noise}, scale {args.scale}; a round "
           f"{args.t0_ms} ms + {args.node_us} us a node, a draft {args.draft_us} us; {args.seeds} seeds\n")
     print("| V | mode | ms (median) | ms (sum) | rounds (median) | plain steps (median) | mean tree |")
     print("|---:|---|---:|---:|---:|---:|---:|")

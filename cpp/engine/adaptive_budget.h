@@ -12,7 +12,7 @@
 // p_i = the chance node i is on the accepted path = p_parent x min(1, q x f(q)), q = the draft's
 // probability of the node's own token at its depth (the edge from its parent), f = a calibration
 // factor learned from what the target did, per band of q ([2^-(b+1), 2^-b)) with exponential
-// forgetting; 1 + sum p_i is the expected tokens emitted (the bonus token always). Calibrating
+// forgetting (f = (hits + 0.25) / (mass + 0.25): a prior of a quarter of an edge at the draft's word); 1 + sum p_i is the expected tokens emitted (the bonus token always). Calibrating
 // edges, not whole paths, matters for drafters that are sure all the way down (an n-gram match
 // gives q = 1 at every depth: a path probability of 1 at depth 8 would say nothing about depth).
 // The tree is built in the calibrated order: the draft's rows rewritten to log q + log f(q) (capped

@@ -111,6 +111,7 @@ def test_adaptive_budget_argument_is_checked(toy_setup):
 # ---- the policy, against the rule ------------------------------------------------------------
 
 EMA = 0.3
+PRIOR = 0.25     # pseudo probability mass per band, accepted at the draft's word (f = 1 before labels)
 EMA_DOWN = 0.5   # a round cost below the average weighs more
 CLAMP = 2.0      # a round cost counts as at most CLAMP times the size's estimate
 N_BANDS = 24
@@ -129,7 +130,7 @@ class Rule:
 
     def factor(self, q):
         b = band(q)
-        return (self.hits[b] + 1.0) / (self.mass[b] + 1.0)
+        return (self.hits[b] + PRIOR) / (self.mass[b] + PRIOR)
 
     def round_cost(self, T):
         if T in self.cost:
@@ -374,14 +375,14 @@ def test_trees_are_labelled_depth_by_depth():
     assert d1 == 2 and d2_under_hit == 2
     mass = 0.5 * (d1 + d2_under_hit)
     assert a.trees_pending == 1
-    assert a.calibration(0.5) == pytest.approx((0.99 * 0 + 1 + 1) / (mass + 1))
+    assert a.calibration(0.5) == pytest.approx((0.99 * 0 + 1 + PRIOR) / (mass + PRIOR))
     a.label(text)          # depth 3: no node under a matching parent; the tree is passed and leaves
     assert a.trees_pending == 0
-    assert a.calibration(0.5) == pytest.approx((1 + 1) / (mass + 1))
+    assert a.calibration(0.5) == pytest.approx((1 + PRIOR) / (mass + PRIOR))
     # the next tree's first labels forget a step (x 0.99), once
     a.choose(lp, ids, 8, 7)
     a.label(np.concatenate([text, [3]]).astype(np.int32))   # depth 1 of the tree at 7: neither node matches
-    assert a.calibration(0.5) == pytest.approx((0.99 * 1 + 1) / (0.99 * mass + 1.0 + 1))
+    assert a.calibration(0.5) == pytest.approx((0.99 * 1 + PRIOR) / (0.99 * mass + 1.0 + PRIOR))
 
 
 def _rounds(a, rng, right, rounds=40, draft_s=0.05, skips=False, probs=(0.95, 0.05), slope=0.08):
