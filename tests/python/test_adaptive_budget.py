@@ -329,6 +329,40 @@ def test_calibrated_rows_follow_the_rule_where_they_reorder():
     assert reordered >= 10, reordered
 
 
+def test_bands_at_their_boundaries():
+    """The band of a log-prob x is band(exp(x)) (the rule's float64 expression) also for x at a
+    boundary (float32(-b ln 2)) and one float either side; the native code reads it off precomputed
+    floors, so a floor one float off would put such an x in the neighbouring band, whose factor differs."""
+    rng = np.random.default_rng(2)
+    a, r = _native.AdaptiveBudget(), Rule()
+    a.reset(64)
+    pos, text = 10, list(rng.integers(0, 300, 11))
+    for rnd in range(30):   # factors that differ from band to band
+        lp, ids = draft_of(rng, D=4, K=48, V=300, sharp=float(rng.uniform(1, 4)))
+        n = a.choose(lp, ids, 64, pos)
+        assert n == r.choose(lp, ids, 64)
+        a.observe(n, 1.0, 0.1)
+        r.observe(n, 1.0, 0.1)
+        text = text[:pos + 1] + [int(ids[t, int(rng.integers(0, 48))]) for t in range(4)] + [0]
+        a.label(np.array(text, np.int32))
+        r.label(lp, ids, 64, np.array(text, np.int32), pos)
+        pos += int(rng.integers(1, 5))
+    factors = [a.calibration(1.5 * 2.0 ** -(b + 1)) for b in range(14)]
+    assert len(set(factors)) >= 8, factors
+    vals = []
+    for b in range(1, 15):
+        x = np.float32(-b * math.log(2))
+        vals += [np.nextafter(x, np.float32(0)), x, np.nextafter(x, np.float32(-np.inf))]
+    row = np.array(sorted(vals, reverse=True), np.float32)
+    assert sum(band(math.exp(float(v))) != band(math.exp(float(w))) for v, w in zip(row, row[1:])) >= 13
+    lp, ids = row[None, :], np.arange(len(row), dtype=np.int32)[None, :]
+    a.choose(lp, ids, 64, pos)
+    got_lp, got_ids = a.draft_rows()
+    want_lp, want_ids, _ = r.rows(lp, ids)
+    np.testing.assert_array_equal(got_lp, want_lp)
+    np.testing.assert_array_equal(got_ids, want_ids)
+
+
 def test_draft_time_after_rounds_without_drafting():
     """The draft time counted: a call after rounds without drafting (the first of a generate call, a
     try after skipping) fed the drafter every token since its last call, so it is used only until
