@@ -12,7 +12,8 @@
 // p_i = the chance node i is on the accepted path = p_parent x min(1, q x f(q)), q = the draft's
 // probability of the node's own token at its depth (the edge from its parent), f = a calibration
 // factor learned from what the target did, per band of q ([2^-(b+1), 2^-b)) with exponential
-// forgetting (f = (hits + 0.25) / (mass + 0.25): a prior of a quarter of an edge at the draft's word); 1 + sum p_i is the expected tokens emitted (the bonus token always). Calibrating
+// forgetting (f = (hits + 0.25) / (mass + 0.25): a prior of a quarter of an edge at the draft's
+// word); 1 + sum p_i is the expected tokens emitted (the bonus token always). Calibrating
 // edges, not whole paths, matters for drafters that are sure all the way down (an n-gram match
 // gives q = 1 at every depth: a path probability of 1 at depth 8 would say nothing about depth).
 // The tree is built in the calibrated order: the draft's rows rewritten to log q + log f(q) (capped
@@ -21,10 +22,10 @@
 // f learns from every node of every round's tree of B nodes, verified or not: once the generated
 // text has a tree's depth t (depth by depth, not only once it has passed the whole tree), a node at
 // t whose parent matched the text "would have been accepted" iff its token is the text's next one
-// (what the accept walk takes at temperature 0, and its distribution when sampling). Learning from the verified nodes only would trap it: a
-// bad stretch drives the sizes to 0, after which nothing more is learned even once the drafter
-// is right again. t_round(T) = the measured wall time of a round of T
-// tokens (tree build, verify forward, choice, accept, commit; an exponential moving average per
+// (what the accept walk takes at temperature 0, and its distribution when sampling). Learning from
+// the verified nodes only would trap it: a bad stretch drives the sizes to 0, after which nothing
+// more is learned even once the drafter is right again. t_round(T) = the measured wall time of a
+// round of T tokens (tree build, verify forward, choice, accept, commit; an exponential moving average per
 // T, robust to one-off slow rounds (observe()), interpolated linearly between measured sizes and
 // extrapolated past them) and t_draft = the
 // drafter's measured time with the draft's checks, top-k / copy back and the choice (the engine's),
@@ -95,7 +96,7 @@ class AdaptiveBudget {
   double draft_seconds() const { return draft_seen_ ? draft_s_ : 0.0; }
 
  private:
-  struct Kept {                    // a tree waiting for the text to pass its depth
+  struct Kept {                    // a tree waiting for the text to reach its depths
     int64_t root_index = 0;
     int32_t max_depth = 0;
     int32_t done_depth = 0;                        // depths 1..done_depth labelled
