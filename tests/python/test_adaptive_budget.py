@@ -530,3 +530,17 @@ def test_a_drafter_that_does_not_pay_is_skipped_for_doubling_runs():
         b = _native.AdaptiveBudget()
         b.reset(16)
         assert None not in _rounds(b, rng, right=right, rounds=60, draft_s=draft_s, skips=True)
+
+
+def test_the_replay_benchmark_runs(capsys, monkeypatch):
+    """benchmarks/bench_adaptive_replay.py (the policy on made-up rounds) on a small case: a table row
+    per vocabulary and mode, the fixed rows verifying the ceiling every round."""
+    import pathlib
+    import runpy
+    import sys
+    script = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_adaptive_replay.py"
+    monkeypatch.setattr(sys, "argv", [str(script), "--seeds", "2", "--tokens", "12", "--vocab", "300", "--depth", "4"])
+    runpy.run_path(str(script), run_name="__main__")
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines() if line.startswith("| 300 |")]
+    assert [r[2].strip() for r in rows] == ["fixed", "adaptive"]
+    assert float(rows[0][7]) == 32.0 and 0 <= float(rows[1][7]) <= 32
