@@ -26,19 +26,12 @@ from kdtree_native import reference as R
 
 def accepted(lp, ids, n, text, L):
     """Tokens the greedy walk accepts in the tree of n nodes built from (lp, ids), the target
-    taking text[L], text[L + 1], ..."""
+    taking text[L], text[L + 1], ... (its choice at a node of depth t is text[L + t])."""
     if n <= 0:
         return 0
     t = R.tree_build(lp, ids, n)
-    children = {}
-    for i in range(len(t.tokens)):
-        children.setdefault(int(t.parents[i + 1]), []).append(i + 1)
-    cur = acc = 0
-    while True:
-        nxt = [c for c in children.get(cur, []) if t.tokens[c - 1] == text[L + acc]]
-        if not nxt:
-            return acc
-        cur, acc = nxt[0], acc + 1
+    path, _ = R.tree_accept(t, text[L + np.concatenate([[0], np.asarray(t.depths)])])
+    return len(path) - 1
 
 
 def replay(a, V, seed, fixed, args):
@@ -69,6 +62,8 @@ def replay(a, V, seed, fixed, args):
         if fixed:
             n = min(args.ceiling, args.depth * args.top_k)
         else:
+            # (the rows the round is given; builds before the fifty-second session have no
+            # draft_rows and give the round the draft's own rows: kept to replay those too)
             rows = a.draft_rows() if hasattr(a, "draft_rows") else None
             if rows is not None:
                 lp, ids = rows

@@ -451,12 +451,8 @@ def _accepted(rows, n, text, L):
     if n == 0:
         return 0
     t = R.tree_build(rows[0], rows[1], n)
-    cur = acc = 0
-    while True:
-        kids = [i + 1 for i in range(len(t.tokens)) if t.parents[i + 1] == cur and t.tokens[i] == text[L + acc]]
-        if not kids:
-            return acc
-        cur, acc = kids[0], acc + 1
+    path, _ = R.tree_accept(t, text[L + np.concatenate([[0], np.asarray(t.depths)])])
+    return len(path) - 1
 
 
 def test_wrong_drafter_goes_to_plain_steps_and_a_right_one_to_the_budget():
