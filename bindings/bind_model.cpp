@@ -92,16 +92,30 @@ void bind_model(py::module_& m) {
       py::arg("config"), "[(HF name, shape)] of every tensor the native model needs for this config.");
 
   kdtree_py::def_model_common(py::class_<Model>(m, "CpuModel",
-                    "The CPU target model (DeepSeek-V3 / Kimi-K2, FP32). CpuModel(config_dict, max_seq_len, "
-                    "bf16_weight_copies=True) with config_dict = ModelConfig.to_native(); bf16_weight_copies: see "
-                    "use_bf16_weights."))
-      .def(py::init([](const py::dict& cfg, int64_t max_seq_len, bool bf16_weight_copies) {
+                    "The CPU target model (DeepSeek-V3 / Kimi-K2, FP32 arithmetic). CpuModel(config_dict, max_seq_len, "
+                    "bf16_weights='only', bf16_weight_copies=None) with config_dict = ModelConfig.to_native(). "
+                    "bf16_weights: how a weight matrix whose values are all exactly BF16 (a BF16 checkpoint) is held: "
+                    "'only' (as BF16, 2 bytes a weight), 'copies' (FP32 plus a BF16 copy for the few-row GEMMs, 6 "
+                    "bytes) or 'off' (FP32, 4 bytes); the logits are the same bits in all three (docs/MODEL.md). "
+                    "bf16_weight_copies (older name): False = 'off', True = 'copies'."))
+      .def(py::init([](const py::dict& cfg, int64_t max_seq_len, const std::string& bf16_weights,
+                       const py::object& bf16_weight_copies) {
              kdtree::ModelConfig c = config_from_dict(cfg);
-             auto* m = new Model(c, max_seq_len);
-             m->use_bf16_weights(bf16_weight_copies);  // before finalize: whether it makes them
-             return m;
+             kdtree::Bf16Weights mode = kdtree::bf16_weights_from_name(bf16_weights);
+             if (!bf16_weight_copies.is_none()) {
+               if (!py::isinstance<py::bool_>(bf16_weight_copies))
+                 throw Error("bf16_weight_copies must be True, False or None");
+               const kdtree::Bf16Weights old = bf16_weight_copies.cast<bool>() ? kdtree::Bf16Weights::kCopies
+                                                                               : kdtree::Bf16Weights::kOff;
+               if (bf16_weights != "only" && mode != old)
+                 throw Error("bf16_weight_copies=" + std::string(bf16_weight_copies.cast<bool>() ? "True" : "False") +
+                             " contradicts bf16_weights='" + bf16_weights + "': give one of them");
+               mode = old;
+             }
+             return new Model(c, max_seq_len, mode);
            }),
-           py::arg("config"), py::arg("max_seq_len"), py::arg("bf16_weight_copies") = true)
+           py::arg("config"), py::arg("max_seq_len"), py::arg("bf16_weights") = "only",
+           py::arg("bf16_weight_copies") = py::none())
       .def("forward", &model_forward<Model>, py::arg("tokens"), py::arg("positions"), py::arg("visibility") = py::none(),
            "Logits float32 [T, V] of T new tokens at `positions` against the cache; visibility bool/uint8 "
            "[T, T] (None = causal). The new entries stay pending until commit().")
@@ -114,10 +128,23 @@ void bind_model(py::module_& m) {
             self.use_bf16_weights(on);
           },
           py::arg("on"),
-          "Keep BF16 copies of the projection weights that are exactly BF16 (the default, made at finalize) "
-          "for the few-row GEMMs (the same results, half the bytes read), or drop them (False).")
+          "A/B switch: False holds every weight as FP32 (bf16_weights 'off'), True goes back to the mode the "
+          "model was built with ('only' if that was 'off'). The logits are the same bits either way.")
+      .def(
+          "set_bf16_weights",
+          [](Model& self, const std::string& mode) {
+            const kdtree::Bf16Weights m = kdtree::bf16_weights_from_name(mode);
+            ModelUse use(&self, "set_bf16_weights");
+            self.set_bf16_weights(m);
+          },
+          py::arg("mode"), "Hold the exactly-BF16 weight matrices as 'only', 'copies' or 'off' from now on.")
+      .def_property_readonly(
+          "bf16_weights", [](const Model& self) { return std::string(kdtree::bf16_weights_name(self.bf16_weights())); },
+          "How exactly-BF16 weight matrices are held now: 'only', 'copies' or 'off'.")
       .def_property_readonly("bf16_weight_bytes", &Model::bf16_weight_bytes,
-                             "Bytes of the BF16 weight copies held (0: every GEMM reads FP32).")
+                             "Bytes of weight matrices held as BF16 (0: every GEMM reads FP32).")
+      .def_property_readonly("fp32_weight_bytes", &Model::fp32_weight_bytes,
+                             "Bytes of weight matrices held as FP32 (norm vectors, biases and W_UK not counted).")
       .def(
           "read_cache",
           [](const Model& self, int64_t layer, int64_t begin, int64_t n) {

@@ -27,4 +27,12 @@ inline void bf16_high_halves(const float* w, int64_t n, uint16_t* out) {
   }
 }
 
+// the float32 value of BF16 bits (exact)
+inline float bf16_widen(uint16_t h) {
+  const uint32_t u = (uint32_t)h << 16;
+  float f;
+  std::memcpy(&f, &u, sizeof f);
+  return f;
+}
+
 }  // namespace kdtree

@@ -47,7 +47,19 @@ void grow(V& v, int64_t n) {
 }
 }  // namespace
 
-CpuModel::CpuModel(const ModelConfig& cfg, int64_t max_seq_len) : cfg_(cfg), max_seq_len_(max_seq_len) {
+const char* bf16_weights_name(Bf16Weights m) {
+  return m == Bf16Weights::kOnly ? "only" : m == Bf16Weights::kCopies ? "copies" : "off";
+}
+
+Bf16Weights bf16_weights_from_name(const std::string& s) {
+  if (s == "only") return Bf16Weights::kOnly;
+  if (s == "copies") return Bf16Weights::kCopies;
+  if (s == "off") return Bf16Weights::kOff;
+  throw Error("bf16_weights must be 'only', 'copies' or 'off', got '" + s + "'");
+}
+
+CpuModel::CpuModel(const ModelConfig& cfg, int64_t max_seq_len, Bf16Weights bf16)
+    : cfg_(cfg), max_seq_len_(max_seq_len), bf16_mode_(bf16), built_mode_(bf16) {
   cfg_.validate();
   if (max_seq_len <= 0) throw Error("CpuModel: max_seq_len must be > 0, got " + std::to_string(max_seq_len));
   const ModelConfig& c = cfg_;
@@ -56,62 +68,71 @@ CpuModel::CpuModel(const ModelConfig& cfg, int64_t max_seq_len) : cfg_(cfg), max
   if ((double)max_seq_len * (double)(C + R) * (double)c.num_hidden_layers > 4e10)
     throw Error("CpuModel: max_seq_len " + std::to_string(max_seq_len) + " needs a latent cache of more than 160 GB");
 
-  // Allocate every tensor and register where each HF name lands.
-  embed_.assign((size_t)(c.vocab_size * Dm), 0.f);
+  // Size every tensor and register where each HF name lands (weight matrices are allocated when
+  // their first values arrive, in the form the mode holds them).
+  struct Where {
+    float* dst = nullptr;
+    Weight* w = nullptr;
+    int64_t off = 0;
+  };
+  std::unordered_map<std::string, Where> where;
+  auto wreg = [&](Weight& w, int64_t n, const std::string& name) {
+    w.n = n;
+    where[name] = Where{nullptr, &w, 0};
+  };
+  wreg(embed_, c.vocab_size * Dm, "model.embed_tokens.weight");
+  embed_.gemm = c.tie_word_embeddings;
   final_ln_.assign((size_t)Dm, 0.f);
-  if (!c.tie_word_embeddings) lm_head_.assign((size_t)(c.vocab_size * Dm), 0.f);
+  where["model.norm.weight"] = Where{final_ln_.data(), nullptr, 0};
+  if (!c.tie_word_embeddings) wreg(lm_head_, c.vocab_size * Dm, "lm_head.weight");
   layers_.resize((size_t)c.num_hidden_layers);
-  std::unordered_map<std::string, float*> where;
-  where["model.embed_tokens.weight"] = embed_.data();
-  where["model.norm.weight"] = final_ln_.data();
-  if (!c.tie_word_embeddings) where["lm_head.weight"] = lm_head_.data();
   for (int64_t l = 0; l < c.num_hidden_layers; ++l) {
     Layer& ly = layers_[(size_t)l];
     const std::string p = "model.layers." + std::to_string(l) + ".";
     auto reg = [&](std::vector<float>& v, int64_t n, const std::string& name) {
       v.assign((size_t)n, 0.f);
-      where[p + name] = v.data();
+      where[p + name] = Where{v.data(), nullptr, 0};
     };
+    auto mreg = [&](Weight& w, int64_t n, const std::string& name) { wreg(w, n, p + name); };
     reg(ly.input_ln, Dm, "input_layernorm.weight");
     reg(ly.post_ln, Dm, "post_attention_layernorm.weight");
     if (c.q_lora_rank > 0) {
-      reg(ly.q_a, c.q_lora_rank * Dm, "self_attn.q_a_proj.weight");
+      mreg(ly.q_a, c.q_lora_rank * Dm, "self_attn.q_a_proj.weight");
       reg(ly.q_a_ln, c.q_lora_rank, "self_attn.q_a_layernorm.weight");
-      reg(ly.q_b, H * c.qk_head_dim() * c.q_lora_rank, "self_attn.q_b_proj.weight");
+      mreg(ly.q_b, H * c.qk_head_dim() * c.q_lora_rank, "self_attn.q_b_proj.weight");
     } else {
-      reg(ly.q_proj, H * c.qk_head_dim() * Dm, "self_attn.q_proj.weight");
+      mreg(ly.q_proj, H * c.qk_head_dim() * Dm, "self_attn.q_proj.weight");
     }
-    reg(ly.kv_a, (C + R) * Dm, "self_attn.kv_a_proj_with_mqa.weight");
+    mreg(ly.kv_a, (C + R) * Dm, "self_attn.kv_a_proj_with_mqa.weight");
     reg(ly.kv_a_ln, C, "self_attn.kv_a_layernorm.weight");
     ly.w_uk.assign((size_t)(H * Dn * C), 0.f);
-    ly.w_uv.assign((size_t)(H * Dv * C), 0.f);
-    reg(ly.o_proj, Dm * H * Dv, "self_attn.o_proj.weight");
+    ly.w_uv.n = H * Dv * C;
+    mreg(ly.o_proj, Dm * H * Dv, "self_attn.o_proj.weight");
     ly.moe = c.is_moe_layer(l);
     if (!ly.moe) {
       const int64_t I = c.intermediate_size;
-      ly.mlp_gate_up.assign((size_t)(2 * I * Dm), 0.f);
-      where[p + "mlp.gate_proj.weight"] = ly.mlp_gate_up.data();
-      where[p + "mlp.up_proj.weight"] = ly.mlp_gate_up.data() + I * Dm;
-      reg(ly.mlp_down, Dm * I, "mlp.down_proj.weight");
+      ly.mlp_gate_up.n = 2 * I * Dm;
+      where[p + "mlp.gate_proj.weight"] = Where{nullptr, &ly.mlp_gate_up, 0};
+      where[p + "mlp.up_proj.weight"] = Where{nullptr, &ly.mlp_gate_up, I * Dm};
+      mreg(ly.mlp_down, Dm * I, "mlp.down_proj.weight");
     } else {
       const int64_t E = c.n_routed_experts, Ie = c.moe_intermediate_size;
-      reg(ly.router, E * Dm, "mlp.gate.weight");
+      mreg(ly.router, E * Dm, "mlp.gate.weight");
       reg(ly.router_bias, E, "mlp.gate.e_score_correction_bias");
-      ly.experts_gate_up.assign((size_t)(E * 2 * Ie * Dm), 0.f);
-      ly.experts_down.assign((size_t)(E * Dm * Ie), 0.f);
+      ly.experts_gate_up.n = E * 2 * Ie * Dm;
+      ly.experts_down.n = E * Dm * Ie;
       for (int64_t e = 0; e < E; ++e) {
         const std::string q = p + "mlp.experts." + std::to_string(e) + ".";
-        float* gu = ly.experts_gate_up.data() + e * 2 * Ie * Dm;
-        where[q + "gate_proj.weight"] = gu;
-        where[q + "up_proj.weight"] = gu + Ie * Dm;
-        where[q + "down_proj.weight"] = ly.experts_down.data() + e * Dm * Ie;
+        where[q + "gate_proj.weight"] = Where{nullptr, &ly.experts_gate_up, e * 2 * Ie * Dm};
+        where[q + "up_proj.weight"] = Where{nullptr, &ly.experts_gate_up, e * 2 * Ie * Dm + Ie * Dm};
+        where[q + "down_proj.weight"] = Where{nullptr, &ly.experts_down, e * Dm * Ie};
       }
       if (c.n_shared_experts > 0) {
         const int64_t Is = Ie * c.n_shared_experts;
-        ly.shared_gate_up.assign((size_t)(2 * Is * Dm), 0.f);
-        where[p + "mlp.shared_experts.gate_proj.weight"] = ly.shared_gate_up.data();
-        where[p + "mlp.shared_experts.up_proj.weight"] = ly.shared_gate_up.data() + Is * Dm;
-        reg(ly.shared_down, Dm * Is, "mlp.shared_experts.down_proj.weight");
+        ly.shared_gate_up.n = 2 * Is * Dm;
+        where[p + "mlp.shared_experts.gate_proj.weight"] = Where{nullptr, &ly.shared_gate_up, 0};
+        where[p + "mlp.shared_experts.up_proj.weight"] = Where{nullptr, &ly.shared_gate_up, Is * Dm};
+        mreg(ly.shared_down, Dm * Is, "mlp.shared_experts.down_proj.weight");
       }
     }
     ly.cache.assign((size_t)(max_seq_len * (C + R)), 0.f);
@@ -121,7 +142,9 @@ CpuModel::CpuModel(const ModelConfig& cfg, int64_t max_seq_len) : cfg_(cfg), max
     slot.shape = s.shape;
     auto it = where.find(s.name);
     if (it != where.end()) {
-      slot.dst = it->second;
+      slot.dst = it->second.dst;
+      slot.w = it->second.w;
+      slot.off = it->second.off;
     } else if (s.name.find("self_attn.kv_b_proj.weight") != std::string::npos) {
       slot.kind = kKvB;
       slot.layer = std::stoll(s.name.substr(13));  // after "model.layers."
@@ -131,7 +154,62 @@ CpuModel::CpuModel(const ModelConfig& cfg, int64_t max_seq_len) : cfg_(cfg), max
     slots_.emplace(s.name, std::move(slot));
     slot_order_.push_back(s.name);
   }
-  lm_head_ptr_ = c.tie_word_embeddings ? embed_.data() : lm_head_.data();
+  lm_head_w_ = c.tie_word_embeddings ? &embed_ : &lm_head_;
+}
+
+std::vector<CpuModel::Weight*> CpuModel::weights() {
+  std::vector<Weight*> v{&embed_};
+  if (lm_head_w_ == &lm_head_) v.push_back(&lm_head_);
+  for (Layer& ly : layers_)
+    for (Weight* w : {&ly.q_a, &ly.q_b, &ly.q_proj, &ly.kv_a, &ly.w_uv, &ly.o_proj, &ly.mlp_gate_up, &ly.mlp_down,
+                      &ly.router, &ly.experts_gate_up, &ly.experts_down, &ly.shared_gate_up, &ly.shared_down})
+      if (w->n > 0) v.push_back(w);
+  return v;
+}
+
+void CpuModel::store(Weight& w, int64_t off, const float* data, int64_t n) {
+  if (n <= 0) return;
+  if (bf16_mode_ == Bf16Weights::kOnly && w.f.empty() && bf16_exact(data, n)) {
+    if (w.h.empty()) w.h.assign((size_t)w.n, 0);
+    bf16_high_halves(data, n, w.h.data() + off);
+    return;
+  }
+  if (w.f.empty()) {  // FP32 from now on: widen what is held (zeros where nothing arrived yet)
+    w.f.resize((size_t)w.n);
+    for (size_t i = 0; i < w.h.size(); ++i) w.f[i] = bf16_widen(w.h[i]);
+  }
+  std::memcpy(w.f.data() + off, data, (size_t)n * sizeof(float));
+  w.h.clear();  // (kCopies: a stale copy; made again at finalize)
+  w.h.shrink_to_fit();
+}
+
+void CpuModel::hold(Weight& w, bool final) {
+  if (w.empty()) return;
+  const bool exact = !w.f.empty() ? bf16_exact(w.f.data(), w.n) : true;
+  if (bf16_mode_ == Bf16Weights::kOff || !exact) {
+    if (w.f.empty()) {
+      w.f.resize((size_t)w.n);
+      for (int64_t i = 0; i < w.n; ++i) w.f[i] = bf16_widen(w.h[i]);
+    }
+    w.h.clear();
+    w.h.shrink_to_fit();
+    return;
+  }
+  if (w.h.empty() && (bf16_mode_ == Bf16Weights::kOnly || (final && w.gemm))) {
+    w.h.resize((size_t)w.n);
+    bf16_high_halves(w.f.data(), w.n, w.h.data());
+  }
+  if (bf16_mode_ == Bf16Weights::kOnly) {
+    w.f.clear();
+    w.f.shrink_to_fit();
+  } else if (w.f.empty()) {  // kCopies: FP32 beside the bits
+    w.f.resize((size_t)w.n);
+    for (int64_t i = 0; i < w.n; ++i) w.f[i] = bf16_widen(w.h[i]);
+  }
+  if (bf16_mode_ == Bf16Weights::kCopies && !w.gemm) {  // a lookup table needs no copy
+    w.h.clear();
+    w.h.shrink_to_fit();
+  }
 }
 
 void CpuModel::set_weight(const std::string& name, const float* data, const std::vector<int64_t>& shape) {
@@ -151,7 +229,8 @@ void CpuModel::set_weight(const std::string& name, const float* data, const std:
   for (int64_t d : shape) n *= d;
   if (n > 0 && data == nullptr) throw Error("set_weight: null data for '" + name + "'");
   if (s.kind == kCopy) {
-    std::memcpy(s.dst, data, (size_t)n * sizeof(float));
+    if (s.w) store(*s.w, s.off, data, n);
+    else std::memcpy(s.dst, data, (size_t)n * sizeof(float));
   } else {
     // kv_b_proj [H*(Dn+Dv), C]: per head h, rows [0, Dn) are W_UK[h] (latent -> k_nope) and
     // rows [Dn, Dn+Dv) are W_UV[h] (latent -> v). Stored split: w_uk [H, Dn, C], w_uv [H, Dv, C].
@@ -161,12 +240,11 @@ void CpuModel::set_weight(const std::string& name, const float* data, const std:
     for (int64_t h = 0; h < H; ++h) {
       const float* src = data + h * (Dn + Dv) * C;
       std::memcpy(ly.w_uk.data() + h * Dn * C, src, (size_t)(Dn * C) * sizeof(float));
-      std::memcpy(ly.w_uv.data() + h * Dv * C, src + Dn * C, (size_t)(Dv * C) * sizeof(float));
+      store(ly.w_uv, h * Dv * C, src + Dn * C, Dv * C);
     }
   }
   s.set = true;
   finalized_ = false;
-  bf16_.clear();  // stale now; finalize() makes them again
 }
 
 std::vector<std::string> CpuModel::missing_weights() const {
@@ -181,10 +259,10 @@ void CpuModel::finalize() {
   std::lock_guard<std::mutex> lock(mu_);
   ++epoch_;
   check_no_missing_weights(missing);
-  // The absorbed matrices W_UK / W_UV were split from kv_b_proj as it arrived (set_weight);
-  // the only derived data are the BF16 copies of the weights that are exactly BF16. The cache
-  // starts empty.
-  if (bf16_on_) build_bf16_weights();
+  // The absorbed matrices W_UK / W_UV were split from kv_b_proj as it arrived (set_weight); what
+  // is left is holding each weight matrix as the mode says (kCopies: the copies are made here). The
+  // cache starts empty.
+  for (Weight* w : weights()) hold(*w, true);
   finalized_ = true;
   cache_len_ = 0;
   pending_ = 0;
@@ -250,8 +328,15 @@ void CpuModel::forward(const int32_t* tokens, const int32_t* positions, const ui
   pending_ = 0;  // the previous uncommitted window is overwritten
 
   float* x = x_.data();
-  for (int64_t t = 0; t < T; ++t)
-    std::memcpy(x + t * Dm, embed_.data() + (int64_t)tokens[t] * Dm, (size_t)Dm * sizeof(float));
+  for (int64_t t = 0; t < T; ++t) {
+    const int64_t row = (int64_t)tokens[t] * Dm;
+    if (!embed_.f.empty()) {
+      std::memcpy(x + t * Dm, embed_.f.data() + row, (size_t)Dm * sizeof(float));
+    } else {
+      const uint16_t* h = embed_.h.data() + row;
+      for (int64_t i = 0; i < Dm; ++i) x[t * Dm + i] = bf16_widen(h[i]);
+    }
+  }
 
   for (Layer& ly : layers_) {
     KD_PARALLEL_FOR_IF(T * Dm >= kParallelWork)
@@ -267,7 +352,7 @@ void CpuModel::forward(const int32_t* tokens, const int32_t* positions, const ui
   }
   KD_PARALLEL_FOR_IF(T * Dm >= kParallelWork)
   for (int64_t t = 0; t < T; ++t) rmsnorm_row(x + t * Dm, final_ln_.data(), Dm, c.rms_norm_eps, hn_.data() + t * Dm);
-  wgemm(T, c.vocab_size, Dm, hn_.data(), Dm, lm_head_ptr_, Dm, logits_out, c.vocab_size);
+  wgemm(T, c.vocab_size, Dm, hn_.data(), Dm, *lm_head_w_, 0, Dm, logits_out, c.vocab_size);
   pending_ = T;
 }
 
@@ -286,13 +371,13 @@ void CpuModel::attention(Layer& ly, const int32_t* positions, const uint8_t* vis
   // Projections over all T tokens.
   if (c.q_lora_rank > 0) {
     const int64_t qr = c.q_lora_rank;
-    wgemm(T, qr, Dm, hn, Dm, ly.q_a.data(), Dm, qa_.data(), qr);
+    wgemm(T, qr, Dm, hn, Dm, ly.q_a, 0, Dm, qa_.data(), qr);
     for (int64_t t = 0; t < T; ++t) rmsnorm_row(qa_.data() + t * qr, ly.q_a_ln.data(), qr, c.latent_norm_eps, qa_.data() + t * qr);
-    wgemm(T, H * Dqk, qr, qa_.data(), qr, ly.q_b.data(), qr, q, H * Dqk);
+    wgemm(T, H * Dqk, qr, qa_.data(), qr, ly.q_b, 0, qr, q, H * Dqk);
   } else {
-    wgemm(T, H * Dqk, Dm, hn, Dm, ly.q_proj.data(), Dm, q, H * Dqk);
+    wgemm(T, H * Dqk, Dm, hn, Dm, ly.q_proj, 0, Dm, q, H * Dqk);
   }
-  wgemm(T, CR, Dm, hn, Dm, ly.kv_a.data(), Dm, kv, CR);
+  wgemm(T, CR, Dm, hn, Dm, ly.kv_a, 0, Dm, kv, CR);
 
   // RoPE tables, the new cache rows (normed latent | roped k_rope) and the roped query parts.
   KD_PARALLEL_FOR_IF(T * H * R >= kParallelWork)
@@ -342,26 +427,26 @@ void CpuModel::attention(Layer& ly, const int32_t* positions, const uint8_t* vis
   }
   // Values: o[:, h, :] = o_lat[:, h, :] @ W_UV[h]^T, then o_proj; x += out.
   for (int64_t h = 0; h < H; ++h)
-    wgemm(T, Dv, C, olat_.data() + h * C, H * C, ly.w_uv.data() + h * Dv * C, C, ov_.data() + h * Dv, H * Dv);
+    wgemm(T, Dv, C, olat_.data() + h * C, H * C, ly.w_uv, h * Dv * C, C, ov_.data() + h * Dv, H * Dv);
   float* out = mlp_out_.data();
-  wgemm(T, Dm, H * Dv, ov_.data(), H * Dv, ly.o_proj.data(), H * Dv, out, Dm);
+  wgemm(T, Dm, H * Dv, ov_.data(), H * Dv, ly.o_proj, 0, H * Dv, out, Dm);
   float* x = x_.data();
   KD_PARALLEL_FOR_IF(T * Dm >= kParallelWork)
   for (int64_t i = 0; i < T * Dm; ++i) x[i] += out[i];
 }
 
-void CpuModel::swiglu_mlp(const float* x, int64_t n, const float* gate_up, const float* down, int64_t I, float* y,
-                          float* gu, float* act) {
+void CpuModel::swiglu_mlp(const float* x, int64_t n, const Weight& gate_up, int64_t gu_off, const Weight& down,
+                          int64_t down_off, int64_t I, float* y, float* gu, float* act) {
   const int64_t Dm = cfg_.hidden_size;
-  wgemm(n, 2 * I, Dm, x, Dm, gate_up, Dm, gu, 2 * I);
+  wgemm(n, 2 * I, Dm, x, Dm, gate_up, gu_off, Dm, gu, 2 * I);
   KD_PARALLEL_FOR_IF(n * I >= kParallelWork)
   for (int64_t r = 0; r < n; ++r) swiglu_row(gu + r * 2 * I, I, act + r * I);
-  wgemm(n, Dm, I, act, I, down, I, y, Dm);
+  wgemm(n, Dm, I, act, I, down, down_off, I, y, Dm);
 }
 
 void CpuModel::dense_mlp(const Layer& ly, int64_t T) {
-  swiglu_mlp(hn_.data(), T, ly.mlp_gate_up.data(), ly.mlp_down.data(), cfg_.intermediate_size, mlp_out_.data(),
-             gu_.data(), act_.data());
+  swiglu_mlp(hn_.data(), T, ly.mlp_gate_up, 0, ly.mlp_down, 0, cfg_.intermediate_size, mlp_out_.data(), gu_.data(),
+             act_.data());
 }
 
 // Router, exactly as HF DeepseekV3TopkRouter: sigmoid scores; selection on scores + bias with
@@ -373,7 +458,7 @@ void CpuModel::route(const Layer& ly, int64_t T) {
   const int64_t Dm = c.hidden_size, E = c.n_routed_experts, K = c.num_experts_per_tok;
   const int64_t G = c.n_group, per = E / G, TG = c.topk_group;
   float* logits = router_logits_.data();
-  wgemm(T, E, Dm, hn_.data(), Dm, ly.router.data(), Dm, logits, E);
+  wgemm(T, E, Dm, hn_.data(), Dm, ly.router, 0, Dm, logits, E);
   const float* bias = ly.router_bias.data();
   const float rsf = (float)c.routed_scaling_factor;
   KD_PARALLEL_FOR_IF(T * E >= kParallelWork)
@@ -461,8 +546,8 @@ void CpuModel::moe_mlp(const Layer& ly, int64_t T) {
     if (off[e + 1] > off[e]) active[n_active++] = (int32_t)e;
   auto run_expert = [&](int64_t i) {
     const int64_t e = active[i], r0 = off[e], n = off[e + 1] - off[e];
-    swiglu_mlp(xe_.data() + r0 * Dm, n, ly.experts_gate_up.data() + e * 2 * Ie * Dm, ly.experts_down.data() + e * Dm * Ie,
-               Ie, ye_.data() + r0 * Dm, egu_.data() + r0 * 2 * Ie, eact_.data() + r0 * Ie);
+    swiglu_mlp(xe_.data() + r0 * Dm, n, ly.experts_gate_up, e * 2 * Ie * Dm, ly.experts_down, e * Dm * Ie, Ie,
+               ye_.data() + r0 * Dm, egu_.data() + r0 * 2 * Ie, eact_.data() + r0 * Ie);
   };
   parallel_chunks(n_active, run_expert);
   // Weighted sum into each token's row, in ascending expert order (HF's index_add order).
@@ -475,7 +560,7 @@ void CpuModel::moe_mlp(const Layer& ly, int64_t T) {
     for (int64_t i = 0; i < Dm; ++i) o[i] += y[i] * wr;
   }
   if (c.n_shared_experts > 0) {
-    swiglu_mlp(hn_.data(), T, ly.shared_gate_up.data(), ly.shared_down.data(), Ie * c.n_shared_experts, ye_.data(),
+    swiglu_mlp(hn_.data(), T, ly.shared_gate_up, 0, ly.shared_down, 0, Ie * c.n_shared_experts, ye_.data(),
                gu_.data(), act_.data());
     const float* y = ye_.data();
     KD_PARALLEL_FOR_IF(T * Dm >= kParallelWork)
@@ -514,65 +599,56 @@ void CpuModel::read_cache(int64_t layer, int64_t begin, int64_t n, float* out) c
   std::memcpy(out, layers_[(size_t)layer].cache.data() + begin * CR, (size_t)(n * CR) * sizeof(float));
 }
 
-void CpuModel::build_bf16_weights() {
-  bf16_.clear();
-  auto add = [&](const std::vector<float>& w) {
-    const int64_t n = (int64_t)w.size();
-    if (n == 0 || !bf16_exact(w.data(), n)) return;  // not exactly BF16: this tensor stays FP32 only
-    Bf16Copy c;
-    c.begin = w.data();
-    c.end = w.data() + n;
-    c.bits.resize(w.size());
-    bf16_high_halves(w.data(), n, c.bits.data());
-    bf16_.push_back(std::move(c));
-  };
-  for (const Layer& ly : layers_)
-    for (const std::vector<float>* v : {&ly.q_a, &ly.q_b, &ly.q_proj, &ly.kv_a, &ly.w_uv, &ly.o_proj, &ly.mlp_gate_up,
-                                        &ly.mlp_down, &ly.router, &ly.experts_gate_up, &ly.experts_down,
-                                        &ly.shared_gate_up, &ly.shared_down})
-      add(*v);
-  add(lm_head_ptr_ == embed_.data() ? embed_ : lm_head_);
-  std::sort(bf16_.begin(), bf16_.end(), [](const Bf16Copy& a, const Bf16Copy& b) { return a.begin < b.begin; });
-}
-
-void CpuModel::use_bf16_weights(bool on) {
+void CpuModel::set_bf16_weights(Bf16Weights mode) {
   std::lock_guard<std::mutex> lock(mu_);
   ++epoch_;
-  bf16_on_ = on;
-  if (!on) {
-    bf16_.clear();
-    bf16_.shrink_to_fit();
-  } else if (finalized_ && bf16_.empty()) {
-    build_bf16_weights();
-  }
+  bf16_mode_ = mode;
+  for (Weight* w : weights()) hold(*w, finalized_);
 }
 
 int64_t CpuModel::bf16_weight_bytes() const {
   int64_t n = 0;
-  for (const Bf16Copy& c : bf16_) n += (int64_t)c.bits.size() * (int64_t)sizeof(uint16_t);
+  for (Weight* w : const_cast<CpuModel*>(this)->weights()) n += (int64_t)(w->h.size() * sizeof(uint16_t));
   return n;
 }
 
-void CpuModel::wgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* W, int64_t ldw,
-                     float* C, int64_t ldc, float alpha) const {
-  // the copy whose tensor holds W (the last one starting at or before it)
-  auto it = std::upper_bound(bf16_.begin(), bf16_.end(), W,
-                             [](const float* p, const Bf16Copy& c) { return p < c.begin; });
-  if (it != bf16_.begin()) {
-    const Bf16Copy& c = *(it - 1);
-    if (W < c.end && sgemm_bf16_weights(M, N, K, alpha, A, lda, c.bits.data() + (W - c.begin), ldw, 0.f, C, ldc))
-      return;
+int64_t CpuModel::fp32_weight_bytes() const {
+  int64_t n = 0;
+  for (Weight* w : const_cast<CpuModel*>(this)->weights()) n += (int64_t)(w->f.size() * sizeof(float));
+  return n;
+}
+
+void CpuModel::wgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const Weight& w, int64_t off,
+                     int64_t ldw, float* C, int64_t ldc, float alpha) const {
+  if (!w.h.empty() && sgemm_bf16_weights(M, N, K, alpha, A, lda, w.h.data() + off, ldw, 0.f, C, ldc)) return;
+  if (!w.f.empty()) {
+    sgemm(true, M, N, K, alpha, A, lda, w.f.data() + off, ldw, 0.f, C, ldc);
+    return;
   }
-  sgemm(true, M, N, K, alpha, A, lda, W, ldw, 0.f, C, ldc);
+  // BF16 only and a GEMM the skinny kernels do not take (prefill, or the portable kernel forced):
+  // blocks of whole weight rows widened (exactly) into this thread's buffer, each block one sgemm over its columns of
+  // C. sgemm's results do not depend on where a column sits in the call (it shares columns out over
+  // threads the same way), so these are the bits of one call on the FP32 matrix. A block is >= 2 MiB or
+  // 1024 rows, so the packing of A is spread over enough columns.
+  const int64_t rows = std::min<int64_t>(N, std::max<int64_t>((int64_t)1 << 19, 1024 * K) / std::max<int64_t>(K, 1));
+  static thread_local std::vector<float> widen_;  // (kept: prefill calls come in series; not in memory_bytes)
+  if ((int64_t)widen_.size() < rows * K) widen_.resize((size_t)(rows * K));
+  for (int64_t n0 = 0; n0 < N; n0 += rows) {
+    const int64_t nr = std::min(rows, N - n0);
+    for (int64_t r = 0; r < nr; ++r) {
+      const uint16_t* src = w.h.data() + off + (n0 + r) * ldw;
+      float* dst = widen_.data() + r * K;
+      for (int64_t k = 0; k < K; ++k) dst[k] = bf16_widen(src[k]);
+    }
+    sgemm(true, M, nr, K, alpha, A, lda, widen_.data(), K, 0.f, C + n0, ldc);
+  }
 }
 
 int64_t CpuModel::memory_bytes() const {
-  size_t n = embed_.size() + final_ln_.size() + lm_head_.size() + (size_t)bf16_weight_bytes() / sizeof(float);
+  size_t n = final_ln_.size() + (size_t)(bf16_weight_bytes() + fp32_weight_bytes()) / sizeof(float);
   for (const Layer& ly : layers_) {
-    for (const std::vector<float>* v :
-         {&ly.input_ln, &ly.post_ln, &ly.q_a, &ly.q_a_ln, &ly.q_b, &ly.q_proj, &ly.kv_a, &ly.kv_a_ln, &ly.w_uk, &ly.w_uv,
-          &ly.o_proj, &ly.mlp_gate_up, &ly.mlp_down, &ly.router, &ly.router_bias, &ly.experts_gate_up,
-          &ly.experts_down, &ly.shared_gate_up, &ly.shared_down, &ly.cache})
+    for (const std::vector<float>* v : {&ly.input_ln, &ly.post_ln, &ly.q_a_ln, &ly.kv_a_ln, &ly.w_uk, &ly.router_bias,
+                                        &ly.cache})
       n += v->size();
   }
   for (const std::vector<float>* v : {&x_, &hn_, &qa_, &q_, &kv_, &qfull_, &cs_, &scores_, &olat_, &ov_, &mlp_out_,

@@ -16,9 +16,24 @@
 
 namespace kdtree {
 
+// How the CPU model holds a weight matrix whose every value is exactly a BF16 (a BF16 checkpoint, widened
+// to FP32 by the loader; also INT4 / FP8 checkpoints dequantized with BF16 scales):
+//   kOnly   as BF16 alone (the default): 2 bytes a weight. The few-row GEMMs (decode, tree verify,
+//           experts) read it in sgemm's skinny kernels; a larger GEMM (prefill) widens blocks of its
+//           rows into a scratch buffer and runs the FP32 GEMM on them.
+//   kCopies as FP32 plus a BF16 copy: 6 bytes a weight; the few-row GEMMs read the copy, larger ones
+//           the FP32 values in place.
+//   kOff    as FP32 alone: 4 bytes a weight; every GEMM reads FP32.
+// The logits are the same bits in all three (widening is exact; the same kernels, tiles, k order and
+// column chunks run on the same FP32 values). A matrix with any other value is held as FP32 in every
+// mode. docs/MODEL.md "BF16 weights".
+enum class Bf16Weights { kOnly, kCopies, kOff };
+const char* bf16_weights_name(Bf16Weights m);
+Bf16Weights bf16_weights_from_name(const std::string& s);  // "only" / "copies" / "off", else Error
+
 class CpuModel : public TargetModel {
  public:
-  CpuModel(const ModelConfig& cfg, int64_t max_seq_len);
+  CpuModel(const ModelConfig& cfg, int64_t max_seq_len, Bf16Weights bf16 = Bf16Weights::kOnly);
 
   const ModelConfig& config() const override { return cfg_; }
   int64_t max_seq_len() const override { return max_seq_len_; }
@@ -44,36 +59,52 @@ class CpuModel : public TargetModel {
   // Test access: copy n cache rows [begin, begin + n) of `layer` into out [n, C + R]
   // (normed latent, then roped k_rope). Rows past cache_len + pending are refused.
   void read_cache(int64_t layer, int64_t begin, int64_t n, float* out) const;
-  // Bytes held by weights + cache + workspaces (the BF16 copies below included).
+  // Bytes held by weights + cache + workspaces (BF16 and FP32 weight storage included).
   int64_t memory_bytes() const;
 
-  // BF16 copies of the projection weights (on by default, made at finalize): a weight matrix
-  // whose every FP32 value is exactly a BF16 value (a BF16 checkpoint widened by the loader) is
-  // also kept as BF16, and the few-row GEMMs (decode, tree verify, experts: sgemm's skinny kernels)
-  // read that copy: half the bytes, the same results (widening is exact and the kernels, tiles and
-  // threads are the same). Larger GEMMs (prefill) and matrices with other values use FP32.
-  // use_bf16_weights(false) drops the copies (A/B, tests); bf16_weight_bytes() = bytes held.
-  void use_bf16_weights(bool on);
-  int64_t bf16_weight_bytes() const;
+  // How exactly-BF16 weight matrices are held (Bf16Weights above). In kOnly a matrix is stored as
+  // BF16 as its values arrive (set_weight), so loading never holds it as FP32; kCopies makes the copies
+  // at finalize. set_bf16_weights converts what is held now (A/B, tests); use_bf16_weights(false) is
+  // kOff, use_bf16_weights(true) the mode the model was built with (kOnly if that was kOff).
+  void set_bf16_weights(Bf16Weights mode);
+  Bf16Weights bf16_weights() const { return bf16_mode_; }
+  void use_bf16_weights(bool on) { set_bf16_weights(on ? (built_mode_ == Bf16Weights::kOff ? Bf16Weights::kOnly : built_mode_) : Bf16Weights::kOff); }
+  int64_t bf16_weight_bytes() const;  // bytes of weights held as BF16 (copies or only)
+  int64_t fp32_weight_bytes() const;  // bytes of weight matrices held as FP32
 
  private:
+  // A weight matrix (or a stack of them: the routed experts), held as FP32 values (f), BF16 bits (h),
+  // or both (Bf16Weights). Allocated when its first values arrive.
+  struct Weight {
+    int64_t n = 0;              // elements
+    bool gemm = true;           // read by GEMMs (false: the untied embedding, only looked up)
+    std::vector<float> f;       // FP32 values, or empty
+    std::vector<uint16_t> h;    // BF16 bits, or empty
+    bool empty() const { return f.empty() && h.empty(); }
+  };
   struct Layer {
     std::vector<float> input_ln, post_ln;          // [Dm]
-    std::vector<float> q_a, q_a_ln, q_b;           // [qr, Dm], [qr], [H*(Dn+R), qr]   (q_lora_rank > 0)
-    std::vector<float> q_proj;                     // [H*(Dn+R), Dm]                   (q_lora_rank == 0)
-    std::vector<float> kv_a, kv_a_ln;              // [C+R, Dm], [C]
-    std::vector<float> w_uk, w_uv;                 // [H, Dn, C], [H, Dv, C]: kv_b_proj split per head
-    std::vector<float> o_proj;                     // [Dm, H*Dv]
+    Weight q_a, q_b;                               // [qr, Dm], [H*(Dn+R), qr]         (q_lora_rank > 0)
+    std::vector<float> q_a_ln;                     // [qr]
+    Weight q_proj;                                 // [H*(Dn+R), Dm]                   (q_lora_rank == 0)
+    Weight kv_a;                                   // [C+R, Dm]
+    std::vector<float> kv_a_ln;                    // [C]
+    std::vector<float> w_uk;                       // [H, Dn, C]: kv_b_proj's k rows per head (FP32 always)
+    Weight w_uv;                                   // [H, Dv, C]: its v rows
+    Weight o_proj;                                 // [Dm, H*Dv]
     bool moe = false;
-    std::vector<float> mlp_gate_up, mlp_down;      // dense: [2I, Dm] (gate rows, then up), [Dm, I]
-    std::vector<float> router, router_bias;        // [E, Dm], [E]
-    std::vector<float> experts_gate_up;            // [E, 2Ie, Dm]
-    std::vector<float> experts_down;               // [E, Dm, Ie]
-    std::vector<float> shared_gate_up, shared_down;// [2Is, Dm], [Dm, Is]
+    Weight mlp_gate_up, mlp_down;                  // dense: [2I, Dm] (gate rows, then up), [Dm, I]
+    Weight router;                                 // [E, Dm]
+    std::vector<float> router_bias;                // [E]
+    Weight experts_gate_up;                        // [E, 2Ie, Dm]
+    Weight experts_down;                           // [E, Dm, Ie]
+    Weight shared_gate_up, shared_down;            // [2Is, Dm], [Dm, Is]
     std::vector<float> cache;                      // [max_seq_len, C+R] latent cache
   };
   struct Slot {
-    float* dst = nullptr;        // contiguous destination (kind kCopy)
+    float* dst = nullptr;        // contiguous FP32 destination (kind kCopy, a vector: norms, biases)
+    Weight* w = nullptr;         // or a weight matrix (kind kCopy), at element offset off
+    int64_t off = 0;
     std::vector<int64_t> shape;
     int kind = 0;                // kCopy, or kKvB: split rows into layer.w_uk / layer.w_uv
     int64_t layer = -1;
@@ -82,31 +113,33 @@ class CpuModel : public TargetModel {
   static constexpr int kCopy = 0, kKvB = 1;
 
   void ensure_workspace(int64_t T);
-  // C[M, N] = A[M, K] @ W^T for a weight W [N, K] (row stride ldw) inside one of the model's
-  // weight tensors: through its BF16 copy when it has one and the skinny kernels take the shape.
-  void wgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* W, int64_t ldw, float* C,
-             int64_t ldc, float alpha = 1.f) const;
-  void build_bf16_weights();
-  struct Bf16Copy {
-    const float* begin = nullptr;  // the FP32 tensor [begin, end)
-    const float* end = nullptr;
-    std::vector<uint16_t> bits;    // its BF16 copy, same layout
-  };
-  std::vector<Bf16Copy> bf16_;  // sorted by begin
-  bool bf16_on_ = true;          // use_bf16_weights: make the copies at finalize
+  // C[M, N] = A[M, K] @ W^T for the rows of weight w from element off on (W [N, K], row stride ldw):
+  // from its BF16 bits when it has them and the skinny kernels take the shape, else from its FP32
+  // values, else (BF16 only, a large GEMM) on blocks of its rows widened into a per-thread buffer
+  // (the routed experts run on the pool's threads at once).
+  void wgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const Weight& w, int64_t off, int64_t ldw,
+             float* C, int64_t ldc, float alpha = 1.f) const;
+  // Writes n values of w from element off on, as the mode holds them (allocating w on first use).
+  void store(Weight& w, int64_t off, const float* data, int64_t n);
+  // Converts w to how bf16_mode_ holds it (final: also makes kCopies' copies).
+  void hold(Weight& w, bool final);
+  std::vector<Weight*> weights();  // every weight matrix, each once
+  Bf16Weights bf16_mode_ = Bf16Weights::kOnly;   // how weights are held now
+  Bf16Weights built_mode_ = Bf16Weights::kOnly;  // the constructor's choice
   void route(const Layer& ly, int64_t T);
   void attention(Layer& ly, const int32_t* positions, const uint8_t* vis, int64_t T);
   void dense_mlp(const Layer& ly, int64_t T);
   void moe_mlp(const Layer& ly, int64_t T);
   // y[n, Dm] = down(silu(gate(x)) * up(x)); gu [n, 2I] and act [n, I] are its scratch rows.
-  void swiglu_mlp(const float* x, int64_t n, const float* gate_up, const float* down, int64_t I, float* y, float* gu,
-                  float* act);
+  void swiglu_mlp(const float* x, int64_t n, const Weight& gate_up, int64_t gu_off, const Weight& down,
+                  int64_t down_off, int64_t I, float* y, float* gu, float* act);
 
   ModelConfig cfg_;
   int64_t max_seq_len_;
   std::vector<Layer> layers_;
-  std::vector<float> embed_, final_ln_, lm_head_;
-  const float* lm_head_ptr_ = nullptr;
+  Weight embed_, lm_head_;
+  std::vector<float> final_ln_;
+  const Weight* lm_head_w_ = nullptr;  // lm_head_, or embed_ when tied
   std::unordered_map<std::string, Slot> slots_;
   std::vector<std::string> slot_order_;
   bool finalized_ = false;

@@ -38,7 +38,7 @@ _CUDA_OPTIONS = ("max_tokens", "device", "math", "attention_naive", "expert_kern
 
 
 # keyword arguments of _native.CpuModel that an Engine passes through (docs/MODEL.md)
-_CPU_OPTIONS = ("bf16_weight_copies",)
+_CPU_OPTIONS = ("bf16_weights", "bf16_weight_copies")
 _BOOL_OPTIONS = ("attention_naive", "graphs", "side_stream", "tile_tensor_cores", "bf16_weight_copies",
                  "combine_norm")
 

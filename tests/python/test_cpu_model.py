@@ -10,6 +10,7 @@
 * both SGEMM paths (CBLAS when built, the portable kernel always) against NumPy;
 * input validation: every bad argument is a ValueError naming the problem.
 """
+import os
 import threading
 
 import numpy as np
@@ -512,73 +513,186 @@ def _bf16_exact(w):
     return {k: to_bf16(v).astype(np.float64) for k, v in w.items()}
 
 
-@pytest.mark.parametrize("name", ["ds3_base", "tied_nonorm", "kimi_like", "no_q_lora"])
-def test_bf16_weight_copies_give_the_same_logits(name, skinny_isa):
-    """A model whose weights are exactly BF16 keeps BF16 copies of its projections for the few-row
-    GEMMs (half the bytes): the logits equal the FP32-only model's bit for bit, for a prefill,
-    decode steps, tree verifies of 2..33 tokens and after commits, with the copies dropped and
-    made again (use_bf16_weights); with each skinny-kernel ISA of the CPU."""
-    cfg = config_from_dict(config_dict(name))
-    eng = kn.Engine.from_weights(cfg, _bf16_exact(random_weights(cfg, 3)), device="cpu", max_seq_len=256)
-    m = eng.model
-    copies = m.bf16_weight_bytes
-    assert copies > 0
+MODES = ("only", "copies", "off")
 
-    def run():
+
+def _weight_elements(cfg, embed_is_gemm):
+    """(elements of the weight matrices the CPU model may hold as BF16, of its untied embedding)."""
+    shapes = expected_weight_shapes(cfg)
+    vectors = ("layernorm.weight", "model.norm.weight", "e_score_correction_bias")
+    n = sum(int(np.prod(s)) for k, s in shapes.items() if not k.endswith(vectors))
+    # kv_b_proj: its W_UK rows stay FP32 (the absorption's nn GEMM); only its W_UV rows are held as BF16
+    n -= cfg.num_hidden_layers * cfg.num_attention_heads * cfg.qk_nope_head_dim * cfg.kv_lora_rank
+    embed = cfg.vocab_size * cfg.hidden_size
+    return n, 0 if embed_is_gemm else embed
+
+
+def _run_model(eng, cfg, long_prefill=0):
+    """Logits of a prefill, tree verifies of 1..33 tokens with commits, and (long_prefill > 0) a prefill
+    that long, whose GEMMs take the BLAS / portable path instead of the skinny kernels."""
+    eng.reset()
+    outs = [eng.prefill(prompt(cfg.vocab_size, 40, seed=1))]
+    for i, T in enumerate((1, 2, 3, 5, 9, 17, 33)):
+        parents, depths, vis = random_tree(T, seed=20 + i)
+        outs.append(eng.forward(prompt(cfg.vocab_size, T, seed=30 + i), eng.cache_len + depths, vis))
+        eng.commit(path_to(parents, T - 1))
+    if long_prefill:
         eng.reset()
-        outs = [eng.prefill(prompt(cfg.vocab_size, 40, seed=1))]
-        for i, T in enumerate((1, 2, 3, 5, 9, 17, 33)):
-            parents, depths, vis = random_tree(T, seed=20 + i)
-            outs.append(eng.forward(prompt(cfg.vocab_size, T, seed=30 + i), eng.cache_len + depths, vis))
-            eng.commit(path_to(parents, T - 1))
-        return outs
+        outs.append(eng.prefill(prompt(cfg.vocab_size, long_prefill, seed=2)))
+    return outs
 
-    a = run()
-    with_copies = m.memory_bytes
-    m.use_bf16_weights(False)
-    assert m.bf16_weight_bytes == 0 and abs(with_copies - m.memory_bytes - copies) <= 4
-    b = run()
-    m.use_bf16_weights(True)
-    assert m.bf16_weight_bytes > 0
-    c = run()
-    for x, y, z in zip(a, b, c):
-        assert np.isfinite(x).all()
+
+@pytest.mark.parametrize("name", ["ds3_base", "tied_nonorm", "kimi_like", "no_q_lora"])
+def test_bf16_weight_modes_give_the_same_logits(name, skinny_isa):
+    """A model whose weights are exactly BF16 holds them as BF16 only (the default), as FP32 plus BF16
+    copies, or as FP32: the logits are the same bits in all three, for a prefill, tree verifies of
+    1..33 tokens after commits and a 1100-token prefill (its GEMMs past the skinny kernels: BLAS on
+    blocks of widened rows in 'only'), with each skinny-kernel ISA; and again after each model is
+    switched to the other modes (set_bf16_weights / use_bf16_weights). Memory: 'only' holds no FP32
+    weight matrix, 'copies' both (no copy of an untied embedding, which is only looked up)."""
+    cfg = config_from_dict(config_dict(name))
+    w = _bf16_exact(random_weights(cfg, 3))
+    engs = {mode: kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=1200, cpu_options={"bf16_weights": mode})
+            for mode in MODES}
+    n, untied_embed = _weight_elements(cfg, cfg.tie_word_embeddings)
+    only, copies, off = (engs[m].model for m in MODES)
+    assert [e.model.bf16_weights for e in engs.values()] == list(MODES)
+    assert (only.bf16_weight_bytes, only.fp32_weight_bytes) == (2 * n, 0)
+    assert (copies.bf16_weight_bytes, copies.fp32_weight_bytes) == (2 * (n - untied_embed), 4 * n)
+    assert (off.bf16_weight_bytes, off.fp32_weight_bytes) == (0, 4 * n)
+    assert only.memory_bytes < off.memory_bytes < copies.memory_bytes
+    assert off.memory_bytes - only.memory_bytes == 2 * n
+    ref = _run_model(engs["off"], cfg, long_prefill=1100)
+    for mode in MODES:
+        for to in (None,) + MODES:
+            if to is not None:
+                engs[mode].model.set_bf16_weights(to)
+                assert engs[mode].model.bf16_weights == to
+            got = _run_model(engs[mode], cfg, long_prefill=1100 if to in (None, "only") else 0)
+            for x, y in zip(ref, got):
+                assert np.isfinite(y).all()
+                np.testing.assert_array_equal(x, y, err_msg=f"built {mode}, now {to}")
+    only.use_bf16_weights(False)
+    assert only.bf16_weights == "off" and only.bf16_weight_bytes == 0
+    only.use_bf16_weights(True)
+    assert only.bf16_weights == "only"
+    copies.use_bf16_weights(False)
+    copies.use_bf16_weights(True)
+    assert copies.bf16_weights == "copies"
+    off.use_bf16_weights(True)
+    assert off.bf16_weights == "only"
+
+
+def test_bf16_only_on_the_portable_sgemm():
+    """With the portable SGEMM forced (no skinny kernels), every GEMM of a BF16-only model widens its
+    weight rows in blocks: the logits are the bits of the FP32 model on the same path."""
+    cfg = config_from_dict(config_dict("ds3_base"))
+    w = _bf16_exact(random_weights(cfg, 3))
+    only = kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=256)
+    off = kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=256, cpu_options={"bf16_weights": "off"})
+    _native.sgemm_force_portable(True)
+    try:
+        a, b = _run_model(only, cfg, long_prefill=200), _run_model(off, cfg, long_prefill=200)
+    finally:
+        _native.sgemm_force_portable(False)
+    for x, y in zip(a, b):
         np.testing.assert_array_equal(x, y)
-        np.testing.assert_array_equal(x, z)
 
 
-def test_fp32_weights_get_no_bf16_copies():
-    """Weights that are not all BF16 values (an FP32 checkpoint) are not copied: nothing rounds."""
-    eng, _, _ = numpy_engine("ds3_base")
-    assert eng.model.bf16_weight_bytes == 0
+def test_fp32_weights_are_held_as_fp32():
+    """Weights that are not all BF16 values (an FP32 checkpoint) are held as FP32 in every mode:
+    nothing rounds."""
+    cfg = config_from_dict(config_dict("ds3_base"))
+    w = random_weights(cfg, 0)
+    n, _ = _weight_elements(cfg, False)
+    for mode in MODES:
+        m = kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=32, cpu_options={"bf16_weights": mode}).model
+        assert (m.bf16_weight_bytes, m.fp32_weight_bytes) == (0, 4 * n)
 
 
-def test_embedded_default_model_reads_bf16_copies():
-    """The shipped default is a BF16 checkpoint: its projections are copied (the demo's fast path)."""
+def test_a_matrix_with_one_non_bf16_value_is_held_as_fp32():
+    """A stacked matrix (the routed experts of a layer) whose later expert holds one value that is not
+    a BF16 arrives BF16 first and is widened to FP32 when that value comes; one whose first piece is
+    not BF16 stays FP32. Every other matrix stays BF16, and the logits equal the FP32 model's."""
+    cfg = config_from_dict(config_dict("ds3_base"))
+    w = _bf16_exact(random_weights(cfg, 3))
+    layer = cfg.first_k_dense_replace
+    last = f"model.layers.{layer}.mlp.experts.{cfg.n_routed_experts - 1}.down_proj.weight"
+    first = f"model.layers.{layer}.mlp.experts.0.gate_proj.weight"
+    for name in (last, first):
+        odd = dict(w)
+        odd[name] = np.array(w[name], dtype=np.float32)
+        odd[name].flat[7] = np.nextafter(odd[name].flat[7], np.float32(1))  # one value off the BF16 grid
+        only = kn.Engine.from_weights(cfg, odd, device="cpu", max_seq_len=256)
+        off = kn.Engine.from_weights(cfg, odd, device="cpu", max_seq_len=256, cpu_options={"bf16_weights": "off"})
+        stack = (cfg.n_routed_experts * cfg.hidden_size * cfg.moe_intermediate_size
+                 * (1 if name == last else 2))  # experts_down [E, Dm, Ie] or experts_gate_up [E, 2Ie, Dm]
+        assert only.model.fp32_weight_bytes == 4 * stack, name
+        n, _ = _weight_elements(cfg, False)
+        assert only.model.bf16_weight_bytes == 2 * (n - stack), name
+        for x, y in zip(_run_model(only, cfg, long_prefill=200), _run_model(off, cfg, long_prefill=200)):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_embedded_default_model_holds_bf16():
+    """The shipped default is a BF16 checkpoint (its routers F32, as HF saves them): by default every
+    BF16 weight matrix is held as BF16 only, the F32 routers as FP32 (the checkpoint's own bytes, a
+    third of the memory of FP32 plus copies)."""
+    from kdtree_native.checkpoint import SafetensorsFile
+
+    st = SafetensorsFile(os.path.join(kn.default_model_dir(), "model.safetensors"))
+    f32 = sum(int(np.prod(st.shape(k))) for k in st.names()
+              if st.dtype(k) == "F32" and len(st.shape(k)) == 2)
+    assert f32 > 0
     eng = kn.Engine.from_pretrained(kn.default_model_dir(), device="cpu")
-    assert eng.model.bf16_weight_bytes > 0
+    assert eng.model.bf16_weights == "only"
+    assert eng.model.bf16_weight_bytes > 0 and eng.model.fp32_weight_bytes == 4 * f32
 
 
-def test_bf16_copies_follow_set_weight():
-    """Replacing a weight after finalize drops its stale BF16 copy; the next finalize copies the new
-    values: the logits equal those of a model built with the new weight and no copies at all."""
+@pytest.mark.parametrize("mode", MODES)
+def test_bf16_weights_follow_set_weight(mode):
+    """Replacing a weight after finalize: with BF16 values it is held as the mode says, with values off
+    the BF16 grid as FP32 (then every GEMM on it reads FP32); either way the logits equal those of a
+    model built with the new weight."""
     cfg = config_from_dict(config_dict("ds3_base"))
     w = _bf16_exact(random_weights(cfg, 3))
     name = "model.layers.1.self_attn.o_proj.weight"
-    new = _bf16_exact(random_weights(cfg, 4))[name]
-    eng = kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=64)
-    before = eng.model.bf16_weight_bytes
-    eng.model.set_weight(name, new.astype(np.float32))
-    assert eng.model.bf16_weight_bytes == 0  # dropped until finalize
-    eng.model.finalize()
-    assert eng.model.bf16_weight_bytes == before
-    ref = kn.Engine.from_weights(cfg, {**w, name: new}, device="cpu", max_seq_len=64)
-    ref.model.use_bf16_weights(False)
-    ids = prompt(cfg.vocab_size, 12, seed=5)
-    for T in (12, 1, 4):
-        toks = ids[:T]
-        pos = np.arange(T)
-        np.testing.assert_array_equal(eng.forward(toks, pos), ref.forward(toks, pos))
+    size = int(np.prod(w[name].shape))
+    for new, exact in ((_bf16_exact(random_weights(cfg, 4))[name], True), (random_weights(cfg, 4)[name], False)):
+        eng = kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=64, cpu_options={"bf16_weights": mode})
+        before = (eng.model.bf16_weight_bytes, eng.model.fp32_weight_bytes)
+        eng.model.set_weight(name, new.astype(np.float32))
+        eng.model.finalize()
+        if exact or mode == "off":
+            assert (eng.model.bf16_weight_bytes, eng.model.fp32_weight_bytes) == before
+        else:
+            grew = 0 if mode == "copies" else 4 * size
+            assert eng.model.bf16_weight_bytes == before[0] - 2 * size
+            assert eng.model.fp32_weight_bytes == before[1] + grew
+        ref = kn.Engine.from_weights(cfg, {**w, name: new}, device="cpu", max_seq_len=64,
+                                     cpu_options={"bf16_weights": "off"})
+        ids = prompt(cfg.vocab_size, 12, seed=5)
+        for T in (12, 1, 4):
+            toks = ids[:T]
+            pos = np.arange(T)
+            np.testing.assert_array_equal(eng.forward(toks, pos), ref.forward(toks, pos))
+
+
+def test_bf16_weights_option_is_checked():
+    """bf16_weights must be one of the three names; the older bf16_weight_copies maps onto it and may
+    not contradict it."""
+    cfg = config_from_dict(config_dict("ds3_base"))
+    native = cfg.to_native()
+    with pytest.raises(ValueError, match="bf16_weights must be 'only', 'copies' or 'off', got 'half'"):
+        _native.CpuModel(native, 16, bf16_weights="half")
+    with pytest.raises(ValueError, match="contradicts"):
+        _native.CpuModel(native, 16, bf16_weights="copies", bf16_weight_copies=False)
+    assert _native.CpuModel(native, 16, bf16_weight_copies=False).bf16_weights == "off"
+    assert _native.CpuModel(native, 16, bf16_weight_copies=True).bf16_weights == "copies"
+    assert _native.CpuModel(native, 16).bf16_weights == "only"
+    m = _native.CpuModel(native, 16)
+    with pytest.raises(ValueError, match="bf16_weights must be"):
+        m.set_bf16_weights("bf16")
 
 
 def test_read_cache_range_is_checked_before_allocating():

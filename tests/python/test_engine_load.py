@@ -272,7 +272,8 @@ def test_cuda_options_name_the_gpu_models_keyword_arguments():
 
 def test_cpu_options_are_checked_and_reach_the_cpu_model(tmp_path):
     """cpu_options: unknown names / non-dicts are a ValueError; bf16_weight_copies=False reaches
-    _native.CpuModel before finalize (no copies are made, the logits are the same); every name
+    _native.CpuModel before finalize (no copies are made, the logits are the same), as does each
+    bf16_weights mode (a name outside them or a non-string is a ValueError); every name
     the engine passes through is a keyword argument of _native.CpuModel."""
     from kdtree_native import _native
     from kdtree_native.engine import _CPU_OPTIONS
@@ -290,3 +291,10 @@ def test_cpu_options_are_checked_and_reach_the_cpu_model(tmp_path):
     for bad in ("no", 3.5, [1], 1):  # a value of the wrong type: named, not pybind's signature dump (or taken)
         with pytest.raises(ValueError, match=r"cpu_options: bf16_weight_copies must be True or False"):
             kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=32, cpu_options={"bf16_weight_copies": bad})
+    for mode in ("only", "copies", "off"):
+        m = kn.Engine.from_weights(cfg, bf, device="cpu", max_seq_len=32, cpu_options={"bf16_weights": mode}).model
+        assert m.bf16_weights == mode
+    with pytest.raises(ValueError, match=r"bf16_weights must be 'only', 'copies' or 'off', got 'half'"):
+        kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=32, cpu_options={"bf16_weights": "half"})
+    with pytest.raises(ValueError, match=r"cpu_options: a value of the wrong type"):
+        kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=32, cpu_options={"bf16_weights": 3})
