@@ -1,6 +1,8 @@
 """HF checkpoint loading: safetensors (single file or sharded) -> {HF name: float32 ndarray}.
 
-Where it sits: `Engine.from_pretrained` and `kn.reference` call `load_weights(dir, cfg)`.
+Where it sits: `Engine.from_pretrained` calls `iter_weights(dir, cfg)` (one tensor at a time, so
+loading never holds the whole model as float32 in Python), `kn.reference` `load_weights(dir, cfg)`
+(the same tensors as one dict).
 No torch needed: the safetensors header (8-byte little-endian length + JSON) is parsed here and
 each file is memory-mapped once. F32 tensors come back as zero-copy read-only views of the
 map; BF16 / F16 are converted to float32 once (BF16 exactly, by a 16-bit shift; F16 exactly,
@@ -24,14 +26,14 @@ import mmap
 import os
 import re
 import struct
-from typing import Callable, Optional
+from typing import Callable, Iterator, Optional, Tuple
 
 import numpy as np
 
 from .config import ModelConfig
 from .quantization import dequantize_fp8, dequantize_packed
 
-__all__ = ["expected_weight_shapes", "load_weights", "read_safetensors_header", "SafetensorsFile"]
+__all__ = ["expected_weight_shapes", "iter_weights", "load_weights", "read_safetensors_header", "SafetensorsFile"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -331,12 +333,23 @@ def _dequantize(module: str, shape, scheme, parts: dict) -> np.ndarray:
 
 def load_weights(model_dir, cfg: ModelConfig, dtype=np.float32,
                  progress: Optional[Callable[[int, int], None]] = None) -> dict:
-    """Load every tensor of `expected_weight_shapes(cfg)` as `dtype` (float32 by default).
+    """Load every tensor of `expected_weight_shapes(cfg)` as `dtype` (float32 by default): a dict
+    holding the whole model at once (`iter_weights` hands them out one at a time instead).
 
     progress(done, total), if given, is called after each tensor. The MTP layers
     (model.layers.{num_hidden_layers}+) and, for Kimi K2.5, tensors outside the text model's
     `cfg.weight_prefix` (vision tower, projector) are skipped without being read.
     """
+    return dict(iter_weights(model_dir, cfg, dtype, progress))
+
+
+def iter_weights(model_dir, cfg: ModelConfig, dtype=np.float32,
+                 progress: Optional[Callable[[int, int], None]] = None) -> Iterator[Tuple[str, np.ndarray]]:
+    """`load_weights` one tensor at a time: checks the whole checkpoint against the config first
+    (the same errors, raised by this call, before any tensor is read), then returns an iterator of
+    (name, array) that reads, widens or dequantizes each tensor when it is asked for. A consumer that
+    drops each array before asking for the next (Engine.from_pretrained) holds one tensor at a time,
+    never the whole model as float32."""
     model_dir = os.fspath(model_dir)
     dtype = np.dtype(dtype)
     if dtype.kind != "f":
@@ -457,15 +470,18 @@ def load_weights(model_dir, cfg: ModelConfig, dtype=np.float32,
                          + (" ..." if len(mismatched) > 50 else ""))
         raise ValueError("\n".join(lines))
 
-    out = {}
-    total = len(expected)
-    for k, name in enumerate(expected):      # each tensor read exactly once
-        if name in quantized:
-            w = _dequantize(prefix + name[:-len(".weight")], expected[name], *quantized[name])
-            out[name] = w if dtype == np.float32 else w.astype(dtype)
-        else:
-            st, full = where[name]
-            out[name] = _to_float(st.raw(full), st.dtype(full), dtype)
-        if progress is not None:
-            progress(k + 1, total)
-    return out
+    def tensors():
+        total = len(expected)
+        for k, name in enumerate(expected):      # each tensor read exactly once
+            if name in quantized:
+                w = _dequantize(prefix + name[:-len(".weight")], expected[name], *quantized[name])
+                w = w if dtype == np.float32 else w.astype(dtype)
+            else:
+                st, full = where[name]
+                w = _to_float(st.raw(full), st.dtype(full), dtype)
+            if progress is not None:
+                progress(k + 1, total)
+            yield name, w
+            del w
+
+    return tensors()

@@ -24,7 +24,7 @@ from typing import Callable, Optional, Union
 import numpy as np
 
 from . import _native
-from .checkpoint import load_weights
+from .checkpoint import iter_weights
 from .config import ModelConfig, load_config
 
 __all__ = ["Engine"]
@@ -168,7 +168,8 @@ class Engine:
         if not os.path.isdir(model_dir):
             raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
         cfg = load_config(model_dir)
-        weights = load_weights(model_dir, cfg, progress=progress)
+        # (checked whole here; then read one tensor at a time as the model takes them)
+        weights = iter_weights(model_dir, cfg, progress=progress)
         eng = cls._build(cfg, weights, device, int(max_seq_len), cuda_options, cpu_options, bool(check_finite))
         eng.model_dir = model_dir
         return eng
@@ -188,15 +189,18 @@ class Engine:
                           bool(check_finite))
 
     @classmethod
-    def _build(cls, cfg: ModelConfig, weights: dict, device: str, max_seq_len: int,
+    def _build(cls, cfg: ModelConfig, weights, device: str, max_seq_len: int,
                cuda_options: Optional[dict] = None, cpu_options: Optional[dict] = None,
                check_finite: bool = True) -> "Engine":
+        """weights: a dict {name: array} (emptied as it is uploaded), or an iterator of (name, array)
+        pairs already checked against the config (checkpoint.iter_weights)."""
         opts, what = (cuda_options, "cuda_options") if device == "cuda" else (cpu_options, "cpu_options")
-        # (before the model is built: its buffers are sized from the config alone)
-        missing = [n for n, _ in _native.model_weight_specs(cfg.to_native()) if n not in weights]
-        if missing:
-            raise ValueError(f"{len(missing)} weight tensor(s) missing: " + ", ".join(missing[:20])
-                             + (" ..." if len(missing) > 20 else ""))
+        if isinstance(weights, dict):
+            # (before the model is built: its buffers are sized from the config alone)
+            missing = [n for n, _ in _native.model_weight_specs(cfg.to_native()) if n not in weights]
+            if missing:
+                raise ValueError(f"{len(missing)} weight tensor(s) missing: " + ", ".join(missing[:20])
+                                 + (" ..." if len(missing) > 20 else ""))
         try:
             if device == "cuda":
                 model = _native.CudaModel(cfg.to_native(), max_seq_len, **(opts or {}))
@@ -208,9 +212,16 @@ class Engine:
                              "switches, integers for sizes and counts, strings for kernel names: "
                              "docs/MODEL.md, docs/CUDA_MODEL.md)") from None
         # Upload one tensor at a time and drop the Python side right away (F32 tensors are
-        # views of the mmap'd file, BF16/F16 ones were widened to float32 by load_weights).
-        for name in list(weights):
-            arr = weights.pop(name)
+        # views of the mmap'd file, BF16/F16 ones are widened to float32 one at a time by
+        # iter_weights; the CPU model holds an exactly-BF16 one as BF16 as it arrives).
+        def pairs():
+            if isinstance(weights, dict):
+                for name in list(weights):
+                    yield name, weights.pop(name)
+            else:
+                yield from weights
+
+        for name, arr in pairs():
             model.set_weight(name, np.ascontiguousarray(arr, dtype=np.float32), check_finite)
             del arr
         model.finalize()

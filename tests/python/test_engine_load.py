@@ -298,3 +298,59 @@ def test_cpu_options_are_checked_and_reach_the_cpu_model(tmp_path):
         kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=32, cpu_options={"bf16_weights": "half"})
     with pytest.raises(ValueError, match=r"cpu_options: a value of the wrong type"):
         kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=32, cpu_options={"bf16_weights": 3})
+
+
+def test_from_pretrained_holds_one_tensor_at_a_time(tmp_path, monkeypatch):
+    """from_pretrained streams the checkpoint: each float32 tensor the loader hands out is gone (no
+    reference left in Python) before the next one is read, so loading never holds the whole model as
+    float32 beside the native one; the engine equals one built from the whole dict. A BF16 checkpoint
+    ends up held as BF16 by the CPU model."""
+    import gc
+    import weakref
+
+    from kdtree_native import checkpoint, engine
+
+    root, cfg, w = make_dir(str(tmp_path / "bf"), dtype="BF16")
+    alive, most = [], [0]
+
+    def tracked(*args, **kwargs):
+        it = checkpoint.iter_weights(*args, **kwargs)
+
+        def gen():
+            for name, arr in it:
+                gc.collect()
+                live = [r for r in alive if r() is not None]
+                most[0] = max(most[0], len(live))
+                alive.append(weakref.ref(arr))
+                yield name, arr
+                del arr
+
+        return gen()
+
+    monkeypatch.setattr(engine, "iter_weights", tracked)
+    eng = kn.Engine.from_pretrained(root, device="cpu", max_seq_len=32)
+    assert len(alive) == len(checkpoint.expected_weight_shapes(cfg))
+    assert most[0] == 0, f"{most[0]} earlier tensors still alive when the next one was read"
+    assert eng.model.bf16_weights == "only" and eng.model.fp32_weight_bytes == 0
+    ref = kn.Engine.from_weights(cfg, checkpoint.load_weights(root, cfg), device="cpu", max_seq_len=32,
+                                 cpu_options={"bf16_weights": "off"})
+    ids = np.arange(9) * 7 % cfg.vocab_size
+    np.testing.assert_array_equal(eng.prefill(ids), ref.prefill(ids))
+
+
+def test_iter_weights_checks_the_checkpoint_before_reading(tmp_path):
+    """iter_weights raises a bad checkpoint's ValueError at the call, before any tensor is read; the
+    iterator it returns gives the tensors of load_weights, in the same order."""
+    from kdtree_native.checkpoint import iter_weights, load_weights
+
+    root, cfg, w = make_dir(str(tmp_path / "ok"))
+    got = list(iter_weights(root, cfg))
+    ref = load_weights(root, cfg)
+    assert [n for n, _ in got] == list(ref)
+    for n, a in got:
+        np.testing.assert_array_equal(a, ref[n])
+    part = dict(w)
+    part.pop("model.norm.weight")
+    bad, cfg2, _ = make_dir(str(tmp_path / "bad"), weights=part)
+    with pytest.raises(ValueError, match="missing.*model.norm.weight"):
+        iter_weights(bad, cfg2)
