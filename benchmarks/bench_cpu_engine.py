@@ -113,7 +113,7 @@ def main():
                     help="time single target forwards of these T instead of the generation sweep")
     ap.add_argument("--context", type=int, default=100, help="committed tokens before the --forward-sizes forwards")
     ap.add_argument("--fp32-only", action="store_true",
-                    help="drop the models' BF16 weight copies (CpuModel.use_bf16_weights(False)): every GEMM reads FP32")
+                    help="hold the models' weights as FP32 (CpuModel.use_bf16_weights(False), bf16_weights \"off\"): every GEMM reads FP32")
     args = ap.parse_args()
     args.prompt = None
     eng, draft_eng, tok, what = _demo_models(args)

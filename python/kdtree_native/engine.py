@@ -143,9 +143,11 @@ class Engine:
         on the CPU), e.g. {"device": 1} for the second GPU, {"max_tokens": 257} for trees of up
         to 256 nodes, {"skinny_max_tokens": 0, "tile_max_tokens": 0} for cuBLAS only (docs/CUDA_MODEL.md); unknown
         names are a ValueError.
-        cpu_options: keyword arguments for the CPU model (ignored on CUDA):
-        {"bf16_weight_copies": False} keeps no BF16 copies of a BF16 checkpoint's weights (less
-        memory, slower decode; docs/MODEL.md). Unknown names are a ValueError.
+        cpu_options: keyword arguments for the CPU model (ignored on CUDA): "bf16_weights"
+        says how a BF16 checkpoint's weight matrices are held: "only" (the default: as BF16, 2
+        bytes a weight), "copies" (FP32 plus BF16 copies, 6 bytes) or "off" (FP32, 4 bytes, slower
+        decode); the logits are the same bits in all three (docs/MODEL.md). The older
+        {"bf16_weight_copies": False} is "off". Unknown names are a ValueError.
         check_finite: refuse a weight tensor holding NaN or an infinity (ValueError naming the
         tensor and the index: such a model's logits are NaN and every token garbage); False
         skips the scan (it adds ~0.13 s per GB of float32 weights on a 2-core VM), e.g. to study

@@ -26,10 +26,10 @@ field minus 2**(bits-1) is the integer q; the weight is (q - zero_point) * scale
 scale's dtype. For BF16 / F16 scales the product of two such numbers is exact in float32, so
 the result is that product rounded once to the scale's dtype (round to nearest even); for F32
 scales it is the float32 product. The weights therefore come out exactly representable in the
-scale's dtype (BF16 for Kimi), and the native models' BF16 weight copies apply to them as to any
-BF16 checkpoint. The engine computes in float32 on the dequantized weights (W4A16 semantics with
-FP32 activations); the packed integers are not kept (no INT4 kernels yet: memory is that of the
-float32 model).
+scale's dtype (BF16 for Kimi), so the CPU model holds them as BF16 and the GPU model's BF16
+weight copies apply to them, as to any BF16 checkpoint. The engine computes in float32 on the
+dequantized weights (W4A16 semantics with FP32 activations); the packed integers are not kept (no
+INT4 kernels yet: memory is that of the BF16 model on the CPU, of FP32 plus copies on the GPU).
 
 Accepted: config groups whose weights are `type` "int", `num_bits` 1, 2, 4 or 8 (the widths for
 which every compressed-tensors release packs the same way: 32 / bits fields per int32, field j
