@@ -144,7 +144,7 @@ void bind_model(py::module_& m) {
       .def_property_readonly("bf16_weight_bytes", &Model::bf16_weight_bytes,
                              "Bytes of weight matrices held as BF16 (0: every GEMM reads FP32).")
       .def_property_readonly("fp32_weight_bytes", &Model::fp32_weight_bytes,
-                             "Bytes of weight matrices held as FP32 (norm vectors, biases and W_UK not counted).")
+                             "Bytes of weight matrices held as FP32 (norm weights and biases not counted).")
       .def(
           "read_cache",
           [](const Model& self, int64_t layer, int64_t begin, int64_t n) {

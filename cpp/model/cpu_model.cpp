@@ -105,7 +105,7 @@ CpuModel::CpuModel(const ModelConfig& cfg, int64_t max_seq_len, Bf16Weights bf16
     }
     mreg(ly.kv_a, (C + R) * Dm, "self_attn.kv_a_proj_with_mqa.weight");
     reg(ly.kv_a_ln, C, "self_attn.kv_a_layernorm.weight");
-    ly.w_uk.assign((size_t)(H * Dn * C), 0.f);
+    ly.w_uk.n = H * Dn * C;
     ly.w_uv.n = H * Dv * C;
     mreg(ly.o_proj, Dm * H * Dv, "self_attn.o_proj.weight");
     ly.moe = c.is_moe_layer(l);
@@ -161,7 +161,7 @@ std::vector<CpuModel::Weight*> CpuModel::weights() {
   std::vector<Weight*> v{&embed_};
   if (lm_head_w_ == &lm_head_) v.push_back(&lm_head_);
   for (Layer& ly : layers_)
-    for (Weight* w : {&ly.q_a, &ly.q_b, &ly.q_proj, &ly.kv_a, &ly.w_uv, &ly.o_proj, &ly.mlp_gate_up, &ly.mlp_down,
+    for (Weight* w : {&ly.q_a, &ly.q_b, &ly.q_proj, &ly.kv_a, &ly.w_uk, &ly.w_uv, &ly.o_proj, &ly.mlp_gate_up, &ly.mlp_down,
                       &ly.router, &ly.experts_gate_up, &ly.experts_down, &ly.shared_gate_up, &ly.shared_down})
       if (w->n > 0) v.push_back(w);
   return v;
@@ -239,7 +239,7 @@ void CpuModel::set_weight(const std::string& name, const float* data, const std:
     const int64_t Dn = cfg_.qk_nope_head_dim, Dv = cfg_.v_head_dim;
     for (int64_t h = 0; h < H; ++h) {
       const float* src = data + h * (Dn + Dv) * C;
-      std::memcpy(ly.w_uk.data() + h * Dn * C, src, (size_t)(Dn * C) * sizeof(float));
+      store(ly.w_uk, h * Dn * C, src, Dn * C);
       store(ly.w_uv, h * Dv * C, src + Dn * C, Dv * C);
     }
   }
@@ -392,7 +392,7 @@ void CpuModel::attention(Layer& ly, const int32_t* positions, const uint8_t* vis
   }
   // Absorption: q_lat[:, h, :] = q_nope[:, h, :] @ W_UK[h]  ([T,Dn] @ [Dn,C]).
   for (int64_t h = 0; h < H; ++h)
-    sgemm(false, T, C, Dn, 1.f, q + h * Dqk, H * Dqk, ly.w_uk.data() + h * Dn * C, C, 0.f, qf + h * CR, H * CR);
+    wgemm(T, C, Dn, q + h * Dqk, H * Dqk, ly.w_uk, h * Dn * C, C, qf + h * CR, H * CR, /*trans_b=*/false);
 
   // Scores over [committed cache | visible new tokens], in query chunks bounded by kScoresBudget.
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(T, (int64_t)scores_.size() / (H * S)));
@@ -619,10 +619,18 @@ int64_t CpuModel::fp32_weight_bytes() const {
 }
 
 void CpuModel::wgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const Weight& w, int64_t off,
-                     int64_t ldw, float* C, int64_t ldc, float alpha) const {
-  if (!w.h.empty() && sgemm_bf16_weights(M, N, K, alpha, A, lda, w.h.data() + off, ldw, 0.f, C, ldc)) return;
+                     int64_t ldw, float* C, int64_t ldc, bool trans_b) const {
+  if (!w.h.empty() && sgemm_bf16_weights(M, N, K, 1.f, A, lda, w.h.data() + off, ldw, 0.f, C, ldc, trans_b)) return;
   if (!w.f.empty()) {
-    sgemm(true, M, N, K, alpha, A, lda, w.f.data() + off, ldw, 0.f, C, ldc);
+    sgemm(trans_b, M, N, K, 1.f, A, lda, w.f.data() + off, ldw, 0.f, C, ldc);
+    return;
+  }
+  static thread_local std::vector<float> widen_;  // (kept: prefill calls come in series; not in memory_bytes)
+  if (!trans_b) {  // W [K, N] (a head's W_UK: small): widened whole
+    if ((int64_t)widen_.size() < K * N) widen_.resize((size_t)(K * N));
+    for (int64_t k = 0; k < K; ++k)
+      for (int64_t n = 0; n < N; ++n) widen_[(size_t)(k * N + n)] = bf16_widen(w.h[(size_t)(off + k * ldw + n)]);
+    sgemm(false, M, N, K, 1.f, A, lda, widen_.data(), N, 0.f, C, ldc);
     return;
   }
   // BF16 only and a GEMM the skinny kernels do not take (prefill, or the portable kernel forced):
@@ -631,7 +639,6 @@ void CpuModel::wgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t ld
   // threads the same way), so these are the bits of one call on the FP32 matrix. A block is >= 2 MiB or
   // 1024 rows, so the packing of A is spread over enough columns.
   const int64_t rows = std::min<int64_t>(N, std::max<int64_t>((int64_t)1 << 19, 1024 * K) / std::max<int64_t>(K, 1));
-  static thread_local std::vector<float> widen_;  // (kept: prefill calls come in series; not in memory_bytes)
   if ((int64_t)widen_.size() < rows * K) widen_.resize((size_t)(rows * K));
   for (int64_t n0 = 0; n0 < N; n0 += rows) {
     const int64_t nr = std::min(rows, N - n0);
@@ -640,15 +647,14 @@ void CpuModel::wgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t ld
       float* dst = widen_.data() + r * K;
       for (int64_t k = 0; k < K; ++k) dst[k] = bf16_widen(src[k]);
     }
-    sgemm(true, M, nr, K, alpha, A, lda, widen_.data(), K, 0.f, C + n0, ldc);
+    sgemm(true, M, nr, K, 1.f, A, lda, widen_.data(), K, 0.f, C + n0, ldc);
   }
 }
 
 int64_t CpuModel::memory_bytes() const {
   size_t n = final_ln_.size() + (size_t)(bf16_weight_bytes() + fp32_weight_bytes()) / sizeof(float);
   for (const Layer& ly : layers_) {
-    for (const std::vector<float>* v : {&ly.input_ln, &ly.post_ln, &ly.q_a_ln, &ly.kv_a_ln, &ly.w_uk, &ly.router_bias,
-                                        &ly.cache})
+    for (const std::vector<float>* v : {&ly.input_ln, &ly.post_ln, &ly.q_a_ln, &ly.kv_a_ln, &ly.router_bias, &ly.cache})
       n += v->size();
   }
   for (const std::vector<float>* v : {&x_, &hn_, &qa_, &q_, &kv_, &qfull_, &cs_, &scores_, &olat_, &ov_, &mlp_out_,

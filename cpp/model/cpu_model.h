@@ -89,8 +89,7 @@ class CpuModel : public TargetModel {
     Weight q_proj;                                 // [H*(Dn+R), Dm]                   (q_lora_rank == 0)
     Weight kv_a;                                   // [C+R, Dm]
     std::vector<float> kv_a_ln;                    // [C]
-    std::vector<float> w_uk;                       // [H, Dn, C]: kv_b_proj's k rows per head (FP32 always)
-    Weight w_uv;                                   // [H, Dv, C]: its v rows
+    Weight w_uk, w_uv;                             // [H, Dn, C], [H, Dv, C]: kv_b_proj split per head
     Weight o_proj;                                 // [Dm, H*Dv]
     bool moe = false;
     Weight mlp_gate_up, mlp_down;                  // dense: [2I, Dm] (gate rows, then up), [Dm, I]
@@ -113,12 +112,13 @@ class CpuModel : public TargetModel {
   static constexpr int kCopy = 0, kKvB = 1;
 
   void ensure_workspace(int64_t T);
-  // C[M, N] = A[M, K] @ W^T for the rows of weight w from element off on (W [N, K], row stride ldw):
-  // from its BF16 bits when it has them and the skinny kernels take the shape, else from its FP32
-  // values, else (BF16 only, a large GEMM) on blocks of its rows widened into a per-thread buffer
-  // (the routed experts run on the pool's threads at once).
+  // C[M, N] = A[M, K] @ W^T for the rows of weight w from element off on (W [N, K], row stride ldw;
+  // trans_b = false: C = A @ W with W [K, N], the absorption's W_UK): from its BF16 bits when it has
+  // them and the skinny kernels take the shape, else from its FP32 values, else (BF16 only, a large
+  // GEMM) on blocks of it widened into a per-thread buffer (the routed experts run on the pool's
+  // threads at once).
   void wgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const Weight& w, int64_t off, int64_t ldw,
-             float* C, int64_t ldc, float alpha = 1.f) const;
+             float* C, int64_t ldc, bool trans_b = true) const;
   // Writes n values of w from element off on, as the mode holds them (allocating w on first use).
   void store(Weight& w, int64_t off, const float* data, int64_t n);
   // Converts w to how bf16_mode_ holds it (final: also makes kCopies' copies).

@@ -372,15 +372,16 @@ bool use_avx512();
 // B not transposed ([K, N]: the attention's absorption and P @ latent): 2 kW-column tiles of the
 // CPU's widest ISA, then 16-column AVX2 tiles, then plain loops for the last N % 16 columns (every
 // column always takes the same one of these, and the two vector tiles give the same bits).
+template <class BT>
 KD_AVX2 void skinny_nn(int64_t M, int64_t n0, int64_t n1, int64_t K, float alpha, const float* A, int64_t lda,
-                       const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+                       const BT* B, int64_t ldb, float beta, float* C, int64_t ldc) {
   int64_t n = n0;
   if (use_avx512()) n = avx512::nn_blocks(M, n, n1, K, alpha, A, lda, B, ldb, beta, C, ldc);  // 32 columns
   n = avx2::nn_blocks(M, n, n1, K, alpha, A, lda, B, ldb, beta, C, ldc);                     // 16 columns
-  for (; n < n1; ++n)  // leftover columns (N % 16): plain loops
-    for (int64_t m = 0; m < M; ++m) {
+  for (; n < n1; ++n)  // leftover columns (N % 16): plain loops, an explicit fma (GCC contracted a * b + s
+    for (int64_t m = 0; m < M; ++m) {  // for FP32 B and not for BF16 B, whose widening sits in between)
       float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += A[m * lda + k] * B[k * ldb + n];
+      for (int64_t k = 0; k < K; ++k) s = std::fma(A[m * lda + k], widen(B[k * ldb + n]), s);
       put(C + m * ldc + n, s, alpha, beta);
     }
 }
@@ -487,7 +488,7 @@ bool sgemm_skinny(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, co
   if (!skinny_takes(M, N, K)) return false;
   auto cols = [&](int64_t n0, int64_t n1) {
     if (!trans_b) {
-      if constexpr (std::is_same_v<BT, float>) skinny_nn(M, n0, n1, K, alpha, A, lda, B, ldb, beta, C, ldc);
+      skinny_nn(M, n0, n1, K, alpha, A, lda, B, ldb, beta, C, ldc);
     } else if (M <= kSkinnyAlwaysM) {  // weights: B streamed once
       skinny_tb_isa(M, n0, n1, K, alpha, A, lda, B, ldb, beta, C, ldc);
     } else {  // many rows (attention scores: H per token): 48-row chunks keep A's chunk in L2
@@ -588,11 +589,11 @@ void sgemm(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const flo
 void sgemm_force_portable(bool on) { g_force_portable.store(on); }
 
 bool sgemm_bf16_weights(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const uint16_t* B,
-                        int64_t ldb, float beta, float* C, int64_t ldc) {
+                        int64_t ldb, float beta, float* C, int64_t ldc, bool trans_b) {
   if (g_force_portable.load(std::memory_order_relaxed)) return false;
   if (M <= 0 || N <= 0) return true;
 #ifdef KD_SKINNY
-  return alpha != 0.f && sgemm_skinny(true, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
+  return alpha != 0.f && sgemm_skinny(trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 #else
   return false;
 #endif

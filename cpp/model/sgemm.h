@@ -25,11 +25,12 @@ void sgemm_portable(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, 
 
 // C = alpha * A @ W^T + beta * C with the weight W [N, K] (row stride ldb) stored as BF16 (the
 // high 16 bits of each FP32 value): exactly what sgemm(true, ...) computes on W widened to FP32
-// (widening is exact; the same kernels, tiles and threads), reading half the bytes. Only where
-// sgemm() would take its skinny AVX2 kernels (few rows); returns false without touching C
-// otherwise (then call sgemm() on the FP32 copy).
+// (widening is exact; the same kernels, tiles and threads), reading half the bytes. trans_b =
+// false: C = alpha * A @ W + beta * C with W [K, N], as sgemm(false, ...). Only where sgemm()
+// would take its skinny AVX2 kernels (few rows); returns false without touching C otherwise (then
+// call sgemm() on the widened FP32 values).
 bool sgemm_bf16_weights(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const uint16_t* B,
-                        int64_t ldb, float beta, float* C, int64_t ldc);
+                        int64_t ldb, float beta, float* C, int64_t ldc, bool trans_b = true);
 
 // Which implementation sgemm() uses now: "cblas" or "portable".
 const char* sgemm_backend();

@@ -225,10 +225,10 @@ void sgemm_paths() {
   CHECK(C[N] == 0.f && Cp[N] == 0.f);  // the padding past N is untouched
 }
 
-// BF16 weights (sgemm_bf16_weights): bit for bit what sgemm(true, ...) gives on the same weights
-// widened to FP32, wherever it takes the call (few rows, AVX2), with strides, k and column tails,
-// alpha / beta, one to 130 rows (above 128 only when the weight is small); where it declines it
-// leaves C alone and returns false.
+// BF16 weights (sgemm_bf16_weights): bit for bit what sgemm(trans_b, ...) gives on the same weights
+// widened to FP32, wherever it takes the call (few rows, AVX2), both layouts (W [N, K] and W [K, N]),
+// with strides, k and column tails, alpha / beta, one to 130 rows (above 128 only when the weight is
+// small); where it declines it leaves C alone and returns false.
 void sgemm_bf16() {
   std::mt19937 rng(11);
   std::normal_distribution<float> nd;
@@ -246,35 +246,39 @@ void sgemm_bf16() {
   const int64_t sizes[][3] = {{1, 1, 1},   {1, 300, 70},  {1, 4096, 320}, {2, 17, 5},    {3, 64, 320},
                               {9, 1024, 320}, {9, 21, 35}, {17, 256, 128}, {33, 160, 96}, {130, 40, 64}};
   int taken = 0;
-  for (const auto& s : sizes) {
-    const int64_t M = s[0], N = s[1], K = s[2], lda = K + 3, ldb = K + 5, ldc = N + 2;
-    std::vector<float> A(M * lda), Wf(N * ldb), C0(M * ldc);
-    std::vector<uint16_t> Wb(N * ldb);
-    for (float& x : A) x = nd(rng);
-    for (int64_t i = 0; i < N * ldb; ++i) {
-      Wb[i] = bf16(nd(rng));
-      Wf[i] = widen(Wb[i]);
-    }
-    for (float& x : C0) x = nd(rng);
-    for (int variant = 0; variant < 2; ++variant) {
-      const float alpha = variant ? 0.75f : 1.f, beta = variant ? -0.5f : 0.f;
-      std::vector<float> want = C0, got = C0;
-      kdtree::sgemm(true, M, N, K, alpha, A.data(), lda, Wf.data(), ldb, beta, want.data(), ldc);
-      const bool ok = kdtree::sgemm_bf16_weights(M, N, K, alpha, A.data(), lda, Wb.data(), ldb, beta, got.data(), ldc);
-      if (ok) {
-        ++taken;
-        const bool same = std::memcmp(want.data(), got.data(), want.size() * sizeof(float)) == 0;
-        if (!same)
-          std::fprintf(stderr, "sgemm_bf16_weights M=%lld N=%lld K=%lld variant=%d differs from sgemm\n", (long long)M,
-                       (long long)N, (long long)K, variant);
-        CHECK(same);
-      } else {
-        CHECK(std::memcmp(C0.data(), got.data(), C0.size() * sizeof(float)) == 0);
+  for (const bool tb : {true, false}) {
+    for (const auto& s : sizes) {
+      const int64_t M = s[0], N = s[1], K = s[2], lda = K + 3, ldb = tb ? K + 5 : N + 5, ldc = N + 2;
+      const int64_t wrows = tb ? N : K;
+      std::vector<float> A(M * lda), Wf(wrows * ldb), C0(M * ldc);
+      std::vector<uint16_t> Wb(wrows * ldb);
+      for (float& x : A) x = nd(rng);
+      for (int64_t i = 0; i < wrows * ldb; ++i) {
+        Wb[i] = bf16(nd(rng));
+        Wf[i] = widen(Wb[i]);
+      }
+      for (float& x : C0) x = nd(rng);
+      for (int variant = 0; variant < 2; ++variant) {
+        const float alpha = variant ? 0.75f : 1.f, beta = variant ? -0.5f : 0.f;
+        std::vector<float> want = C0, got = C0;
+        kdtree::sgemm(tb, M, N, K, alpha, A.data(), lda, Wf.data(), ldb, beta, want.data(), ldc);
+        const bool ok =
+            kdtree::sgemm_bf16_weights(M, N, K, alpha, A.data(), lda, Wb.data(), ldb, beta, got.data(), ldc, tb);
+        if (ok) {
+          ++taken;
+          const bool same = std::memcmp(want.data(), got.data(), want.size() * sizeof(float)) == 0;
+          if (!same)
+            std::fprintf(stderr, "sgemm_bf16_weights trans_b=%d M=%lld N=%lld K=%lld variant=%d differs from sgemm\n",
+                         (int)tb, (long long)M, (long long)N, (long long)K, variant);
+          CHECK(same);
+        } else {
+          CHECK(std::memcmp(C0.data(), got.data(), C0.size() * sizeof(float)) == 0);
+        }
       }
     }
   }
 #if defined(__x86_64__)
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) CHECK(taken == 20);
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) CHECK(taken == 40);
 #endif
 }
 

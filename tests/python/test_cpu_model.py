@@ -521,8 +521,6 @@ def _weight_elements(cfg, embed_is_gemm):
     shapes = expected_weight_shapes(cfg)
     vectors = ("layernorm.weight", "model.norm.weight", "e_score_correction_bias")
     n = sum(int(np.prod(s)) for k, s in shapes.items() if not k.endswith(vectors))
-    # kv_b_proj: its W_UK rows stay FP32 (the absorption's nn GEMM); only its W_UV rows are held as BF16
-    n -= cfg.num_hidden_layers * cfg.num_attention_heads * cfg.qk_nope_head_dim * cfg.kv_lora_rank
     embed = cfg.vocab_size * cfg.hidden_size
     return n, 0 if embed_is_gemm else embed
 
