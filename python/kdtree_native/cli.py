@@ -258,7 +258,10 @@ def _cmd_generate(args):
             raise _UsageError(("--interactive" if args.interactive else "--prompt") + " needs MODEL_DIR/tokenizer.json "
                               "(and the `tokenizers` package)" + ("" if args.interactive else "; use --ids"))
         prompt = tok.encode(args.prompt).ids if args.prompt else []
-    eng = Engine.from_pretrained(args.model_dir, device=args.device, max_seq_len=max_seq_len)
+    t0 = time.perf_counter()
+    eng = Engine.from_pretrained(args.model_dir, device=args.device, max_seq_len=max_seq_len,
+                                 progress=True if sys.stderr.isatty() else None)
+    print(f"loaded {args.model_dir} in {time.perf_counter() - t0:.1f} s: {_memory_summary(eng.model)}", file=sys.stderr)
     if eng.config.quantization is not None:
         print(f"note: quantized checkpoint ({eng.config.quantization.describe()}): its weights were dequantized on "
               "load and run with FP32 activations (docs/MODEL.md)", file=sys.stderr)
@@ -397,6 +400,17 @@ DEMO_ADAPTIVE_BUDGET = 16
 def _demo_prompt_ids(tok, text=DEMO_PROMPT):
     """The demo's prompt ids: `text` tokenised, or fixed random ids for the random fallback model."""
     return tok.encode(text).ids if tok else [int(x) for x in np.random.default_rng(0).integers(2, 2048, 24)]
+
+
+def _memory_summary(model) -> str:
+    """'device cpu, 0.95 GB of weights (0.95 GB as BF16), 1.00 GB held in all' (what the model reports)."""
+    gb = 1e9
+    parts = [f"device {model.device}"]
+    bf16, fp32 = getattr(model, "bf16_weight_bytes", 0), getattr(model, "fp32_weight_bytes", None)
+    if fp32 is not None:
+        parts.append(f"{(bf16 + fp32) / gb:.2f} GB of weights ({bf16 / gb:.2f} GB as BF16)")
+    parts.append(f"{model.memory_bytes / gb:.2f} GB held in all (cache and workspaces included)")
+    return ", ".join(parts)
 
 
 def _cmd_demo(args):

@@ -45,6 +45,12 @@ def test_generate_text_prompt_and_ids():
     assert "mean acceptance" in (r.stdout + r.stderr)
     r = _run("generate", model, "--ids", "1,5,9", "-n", "8", "--drafter", "none", "--device", "cpu")
     assert r.returncode == 0, r.stderr
+    # what was loaded and what it holds (the embedded model: BF16 weights, held as BF16)
+    eng = kn.Engine.from_pretrained(model, device="cpu")
+    bf16 = eng.model.bf16_weight_bytes / 1e9
+    line = next((l for l in r.stderr.splitlines() if l.startswith(f"loaded {model} in ")), None)
+    assert line is not None, r.stderr
+    assert f"device cpu, {(bf16 + eng.model.fp32_weight_bytes / 1e9):.2f} GB of weights ({bf16:.2f} GB as BF16)" in line
 
 
 def test_adaptive_budget_flags(capsys, no_debug):
