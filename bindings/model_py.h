@@ -171,11 +171,12 @@ inline std::vector<int32_t> int_vector(const py::object& obj, const char* what, 
   return out;
 }
 
-// forward(tokens, positions, visibility=None) -> logits float32 [T, V], validated, GIL released.
+// forward(tokens, positions, visibility=None) -> logits float32 [T, V], validated, GIL released;
+// rows >= 0: forward_last, the logits of the last `rows` tokens only ([rows, V]).
 template <class Model>
-py::array_t<float> model_forward(Model& m, const py::object& tokens_obj, const py::object& positions_obj,
-                                 const py::object& vis_obj) {
-  ModelUse use(&m, "forward");
+py::array_t<float> model_forward_rows(Model& m, const py::object& tokens_obj, const py::object& positions_obj,
+                                      const py::object& vis_obj, int64_t rows) {
+  ModelUse use(&m, rows < 0 ? "forward" : "forward_last");
   if (!m.finalized()) throw Error("forward: the model is not finalized (set every weight, then finalize())");
   const int64_t V = m.config().vocab_size;
   std::vector<int32_t> tokens = int_vector(tokens_obj, "tokens", 0, V);
@@ -200,13 +201,21 @@ py::array_t<float> model_forward(Model& m, const py::object& tokens_obj, const p
     auto u = py::array_t<uint8_t, py::array::c_style | py::array::forcecast>::ensure(a.attr("view")("uint8"));
     vis.assign(u.data(), u.data() + T * T);
   }
-  py::array_t<float> out({(py::ssize_t)T, (py::ssize_t)V});
+  if (rows > T) throw Error("forward_last: rows " + std::to_string(rows) + " > number of tokens " + std::to_string(T));
+  py::array_t<float> out({(py::ssize_t)(rows < 0 ? T : rows), (py::ssize_t)V});
   float* o = out.mutable_data();
   {
     py::gil_scoped_release nogil;
-    m.forward(tokens.data(), positions.data(), vis.empty() ? nullptr : vis.data(), T, o);
+    if (rows < 0) m.forward(tokens.data(), positions.data(), vis.empty() ? nullptr : vis.data(), T, o);
+    else m.forward_last(tokens.data(), positions.data(), vis.empty() ? nullptr : vis.data(), T, rows, o);
   }
   return out;
+}
+
+template <class Model>
+py::array_t<float> model_forward(Model& m, const py::object& tokens_obj, const py::object& positions_obj,
+                                 const py::object& vis_obj) {
+  return model_forward_rows(m, tokens_obj, positions_obj, vis_obj, -1);
 }
 
 // The first NaN / infinity among n floats (-1 if none): blocks of 1024 reduced branch-free (the

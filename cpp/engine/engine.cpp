@@ -96,6 +96,15 @@ void RoundExecutor::device_draft_to_host(DraftOutput&, int64_t) {
   throw Error("a draft in device memory, but these rounds take host arrays only");
 }
 
+void Target::forward_last(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
+                          int64_t rows, float* logits_out) {
+  KD_CHECK(rows >= 0 && rows <= T, "forward_last: rows outside [0, T]");
+  const int64_t V = vocab_size();
+  std::vector<float> all(static_cast<size_t>(T * V));
+  forward(tokens, positions, visibility, T, all.data());
+  std::copy(all.end() - rows * V, all.end(), logits_out);
+}
+
 // ---------------------------------------------------------------- HostRounds
 int32_t HostRounds::prefill(const int32_t* prompt, int64_t P, int64_t chunk, int64_t keep) {
   const int64_t V = target_.vocab_size();
@@ -115,10 +124,12 @@ int32_t HostRounds::prefill(const int32_t* prompt, int64_t P, int64_t chunk, int
       keep_[i] = static_cast<int32_t>(i);
       for (int64_t j = 0; j <= i; ++j) vis_[i * T + j] = 1;
     }
-    logits_.resize(static_cast<size_t>(T * V));
-    target_.forward(prompt + c0, pos_.data(), vis_.data(), T, logits_.data());
+    // only the prompt's last token's logits are used: earlier chunks ask for none
+    const bool last = c0 + T == P;
+    logits_.resize(static_cast<size_t>(V));
+    target_.forward_last(prompt + c0, pos_.data(), vis_.data(), T, last ? 1 : 0, logits_.data());
     target_.commit(keep_.data(), T);
-    if (c0 + T == P) first = sampler_.choose(logits_.data() + (T - 1) * V, V, P);
+    if (last) first = sampler_.choose(logits_.data(), V, P);
   }
   return first;
 }

@@ -82,10 +82,9 @@ void ModelDrafter::feed_and_chain(const int32_t* ctx, int64_t m, int64_t n, int6
       pos_[i] = static_cast<int32_t>(c0 + i);
       keep_[i] = static_cast<int32_t>(i);
     }
-    chunk_logits_.resize(static_cast<size_t>(T * V));
-    model_.forward(ctx + c0, pos_.data(), nullptr, T, chunk_logits_.data());
+    // only the last fed token's logits are used (the chain's first row): earlier chunks ask for none
+    model_.forward_last(ctx + c0, pos_.data(), nullptr, T, c0 + T == n ? 1 : 0, out.values.data());
     model_.commit(keep_.data(), T);
-    if (c0 + T == n) std::copy(chunk_logits_.end() - V, chunk_logits_.end(), out.values.begin());
   }
   double cum = 0.0;
   int64_t d = 1;

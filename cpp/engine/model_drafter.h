@@ -66,7 +66,6 @@ class ModelDrafter {
   ModelDraftParams p_;
   std::vector<int32_t> held_;  // what the committed cache holds
   std::vector<int32_t> pos_, keep_;
-  std::vector<float> chunk_logits_;
   Sampler greedy_{SamplingParams()};  // temperature 0: the chain's argmax
 };
 

@@ -17,6 +17,10 @@ class ModelTarget : public Target {
                float* logits_out) override {
     model_.forward(tokens, positions, visibility, T, logits_out);
   }
+  void forward_last(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
+                    int64_t rows, float* logits_out) override {
+    model_.forward_last(tokens, positions, visibility, T, rows, logits_out);
+  }
   void commit(const int32_t* keep, int64_t n) override { model_.commit(keep, n); }
   void reset() override { model_.reset(); }
   void truncate(int64_t n) override { model_.truncate(n); }

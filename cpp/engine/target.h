@@ -26,6 +26,10 @@ class Target {
   // pending entries of an earlier forward that were never committed).
   virtual void forward(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility,
                        int64_t T, float* logits_out) = 0;
+  // The same forward with the logits of the last `rows` tokens only (logits_out [rows, V], rows in
+  // [0, T]): a prefill chunk's (TargetModel::forward_last). The default runs forward() and copies them.
+  virtual void forward_last(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
+                            int64_t rows, float* logits_out);
   // keep [n]: strictly increasing indices into the last forward's window. After the call the
   // cache holds the committed entries followed by the kept ones; cache_len() grows by n.
   virtual void commit(const int32_t* keep, int64_t n) = 0;

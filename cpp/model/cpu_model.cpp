@@ -319,6 +319,18 @@ void CpuModel::ensure_workspace(int64_t T) {
 
 void CpuModel::forward(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
                        float* logits_out) {
+  run(tokens, positions, visibility, T, T, logits_out);
+}
+
+void CpuModel::forward_last(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
+                            int64_t rows, float* logits_out) {
+  if (rows < 0 || rows > T)
+    throw Error("forward_last: rows " + std::to_string(rows) + " outside [0, T = " + std::to_string(T) + "]");
+  run(tokens, positions, visibility, T, rows, logits_out);
+}
+
+void CpuModel::run(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T, int64_t rows,
+                   float* logits_out) {
   std::lock_guard<std::mutex> lock(mu_);
   ++epoch_;
   check_forward_args(*this, tokens, positions, T);
@@ -350,9 +362,10 @@ void CpuModel::forward(const int32_t* tokens, const int32_t* positions, const ui
     KD_PARALLEL_FOR_IF(T * Dm >= kParallelWork)
     for (int64_t i = 0; i < T * Dm; ++i) x[i] += o[i];
   }
-  KD_PARALLEL_FOR_IF(T * Dm >= kParallelWork)
-  for (int64_t t = 0; t < T; ++t) rmsnorm_row(x + t * Dm, final_ln_.data(), Dm, c.rms_norm_eps, hn_.data() + t * Dm);
-  wgemm(T, c.vocab_size, Dm, hn_.data(), Dm, *lm_head_w_, 0, Dm, logits_out, c.vocab_size);
+  const int64_t t0 = T - rows;  // the LM head over the last `rows` tokens
+  KD_PARALLEL_FOR_IF(rows * Dm >= kParallelWork)
+  for (int64_t t = t0; t < T; ++t) rmsnorm_row(x + t * Dm, final_ln_.data(), Dm, c.rms_norm_eps, hn_.data() + t * Dm);
+  if (rows > 0) wgemm(rows, c.vocab_size, Dm, hn_.data() + t0 * Dm, Dm, *lm_head_w_, 0, Dm, logits_out, c.vocab_size);
   pending_ = T;
 }
 

@@ -46,6 +46,9 @@ class CpuModel : public TargetModel {
 
   void forward(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
                float* logits_out) override;
+  // The LM head over the last `rows` tokens only (TargetModel::forward_last).
+  void forward_last(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
+                    int64_t rows, float* logits_out) override;
   void commit(const int32_t* keep, int64_t n) override;
   void truncate(int64_t n) override;
   void reset() override;
@@ -112,6 +115,9 @@ class CpuModel : public TargetModel {
   static constexpr int kCopy = 0, kKvB = 1;
 
   void ensure_workspace(int64_t T);
+  // forward() with logits for the last `rows` of the T tokens (all of them: forward)
+  void run(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T, int64_t rows,
+           float* logits_out);
   // C[M, N] = A[M, K] @ W^T for the rows of weight w from element off on (W [N, K], row stride ldw;
   // trans_b = false: C = A @ W with W [K, N], the absorption's W_UK): from its BF16 bits when it has
   // them and the skinny kernels take the shape, else from its FP32 values, else (BF16 only, a large

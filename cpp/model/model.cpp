@@ -1,6 +1,9 @@
 // model.cpp: argument checks shared by every TargetModel backend.
 #include "model/model.h"
 
+#include <algorithm>
+#include <vector>
+
 #include "common.h"
 
 namespace kdtree {
@@ -20,6 +23,16 @@ void check_forward_args(const TargetModel& m, const int32_t* tokens, const int32
       throw Error("forward: position " + std::to_string(positions[t]) + " at index " + std::to_string(t) +
                   " is negative");
   }
+}
+
+void TargetModel::forward_last(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
+                               int64_t rows, float* logits_out) {
+  if (rows < 0 || rows > T)
+    throw Error("forward_last: rows " + std::to_string(rows) + " outside [0, T = " + std::to_string(T) + "]");
+  const int64_t V = config().vocab_size;
+  std::vector<float> all(static_cast<size_t>(std::max<int64_t>(T, 0) * V));
+  forward(tokens, positions, visibility, T, all.data());
+  std::copy(all.end() - rows * V, all.end(), logits_out);
 }
 
 void check_commit_args(const TargetModel& m, const int32_t* keep, int64_t n) {

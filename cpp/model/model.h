@@ -43,6 +43,14 @@ class TargetModel {
   // visible. logits_out [T, V]. Throws Error when cache_len + T > max_seq_len.
   virtual void forward(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
                        float* logits_out) = 0;
+  // The same forward (the same cache entries) with the logits of the last `rows` tokens only:
+  // logits_out [rows, V], rows in [0, T] (0: no logits, e.g. a prefill chunk before the last). What a
+  // prefill needs (its last token's). The CPU model then runs the LM head over those rows alone (a
+  // prefill chunk of P tokens skips P - 1 rows of [V, hidden] products); the default runs forward()
+  // and copies them. The logits are those of forward() up to the GEMM's summation order for that
+  // row count (the same bits where the LM head takes the skinny kernels, <= 128 rows).
+  virtual void forward_last(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
+                            int64_t rows, float* logits_out);
   virtual void commit(const int32_t* keep, int64_t n) = 0;
   // Keep only the first n committed entries (0 <= n <= cache_len; Error otherwise) and drop any
   // pending window: cache_len = n, the next forward writes at slot n. O(1), nothing is moved.

@@ -259,9 +259,11 @@ def _cmd_generate(args):
                               "(and the `tokenizers` package)" + ("" if args.interactive else "; use --ids"))
         prompt = tok.encode(args.prompt).ids if args.prompt else []
     t0 = time.perf_counter()
-    eng = Engine.from_pretrained(args.model_dir, device=args.device, max_seq_len=max_seq_len,
-                                 progress=True if sys.stderr.isatty() else None)
-    print(f"loaded {args.model_dir} in {time.perf_counter() - t0:.1f} s: {_memory_summary(eng.model)}", file=sys.stderr)
+    tty = sys.stderr.isatty()  # on a terminal: the load's progress and what it holds (scripts get neither)
+    eng = Engine.from_pretrained(args.model_dir, device=args.device, max_seq_len=max_seq_len, progress=True if tty else None)
+    if tty:
+        print(f"loaded {args.model_dir} in {time.perf_counter() - t0:.1f} s: {_memory_summary(eng.model)}",
+              file=sys.stderr)
     if eng.config.quantization is not None:
         print(f"note: quantized checkpoint ({eng.config.quantization.describe()}): its weights were dequantized on "
               "load and run with FP32 activations (docs/MODEL.md)", file=sys.stderr)

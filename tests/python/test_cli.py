@@ -45,12 +45,22 @@ def test_generate_text_prompt_and_ids():
     assert "mean acceptance" in (r.stdout + r.stderr)
     r = _run("generate", model, "--ids", "1,5,9", "-n", "8", "--drafter", "none", "--device", "cpu")
     assert r.returncode == 0, r.stderr
-    # what was loaded and what it holds (the embedded model: BF16 weights, held as BF16)
+    assert "loaded" not in r.stderr and "loading weights" not in r.stderr  # not a terminal: no load report
+
+
+def test_generate_reports_the_load_on_a_terminal(capsys, monkeypatch):
+    """With stderr on a terminal, `generate` shows the load's progress and a line on what was loaded
+    and what the model holds (the embedded model: BF16 weights, held as BF16)."""
+    model = kn.default_model_dir()
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True, raising=False)
+    rc, _, err = _main(capsys, "generate", model, "--ids", "1,5,9", "-n", "4", "--drafter", "none", "--device", "cpu")
+    assert rc == 0, err
+    assert "loading weights: " in err, err
     eng = kn.Engine.from_pretrained(model, device="cpu")
-    bf16 = eng.model.bf16_weight_bytes / 1e9
-    line = next((l for l in r.stderr.splitlines() if l.startswith(f"loaded {model} in ")), None)
-    assert line is not None, r.stderr
-    assert f"device cpu, {(bf16 + eng.model.fp32_weight_bytes / 1e9):.2f} GB of weights ({bf16:.2f} GB as BF16)" in line
+    bf16, fp32 = eng.model.bf16_weight_bytes / 1e9, eng.model.fp32_weight_bytes / 1e9
+    line = next((l for l in err.splitlines() if l.startswith(f"loaded {model} in ")), None)
+    assert line is not None, err
+    assert f"device cpu, {bf16 + fp32:.2f} GB of weights ({bf16:.2f} GB as BF16), " in line, line
 
 
 def test_adaptive_budget_flags(capsys, no_debug):

@@ -211,6 +211,50 @@ def test_long_prefill_chunks_attention():
         assert rel_to_scale(last, full[597 + k]) < 1e-5
 
 
+def test_forward_last_gives_the_last_rows():
+    """forward_last(tokens, positions, rows): the last `rows` rows of forward()'s logits, bit for bit
+    (the LM head takes the skinny kernels at these sizes, whose rows do not depend on how many there
+    are), and the same cache entries: a commit and a decode after it give what they give after
+    forward(). rows = 0 gives none; rows outside [0, T] is a ValueError."""
+    cfg = config_from_dict(config_dict("ds3_base"))
+    eng = kn.Engine.from_weights(cfg, random_weights(cfg, 0), max_seq_len=256)
+    m = eng.model
+    ids = prompt(cfg.vocab_size, 40, seed=3)
+    pos = np.arange(40)
+    full = m.forward(ids, pos)
+    for rows in (0, 1, 3, 40):
+        eng.reset()
+        got = m.forward_last(ids, pos, rows)
+        assert got.shape == (rows, cfg.vocab_size)
+        np.testing.assert_array_equal(got, full[40 - rows:])
+    parents, depths, vis = random_tree(9, seed=4)
+    toks = prompt(cfg.vocab_size, 9, seed=5)
+    eng.reset()
+    m.forward(ids, pos)
+    m.commit(np.arange(40))
+    tree = m.forward(toks, 40 + depths, vis)
+    eng.reset()
+    m.forward_last(ids, pos, 1)
+    m.commit(np.arange(40))
+    np.testing.assert_array_equal(m.forward_last(toks, 40 + depths, 2, vis), tree[-2:])
+    for bad in (-1, 10):
+        with pytest.raises(ValueError, match="rows"):
+            m.forward_last(toks, 40 + depths, bad, vis)
+
+
+@pytest.mark.parametrize("chunk", [7, 64, 512])
+def test_generate_prefill_in_chunks_equals_greedy(chunk):
+    """generate's prefill asks the model for its last token's logits only (earlier chunks for none):
+    over a 150-token prompt in chunks of 7 / 64 / 512 the tokens are the greedy ones of a full prefill
+    and T = 1 decodes."""
+    cfg = config_from_dict(config_dict("ds3_base"))
+    eng = kn.Engine.from_weights(cfg, random_weights(cfg, 1), max_seq_len=256)
+    ids = prompt(cfg.vocab_size, 150, seed=6)
+    want = greedy_incremental(eng, ids, 12)
+    got = eng.generate(ids, 12, prefill_chunk=chunk)
+    np.testing.assert_array_equal(got.tokens, want)
+
+
 # ---- SGEMM ----------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("portable", [False, True])
