@@ -11,7 +11,8 @@ Each mode loads in a fresh child process (`Engine.from_pretrained(dir, device="c
 reports its peak resident memory (ru_maxrss: the most the process ever held, loading included),
 the load time, the model's own count (`memory_bytes`, `bf16_weight_bytes`, `fp32_weight_bytes`)
 and the median time of forwards of T tokens after a 100-token prompt (T = 1: a decode step, T =
-17: a verify of a 16-node tree, larger T: a prefill chunk), modes interleaved over --rounds. Peak
+17: a verify of a 16-node tree, larger T: a prefill chunk), modes interleaved over --rounds; --ttft P
+adds the time to the first token of `generate` on a P-token prompt. Peak
 memory counts the checkpoint's pages that the child has read through the memory map as well.
 --legacy: for builds before `bf16_weights` (their modes: "copies" = the default, "off" =
 `bf16_weight_copies=False`). --make writes a random BF16 checkpoint of the mini-kimi shape of
@@ -83,7 +84,8 @@ def child(args) -> None:
     else:
         opts = {"bf16_weights": args.child}
     t0 = time.perf_counter()
-    eng = kn.Engine.from_pretrained(args.dir, device="cpu", max_seq_len=max(args.sizes) + 200, cpu_options=opts)
+    eng = kn.Engine.from_pretrained(args.dir, device="cpu", max_seq_len=max(args.sizes + [args.ttft]) + 200,
+                                    cpu_options=opts)
     load_s = time.perf_counter() - t0
     peak_load = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     m = eng.model
@@ -102,6 +104,16 @@ def child(args) -> None:
             eng.forward(toks, pos)
             ts.append(time.perf_counter() - t)
         out["forward_ms"][str(T)] = 1e3 * statistics.median(ts)
+    # time to the first token: generate(prompt of --ttft tokens, 1) = a prefill (in 512-token chunks) + its choice
+    if args.ttft:
+        ids = rng.integers(0, eng.vocab_size, args.ttft)
+        eng.generate(ids, 1)
+        ts = []
+        for _ in range(args.reps):
+            t = time.perf_counter()
+            eng.generate(ids, 1)
+            ts.append(time.perf_counter() - t)
+        out["ttft_ms"] = 1e3 * statistics.median(ts)
     out["peak_rss"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     print(json.dumps(out), flush=True)
 
@@ -114,6 +126,8 @@ def main() -> int:
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 17, 512], help="forward sizes T (default 1 17 512)")
     ap.add_argument("--reps", type=int, default=5, help="forwards timed per size and round (median)")
     ap.add_argument("--rounds", type=int, default=2, help="children per mode, modes interleaved")
+    ap.add_argument("--ttft", type=int, default=0, metavar="P",
+                    help="also time generate(P-token prompt, 1 new token): the time to the first token")
     ap.add_argument("--legacy", action="store_true", help="a build before bf16_weights")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -130,7 +144,7 @@ def main() -> int:
     for r in range(args.rounds):
         for mode in modes:
             cmd = [sys.executable, os.path.abspath(__file__), args.dir, "--child", mode, "--reps", str(args.reps),
-                   "--sizes", *map(str, args.sizes)] + (["--legacy"] if args.legacy else [])
+                   "--sizes", *map(str, args.sizes), "--ttft", str(args.ttft)] + (["--legacy"] if args.legacy else [])
             print(f"  round {r + 1}/{args.rounds}: {mode} ...", file=sys.stderr, flush=True)
             res = subprocess.run(cmd, capture_output=True, text=True)
             if res.returncode != 0:
@@ -138,8 +152,9 @@ def main() -> int:
                 return 1
             results[mode].append(json.loads(res.stdout.strip().splitlines()[-1]))
     gb = 1e9
-    head = "| mode | peak RSS GB (load / end) | load s | memory_bytes GB | BF16 GB | FP32 GB | " + " | ".join(
-        f"T = {t} ms" for t in args.sizes) + " |"
+    cols = ["mode", "peak RSS GB (load / end)", "load s", "memory_bytes GB", "BF16 GB", "FP32 GB"]
+    cols += [f"T = {t} ms" for t in args.sizes] + ([f"first token after {args.ttft} ms"] if args.ttft else [])
+    head = "| " + " | ".join(cols) + " |"
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     for mode in modes:
@@ -150,6 +165,8 @@ def main() -> int:
                  f"{rs[0]['memory_bytes'] / gb:.2f}", f"{rs[0]['bf16_weight_bytes'] / gb:.2f}",
                  "-" if fp32 is None else f"{fp32 / gb:.2f}"]
         cells += [" / ".join(f"{x['forward_ms'][str(t)]:.2f}" for x in rs) for t in args.sizes]
+        if args.ttft:
+            cells.append(" / ".join(f"{x['ttft_ms']:.1f}" for x in rs))
         print(f"| {mode} | " + " | ".join(cells) + " |")
     return 0
 
