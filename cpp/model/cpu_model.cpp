@@ -185,8 +185,9 @@ void CpuModel::store(Weight& w, int64_t off, const float* data, int64_t n) {
 
 void CpuModel::hold(Weight& w, bool final) {
   if (w.empty()) return;
-  const bool exact = !w.f.empty() ? bf16_exact(w.f.data(), w.n) : true;
-  if (bf16_mode_ == Bf16Weights::kOff || !exact) {
+  // (no scan of the values in kOff: every matrix is FP32 there)
+  const bool exact = bf16_mode_ != Bf16Weights::kOff && (w.f.empty() || bf16_exact(w.f.data(), w.n));
+  if (!exact) {
     if (w.f.empty()) {
       w.f.resize((size_t)w.n);
       for (int64_t i = 0; i < w.n; ++i) w.f[i] = bf16_widen(w.h[i]);
