@@ -213,9 +213,23 @@ void CpuModel::hold(Weight& w, bool final) {
   }
 }
 
-void CpuModel::set_weight(const std::string& name, const float* data, const std::vector<int64_t>& shape) {
-  std::lock_guard<std::mutex> lock(mu_);
-  ++epoch_;
+void CpuModel::store(Weight& w, int64_t off, const uint16_t* bits, int64_t n) {
+  if (n <= 0) return;
+  if (bf16_mode_ == Bf16Weights::kOnly && w.f.empty()) {
+    if (w.h.empty()) w.h.assign((size_t)w.n, 0);
+    std::memcpy(w.h.data() + off, bits, (size_t)n * sizeof(uint16_t));
+    return;
+  }
+  if (w.f.empty()) {
+    w.f.resize((size_t)w.n);
+    for (size_t i = 0; i < w.h.size(); ++i) w.f[i] = bf16_widen(w.h[i]);
+  }
+  for (int64_t i = 0; i < n; ++i) w.f[(size_t)(off + i)] = bf16_widen(bits[i]);
+  w.h.clear();
+  w.h.shrink_to_fit();
+}
+
+CpuModel::Slot& CpuModel::slot_for(const std::string& name, const std::vector<int64_t>& shape, int64_t* n) {
   auto it = slots_.find(name);
   if (it == slots_.end()) {
     std::string hint;
@@ -226,12 +240,28 @@ void CpuModel::set_weight(const std::string& name, const float* data, const std:
   if (shape != s.shape)
     throw Error("set_weight: '" + name + "' has shape " + shape_str(shape) + ", the config needs " +
                 shape_str(s.shape));
-  int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  *n = 1;
+  for (int64_t d : shape) *n *= d;
+  return s;
+}
+
+namespace {
+void copy_widened(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, (size_t)n * sizeof(float)); }
+void copy_widened(float* dst, const uint16_t* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_widen(src[i]);
+}
+}  // namespace
+
+template <class T>
+void CpuModel::set_any(const std::string& name, const T* data, const std::vector<int64_t>& shape) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++epoch_;
+  int64_t n = 0;
+  Slot& s = slot_for(name, shape, &n);
   if (n > 0 && data == nullptr) throw Error("set_weight: null data for '" + name + "'");
   if (s.kind == kCopy) {
     if (s.w) store(*s.w, s.off, data, n);
-    else std::memcpy(s.dst, data, (size_t)n * sizeof(float));
+    else copy_widened(s.dst, data, n);
   } else {
     // kv_b_proj [H*(Dn+Dv), C]: per head h, rows [0, Dn) are W_UK[h] (latent -> k_nope) and
     // rows [Dn, Dn+Dv) are W_UV[h] (latent -> v). Stored split: w_uk [H, Dn, C], w_uv [H, Dv, C].
@@ -239,13 +269,21 @@ void CpuModel::set_weight(const std::string& name, const float* data, const std:
     const int64_t H = cfg_.num_attention_heads, C = cfg_.kv_lora_rank;
     const int64_t Dn = cfg_.qk_nope_head_dim, Dv = cfg_.v_head_dim;
     for (int64_t h = 0; h < H; ++h) {
-      const float* src = data + h * (Dn + Dv) * C;
+      const T* src = data + h * (Dn + Dv) * C;
       store(ly.w_uk, h * Dn * C, src, Dn * C);
       store(ly.w_uv, h * Dv * C, src + Dn * C, Dv * C);
     }
   }
   s.set = true;
   finalized_ = false;
+}
+
+void CpuModel::set_weight(const std::string& name, const float* data, const std::vector<int64_t>& shape) {
+  set_any(name, data, shape);
+}
+
+void CpuModel::set_weight_bf16(const std::string& name, const uint16_t* bits, const std::vector<int64_t>& shape) {
+  set_any(name, bits, shape);
 }
 
 std::vector<std::string> CpuModel::missing_weights() const {

@@ -40,6 +40,9 @@ class CpuModel : public TargetModel {
   const char* device() const override { return "cpu"; }
 
   void set_weight(const std::string& name, const float* data, const std::vector<int64_t>& shape) override;
+  // set_weight of a BF16 tensor given as its bits (a BF16 checkpoint's bytes as they are stored): the
+  // same as set_weight of the widened values, without widening them first (kOnly keeps the bits).
+  void set_weight_bf16(const std::string& name, const uint16_t* bits, const std::vector<int64_t>& shape);
   std::vector<std::string> missing_weights() const override;
   void finalize() override;
   bool finalized() const override { return finalized_; }
@@ -127,6 +130,10 @@ class CpuModel : public TargetModel {
              float* C, int64_t ldc, bool trans_b = true) const;
   // Writes n values of w from element off on, as the mode holds them (allocating w on first use).
   void store(Weight& w, int64_t off, const float* data, int64_t n);
+  void store(Weight& w, int64_t off, const uint16_t* bits, int64_t n);  // BF16 bits
+  Slot& slot_for(const std::string& name, const std::vector<int64_t>& shape, int64_t* n);  // checked
+  template <class T>
+  void set_any(const std::string& name, const T* data, const std::vector<int64_t>& shape);
   // Converts w to how bf16_mode_ holds it (final: also makes kCopies' copies).
   void hold(Weight& w, bool final);
   std::vector<Weight*> weights();  // every weight matrix, each once

@@ -344,12 +344,15 @@ def load_weights(model_dir, cfg: ModelConfig, dtype=np.float32,
 
 
 def iter_weights(model_dir, cfg: ModelConfig, dtype=np.float32,
-                 progress: Optional[Callable[[int, int], None]] = None) -> Iterator[Tuple[str, np.ndarray]]:
+                 progress: Optional[Callable[[int, int], None]] = None,
+                 bf16_bits: bool = False) -> Iterator[Tuple[str, np.ndarray]]:
     """`load_weights` one tensor at a time: checks the whole checkpoint against the config first
     (the same errors, raised by this call, before any tensor is read), then returns an iterator of
     (name, array) that reads, widens or dequantizes each tensor when it is asked for. A consumer that
     drops each array before asking for the next (Engine.from_pretrained) holds one tensor at a time,
-    never the whole model as float32."""
+    never the whole model as float32. bf16_bits: a tensor stored as BF16 comes as its bits instead, a
+    read-only uint16 view of the memory map (no copy; `CpuModel.set_weight_bf16` takes it), every
+    other one as `dtype`."""
     model_dir = os.fspath(model_dir)
     dtype = np.dtype(dtype)
     if dtype.kind != "f":
@@ -478,7 +481,9 @@ def iter_weights(model_dir, cfg: ModelConfig, dtype=np.float32,
                 w = w if dtype == np.float32 else w.astype(dtype)
             else:
                 st, full = where[name]
-                w = _to_float(st.raw(full), st.dtype(full), dtype)
+                raw = st.raw(full)
+                w = raw if bf16_bits and st.dtype(full) == "BF16" else _to_float(raw, st.dtype(full), dtype)
+                del raw
             if progress is not None:
                 progress(k + 1, total)
             yield name, w

@@ -171,8 +171,11 @@ class Engine:
             raise FileNotFoundError(f"model directory {model_dir!r} does not exist")
         cfg = load_config(model_dir)
         # (checked whole here; then read one tensor at a time as the model takes them)
-        weights = iter_weights(model_dir, cfg, progress=progress)
-        eng = cls._build(cfg, weights, device, int(max_seq_len), cuda_options, cpu_options, bool(check_finite))
+        # (a CPU model takes a BF16 tensor as its bits: no float32 copy of it is made at all)
+        bits = device == "cpu"
+        weights = iter_weights(model_dir, cfg, progress=progress, bf16_bits=bits)
+        eng = cls._build(cfg, weights, device, int(max_seq_len), cuda_options, cpu_options, bool(check_finite),
+                         bf16_bits=bits)
         eng.model_dir = model_dir
         return eng
 
@@ -193,9 +196,10 @@ class Engine:
     @classmethod
     def _build(cls, cfg: ModelConfig, weights, device: str, max_seq_len: int,
                cuda_options: Optional[dict] = None, cpu_options: Optional[dict] = None,
-               check_finite: bool = True) -> "Engine":
+               check_finite: bool = True, bf16_bits: bool = False) -> "Engine":
         """weights: a dict {name: array} (emptied as it is uploaded), or an iterator of (name, array)
-        pairs already checked against the config (checkpoint.iter_weights)."""
+        pairs already checked against the config (checkpoint.iter_weights). bf16_bits: uint16 arrays
+        are BF16 bits (iter_weights(bf16_bits=True); a CPU model only)."""
         opts, what = (cuda_options, "cuda_options") if device == "cuda" else (cpu_options, "cpu_options")
         if isinstance(weights, dict):
             # (before the model is built: its buffers are sized from the config alone)
@@ -224,7 +228,10 @@ class Engine:
                 yield from weights
 
         for name, arr in pairs():
-            model.set_weight(name, np.ascontiguousarray(arr, dtype=np.float32), check_finite)
+            if bf16_bits and arr.dtype == np.uint16:  # BF16 bits (iter_weights(bf16_bits=True))
+                model.set_weight_bf16(name, arr, check_finite)
+            else:
+                model.set_weight(name, np.ascontiguousarray(arr, dtype=np.float32), check_finite)
             del arr
         model.finalize()
         return cls(model, cfg, device, max_seq_len)

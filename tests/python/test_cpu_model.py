@@ -720,6 +720,54 @@ def test_bf16_weights_follow_set_weight(mode):
             np.testing.assert_array_equal(eng.forward(toks, pos), ref.forward(toks, pos))
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_set_weight_bf16_equals_set_weight(mode):
+    """set_weight_bf16(name, bits) (what from_pretrained hands a CPU model for a BF16 tensor) holds what
+    set_weight of the widened values holds, in each mode: the same bytes, the same logits bit for bit;
+    with one matrix's values off the BF16 grid given as float32 beside the others' bits, too."""
+    from hf_models import to_bf16_bits
+
+    cfg = config_from_dict(config_dict("kimi_like"))
+    w = _bf16_exact(random_weights(cfg, 3))
+    odd = "model.layers.1.self_attn.o_proj.weight"
+    w[odd] = random_weights(cfg, 5)[odd]  # not BF16: set as float32 in both
+    a = _native.CpuModel(cfg.to_native(), 128, bf16_weights=mode)
+    b = _native.CpuModel(cfg.to_native(), 128, bf16_weights=mode)
+    for name, arr in w.items():
+        f = np.ascontiguousarray(arr, dtype=np.float32)
+        a.set_weight(name, f)
+        if name == odd:
+            b.set_weight(name, f)
+        else:
+            b.set_weight_bf16(name, to_bf16_bits(f))
+    a.finalize()
+    b.finalize()
+    assert (a.bf16_weight_bytes, a.fp32_weight_bytes, a.memory_bytes) == \
+        (b.bf16_weight_bytes, b.fp32_weight_bytes, b.memory_bytes)
+    ids = prompt(cfg.vocab_size, 20, seed=2)
+    np.testing.assert_array_equal(a.forward(ids, np.arange(20)), b.forward(ids, np.arange(20)))
+
+
+def test_set_weight_bf16_validation():
+    """set_weight_bf16 takes uint16 bits of the config's shape; a NaN or infinity among them is refused
+    as set_weight refuses it (the tensor and the first bad index named), unless check_finite=False."""
+    cfg = config_from_dict(config_dict("ds3_base"))
+    m = _native.CpuModel(cfg.to_native(), 16)
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    shape = expected_weight_shapes(cfg)[name]
+    with pytest.raises(ValueError, match="uint16"):
+        m.set_weight_bf16(name, np.zeros(shape, np.float32))
+    with pytest.raises(ValueError, match=r"has shape"):
+        m.set_weight_bf16(name, np.zeros((shape[0], shape[1] + 1), np.uint16))
+    for pos, bits, what in ((0, 0x7FC0, "NaN"), (5, 0xFF80, "an infinity"), (9, 0xFFC1, "NaN")):
+        a = np.full(shape, 0x3F80, np.uint16)  # 1.0
+        a.flat[pos] = bits
+        a.flat[-1] = 0x7F80  # a later one: the first is named
+        with pytest.raises(ValueError, match=rf"'{name}' holds {what} at flat index {pos} "):
+            m.set_weight_bf16(name, a)
+    m.set_weight_bf16(name, a, check_finite=False)
+
+
 def test_bf16_weights_option_is_checked():
     """bf16_weights must be one of the three names; the older bf16_weight_copies maps onto it and may
     not contradict it."""
