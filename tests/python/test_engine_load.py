@@ -340,7 +340,8 @@ def test_from_pretrained_holds_one_tensor_at_a_time(tmp_path, monkeypatch):
 
 def test_iter_weights_checks_the_checkpoint_before_reading(tmp_path):
     """iter_weights raises a bad checkpoint's ValueError at the call, before any tensor is read; the
-    iterator it returns gives the tensors of load_weights, in the same order."""
+    iterator it returns gives the tensors of load_weights, in the same order (with bf16_bits, a BF16
+    tensor as its bits)."""
     from kdtree_native.checkpoint import iter_weights, load_weights
 
     root, cfg, w = make_dir(str(tmp_path / "ok"))
@@ -349,6 +350,12 @@ def test_iter_weights_checks_the_checkpoint_before_reading(tmp_path):
     assert [n for n, _ in got] == list(ref)
     for n, a in got:
         np.testing.assert_array_equal(a, ref[n])
+    # bf16_bits: a BF16 tensor comes as its bits (a read-only view of the map), the same values widened
+    broot, bcfg, _ = make_dir(str(tmp_path / "bf"), dtype="BF16")
+    bref = load_weights(broot, bcfg)
+    for n, a in iter_weights(broot, bcfg, bf16_bits=True):
+        assert a.dtype == np.uint16 and not a.flags.writeable, n
+        np.testing.assert_array_equal((a.astype(np.uint32) << 16).view(np.float32), bref[n])
     part = dict(w)
     part.pop("model.norm.weight")
     bad, cfg2, _ = make_dir(str(tmp_path / "bad"), weights=part)
