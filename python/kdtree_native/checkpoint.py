@@ -6,7 +6,8 @@ loading never holds the whole model as float32 in Python), `kn.reference` `load_
 No torch needed: the safetensors header (8-byte little-endian length + JSON) is parsed here and
 each file is memory-mapped once. F32 tensors come back as zero-copy read-only views of the
 map; BF16 / F16 are converted to float32 once (BF16 exactly, by a 16-bit shift; F16 exactly,
-by numpy). Every tensor is read at most once. With a quantization_config (quantization.py) a
+by numpy), or, asked for (`iter_weights(..., bf16_bits=True)`, what a CPU engine loads through), a
+BF16 tensor comes as its bits, a zero-copy uint16 view. Every tensor is read at most once. With a quantization_config (quantization.py) a
 quantized Linear's packed parts (`.weight_packed`, `.weight_scale`, ...) stand for its `.weight`,
 which comes back dequantized to float32 exactly as compressed-tensors computes it for HF.
 
