@@ -42,19 +42,40 @@ MINI_KIMI = {
 }
 
 
-def make_checkpoint(out: str) -> None:
-    """config.json + model.safetensors: every tensor BF16, random N(0, 1 / fan_in), norms 1."""
+# Kimi K2-Thinking's scheme: the routed experts 4-bit symmetric in groups of 32 with BF16 scales
+INT4_QC = {
+    "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+        "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group", "group_size": 32, "dynamic": False}}},
+    "format": "pack-quantized", "quant_method": "compressed-tensors", "quantization_status": "compressed",
+    "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*", r"re:.*mlp\.(gate|up|gate_up|down)_proj.*"],
+}
+
+
+def make_checkpoint(out: str, int4: bool = False) -> None:
+    """config.json + model.safetensors: every tensor BF16, random N(0, 1 / fan_in), norms 1; with int4,
+    the routed experts as compressed-tensors pack-quantized 4-bit integers (uniform in [-8, 7]) in
+    groups of 32 with BF16 scales (the values of 1 / (4 sqrt(fan_in)) times a factor in [0.5, 1.5))."""
     from kdtree_native.checkpoint import expected_weight_shapes
     from kdtree_native.config import config_from_dict
 
     os.makedirs(out, exist_ok=True)
+    cfg = dict(MINI_KIMI, quantization_config=INT4_QC) if int4 else MINI_KIMI
     with open(os.path.join(out, "config.json"), "w") as f:
-        json.dump(MINI_KIMI, f)
+        json.dump(cfg, f)
     shapes = expected_weight_shapes(config_from_dict(MINI_KIMI))
-    header, off = {}, 0
+    entries = []  # (name, dtype, shape, what)
     for name, shape in shapes.items():
-        size = int(np.prod(shape)) * 2
-        header[name] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [off, off + size]}
+        if int4 and ".mlp.experts." in name:
+            mod = name[:-len(".weight")]
+            entries += [(mod + ".weight_packed", "I32", [shape[0], shape[1] // 8], "packed"),
+                        (mod + ".weight_scale", "BF16", [shape[0], shape[1] // 32], "scale"),
+                        (mod + ".weight_shape", "I32", [2], "shape")]
+        else:
+            entries.append((name, "BF16", list(shape), "float"))
+    header, off = {}, 0
+    for name, dt, shape, _ in entries:
+        size = int(np.prod(shape)) * (4 if dt == "I32" else 2)
+        header[name] = {"dtype": dt, "shape": shape, "data_offsets": [off, off + size]}
         off += size
     head = json.dumps(header).encode()
     head += b" " * (-len(head) % 8)
@@ -62,15 +83,29 @@ def make_checkpoint(out: str) -> None:
     with open(os.path.join(out, "model.safetensors"), "wb") as f:
         f.write(struct.pack("<Q", len(head)))
         f.write(head)
-        for k, (name, shape) in enumerate(shapes.items()):
-            if name.endswith("norm.weight"):
-                v = np.ones(shape, np.float32)
+        for k, (name, dt, shape, what) in enumerate(entries):
+            if what == "packed":
+                nib = rng.integers(0, 16, (shape[0], shape[1] * 8), dtype=np.uint32)  # fields: the integer + 8
+                words = np.zeros((shape[0], shape[1]), np.uint32)
+                for j in range(8):
+                    words |= nib[:, j::8] << np.uint32(4 * j)
+                f.write(words.tobytes())
+            elif what == "scale":
+                fan = shape[1] * 32
+                v = (rng.random(shape, dtype=np.float32) + 0.5) / np.float32(4 * np.sqrt(fan))
+                f.write((v.view(np.uint32) >> 16).astype(np.uint16).tobytes())
+            elif what == "shape":
+                f.write(np.array(shapes[name[:-len("_shape")]], np.int32).tobytes())  # (module.weight's shape)
             else:
-                v = rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[-1]))
-            f.write((v.view(np.uint32) >> 16).astype(np.uint16).tobytes())  # truncated to BF16
+                if name.endswith("norm.weight"):
+                    v = np.ones(shape, np.float32)
+                else:
+                    v = rng.standard_normal(shape, dtype=np.float32) / np.float32(np.sqrt(shape[-1]))
+                f.write((v.view(np.uint32) >> 16).astype(np.uint16).tobytes())  # truncated to BF16
             if k % 200 == 0:
-                print(f"\r  writing {k + 1}/{len(shapes)} tensors", end="", file=sys.stderr, flush=True)
-    print(f"\rwrote {out} ({off / 1e6:.0f} MB of BF16 weights, {len(shapes)} tensors)", file=sys.stderr)
+                print(f"\r  writing {k + 1}/{len(entries)} tensors", end="", file=sys.stderr, flush=True)
+    print(f"\rwrote {out} ({off / 1e6:.0f} MB, {len(entries)} tensors{', INT4 experts' if int4 else ''})",
+          file=sys.stderr)
 
 
 def child(args) -> None:
@@ -122,6 +157,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("dir", nargs="?", help="checkpoint directory (BF16)")
     ap.add_argument("--make", metavar="DIR", help="write the random mini-kimi BF16 checkpoint to DIR and exit")
+    ap.add_argument("--int4", action="store_true", help="with --make: the routed experts INT4 (Kimi K2-Thinking's scheme)")
     ap.add_argument("--modes", nargs="+", default=None, help="default: only copies off (--legacy: copies off)")
     ap.add_argument("--sizes", type=int, nargs="+", default=[1, 17, 512], help="forward sizes T (default 1 17 512)")
     ap.add_argument("--reps", type=int, default=5, help="forwards timed per size and round (median)")
@@ -132,7 +168,7 @@ def main() -> int:
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.make:
-        make_checkpoint(args.make)
+        make_checkpoint(args.make, args.int4)
         return 0
     if not args.dir:
         ap.error("give a checkpoint directory (or --make DIR)")

@@ -35,4 +35,15 @@ inline float bf16_widen(uint16_t h) {
   return f;
 }
 
+// x rounded to the nearest BF16 (ties to even) as a float32 (x finite): the rounding a BF16-scaled
+// INT4 weight gets in the loader (quantization.py _round_to)
+inline float bf16_round(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, sizeof u);
+  u = (u + 0x7FFFu + ((u >> 16) & 1u)) & 0xFFFF0000u;
+  float r;
+  std::memcpy(&r, &u, sizeof r);
+  return r;
+}
+
 }  // namespace kdtree

@@ -18,6 +18,10 @@
 #include <cstring>
 #include <limits>
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 #include "common.h"
 #include "model/bf16.h"
 #include "model/ops.h"
@@ -169,6 +173,7 @@ std::vector<CpuModel::Weight*> CpuModel::weights() {
 
 void CpuModel::store(Weight& w, int64_t off, const float* data, int64_t n) {
   if (n <= 0) return;
+  if (!w.q.empty()) unpack_int4(w);  // a piece of another form: the matrix leaves the packed form
   if (bf16_mode_ == Bf16Weights::kOnly && w.f.empty() && bf16_exact(data, n)) {
     if (w.h.empty()) w.h.assign((size_t)w.n, 0);
     bf16_high_halves(data, n, w.h.data() + off);
@@ -185,6 +190,10 @@ void CpuModel::store(Weight& w, int64_t off, const float* data, int64_t n) {
 
 void CpuModel::hold(Weight& w, bool final) {
   if (w.empty()) return;
+  if (!w.q.empty()) {
+    if (bf16_mode_ == Bf16Weights::kOnly) return;  // packed 4-bit stays packed
+    unpack_int4(w);
+  }
   // (no scan of the values in kOff: every matrix is FP32 there)
   const bool exact = bf16_mode_ != Bf16Weights::kOff && (w.f.empty() || bf16_exact(w.f.data(), w.n));
   if (!exact) {
@@ -215,6 +224,7 @@ void CpuModel::hold(Weight& w, bool final) {
 
 void CpuModel::store(Weight& w, int64_t off, const uint16_t* bits, int64_t n) {
   if (n <= 0) return;
+  if (!w.q.empty()) unpack_int4(w);
   if (bf16_mode_ == Bf16Weights::kOnly && w.f.empty()) {
     if (w.h.empty()) w.h.assign((size_t)w.n, 0);
     std::memcpy(w.h.data() + off, bits, (size_t)n * sizeof(uint16_t));
@@ -227,6 +237,141 @@ void CpuModel::store(Weight& w, int64_t off, const uint16_t* bits, int64_t n) {
   for (int64_t i = 0; i < n; ++i) w.f[(size_t)(off + i)] = bf16_widen(bits[i]);
   w.h.clear();
   w.h.shrink_to_fit();
+}
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+// AVX-512: a group's 16 values computed in one vector (the same multiply and rounding as bf16_round),
+// then 16 weights a step: 8 bytes split into their nibbles, interleaved (element 2j = low nibble of byte
+// j), widened to 16 indices and looked up in the table by one permute.
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2"))) static void dequant_row_avx512(const uint8_t* q,
+                                                                                        const float* sc, int64_t K,
+                                                                                        int64_t g, float* d) {
+  const __m512 ints = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  const __m512i half = _mm512_set1_epi32(0x7FFF), one = _mm512_set1_epi32(1), top = _mm512_set1_epi32((int)0xFFFF0000u);
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int64_t k0 = 0; k0 < K; k0 += g) {
+    const __m512i u = _mm512_castps_si512(_mm512_mul_ps(ints, _mm512_set1_ps(sc[k0 / g])));
+    const __m512i r = _mm512_and_si512(
+        _mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(_mm512_srli_epi32(u, 16), one))), top);
+    const __m512 table = _mm512_castsi512_ps(r);
+    for (int64_t k = k0; k < k0 + g; k += 16) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k / 2));
+      const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+      const __m512i idx = _mm512_cvtepu8_epi32(_mm_unpacklo_epi8(lo, hi));
+      _mm512_storeu_ps(d + k, _mm512_permutexvar_ps(idx, table));
+    }
+  }
+}
+#endif
+
+void CpuModel::dequant_rows(const Weight& w, int64_t off, int64_t rows, int64_t K, int64_t ldw, float* dst) {
+  // per group of qg weights along a row: the 16 values its nibbles stand for, then a lookup a weight
+  const int64_t g = w.qg;
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  // (with the skinny kernels' ISA: KDTREE_CPU_ISA=avx2 / sgemm_set_skinny_isa("avx2") take the scalar loop below)
+  if (g % 16 == 0 && std::strcmp(sgemm_skinny_isa(), "avx512") == 0) {
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t e0 = off + r * ldw;
+      dequant_row_avx512(w.q.data() + e0 / 2, w.qs.data() + e0 / g, K, g, dst + r * K);
+    }
+    return;
+  }
+#endif
+  float table[16];
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t e0 = off + r * ldw;  // a multiple of g (rows start on group boundaries), so even
+    const uint8_t* q = w.q.data() + e0 / 2;
+    const float* sc = w.qs.data() + e0 / g;
+    float* d = dst + r * K;
+    for (int64_t k0 = 0; k0 < K; k0 += g) {
+      const float s = sc[k0 / g];
+      for (int j = 0; j < 16; ++j) table[j] = bf16_round((float)(j - 8) * s);
+      for (int64_t k = k0; k < k0 + g; k += 2) {
+        const uint8_t b = q[k / 2];
+        d[k] = table[b & 15];
+        d[k + 1] = table[b >> 4];
+      }
+    }
+  }
+}
+
+void CpuModel::unpack_int4(Weight& w) {
+  std::vector<float> v((size_t)w.n);
+  dequant_rows(w, 0, 1, w.n, w.n, v.data());  // one "row" of n: groups run along it
+  w.q.clear();
+  w.q.shrink_to_fit();
+  w.qs.clear();
+  w.qs.shrink_to_fit();
+  w.qg = 0;
+  if (bf16_mode_ == Bf16Weights::kOnly) {  // the values are exactly BF16
+    w.h.resize((size_t)w.n);
+    bf16_high_halves(v.data(), w.n, w.h.data());
+  } else {
+    w.f = std::move(v);
+  }
+}
+
+void CpuModel::store_int4(Weight& w, int64_t off, const uint8_t* packed, const float* scales, int64_t g, int64_t n) {
+  if (n <= 0) return;
+  const bool keep = bf16_mode_ == Bf16Weights::kOnly && w.f.empty() && w.h.empty() && (w.qg == 0 || w.qg == g) &&
+                    off % g == 0 && n % g == 0 && w.n % g == 0;
+  if (!keep) {  // dequantized on arrival
+    Weight piece;
+    piece.n = n;
+    piece.qg = g;
+    piece.q.assign(packed, packed + n / 2);
+    piece.qs.assign(scales, scales + n / g);
+    std::vector<float> v((size_t)n);
+    dequant_rows(piece, 0, 1, n, n, v.data());
+    store(w, off, v.data(), n);
+    return;
+  }
+  if (w.q.empty()) {
+    w.q.assign((size_t)(w.n / 2), 0x88);  // nibble 8: the integer 0 (zeros where nothing arrived yet)
+    w.qs.assign((size_t)(w.n / g), 0.f);
+    w.qg = g;
+  }
+  std::memcpy(w.q.data() + off / 2, packed, (size_t)(n / 2));
+  std::memcpy(w.qs.data() + off / g, scales, (size_t)(n / g) * sizeof(float));
+}
+
+void CpuModel::set_weight_int4(const std::string& name, const uint8_t* packed, const float* scales, int64_t group,
+                               const std::vector<int64_t>& shape) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++epoch_;
+  int64_t n = 0;
+  Slot& s = slot_for(name, shape, &n);
+  if (s.kind != kCopy || s.w == nullptr || shape.size() != 2)
+    throw Error("set_weight_int4: '" + name + "' is not a weight matrix the CPU model takes packed");
+  const int64_t K = shape[1];
+  if (group <= 0 || group % 2 || K % group)
+    throw Error("set_weight_int4: '" + name + "': group size " + std::to_string(group) + " must be even and divide " +
+                "the input width " + std::to_string(K));
+  if (n > 0 && (packed == nullptr || scales == nullptr)) throw Error("set_weight_int4: null data for '" + name + "'");
+  // the loader's checks: finite scales, and no weight overflowing BF16 (the largest integer of each group times its
+  // scale, rounded)
+  const int64_t groups = n / group;
+  for (int64_t i = 0; i < groups; ++i) {
+    if (!std::isfinite(scales[i]))
+      throw Error("set_weight_int4: '" + name + "': scale " + std::to_string(i) + " is not finite");
+    int most = 0;
+    for (int64_t k = i * group; k < (i + 1) * group; k += 2) {
+      const uint8_t b = packed[k / 2];
+      most = std::max({most, std::abs((int)(b & 15) - 8), std::abs((int)(b >> 4) - 8)});
+    }
+    if (!std::isfinite(bf16_round((float)most * std::fabs(scales[i]))))
+      throw Error("set_weight_int4: '" + name + "': the dequantized weight overflows BF16 (scale " + std::to_string(i) +
+                  " too large)");
+  }
+  store_int4(*s.w, s.off, packed, scales, group, n);
+  s.set = true;
+  finalized_ = false;
+}
+
+int64_t CpuModel::int4_weight_bytes() const {
+  int64_t n = 0;
+  for (Weight* w : const_cast<CpuModel*>(this)->weights()) n += (int64_t)(w->q.size() + w->qs.size() * sizeof(float));
+  return n;
 }
 
 CpuModel::Slot& CpuModel::slot_for(const std::string& name, const std::vector<int64_t>& shape, int64_t* n) {
@@ -672,12 +817,28 @@ int64_t CpuModel::fp32_weight_bytes() const {
 
 void CpuModel::wgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const Weight& w, int64_t off,
                      int64_t ldw, float* C, int64_t ldc, bool trans_b) const {
+  static thread_local std::vector<float> widen_;  // (kept: prefill calls come in series; not in memory_bytes)
+  if (!w.q.empty() && trans_b) {
+    // Packed 4-bit: rows dequantized into this thread's buffer, each block one sgemm over its columns
+    // of C, laid out as the BF16 matrix's GEMM would run: where the skinny kernels take the whole
+    // shape, blocks of 16 rows (each takes them too, and their tiles start on the same multiples of 8
+    // and 4 as the whole call's: the same bits); else the blocks of the widening path below.
+    const int64_t rows = sgemm_skinny_takes(M, N, K)
+                             ? 16
+                             : std::min<int64_t>(N, std::max<int64_t>((int64_t)1 << 19, 1024 * K) / std::max<int64_t>(K, 1));
+    if ((int64_t)widen_.size() < rows * K) widen_.resize((size_t)(rows * K));
+    for (int64_t n0 = 0; n0 < N; n0 += rows) {
+      const int64_t nr = std::min(rows, N - n0);
+      dequant_rows(w, off + n0 * ldw, nr, K, ldw, widen_.data());
+      sgemm(true, M, nr, K, 1.f, A, lda, widen_.data(), K, 0.f, C + n0, ldc);
+    }
+    return;
+  }
   if (!w.h.empty() && sgemm_bf16_weights(M, N, K, 1.f, A, lda, w.h.data() + off, ldw, 0.f, C, ldc, trans_b)) return;
   if (!w.f.empty()) {
     sgemm(trans_b, M, N, K, 1.f, A, lda, w.f.data() + off, ldw, 0.f, C, ldc);
     return;
   }
-  static thread_local std::vector<float> widen_;  // (kept: prefill calls come in series; not in memory_bytes)
   if (!trans_b) {  // W [K, N] (a head's W_UK: small): widened whole
     if ((int64_t)widen_.size() < K * N) widen_.resize((size_t)(K * N));
     for (int64_t k = 0; k < K; ++k)
@@ -704,7 +865,7 @@ void CpuModel::wgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t ld
 }
 
 int64_t CpuModel::memory_bytes() const {
-  size_t n = final_ln_.size() + (size_t)(bf16_weight_bytes() + fp32_weight_bytes()) / sizeof(float);
+  size_t n = final_ln_.size() + (size_t)(bf16_weight_bytes() + fp32_weight_bytes() + int4_weight_bytes()) / sizeof(float);
   for (const Layer& ly : layers_) {
     for (const std::vector<float>* v : {&ly.input_ln, &ly.post_ln, &ly.q_a_ln, &ly.kv_a_ln, &ly.router_bias, &ly.cache})
       n += v->size();

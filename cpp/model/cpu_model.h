@@ -43,6 +43,18 @@ class CpuModel : public TargetModel {
   // set_weight of a BF16 tensor given as its bits (a BF16 checkpoint's bytes as they are stored): the
   // same as set_weight of the widened values, without widening them first (kOnly keeps the bits).
   void set_weight_bf16(const std::string& name, const uint16_t* bits, const std::vector<int64_t>& shape);
+  // set_weight of a symmetric 4-bit group-quantized matrix [N, K] with BF16 scales (compressed-tensors
+  // pack-quantized, Kimi K2-Thinking's experts): packed [N, K / 2] bytes, element 2j in the low nibble
+  // of byte j, each nibble the integer + 8 (the checkpoint's int32 words read as bytes); scales [N, K /
+  // group] (the BF16 values as floats). The weight is bf16_round((nibble - 8) * scale), exactly what
+  // the loader's dequantization gives. With bf16_weights "only" the matrix is held packed (half a
+  // byte a weight plus a float per group) and the GEMMs dequantize rows into a per-thread buffer as
+  // they go (the same bits as on the BF16 matrix); otherwise, or when the matrix also gets pieces of
+  // another form, it is dequantized on arrival. Throws Error on a scale that is not finite or that
+  // overflows BF16 (the loader's checks), on group not dividing K, or for kv_b_proj / a vector.
+  void set_weight_int4(const std::string& name, const uint8_t* packed, const float* scales, int64_t group,
+                       const std::vector<int64_t>& shape);
+  int64_t int4_weight_bytes() const;  // bytes of matrices held packed (nibbles + scales)
   std::vector<std::string> missing_weights() const override;
   void finalize() override;
   bool finalized() const override { return finalized_; }
@@ -86,7 +98,10 @@ class CpuModel : public TargetModel {
     bool gemm = true;           // read by GEMMs (false: the untied embedding, only looked up)
     std::vector<float> f;       // FP32 values, or empty
     std::vector<uint16_t> h;    // BF16 bits, or empty
-    bool empty() const { return f.empty() && h.empty(); }
+    std::vector<uint8_t> q;     // or 4-bit integers, two a byte (set_weight_int4), with
+    std::vector<float> qs;      //   a scale per group of qg weights along a row
+    int64_t qg = 0;
+    bool empty() const { return f.empty() && h.empty() && q.empty(); }
   };
   struct Layer {
     std::vector<float> input_ln, post_ln;          // [Dm]
@@ -131,6 +146,12 @@ class CpuModel : public TargetModel {
   // Writes n values of w from element off on, as the mode holds them (allocating w on first use).
   void store(Weight& w, int64_t off, const float* data, int64_t n);
   void store(Weight& w, int64_t off, const uint16_t* bits, int64_t n);  // BF16 bits
+  // packed 4-bit pieces (set_weight_int4): kept packed when the mode and the matrix allow, else
+  // dequantized into store(float)
+  void store_int4(Weight& w, int64_t off, const uint8_t* packed, const float* scales, int64_t g, int64_t n);
+  void unpack_int4(Weight& w);  // a packed matrix dequantized into h (kOnly) or f
+  // rows [rows, K] of a packed matrix from element off on (row stride ldw) dequantized into dst [rows, K]
+  static void dequant_rows(const Weight& w, int64_t off, int64_t rows, int64_t K, int64_t ldw, float* dst);
   Slot& slot_for(const std::string& name, const std::vector<int64_t>& shape, int64_t* n);  // checked
   template <class T>
   void set_any(const std::string& name, const T* data, const std::vector<int64_t>& shape);

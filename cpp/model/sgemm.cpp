@@ -622,6 +622,16 @@ const char* sgemm_skinny_isa() {
 #endif
 }
 
+bool sgemm_skinny_takes(int64_t M, int64_t N, int64_t K) {
+  if (g_force_portable.load(std::memory_order_relaxed)) return false;
+#ifdef KD_SKINNY
+  return skinny_takes(M, N, K);
+#else
+  (void)M, (void)N, (void)K;
+  return false;
+#endif
+}
+
 const char* sgemm_backend() {
 #ifdef KDTREE_HAVE_CBLAS
   if (g_force_portable.load()) return "portable";

@@ -32,6 +32,10 @@ void sgemm_portable(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, 
 bool sgemm_bf16_weights(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const uint16_t* B,
                         int64_t ldb, float beta, float* C, int64_t ldc, bool trans_b = true);
 
+// Whether sgemm() / sgemm_bf16_weights() would take the skinny kernels for a B^T GEMM of this shape now
+// (false with the portable kernel forced, or without AVX2).
+bool sgemm_skinny_takes(int64_t M, int64_t N, int64_t K);
+
 // Which implementation sgemm() uses now: "cblas" or "portable".
 const char* sgemm_backend();
 // The skinny kernels' vector ISA on this CPU: "avx512", "avx2" or "none" (no skinny kernels);

@@ -27,12 +27,12 @@ import mmap
 import os
 import re
 import struct
-from typing import Callable, Iterator, Optional, Tuple
+from typing import Callable, Iterator, NamedTuple, Optional, Tuple
 
 import numpy as np
 
 from .config import ModelConfig
-from .quantization import dequantize_fp8, dequantize_packed
+from .quantization import dequantize_fp8, dequantize_packed, packed_int4
 
 __all__ = ["expected_weight_shapes", "iter_weights", "load_weights", "read_safetensors_header", "SafetensorsFile"]
 
@@ -315,6 +315,25 @@ def _quant_parts_problem(parts: dict, scheme, shape: tuple) -> Optional[str]:
     return None
 
 
+class PackedInt4(NamedTuple):
+    """A 4-bit group-quantized weight as `CpuModel.set_weight_int4` takes it (quantization.packed_int4)."""
+    packed: np.ndarray   # uint8 [out, in / 2]
+    scales: np.ndarray   # float32 [out, in / group]
+    group: int
+
+
+def _packed_int4(module: str, shape, scheme, parts: dict) -> Optional[PackedInt4]:
+    """The weight in the packed form the CPU model holds, when its scheme allows (else None)."""
+    if ".weight_scale_inv" in parts or ".weight_packed" not in parts:
+        return None
+    st, full = parts[".weight_scale"]
+    sdt = st.dtype(full)
+    zp = parts.get(".weight_zero_point")
+    got = packed_int4(module, scheme, shape, parts[".weight_packed"][0].raw(parts[".weight_packed"][1]),
+                      _to_float(st.raw(full), sdt, np.float32), sdt, None if zp is None else zp[0].raw(zp[1]))
+    return None if got is None else PackedInt4(*got)
+
+
 def _dequantize(module: str, shape, scheme, parts: dict) -> np.ndarray:
     if ".weight_scale_inv" in parts:   # FP8
         st, full = parts[".weight_scale_inv"]
@@ -346,14 +365,16 @@ def load_weights(model_dir, cfg: ModelConfig, dtype=np.float32,
 
 def iter_weights(model_dir, cfg: ModelConfig, dtype=np.float32,
                  progress: Optional[Callable[[int, int], None]] = None,
-                 bf16_bits: bool = False) -> Iterator[Tuple[str, np.ndarray]]:
+                 bf16_bits: bool = False, int4_packed: bool = False) -> Iterator[Tuple[str, np.ndarray]]:
     """`load_weights` one tensor at a time: checks the whole checkpoint against the config first
     (the same errors, raised by this call, before any tensor is read), then returns an iterator of
     (name, array) that reads, widens or dequantizes each tensor when it is asked for. A consumer that
     drops each array before asking for the next (Engine.from_pretrained) holds one tensor at a time,
     never the whole model as float32. bf16_bits: a tensor stored as BF16 comes as its bits instead, a
     read-only uint16 view of the memory map (no copy; `CpuModel.set_weight_bf16` takes it), every
-    other one as `dtype`."""
+    other one as `dtype`. int4_packed: a symmetric 4-bit group-quantized weight with BF16 scales comes
+    as a `PackedInt4` (its integers and scales, checked as the dequantization checks them;
+    `CpuModel.set_weight_int4` takes it) instead of dequantized."""
     model_dir = os.fspath(model_dir)
     dtype = np.dtype(dtype)
     if dtype.kind != "f":
@@ -478,8 +499,11 @@ def iter_weights(model_dir, cfg: ModelConfig, dtype=np.float32,
         total = len(expected)
         for k, name in enumerate(expected):      # each tensor read exactly once
             if name in quantized:
-                w = _dequantize(prefix + name[:-len(".weight")], expected[name], *quantized[name])
-                w = w if dtype == np.float32 else w.astype(dtype)
+                module = prefix + name[:-len(".weight")]
+                w = _packed_int4(module, expected[name], *quantized[name]) if int4_packed else None
+                if w is None:
+                    w = _dequantize(module, expected[name], *quantized[name])
+                    w = w if dtype == np.float32 else w.astype(dtype)
             else:
                 st, full = where[name]
                 raw = st.raw(full)

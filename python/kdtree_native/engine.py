@@ -24,7 +24,7 @@ from typing import Callable, Optional, Union
 import numpy as np
 
 from . import _native
-from .checkpoint import iter_weights
+from .checkpoint import PackedInt4, iter_weights
 from .config import ModelConfig, load_config
 
 __all__ = ["Engine"]
@@ -172,8 +172,9 @@ class Engine:
         cfg = load_config(model_dir)
         # (checked whole here; then read one tensor at a time as the model takes them)
         # (a CPU model takes a BF16 tensor as its bits: no float32 copy of it is made at all)
+        # and a 4-bit group-quantized one packed, as it is stored (docs/MODEL.md)
         bits = device == "cpu"
-        weights = iter_weights(model_dir, cfg, progress=progress, bf16_bits=bits)
+        weights = iter_weights(model_dir, cfg, progress=progress, bf16_bits=bits, int4_packed=bits)
         eng = cls._build(cfg, weights, device, int(max_seq_len), cuda_options, cpu_options, bool(check_finite),
                          bf16_bits=bits)
         eng.model_dir = model_dir
@@ -228,7 +229,9 @@ class Engine:
                 yield from weights
 
         for name, arr in pairs():
-            if bf16_bits and arr.dtype == np.uint16:  # BF16 bits (iter_weights(bf16_bits=True))
+            if isinstance(arr, PackedInt4):  # (iter_weights(int4_packed=True), asked for on the CPU only)
+                model.set_weight_int4(name, arr.packed, arr.scales, arr.group)
+            elif bf16_bits and arr.dtype == np.uint16:  # BF16 bits (iter_weights(bf16_bits=True))
                 model.set_weight_bf16(name, arr, check_finite)
             else:
                 model.set_weight(name, np.ascontiguousarray(arr, dtype=np.float32), check_finite)

@@ -246,22 +246,12 @@ def _round_to(x32: np.ndarray, st_dtype: str) -> np.ndarray:
     return rounded.view(np.float32)
 
 
-def dequantize_packed(module: str, scheme: WeightQuantization, shape, packed: np.ndarray, scale: np.ndarray,
-                      scale_dtype: str, zero_point: Optional[np.ndarray] = None) -> np.ndarray:
-    """One quantized Linear's weight as float32 [out, in].
-
-    packed      int32 [out, in * bits / 32]
-    scale       float32 values of the stored scales (BF16 / F16 widened exactly), shape by strategy:
-                group [out, in / group_size], channel [out, 1], tensor [1]
-    scale_dtype the stored scale dtype ("BF16", "F16", "F32"): the dtype the product is rounded to
-    zero_point  asymmetric schemes: int32 packed [ceil(out * bits / 32), groups] (group / channel,
-                packed along the output dimension) or integer [1] (tensor)
-    Raises ValueError naming `module` on a shape that does not fit or a non-finite scale / result.
-    """
+def _check_packed(module: str, scheme: WeightQuantization, shape, packed: np.ndarray, scale: np.ndarray):
+    """dequantize_packed's checks of the packed integers' and the scales' shapes and of the scales'
+    values (ValueError naming `module`); returns (scales as float32 in their strategy's shape, groups a row)."""
     out, cols = int(shape[0]), int(shape[1])
     bits = scheme.num_bits
-    per = 32 // bits
-    want_packed = (out, -(-cols // per))
+    want_packed = (out, -(-cols // (32 // bits)))
     if tuple(packed.shape) != want_packed:
         raise ValueError(f"{module}.weight_packed: shape {list(packed.shape)}, expected {list(want_packed)} "
                          f"({bits}-bit fields of a [{out}, {cols}] weight)")
@@ -284,7 +274,41 @@ def dequantize_packed(module: str, scheme: WeightQuantization, shape, packed: np
                          f"(strategy {scheme.strategy!r})")
     if not np.isfinite(s).all():
         raise ValueError(f"{module}.weight_scale contains NaN or inf")
+    return s, ngroups
 
+
+def packed_int4(module: str, scheme: WeightQuantization, shape, packed: np.ndarray, scale: np.ndarray,
+                scale_dtype: str, zero_point: Optional[np.ndarray] = None):
+    """The form `CpuModel.set_weight_int4` holds a quantized Linear in, (packed uint8 [out, in / 2],
+    scales float32 [out, in / group], group), for a symmetric 4-bit group scheme with BF16 scales (Kimi
+    K2-Thinking's experts) and an input width that fills whole int32 words: the checkpoint's int32 words
+    read as bytes (little-endian: element 2j in the low nibble of byte j), after the checks of
+    dequantize_packed (the same errors). None for any other scheme (then the weight is dequantized)."""
+    out, cols = int(shape[0]), int(shape[1])
+    if not (scheme.num_bits == 4 and scheme.strategy == "group" and scheme.symmetric and zero_point is None
+            and scale_dtype == "BF16" and scheme.group_size % 2 == 0 and cols % 8 == 0):
+        return None
+    s, ngroups = _check_packed(module, scheme, shape, packed, scale)
+    words = np.ascontiguousarray(packed).view("<u4")
+    return words.view(np.uint8).reshape(out, cols // 2), np.ascontiguousarray(s, dtype=np.float32), scheme.group_size
+
+
+def dequantize_packed(module: str, scheme: WeightQuantization, shape, packed: np.ndarray, scale: np.ndarray,
+                      scale_dtype: str, zero_point: Optional[np.ndarray] = None) -> np.ndarray:
+    """One quantized Linear's weight as float32 [out, in].
+
+    packed      int32 [out, in * bits / 32]
+    scale       float32 values of the stored scales (BF16 / F16 widened exactly), shape by strategy:
+                group [out, in / group_size], channel [out, 1], tensor [1]
+    scale_dtype the stored scale dtype ("BF16", "F16", "F32"): the dtype the product is rounded to
+    zero_point  asymmetric schemes: int32 packed [ceil(out * bits / 32), groups] (group / channel,
+                packed along the output dimension) or integer [1] (tensor)
+    Raises ValueError naming `module` on a shape that does not fit or a non-finite scale / result.
+    """
+    out, cols = int(shape[0]), int(shape[1])
+    bits = scheme.num_bits
+    per = 32 // bits
+    s, ngroups = _check_packed(module, scheme, shape, packed, scale)
     q = unpack_fields(packed, bits, cols).astype(np.float32)              # exact small integers
     if not scheme.symmetric:
         if zero_point is None:

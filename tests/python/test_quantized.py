@@ -21,7 +21,7 @@ import pytest
 
 import kdtree_native as kn
 from hf_models import config_dict, random_weights, to_bf16, to_bf16_bits
-from kdtree_native.checkpoint import load_weights
+from kdtree_native.checkpoint import expected_weight_shapes, load_weights
 from kdtree_native.config import config_from_dict, load_config
 from kdtree_native.quantization import WeightQuantization, dequantize_packed, unpack_fields
 from test_checkpoint import write_safetensors
@@ -735,3 +735,151 @@ def test_fp8_checkpoint_matches_hf_transformers(fp8_checkpoint):
 @pytest.mark.cuda
 def test_fp8_checkpoint_on_cuda_matches_cpu(fp8_checkpoint):
     test_int4_checkpoint_on_cuda_matches_cpu(fp8_checkpoint)
+
+
+# ---- the CPU model holds 4-bit weights packed ----------------------------------------------------
+
+@pytest.fixture(scope="module")
+def int4_dir(tmp_path_factory):
+    """A Kimi-like checkpoint with BF16 non-expert weights and INT4 experts (group 32, BF16 scales),
+    written by the field writer above; and its dequantized weights."""
+    d = config_dict(KIMI_LIKE)
+    weights = {k: to_bf16(v) for k, v in random_weights(config_from_dict(d), seed=8).items()}
+    path = tmp_path_factory.mktemp("int4")
+    expect = write_quantized(path, d, KIMI_QC, weights, is_expert, "BF16")
+    return path, config_from_dict(d), expect
+
+
+def _int4_bytes(cfg):
+    """What the packed experts take: half a byte a weight, a float a group of 32."""
+    n = 0
+    for name, shape in expected_weight_shapes(cfg).items():
+        if is_expert(name):
+            n += shape[0] * shape[1] // 2 + shape[0] * shape[1] // 32 * 4
+    return n
+
+
+def _outputs(eng, cfg, long_prefill=0):
+    from tree_cases import path_to, random_tree
+
+    eng.reset()
+    rng = np.random.default_rng(3)
+    outs = [eng.prefill(rng.integers(0, cfg.vocab_size, 30))]
+    for i, T in enumerate((1, 2, 5, 9, 17, 33)):
+        parents, depths, vis = random_tree(T, seed=40 + i)
+        outs.append(eng.forward(rng.integers(0, cfg.vocab_size, T), eng.cache_len + depths, vis))
+        eng.commit(path_to(parents, T - 1))
+    if long_prefill:
+        eng.reset()
+        outs.append(eng.prefill(rng.integers(0, cfg.vocab_size, long_prefill)))
+    return outs
+
+
+def _assert_same(a, b, what=""):
+    for i, (x, y) in enumerate(zip(a, b)):
+        np.testing.assert_array_equal(x, y, err_msg=f"{what} output {i}")
+
+
+@pytest.mark.parametrize("isa", ["avx2", "avx512"])
+def test_cpu_holds_int4_packed_with_the_same_bits(int4_dir, isa):
+    """from_pretrained on the CPU holds the INT4 experts packed (half a byte a weight plus a float a
+    group; int4_weight_bytes), and its logits are the bits of the engine on the dequantized weights
+    (held as BF16): a prefill, tree verifies of 1..33 tokens after commits, a 300-token prefill, with
+    each skinny ISA and on the portable SGEMM (the GEMMs' other blocking); DDTree == AR."""
+    from kdtree_native import _native
+    from kdtree_native.drafters import NgramDrafter
+
+    isa0 = _native.sgemm_skinny_isa()
+    if not _native.sgemm_set_skinny_isa(isa):
+        pytest.skip(f"no {isa} skinny kernels here")
+    try:
+        path, cfg, _ = int4_dir
+        packed = kn.Engine.from_pretrained(path, device="cpu", max_seq_len=512)
+        ref = kn.Engine.from_weights(cfg, load_weights(path, load_config(path)), device="cpu", max_seq_len=512)
+        assert packed.model.int4_weight_bytes == _int4_bytes(cfg) > 0
+        assert ref.model.int4_weight_bytes == 0
+        assert packed.model.memory_bytes < ref.model.memory_bytes
+        _assert_same(_outputs(packed, cfg, 300), _outputs(ref, cfg, 300), isa)
+        _native.sgemm_force_portable(True)
+        try:
+            _assert_same(_outputs(packed, cfg, 300), _outputs(ref, cfg, 300), "portable")
+        finally:
+            _native.sgemm_force_portable(False)
+        ids = np.array([3, 9, 27, 81, 100, 5, 7])
+        ar = packed.generate(ids, 24)
+        assert np.array_equal(ar.tokens, ref.generate(ids, 24).tokens)
+        dd = packed.generate(ids, 24, drafter=NgramDrafter(), tree_budget=8, depth=4)
+        assert np.array_equal(dd.tokens, ar.tokens)
+    finally:
+        if isa0 != "none":
+            _native.sgemm_set_skinny_isa(isa0)
+
+
+def test_int4_across_modes_and_replaced_pieces(int4_dir):
+    """With bf16_weights 'copies' / 'off' the INT4 experts are dequantized on arrival; a packed model
+    switched to 'off' and back unpacks them (to BF16: not packed again); a float piece set into a packed
+    stack after loading unpacks that stack alone. The logits stay those of the dequantized model."""
+    path, cfg, _ = int4_dir
+    ref = kn.Engine.from_weights(cfg, load_weights(path, load_config(path)), device="cpu", max_seq_len=128)
+    want = _outputs(ref, cfg)
+    for mode in ("copies", "off"):
+        e = kn.Engine.from_pretrained(path, device="cpu", max_seq_len=128, cpu_options={"bf16_weights": mode})
+        assert e.model.int4_weight_bytes == 0
+        _assert_same(_outputs(e, cfg), want, mode)
+    e = kn.Engine.from_pretrained(path, device="cpu", max_seq_len=128)
+    full = e.model.int4_weight_bytes
+    e.model.set_bf16_weights("off")
+    assert e.model.int4_weight_bytes == 0 and e.model.bf16_weight_bytes == 0
+    _assert_same(_outputs(e, cfg), want, "off")
+    e.model.set_bf16_weights("only")
+    assert e.model.int4_weight_bytes == 0 and e.model.fp32_weight_bytes == 0
+    _assert_same(_outputs(e, cfg), want, "only again")
+    e = kn.Engine.from_pretrained(path, device="cpu", max_seq_len=128)
+    layer = cfg.first_k_dense_replace
+    name = f"model.layers.{layer}.mlp.experts.1.down_proj.weight"
+    new = to_bf16(np.random.default_rng(9).standard_normal(expected_weight_shapes(cfg)[name]) * 0.05)
+    e.model.set_weight(name, new)
+    e.model.finalize()
+    stack = cfg.n_routed_experts * cfg.hidden_size * cfg.moe_intermediate_size  # experts_down of that layer
+    assert e.model.int4_weight_bytes == full - (stack // 2 + stack // 32 * 4)
+    w = load_weights(path, load_config(path))
+    w[name] = new
+    _assert_same(_outputs(e, cfg), _outputs(kn.Engine.from_weights(cfg, w, device="cpu", max_seq_len=128), cfg),
+                 "replaced piece")
+
+
+def test_set_weight_int4_validation():
+    """set_weight_int4: the layout's shapes, a group that divides the width, finite scales, no weight
+    overflowing BF16, and a weight matrix of the model (not kv_b_proj, not a vector): ValueErrors."""
+    from kdtree_native import _native
+
+    cfg = config_from_dict(config_dict(KIMI_LIKE))
+    m = _native.CpuModel(cfg.to_native(), 16)
+    name = "model.layers.1.mlp.experts.0.down_proj.weight"
+    N, K = expected_weight_shapes(cfg)[name]
+    p = np.full((N, K // 2), 0x88, np.uint8)
+    s = np.ones((N, K // 32), np.float32)
+    m.set_weight_int4(name, p, s, 32)
+    with pytest.raises(ValueError, match="packed must be uint8"):
+        m.set_weight_int4(name, p.astype(np.int32), s, 32)
+    with pytest.raises(ValueError, match="do not fit"):
+        m.set_weight_int4(name, p, s[:, :-1], 32)
+    with pytest.raises(ValueError, match="has shape"):
+        m.set_weight_int4(name, p[:-1], s[:-1], 32)
+    with pytest.raises(ValueError, match="do not fit"):
+        m.set_weight_int4(name, p, s, 24)
+    bad = s.copy()
+    bad[2, 0] = np.nan
+    with pytest.raises(ValueError, match="scale 2 is not finite"):
+        m.set_weight_int4(name, p, bad, 32)
+    big = s.copy()
+    big[0, 0] = 3e38
+    q = p.copy()
+    q[0, 0] = 0x80  # the integer -8 in the low nibble
+    with pytest.raises(ValueError, match="overflows BF16"):
+        m.set_weight_int4(name, q, big, 32)
+    m.set_weight_int4(name, p, big, 32)  # only zeros in that group: 0 * 3e38 does not overflow
+    kvb = "model.layers.0.self_attn.kv_b_proj.weight"
+    Nk, Kk = expected_weight_shapes(cfg)[kvb]
+    with pytest.raises(ValueError, match="not a weight matrix the CPU model takes packed"):
+        m.set_weight_int4(kvb, np.full((Nk, Kk // 2), 0x88, np.uint8), np.ones((Nk, Kk // 8), np.float32), 8)
