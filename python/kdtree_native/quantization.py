@@ -28,8 +28,10 @@ the result is that product rounded once to the scale's dtype (round to nearest e
 scales it is the float32 product. The weights therefore come out exactly representable in the
 scale's dtype (BF16 for Kimi), so the CPU model holds them as BF16 and the GPU model's BF16
 weight copies apply to them, as to any BF16 checkpoint. The engine computes in float32 on the
-dequantized weights (W4A16 semantics with FP32 activations); the packed integers are not kept (no
-INT4 kernels yet: memory is that of the BF16 model on the CPU, of FP32 plus copies on the GPU).
+dequantized weights (W4A16 semantics with FP32 activations). A symmetric 4-bit group scheme with
+BF16 scales is handed to a CPU model packed instead (`packed_int4`, `CpuModel.set_weight_int4`: it
+dequantizes rows to these same values inside its GEMMs); the GPU model gets the dequantized weights
+(memory: FP32 plus copies there).
 
 Accepted: config groups whose weights are `type` "int", `num_bits` 1, 2, 4 or 8 (the widths for
 which every compressed-tensors release packs the same way: 32 / bits fields per int32, field j
