@@ -341,7 +341,7 @@ void CpuModel::set_weight_int4(const std::string& name, const uint8_t* packed, c
   ++epoch_;
   int64_t n = 0;
   Slot& s = slot_for(name, shape, &n);
-  if (s.kind != kCopy || s.w == nullptr || shape.size() != 2)
+  if (s.kind != kCopy || s.w == nullptr || s.w == &embed_ || shape.size() != 2)  // (the embedding is looked up)
     throw Error("set_weight_int4: '" + name + "' is not a weight matrix the CPU model takes packed");
   const int64_t K = shape[1];
   if (group <= 0 || group % 2 || K % group)

@@ -850,7 +850,8 @@ def test_int4_across_modes_and_replaced_pieces(int4_dir):
 
 def test_set_weight_int4_validation():
     """set_weight_int4: the layout's shapes, a group that divides the width, finite scales, no weight
-    overflowing BF16, and a weight matrix of the model (not kv_b_proj, not a vector): ValueErrors."""
+    overflowing BF16, and a weight matrix of the model (not kv_b_proj, not the embedding, which is looked
+    up, not a vector): ValueErrors."""
     from kdtree_native import _native
 
     cfg = config_from_dict(config_dict(KIMI_LIKE))
@@ -879,6 +880,10 @@ def test_set_weight_int4_validation():
     with pytest.raises(ValueError, match="overflows BF16"):
         m.set_weight_int4(name, q, big, 32)
     m.set_weight_int4(name, p, big, 32)  # only zeros in that group: 0 * 3e38 does not overflow
+    Ve, De = expected_weight_shapes(cfg)["model.embed_tokens.weight"]
+    with pytest.raises(ValueError, match="not a weight matrix the CPU model takes packed"):
+        m.set_weight_int4("model.embed_tokens.weight", np.full((Ve, De // 2), 0x88, np.uint8),
+                          np.ones((Ve, De // 32), np.float32), 32)
     kvb = "model.layers.0.self_attn.kv_b_proj.weight"
     Nk, Kk = expected_weight_shapes(cfg)[kvb]
     with pytest.raises(ValueError, match="not a weight matrix the CPU model takes packed"):
