@@ -262,17 +262,52 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx2"))) static void dequant_ro
     }
   }
 }
+
+// AVX2: the same, the 16 values in two 8-float halves: each index looked up in both by a permute of its
+// low 3 bits, the half chosen by its bit 3 (moved to the sign bit for the blend).
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 bf16_round_avx2(__m256 x) {
+  const __m256i u = _mm256_castps_si256(x);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+  return _mm256_castsi256_ps(_mm256_and_si256(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), lsb)),
+                                              _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
+__attribute__((target("avx2,fma"), always_inline)) static inline __m256 lookup16_avx2(__m256 lo, __m256 hi, __m256i idx) {
+  const __m256 sel = _mm256_castsi256_ps(_mm256_slli_epi32(idx, 28));  // bit 3 -> the sign bit
+  return _mm256_blendv_ps(_mm256_permutevar8x32_ps(lo, idx), _mm256_permutevar8x32_ps(hi, idx), sel);
+}
+
+__attribute__((target("avx2,fma"))) static void dequant_row_avx2(const uint8_t* q, const float* sc, int64_t K,
+                                                                 int64_t g, float* d) {
+  const __m256 ints_lo = _mm256_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1), ints_hi = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m128i low4 = _mm_set1_epi8(0x0F);
+  for (int64_t k0 = 0; k0 < K; k0 += g) {
+    const __m256 s = _mm256_set1_ps(sc[k0 / g]);
+    const __m256 tlo = bf16_round_avx2(_mm256_mul_ps(ints_lo, s)), thi = bf16_round_avx2(_mm256_mul_ps(ints_hi, s));
+    for (int64_t k = k0; k < k0 + g; k += 16) {
+      const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + k / 2));
+      const __m128i lo = _mm_and_si128(b, low4), hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+      const __m128i x = _mm_unpacklo_epi8(lo, hi);  // 16 indices, element order
+      _mm256_storeu_ps(d + k, lookup16_avx2(tlo, thi, _mm256_cvtepu8_epi32(x)));
+      _mm256_storeu_ps(d + k + 8, lookup16_avx2(tlo, thi, _mm256_cvtepu8_epi32(_mm_srli_si128(x, 8))));
+    }
+  }
+}
 #endif
 
 void CpuModel::dequant_rows(const Weight& w, int64_t off, int64_t rows, int64_t K, int64_t ldw, float* dst) {
   // per group of qg weights along a row: the 16 values its nibbles stand for, then a lookup a weight
   const int64_t g = w.qg;
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  // (with the skinny kernels' ISA: KDTREE_CPU_ISA=avx2 / sgemm_set_skinny_isa("avx2") take the scalar loop below)
-  if (g % 16 == 0 && std::strcmp(sgemm_skinny_isa(), "avx512") == 0) {
+  // The vector lookups where the skinny kernels run, in their ISA (KDTREE_CPU_ISA=avx2 /
+  // sgemm_set_skinny_isa("avx2") take the AVX2 one); with the portable SGEMM forced, or no AVX2, the
+  // scalar loop below (what the tests check the vector ones against).
+  if (g % 16 == 0 && sgemm_skinny_takes(1, 16, 16)) {
+    const bool avx512 = std::strcmp(sgemm_skinny_isa(), "avx512") == 0;
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t e0 = off + r * ldw;
-      dequant_row_avx512(w.q.data() + e0 / 2, w.qs.data() + e0 / g, K, g, dst + r * K);
+      if (avx512) dequant_row_avx512(w.q.data() + e0 / 2, w.qs.data() + e0 / g, K, g, dst + r * K);
+      else dequant_row_avx2(w.q.data() + e0 / 2, w.qs.data() + e0 / g, K, g, dst + r * K);
     }
     return;
   }
