@@ -20,7 +20,8 @@ namespace kdtree {
 // to FP32 by the loader; also INT4 / FP8 checkpoints dequantized with BF16 scales):
 //   kOnly   as BF16 alone (the default): 2 bytes a weight. The few-row GEMMs (decode, tree verify,
 //           experts) read it in sgemm's skinny kernels; a larger GEMM (prefill) widens blocks of its
-//           rows into a scratch buffer and runs the FP32 GEMM on them.
+//           rows into a scratch buffer and runs the FP32 GEMM on them. A 4-bit group-quantized matrix
+//           given packed (set_weight_int4) stays packed in this mode only.
 //   kCopies as FP32 plus a BF16 copy: 6 bytes a weight; the few-row GEMMs read the copy, larger ones
 //           the FP32 values in place.
 //   kOff    as FP32 alone: 4 bytes a weight; every GEMM reads FP32.
@@ -77,7 +78,7 @@ class CpuModel : public TargetModel {
   // Test access: copy n cache rows [begin, begin + n) of `layer` into out [n, C + R]
   // (normed latent, then roped k_rope). Rows past cache_len + pending are refused.
   void read_cache(int64_t layer, int64_t begin, int64_t n, float* out) const;
-  // Bytes held by weights + cache + workspaces (BF16 and FP32 weight storage included).
+  // Bytes held by weights + cache + workspaces (BF16, FP32 and packed 4-bit weight storage included).
   int64_t memory_bytes() const;
 
   // How exactly-BF16 weight matrices are held (Bf16Weights above). In kOnly a matrix is stored as
