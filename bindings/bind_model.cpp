@@ -144,10 +144,7 @@ void bind_model(py::module_& m) {
             if (check_finite) {
               const int64_t n = (int64_t)a.size();
               for (int64_t i = 0; i < n; ++i)
-                if ((p[i] & 0x7F80u) == 0x7F80u)
-                  throw Error("set_weight: '" + name + "' holds " + ((p[i] & 0x7Fu) ? "NaN" : "an infinity") +
-                              " at flat index " + std::to_string(i) +
-                              " (a corrupt or overflowed checkpoint: every generated token would be garbage)");
+                if ((p[i] & 0x7F80u) == 0x7F80u) throw kdtree_py::non_finite_weight(name, (p[i] & 0x7Fu) != 0, i);
             }
             self.set_weight_bf16(name, p, shape);
           },

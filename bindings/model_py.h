@@ -233,6 +233,12 @@ inline int64_t first_non_finite(const float* p, int64_t n) {
   return -1;
 }
 
+// set_weight's (and set_weight_bf16's) refusal of a non-finite weight
+inline Error non_finite_weight(const std::string& name, bool nan, int64_t index) {
+  return Error("set_weight: '" + name + "' holds " + (nan ? "NaN" : "an infinity") + " at flat index " +
+               std::to_string(index) + " (a corrupt or overflowed checkpoint: every generated token would be garbage)");
+}
+
 // The methods CpuModel and CudaModel bind identically (weights, commit/truncate/reset, sizes).
 template <class Model>
 py::class_<Model> def_model_common(py::class_<Model> cls) {
@@ -252,10 +258,7 @@ py::class_<Model> def_model_common(py::class_<Model> cls) {
             py::gil_scoped_release nogil;
             if (check_finite) {
               const int64_t bad = first_non_finite(p, (int64_t)a.size());
-              if (bad >= 0)
-                throw Error("set_weight: '" + name + "' holds " + (std::isnan(p[bad]) ? "NaN" : "an infinity") +
-                            " at flat index " + std::to_string(bad) +
-                            " (a corrupt or overflowed checkpoint: every generated token would be garbage)");
+              if (bad >= 0) throw non_finite_weight(name, std::isnan(p[bad]), bad);
             }
             self.set_weight(name, p, shape);
           },

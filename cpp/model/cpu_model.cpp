@@ -171,19 +171,35 @@ std::vector<CpuModel::Weight*> CpuModel::weights() {
   return v;
 }
 
-void CpuModel::store(Weight& w, int64_t off, const float* data, int64_t n) {
+namespace {
+// The pieces store() takes: float32 values (exactly BF16 or not) or BF16 bits (always exact).
+bool bf16_exact_piece(const float* p, int64_t n) { return bf16_exact(p, n); }
+bool bf16_exact_piece(const uint16_t*, int64_t) { return true; }
+void bf16_piece(const float* p, int64_t n, uint16_t* out) { bf16_high_halves(p, n, out); }
+void bf16_piece(const uint16_t* p, int64_t n, uint16_t* out) { std::memcpy(out, p, (size_t)n * sizeof(uint16_t)); }
+void copy_widened(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, (size_t)n * sizeof(float)); }
+void copy_widened(float* dst, const uint16_t* src, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_widen(src[i]);
+}
+}  // namespace
+
+void CpuModel::widen_held(Weight& w) {
+  if (!w.f.empty()) return;
+  w.f.assign((size_t)w.n, 0.f);  // zeros where nothing arrived yet
+  copy_widened(w.f.data(), w.h.data(), (int64_t)w.h.size());
+}
+
+template <class T>
+void CpuModel::store(Weight& w, int64_t off, const T* data, int64_t n) {
   if (n <= 0) return;
   if (!w.q.empty()) unpack_int4(w);  // a piece of another form: the matrix leaves the packed form
-  if (bf16_mode_ == Bf16Weights::kOnly && w.f.empty() && bf16_exact(data, n)) {
+  if (bf16_mode_ == Bf16Weights::kOnly && w.f.empty() && bf16_exact_piece(data, n)) {
     if (w.h.empty()) w.h.assign((size_t)w.n, 0);
-    bf16_high_halves(data, n, w.h.data() + off);
+    bf16_piece(data, n, w.h.data() + off);
     return;
   }
-  if (w.f.empty()) {  // FP32 from now on: widen what is held (zeros where nothing arrived yet)
-    w.f.resize((size_t)w.n);
-    for (size_t i = 0; i < w.h.size(); ++i) w.f[i] = bf16_widen(w.h[i]);
-  }
-  std::memcpy(w.f.data() + off, data, (size_t)n * sizeof(float));
+  widen_held(w);  // FP32 from now on
+  copy_widened(w.f.data() + off, data, n);
   w.h.clear();  // (kCopies: a stale copy; made again at finalize)
   w.h.shrink_to_fit();
 }
@@ -197,10 +213,7 @@ void CpuModel::hold(Weight& w, bool final) {
   // (no scan of the values in kOff: every matrix is FP32 there)
   const bool exact = bf16_mode_ != Bf16Weights::kOff && (w.f.empty() || bf16_exact(w.f.data(), w.n));
   if (!exact) {
-    if (w.f.empty()) {
-      w.f.resize((size_t)w.n);
-      for (int64_t i = 0; i < w.n; ++i) w.f[i] = bf16_widen(w.h[i]);
-    }
+    widen_held(w);
     w.h.clear();
     w.h.shrink_to_fit();
     return;
@@ -212,31 +225,13 @@ void CpuModel::hold(Weight& w, bool final) {
   if (bf16_mode_ == Bf16Weights::kOnly) {
     w.f.clear();
     w.f.shrink_to_fit();
-  } else if (w.f.empty()) {  // kCopies: FP32 beside the bits
-    w.f.resize((size_t)w.n);
-    for (int64_t i = 0; i < w.n; ++i) w.f[i] = bf16_widen(w.h[i]);
+  } else {  // kCopies: FP32 beside the bits
+    widen_held(w);
   }
   if (bf16_mode_ == Bf16Weights::kCopies && !w.gemm) {  // a lookup table needs no copy
     w.h.clear();
     w.h.shrink_to_fit();
   }
-}
-
-void CpuModel::store(Weight& w, int64_t off, const uint16_t* bits, int64_t n) {
-  if (n <= 0) return;
-  if (!w.q.empty()) unpack_int4(w);
-  if (bf16_mode_ == Bf16Weights::kOnly && w.f.empty()) {
-    if (w.h.empty()) w.h.assign((size_t)w.n, 0);
-    std::memcpy(w.h.data() + off, bits, (size_t)n * sizeof(uint16_t));
-    return;
-  }
-  if (w.f.empty()) {
-    w.f.resize((size_t)w.n);
-    for (size_t i = 0; i < w.h.size(); ++i) w.f[i] = bf16_widen(w.h[i]);
-  }
-  for (int64_t i = 0; i < n; ++i) w.f[(size_t)(off + i)] = bf16_widen(bits[i]);
-  w.h.clear();
-  w.h.shrink_to_fit();
 }
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
@@ -295,22 +290,34 @@ __attribute__((target("avx2,fma"))) static void dequant_row_avx2(const uint8_t* 
 }
 #endif
 
-void CpuModel::dequant_rows(const Weight& w, int64_t off, int64_t rows, int64_t K, int64_t ldw, float* dst) {
+CpuModel::DequantIsa CpuModel::dequant_isa(int64_t g) {
+  // The vector lookups where the skinny kernels run, in their ISA (KDTREE_CPU_ISA=avx2 /
+  // sgemm_set_skinny_isa("avx2") take the AVX2 one); with the portable SGEMM forced, or no AVX2, the
+  // scalar loop (what the tests check the vector ones against).
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
+  if (g % 16 == 0 && sgemm_skinny_takes(1, 16, 16))
+    return std::strcmp(sgemm_skinny_isa(), "avx512") == 0 ? DequantIsa::kAvx512 : DequantIsa::kAvx2;
+#else
+  (void)g;
+#endif
+  return DequantIsa::kScalar;
+}
+
+void CpuModel::dequant_rows(const Weight& w, int64_t off, int64_t rows, int64_t K, int64_t ldw, float* dst,
+                            DequantIsa isa) {
   // per group of qg weights along a row: the 16 values its nibbles stand for, then a lookup a weight
   const int64_t g = w.qg;
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__))
-  // The vector lookups where the skinny kernels run, in their ISA (KDTREE_CPU_ISA=avx2 /
-  // sgemm_set_skinny_isa("avx2") take the AVX2 one); with the portable SGEMM forced, or no AVX2, the
-  // scalar loop below (what the tests check the vector ones against).
-  if (g % 16 == 0 && sgemm_skinny_takes(1, 16, 16)) {
-    const bool avx512 = std::strcmp(sgemm_skinny_isa(), "avx512") == 0;
+  if (isa != DequantIsa::kScalar) {
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t e0 = off + r * ldw;
-      if (avx512) dequant_row_avx512(w.q.data() + e0 / 2, w.qs.data() + e0 / g, K, g, dst + r * K);
+      if (isa == DequantIsa::kAvx512) dequant_row_avx512(w.q.data() + e0 / 2, w.qs.data() + e0 / g, K, g, dst + r * K);
       else dequant_row_avx2(w.q.data() + e0 / 2, w.qs.data() + e0 / g, K, g, dst + r * K);
     }
     return;
   }
+#else
+  (void)isa;
 #endif
   float table[16];
   for (int64_t r = 0; r < rows; ++r) {
@@ -332,7 +339,7 @@ void CpuModel::dequant_rows(const Weight& w, int64_t off, int64_t rows, int64_t 
 
 void CpuModel::unpack_int4(Weight& w) {
   std::vector<float> v((size_t)w.n);
-  dequant_rows(w, 0, 1, w.n, w.n, v.data());  // one "row" of n: groups run along it
+  dequant_rows(w, 0, 1, w.n, w.n, v.data(), dequant_isa(w.qg));  // one "row" of n: groups run along it
   w.q.clear();
   w.q.shrink_to_fit();
   w.qs.clear();
@@ -357,7 +364,7 @@ void CpuModel::store_int4(Weight& w, int64_t off, const uint8_t* packed, const f
     piece.q.assign(packed, packed + n / 2);
     piece.qs.assign(scales, scales + n / g);
     std::vector<float> v((size_t)n);
-    dequant_rows(piece, 0, 1, n, n, v.data());
+    dequant_rows(piece, 0, 1, n, n, v.data(), dequant_isa(g));
     store(w, off, v.data(), n);
     return;
   }
@@ -424,13 +431,6 @@ CpuModel::Slot& CpuModel::slot_for(const std::string& name, const std::vector<in
   for (int64_t d : shape) *n *= d;
   return s;
 }
-
-namespace {
-void copy_widened(float* dst, const float* src, int64_t n) { std::memcpy(dst, src, (size_t)n * sizeof(float)); }
-void copy_widened(float* dst, const uint16_t* src, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dst[i] = bf16_widen(src[i]);
-}
-}  // namespace
 
 template <class T>
 void CpuModel::set_any(const std::string& name, const T* data, const std::vector<int64_t>& shape) {
@@ -853,47 +853,38 @@ int64_t CpuModel::fp32_weight_bytes() const {
 void CpuModel::wgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const Weight& w, int64_t off,
                      int64_t ldw, float* C, int64_t ldc, bool trans_b) const {
   static thread_local std::vector<float> widen_;  // (kept: prefill calls come in series; not in memory_bytes)
-  if (!w.q.empty() && trans_b) {
-    // Packed 4-bit: rows dequantized into this thread's buffer, each block one sgemm over its columns
-    // of C, laid out as the BF16 matrix's GEMM would run: where the skinny kernels take the whole
-    // shape, blocks of 16 rows (each takes them too, and their tiles start on the same multiples of 8
-    // and 4 as the whole call's: the same bits); else the blocks of the widening path below.
-    const int64_t rows = sgemm_skinny_takes(M, N, K)
-                             ? 16
-                             : std::min<int64_t>(N, std::max<int64_t>((int64_t)1 << 19, 1024 * K) / std::max<int64_t>(K, 1));
-    if ((int64_t)widen_.size() < rows * K) widen_.resize((size_t)(rows * K));
-    for (int64_t n0 = 0; n0 < N; n0 += rows) {
-      const int64_t nr = std::min(rows, N - n0);
-      dequant_rows(w, off + n0 * ldw, nr, K, ldw, widen_.data());
-      sgemm(true, M, nr, K, 1.f, A, lda, widen_.data(), K, 0.f, C + n0, ldc);
+  const bool packed = !w.q.empty() && trans_b;
+  if (!packed) {
+    if (!w.h.empty() && sgemm_bf16_weights(M, N, K, 1.f, A, lda, w.h.data() + off, ldw, 0.f, C, ldc, trans_b)) return;
+    if (!w.f.empty()) {
+      sgemm(trans_b, M, N, K, 1.f, A, lda, w.f.data() + off, ldw, 0.f, C, ldc);
+      return;
     }
-    return;
+    if (!trans_b) {  // W [K, N] (a head's W_UK: small): widened whole
+      if ((int64_t)widen_.size() < K * N) widen_.resize((size_t)(K * N));
+      for (int64_t k = 0; k < K; ++k) copy_widened(widen_.data() + k * N, w.h.data() + off + k * ldw, N);
+      sgemm(false, M, N, K, 1.f, A, lda, widen_.data(), N, 0.f, C, ldc);
+      return;
+    }
   }
-  if (!w.h.empty() && sgemm_bf16_weights(M, N, K, 1.f, A, lda, w.h.data() + off, ldw, 0.f, C, ldc, trans_b)) return;
-  if (!w.f.empty()) {
-    sgemm(trans_b, M, N, K, 1.f, A, lda, w.f.data() + off, ldw, 0.f, C, ldc);
-    return;
-  }
-  if (!trans_b) {  // W [K, N] (a head's W_UK: small): widened whole
-    if ((int64_t)widen_.size() < K * N) widen_.resize((size_t)(K * N));
-    for (int64_t k = 0; k < K; ++k)
-      for (int64_t n = 0; n < N; ++n) widen_[(size_t)(k * N + n)] = bf16_widen(w.h[(size_t)(off + k * ldw + n)]);
-    sgemm(false, M, N, K, 1.f, A, lda, widen_.data(), N, 0.f, C, ldc);
-    return;
-  }
-  // BF16 only and a GEMM the skinny kernels do not take (prefill, or the portable kernel forced):
-  // blocks of whole weight rows widened (exactly) into this thread's buffer, each block one sgemm over its columns of
-  // C. sgemm's results do not depend on where a column sits in the call (it shares columns out over
-  // threads the same way), so these are the bits of one call on the FP32 matrix. A block is >= 2 MiB or
-  // 1024 rows, so the packing of A is spread over enough columns.
-  const int64_t rows = std::min<int64_t>(N, std::max<int64_t>((int64_t)1 << 19, 1024 * K) / std::max<int64_t>(K, 1));
+  // Blocks of whole weight rows made FP32 in this thread's buffer, each block one sgemm over its columns
+  // of C: BF16 rows widened (BF16 only, a GEMM the skinny kernels do not take: prefill, or the portable
+  // kernel forced), or packed 4-bit rows dequantized. sgemm's results do not depend on where a column
+  // sits in the call (it shares columns out over threads the same way), so these are the bits of one
+  // call on the FP32 matrix. A block is >= 2 MiB or 1024 rows, so the packing of A is spread over enough
+  // columns; packed rows where the skinny kernels take the whole shape go 16 at a time (each block takes
+  // them too, and its tiles start on the same multiples of 8 and 4 as the whole call's).
+  const int64_t rows = packed && sgemm_skinny_takes(M, N, K)
+                           ? 16
+                           : std::min<int64_t>(N, std::max<int64_t>((int64_t)1 << 19, 1024 * K) / std::max<int64_t>(K, 1));
+  const DequantIsa isa = packed ? dequant_isa(w.qg) : DequantIsa::kScalar;
   if ((int64_t)widen_.size() < rows * K) widen_.resize((size_t)(rows * K));
   for (int64_t n0 = 0; n0 < N; n0 += rows) {
     const int64_t nr = std::min(rows, N - n0);
-    for (int64_t r = 0; r < nr; ++r) {
-      const uint16_t* src = w.h.data() + off + (n0 + r) * ldw;
-      float* dst = widen_.data() + r * K;
-      for (int64_t k = 0; k < K; ++k) dst[k] = bf16_widen(src[k]);
+    if (packed) {
+      dequant_rows(w, off + n0 * ldw, nr, K, ldw, widen_.data(), isa);
+    } else {
+      for (int64_t r = 0; r < nr; ++r) copy_widened(widen_.data() + r * K, w.h.data() + off + (n0 + r) * ldw, K);
     }
     sgemm(true, M, nr, K, 1.f, A, lda, widen_.data(), K, 0.f, C + n0, ldc);
   }

@@ -144,15 +144,21 @@ class CpuModel : public TargetModel {
   // threads at once).
   void wgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const Weight& w, int64_t off, int64_t ldw,
              float* C, int64_t ldc, bool trans_b = true) const;
-  // Writes n values of w from element off on, as the mode holds them (allocating w on first use).
-  void store(Weight& w, int64_t off, const float* data, int64_t n);
-  void store(Weight& w, int64_t off, const uint16_t* bits, int64_t n);  // BF16 bits
+  // Writes n values of w from element off on, as the mode holds them (allocating w on first use):
+  // float32 values (T = float) or BF16 bits (T = uint16_t).
+  template <class T>
+  void store(Weight& w, int64_t off, const T* data, int64_t n);
+  static void widen_held(Weight& w);  // w's FP32 values from its BF16 bits, if it has none yet
   // packed 4-bit pieces (set_weight_int4): kept packed when the mode and the matrix allow, else
   // dequantized into store(float)
   void store_int4(Weight& w, int64_t off, const uint8_t* packed, const float* scales, int64_t g, int64_t n);
   void unpack_int4(Weight& w);  // a packed matrix dequantized into h (kOnly) or f
-  // rows [rows, K] of a packed matrix from element off on (row stride ldw) dequantized into dst [rows, K]
-  static void dequant_rows(const Weight& w, int64_t off, int64_t rows, int64_t K, int64_t ldw, float* dst);
+  // rows [rows, K] of a packed matrix from element off on (row stride ldw) dequantized into dst [rows, K],
+  // with the lookup dequant_isa(w.qg) chose (once a GEMM, not once a block of rows)
+  enum class DequantIsa { kScalar, kAvx2, kAvx512 };
+  static DequantIsa dequant_isa(int64_t g);
+  static void dequant_rows(const Weight& w, int64_t off, int64_t rows, int64_t K, int64_t ldw, float* dst,
+                           DequantIsa isa);
   Slot& slot_for(const std::string& name, const std::vector<int64_t>& shape, int64_t* n);  // checked
   template <class T>
   void set_any(const std::string& name, const T* data, const std::vector<int64_t>& shape);

@@ -32,7 +32,7 @@ from typing import Callable, Iterator, NamedTuple, Optional, Tuple
 import numpy as np
 
 from .config import ModelConfig
-from .quantization import dequantize_fp8, dequantize_packed, packed_int4
+from .quantization import dequantize_fp8, dequantize_packed, int4_packable, packed_int4
 
 __all__ = ["expected_weight_shapes", "iter_weights", "load_weights", "read_safetensors_header", "SafetensorsFile"]
 
@@ -329,6 +329,8 @@ def _packed_int4(module: str, shape, scheme, parts: dict) -> Optional[PackedInt4
     st, full = parts[".weight_scale"]
     sdt = st.dtype(full)
     zp = parts.get(".weight_zero_point")
+    if not int4_packable(scheme, shape, sdt, zp is not None):
+        return None  # (dequantized instead: nothing read twice)
     got = packed_int4(module, scheme, shape, parts[".weight_packed"][0].raw(parts[".weight_packed"][1]),
                       _to_float(st.raw(full), sdt, np.float32), sdt, None if zp is None else zp[0].raw(zp[1]))
     return None if got is None else PackedInt4(*got)

@@ -279,6 +279,12 @@ def _check_packed(module: str, scheme: WeightQuantization, shape, packed: np.nda
     return s, ngroups
 
 
+def int4_packable(scheme: WeightQuantization, shape, scale_dtype: str, zero_point: bool) -> bool:
+    """Whether packed_int4 takes a Linear of this scheme (decided before any of its tensors is read)."""
+    return (scheme.num_bits == 4 and scheme.strategy == "group" and scheme.symmetric and not zero_point
+            and scale_dtype == "BF16" and scheme.group_size % 2 == 0 and int(shape[1]) % 8 == 0)
+
+
 def packed_int4(module: str, scheme: WeightQuantization, shape, packed: np.ndarray, scale: np.ndarray,
                 scale_dtype: str, zero_point: Optional[np.ndarray] = None):
     """The form `CpuModel.set_weight_int4` holds a quantized Linear in, (packed uint8 [out, in / 2],
@@ -287,8 +293,7 @@ def packed_int4(module: str, scheme: WeightQuantization, shape, packed: np.ndarr
     read as bytes (little-endian: element 2j in the low nibble of byte j), after the checks of
     dequantize_packed (the same errors). None for any other scheme (then the weight is dequantized)."""
     out, cols = int(shape[0]), int(shape[1])
-    if not (scheme.num_bits == 4 and scheme.strategy == "group" and scheme.symmetric and zero_point is None
-            and scale_dtype == "BF16" and scheme.group_size % 2 == 0 and cols % 8 == 0):
+    if not int4_packable(scheme, shape, scale_dtype, zero_point is not None):
         return None
     s, ngroups = _check_packed(module, scheme, shape, packed, scale)
     words = np.ascontiguousarray(packed).view("<u4")
