@@ -80,7 +80,6 @@ void CudaModelDrafter::feed_and_chain(const int32_t* ctx, int64_t m, int64_t n, 
   cuda::DeviceGuard guard(cm_.device_ordinal());
   cudaStream_t st = as_stream(cm_.stream());
   float* ws = cm_.logits_device();  // [max_tokens, V]: every forward's logits
-  int64_t last_T = 0;
   for (int64_t c0 = m; c0 < n; c0 += chunk_) {
     const int64_t T = std::min(chunk_, n - c0);
     if (c0 > m) check(cudaStreamSynchronize(st), "cudaStreamSynchronize");  // the staging is reused
@@ -91,14 +90,13 @@ void CudaModelDrafter::feed_and_chain(const int32_t* ctx, int64_t m, int64_t n, 
     check(cudaMemcpyAsync(d_in_, h_in_, (size_t)T * sizeof(int32_t), cudaMemcpyHostToDevice, st), "upload tokens");
     check(cudaMemcpyAsync(d_in_ + chunk_, h_in_ + chunk_, (size_t)T * sizeof(int32_t), cudaMemcpyHostToDevice, st),
           "upload positions");
-    cm_.forward_device(d_in_, d_in_ + chunk_, nullptr, 0, T, ws);
+    cm_.forward_device(d_in_, d_in_ + chunk_, nullptr, 0, T, ws, c0 + T == n ? 1 : 0);  // the last token's logits only
     keep_.resize(static_cast<size_t>(T));
     for (int64_t i = 0; i < T; ++i) keep_[i] = static_cast<int32_t>(i);
     cm_.commit(keep_.data(), T);  // an identity: host bookkeeping only
-    last_T = T;
   }
   auto* stats = static_cast<cuda::DraftRowStats*>(d_stats_);
-  const float* src = ws + (last_T - 1) * V;
+  const float* src = ws;  // (row 0: the feed's last token, the only row asked for)
   const int32_t k0 = 0;
   for (int64_t i = 1; i < depth; ++i) {  // row i - 1 -> its argmax -> step i
     cuda::DraftRowParams rp{src, d_rows_ + (i - 1) * V, (int)V, stats + (i - 1), d_step_, d_step_ + 1,

@@ -258,10 +258,12 @@ int32_t CudaRounds::prefill(const int32_t* prompt, int64_t P, int64_t chunk, int
     for (int64_t i = 0; i < T; ++i) h_pos[i] = (int32_t)(c0 + i);
     check(cudaMemcpyAsync(d_prompt_, h_tok, (size_t)T * sizeof(int32_t), cudaMemcpyHostToDevice, st), "upload prompt");
     check(cudaMemcpyAsync(d_positions_, h_pos, (size_t)T * sizeof(int32_t), cudaMemcpyHostToDevice, st), "upload positions");
-    model_.forward_device(d_prompt_, d_positions_, nullptr, 0, T, logits);
+    // only the prompt's last token's logits are used: the LM head runs for it alone (earlier chunks: none)
+    const bool last = c0 + T == P;
+    model_.forward_device(d_prompt_, d_positions_, nullptr, 0, T, logits, last ? 1 : 0);
     model_.set_committed(T);  // causal window kept whole: nothing to compact
-    if (c0 + T == P) {
-      check(choose(logits + (T - 1) * V_, 1, V_, d_positions_ + (T - 1), sampling_, d_tokens_, st), "choose_tokens");
+    if (last) {
+      check(choose(logits, 1, V_, d_positions_ + (T - 1), sampling_, d_tokens_, st), "choose_tokens");
       check(cudaMemcpyAsync(h_result_, d_tokens_, sizeof(int32_t), cudaMemcpyDeviceToHost, st), "copy the first token");
       check(cudaStreamSynchronize(st), "prefill");
       dev_root_ = h_result_[0];  // choose wrote it to d_tokens_[0]: the first round's root

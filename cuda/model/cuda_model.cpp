@@ -727,7 +727,8 @@ void CudaModel::swiglu_gemm_nt(int64_t T, int64_t N, int64_t I, const float* gu,
 }
 
 void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, const uint64_t* vis_d,
-                         int64_t vis_stride, int64_t T, int64_t row0, float* logits_d, const int32_t* len_d) {
+                         int64_t vis_stride, int64_t T, int64_t row0, float* logits_d, const int32_t* len_d,
+                         int64_t rows) {
   const ModelConfig& c = cfg_;
   const int64_t Dm = c.hidden_size;
   cudaStream_t st = as_stream(stream_);
@@ -766,12 +767,14 @@ void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, co
     }
   }
   const float* head = c.tie_word_embeddings ? embed_ : lm_head_;
+  const int64_t R = rows < 0 ? T : rows, t0 = T - R;  // the final norm and the LM head over the last R tokens
+  if (R == 0) return;
   if (fuse) {
-    gemm_nt(T, c.vocab_size, Dm, x_, Dm, head, logits_d, c.vocab_size, 0.f, final_ln_, c.rms_norm_eps);
+    gemm_nt(R, c.vocab_size, Dm, x_ + t0 * Dm, Dm, head, logits_d, c.vocab_size, 0.f, final_ln_, c.rms_norm_eps);
   } else {
-    cuda::RmsNormParams np{x_, final_ln_, (int)T, (int)Dm, (int)Dm, (int)Dm, c.rms_norm_eps, hn_};
+    cuda::RmsNormParams np{x_ + t0 * Dm, final_ln_, (int)R, (int)Dm, (int)Dm, (int)Dm, c.rms_norm_eps, hn_ + t0 * Dm};
     if (!normed) check_cuda(cuda::rmsnorm(np, st), "rmsnorm");
-    gemm_nt(T, c.vocab_size, Dm, hn_, Dm, head, logits_d, c.vocab_size);
+    gemm_nt(R, c.vocab_size, Dm, hn_ + t0 * Dm, Dm, head, logits_d, c.vocab_size);
   }
 }
 
@@ -1016,6 +1019,24 @@ bool CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm, const float
 // ---------------------------------------------------------------- forward / commit
 void CudaModel::forward(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
                         float* logits_out) {
+  forward_rows(tokens, positions, visibility, T, -1, logits_out);
+}
+
+void CudaModel::forward_last(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
+                             int64_t rows, float* logits_out) {
+  if (rows < 0 || rows > T)
+    throw Error("forward_last: rows " + std::to_string(rows) + " outside [0, T = " + std::to_string(T) + "]");
+  const int64_t last = T - (T - 1) / max_tokens_ * max_tokens_;  // tokens of the last chunk
+  if (rows > last) {  // rows from more than the last chunk: the whole forward, its tail copied
+    TargetModel::forward_last(tokens, positions, visibility, T, rows, logits_out);
+    return;
+  }
+  forward_rows(tokens, positions, visibility, T, rows, logits_out);
+}
+
+// rows < 0: every token's logits; else the last `rows` tokens' (all in the last chunk), earlier chunks none
+void CudaModel::forward_rows(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
+                             int64_t rows, float* logits_out) {
   std::lock_guard<std::mutex> lock(mu_);
   ++epoch_;
   check_forward_args(*this, tokens, positions, T);
@@ -1049,16 +1070,19 @@ void CudaModel::forward(const int32_t* tokens, const int32_t* positions, const u
                  "upload visibility");
       vis_d = d_vis_;
     }
-    run_step_bucketed(d_tokens_, d_positions_, vis_d, W, Tc, cache_len_ + c0, logits_);
-    check_cuda(cudaMemcpyAsync(logits_out + c0 * V, logits_, (size_t)(Tc * V) * sizeof(float), cudaMemcpyDeviceToHost, st),
-               "download logits");
+    const int64_t rc = rows < 0 ? Tc : (c0 + Tc == T ? rows : 0);  // this chunk's rows of logits
+    run_step_bucketed(d_tokens_, d_positions_, vis_d, W, Tc, cache_len_ + c0, logits_, rc);
+    if (rc > 0)
+      check_cuda(cudaMemcpyAsync(logits_out + (rows < 0 ? c0 * V : 0), logits_, (size_t)(rc * V) * sizeof(float),
+                                 cudaMemcpyDeviceToHost, st),
+                 "download logits");
     check_cuda(cudaStreamSynchronize(st), "forward");  // also frees the pinned staging for the next chunk
   }
   pending_ = T;
 }
 
 void CudaModel::forward_device(const int32_t* tokens_d, const int32_t* positions_d, const uint64_t* vis_bits_d,
-                               int64_t vis_stride, int64_t T, float* logits_d) {
+                               int64_t vis_stride, int64_t T, float* logits_d, int64_t rows) {
   std::lock_guard<std::mutex> lock(mu_);
   ++epoch_;
   if (!finalized_) throw Error("model: forward() before finalize() (weights not complete)");
@@ -1068,6 +1092,8 @@ void CudaModel::forward_device(const int32_t* tokens_d, const int32_t* positions
     throw Error("forward_device: cache_len (" + std::to_string(cache_len_) + ") + T (" + std::to_string(T) +
                 ") exceeds max_seq_len (" + std::to_string(max_seq_len_) + ")");
   if (!tokens_d || !positions_d || !logits_d) throw Error("forward_device: null device pointer");
+  if (rows > T) throw Error("forward_device: rows " + std::to_string(rows) + " > T = " + std::to_string(T));
+  if (rows < 0) rows = T;
   if (vis_bits_d && vis_stride < (T + 63) / 64)
     throw Error("forward_device: vis_stride " + std::to_string(vis_stride) + " < ceil(T/64) = " + std::to_string((T + 63) / 64));
   DeviceGuard guard(opt_.device);
@@ -1076,7 +1102,7 @@ void CudaModel::forward_device(const int32_t* tokens_d, const int32_t* positions
     vis_stride = vis_words_;
   }
   if (opt_.graphs) {
-    GraphKey key{tokens_d, positions_d, vis_bits_d, logits_d, vis_stride, T, context_bucket(cache_len_, T)};
+    GraphKey key{tokens_d, positions_d, vis_bits_d, logits_d, vis_stride, T, context_bucket(cache_len_, T), rows};
     void* exec = graph_for(key);
     if (exec) {
       cudaStream_t st = as_stream(stream_);
@@ -1087,7 +1113,7 @@ void CudaModel::forward_device(const int32_t* tokens_d, const int32_t* positions
       return;
     }
   }
-  run_step_bucketed(tokens_d, positions_d, vis_bits_d, vis_stride, T, cache_len_, logits_d);
+  run_step_bucketed(tokens_d, positions_d, vis_bits_d, vis_stride, T, cache_len_, logits_d, rows);
   pending_ = T;
 }
 
@@ -1109,9 +1135,9 @@ int64_t CudaModel::context_bucket(int64_t L, int64_t T) const {
 // the attention sized for its context bucket, so that the same step gives the same bits whether
 // it is replayed from a graph or not (the split count changes the attention's summation order).
 void CudaModel::run_step_bucketed(const int32_t* tokens_d, const int32_t* positions_d, const uint64_t* vis_d,
-                                  int64_t vis_stride, int64_t T, int64_t row0, float* logits_d) {
+                                  int64_t vis_stride, int64_t T, int64_t row0, float* logits_d, int64_t rows) {
   check_cuda(cuda::set_int32(d_len_, (int32_t)row0, as_stream(stream_)), "set_int32(len)");
-  run_step(tokens_d, positions_d, vis_d, vis_stride, T, context_bucket(row0, T), logits_d, d_len_);
+  run_step(tokens_d, positions_d, vis_d, vis_stride, T, context_bucket(row0, T), logits_d, d_len_, rows);
 }
 
 void* CudaModel::graph_for(const GraphKey& key) {
@@ -1131,7 +1157,7 @@ void* CudaModel::graph_for(const GraphKey& key) {
   try {
     run_step(static_cast<const int32_t*>(key.tokens), static_cast<const int32_t*>(key.positions),
              static_cast<const uint64_t*>(key.vis), key.vis_stride, key.T, key.l_bound,
-             static_cast<float*>(const_cast<void*>(key.logits)), d_len_);
+             static_cast<float*>(const_cast<void*>(key.logits)), d_len_, key.rows);
   } catch (...) {
     cudaStreamEndCapture(st, &graph);
     if (graph) cudaGraphDestroy(graph);

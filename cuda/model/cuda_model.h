@@ -113,6 +113,10 @@ class CudaModel : public TargetModel {
 
   void forward(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
                float* logits_out) override;
+  // The last `rows` tokens' logits only (TargetModel::forward_last): the LM head over those rows (when
+  // they lie in the last max_tokens chunk; else the whole forward, its tail copied).
+  void forward_last(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
+                    int64_t rows, float* logits_out) override;
   void commit(const int32_t* keep, int64_t n) override;
   void truncate(int64_t n) override;
   void reset() override;
@@ -126,8 +130,10 @@ class CudaModel : public TargetModel {
   // ---- device path (all pointers device memory; work queued on stream(), not synchronised)
   // tokens_d [T], positions_d [T], vis_bits_d [T, vis_stride] uint64 (bit j of row i: new token
   // i sees new token j; nullptr = causal), logits_d [T, V]. T <= max_tokens.
+  // rows >= 0: the logits of the last `rows` tokens only (logits_d [rows, V]; the final norm and
+  // the LM head run over those rows alone: a prefill chunk needs 1 or 0), -1: all T.
   void forward_device(const int32_t* tokens_d, const int32_t* positions_d, const uint64_t* vis_bits_d,
-                      int64_t vis_stride, int64_t T, float* logits_d);
+                      int64_t vis_stride, int64_t T, float* logits_d, int64_t rows = -1);
   // Pending entries keep_d[0 .. *count_d) (strictly increasing) packed after the context, on
   // the device; the host length is unchanged until set_committed(n) with n = *count_d.
   void commit_device(const int32_t* keep_d, const int32_t* count_d);
@@ -235,12 +241,13 @@ class CudaModel : public TargetModel {
   // the caller's), cache rows written from row0 = committed + chunk offset.
   // len_d (graph replays): the committed length is read from device memory (*len_d, rows written
   // from there) and row0 is only its upper bound (sizes the attention grid); nullptr: row0 exact.
+  // rows >= 0: the LM head over the last `rows` tokens only (logits_d [rows, V]); -1: all T.
   void run_step(const int32_t* tokens_d, const int32_t* positions_d, const uint64_t* vis_d, int64_t vis_stride,
-                int64_t T, int64_t row0, float* logits_d, const int32_t* len_d = nullptr);
+                int64_t T, int64_t row0, float* logits_d, const int32_t* len_d = nullptr, int64_t rows = -1);
   // run_step as a graph of it runs: committed length row0 through d_len_, the attention sized for
   // context_bucket(row0, T); every step (eager, captured, host path) goes through this shape
   void run_step_bucketed(const int32_t* tokens_d, const int32_t* positions_d, const uint64_t* vis_d,
-                         int64_t vis_stride, int64_t T, int64_t row0, float* logits_d);
+                         int64_t vis_stride, int64_t T, int64_t row0, float* logits_d, int64_t rows = -1);
   // in: the layer input x_ with its RMSNorm (in_norm) fused into the projections (fuse_norm(T)),
   // or the normed hn_ (in_norm = nullptr)
   void attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, int64_t T,
@@ -248,10 +255,10 @@ class CudaModel : public TargetModel {
   // CUDA graphs of forward_device: one per key, captured on the key's second use.
   struct GraphKey {
     const void *tokens, *positions, *vis, *logits;
-    int64_t vis_stride, T, l_bound;
+    int64_t vis_stride, T, l_bound, rows;
     bool operator==(const GraphKey& o) const {
       return tokens == o.tokens && positions == o.positions && vis == o.vis && logits == o.logits &&
-             vis_stride == o.vis_stride && T == o.T && l_bound == o.l_bound;
+             vis_stride == o.vis_stride && T == o.T && l_bound == o.l_bound && rows == o.rows;
     }
   };
   struct GraphEntry {
@@ -260,6 +267,8 @@ class CudaModel : public TargetModel {
     void* exec = nullptr;  // cudaGraphExec_t
   };
   void* graph_for(const GraphKey& key);  // nullptr: run eagerly this time
+  void forward_rows(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
+                    int64_t rows, float* logits_out);  // forward (rows < 0) / forward_last
   void clear_graphs();
   // fused_norm: the post-attention RMSNorm of x_ runs inside the first projection (fuse_norm(T)),
   // else hn_ holds the normalised input already

@@ -189,6 +189,33 @@ def test_prefill_decode_match_cpu(name):
 
 @pytest.mark.cuda
 @needs_device
+@pytest.mark.parametrize("T", [5, 40, 300])
+def test_forward_last_on_cuda(T):
+    """CudaModel.forward_last(tokens, positions, rows): the last `rows` rows of forward()'s logits (the LM
+    head over those rows alone when they lie in the last max_tokens chunk; within float rounding of
+    forward's, whose LM head ran on another row count), the same cache bits: a decode after it equals the
+    decode after forward(); CPU's forward_last agrees; rows outside [0, T] is a ValueError."""
+    cpu, gpu, cfg = pair("ds3_base", max_seq_len=400, max_tokens=64)
+    ids = prompt(cfg.vocab_size, T, seed=7)
+    pos = np.arange(T)
+    full = prefill(gpu, ids)
+    after = decode(gpu, 3)
+    for rows in (0, 1, 3):
+        gpu.reset()
+        got = gpu.forward_last(ids, pos, rows)
+        assert got.shape == (rows, cfg.vocab_size)
+        if rows:
+            assert rel_to_scale(got, full[T - rows:]) < 1e-5
+            cpu.reset()
+            assert rel_to_scale(got, cpu.forward_last(ids, pos, rows)) < TOL
+        gpu.commit(np.arange(T))
+        np.testing.assert_array_equal(decode(gpu, 3), after)
+    with pytest.raises(ValueError, match="rows"):
+        gpu.forward_last(ids, pos, T + 1)
+
+
+@pytest.mark.cuda
+@needs_device
 @pytest.mark.parametrize("name", NAMES + list(EXTRA))
 def test_tree_verify_and_commit_match_cpu(name):
     cpu, gpu, cfg = pair(spec(name))
