@@ -802,15 +802,20 @@ void bind_engine(py::module_& m) {
       .def(
           "__call__",
           [](PyModelDraft& d, py::array_t<int32_t, py::array::c_style | py::array::forcecast> context, int64_t depth,
-             int64_t top_k) -> py::object {
+             int64_t top_k, int64_t host_topk) -> py::object {
+            if (host_topk < 0) throw Error("ModelDraft: host_topk must be >= 0, got " + std::to_string(host_topk));
             return call_native_drafter("ModelDraft", d.mu, context, [&](const int32_t* c, int64_t n, DraftOutput& out) {
               kdtree_py::ModelUse use(&d.drafter->model(), "a ModelDrafter's draft", true);
+              out.host_topk = host_topk;
               d.drafter->draft(c, n, depth, top_k, out);
             });
           },
-          py::arg("context"), py::arg("depth"), py::arg("top_k"),
+          py::arg("context"), py::arg("depth"), py::arg("top_k"), py::arg("host_topk") = 0,
           "logits float32 [d, V] of the greedy chain after a context int32 [n] (d <= depth), or None when the "
-          "context is empty or does not fit the draft model's max_seq_len.");
+          "context is empty or does not fit the draft model's max_seq_len. host_topk > 0 asks for the [d, k] "
+          "form, k = min(host_topk, V) (what generate's adaptive budget reads): a GPU model returns (log-probs "
+          "float32 [d, k], ids int32 [d, k]) from its device top-k (depth <= 16, k <= 1024), a CPU model its "
+          "logits as without it.");
 
   py::class_<PyGenerator>(m, "Generator",
                           "The prefill / AR / DDTree loop (cpp/engine/engine.h) over a ToyTarget or a native model.")

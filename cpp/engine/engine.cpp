@@ -296,6 +296,7 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
     if (drafter && depth_r > 0 && budget_r > 0 && !(p.adaptive_budget && adapt_.skip_draft())) {
       draft.clear();
       draft.device_ok = exec_.draft_device();
+      draft.host_topk = p.adaptive_budget ? k_r : 0;  // the policy reads [d, k_r] log-probs on the host
       auto t0 = Clock::now();
       drafter(buf_.data(), n_, depth_r, k_r, draft);
       draft_s = since(t0);
@@ -307,7 +308,7 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
       }
       check_draft_output(draft, depth_r, k_r, V);
       d_got = draft.d;
-      if (draft.d > 0 && draft.device_values) ++res.device_drafts;
+      if (draft.d > 0 && (draft.device_values || draft.device_topk)) ++res.device_drafts;
       if (draft.d > 0) {
         rq.draft = &draft;
         rq.nodes = draft_tree_nodes(draft, draft.is_logits ? k_r : draft.k, budget_r);

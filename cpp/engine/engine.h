@@ -56,6 +56,13 @@ struct DraftOutput {
   // Set by the loop before each call (clear() keeps it): the CUDA device ordinal whose memory
   // the round executor takes a draft in, -1 = host arrays only.
   int device_ok = -1;
+  // Set by the loop before each call (clear() keeps it): > 0 when the loop reads the draft on the
+  // host as [d, host_topk] log-probs (the adaptive budget). A producer whose logits are in device
+  // memory may then return that form itself (cuda/engine/cuda_model_drafter.h: the device top-k,
+  // copied back with its row statistics in the call's one synchronisation) and set device_topk;
+  // any other form stays valid (the loop reduces it as before).
+  int64_t host_topk = 0;
+  bool device_topk = false;  // the [d, k] host draft was reduced from logits in device memory
   void clear() {
     d = k = 0;
     is_logits = false;
@@ -69,6 +76,7 @@ struct DraftOutput {
     device_wait_stream = 0;
     device_owner.reset();
     row_finite.clear();
+    device_topk = false;
   }
 };
 
@@ -110,7 +118,8 @@ struct GenerateResult {
   StageSeconds seconds;
   bool stopped = false;                     // ended on a stop token
   int64_t prefill_reused = 0;               // prompt tokens whose cache entries were kept (reuse_prefix)
-  int64_t device_drafts = 0;                // rounds whose draft the executor took in device memory
+  int64_t device_drafts = 0;                // rounds whose draft the executor took in device memory, or whose
+                                            // [d, k] form the drafter reduced there (DraftOutput::device_topk)
 };
 
 // The shape part of check_draft_output (d <= depth; k <= top_k, or k = vocab for logits).

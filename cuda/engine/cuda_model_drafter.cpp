@@ -53,8 +53,8 @@ void CudaModelDrafter::free_rows() {
   if (stats_host_) cudaFreeHost(stats_host_);
   if (rows_mem_) cudaFree(rows_mem_);
   stats_host_ = rows_mem_ = nullptr;
-  d_rows_ = nullptr;
-  d_stats_ = nullptr;
+  d_rows_ = d_topk_ = nullptr;
+  d_stats_ = d_topk_ws_ = nullptr;
   rows_cap_ = 0;
 }
 
@@ -64,13 +64,20 @@ void CudaModelDrafter::ensure_rows(int64_t depth) {
   check(cudaStreamSynchronize(as_stream(cm_.stream())), "cudaStreamSynchronize");
   free_rows();
   const int64_t V = cm_.config().vocab_size;
+  // rows, then the statistics and the top-k block [2 * depth * kmax] (log-probs [depth, k], then
+  // ids [depth, k]) side by side, mirrored in the pinned block: one copy brings both back
+  const int64_t kmax = std::min<int64_t>(V, cuda::kTopkMaxK);
   cuda::Arena dev;
   dev.add(&d_rows_, depth * V);
   dev.add(reinterpret_cast<cuda::DraftRowStats**>(&d_stats_), depth);
-  const std::string err = cuda::alloc_device_and_pinned(
-      dev.bytes, &rows_mem_, depth * (int64_t)sizeof(cuda::DraftRowStats), &stats_host_);
+  dev.add(&d_topk_, 2 * depth * kmax);
+  dev.add(reinterpret_cast<char**>(&d_topk_ws_),
+          (int64_t)cuda::topk_workspace_bytes((int)depth, (int)V, (int)kmax));
+  const std::string err = cuda::alloc_device_and_pinned(dev.bytes, &rows_mem_, dev.items[3].offset - dev.items[1].offset,
+                                                        &stats_host_);
   if (!err.empty()) throw RuntimeFailure("ModelDrafter (GPU): " + s(depth) + " draft rows: " + err);
   dev.commit(rows_mem_);
+  topk_offset_ = dev.items[2].offset - dev.items[1].offset;  // bytes from the statistics to the top-k block
   rows_cap_ = depth;
 }
 
@@ -108,9 +115,28 @@ void CudaModelDrafter::feed_and_chain(const int32_t* ctx, int64_t m, int64_t n, 
   }
   cuda::DraftRowParams rp{src, d_rows_ + (depth - 1) * V, (int)V, stats + (depth - 1), nullptr, nullptr, 0};
   check(cuda::draft_row(rp, st), "draft_row");
+  // The loop reads [d, k] log-probs on the host (the adaptive budget): the device top-k of every
+  // row (the kernel is safe on any float row; a row the checks below reject is never read), copied
+  // back in the statistics' copy: one synchronisation, where the round executor's reduction of a
+  // device draft (RoundExecutor::device_draft_to_host) would cost another.
+  const int64_t kk = depth <= cuda::kTreeMaxDepth
+                         ? std::min<int64_t>(std::min<int64_t>(out.host_topk, V), cuda::kTopkMaxK) : 0;
+  size_t copy = (size_t)depth * sizeof(cuda::DraftRowStats);
+  if (kk >= 1) {
+    cuda::TopkParams tp{};
+    tp.logits = d_rows_;
+    tp.D = (int)depth;
+    tp.V = (int)V;
+    tp.ld = (int)V;
+    tp.k = (int)kk;
+    tp.logprobs = d_topk_;
+    tp.ids = reinterpret_cast<int32_t*>(d_topk_ + depth * kk);
+    tp.workspace = d_topk_ws_;  // sized for rows_cap_ rows at the largest k: covers any smaller call
+    check(cuda::topk_logsoftmax(tp, st), "topk_logsoftmax (the draft's [d, k] form)");
+    copy = (size_t)topk_offset_ + (size_t)(2 * depth * kk) * sizeof(float);
+  }
   auto* hs = static_cast<cuda::DraftRowStats*>(stats_host_);
-  check(cudaMemcpyAsync(hs, stats, (size_t)depth * sizeof(cuda::DraftRowStats), cudaMemcpyDeviceToHost, st),
-        "download row statistics");
+  check(cudaMemcpyAsync(hs, stats, copy, cudaMemcpyDeviceToHost, st), "download row statistics");
   check(cudaStreamSynchronize(st), "cudaStreamSynchronize");
   cm_.truncate(n);
 
@@ -122,8 +148,18 @@ void CudaModelDrafter::feed_and_chain(const int32_t* ctx, int64_t m, int64_t n, 
     if (hs[r].bad == 2) throw Error("drafter logits contain +inf (row " + s(r) + ")");
     if (hs[r].finite < 1) throw Error("drafter logits: row " + s(r) + " has no finite value");
   }
-  out.is_logits = true;
   out.d = d;
+  if (kk >= 1) {  // [d, kk] log-probs and ids on the host
+    const float* h_lp = reinterpret_cast<const float*>(static_cast<const char*>(stats_host_) + topk_offset_);
+    const int32_t* h_ids = reinterpret_cast<const int32_t*>(h_lp + depth * kk);
+    out.is_logits = false;
+    out.k = kk;
+    out.values.assign(h_lp, h_lp + d * kk);
+    out.ids.assign(h_ids, h_ids + d * kk);
+    out.device_topk = true;
+    return;
+  }
+  out.is_logits = true;
   out.k = V;
   if (out.device_ok == cm_.device_ordinal()) {
     out.device_values = d_rows_;

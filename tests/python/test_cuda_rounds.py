@@ -14,7 +14,9 @@ the oracle, run on the same weights):
 import numpy as np
 import pytest
 
+import kdtree_native as kn
 from kdtree_native import _native
+from kdtree_native import reference as R
 from kdtree_native.config import config_from_dict
 from kdtree_native.drafters import ModelDrafter, NgramDrafter, OracleDrafter
 from kdtree_native.generation import generate
@@ -110,6 +112,47 @@ def test_adaptive_budget_on_device_rounds():
         res = generate(gpu, P, n, drafter=drafter, tree_budget=32, depth=6, temperature=0.8, seed=3,
                        adaptive_budget=True)
         np.testing.assert_array_equal(res.tokens, ars.tokens)
+
+
+def test_model_drafter_device_topk():
+    """host_topk (what the adaptive budget asks a drafter for): the GPU ModelDraft returns the [d, k] form
+    from its device top-k, copied back with the rows' statistics, bit for bit the device top-k of the
+    logits it returns without host_topk (the same chain: the call truncates back to the context) and
+    the reference's ids; the rows min_chain_prob keeps are the same; depth > 16 keeps the logits."""
+    cpu, gpu, draft, cfg = models("kimi_like")
+    V = cfg.vocab_size
+    P = prompt_ids(V).astype(np.int32)
+    model = gpu_draft(cfg)
+    cases = [(P, 6, 8), (P, 16, 5), (np.concatenate([P, [3, 4, 5]]).astype(np.int32), 15, 64), (P[:3], 4, V + 7),
+             (P, 1, 1)]
+    for mcp in (0.0, 0.3):
+        nd = _native.ModelDraft(model, min_chain_prob=mcp)
+        kept = []
+        for ctx, depth, k in cases:
+            logits = nd(ctx, depth, 8)
+            lp, ids = nd(ctx, depth, 8, host_topk=k)
+            kk = min(k, V)
+            assert lp.shape == ids.shape == (logits.shape[0], kk) and lp.dtype == np.float32 and ids.dtype == np.int32
+            lp_g, ids_g = kn.ops.topk_logsoftmax(logits, kk, device="cuda")
+            np.testing.assert_array_equal(ids, ids_g)
+            np.testing.assert_array_equal(lp, lp_g)
+            np.testing.assert_array_equal(ids, R.topk_logsoftmax(logits, kk)[1])
+            kept.append(logits.shape[0])
+        assert (mcp == 0.0) == all(d == depth for d, (_, depth, _) in zip(kept, cases)), kept
+    assert nd(P, 17, 8, host_topk=8).shape == (17, V)  # beyond the device top-k's rows: the logits
+    with pytest.raises(ValueError, match="host_topk"):
+        nd(P, 4, 8, host_topk=-1)
+    # in generate (adaptive budget), on both round paths: the draft comes back in [d, k] form
+    # (device_drafts counts those rounds; host rounds copied the [d, V] logits back before)
+    ar = generate(gpu, P, 30, seed=0)
+    for rounds in ("device", "host"):
+        res = generate(gpu, P, 30, drafter=ModelDrafter(model), tree_budget=32, depth=8, seed=0,
+                       adaptive_budget=True, rounds=rounds)
+        np.testing.assert_array_equal(res.tokens, ar.tokens)
+        assert res.stats["device_drafts"] >= int((res.tree_sizes > 0).sum()) > 0, rounds
+        fixed = generate(gpu, P, 30, drafter=ModelDrafter(model), tree_budget=32, depth=8, seed=0, rounds=rounds)
+        np.testing.assert_array_equal(fixed.tokens, ar.tokens)
+        assert fixed.stats["device_drafts"] == (int((fixed.tree_sizes > 0).sum()) if rounds == "device" else 0), rounds
 
 
 @pytest.mark.parametrize("rounds", ["device", "host"])
