@@ -80,18 +80,33 @@ void bind_cuda_model(py::module_& m) {
       },
       "(ok, path or error): whether cuBLAS loads at run time (dlopen), and from where.");
 
+  m.def(
+      "cuda_bf16_only_unsupported",
+      [](const py::dict& cfg, bool tile_tensor_cores, const std::string& expert_kernel) {
+        kdtree::CudaModelOptions o;
+        o.tile_tensor_cores = tile_tensor_cores;
+        o.expert_kernel = parse_choice(expert_kernel, "expert_kernel", {"auto", "skinny", "tiled", "mma"});
+        return Model::bf16_only_unsupported(config_from_dict(cfg), o);
+      },
+      py::arg("config"), py::arg("tile_tensor_cores") = true, py::arg("expert_kernel") = "auto",
+      "Why CudaModel(bf16_weights='only') cannot hold this config with these options ('' when it can).");
+
   kdtree_py::def_model_common(py::class_<Model>(m, "CudaModel",
                     "The GPU target model (DeepSeek-V3 / Kimi-K2, FP32, cuBLAS). CudaModel(config_dict, max_seq_len, "
                     "max_tokens=0, device=0, math='default', attention_naive=False, expert_kernel='auto', graphs=True, skinny_max_tokens=-1, "
                     "attention_kernel='auto', side_stream=True, skinny_big_max_tokens=-1, tile_max_tokens=-1, "
                     "tile_tensor_cores=True, expert_mma_rows=0, bf16_weight_copies=True, uv_combine_max_tokens=1, "
-                    "context_buckets=1, combine_norm=True) with "
-                    "config_dict = ModelConfig.to_native(); the same methods as CpuModel."))
+                    "context_buckets=1, combine_norm=True, bf16_weights=None, bf16_widen_elements=0) with "
+                    "config_dict = ModelConfig.to_native(); the same methods as CpuModel. bf16_weights: 'copies' "
+                    "(exactly-BF16 matrices held as FP32 plus a BF16 copy the few-token kernels read), 'off' (FP32 "
+                    "alone), 'only' (every matrix held as BF16 alone, 2 bytes a weight; each matrix given must be "
+                    "exactly BF16); None: from bf16_weight_copies. The same logits in all three (docs/CUDA_MODEL.md)."))
       .def(py::init([](const py::dict& cfg, int64_t max_seq_len, int64_t max_tokens, int device, const std::string& math,
                        bool attention_naive, const std::string& expert_kernel, bool graphs, int skinny_max_tokens,
                        const std::string& attention_kernel, bool side_stream, int skinny_big_max_tokens, int tile_max_tokens,
                        bool tile_tensor_cores, int expert_mma_rows, bool bf16_weight_copies, int uv_combine_max_tokens,
-                       int context_buckets, bool combine_norm) {
+                       int context_buckets, bool combine_norm, const py::object& bf16_weights,
+                       int64_t bf16_widen_elements) {
              kdtree::ModelConfig c = config_from_dict(cfg);
              kdtree::CudaModelOptions o;
              o.max_tokens = max_tokens;
@@ -107,6 +122,16 @@ void bind_cuda_model(py::module_& m) {
              o.tile_tensor_cores = tile_tensor_cores;
              o.expert_mma_rows = expert_mma_rows;
              o.bf16_weight_copies = bf16_weight_copies;
+             o.bf16_widen_elements = bf16_widen_elements;
+             if (!bf16_weights.is_none()) {
+               if (!py::isinstance<py::str>(bf16_weights)) throw Error("bf16_weights must be 'only', 'copies', 'off' or None");
+               const int mode = parse_choice(bf16_weights.cast<std::string>(), "bf16_weights", {"off", "copies", "only"});
+               if (mode != 0 && !bf16_weight_copies)
+                 throw Error("bf16_weight_copies=False contradicts bf16_weights='" + bf16_weights.cast<std::string>() +
+                             "': give one of them");
+               o.bf16_weight_copies = mode >= 1;
+               o.bf16_weights_only = mode == 2;
+             }
              o.uv_combine_max_tokens = uv_combine_max_tokens;
              o.context_buckets = context_buckets;
              o.combine_norm = combine_norm;
@@ -123,7 +148,8 @@ void bind_cuda_model(py::module_& m) {
            py::arg("side_stream") = true, py::arg("skinny_big_max_tokens") = -1,
            py::arg("tile_max_tokens") = -1, py::arg("tile_tensor_cores") = true, py::arg("expert_mma_rows") = 0,
            py::arg("bf16_weight_copies") = true, py::arg("uv_combine_max_tokens") = 1, py::arg("context_buckets") = 1,
-           py::arg("combine_norm") = true)
+           py::arg("combine_norm") = true, py::arg("bf16_weights") = py::none(),
+           py::arg("bf16_widen_elements") = 0)
       .def(
           "context_bucket",
           [](const Model& self, int64_t L, int64_t T) {
@@ -162,6 +188,12 @@ void bind_cuda_model(py::module_& m) {
       .def_property_readonly("bf16_weight_bytes", &Model::bf16_weight_bytes,
                              "Device bytes of the BF16 weight copies (0 without a BF16-exact weight or with "
                              "bf16_weight_copies=False); made at finalize()")
+      .def_property_readonly(
+          "bf16_weights",
+          [](const Model& self) {
+            return std::string(self.bf16_weights_only() ? "only" : self.bf16_weight_copies() ? "copies" : "off");
+          },
+          "How the model holds exactly-BF16 weight matrices: 'only', 'copies' or 'off'.")
       .def_property_readonly("bf16_weight_elements", &Model::bf16_weight_elements,
                              "How many weight values the BF16 copies cover (those read as BF16 by the few-token kernels)")
       .def(

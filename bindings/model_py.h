@@ -263,6 +263,30 @@ py::class_<Model> def_model_common(py::class_<Model> cls) {
             self.set_weight(name, p, shape);
           },
           py::arg("name"), py::arg("array"), py::arg("check_finite") = true)
+      .def(
+          "set_weight_bf16",
+          [](Model& self, const std::string& name, const py::object& obj, bool check_finite) {
+            py::array arr = py::array::ensure(obj);
+            if (!arr) throw Error("set_weight_bf16: '" + name + "' is not an array");
+            if (arr.dtype().kind() != 'u' || arr.dtype().itemsize() != 2)
+              throw Error("set_weight_bf16: '" + name + "' must be the BF16 bits as uint16, got " + dtype_str(arr));
+            auto a = py::array_t<uint16_t, py::array::c_style>::ensure(arr);
+            if (!a) throw Error("set_weight_bf16: '" + name + "' could not be made contiguous");
+            std::vector<int64_t> shape(a.shape(), a.shape() + a.ndim());
+            const uint16_t* p = a.data();
+            ModelUse use(&self, "set_weight_bf16");
+            py::gil_scoped_release nogil;
+            if (check_finite) {
+              const int64_t n = (int64_t)a.size();
+              for (int64_t i = 0; i < n; ++i)
+                if ((p[i] & 0x7F80u) == 0x7F80u) throw kdtree_py::non_finite_weight(name, (p[i] & 0x7Fu) != 0, i);
+            }
+            self.set_weight_bf16(name, p, shape);
+          },
+          py::arg("name"), py::arg("bits"), py::arg("check_finite") = true,
+          "set_weight of a BF16 tensor given as its bits (uint16, the high halves of the float32 values): the same "
+          "as set_weight of the widened values, without widening them first (what from_pretrained hands a CPU "
+          "model, or a CUDA model holding BF16 weights only, for a BF16 checkpoint).")
       .def("missing_weights", &Model::missing_weights)
       .def("finalize",
            [](Model& self) {

@@ -18,6 +18,7 @@
 
 #ifdef KDTREE_HAVE_CUBLAS
 
+#include <cuda.h>  // CUresult, CUdeviceptr (the driver entry points reached through the runtime)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -37,6 +38,8 @@ namespace {
 
 constexpr int64_t kAlignBytes = cuda::kArenaAlign;
 constexpr int64_t kCublasWorkspace = 32ll << 20;
+// bf16_weights_only: the most weight values widened at once for a cuBLAS product (64 MB)
+constexpr int64_t kWidenMaxElems = int64_t(16) << 20;
 // Steps of up to this many tokens run the dense projections through cuda::linear_skinny (the
 // crossover with cuBLAS measured on the H200, docs/BENCHMARKS.md "Skinny linear layers vs cuBLAS").
 constexpr int64_t kSkinnyAutoMaxT = 20;  // 17 = B 16 verify: 1.05x; 24: 0.95x
@@ -90,6 +93,38 @@ using cuda::DeviceGuard;
 cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 cublasHandle_t as_handle(void* h) { return static_cast<cublasHandle_t>(h); }
 
+// A device virtual address range of `bytes` (a multiple of 2 MiB) reserved with no memory mapped
+// behind it (the driver's cuMemAddressReserve, found through the runtime: no link to libcuda): any
+// access faults. nullptr and *err on failure.
+void* reserve_address_range(int64_t bytes, std::string* err) {
+  using Reserve = CUresult (*)(CUdeviceptr*, size_t, size_t, CUdeviceptr, unsigned long long);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion("cuMemAddressReserve", &fn, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+      q != cudaDriverEntryPointSuccess || !fn) {
+    cudaGetLastError();
+    *err = "the driver has no cuMemAddressReserve (virtual memory management)";
+    return nullptr;
+  }
+  CUdeviceptr p = 0;
+  const CUresult r = reinterpret_cast<Reserve>(fn)(&p, (size_t)bytes, 0, 0, 0);
+  if (r != CUDA_SUCCESS || !p) {
+    *err = "cannot reserve " + mib(bytes) + " of device addresses (cuMemAddressReserve error " + std::to_string((int)r) + ")";
+    return nullptr;
+  }
+  return reinterpret_cast<void*>(p);
+}
+
+void release_address_range(void* p, int64_t bytes) {
+  using Free = CUresult (*)(CUdeviceptr, size_t);
+  void* fn = nullptr;
+  cudaDriverEntryPointQueryResult q = cudaDriverEntryPointSymbolNotFound;
+  if (cudaGetDriverEntryPointByVersion("cuMemAddressFree", &fn, 12000, cudaEnableDefault, &q) == cudaSuccess &&
+      q == cudaDriverEntryPointSuccess && fn)
+    reinterpret_cast<Free>(fn)(reinterpret_cast<CUdeviceptr>(p), (size_t)bytes);
+  cudaGetLastError();
+}
+
 }  // namespace
 
 void CudaModel::check_cuda(int err, const char* what) const {
@@ -110,6 +145,29 @@ void CudaModel::check_cublas(int status, const char* what) const {
 
 std::string CudaModel::cublas_path() const { return cuda::cublas_api().path; }
 
+// Every product of a bf16_weights_only model must run on a kernel that reads the BF16 form, or on
+// cuBLAS after widening: inner sizes (and the strides built from them) in whole 16-byte pieces of
+// BF16, the tensor-core tiles, no SGEMM expert tiles.
+std::string CudaModel::bf16_only_unsupported(const ModelConfig& c, const CudaModelOptions& opt) {
+  const int64_t nL = c.num_hidden_layers;
+  const bool any_moe = c.first_k_dense_replace < nL, any_dense = c.first_k_dense_replace > 0;
+  const int64_t Is = c.moe_intermediate_size * std::max<int64_t>(c.n_shared_experts, 0);
+  std::vector<std::pair<const char*, int64_t>> sizes = {
+      {"hidden_size", c.hidden_size}, {"kv_lora_rank", c.kv_lora_rank}, {"qk_nope_head_dim", c.qk_nope_head_dim},
+      {"qk_rope_head_dim", c.qk_rope_head_dim}, {"v_head_dim", c.v_head_dim}};
+  if (c.q_lora_rank > 0) sizes.push_back({"q_lora_rank", c.q_lora_rank});
+  if (any_dense) sizes.push_back({"intermediate_size", c.intermediate_size});
+  if (any_moe) sizes.push_back({"moe_intermediate_size", c.moe_intermediate_size});
+  if (any_moe && Is > 0) sizes.push_back({"n_routed_experts (the shared expert's rows follow the router's)", c.n_routed_experts});
+  for (const auto& x : sizes)
+    if (x.second % 8)
+      return std::string("needs ") + x.first + " to be a multiple of 8, got " + std::to_string(x.second) +
+             " (bf16_weights='copies' holds FP32 and BF16 forms for any shape)";
+  if (!opt.tile_tensor_cores) return "needs tile_tensor_cores=True (the FP32 tiles read FP32 weights)";
+  if (opt.expert_kernel == CudaModelOptions::kExpertTiled) return "cannot run expert_kernel='tiled' (it reads FP32 weights)";
+  return "";
+}
+
 CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaModelOptions& opt)
     : cfg_(cfg), max_seq_len_(max_seq_len), opt_(opt) {
   cfg_.validate();
@@ -129,6 +187,8 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     throw Error("CudaModel: expert_mma_rows must be 0 (auto), 8, 16, 32 or 64, got " + std::to_string(opt.expert_mma_rows));
   if (opt.context_buckets != 1 && opt.context_buckets != 2 && opt.context_buckets != 4 && opt.context_buckets != 8)
     throw Error("CudaModel: context_buckets must be 1, 2, 4 or 8, got " + std::to_string(opt.context_buckets));
+  if (opt.bf16_widen_elements < 0)
+    throw Error("CudaModel: bf16_widen_elements must be >= 0 (0 = default), got " + std::to_string(opt.bf16_widen_elements));
   if (opt.uv_combine_max_tokens < 0 || opt.uv_combine_max_tokens > cuda::kUvMaxT)
     throw Error("CudaModel: uv_combine_max_tokens must be 0.." + std::to_string(cuda::kUvMaxT) + ", got " +
                 std::to_string(opt.uv_combine_max_tokens));
@@ -154,6 +214,10 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   if (C > 2048) throw Error("CudaModel: kv_lora_rank > 2048 is not supported by verify_attention");
   for (int64_t v : {Dm, V, H * Dqk, qr + CR, H * C, Tm * K, Tm * std::max<int64_t>(E, 1)})
     if (v >= (1ll << 31)) throw Error("CudaModel: a dimension exceeds the 32-bit range of the kernels");
+  if (opt.bf16_weights_only) {
+    const std::string why = bf16_only_unsupported(c, opt);
+    if (!why.empty()) throw Error("CudaModel: bf16_weights_only " + why);
+  }
 
   // ---- device, stream, cuBLAS
   std::string why;
@@ -186,41 +250,46 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     ev_join_ = ev;
   }
 
-  // ---- weights (one arena), in the order of model_weight_specs
-  Arena w;
+  // ---- weights (one arena), in the order of model_weight_specs. bf16_weights_only: the matrices
+  // (mat) in an arena of their own, committed to a reserved address range with no memory behind it
+  // (their FP32 addresses, which bf16_of maps onto the BF16 arena); the vectors and the embedding in w.
+  const bool only = opt.bf16_weights_only;
+  Arena w, wm;
+  Arena& mats = only ? wm : w;
+  auto mat = [&](float** where, int64_t count) { mats.add(where, count); };
   w.add(&embed_, V * Dm);
   w.add(&final_ln_, Dm);
-  if (!c.tie_word_embeddings) w.add(&lm_head_, V * Dm);
+  if (!c.tie_word_embeddings) mat(&lm_head_, V * Dm);
   w.add(&inv_freq_, R / 2);
   layers_.resize((size_t)nL);
   for (int64_t l = 0; l < nL; ++l) {
     Layer& ly = layers_[(size_t)l];
     w.add(&ly.input_ln, Dm);
     w.add(&ly.post_ln, Dm);
-    w.add(&ly.qkv_a, (qr + CR) * Dm);
+    mat(&ly.qkv_a, (qr + CR) * Dm);
     if (qr > 0) {
       w.add(&ly.q_a_ln, qr);
-      w.add(&ly.q_b, H * Dqk * qr);
+      mat(&ly.q_b, H * Dqk * qr);
     } else {
-      w.add(&ly.q_b, H * Dqk * Dm);
+      mat(&ly.q_b, H * Dqk * Dm);
     }
     w.add(&ly.kv_a_ln, C);
-    w.add(&ly.w_ukT, H * Dn * C);
-    w.add(&ly.w_uv, H * Dv * C);
-    w.add(&ly.o_proj, Dm * H * Dv);
+    mat(&ly.w_ukT, H * Dn * C);
+    mat(&ly.w_uv, H * Dv * C);
+    mat(&ly.o_proj, Dm * H * Dv);
     ly.moe = c.is_moe_layer(l);
     if (!ly.moe) {
-      w.add(&ly.mlp_gate_up, 2 * c.intermediate_size * Dm);
-      w.add(&ly.mlp_down, Dm * c.intermediate_size);
+      mat(&ly.mlp_gate_up, 2 * c.intermediate_size * Dm);
+      mat(&ly.mlp_down, Dm * c.intermediate_size);
     } else {
       ly.moe_index = (int)n_moe_layers_++;
       // router rows then (Is > 0) the shared expert's gate/up rows, contiguous: one projection
       // serves both for few tokens (moe_mlp)
-      w.add(&ly.router, (E + 2 * Is) * Dm);
+      mat(&ly.router, (E + 2 * Is) * Dm);
       w.add(&ly.router_bias, E);
-      w.add(&ly.experts_gate_up, E * 2 * Ie * Dm);
-      w.add(&ly.experts_down, E * Dm * Ie);
-      if (Is > 0) w.add(&ly.shared_down, Dm * Is);
+      mat(&ly.experts_gate_up, E * 2 * Ie * Dm);
+      mat(&ly.experts_down, E * Dm * Ie);
+      if (Is > 0) mat(&ly.shared_down, Dm * Is);
     }
   }
   weight_bytes_ = w.bytes;
@@ -292,6 +361,16 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   ws.add(reinterpret_cast<char**>(&attn_ws_), attn_ws_bytes_);
   cublas_ws_bytes_ = kCublasWorkspace;
   ws.add(reinterpret_cast<char**>(&cublas_ws_), cublas_ws_bytes_);
+  if (only) {
+    // the widened weights of a cuBLAS product: a whole per-head matrix (W_UK, W_UV: one batched call),
+    // else up to kWidenMaxElems floats, the product run block of rows by block of rows
+    int64_t big = std::max({(qr + CR) * Dm, H * Dqk * std::max<int64_t>(qr, Dm), Dm * H * Dv, V * Dm});
+    if (any_dense) big = std::max({big, 2 * c.intermediate_size * Dm});
+    if (any_moe) big = std::max({big, (E + 2 * Is) * Dm, Dm * Is});
+    const int64_t cap = opt.bf16_widen_elements > 0 ? opt.bf16_widen_elements : kWidenMaxElems;
+    widen_elems_ = std::max({std::min(big, cap), H * Dn * C, H * Dv * C, Dm, H * Dv, c.intermediate_size, Is});
+    ws.add(&widen_, widen_elems_);
+  }
   workspace_bytes_ = ws.bytes;
 
   // ---- allocate: a clear error with the sizes when the device has too little memory
@@ -301,7 +380,8 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     cudaMemGetInfo(&fr, &tot);
     cudaGetLastError();
     std::string msg = std::string("CudaModel: cannot allocate the ") + what + " (" + mib(bytes) + ") on " +
-                      device_name_ + ": " + cudaGetErrorString(err) + ". Asked for weights " + mib(weight_bytes_) +
+                      device_name_ + ": " + cudaGetErrorString(err) + ". Asked for weights " +
+                      mib(weight_bytes_ + (only ? cuda::arena_align_up(wm.bytes / 2) : 0)) +
                       " + latent cache " + mib(cache_bytes_) + " (max_seq_len " + std::to_string(max_seq_len) +
                       ") + workspaces " + mib(workspace_bytes_) + " (max_tokens " + std::to_string(Tm) +
                       "); the device has " + mib((int64_t)fr) + " free of " + mib((int64_t)tot) +
@@ -313,6 +393,20 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     cudaError_t e;
     if ((e = cudaMalloc(&weights_mem_, (size_t)weight_bytes_)) != cudaSuccess) oom("weights", weight_bytes_, e);
     w.commit(weights_mem_);
+    if (only) {
+      // the matrices: FP32 addresses reserved, never backed; their values in one BF16 range
+      std::string err;
+      mat_va_bytes_ = (wm.bytes + (int64_t(2) << 20) - 1) / (int64_t(2) << 20) * (int64_t(2) << 20);
+      mat_va_ = reserve_address_range(mat_va_bytes_, &err);
+      if (!mat_va_) throw RuntimeFailure("CudaModel: bf16_weights_only: " + err);
+      wm.commit(mat_va_);
+      mat_begin_ = static_cast<const float*>(mat_va_);
+      mat_end_ = mat_begin_ + wm.bytes / (int64_t)sizeof(float);
+      bf16_bytes_ = cuda::arena_align_up(wm.bytes / 2);
+      if ((e = cudaMalloc(&bf16_mem_, (size_t)bf16_bytes_)) != cudaSuccess) oom("BF16 weights", bf16_bytes_, e);
+      check_cuda(cudaMemsetAsync(bf16_mem_, 0, (size_t)bf16_bytes_, stream), "cudaMemset(BF16 weights)");
+      bf16_ranges_.push_back(Bf16Range{mat_begin_, mat_end_, 0});
+    }
     for (Layer& ly : layers_)
       if (ly.moe && Is > 0) ly.shared_gate_up = ly.router + E * Dm;  // right after the router rows
     if ((e = cudaMalloc(&cache_mem_, (size_t)std::max<int64_t>(cache_bytes_, 1))) != cudaSuccess)
@@ -359,6 +453,8 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     if (work_mem_) cudaFree(work_mem_);
     if (cache_mem_) cudaFree(cache_mem_);
     if (weights_mem_) cudaFree(weights_mem_);
+    if (bf16_mem_) cudaFree(bf16_mem_);
+    if (mat_va_) release_address_range(mat_va_, mat_va_bytes_);
     cudaStreamDestroy(stream);
     throw;
   }
@@ -436,6 +532,7 @@ CudaModel::~CudaModel() {
   if (cache_mem_) cudaFree(cache_mem_);
   if (weights_mem_) cudaFree(weights_mem_);
   if (bf16_mem_) cudaFree(bf16_mem_);
+  if (mat_va_) release_address_range(mat_va_, mat_va_bytes_);
   if (stream_) cudaStreamDestroy(as_stream(stream_));
   if (side_) cudaStreamDestroy(as_stream(side_));
   if (ev_fork_) cudaEventDestroy(static_cast<cudaEvent_t>(ev_fork_));
@@ -474,6 +571,26 @@ void CudaModel::set_weight(const std::string& name, const float* data, const std
   for (int64_t d : shape) n *= d;
   if (n > 0 && data == nullptr) throw Error("set_weight: null data for '" + name + "'");
   DeviceGuard guard(opt_.device);
+  if (upload_bf16_ok(s)) {  // bf16_weights_only: a matrix, held as BF16 alone
+    if (!kdtree::bf16_exact(data, n)) {
+      int64_t i = 0;
+      while (i < n && kdtree::bf16_exact(data + i, 1)) ++i;  // the first value that is not
+      throw Error("set_weight: '" + name + "' holds a value that is not exactly BF16 (flat index " + std::to_string(i) +
+                  ": " + std::to_string(data[i]) + "); with bf16_weights_only the matrices are held as BF16 alone: "
+                  "pass bf16_weights='copies' (FP32 and BF16 copies) for such a checkpoint");
+    }
+    std::vector<uint16_t> bits((size_t)n);
+    for (int64_t i = 0; i < n; ++i) {
+      uint32_t u;
+      std::memcpy(&u, data + i, 4);
+      bits[(size_t)i] = (uint16_t)(u >> 16);
+    }
+    upload_bf16(s, bits.data());
+    s.bf16_exact = true;
+    s.set = true;
+    finalized_ = false;
+    return;
+  }
   // exactly BF16 (a BF16 checkpoint widened to float32)? Its copy comes at finalize (with the option on).
   s.bf16_exact = opt_.bf16_weight_copies && kdtree::bf16_exact(data, n);
   if (s.kind == kCopy) {
@@ -495,6 +612,63 @@ void CudaModel::set_weight(const std::string& name, const float* data, const std
   }
   s.set = true;
   finalized_ = false;
+}
+
+bool CudaModel::upload_bf16_ok(const Slot& s) const { return s.kind == kKvB ? opt_.bf16_weights_only : bf16_only(s.dst); }
+
+// bf16_weights_only: a matrix's BF16 bits into its place in the BF16 arena (kv_b_proj split into
+// W_UK^T and W_UV as set_weight does with the values)
+void CudaModel::upload_bf16(Slot& s, const uint16_t* bits) {
+  int64_t n = 1;
+  for (int64_t d : s.shape) n *= d;
+  if (s.kind == kCopy) {
+    check_cuda(cudaMemcpy(const_cast<uint16_t*>(bf16_of(s.dst, n)), bits, (size_t)n * 2, cudaMemcpyHostToDevice),
+               "set_weight upload (BF16)");
+    return;
+  }
+  const Layer& ly = layers_[(size_t)s.layer];
+  const int64_t H = cfg_.num_attention_heads, C = cfg_.kv_lora_rank;
+  const int64_t Dn = cfg_.qk_nope_head_dim, Dv = cfg_.v_head_dim;
+  std::vector<uint16_t> uk((size_t)(H * Dn * C)), uv((size_t)(H * Dv * C));
+  for (int64_t h = 0; h < H; ++h) {
+    const uint16_t* src = bits + h * (Dn + Dv) * C;
+    for (int64_t d = 0; d < Dn; ++d)
+      for (int64_t c = 0; c < C; ++c) uk[(size_t)(h * C * Dn + c * Dn + d)] = src[d * C + c];
+    std::memcpy(uv.data() + h * Dv * C, src + Dn * C, (size_t)(Dv * C) * 2);
+  }
+  if (!uk.empty())
+    check_cuda(cudaMemcpy(const_cast<uint16_t*>(bf16_of(ly.w_ukT, H * Dn * C)), uk.data(), uk.size() * 2,
+                          cudaMemcpyHostToDevice), "set_weight upload (BF16)");
+  if (!uv.empty())
+    check_cuda(cudaMemcpy(const_cast<uint16_t*>(bf16_of(ly.w_uv, H * Dv * C)), uv.data(), uv.size() * 2,
+                          cudaMemcpyHostToDevice), "set_weight upload (BF16)");
+}
+
+void CudaModel::set_weight_bf16(const std::string& name, const uint16_t* bits, const std::vector<int64_t>& shape) {
+  int64_t n = 1;
+  for (int64_t d : shape) n *= d;
+  if (n > 0 && bits == nullptr) throw Error("set_weight_bf16: null data for '" + name + "'");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = slots_.find(name);
+    if (it != slots_.end() && shape == it->second.shape && upload_bf16_ok(it->second)) {
+      ++epoch_;
+      DeviceGuard guard(opt_.device);
+      upload_bf16(it->second, bits);
+      it->second.bf16_exact = true;
+      it->second.set = true;
+      finalized_ = false;
+      return;
+    }
+  }
+  // a vector, the embedding, any tensor without bf16_weights_only (or a name / shape set_weight refuses
+  // with its message): the widened values
+  std::vector<float> v((size_t)n);
+  for (int64_t i = 0; i < n; ++i) {
+    const uint32_t u = (uint32_t)bits[i] << 16;
+    std::memcpy(&v[(size_t)i], &u, 4);
+  }
+  set_weight(name, v.data(), shape);
 }
 
 std::vector<std::string> CudaModel::missing_weights() const {
@@ -525,6 +699,7 @@ void CudaModel::finalize() {
 // set_weight with values of another kind), captured graphs that baked in the old choice are
 // dropped, and the allocation is redone when it no longer fits.
 void CudaModel::make_bf16_copies() {
+  if (opt_.bf16_weights_only) return;  // the matrices are the BF16 range itself, laid out at construction
   std::vector<std::pair<const float*, const float*>> r;
   if (opt_.bf16_weight_copies) {
     const int64_t H = cfg_.num_attention_heads, C = cfg_.kv_lora_rank;
@@ -640,9 +815,26 @@ CudaModel::GemmKind CudaModel::gemm_kind(const cuda::LinearParams& lp) const {
   return tile ? GemmKind::kTile : GemmKind::kCublas;  // (tile: also big weights past skinny_big_max_tokens)
 }
 
+void CudaModel::widen_weights(cuda::LinearParams& lp, int64_t elements) {
+  if (elements > widen_elems_)
+    throw RuntimeFailure("CudaModel: internal error, " + std::to_string(elements) + " BF16 weights to widen, room for " +
+                         std::to_string(widen_elems_));
+  check_cuda(cuda::bf16_to_f32(lp.w_bf16, widen_, elements, as_stream(stream_)), "bf16_to_f32");
+  lp.w = widen_;
+  lp.w_bf16 = nullptr;
+}
+
 void CudaModel::gemm_run(cuda::LinearParams lp, float* norm_out, void* stream) {
   cudaStream_t st = as_stream(stream ? stream : stream_);
-  switch (gemm_kind(lp)) {
+  const GemmKind kind = gemm_kind(lp);
+  if (bf16_only(lp.w) && kind != GemmKind::kCublas &&
+      !(kind == GemmKind::kSkinny ? cuda::linear_skinny_reads_bf16(lp) : cuda::linear_tile_reads_bf16(lp))) {
+    // (bf16_weights_only: the constructor's shape checks keep this off the measured paths)
+    if (st != as_stream(stream_))
+      throw RuntimeFailure("CudaModel: internal error, BF16-only weights to widen off the main stream");
+    widen_weights(lp, lp.N * lp.Kd);
+  }
+  switch (kind) {
     case GemmKind::kSkinny:
       lp.norm_out = norm_out;
       lp.ldn = lp.Kd;
@@ -657,6 +849,18 @@ void CudaModel::gemm_run(cuda::LinearParams lp, float* norm_out, void* stream) {
   if (st != as_stream(stream_)) throw RuntimeFailure("CudaModel: internal error, a cuBLAS product off the main stream");
   const cuda::CublasApi& api = cuda::cublas_api();
   const float alpha = 1.f, beta = lp.beta;
+  if (bf16_only(lp.w)) {  // bf16_weights_only: widened block by block of rows (output columns), each product after
+    const int64_t rows = std::max<int64_t>(1, std::min<int64_t>(lp.N, widen_elems_ / lp.Kd));
+    const uint16_t* src = lp.w_bf16;
+    for (int64_t n0 = 0; n0 < lp.N; n0 += rows) {
+      const int64_t nb = std::min<int64_t>(rows, lp.N - n0);
+      check_cuda(cuda::bf16_to_f32(src + n0 * lp.Kd, widen_, nb * lp.Kd, st), "bf16_to_f32");
+      check_cublas(api.sgemm(as_handle(cublas_), CUBLAS_OP_T, CUBLAS_OP_N, (int)nb, lp.T, lp.Kd, &alpha, widen_, lp.Kd,
+                             lp.x, (int)lp.ldx, &beta, lp.y + n0, (int)lp.ldy),
+                   "sgemm");
+    }
+    return;
+  }
   check_cublas(api.sgemm(as_handle(cublas_), CUBLAS_OP_T, CUBLAS_OP_N, lp.N, lp.T, lp.Kd, &alpha, lp.w, lp.Kd, lp.x,
                          (int)lp.ldx, &beta, lp.y, (int)lp.ldy),
                "sgemm");
@@ -691,13 +895,20 @@ void CudaModel::gemm_nt_heads(int64_t T, int64_t N, int64_t Kd, const float* in,
   run_heads(heads_params(T, N, Kd, in, ldi, in_head, w, out, ldo, out_head, heads));
 }
 
-void CudaModel::run_heads(const cuda::LinearParams& lp) {
+void CudaModel::run_heads(const cuda::LinearParams& lp_in) {
+  cuda::LinearParams lp = lp_in;
   const int64_t T = lp.T, N = lp.N, Kd = lp.Kd;
-  if (heads_on_skinny(lp)) {
+  const bool skinny = heads_on_skinny(lp);
+  const bool tile = !skinny && T <= tile_max_for(cuda::linear_weight_bytes(lp)) && cuda::linear_tile_supported(lp);
+  // bf16_weights_only: widened whole (one batched product) where the kernel would not read the BF16 form
+  if (bf16_only(lp.w) &&
+      !(skinny ? cuda::linear_skinny_reads_bf16(lp) : tile ? cuda::linear_tile_reads_bf16(lp) : false))
+    widen_weights(lp, lp.batch * lp.w_batch);
+  if (skinny) {
     check_cuda(cuda::linear_skinny(lp, as_stream(stream_)), "linear_skinny(heads)");
     return;
   }
-  if (T <= tile_max_for(cuda::linear_weight_bytes(lp)) && cuda::linear_tile_supported(lp)) {
+  if (tile) {
     check_cuda(cuda::linear_tile(lp, as_stream(stream_)), "linear_tile(heads)");
     return;
   }
@@ -937,9 +1148,12 @@ bool CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm, const float
     case CudaModelOptions::kExpertMma: kind = mma_ok ? kMma : kGemv; break;
     default: break;
   }
+  if (opt_.bf16_weights_only && kind == kTiled) kind = kGemv;  // (the SGEMM tiles read FP32 weights)
   const int tile_rows = kind == kMma ? mma_rows : kind == kTiled ? cuda::kExpertTileRows : cuda::kExpertSkinnyRows;
   const bool swiglu_fused = kind != kTiled;
   auto run_experts = [&](const cuda::ExpertGemmParams& xp, const char* what) {
+    if (bf16_only(xp.w) && !(kind == kMma ? cuda::expert_gemm_mma_reads_bf16(xp) : cuda::expert_gemm_reads_bf16(xp)))
+      throw RuntimeFailure(std::string("CudaModel: internal error, ") + what + " would read BF16-only weights as FP32");
     check_cuda(kind == kMma ? cuda::expert_gemm_mma(xp, st) : cuda::expert_gemm(xp, st), what);
   };
   cuda::MoeGroupParams gp{topk_idx_, (int)T, (int)K, (int)E, tile_rows, expert_counts_ + ly.moe_index * E, offsets_,

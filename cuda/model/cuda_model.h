@@ -71,6 +71,15 @@ struct CudaModelOptions {
                                    // to 72 tokens (linear_skinny, linear_tile, both expert kernels) read instead:
                                    // the same results from half the bytes, for +50 % weight memory
                                    // (docs/CUDA_MODEL.md)
+  bool bf16_weights_only = false;  // every weight matrix held as BF16 alone (2 bytes a value; the FP32 form is
+                                   // never stored): each matrix given must be exactly BF16 (set_weight refuses
+                                   // another value), the kernels of few-token steps read it as the copies above,
+                                   // the cuBLAS products widen it into a workspace block by block first. The same
+                                   // results as bf16_weight_copies; the embedding and the vectors stay FP32.
+                                   // Needs every matrix's inner size a multiple of 8 and tile_tensor_cores
+                                   // (docs/CUDA_MODEL.md "BF16 weights")
+  int64_t bf16_widen_elements = 0;  // bf16_weights_only: the most weight values a cuBLAS product widens at once
+                                    // (0 = 16M, 64 MB of workspace); smaller runs it in more blocks of rows
   int uv_combine_max_tokens = 1;  // steps of at most this many tokens (<= cuda::kUvMaxT; 0 = never) whose attention
                                   // splits the keys merge the splits inside the W_UV product (uv_combine kernel:
                                   // one launch instead of two; the same attention output, the W_UV sums in another
@@ -107,6 +116,11 @@ class CudaModel : public TargetModel {
   int64_t context_bucket(int64_t L, int64_t T) const;
 
   void set_weight(const std::string& name, const float* data, const std::vector<int64_t>& shape) override;
+  // Why bf16_weights_only cannot hold this config with these options ("" when it can)
+  static std::string bf16_only_unsupported(const ModelConfig& cfg, const CudaModelOptions& opt);
+  // set_weight of the float32 values whose high halves `bits` are (a BF16 tensor), without widening
+  // them on the host first: with bf16_weights_only a matrix's bits go to the device as they are
+  void set_weight_bf16(const std::string& name, const uint16_t* bits, const std::vector<int64_t>& shape);
   std::vector<std::string> missing_weights() const override;
   void finalize() override;
   bool finalized() const override { return finalized_; }
@@ -167,6 +181,8 @@ class CudaModel : public TargetModel {
   // device bytes of the BF16 weight copies (0 until finalize() found a BF16-exact weight, or with
   // bf16_weight_copies off) and how many of the weights' floats they cover
   int64_t bf16_weight_bytes() const { return bf16_bytes_; }
+  bool bf16_weights_only() const { return opt_.bf16_weights_only; }
+  bool bf16_weight_copies() const { return opt_.bf16_weight_copies; }
   int64_t bf16_weight_elements() const;
   int64_t cache_bytes() const { return cache_bytes_; }
   int64_t workspace_bytes() const { return workspace_bytes_; }
@@ -282,6 +298,14 @@ class CudaModel : public TargetModel {
   // exist (finalize), else nullptr.
   const uint16_t* bf16_of(const float* w, int64_t n) const;
   void make_bf16_copies();  // finalize(): the exact ranges, the copy arena (once), the conversion
+  // bf16_weights_only: whether w lies in the matrices' reserved (never backed) FP32 address range,
+  // i.e. is held as BF16 alone and must not be read as FP32
+  bool bf16_only(const float* w) const { return w && w >= mat_begin_ && w < mat_end_; }
+  // bf16_weights_only: lp's weights widened into widen_ (a cuBLAS product, or a kernel that would
+  // not read the BF16 form) on the main stream; lp then points there (w_bf16 cleared)
+  void widen_weights(cuda::LinearParams& lp, int64_t elements);
+  bool upload_bf16_ok(const Slot& s) const;  // bf16_weights_only and s is a matrix: held as BF16 alone
+  void upload_bf16(Slot& s, const uint16_t* bits);  // its bits into the BF16 arena
 
   ModelConfig cfg_;
   int64_t max_seq_len_ = 0, max_tokens_ = 0;
@@ -312,6 +336,13 @@ class CudaModel : public TargetModel {
   void* bf16_mem_ = nullptr;        // the BF16 copies (bf16_ranges_), one allocation
   int64_t bf16_bytes_ = 0;
   std::vector<Bf16Range> bf16_ranges_;  // sorted by begin
+  // bf16_weights_only: the matrices' FP32 addresses, a reserved device address range with no memory
+  // behind it (a read faults), held as one BF16 range
+  void* mat_va_ = nullptr;
+  int64_t mat_va_bytes_ = 0;
+  const float *mat_begin_ = nullptr, *mat_end_ = nullptr;
+  float* widen_ = nullptr;        // [widen_elems_] workspace of the widened weights (bf16_weights_only)
+  int64_t widen_elems_ = 0;
   void* cache_mem_ = nullptr;
   void* work_mem_ = nullptr;
   void* host_mem_ = nullptr;

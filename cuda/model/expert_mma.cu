@@ -210,11 +210,15 @@ cudaError_t launch_mma_as(const ExpertGemmParams& p, cudaStream_t stream) {
 // the BF16-weight kernel when the exact copy is there and its rows are whole 16-byte pieces
 template <int BM, bool SWI>
 cudaError_t launch_mma(const ExpertGemmParams& p, cudaStream_t stream) {
-  if (p.w_bf16 && p.Kd % 8 == 0 && aligned16(p.w_bf16)) return launch_mma_as<BM, SWI, true>(p, stream);
+  if (expert_gemm_mma_reads_bf16(p)) return launch_mma_as<BM, SWI, true>(p, stream);
   return launch_mma_as<BM, SWI, false>(p, stream);
 }
 
 }  // namespace
+
+bool expert_gemm_mma_reads_bf16(const ExpertGemmParams& p) {
+  return p.w_bf16 && p.Kd % 8 == 0 && aligned16(p.w_bf16);
+}
 
 bool expert_mma_supported(const ExpertGemmParams& p) {
   return (p.tile_rows == 8 || p.tile_rows == 16 || p.tile_rows == 32 || p.tile_rows == 64) && p.Kd % 4 == 0 &&

@@ -305,7 +305,7 @@ cudaError_t launch(const LinearParams& p, bool vec, cudaStream_t stream) {
   constexpr int rows_per_block = RW * kLinWarps / KS;
   dim3 grid((unsigned)((p.N + rows_per_block - 1) / rows_per_block), (unsigned)p.batch,
             (unsigned)((p.T + TT - 1) / TT));  // balanced slices of <= TT tokens
-  const bool bf = vec && p.w_bf16 && aligned8(p.w_bf16);
+  const bool bf = vec && linear_skinny_reads_bf16(p);  // (vec = vec_path(p), which that includes)
   if constexpr (kRopeConfig<RW, TT, U>) {
     if (p.rope_out) {  // (vec: checked by linear_skinny)
       grid.x += 1;
@@ -414,6 +414,8 @@ bool vec_path(const LinearParams& p) {
 }
 
 }  // namespace
+
+bool linear_skinny_reads_bf16(const LinearParams& p) { return vec_path(p) && p.w_bf16 && aligned8(p.w_bf16); }
 
 bool linear_skinny_rope_ok(const LinearParams& p) {
   if (p.norm_w || p.x_swiglu || !vec_path(p)) return false;

@@ -356,6 +356,10 @@ cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
 
 long long linear_weight_bytes(const LinearParams& p) { return (long long)p.N * p.Kd * p.batch * 4; }
 
+bool linear_tile_reads_bf16(const LinearParams& p) {
+  return p.tile_math == 0 && p.w_bf16 && p.Kd % 8 == 0 && p.w_batch % 8 == 0 && aligned16(p.w_bf16);
+}
+
 bool linear_tile_supported(const LinearParams& p) {
   return !p.norm_w && !p.x_swiglu && !p.norm_out && p.Kd % 4 == 0 && p.ldx % 4 == 0 && p.x_batch % 4 == 0 &&
          p.w_batch % 4 == 0 && aligned16(p.x) && aligned16(p.w);
@@ -426,7 +430,7 @@ cudaError_t linear_tile(const LinearParams& p, cudaStream_t stream) {
     return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
   if (p.tile_math == 1) return launch_rows<false>(p, stream);
-  if (p.w_bf16 && p.Kd % 8 == 0 && p.w_batch % 8 == 0 && aligned16(p.w_bf16)) return launch_rows<true, true>(p, stream);
+  if (linear_tile_reads_bf16(p)) return launch_rows<true, true>(p, stream);
   return launch_rows<true>(p, stream);
 }
 

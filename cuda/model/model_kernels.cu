@@ -1178,6 +1178,12 @@ __global__ void f32_to_bf16_high_kernel(const float* src, uint16_t* dst, long lo
     dst[i] = (uint16_t)(__float_as_uint(src[i]) >> 16);
 }
 
+__global__ void bf16_to_f32_kernel(const uint16_t* src, float* dst, long long n) {
+  pdl_prologue();
+  for (long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
+    dst[i] = __uint_as_float((uint32_t)src[i] << 16);
+}
+
 __global__ void causal_bits_kernel(uint64_t* bits, int T, int W) {
   pdl_prologue();
   const int i = blockIdx.x;
@@ -1331,19 +1337,29 @@ cudaError_t moe_group(const MoeGroupParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+namespace {
+bool expert_vec(const ExpertGemmParams& p) {
+  return p.Kd % 4 == 0 && p.ldx % 4 == 0 && ((uintptr_t)p.x % 16) == 0 && ((uintptr_t)p.w % 16) == 0;
+}
+}  // namespace
+
+bool expert_gemm_reads_bf16(const ExpertGemmParams& p) {
+  return p.tile_rows == kExpertSkinnyRows && expert_vec(p) && p.w_bf16 && aligned8(p.w_bf16);
+}
+
 cudaError_t expert_gemm(const ExpertGemmParams& p, cudaStream_t stream) {
   if (!p.x || !p.w || !p.offsets || !p.tile_expert || !p.tile_row0 || !p.num_tiles || !p.y || p.N <= 0 ||
       p.Kd <= 0 || p.ldx < p.Kd || p.ldy < p.N || p.max_tiles < 0)
     return cudaErrorInvalidValue;
   if (p.max_tiles == 0) return cudaSuccess;
-  const bool vec = p.Kd % 4 == 0 && p.ldx % 4 == 0 && ((uintptr_t)p.x % 16) == 0 && ((uintptr_t)p.w % 16) == 0;
+  const bool vec = expert_vec(p);
   if (p.tile_rows == kExpertSkinnyRows) {
     const int cols = kSkinnyWarps * (p.swiglu ? kSkinnyRW / 2 : kSkinnyRW);  // output columns per block
     dim3 grid(p.max_tiles, (p.N + cols - 1) / cols);
     if (grid.y > 65535u) return cudaErrorInvalidValue;
     const int steps = (p.Kd + (vec ? 127 : 31)) / (vec ? 128 : 32);  // k-steps of a warp over one row
     const int U = steps >= 4 ? 4 : steps >= 2 ? 2 : 1;
-    const bool bf = vec && p.w_bf16 && aligned8(p.w_bf16);
+    const bool bf = expert_gemm_reads_bf16(p);
     if (p.swiglu) {
       if (bf) launch_gemv<true, true, true>(U, grid, p, stream);
       else if (vec) launch_gemv<true, true>(U, grid, p, stream);
@@ -1415,6 +1431,14 @@ cudaError_t f32_to_bf16_high(const float* src, uint16_t* dst, long long n, cudaS
   if (n == 0) return cudaSuccess;
   const long long blocks = std::min<long long>((n + 255) / 256, 4096);
   launch_kernel(f32_to_bf16_high_kernel, (int)blocks, 256, 0, stream, src, dst, n);
+  return cudaGetLastError();
+}
+
+cudaError_t bf16_to_f32(const uint16_t* src, float* dst, long long n, cudaStream_t stream) {
+  if (!src || !dst || n < 0) return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
+  const long long blocks = std::min<long long>((n + 255) / 256, 8192);
+  launch_kernel(bf16_to_f32_kernel, (int)blocks, 256, 0, stream, src, dst, n);
   return cudaGetLastError();
 }
 

@@ -309,6 +309,16 @@ cudaError_t causal_bits(uint64_t* bits, int T, int W, cudaStream_t stream);
 // dst[i] = the high 16 bits of src[i] (its BF16 value when src[i] is exactly a BF16), n elements:
 // the BF16 weight copies of CudaModel.
 cudaError_t f32_to_bf16_high(const float* src, uint16_t* dst, long long n, cudaStream_t stream);
+// dst[i] = the float32 whose high 16 bits are src[i] (BF16 widened exactly), n elements: the weights
+// a cuBLAS product of a bf16_weights_only CudaModel reads.
+cudaError_t bf16_to_f32(const uint16_t* src, float* dst, long long n, cudaStream_t stream);
+
+// Whether the kernel reads the weights from w_bf16 (and never from w) for these parameters: the
+// same test each launcher makes. A bf16_weights_only CudaModel widens the weights first where not.
+bool linear_skinny_reads_bf16(const LinearParams& p);
+bool linear_tile_reads_bf16(const LinearParams& p);
+bool expert_gemm_reads_bf16(const ExpertGemmParams& p);      // the GEMV-style rows (kExpertSkinnyRows)
+bool expert_gemm_mma_reads_bf16(const ExpertGemmParams& p);
 
 }  // namespace cuda
 }  // namespace kdtree

@@ -34,7 +34,7 @@ _DEVICES = ("auto", "cpu", "cuda")
 _CUDA_OPTIONS = ("max_tokens", "device", "math", "attention_naive", "expert_kernel", "graphs", "skinny_max_tokens",
                  "attention_kernel", "side_stream", "skinny_big_max_tokens", "tile_max_tokens",
                  "tile_tensor_cores", "expert_mma_rows", "bf16_weight_copies", "uv_combine_max_tokens",
-                 "context_buckets", "combine_norm")
+                 "context_buckets", "combine_norm", "bf16_weights", "bf16_widen_elements")
 
 
 # keyword arguments of _native.CpuModel that an Engine passes through (docs/MODEL.md)
@@ -141,8 +141,9 @@ class Engine:
         progress: None, True (print to stderr) or a callable(done, total) per tensor.
         cuda_options: keyword arguments for the GPU model when the engine runs on CUDA (ignored
         on the CPU), e.g. {"device": 1} for the second GPU, {"max_tokens": 257} for trees of up
-        to 256 nodes, {"skinny_max_tokens": 0, "tile_max_tokens": 0} for cuBLAS only (docs/CUDA_MODEL.md); unknown
-        names are a ValueError.
+        to 256 nodes, {"skinny_max_tokens": 0, "tile_max_tokens": 0} for cuBLAS only, {"bf16_weights": "only"} to
+        hold a BF16 checkpoint's matrices as BF16 alone (2 bytes a weight instead of 6; the same logits;
+        docs/CUDA_MODEL.md "BF16 weights"); unknown names are a ValueError.
         cpu_options: keyword arguments for the CPU model (ignored on CUDA): "bf16_weights"
         says how a BF16 checkpoint's weight matrices are held: "only" (the default: as BF16, 2
         bytes a weight), "copies" (FP32 plus BF16 copies, 6 bytes) or "off" (FP32, 4 bytes, slower
@@ -173,8 +174,9 @@ class Engine:
         # (checked whole here; then read one tensor at a time as the model takes them)
         # (a CPU model takes a BF16 tensor as its bits: no float32 copy of it is made at all)
         # and a 4-bit group-quantized one packed, as it is stored (docs/MODEL.md)
-        bits = device == "cpu"
-        weights = iter_weights(model_dir, cfg, progress=progress, bf16_bits=bits, int4_packed=bits)
+        # A CUDA model holding BF16 weights only takes them as bits too (its matrices go over as they are).
+        bits = device == "cpu" or cuda_options.get("bf16_weights") == "only"
+        weights = iter_weights(model_dir, cfg, progress=progress, bf16_bits=bits, int4_packed=device == "cpu")
         eng = cls._build(cfg, weights, device, int(max_seq_len), cuda_options, cpu_options, bool(check_finite),
                          bf16_bits=bits)
         eng.model_dir = model_dir
@@ -200,7 +202,8 @@ class Engine:
                check_finite: bool = True, bf16_bits: bool = False) -> "Engine":
         """weights: a dict {name: array} (emptied as it is uploaded), or an iterator of (name, array)
         pairs already checked against the config (checkpoint.iter_weights). bf16_bits: uint16 arrays
-        are BF16 bits (iter_weights(bf16_bits=True); a CPU model only)."""
+        are BF16 bits (iter_weights(bf16_bits=True); a CPU model, or a CUDA model with
+        bf16_weights="only")."""
         opts, what = (cuda_options, "cuda_options") if device == "cuda" else (cpu_options, "cpu_options")
         if isinstance(weights, dict):
             # (before the model is built: its buffers are sized from the config alone)

@@ -1,0 +1,200 @@
+"""BF16 weights held alone on the GPU (CudaModel bf16_weights="only", docs/CUDA_MODEL.md "BF16
+weights"): every weight matrix lives on the device as BF16 only; its FP32 addresses are a reserved
+range with no memory behind it, so a kernel that read one would fault (and fail these tests). The
+few-token kernels read the BF16 form as they read the copies of bf16_weights="copies"; the cuBLAS
+products (prefill) widen it into a workspace first, block by block. The values are the same, so:
+* logits and caches equal "copies" bit for bit: decode, trees, 2-65-token steps, eager and graph
+  replays, a 300-token prefill (cuBLAS, also with tiny widening blocks), on several configs;
+* the device holds 2 bytes a matrix weight (and the FP32 vectors and embedding);
+* a matrix value that is not exactly BF16 is refused with a clear error, the model stays usable;
+  set_weight_bf16 gives what set_weight gives; shapes the BF16 kernels cannot take are refused
+  at construction, with the reason (and cuda_bf16_only_unsupported says the same);
+* Engine.from_pretrained(cuda_options={"bf16_weights": "only"}) on a BF16 checkpoint: the same
+  tokens as "copies", DDTree == AR.
+Skipped without a usable CUDA device."""
+import numpy as np
+import pytest
+
+import kdtree_native as kn
+
+if not kn.cuda_available():
+    pytest.skip("no usable CUDA device", allow_module_level=True)
+
+from kdtree_native import _native as N  # noqa: E402
+from kdtree_native.config import config_from_dict  # noqa: E402
+
+from hf_models import config_dict, random_weights, to_bf16  # noqa: E402
+from test_cuda_bf16 import matrix_elements, maybe_torch, run_steps  # noqa: E402
+from test_cuda_model import load, prefill, prompt  # noqa: E402
+
+pytestmark = pytest.mark.cuda
+
+# every size a multiple of 8 (what the BF16 kernels take whole)
+DIMS8 = dict(qk_nope_head_dim=16, v_head_dim=16, kv_lora_rank=16, qk_rope_head_dim=8)
+CONFIGS = {
+    "ds3_8": dict(DIMS8),
+    "kimi_8": dict(DIMS8, num_attention_heads=4, num_key_value_heads=4, n_group=1, topk_group=1, n_routed_experts=16,
+                   num_experts_per_tok=4, routed_scaling_factor=2.827),
+    "no_q_lora_8": dict(DIMS8, q_lora_rank=None, num_hidden_layers=3, first_k_dense_replace=2, n_shared_experts=2),
+    "tied_8": dict(DIMS8, tie_word_embeddings=True, norm_topk_prob=False, n_shared_experts=0, n_group=1,
+                   topk_group=1),
+    "mla512": dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, num_attention_heads=4,
+                   num_key_value_heads=4, hidden_size=64, q_lora_rank=48, vocab_size=300,
+                   max_position_embeddings=2048),
+}
+
+
+def cfg_of(name):
+    return config_from_dict(config_dict(CONFIGS[name]))
+
+
+def bf16_weights(cfg, seed=0):
+    return {k: to_bf16(v.astype(np.float32)) for k, v in random_weights(cfg, seed).items()}
+
+
+def bits_equal(a, b):
+    return np.array_equal(np.asarray(a).view(np.uint32), np.asarray(b).view(np.uint32))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_only_gives_the_bits_of_copies(name):
+    cfg = cfg_of(name)
+    w = bf16_weights(cfg)
+    copies = load(N.CudaModel(cfg.to_native(), 400), w)
+    only = load(N.CudaModel(cfg.to_native(), 400, bf16_weights="only"), w)
+    assert copies.bf16_weights == "copies" and only.bf16_weights == "only"
+    # the memory: the matrices as BF16 alone; FP32 for the vectors and the embedding only
+    embed = w["model.embed_tokens.weight"].size
+    mats = matrix_elements(w) - embed
+    assert copies.weight_bytes - only.weight_bytes >= 4 * mats
+    assert mats <= only.bf16_weight_elements <= mats + 128 * len(w)
+    assert only.bf16_weight_bytes <= (copies.weight_bytes - only.weight_bytes) // 2 + 256
+    assert only.memory_bytes < copies.memory_bytes - 4 * mats
+    # a 300-token prefill: the products past linear_tile's range run on cuBLAS from widened weights
+    ids = prompt(cfg.vocab_size, 300, seed=3)
+    a, b = prefill(copies, ids), prefill(only, ids)
+    assert np.isfinite(a).all()
+    assert bits_equal(a, b)
+    n = copies.cache_len
+    for layer in range(cfg.num_hidden_layers):
+        assert bits_equal(copies.read_cache(layer, 0, n), only.read_cache(layer, 0, n)), f"layer {layer}"
+    torch = maybe_torch()
+    x, y = run_steps([copies, only], cfg.vocab_size, torch)
+    for i, (u, v) in enumerate(zip(x, y)):
+        assert np.isfinite(u).all()
+        assert bits_equal(u, v), f"step {i}"
+    if torch is not None:
+        assert only.graph_replays >= 3
+
+
+@pytest.mark.parametrize("widen", [1, 1000, 4096])
+def test_cublas_products_in_small_widening_blocks(widen):
+    """bf16_widen_elements caps how many weights one widening holds: the cuBLAS products run over
+    blocks of rows (1000 / 16 < 64 rows a block here; 1: the smallest room the constructor allows);
+    the same bits."""
+    cfg = cfg_of("kimi_8")
+    w = bf16_weights(cfg, seed=1)
+    copies = load(N.CudaModel(cfg.to_native(), 300), w)
+    only = load(N.CudaModel(cfg.to_native(), 300, bf16_weights="only", bf16_widen_elements=widen), w)
+    for P in (270, 120):  # cuBLAS past 264 tokens, linear_tile below
+        ids = prompt(cfg.vocab_size, P, seed=P)
+        assert bits_equal(prefill(copies, ids), prefill(only, ids))
+
+
+def test_cublas_only_options():
+    """skinny_max_tokens = tile_max_tokens = 0: every product on cuBLAS, from widened weights."""
+    cfg = cfg_of("ds3_8")
+    w = bf16_weights(cfg, seed=2)
+    opts = dict(skinny_max_tokens=0, tile_max_tokens=0)
+    copies = load(N.CudaModel(cfg.to_native(), 64, **opts), w)
+    only = load(N.CudaModel(cfg.to_native(), 64, bf16_weights="only", **opts), w)
+    for T in (1, 5, 17):
+        ids = prompt(cfg.vocab_size, T, seed=T)
+        assert bits_equal(prefill(copies, ids), prefill(only, ids))
+
+
+def test_inexact_value_refused_and_model_usable():
+    cfg = cfg_of("ds3_8")
+    w = bf16_weights(cfg, seed=3)
+    ref = load(N.CudaModel(cfg.to_native(), 64), w)
+    only = load(N.CudaModel(cfg.to_native(), 64, bf16_weights="only"), w)
+    ids = prompt(cfg.vocab_size, 9, seed=4)
+    want = prefill(ref, ids)
+    for name in ("model.layers.1.self_attn.o_proj.weight", "model.layers.0.self_attn.kv_b_proj.weight",
+                 "model.layers.1.mlp.experts.3.down_proj.weight"):
+        bad = w[name].copy()
+        bad.flat[7] = np.float32(1.0 + 2.0 ** -20)  # not a BF16
+        with pytest.raises(ValueError, match="not exactly BF16.*flat index 7.*copies"):
+            only.set_weight(name, bad)
+    only.finalize()
+    assert bits_equal(prefill(only, ids), want)  # the refused values never reached the model
+    # vectors and the embedding stay FP32: any value is taken
+    emb = w["model.embed_tokens.weight"] + np.float32(1e-3)
+    only.set_weight("model.embed_tokens.weight", emb)
+    ref.set_weight("model.embed_tokens.weight", emb)
+    for m in (only, ref):
+        m.finalize()
+    assert bits_equal(prefill(only, ids), prefill(ref, ids))
+
+
+def test_set_weight_bf16_same_as_set_weight():
+    cfg = cfg_of("kimi_8")
+    w = bf16_weights(cfg, seed=5)
+    ids = prompt(cfg.vocab_size, 40, seed=6)
+    for mode in ("only", "copies", "off"):
+        a = load(N.CudaModel(cfg.to_native(), 64, bf16_weights=mode), w)
+        b = N.CudaModel(cfg.to_native(), 64, bf16_weights=mode)
+        for name, arr in w.items():
+            b.set_weight_bf16(name, (np.ascontiguousarray(arr, np.float32).view(np.uint32) >> 16).astype(np.uint16))
+        b.finalize()
+        assert b.bf16_weights == mode
+        assert bits_equal(prefill(a, ids), prefill(b, ids)), mode
+    with pytest.raises(ValueError, match="uint16"):
+        b.set_weight_bf16("model.norm.weight", w["model.norm.weight"])
+    nan = np.full(w["model.layers.0.self_attn.o_proj.weight"].shape, 0x7FC0, np.uint16)
+    with pytest.raises(ValueError, match="NaN"):
+        b.set_weight_bf16("model.layers.0.self_attn.o_proj.weight", nan)
+    with pytest.raises(ValueError, match="shape"):
+        b.set_weight_bf16("model.layers.0.self_attn.o_proj.weight", nan[:, :8].copy())
+
+
+def test_unsupported_shapes_and_options_refused():
+    odd = config_from_dict(config_dict("ds3_base"))  # qk_nope_head_dim 12, v_head_dim 10
+    why = N.cuda_bf16_only_unsupported(odd.to_native())
+    assert "qk_nope_head_dim" in why and "multiple of 8" in why
+    with pytest.raises(ValueError, match="qk_nope_head_dim to be a multiple of 8"):
+        N.CudaModel(odd.to_native(), 32, bf16_weights="only")
+    cfg = cfg_of("ds3_8")
+    assert N.cuda_bf16_only_unsupported(cfg.to_native()) == ""
+    with pytest.raises(ValueError, match="tile_tensor_cores"):
+        N.CudaModel(cfg.to_native(), 32, bf16_weights="only", tile_tensor_cores=False)
+    with pytest.raises(ValueError, match="tiled"):
+        N.CudaModel(cfg.to_native(), 32, bf16_weights="only", expert_kernel="tiled")
+    with pytest.raises(ValueError, match="contradicts"):
+        N.CudaModel(cfg.to_native(), 32, bf16_weights="only", bf16_weight_copies=False)
+    with pytest.raises(ValueError, match="bf16_weights"):
+        N.CudaModel(cfg.to_native(), 32, bf16_weights="half")
+    with pytest.raises(ValueError, match="bf16_widen_elements"):
+        N.CudaModel(cfg.to_native(), 32, bf16_weights="only", bf16_widen_elements=-1)
+    assert N.CudaModel(cfg.to_native(), 32, bf16_weight_copies=False).bf16_weights == "off"
+    assert N.CudaModel(cfg.to_native(), 32, bf16_weights="off").bf16_weights == "off"
+
+
+def test_engine_from_pretrained_only(tmp_path):
+    """A BF16 checkpoint through from_pretrained with cuda_options bf16_weights="only" (the tensors
+    go over as bits): the same greedy tokens as "copies", and DDTree with a model drafter == AR."""
+    pytest.importorskip("transformers")
+    from hf_models import make_checkpoint
+    from kdtree_native.drafters import NgramDrafter
+
+    cfg_d = config_dict(CONFIGS["kimi_8"])
+    make_checkpoint(str(tmp_path), CONFIGS["kimi_8"], seed=7, dtype="bfloat16")
+    copies = kn.Engine.from_pretrained(str(tmp_path), device="cuda", max_seq_len=128)
+    only = kn.Engine.from_pretrained(str(tmp_path), device="cuda", max_seq_len=128,
+                                     cuda_options={"bf16_weights": "only"})
+    assert only.model.bf16_weights == "only"
+    assert only.model.weight_bytes < copies.model.weight_bytes / 2
+    ids = prompt(cfg_d["vocab_size"], 20, seed=8)
+    ar = copies.generate(ids, 24).tokens
+    assert np.array_equal(only.generate(ids, 24).tokens, ar)
+    assert np.array_equal(only.generate(ids, 24, drafter=NgramDrafter(), tree_budget=16).tokens, ar)
