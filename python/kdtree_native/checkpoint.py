@@ -353,6 +353,24 @@ def _dequantize(module: str, shape, scheme, parts: dict) -> np.ndarray:
     return dequantize_packed(module, scheme, shape, packed, scale, sdt, zp)
 
 
+def matrices_stored_as_bf16(model_dir, cfg: ModelConfig) -> bool:
+    """Whether every weight matrix the model takes (2-D, the embedding aside) is stored as BF16 in the
+    checkpoint (headers only; a quantized checkpoint: False). What makes a CUDA model's
+    bf16_weights="only" safe to choose for it: each matrix's values are exactly BF16."""
+    if cfg.quantization is not None:
+        return False
+    files, weight_map = _checkpoint_files(os.fspath(model_dir))
+    dtypes = {}
+    for path in files:
+        header, _ = read_safetensors_header(path)
+        for full, e in header.items():
+            if full != "__metadata__" and (weight_map is None or weight_map.get(full) == os.path.basename(path)):
+                dtypes[full] = e.get("dtype") if isinstance(e, dict) else None
+    prefix = cfg.weight_prefix or ""
+    return all(dtypes.get(prefix + name) == "BF16" for name, shape in expected_weight_shapes(cfg).items()
+               if len(shape) >= 2 and name != "model.embed_tokens.weight")
+
+
 def load_weights(model_dir, cfg: ModelConfig, dtype=np.float32,
                  progress: Optional[Callable[[int, int], None]] = None) -> dict:
     """Load every tensor of `expected_weight_shapes(cfg)` as `dtype` (float32 by default): a dict

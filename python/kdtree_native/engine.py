@@ -24,7 +24,7 @@ from typing import Callable, Optional, Union
 import numpy as np
 
 from . import _native
-from .checkpoint import PackedInt4, iter_weights
+from .checkpoint import PackedInt4, iter_weights, matrices_stored_as_bf16
 from .config import ModelConfig, load_config
 
 __all__ = ["Engine"]
@@ -141,9 +141,11 @@ class Engine:
         progress: None, True (print to stderr) or a callable(done, total) per tensor.
         cuda_options: keyword arguments for the GPU model when the engine runs on CUDA (ignored
         on the CPU), e.g. {"device": 1} for the second GPU, {"max_tokens": 257} for trees of up
-        to 256 nodes, {"skinny_max_tokens": 0, "tile_max_tokens": 0} for cuBLAS only, {"bf16_weights": "only"} to
-        hold a BF16 checkpoint's matrices as BF16 alone (2 bytes a weight instead of 6; the same logits;
-        docs/CUDA_MODEL.md "BF16 weights"); unknown names are a ValueError.
+        to 256 nodes, {"skinny_max_tokens": 0, "tile_max_tokens": 0} for cuBLAS only, {"bf16_weights": ...} how a BF16
+        checkpoint's matrices are held: "only" (the default when every matrix is stored as BF16 and the
+        shapes allow it: BF16 alone, 2 bytes a weight), "copies" (FP32 plus a BF16 copy, 6 bytes; the
+        default otherwise), "off" (FP32); the same logits (docs/CUDA_MODEL.md "BF16 weights"); unknown
+        names are a ValueError.
         cpu_options: keyword arguments for the CPU model (ignored on CUDA): "bf16_weights"
         says how a BF16 checkpoint's weight matrices are held: "only" (the default: as BF16, 2
         bytes a weight), "copies" (FP32 plus BF16 copies, 6 bytes) or "off" (FP32, 4 bytes, slower
@@ -174,6 +176,12 @@ class Engine:
         # (checked whole here; then read one tensor at a time as the model takes them)
         # (a CPU model takes a BF16 tensor as its bits: no float32 copy of it is made at all)
         # and a 4-bit group-quantized one packed, as it is stored (docs/MODEL.md)
+        if (device == "cuda" and "bf16_weights" not in cuda_options and "bf16_weight_copies" not in cuda_options
+                and matrices_stored_as_bf16(model_dir, cfg)
+                and not _native.cuda_bf16_only_unsupported(cfg.to_native(), cuda_options.get("tile_tensor_cores", True),
+                                                           cuda_options.get("expert_kernel", "auto"))):
+            # a BF16 checkpoint: its matrices held as BF16 alone (2 bytes a weight, not FP32 + a BF16 copy: 6)
+            cuda_options = dict(cuda_options, bf16_weights="only")
         # A CUDA model holding BF16 weights only takes them as bits too (its matrices go over as they are).
         bits = device == "cpu" or cuda_options.get("bf16_weights") == "only"
         weights = iter_weights(model_dir, cfg, progress=progress, bf16_bits=bits, int4_packed=device == "cpu")

@@ -278,3 +278,24 @@ def test_hf_save_pretrained_loads(dtype):
     with safe_open(os.path.join(path, "model.safetensors"), "pt") as f:
         for n in out:
             np.testing.assert_array_equal(out[n], f.get_tensor(n).to(torch.float32).numpy())
+
+
+@pytest.mark.parametrize("shards", [1, 3])
+def test_matrices_stored_as_bf16(tmp_path, cfg, weights, shards):
+    """What from_pretrained on CUDA reads to hold a checkpoint's matrices as BF16 alone: every 2-D tensor the
+    model takes stored as BF16 (the embedding and the vectors may be anything); one F32 matrix, an F16 one,
+    or a quantized checkpoint: no."""
+    bf = {k: to_bf16_bits(v) if v.ndim >= 2 else v for k, v in weights.items()}
+    d = save_model(str(tmp_path / "a"), config_dict(CFG_NAME), bf, shards=shards)
+    assert ckpt.matrices_stored_as_bf16(d, cfg)
+    bf["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"]  # F32 embedding: still yes
+    d = save_model(str(tmp_path / "b"), config_dict(CFG_NAME), bf, shards=shards)
+    assert ckpt.matrices_stored_as_bf16(d, cfg)
+    for name, arr in (("model.layers.2.mlp.experts.1.up_proj.weight", None),
+                      ("model.layers.0.self_attn.kv_b_proj.weight", "f16")):
+        odd = dict(bf)
+        odd[name] = weights[name].astype(np.float16) if arr == "f16" else weights[name]
+        d = save_model(str(tmp_path / name), config_dict(CFG_NAME), odd, shards=shards)
+        assert not ckpt.matrices_stored_as_bf16(d, cfg), name
+    d = save_model(str(tmp_path / "all32"), config_dict(CFG_NAME), weights, shards=shards)
+    assert not ckpt.matrices_stored_as_bf16(d, cfg)

@@ -129,6 +129,7 @@ def test_model_drafter_device_topk():
         nd = _native.ModelDraft(model, min_chain_prob=mcp)
         kept = []
         for ctx, depth, k in cases:
+            nd(ctx, depth, 8)  # the cache holds ctx: the two calls below feed the same last token
             logits = nd(ctx, depth, 8)
             lp, ids = nd(ctx, depth, 8, host_topk=k)
             kk = min(k, V)
@@ -139,6 +140,7 @@ def test_model_drafter_device_topk():
             np.testing.assert_array_equal(ids, R.topk_logsoftmax(logits, kk)[1])
             kept.append(logits.shape[0])
         assert (mcp == 0.0) == all(d == depth for d, (_, depth, _) in zip(kept, cases)), kept
+    nd = _native.ModelDraft(model, min_chain_prob=0.0)
     assert nd(P, 17, 8, host_topk=8).shape == (17, V)  # beyond the device top-k's rows: the logits
     with pytest.raises(ValueError, match="host_topk"):
         nd(P, 4, 8, host_topk=-1)

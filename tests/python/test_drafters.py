@@ -215,15 +215,19 @@ def test_model_drafter_with_truncate_is_linear_and_rolls_back():
     V = cfg.vocab_size
     d = ModelDrafter(eng, native=False)  # the Python definition (the Spy below sees its forwards)
     calls = []
-    fwd = eng.model.forward
+    fwd, fwd_last = eng.model.forward, eng.model.forward_last
 
-    class Spy:  # counts the tokens of every forward the drafter makes
+    class Spy:  # counts the tokens of every forward the drafter makes (the feed's: forward_last)
         def __getattr__(self, name):
             return getattr(eng.model, name)
 
         def forward(self, tokens, positions, vis=None):
             calls.append(len(tokens))
             return fwd(tokens, positions, vis)
+
+        def forward_last(self, tokens, positions, rows, vis=None):
+            calls.append(len(tokens))
+            return fwd_last(tokens, positions, rows, vis)
 
     d.model = Spy()
     ctx = (np.arange(9) * 7 % V).astype(np.int32)
