@@ -80,6 +80,17 @@ class PeakedLogprobs:
         return x.astype(np.float32), ids
 
 
+def mini_kimi_checkpoint(ckpt, verbose=True):
+    """The mini-kimi checkpoint at `ckpt` (made with HF transformers, seed 0, when it is not there yet)."""
+    if not os.path.isfile(os.path.join(ckpt, "config.json")):
+        from hf_models import make_checkpoint
+        t0 = time.time()
+        make_checkpoint(ckpt, MINI_KIMI, seed=0)
+        if verbose:
+            print(f"made the mini-kimi checkpoint in {time.time() - t0:.1f} s")
+    return ckpt
+
+
 def median_time(fn, sync, reps, warmup=3):
     for _ in range(warmup):
         fn()
@@ -106,11 +117,8 @@ def step_times(ckpt, variants, sizes, context=512, reps=20, warmup=5):
     `context`, for each CudaModel variant (label -> constructor keyword arguments), same weights
     and same run (bench_cuda_skinny.py, bench_cuda_experts.py)."""
     import torch
-    from hf_models import make_checkpoint
 
-    if not os.path.isfile(os.path.join(ckpt, "config.json")):
-        make_checkpoint(ckpt, MINI_KIMI, seed=0)
-    cfg = load_config(ckpt)
+    cfg = load_config(mini_kimi_checkpoint(ckpt, verbose=False))
     weights = load_weights(ckpt, cfg)
     dev = torch.device("cuda")
     sync = torch.cuda.synchronize
@@ -236,11 +244,7 @@ def main():
     print(f"device {out['device']}: copy bandwidth {bw / 1e12:.2f} TB/s, torch FP32 matmul {peak / 1e12:.1f} TFLOP/s")
 
     # ---- checkpoint
-    if not os.path.isfile(os.path.join(args.ckpt, "config.json")):
-        from hf_models import make_checkpoint
-        t0 = time.time()
-        make_checkpoint(args.ckpt, MINI_KIMI, seed=0)
-        print(f"made the mini-kimi checkpoint in {time.time() - t0:.1f} s")
+    mini_kimi_checkpoint(args.ckpt)
     cfg = load_config(args.ckpt)
     costs = Costs(cfg, 2 if args.bf16_weights else 4)
     max_ctx = 512 if args.quick else 4096
