@@ -75,7 +75,8 @@ struct CudaModelOptions {
                                    // never stored): each matrix given must be exactly BF16 (set_weight refuses
                                    // another value), the kernels of few-token steps read it as the copies above,
                                    // the cuBLAS products widen it into a workspace block by block first. The same
-                                   // results as bf16_weight_copies; the embedding and the vectors stay FP32.
+                                   // results as bf16_weight_copies where each cuBLAS product is one call (its
+                                   // matrix fits bf16_widen_elements); the embedding and the vectors stay FP32.
                                    // Needs every matrix's inner size a multiple of 8 and tile_tensor_cores
                                    // (docs/CUDA_MODEL.md "BF16 weights")
   int64_t bf16_widen_elements = 0;  // bf16_weights_only: the most weight values a cuBLAS product widens at once
