@@ -405,12 +405,17 @@ def _demo_prompt_ids(tok, text=DEMO_PROMPT):
 
 
 def _memory_summary(model) -> str:
-    """'device cpu, 0.95 GB of weights (0.95 GB as BF16), 1.00 GB held in all' (what the model reports)."""
+    """'device cpu, 0.95 GB of weights (0.95 GB as BF16), 1.00 GB held in all' (what the model reports); the
+    GPU model: 'device cuda, weights 0.13 GB FP32 + 0.90 GB BF16 (bf16_weights only), 1.60 GB held in all'."""
     gb = 1e9
     parts = [f"device {model.device}"]
     bf16, fp32 = getattr(model, "bf16_weight_bytes", 0), getattr(model, "fp32_weight_bytes", None)
     if fp32 is not None:
         parts.append(f"{(bf16 + fp32) / gb:.2f} GB of weights ({bf16 / gb:.2f} GB as BF16)")
+    elif getattr(model, "weight_bytes", None) is not None:  # the GPU model: its FP32 arena and its BF16 one
+        mode = getattr(model, "bf16_weights", None)
+        parts.append(f"weights {model.weight_bytes / gb:.2f} GB FP32 + {bf16 / gb:.2f} GB BF16"
+                     + (f" (bf16_weights {mode})" if mode else ""))
     parts.append(f"{model.memory_bytes / gb:.2f} GB held in all (cache and workspaces included)")
     return ", ".join(parts)
 

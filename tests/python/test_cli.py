@@ -306,3 +306,15 @@ def test_closed_stdout_stops_quietly():
     _, err = p.communicate(timeout=240)
     assert p.returncode == 1, err
     assert err.decode() == "", err
+
+
+def test_memory_summary_of_a_gpu_model():
+    """The load report's memory line for a model with a CUDA model's properties (FP32 arena, BF16 arena, mode)."""
+    from kdtree_native.cli import _memory_summary
+
+    class Fake:
+        device, weight_bytes, bf16_weight_bytes, bf16_weights, memory_bytes = "cuda", 125e6, 859e6, "only", 1.6e9
+
+    line = _memory_summary(Fake())
+    assert line == ("device cuda, weights 0.12 GB FP32 + 0.86 GB BF16 (bf16_weights only), 1.60 GB held in all "
+                    "(cache and workspaces included)"), line
