@@ -287,16 +287,6 @@ py::class_<Model> def_model_common(py::class_<Model> cls) {
           "set_weight of a BF16 tensor given as its bits (uint16, the high halves of the float32 values): the same "
           "as set_weight of the widened values, without widening them first (what from_pretrained hands a CPU "
           "model, or a CUDA model holding BF16 weights only, for a BF16 checkpoint).")
-      .def(
-          "forward_last",
-          [](Model& self, const py::object& tokens, const py::object& positions, int64_t rows, const py::object& vis) {
-            if (rows < 0) throw Error("forward_last: rows must be >= 0, got " + std::to_string(rows));
-            return model_forward_rows(self, tokens, positions, vis, rows);
-          },
-          py::arg("tokens"), py::arg("positions"), py::arg("rows"), py::arg("visibility") = py::none(),
-          "forward() with the logits of the last `rows` tokens only: float32 [rows, V] (rows = 0: none; the "
-          "cache entries are forward()'s). What a prefill needs; the LM head runs over those rows alone (the GPU "
-          "model: when they lie in the last max_tokens chunk).")
       .def("missing_weights", &Model::missing_weights)
       .def("finalize",
            [](Model& self) {

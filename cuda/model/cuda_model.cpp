@@ -115,20 +115,6 @@ void* reserve_address_range(int64_t bytes, std::string* err) {
   return reinterpret_cast<void*>(p);
 }
 
-// kv_b_proj [H*(Dn+Dv), C] (FP32 values or BF16 bits): per head h, rows [0, Dn) are W_UK[h], into uk
-// transposed (W_UK[h]^T [C, Dn]), rows [Dn, Dn+Dv) W_UV[h], into uv as they are
-template <class T>
-void split_kv_b(const T* data, int64_t H, int64_t Dn, int64_t Dv, int64_t C, std::vector<T>* uk, std::vector<T>* uv) {
-  uk->resize((size_t)(H * Dn * C));
-  uv->resize((size_t)(H * Dv * C));
-  for (int64_t h = 0; h < H; ++h) {
-    const T* src = data + h * (Dn + Dv) * C;
-    for (int64_t d = 0; d < Dn; ++d)
-      for (int64_t c = 0; c < C; ++c) (*uk)[(size_t)(h * C * Dn + c * Dn + d)] = src[d * C + c];
-    std::memcpy(uv->data() + h * Dv * C, src + Dn * C, (size_t)(Dv * C) * sizeof(T));
-  }
-}
-
 void release_address_range(void* p, int64_t bytes) {
   using Free = CUresult (*)(CUdeviceptr, size_t);
   void* fn = nullptr;
@@ -610,9 +596,17 @@ void CudaModel::set_weight(const std::string& name, const float* data, const std
   if (s.kind == kCopy) {
     check_cuda(cudaMemcpy(s.dst, data, (size_t)n * sizeof(float), cudaMemcpyHostToDevice), "set_weight upload");
   } else {
+    // kv_b_proj [H*(Dn+Dv), C]: per head h, rows [0, Dn) are W_UK[h], rows [Dn, Dn+Dv) W_UV[h].
     const Layer& ly = layers_[(size_t)s.layer];
-    std::vector<float> uk, uv;
-    split_kv_b(data, cfg_.num_attention_heads, cfg_.qk_nope_head_dim, cfg_.v_head_dim, cfg_.kv_lora_rank, &uk, &uv);
+    const int64_t H = cfg_.num_attention_heads, C = cfg_.kv_lora_rank;
+    const int64_t Dn = cfg_.qk_nope_head_dim, Dv = cfg_.v_head_dim;
+    std::vector<float> uk((size_t)(H * Dn * C)), uv((size_t)(H * Dv * C));
+    for (int64_t h = 0; h < H; ++h) {
+      const float* src = data + h * (Dn + Dv) * C;
+      for (int64_t d = 0; d < Dn; ++d)  // W_UK[h] [Dn, C] -> W_UK[h]^T [C, Dn]
+        for (int64_t c = 0; c < C; ++c) uk[(size_t)(h * C * Dn + c * Dn + d)] = src[d * C + c];
+      std::memcpy(uv.data() + h * Dv * C, src + Dn * C, (size_t)(Dv * C) * sizeof(float));
+    }
     if (!uk.empty()) check_cuda(cudaMemcpy(ly.w_ukT, uk.data(), uk.size() * sizeof(float), cudaMemcpyHostToDevice), "set_weight upload");
     check_cuda(cudaMemcpy(ly.w_uv, uv.data(), uv.size() * sizeof(float), cudaMemcpyHostToDevice), "set_weight upload");
   }
@@ -633,13 +627,20 @@ void CudaModel::upload_bf16(Slot& s, const uint16_t* bits) {
     return;
   }
   const Layer& ly = layers_[(size_t)s.layer];
-  std::vector<uint16_t> uk, uv;
-  split_kv_b(bits, cfg_.num_attention_heads, cfg_.qk_nope_head_dim, cfg_.v_head_dim, cfg_.kv_lora_rank, &uk, &uv);
+  const int64_t H = cfg_.num_attention_heads, C = cfg_.kv_lora_rank;
+  const int64_t Dn = cfg_.qk_nope_head_dim, Dv = cfg_.v_head_dim;
+  std::vector<uint16_t> uk((size_t)(H * Dn * C)), uv((size_t)(H * Dv * C));
+  for (int64_t h = 0; h < H; ++h) {
+    const uint16_t* src = bits + h * (Dn + Dv) * C;
+    for (int64_t d = 0; d < Dn; ++d)
+      for (int64_t c = 0; c < C; ++c) uk[(size_t)(h * C * Dn + c * Dn + d)] = src[d * C + c];
+    std::memcpy(uv.data() + h * Dv * C, src + Dn * C, (size_t)(Dv * C) * 2);
+  }
   if (!uk.empty())
-    check_cuda(cudaMemcpy(const_cast<uint16_t*>(bf16_of(ly.w_ukT, (int64_t)uk.size())), uk.data(), uk.size() * 2,
+    check_cuda(cudaMemcpy(const_cast<uint16_t*>(bf16_of(ly.w_ukT, H * Dn * C)), uk.data(), uk.size() * 2,
                           cudaMemcpyHostToDevice), "set_weight upload (BF16)");
   if (!uv.empty())
-    check_cuda(cudaMemcpy(const_cast<uint16_t*>(bf16_of(ly.w_uv, (int64_t)uv.size())), uv.data(), uv.size() * 2,
+    check_cuda(cudaMemcpy(const_cast<uint16_t*>(bf16_of(ly.w_uv, H * Dv * C)), uv.data(), uv.size() * 2,
                           cudaMemcpyHostToDevice), "set_weight upload (BF16)");
 }
 
