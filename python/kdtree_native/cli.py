@@ -533,9 +533,10 @@ def main(argv=None):
                    help=f"tree budget of every drafter (default: n-gram {DEMO_NGRAM[0]}, model {DEMO_MODEL[0]})")
     d.add_argument("--depth", type=_int_arg, default=None,
                    help=f"draft depth of every drafter (default: n-gram {DEMO_NGRAM[1]}, model {DEMO_MODEL[1]})")
-    d.add_argument("--adaptive", action="store_true",
+    d.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                    help=f"DDTree rows choose each round's tree size from the draft, up to --budget (default "
-                        f"{DEMO_ADAPTIVE_BUDGET})")
+                        f"{DEMO_ADAPTIVE_BUDGET}); --no-adaptive: fixed budgets (default: n-gram {DEMO_NGRAM[0]}, "
+                        f"model {DEMO_MODEL[0]}) (default: adaptive)")
     d.add_argument("--prompt", type=_text_arg, default=None, help="prompt text (default: a few lines of a Python class)")
     d.add_argument("--repeats", type=_positive_int_arg, default=3, help="timed runs per mode (median; >= 1)")
     d.add_argument("--max-seq-len", type=_int_arg, default=1024)

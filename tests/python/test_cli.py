@@ -64,14 +64,16 @@ def test_generate_reports_the_load_on_a_terminal(capsys, monkeypatch):
 
 
 def test_adaptive_budget_flags(capsys, no_debug):
-    """--adaptive: the demo's DDTree rows choose their sizes (budget column "<=16") and still equal AR;
-    generate --adaptive gives the same ids as without."""
+    """The demo's DDTree rows choose their sizes by default (budget column "<=16", as with --adaptive) and
+    still equal AR; --no-adaptive gives the fixed budgets (4); generate --adaptive gives the same ids as
+    without."""
     pytest.importorskip("tokenizers")
-    rc, out, err = _main(capsys, "demo", "-n", "24", "--repeats", "1", "--device", "cpu", "--adaptive")
-    assert rc == 0, err
-    for label in ("DDTree n-gram", "DDTree model", "oracle (ceiling)"):
-        line = next(l for l in out.splitlines() if l.startswith(label))
-        assert "<=16" in line and line.rstrip().endswith("yes"), line
+    for flags, column in (([], "<=16"), (["--adaptive"], "<=16"), (["--no-adaptive"], "4")):
+        rc, out, err = _main(capsys, "demo", "-n", "24", "--repeats", "1", "--device", "cpu", *flags)
+        assert rc == 0, err
+        for label in ("DDTree n-gram", "DDTree model", "oracle (ceiling)"):
+            line = next(l for l in out.splitlines() if l.startswith(label))
+            assert line[len(label):].split()[0] == column and line.rstrip().endswith("yes"), (flags, line)
     runs = []
     for extra in ([], ["--adaptive"]):
         rc, out, err = _main(capsys, "generate", kn.default_model_dir(), "--ids", "1,5,9,5,9", "-n", "12",
