@@ -273,6 +273,11 @@ def _checkpoint_files(model_dir: str) -> tuple[list, Optional[dict]]:
     raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {model_dir}")
 
 
+def _owned_here(weight_map: Optional[dict], name: str, path: str) -> bool:
+    """Whether the tensor `name` of the shard at `path` counts: the index (if any) does not place it in another shard."""
+    return weight_map is None or weight_map.get(name) in (None, os.path.basename(path))
+
+
 def _quant_part(name: str, suffixes):
     """(module, suffix) when `name` is one of a quantized Linear's tensors, else (None, None)."""
     for suffix in suffixes:
@@ -363,9 +368,7 @@ def matrices_stored_as_bf16(model_dir, cfg: ModelConfig) -> bool:
     dtypes = {}
     for path in files:
         header, _ = read_safetensors_header(path)
-        for full, e in header.items():
-            if full != "__metadata__" and (weight_map is None or weight_map.get(full) == os.path.basename(path)):
-                dtypes[full] = e.get("dtype") if isinstance(e, dict) else None
+        dtypes.update((full, e["dtype"]) for full, e in header.items() if _owned_here(weight_map, full, path))
     prefix = cfg.weight_prefix or ""
     return all(dtypes.get(prefix + name) == "BF16" for name, shape in expected_weight_shapes(cfg).items()
                if len(shape) >= 2 and name != "model.embed_tokens.weight")
@@ -432,7 +435,7 @@ def iter_weights(model_dir, cfg: ModelConfig, dtype=np.float32,
     unexpected, mismatched = [], []
     for st in opened:
         for full in st.names():
-            if weight_map is not None and weight_map.get(full) not in (None, os.path.basename(st.path)):
+            if not _owned_here(weight_map, full, st.path):
                 continue              # the index says this name lives in another shard
             if prefix:
                 if not full.startswith(prefix):
