@@ -1019,9 +1019,11 @@ py::dict moe_group_np(const py::object& idx_o, int E, int tile_rows, bool force_
 // slots per tile (moe_group), then y[slot] = x[token(slot)] @ w[expert(slot)]^T (swiglu: w holds
 // gate rows [0, N) and up rows [N, 2N) of each expert, y = silu(gate) * up). kernel: "gemv"
 // (tile_rows 8), "tiled" (tile_rows 64, no swiglu) or "mma" (tile_rows 8, 16, 32 or 64). y [A, N] by slot
-// (poisoned before the call) and slot_token [A].
+// (poisoned before the call) and slot_token [A]. int4_packed / int4_scales (with int4_group): the weights as
+// 4-bit integers, uint8 [E, rows, Kd / 2] and float32 [E, rows, Kd / group], read instead of w.
 py::tuple expert_gemm_np(const py::object& x_o, const py::object& w_o, const py::object& idx_o, int E, bool swiglu,
-                         int tile_rows, const std::string& kernel, bool bf16_weights) {
+                         int tile_rows, const std::string& kernel, bool bf16_weights, const py::object& q_o,
+                         const py::object& qs_o, int int4_group) {
   auto x = as_c<float>(x_o, "x", 2);
   auto w = as_c<float>(w_o, "w", 3);
   auto idx = as_c<int32_t>(idx_o, "topk_idx", 2);
@@ -1066,6 +1068,22 @@ py::tuple expert_gemm_np(const py::object& x_o, const py::object& w_o, const py:
   if (bf16_weights) {
     dwb = bf16_copy(w.data(), w.size(), "cuda_expert_gemm");
     xp.w_bf16 = dwb.as<uint16_t>();
+  }
+  DevBuf dq, dqs;
+  if (!q_o.is_none() || !qs_o.is_none()) {
+    auto q = as_c<uint8_t>(q_o, "int4_packed", 3);
+    auto qs = as_c<float>(qs_o, "int4_scales", 3);
+    if (int4_group <= 0 || Kd % int4_group || (size_t)q.size() * 2 != (size_t)w.size() ||
+        (size_t)qs.size() * int4_group != (size_t)w.size() || q.shape(0) != E || qs.shape(0) != E)
+      throw kdtree::Error("cuda_expert_gemm: int4_packed [E, rows, Kd / 2] and int4_scales [E, rows, Kd / group] "
+                          "must describe w's shape in groups of int4_group");
+    dq = DevBuf(std::max<size_t>(q.size(), 16));
+    dq.upload(q.data(), q.size());
+    dqs = DevBuf(4 * std::max<size_t>(qs.size(), 4));
+    dqs.upload(qs.data(), 4 * qs.size());
+    xp.w_int4 = dq.as<uint8_t>();
+    xp.w_scale = dqs.as<float>();
+    xp.int4_group = int4_group;
   }
   check_cuda(kernel == "mma" ? kc::expert_gemm_mma(xp, nullptr) : kc::expert_gemm(xp, nullptr), "expert_gemm");
   check_cuda(cudaDeviceSynchronize(), "expert_gemm");
@@ -1214,10 +1232,13 @@ void bind_cuda(py::module_& m) {
         "would run.");
   m.def("cuda_expert_gemm", &expert_gemm_np, py::arg("x"), py::arg("w"), py::arg("topk_idx"), py::arg("E"),
         py::arg("swiglu"), py::arg("tile_rows"), py::arg("kernel"), py::arg("bf16_weights") = false,
+        py::arg("int4_packed") = py::none(), py::arg("int4_scales") = py::none(), py::arg("int4_group") = 0,
         "The grouped expert GEMM (tests): schedule of topk_idx [T, K] with tile_rows slots per tile, then "
         "y[slot] = x[token] @ w[expert]^T (swiglu: silu(gate) * up); kernel 'gemv' (tile_rows 8), 'tiled' "
         "(64, no swiglu) or 'mma' (8, 16, 32 or 64). Returns (y [A, N] by slot, slot_token [A]). bf16_weights: "
-        "the GEMV kernel reads an exact BF16 copy of w (every value must be a BF16).");
+        "the GEMV kernel reads an exact BF16 copy of w (every value must be a BF16). int4_packed uint8 [E, rows, "
+        "Kd / 2] + int4_scales float32 [E, rows, Kd / int4_group]: both kernels read those 4-bit weights instead "
+        "of w (the values bf16_round((q - 8) * scale)).");
   m.def("cuda_uv_combine", &uv_combine_np, py::arg("partials"), py::arg("ml"), py::arg("w_uv"), py::arg("T"),
         py::arg("w_bf16") = false,
         "The attention's split merge fused into the W_UV product (tests): partials [S, T*H, 512], ml [S, T*H, 2], "

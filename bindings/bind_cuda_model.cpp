@@ -91,22 +91,34 @@ void bind_cuda_model(py::module_& m) {
       py::arg("config"), py::arg("tile_tensor_cores") = true, py::arg("expert_kernel") = "auto",
       "Why CudaModel(bf16_weights='only') cannot hold this config with these options ('' when it can).");
 
+  m.def(
+      "cuda_int4_experts_unsupported",
+      [](const py::dict& cfg, int64_t group, const std::string& expert_kernel) {
+        kdtree::CudaModelOptions o;
+        o.expert_kernel = parse_choice(expert_kernel, "expert_kernel", {"auto", "skinny", "tiled", "mma"});
+        return Model::int4_experts_unsupported(config_from_dict(cfg), o, group);
+      },
+      py::arg("config"), py::arg("group"), py::arg("expert_kernel") = "auto",
+      "Why CudaModel(int4_experts_group=group) cannot hold this config with these options ('' when it can).");
+
   kdtree_py::def_model_common(py::class_<Model>(m, "CudaModel",
                     "The GPU target model (DeepSeek-V3 / Kimi-K2, FP32, cuBLAS). CudaModel(config_dict, max_seq_len, "
                     "max_tokens=0, device=0, math='default', attention_naive=False, expert_kernel='auto', graphs=True, skinny_max_tokens=-1, "
                     "attention_kernel='auto', side_stream=True, skinny_big_max_tokens=-1, tile_max_tokens=-1, "
                     "tile_tensor_cores=True, expert_mma_rows=0, bf16_weight_copies=True, uv_combine_max_tokens=1, "
-                    "context_buckets=1, combine_norm=True, bf16_weights=None, bf16_widen_elements=0) with "
+                    "context_buckets=1, combine_norm=True, bf16_weights=None, bf16_widen_elements=0, int4_experts_group=0) with "
                     "config_dict = ModelConfig.to_native(); the same methods as CpuModel. bf16_weights: 'copies' "
                     "(exactly-BF16 matrices held as FP32 plus a BF16 copy the few-token kernels read), 'off' (FP32 "
                     "alone), 'only' (every matrix held as BF16 alone, 2 bytes a weight; each matrix given must be "
-                    "exactly BF16); None: from bf16_weight_copies. The same logits in all three (docs/CUDA_MODEL.md)."))
+                    "exactly BF16); None: from bf16_weight_copies. The same logits in all three (docs/CUDA_MODEL.md). "
+                    "int4_experts_group > 0: the routed experts held as 4-bit integers in groups of that many "
+                    "weights (set_weight_int4; docs/CUDA_MODEL.md \"INT4 experts\")."))
       .def(py::init([](const py::dict& cfg, int64_t max_seq_len, int64_t max_tokens, int device, const std::string& math,
                        bool attention_naive, const std::string& expert_kernel, bool graphs, int skinny_max_tokens,
                        const std::string& attention_kernel, bool side_stream, int skinny_big_max_tokens, int tile_max_tokens,
                        bool tile_tensor_cores, int expert_mma_rows, bool bf16_weight_copies, int uv_combine_max_tokens,
                        int context_buckets, bool combine_norm, const py::object& bf16_weights,
-                       int64_t bf16_widen_elements) {
+                       int64_t bf16_widen_elements, int int4_experts_group) {
              kdtree::ModelConfig c = config_from_dict(cfg);
              kdtree::CudaModelOptions o;
              o.max_tokens = max_tokens;
@@ -123,6 +135,7 @@ void bind_cuda_model(py::module_& m) {
              o.expert_mma_rows = expert_mma_rows;
              o.bf16_weight_copies = bf16_weight_copies;
              o.bf16_widen_elements = bf16_widen_elements;
+             o.int4_experts_group = int4_experts_group;
              if (!bf16_weights.is_none()) {
                if (!py::isinstance<py::str>(bf16_weights)) throw Error("bf16_weights must be 'only', 'copies', 'off' or None");
                const int mode = parse_choice(bf16_weights.cast<std::string>(), "bf16_weights", {"off", "copies", "only"});
@@ -149,7 +162,7 @@ void bind_cuda_model(py::module_& m) {
            py::arg("tile_max_tokens") = -1, py::arg("tile_tensor_cores") = true, py::arg("expert_mma_rows") = 0,
            py::arg("bf16_weight_copies") = true, py::arg("uv_combine_max_tokens") = 1, py::arg("context_buckets") = 1,
            py::arg("combine_norm") = true, py::arg("bf16_weights") = py::none(),
-           py::arg("bf16_widen_elements") = 0)
+           py::arg("bf16_widen_elements") = 0, py::arg("int4_experts_group") = 0)
       .def(
           "context_bucket",
           [](const Model& self, int64_t L, int64_t T) {
@@ -194,6 +207,8 @@ void bind_cuda_model(py::module_& m) {
             return std::string(self.bf16_weights_only() ? "only" : self.bf16_weight_copies() ? "copies" : "off");
           },
           "How the model holds exactly-BF16 weight matrices: 'only', 'copies' or 'off'.")
+      .def_property_readonly("int4_experts_group", &Model::int4_experts_group,
+                             "Group size of the routed experts held as 4-bit integers (0: held as the other matrices)")
       .def_property_readonly("bf16_weight_elements", &Model::bf16_weight_elements,
                              "How many weight values the BF16 copies cover (those read as BF16 by the few-token kernels)")
       .def(

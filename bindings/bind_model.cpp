@@ -128,36 +128,6 @@ void bind_model(py::module_& m) {
           py::arg("tokens"), py::arg("positions"), py::arg("rows"), py::arg("visibility") = py::none(),
           "forward() with the logits of the last `rows` tokens only: float32 [rows, V] (rows = 0: none; the "
           "cache entries are forward()'s). What a prefill needs; the LM head runs over those rows alone.")
-      .def(
-          "set_weight_int4",
-          [](Model& self, const std::string& name, const py::object& packed_obj, const py::object& scales_obj,
-             int64_t group) {
-            py::array pa = py::array::ensure(packed_obj), sa = py::array::ensure(scales_obj);
-            if (!pa || pa.dtype().kind() != 'u' || pa.dtype().itemsize() != 1 || pa.ndim() != 2)
-              throw Error("set_weight_int4: '" + name + "': packed must be uint8 [N, K / 2]");
-            if (!sa || sa.dtype().kind() != 'f' || sa.dtype().itemsize() != 4 || sa.ndim() != 2)
-              throw Error("set_weight_int4: '" + name + "': scales must be float32 [N, K / group]");
-            auto p = py::array_t<uint8_t, py::array::c_style>::ensure(pa);
-            auto sc = py::array_t<float, py::array::c_style>::ensure(sa);
-            if (!p || !sc) throw Error("set_weight_int4: '" + name + "' could not be made contiguous");
-            const int64_t N = p.shape(0), K = 2 * p.shape(1);
-            if (group <= 0 || K % group || sc.shape(0) != N || sc.shape(1) != K / group)
-              throw Error("set_weight_int4: '" + name + "': scales of shape [" + std::to_string(sc.shape(0)) + ", " +
-                          std::to_string(sc.shape(1)) + "] do not fit packed [" + std::to_string(N) + ", " +
-                          std::to_string(K / 2) + "] in groups of " + std::to_string(group));
-            const uint8_t* pp = p.data();
-            const float* sp = sc.data();
-            ModelUse use(&self, "set_weight_int4");
-            py::gil_scoped_release nogil;
-            self.set_weight_int4(name, pp, sp, group, {N, K});
-          },
-          py::arg("name"), py::arg("packed"), py::arg("scales"), py::arg("group"),
-          "A symmetric 4-bit group-quantized weight [N, K] with BF16 scales (compressed-tensors pack-quantized): "
-          "packed uint8 [N, K / 2] (element 2j in the low nibble of byte j, each nibble the integer + 8), scales "
-          "float32 [N, K / group]. Held packed with bf16_weights 'only' (the GEMMs dequantize rows as they go, the "
-          "same bits as the dequantized matrix), else dequantized; docs/MODEL.md.")
-      .def_property_readonly("int4_weight_bytes", &Model::int4_weight_bytes,
-                             "Bytes of weight matrices held packed as 4-bit integers plus their scales.")
       .def_property_readonly("device", [](const Model& self) { return std::string(self.device()); })
       .def_property_readonly("memory_bytes", &Model::memory_bytes)
       .def(

@@ -22,6 +22,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 
 #include "common.h"
@@ -168,6 +169,16 @@ std::string CudaModel::bf16_only_unsupported(const ModelConfig& c, const CudaMod
   return "";
 }
 
+std::string CudaModel::int4_experts_unsupported(const ModelConfig& c, const CudaModelOptions& opt, int64_t g) {
+  if (g < 32 || (g & (g - 1)) != 0) return "needs a group of a power of two >= 32, got " + std::to_string(g);
+  if (c.first_k_dense_replace >= c.num_hidden_layers || c.n_routed_experts <= 0) return "needs routed experts (a MoE layer)";
+  if (c.hidden_size % g || c.moe_intermediate_size % g)
+    return "needs hidden_size (" + std::to_string(c.hidden_size) + ") and moe_intermediate_size (" +
+           std::to_string(c.moe_intermediate_size) + ") to be multiples of the group (" + std::to_string(g) + ")";
+  if (opt.expert_kernel == CudaModelOptions::kExpertTiled) return "cannot run expert_kernel='tiled' (it reads FP32 weights)";
+  return "";
+}
+
 CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaModelOptions& opt)
     : cfg_(cfg), max_seq_len_(max_seq_len), opt_(opt) {
   cfg_.validate();
@@ -218,6 +229,10 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     const std::string why = bf16_only_unsupported(c, opt);
     if (!why.empty()) throw Error("CudaModel: bf16_weights_only " + why);
   }
+  if (opt.int4_experts_group != 0) {
+    const std::string why = int4_experts_unsupported(c, opt, opt.int4_experts_group);
+    if (!why.empty()) throw Error("CudaModel: int4_experts_group " + why);
+  }
 
   // ---- device, stream, cuBLAS
   std::string why;
@@ -253,10 +268,11 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   // ---- weights (one arena), in the order of model_weight_specs. bf16_weights_only: the matrices
   // (mat) in an arena of their own, committed to a reserved address range with no memory behind it
   // (their FP32 addresses, which bf16_of maps onto the BF16 arena); the vectors and the embedding in w.
-  const bool only = opt.bf16_weights_only;
-  Arena w, wm;
+  const bool only = opt.bf16_weights_only, q4 = opt.int4_experts_group > 0;
+  Arena w, wm, wq;  // wq: the INT4 expert stacks' FP32 addresses (reserved, never backed)
   Arena& mats = only ? wm : w;
   auto mat = [&](float** where, int64_t count) { mats.add(where, count); };
+  auto xmat = [&](float** where, int64_t count) { (q4 ? wq : mats).add(where, count); };
   w.add(&embed_, V * Dm);
   w.add(&final_ln_, Dm);
   if (!c.tie_word_embeddings) mat(&lm_head_, V * Dm);
@@ -287,8 +303,8 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
       // serves both for few tokens (moe_mlp)
       mat(&ly.router, (E + 2 * Is) * Dm);
       w.add(&ly.router_bias, E);
-      mat(&ly.experts_gate_up, E * 2 * Ie * Dm);
-      mat(&ly.experts_down, E * Dm * Ie);
+      xmat(&ly.experts_gate_up, E * 2 * Ie * Dm);
+      xmat(&ly.experts_down, E * Dm * Ie);
       if (Is > 0) mat(&ly.shared_down, Dm * Is);
     }
   }
@@ -381,7 +397,7 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     cudaGetLastError();
     std::string msg = std::string("CudaModel: cannot allocate the ") + what + " (" + mib(bytes) + ") on " +
                       device_name_ + ": " + cudaGetErrorString(err) + ". Asked for weights " +
-                      mib(weight_bytes_ + (only ? cuda::arena_align_up(wm.bytes / 2) : 0)) +
+                      mib(weight_bytes_ + (only ? cuda::arena_align_up(wm.bytes / 2) : 0) + q4_bytes_) +
                       " + latent cache " + mib(cache_bytes_) + " (max_seq_len " + std::to_string(max_seq_len) +
                       ") + workspaces " + mib(workspace_bytes_) + " (max_tokens " + std::to_string(Tm) +
                       "); the device has " + mib((int64_t)fr) + " free of " + mib((int64_t)tot) +
@@ -406,6 +422,32 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
       if ((e = cudaMalloc(&bf16_mem_, (size_t)bf16_bytes_)) != cudaSuccess) oom("BF16 weights", bf16_bytes_, e);
       check_cuda(cudaMemsetAsync(bf16_mem_, 0, (size_t)bf16_bytes_, stream), "cudaMemset(BF16 weights)");
       bf16_ranges_.push_back(Bf16Range{mat_begin_, mat_end_, 0});
+    }
+    if (q4) {
+      // the INT4 expert stacks: FP32 addresses reserved (never backed), per stack its nibbles (half a byte a
+      // value) and its scales (a float a group) in one allocation
+      std::string err;
+      q_va_bytes_ = (wq.bytes + (int64_t(2) << 20) - 1) / (int64_t(2) << 20) * (int64_t(2) << 20);
+      q_va_ = reserve_address_range(q_va_bytes_, &err);
+      if (!q_va_) throw RuntimeFailure("CudaModel: int4_experts_group: " + err);
+      wq.commit(q_va_);
+      q_begin_ = static_cast<const float*>(q_va_);
+      q_end_ = q_begin_ + wq.bytes / (int64_t)sizeof(float);
+      int64_t off = 0;
+      for (const Layer& ly : layers_) {
+        if (!ly.moe) continue;
+        for (const auto& st : {std::make_pair(ly.experts_gate_up, E * 2 * Ie * Dm), std::make_pair(ly.experts_down, E * Dm * Ie)}) {
+          Q4Range r{st.first, st.first + st.second, off, 0};
+          off += cuda::arena_align_up(st.second / 2);
+          r.scale_off = off;
+          off += cuda::arena_align_up(st.second / opt.int4_experts_group * (int64_t)sizeof(float));
+          q4_ranges_.push_back(r);
+        }
+      }
+      std::sort(q4_ranges_.begin(), q4_ranges_.end(), [](const Q4Range& a, const Q4Range& b) { return a.begin < b.begin; });
+      q4_bytes_ = off;
+      if ((e = cudaMalloc(&q4_mem_, (size_t)std::max<int64_t>(q4_bytes_, 1))) != cudaSuccess) oom("INT4 experts", q4_bytes_, e);
+      check_cuda(cudaMemsetAsync(q4_mem_, 0, (size_t)q4_bytes_, stream), "cudaMemset(INT4 experts)");
     }
     for (Layer& ly : layers_)
       if (ly.moe && Is > 0) ly.shared_gate_up = ly.router + E * Dm;  // right after the router rows
@@ -454,7 +496,9 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     if (cache_mem_) cudaFree(cache_mem_);
     if (weights_mem_) cudaFree(weights_mem_);
     if (bf16_mem_) cudaFree(bf16_mem_);
+    if (q4_mem_) cudaFree(q4_mem_);
     if (mat_va_) release_address_range(mat_va_, mat_va_bytes_);
+    if (q_va_) release_address_range(q_va_, q_va_bytes_);
     cudaStreamDestroy(stream);
     throw;
   }
@@ -507,6 +551,7 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     auto it = where.find(s.name);
     if (it != where.end()) {
       slot.dst = it->second;
+      slot.int4 = q4 && slot.dst >= q_begin_ && slot.dst < q_end_;
     } else if (s.name.find("self_attn.kv_b_proj.weight") != std::string::npos) {
       slot.kind = kKvB;
       slot.layer = std::stoll(s.name.substr(13));  // after "model.layers."
@@ -532,7 +577,9 @@ CudaModel::~CudaModel() {
   if (cache_mem_) cudaFree(cache_mem_);
   if (weights_mem_) cudaFree(weights_mem_);
   if (bf16_mem_) cudaFree(bf16_mem_);
+  if (q4_mem_) cudaFree(q4_mem_);
   if (mat_va_) release_address_range(mat_va_, mat_va_bytes_);
+  if (q_va_) release_address_range(q_va_, q_va_bytes_);
   if (stream_) cudaStreamDestroy(as_stream(stream_));
   if (side_) cudaStreamDestroy(as_stream(side_));
   if (ev_fork_) cudaEventDestroy(static_cast<cudaEvent_t>(ev_fork_));
@@ -570,6 +617,9 @@ void CudaModel::set_weight(const std::string& name, const float* data, const std
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   if (n > 0 && data == nullptr) throw Error("set_weight: null data for '" + name + "'");
+  if (s.int4)
+    throw Error("set_weight: '" + name + "' is a routed expert's matrix, held as 4-bit integers (int4_experts_group = " +
+                std::to_string(opt_.int4_experts_group) + "): give its integers and scales with set_weight_int4");
   DeviceGuard guard(opt_.device);
   if (upload_bf16_ok(s)) {  // bf16_weights_only: a matrix, held as BF16 alone
     if (!kdtree::bf16_exact(data, n)) {
@@ -669,6 +719,74 @@ void CudaModel::set_weight_bf16(const std::string& name, const uint16_t* bits, c
     std::memcpy(&v[(size_t)i], &u, 4);
   }
   set_weight(name, v.data(), shape);
+}
+
+void CudaModel::set_weight_int4(const std::string& name, const uint8_t* packed, const float* scales, int64_t group,
+                                const std::vector<int64_t>& shape) {
+  if (shape.size() != 2 || shape[0] <= 0 || shape[1] <= 0 || shape[1] % 2 || group <= 0 || shape[1] % group)
+    throw Error("set_weight_int4: '" + name + "': shape " + shape_str(shape) + " and group " + std::to_string(group) +
+                " do not make whole bytes and groups");
+  const int64_t N = shape[0], K = shape[1];
+  if (!packed || !scales) throw Error("set_weight_int4: null data for '" + name + "'");
+  for (int64_t i = 0; i < N * K / group; ++i) {  // the CPU model's checks, the same messages
+    if (!std::isfinite(scales[i]))
+      throw Error("set_weight_int4: '" + name + "': scale " + std::to_string(i) + " is not finite");
+    int most = 0;
+    for (int64_t k = i * group; k < (i + 1) * group; k += 2) {
+      const uint8_t b = packed[k / 2];
+      most = std::max({most, std::abs((int)(b & 15) - 8), std::abs((int)(b >> 4) - 8)});
+    }
+    if (!std::isfinite(kdtree::bf16_round((float)most * std::fabs(scales[i]))))
+      throw Error("set_weight_int4: '" + name + "': the dequantized weight overflows BF16 (scale " + std::to_string(i) +
+                  " too large)");
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = slots_.find(name);
+    if (it != slots_.end() && it->second.int4) {
+      Slot& s = it->second;
+      if (shape != s.shape)
+        throw Error("set_weight_int4: '" + name + "' has shape " + shape_str(shape) + ", the config needs " +
+                    shape_str(s.shape));
+      if (group != opt_.int4_experts_group)
+        throw Error("set_weight_int4: '" + name + "' comes in groups of " + std::to_string(group) +
+                    ", the model holds its INT4 experts in groups of " + std::to_string(opt_.int4_experts_group) +
+                    " (int4_experts_group)");
+      ++epoch_;
+      DeviceGuard guard(opt_.device);
+      const Q4View v = int4_of(s.dst, N * K);
+      if (!v.packed) throw RuntimeFailure("CudaModel: internal error, no INT4 storage for " + name);
+      check_cuda(cudaMemcpy(const_cast<uint8_t*>(v.packed), packed, (size_t)(N * K / 2), cudaMemcpyHostToDevice),
+                 "set_weight_int4 upload");
+      check_cuda(cudaMemcpy(const_cast<float*>(v.scales), scales, (size_t)(N * K / group) * sizeof(float),
+                            cudaMemcpyHostToDevice), "set_weight_int4 upload");
+      s.set = true;
+      finalized_ = false;
+      return;
+    }
+  }
+  // another matrix, or no INT4 experts: the dequantized values (what the loader computes), through set_weight
+  std::vector<float> v((size_t)(N * K));
+  for (int64_t r = 0; r < N; ++r)
+    for (int64_t k = 0; k < K; ++k) {
+      const int q = (packed[(r * K + k) / 2] >> (4 * (k & 1))) & 15;
+      v[(size_t)(r * K + k)] = kdtree::bf16_round((float)(q - 8) * scales[r * (K / group) + k / group]);
+    }
+  set_weight(name, v.data(), shape);
+}
+
+CudaModel::Q4View CudaModel::int4_of(const float* w, int64_t n) const {
+  Q4View v;
+  if (!q4_mem_ || !w || w < q_begin_ || w >= q_end_) return v;
+  auto it = std::upper_bound(q4_ranges_.begin(), q4_ranges_.end(), w,
+                             [](const float* x, const Q4Range& r) { return x < r.begin; });
+  if (it == q4_ranges_.begin()) return v;
+  --it;
+  const int64_t o = w - it->begin, g = opt_.int4_experts_group;
+  if (w + n > it->end || o % g) return v;
+  v.packed = static_cast<const uint8_t*>(q4_mem_) + it->packed_off + o / 2;
+  v.scales = reinterpret_cast<const float*>(static_cast<const char*>(q4_mem_) + it->scale_off) + o / g;
+  return v;
 }
 
 std::vector<std::string> CudaModel::missing_weights() const {
@@ -1148,12 +1266,14 @@ bool CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm, const float
     case CudaModelOptions::kExpertMma: kind = mma_ok ? kMma : kGemv; break;
     default: break;
   }
-  if (opt_.bf16_weights_only && kind == kTiled) kind = kGemv;  // (the SGEMM tiles read FP32 weights)
+  if ((opt_.bf16_weights_only || q_va_) && kind == kTiled) kind = kGemv;  // (the SGEMM tiles read FP32 weights)
   const int tile_rows = kind == kMma ? mma_rows : kind == kTiled ? cuda::kExpertTileRows : cuda::kExpertSkinnyRows;
   const bool swiglu_fused = kind != kTiled;
   auto run_experts = [&](const cuda::ExpertGemmParams& xp, const char* what) {
     if (bf16_only(xp.w) && !(kind == kMma ? cuda::expert_gemm_mma_reads_bf16(xp) : cuda::expert_gemm_reads_bf16(xp)))
       throw RuntimeFailure(std::string("CudaModel: internal error, ") + what + " would read BF16-only weights as FP32");
+    if (q_va_ && !cuda::expert_gemm_int4_ok(xp))
+      throw RuntimeFailure(std::string("CudaModel: internal error, ") + what + " cannot read the INT4 experts");
     check_cuda(kind == kMma ? cuda::expert_gemm_mma(xp, st) : cuda::expert_gemm(xp, st), what);
   };
   cuda::MoeGroupParams gp{topk_idx_, (int)T, (int)K, (int)E, tile_rows, expert_counts_ + ly.moe_index * E, offsets_,
@@ -1182,6 +1302,10 @@ bool CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm, const float
   xp.x_row = slot_token_;
   xp.w = ly.experts_gate_up;
   xp.w_bf16 = kind != kTiled ? bf16_of(ly.experts_gate_up, E * 2 * Ie * Dm) : nullptr;
+  const Q4View qgu = int4_of(ly.experts_gate_up, E * 2 * Ie * Dm);
+  xp.w_int4 = qgu.packed;
+  xp.w_scale = qgu.scales;
+  xp.int4_group = opt_.int4_experts_group;
   xp.Kd = (int)Dm;
   if (swiglu_fused) {
     xp.N = (int)Ie;
@@ -1204,6 +1328,9 @@ bool CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm, const float
   xp.x_row = nullptr;
   xp.w = ly.experts_down;
   xp.w_bf16 = kind != kTiled ? bf16_of(ly.experts_down, E * Dm * Ie) : nullptr;
+  const Q4View qd = int4_of(ly.experts_down, E * Dm * Ie);
+  xp.w_int4 = qd.packed;
+  xp.w_scale = qd.scales;
   xp.N = (int)Dm;
   xp.Kd = (int)Ie;
   xp.swiglu = 0;

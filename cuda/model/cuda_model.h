@@ -81,6 +81,13 @@ struct CudaModelOptions {
                                    // (docs/CUDA_MODEL.md "BF16 weights")
   int64_t bf16_widen_elements = 0;  // bf16_weights_only: the most weight values a cuBLAS product widens at once
                                     // (0 = 16M, 64 MB of workspace); smaller runs it in more blocks of rows
+  int int4_experts_group = 0;    // > 0: the routed experts' matrices held as 4-bit integers in groups of this many
+                                 // weights along k with one scale each (Kimi K2's INT4 W4A16 experts: 32), 0.5
+                                 // bytes a weight + a float a group, given by set_weight_int4 only; both expert
+                                 // kernels read them and dequantize in registers to the loader's BF16 values (the
+                                 // same logits as those values held otherwise). A power of two >= 32 dividing
+                                 // hidden_size and moe_intermediate_size; not with expert_kernel 'tiled'
+                                 // (docs/CUDA_MODEL.md "INT4 experts")
   int uv_combine_max_tokens = 1;  // steps of at most this many tokens (<= cuda::kUvMaxT; 0 = never) whose attention
                                   // splits the keys merge the splits inside the W_UV product (uv_combine kernel:
                                   // one launch instead of two; the same attention output, the W_UV sums in another
@@ -122,6 +129,14 @@ class CudaModel : public TargetModel {
   // set_weight of the float32 values whose high halves `bits` are (a BF16 tensor), without widening
   // them on the host first: with bf16_weights_only a matrix's bits go to the device as they are
   void set_weight_bf16(const std::string& name, const uint16_t* bits, const std::vector<int64_t>& shape);
+  // A routed expert's matrix [N, K] (shape) as 4-bit integers (packed [N, K / 2], element 2j in the low nibble
+  // of byte j, each the integer + 8) and float32 scales [N, K / group] (CpuModel::set_weight_int4's form):
+  // with int4_experts_group = group, held as given; any other matrix, or a model without INT4 experts, takes
+  // the dequantized values (bf16_round((q - 8) * scale)) through set_weight.
+  void set_weight_int4(const std::string& name, const uint8_t* packed, const float* scales, int64_t group,
+                       const std::vector<int64_t>& shape);
+  // Why int4_experts_group = group cannot hold this config with these options ("" when it can)
+  static std::string int4_experts_unsupported(const ModelConfig& cfg, const CudaModelOptions& opt, int64_t group);
   std::vector<std::string> missing_weights() const override;
   void finalize() override;
   bool finalized() const override { return finalized_; }
@@ -177,7 +192,10 @@ class CudaModel : public TargetModel {
   // Routed-expert token counts of the last forward, [MoE layers, E] (host), for the benchmark's
   // "experts touched" and bytes-read accounting.
   std::vector<int32_t> last_expert_counts();
-  int64_t memory_bytes() const { return weight_bytes_ + bf16_bytes_ + cache_bytes_ + workspace_bytes_; }
+  int64_t memory_bytes() const { return weight_bytes_ + bf16_bytes_ + q4_bytes_ + cache_bytes_ + workspace_bytes_; }
+  // device bytes of the INT4 experts (nibbles + scales; 0 without int4_experts_group)
+  int64_t int4_weight_bytes() const { return q4_bytes_; }
+  int int4_experts_group() const { return opt_.int4_experts_group; }
   int64_t weight_bytes() const { return weight_bytes_; }
   // device bytes of the BF16 weight copies (0 until finalize() found a BF16-exact weight, or with
   // bf16_weight_copies off) and how many of the weights' floats they cover
@@ -217,6 +235,7 @@ class CudaModel : public TargetModel {
     int64_t layer = -1;
     bool set = false;
     bool bf16_exact = false;  // every value set is exactly a BF16 (its low 16 bits zero)
+    bool int4 = false;        // a routed expert's matrix held as INT4 (int4_experts_group): set_weight_int4 only
   };
   static constexpr int kCopy = 0, kKvB = 1;
 
@@ -305,6 +324,12 @@ class CudaModel : public TargetModel {
   // bf16_weights_only: lp's weights widened into widen_ (a cuBLAS product, or a kernel that would
   // not read the BF16 form) on the main stream; lp then points there (w_bf16 cleared)
   void widen_weights(cuda::LinearParams& lp, int64_t elements);
+  // INT4 experts: the packed nibbles and scales of the stack part at w (in [q_begin_, q_end_)), n values
+  struct Q4View {
+    const uint8_t* packed = nullptr;
+    const float* scales = nullptr;
+  };
+  Q4View int4_of(const float* w, int64_t n) const;
   bool upload_bf16_ok(const Slot& s) const;  // bf16_weights_only and s is a matrix: held as BF16 alone
   void upload_bf16(Slot& s, const uint16_t* bits);  // its bits into the BF16 arena
 
@@ -342,6 +367,18 @@ class CudaModel : public TargetModel {
   void* mat_va_ = nullptr;
   int64_t mat_va_bytes_ = 0;
   const float *mat_begin_ = nullptr, *mat_end_ = nullptr;
+  // INT4 experts (opt_.int4_experts_group): the expert stacks' FP32 addresses, another reserved range with nothing
+  // behind it; per stack its nibbles and scales in q4_mem_ (q4_ranges_, sorted by begin)
+  void* q_va_ = nullptr;
+  int64_t q_va_bytes_ = 0;
+  const float *q_begin_ = nullptr, *q_end_ = nullptr;
+  struct Q4Range {
+    const float *begin, *end;
+    int64_t packed_off, scale_off;  // bytes into q4_mem_
+  };
+  std::vector<Q4Range> q4_ranges_;
+  void* q4_mem_ = nullptr;
+  int64_t q4_bytes_ = 0;
   float* widen_ = nullptr;        // [widen_elems_] workspace of the widened weights (bf16_weights_only)
   int64_t widen_elems_ = 0;
   void* cache_mem_ = nullptr;

@@ -46,8 +46,13 @@ constexpr int kPadB = kTilePadB<kBK>;  // BF16 weight rows in shared memory (til
 // BF: the weights come from the exact BF16 copy (p.w_bf16, Kd a multiple of 8): half the bytes
 // copied, no split of the weights and two mma per product instead of three (tile_mma.h,
 // mma_chunk_bf16w), the same results.
-template <int BM, bool SWI, bool BF = false, int KH = 1>
+// Q4: the weights from the INT4 stack (p.w_int4 / p.w_scale): a chunk's 32 bytes of nibbles a row and the
+// row's two group scales are copied (cp.async) and turned into BF16 values in the fragment reads
+// (tile_mma.h, mma_chunk_int4w): the BF16 path's products on the dequantized values, the same results.
+template <int BM, bool SWI, bool BF = false, bool Q4 = false, int KH = 1>
 __global__ void __launch_bounds__(kThreads * KH) expert_mma_kernel(ExpertGemmParams p) {
+  static_assert(!(BF && Q4), "one weight form");
+  static_assert(kBK == 64 && kThreads * KH >= 2 * kTileBN, "Q4: one 16-byte piece and one scale a thread at most");
   constexpr int TM = BM / 8, BK = kBK, ST = kStages, NTH = kThreads * KH;
   constexpr int PAD = BK + 4;                  // row stride: 16-byte rows, PAD = 4 mod 32 (conflict-free)
   constexpr int KQ = BK / 4;                   // float4s per row and chunk
@@ -61,7 +66,11 @@ __global__ void __launch_bounds__(kThreads * KH) expert_mma_kernel(ExpertGemmPar
   extern __shared__ __align__(16) float smem[];
   float* const Ws = smem;                          // [ST][kTileBN][PAD]
   uint16_t* const Wsb = reinterpret_cast<uint16_t*>(smem);  // BF: [ST][kTileBN][kPadB]
-  float* const Xs = BF ? smem + ST * kTileBN * kPadB / 2 : smem + ST * kTileBN * PAD;  // [ST][BM][PAD]
+  uint32_t* const Wsq = reinterpret_cast<uint32_t*>(smem);  // Q4: [ST][kTileBN][kTileRowQ4 / 4] words
+  float* const Wsc = smem + ST * kTileBN * kTileRowQ4 / 4;      // Q4: [ST][kTileBN][2] scales
+  float* const Xs = Q4   ? Wsc + ST * kTileBN * 2
+                    : BF ? smem + ST * kTileBN * kPadB / 2
+                         : smem + ST * kTileBN * PAD;  // [ST][BM][PAD]
   const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, q = lane & 3;
   const int warp = (tid >> 5) & 3, kh = (tid >> 5) >> 2;  // row group of 16; k part of the chunk (KH parts)
   pdl_trigger();
@@ -98,6 +107,17 @@ __global__ void __launch_bounds__(kThreads * KH) expert_mma_kernel(ExpertGemmPar
       wsrcb[j] = wokb[j] ? (size_t)e * (SWI ? 2 : 1) * N * Kd + (size_t)((SWI && r >= COLS ? N : 0) + n0 + c) * Kd : 0;
     }
   }
+  // Q4: thread t < 128 copies half t % 2 (16 bytes: 32 k) of row t / 2's chunk and that half's scale
+  const int rq = (tid >> 1) & (kTileBN - 1), hq = tid & 1;
+  const bool qthr = tid < 2 * kTileBN;
+  size_t wsrcq = 0;  // the row's first element in the stack (flat index, as the FP32 offsets)
+  bool wokq = false;
+  const int gshift = Q4 ? __ffs(p.int4_group) - 1 : 0;
+  if constexpr (Q4) {
+    const int c = SWI ? (rq & (COLS - 1)) : rq;
+    wokq = qthr && n0 + c < N;
+    wsrcq = wokq ? (size_t)e * (SWI ? 2 : 1) * N * Kd + (size_t)((SWI && rq >= COLS ? N : 0) + n0 + c) * Kd : 0;
+  }
   const float* xsrc[XPASS];
   bool xok[XPASS];
 #pragma unroll
@@ -111,7 +131,16 @@ __global__ void __launch_bounds__(kThreads * KH) expert_mma_kernel(ExpertGemmPar
   auto load = [&](int c, int slot) {
     const int k = c * BK + kq;
     const bool kin = k < Kd;
-    if constexpr (BF) {
+    if constexpr (Q4) {
+      if (qthr) {
+        const int kq4 = c * BK + 32 * hq;
+        const bool ok = wokq && kq4 < Kd;  // (Kd is a multiple of 32: a half is whole or absent)
+        const size_t o = wsrcq + kq4;
+        cp_async16(reinterpret_cast<float*>(Wsq + ((size_t)slot * kTileBN + rq) * (kTileRowQ4 / 4) + 4 * hq),
+                   reinterpret_cast<const float*>(ok ? p.w_int4 + o / 2 : p.w_int4), ok);
+        cp_async4(Wsc + ((size_t)slot * kTileBN + rq) * 2 + hq, ok ? p.w_scale + (o >> gshift) : p.w_scale, ok);
+      }
+    } else if constexpr (BF) {
       const int kb = c * BK + kqb;
 #pragma unroll
       for (int j = 0; j < WPASSB; ++j) {
@@ -152,7 +181,10 @@ __global__ void __launch_bounds__(kThreads * KH) expert_mma_kernel(ExpertGemmPar
     cp_async_commit();
     const float* xs = Xs + (size_t)(c % ST) * BM * PAD;
     constexpr int BKH = BK / KH;
-    if constexpr (BF) {
+    if constexpr (Q4) {
+      mma_chunk_int4w<TM, BKH, PAD>(acc, s2, Wsq + (size_t)(c % ST) * kTileBN * (kTileRowQ4 / 4) + kh * BKH / 8,
+                                    Wsc + (size_t)(c % ST) * kTileBN * 2, kh * BKH / 32, xs + kh * BKH, warp, g, q);
+    } else if constexpr (BF) {
       mma_chunk_bf16w<TM, BKH, kPadB, PAD>(acc, s2, Wsb + (size_t)(c % ST) * kTileBN * kPadB + kh * BKH,
                                            xs + kh * BKH, warp, g, q);
     } else {
@@ -194,10 +226,12 @@ __global__ void __launch_bounds__(kThreads * KH) expert_mma_kernel(ExpertGemmPar
 // cycles at 43 % of the DRAM peak. Twice the warps on the same chunks: in-step -0.2 to -3.6 % at
 // T = 9-129 (twenty-sixth session, docs/BENCHMARKS.md). Prefill's 32 / 64-slot tiles keep KH = 1
 // (not measured with two).
-template <int BM, bool SWI, bool BF, int KH = (BM <= 16 ? 2 : 1)>
+template <int BM, bool SWI, bool BF, bool Q4 = false, int KH = (BM <= 16 ? 2 : 1)>
 cudaError_t launch_mma_as(const ExpertGemmParams& p, cudaStream_t stream) {
-  constexpr size_t smem = std::max(tile_smem_bytes<BM, kBK, kStages, BF>(), (size_t)KH * BM * kTileBN * sizeof(float));
-  auto kern = expert_mma_kernel<BM, SWI, BF, KH>;
+  constexpr size_t q4_stages = (size_t)kStages * (kTileBN * (kTileRowQ4 + 2 * sizeof(float)) + (size_t)BM * (kBK + 4) * sizeof(float));
+  constexpr size_t stages = Q4 ? q4_stages : tile_smem_bytes<BM, kBK, kStages, BF>();
+  constexpr size_t smem = std::max(stages, (size_t)KH * BM * kTileBN * sizeof(float));
+  auto kern = expert_mma_kernel<BM, SWI, BF, Q4, KH>;
   static const cudaError_t attr_err =
       cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (attr_err != cudaSuccess) return attr_err;
@@ -210,6 +244,7 @@ cudaError_t launch_mma_as(const ExpertGemmParams& p, cudaStream_t stream) {
 // the BF16-weight kernel when the exact copy is there and its rows are whole 16-byte pieces
 template <int BM, bool SWI>
 cudaError_t launch_mma(const ExpertGemmParams& p, cudaStream_t stream) {
+  if (p.w_int4) return launch_mma_as<BM, SWI, false, true>(p, stream);  // (expert_gemm_int4_ok checked)
   if (expert_gemm_mma_reads_bf16(p)) return launch_mma_as<BM, SWI, true>(p, stream);
   return launch_mma_as<BM, SWI, false>(p, stream);
 }
@@ -217,7 +252,7 @@ cudaError_t launch_mma(const ExpertGemmParams& p, cudaStream_t stream) {
 }  // namespace
 
 bool expert_gemm_mma_reads_bf16(const ExpertGemmParams& p) {
-  return p.w_bf16 && p.Kd % 8 == 0 && aligned16(p.w_bf16);
+  return !p.w_int4 && p.w_bf16 && p.Kd % 8 == 0 && aligned16(p.w_bf16);
 }
 
 bool expert_mma_supported(const ExpertGemmParams& p) {
@@ -227,7 +262,8 @@ bool expert_mma_supported(const ExpertGemmParams& p) {
 
 cudaError_t expert_gemm_mma(const ExpertGemmParams& p, cudaStream_t stream) {
   if (!p.x || !p.w || !p.offsets || !p.tile_expert || !p.tile_row0 || !p.num_tiles || !p.y || p.N <= 0 ||
-      p.Kd <= 0 || p.ldx < p.Kd || p.ldy < p.N || p.max_tiles < 0 || !expert_mma_supported(p))
+      p.Kd <= 0 || p.ldx < p.Kd || p.ldy < p.N || p.max_tiles < 0 || !expert_mma_supported(p) ||
+      (p.w_int4 && !expert_gemm_int4_ok(p)))
     return cudaErrorInvalidValue;
   if (p.max_tiles == 0) return cudaSuccess;
   switch (p.tile_rows) {

@@ -749,9 +749,10 @@ __global__ void __launch_bounds__(kUvThreads) uv_combine_kernel(UvCombineParams 
 constexpr int kSkinnyWarps = 4, kSkinnyRW = 4;
 
 // BF (with VEC): the weights from w_bf16 (exact BF16 copies), widened as loaded: the same results.
-template <int MS, int U, bool SWI, bool VEC, bool BF = false>
+// Q4 (with VEC): from w_int4 / w_scale (INT4 experts), dequantized as loaded to those same values.
+template <int MS, int U, bool SWI, bool VEC, bool BF = false, bool Q4 = false>
 __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(ExpertGemmParams p) {
-  static_assert(!BF || VEC, "BF16 weights on the vector path only");
+  static_assert(!(BF || Q4) || VEC, "BF16 / INT4 weights on the vector path only");
   pdl_prologue();
   using WT = typename std::conditional<VEC, float4, float>::type;
   constexpr int CPW = SWI ? kSkinnyRW / 2 : kSkinnyRW;  // output columns per warp
@@ -775,6 +776,7 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
     wrow[i] = wbase + (size_t)((SWI && i >= CPW ? N : 0) + nb + c) * Kd;
   }
   const int nsteps = (Kd + 32 * VW - 1) / (32 * VW);
+  const int gshift = Q4 ? __ffs(p.int4_group) - 1 : 0;  // int4_group: a power of two (expert_gemm_int4_ok)
   WT wv[U][RW];
   auto load_w = [&](int s0) {
 #pragma unroll
@@ -784,7 +786,8 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
       for (int i = 0; i < RW; ++i) {
         const int c = SWI ? i % CPW : i;
         if (k < Kd && c < ncol) {
-          if constexpr (BF) wv[u][i] = ldg_bf16x4(p.w_bf16 + wrow[i] + k);
+          if constexpr (Q4) wv[u][i] = ldg_int4x4(p.w_int4, p.w_scale, wrow[i] + k, gshift);
+          else if constexpr (BF) wv[u][i] = ldg_bf16x4(p.w_bf16 + wrow[i] + k);
           else wv[u][i] = ldg_vec<WT>(p.w + wrow[i] + k);
         } else {
           vzero(wv[u][i]);
@@ -1196,12 +1199,12 @@ __global__ void causal_bits_kernel(uint64_t* bits, int T, int W) {
   }
 }
 
-template <bool SWI, bool VEC, bool BF = false>
+template <bool SWI, bool VEC, bool BF = false, bool Q4 = false>
 void launch_gemv(int U, dim3 grid, const ExpertGemmParams& p, cudaStream_t stream) {
   constexpr int MS = kExpertSkinnyRows, TH = kSkinnyWarps * 32;
-  if (U == 4) launch_kernel(expert_gemv_kernel<MS, 4, SWI, VEC, BF>, grid, TH, 0, stream, p);
-  else if (U == 2) launch_kernel(expert_gemv_kernel<MS, 2, SWI, VEC, BF>, grid, TH, 0, stream, p);
-  else launch_kernel(expert_gemv_kernel<MS, 1, SWI, VEC, BF>, grid, TH, 0, stream, p);
+  if (U == 4) launch_kernel(expert_gemv_kernel<MS, 4, SWI, VEC, BF, Q4>, grid, TH, 0, stream, p);
+  else if (U == 2) launch_kernel(expert_gemv_kernel<MS, 2, SWI, VEC, BF, Q4>, grid, TH, 0, stream, p);
+  else launch_kernel(expert_gemv_kernel<MS, 1, SWI, VEC, BF, Q4>, grid, TH, 0, stream, p);
 }
 
 int threads_for(int n) {
@@ -1344,15 +1347,23 @@ bool expert_vec(const ExpertGemmParams& p) {
 }  // namespace
 
 bool expert_gemm_reads_bf16(const ExpertGemmParams& p) {
-  return p.tile_rows == kExpertSkinnyRows && expert_vec(p) && p.w_bf16 && aligned8(p.w_bf16);
+  return !p.w_int4 && p.tile_rows == kExpertSkinnyRows && expert_vec(p) && p.w_bf16 && aligned8(p.w_bf16);
+}
+
+bool expert_gemm_int4_ok(const ExpertGemmParams& p) {
+  const int g = p.int4_group;
+  return p.w_int4 && p.w_scale && g >= 32 && (g & (g - 1)) == 0 && p.Kd % g == 0 && p.ldx % 4 == 0 &&
+         aligned16(p.x) && aligned16(p.w_int4) && aligned16(p.w_scale);
 }
 
 cudaError_t expert_gemm(const ExpertGemmParams& p, cudaStream_t stream) {
   if (!p.x || !p.w || !p.offsets || !p.tile_expert || !p.tile_row0 || !p.num_tiles || !p.y || p.N <= 0 ||
       p.Kd <= 0 || p.ldx < p.Kd || p.ldy < p.N || p.max_tiles < 0)
     return cudaErrorInvalidValue;
+  if (p.w_int4 && (p.tile_rows != kExpertSkinnyRows || !expert_gemm_int4_ok(p)))
+    return cudaErrorInvalidValue;  // INT4 weights: the GEMV-style kernel only, on the shapes it takes
   if (p.max_tiles == 0) return cudaSuccess;
-  const bool vec = expert_vec(p);
+  const bool vec = expert_vec(p) || (p.w_int4 != nullptr);  // (INT4: p.w is never read)
   if (p.tile_rows == kExpertSkinnyRows) {
     const int cols = kSkinnyWarps * (p.swiglu ? kSkinnyRW / 2 : kSkinnyRW);  // output columns per block
     dim3 grid(p.max_tiles, (p.N + cols - 1) / cols);
@@ -1360,6 +1371,11 @@ cudaError_t expert_gemm(const ExpertGemmParams& p, cudaStream_t stream) {
     const int steps = (p.Kd + (vec ? 127 : 31)) / (vec ? 128 : 32);  // k-steps of a warp over one row
     const int U = steps >= 4 ? 4 : steps >= 2 ? 2 : 1;
     const bool bf = expert_gemm_reads_bf16(p);
+    if (p.w_int4) {
+      if (p.swiglu) launch_gemv<true, true, false, true>(U, grid, p, stream);
+      else launch_gemv<false, true, false, true>(U, grid, p, stream);
+      return cudaGetLastError();
+    }
     if (p.swiglu) {
       if (bf) launch_gemv<true, true, true>(U, grid, p, stream);
       else if (vec) launch_gemv<true, true>(U, grid, p, stream);

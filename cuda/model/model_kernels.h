@@ -252,6 +252,14 @@ struct ExpertGemmParams {
   int ldy;
   const uint16_t* w_bf16 = nullptr;  // w as exact BF16 (as LinearParams::w_bf16), read by the GEMV-style kernel
                                      // (8-byte aligned) and the tensor-core one (Kd % 8 == 0, 16-byte aligned)
+  // w as 4-bit integers (INT4 W4A16, Kimi K2's routed experts): the weight at flat element i of w (i = its
+  // offset from w) is bf16_round((q - 8) * w_scale[i / int4_group]), q the low (i even) or high (i odd)
+  // nibble of w_int4[i / 2]: the value the loader dequantizes it to (python/kdtree_native/quantization.py),
+  // so the same sums as from those BF16 values. Read instead of w and w_bf16 when set (both kernels; no
+  // widening anywhere): needs expert_gemm_int4_ok. w may then be an address with nothing behind it.
+  const uint8_t* w_int4 = nullptr;   // [elements of w / 2], 16-byte aligned
+  const float* w_scale = nullptr;    // [elements of w / int4_group], the BF16 scales as float32
+  int int4_group = 0;                // a multiple of 32 dividing Kd
 };
 // Two kernels: a GEMV-style one for tiles of <= kExpertSkinnyRows slots (weights streamed once
 // per tile; decode and small verify steps) and a shared-memory tiled SGEMM for tiles of
@@ -319,6 +327,10 @@ bool linear_skinny_reads_bf16(const LinearParams& p);
 bool linear_tile_reads_bf16(const LinearParams& p);
 bool expert_gemm_reads_bf16(const ExpertGemmParams& p);      // the GEMV-style rows (kExpertSkinnyRows)
 bool expert_gemm_mma_reads_bf16(const ExpertGemmParams& p);
+// Whether both expert kernels take p's INT4 weights (w_int4 / w_scale / int4_group as described there, and
+// the shapes each kernel's INT4 path needs: Kd a multiple of int4_group and of 8, x 16-byte aligned, ldx % 4
+// == 0). The tiled SGEMM kernel (kExpertTileRows without the tensor cores) never reads INT4.
+bool expert_gemm_int4_ok(const ExpertGemmParams& p);
 
 }  // namespace cuda
 }  // namespace kdtree

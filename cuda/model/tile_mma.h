@@ -11,6 +11,8 @@
 
 #include <cuda_runtime.h>
 
+#include "model/vec_load.h"
+
 namespace kdtree {
 namespace cuda {
 
@@ -37,6 +39,11 @@ constexpr size_t tile_smem_bytes() {
 __device__ __forceinline__ void cp_async16(float* smem, const float* gmem, bool full) {
   const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(gmem), "r"(full ? 16 : 0) : "memory");
+}
+// 4-byte global -> shared copy (through L1; full = false zero-fills): the INT4 tiles' scales
+__device__ __forceinline__ void cp_async4(float* smem, const float* gmem, bool full) {
+  const unsigned s = (unsigned)__cvta_generic_to_shared(smem);
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(s), "l"(gmem), "r"(full ? 4 : 0) : "memory");
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
@@ -138,6 +145,36 @@ __device__ __forceinline__ void mma_chunk_bf16w(float (&big)[TM][4], float (&s2)
     ah[1] = (uint32_t)wa[8 * PADB + kk] << 16;
     ah[2] = (uint32_t)wa[kk + 4] << 16;
     ah[3] = (uint32_t)wa[8 * PADB + kk + 4] << 16;
+    mma_kstep<TM, PAD, false, true>(big, s2, s2, ah, ah, xs, g, q, kk);
+  }
+}
+
+// INT4 weight rows in shared memory (ExpertGemmParams::w_int4), a chunk of BK = 64 k a row: 32 bytes of
+// nibbles padded to kTileRowQ4 = 48 (12 words: the fragment reads of rows g = 0..7 fall in distinct banks)
+// and the row's two group scales (k 0-31, 32-63 of the chunk; groups are multiples of 32).
+constexpr int kTileRowQ4 = 48;
+
+// The same chunk as mma_chunk_bf16w from INT4 weights: word kk / 8 of a row holds the nibbles of k = kk ..
+// kk + 7 (element kk + i at bits 4 i), each turned into its BF16 value (int4_value, vec_load.h) with the
+// row's scale of that 32-k half. The same operand bits as mma_chunk_bf16w on the dequantized weights, so
+// the same sums. wq: the warp's part of the chunk's rows [kTileBN][kTileRowQ4 / 4] words; sc: the chunk's
+// scales [kTileBN][2]; h0: which half of the chunk BK starts at (0, or 1 when the warp takes k 32-63).
+template <int TM, int BK, int PAD>
+__device__ __forceinline__ void mma_chunk_int4w(float (&big)[TM][4], float (&s2)[TM][4], const uint32_t* wq,
+                                                const float* sc, int h0, const float* xs, int warp, int g, int q) {
+  constexpr int RW = kTileRowQ4 / 4;
+  const int r0 = 16 * warp + g;
+  const uint32_t* wa = wq + r0 * RW;
+#pragma unroll
+  for (int kk = 0; kk < BK; kk += 8) {
+    const int h = h0 + kk / 32;
+    const float sa = sc[2 * r0 + h], sb = sc[2 * (r0 + 8) + h];
+    const uint32_t va = wa[kk / 8], vb = wa[8 * RW + kk / 8];
+    uint32_t ah[4];
+    ah[0] = __float_as_uint(int4_value((va >> (4 * q)) & 15u, sa));
+    ah[1] = __float_as_uint(int4_value((vb >> (4 * q)) & 15u, sb));
+    ah[2] = __float_as_uint(int4_value((va >> (4 * q + 16)) & 15u, sa));
+    ah[3] = __float_as_uint(int4_value((vb >> (4 * q + 16)) & 15u, sb));
     mma_kstep<TM, PAD, false, true>(big, s2, s2, ah, ah, xs, g, q, kk);
   }
 }

@@ -4,6 +4,7 @@
 #pragma once
 #include <cstdint>
 
+#include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
 namespace kdtree {
@@ -23,6 +24,25 @@ __device__ __forceinline__ float4 ldg_bf16x4(const uint16_t* p) {
   asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(a), "=r"(b) : "l"(p));
   return make_float4(__uint_as_float(a << 16), __uint_as_float(a & 0xffff0000u), __uint_as_float(b << 16),
                      __uint_as_float(b & 0xffff0000u));
+}
+// INT4 weights (ExpertGemmParams::w_int4, Kimi K2's W4A16 experts): the nibble q (0..15) with its group's
+// scale s as the BF16 value the loader dequantizes it to, bf16_round((q - 8) * s), returned as the FP32 it
+// stands for (low 16 bits zero). (q - 8) * s is exact in FP32 (4 x 8 significant bits; q - 8 itself comes
+// exactly from 2^23 + q - (2^23 + 8)), so the one rounding, to nearest even, is the loader's.
+__device__ __forceinline__ float int4_value(uint32_t q, float s) {
+  const float v = __uint_as_float(0x4B000000u | q) - 8388616.f;
+  return __bfloat162float(__float2bfloat16_rn(v * s));
+}
+// Four INT4 weights at flat element o (a multiple of 4, so two whole bytes; one group: 4 | group) of a
+// packed stack whose groups are 2^gshift elements, widened as int4_value does; streamed past L1 like
+// ldg_bf16x4 (the scale through L1: eight lanes share it).
+__device__ __forceinline__ float4 ldg_int4x4(const uint8_t* packed, const float* scale, size_t o, int gshift) {
+  unsigned short b;
+  asm("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(b) : "l"(packed + o / 2));
+  const float s = __ldg(scale + (o >> gshift));
+  const uint32_t w = b;
+  return make_float4(int4_value(w & 15u, s), int4_value((w >> 4) & 15u, s), int4_value((w >> 8) & 15u, s),
+                     int4_value(w >> 12, s));
 }
 __device__ __forceinline__ void vzero(float& v) { v = 0.f; }
 __device__ __forceinline__ void vzero(float4& v) { v = make_float4(0.f, 0.f, 0.f, 0.f); }

@@ -358,20 +358,53 @@ def _dequantize(module: str, shape, scheme, parts: dict) -> np.ndarray:
     return dequantize_packed(module, scheme, shape, packed, scale, sdt, zp)
 
 
-def matrices_stored_as_bf16(model_dir, cfg: ModelConfig) -> bool:
-    """Whether every weight matrix the model takes (2-D, the embedding aside) is stored as BF16 in the
-    checkpoint (headers only; a quantized checkpoint: False). What makes a CUDA model's
-    bf16_weights="only" safe to choose for it: each matrix's values are exactly BF16."""
-    if cfg.quantization is not None:
-        return False
+def _header_entries(model_dir) -> dict:
+    """{full tensor name: its safetensors header entry} over the checkpoint's shards (headers only)."""
     files, weight_map = _checkpoint_files(os.fspath(model_dir))
-    dtypes = {}
+    entries = {}
     for path in files:
         header, _ = read_safetensors_header(path)
-        dtypes.update((full, e["dtype"]) for full, e in header.items() if _owned_here(weight_map, full, path))
+        entries.update((full, e) for full, e in header.items() if _owned_here(weight_map, full, path))
+    return entries
+
+
+def matrices_stored_as_bf16(model_dir, cfg: ModelConfig, int4_experts: bool = False) -> bool:
+    """Whether every weight matrix the model takes (2-D, the embedding aside) is stored as BF16 in the
+    checkpoint (headers only; a quantized checkpoint: False). What makes a CUDA model's
+    bf16_weights="only" safe to choose for it: each matrix's values are exactly BF16. int4_experts: the
+    routed experts' matrices are held as 4-bit integers (int4_experts_group) and left out of the
+    question, so a quantized checkpoint whose other matrices are BF16 (Kimi K2-Thinking's) qualifies."""
+    if cfg.quantization is not None and not int4_experts:
+        return False
+    dtypes = {full: e["dtype"] for full, e in _header_entries(model_dir).items()}
     prefix = cfg.weight_prefix or ""
     return all(dtypes.get(prefix + name) == "BF16" for name, shape in expected_weight_shapes(cfg).items()
-               if len(shape) >= 2 and name != "model.embed_tokens.weight")
+               if len(shape) >= 2 and name != "model.embed_tokens.weight"
+               and not (int4_experts and _EXPERT_RE.match(name)))
+
+
+def int4_experts_group(model_dir, cfg: ModelConfig) -> Optional[int]:
+    """The group size when every routed expert's matrix is stored as a 4-bit symmetric group-quantized Linear
+    with BF16 scales that the packed form takes (quantization.int4_packable: Kimi K2-Thinking's experts), one
+    group size for them all; else None. Headers only. What a CUDA model's int4_experts_group is set from."""
+    quant = cfg.quantization
+    if quant is None or quant.method == "fp8" or cfg.n_routed_experts <= 0:
+        return None
+    entries = _header_entries(model_dir)
+    prefix = cfg.weight_prefix or ""
+    groups = set()
+    for name, shape in expected_weight_shapes(cfg).items():
+        if not _EXPERT_RE.match(name):
+            continue
+        base = prefix + name[:-len(".weight")]
+        scale = entries.get(base + ".weight_scale")
+        if base + ".weight_packed" not in entries or scale is None or base + ".weight_scale_inv" in entries:
+            return None
+        scheme = quant.scheme_for(base)
+        if scheme is None or not int4_packable(scheme, shape, scale["dtype"], base + ".weight_zero_point" in entries):
+            return None
+        groups.add(scheme.group_size)
+    return groups.pop() if len(groups) == 1 else None
 
 
 def load_weights(model_dir, cfg: ModelConfig, dtype=np.float32,

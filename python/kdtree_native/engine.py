@@ -24,7 +24,7 @@ from typing import Callable, Optional, Union
 import numpy as np
 
 from . import _native
-from .checkpoint import PackedInt4, iter_weights, matrices_stored_as_bf16
+from .checkpoint import PackedInt4, int4_experts_group, iter_weights, matrices_stored_as_bf16
 from .config import ModelConfig, load_config
 
 __all__ = ["Engine"]
@@ -34,7 +34,7 @@ _DEVICES = ("auto", "cpu", "cuda")
 _CUDA_OPTIONS = ("max_tokens", "device", "math", "attention_naive", "expert_kernel", "graphs", "skinny_max_tokens",
                  "attention_kernel", "side_stream", "skinny_big_max_tokens", "tile_max_tokens",
                  "tile_tensor_cores", "expert_mma_rows", "bf16_weight_copies", "uv_combine_max_tokens",
-                 "context_buckets", "combine_norm", "bf16_weights", "bf16_widen_elements")
+                 "context_buckets", "combine_norm", "bf16_weights", "bf16_widen_elements", "int4_experts_group")
 
 
 # keyword arguments of _native.CpuModel that an Engine passes through (docs/MODEL.md)
@@ -144,8 +144,10 @@ class Engine:
         to 256 nodes, {"skinny_max_tokens": 0, "tile_max_tokens": 0} for cuBLAS only, {"bf16_weights": ...} how a BF16
         checkpoint's matrices are held: "only" (the default when every matrix is stored as BF16 and the
         shapes allow it: BF16 alone, 2 bytes a weight), "copies" (FP32 plus a BF16 copy, 6 bytes; the
-        default otherwise), "off" (FP32); the same logits (docs/CUDA_MODEL.md "BF16 weights"); unknown
-        names are a ValueError.
+        default otherwise), "off" (FP32); the same logits (docs/CUDA_MODEL.md "BF16 weights");
+        {"int4_experts_group": g} holds the routed experts as 4-bit integers in groups of g (the default, with
+        g from the checkpoint, when every routed expert is stored in Kimi K2-Thinking's INT4 scheme; 0 turns it
+        off: the experts dequantized; docs/CUDA_MODEL.md "INT4 experts"); unknown names are a ValueError.
         cpu_options: keyword arguments for the CPU model (ignored on CUDA): "bf16_weights"
         says how a BF16 checkpoint's weight matrices are held: "only" (the default: as BF16, 2
         bytes a weight), "copies" (FP32 plus BF16 copies, 6 bytes) or "off" (FP32, 4 bytes, slower
@@ -176,15 +178,23 @@ class Engine:
         # (checked whole here; then read one tensor at a time as the model takes them)
         # (a CPU model takes a BF16 tensor as its bits: no float32 copy of it is made at all)
         # and a 4-bit group-quantized one packed, as it is stored (docs/MODEL.md)
+        if device == "cuda" and "int4_experts_group" not in cuda_options:
+            # Kimi K2-Thinking's INT4 experts: held as their 4-bit integers on the GPU too (0.56 bytes a weight)
+            group = int4_experts_group(model_dir, cfg)
+            if group is not None and not _native.cuda_int4_experts_unsupported(
+                    cfg.to_native(), group, cuda_options.get("expert_kernel", "auto")):
+                cuda_options = dict(cuda_options, int4_experts_group=group)
+        g = cuda_options.get("int4_experts_group", 0)
+        int4 = device == "cpu" or (isinstance(g, (int, np.integer)) and not isinstance(g, bool) and g > 0)
         if (device == "cuda" and "bf16_weights" not in cuda_options and "bf16_weight_copies" not in cuda_options
-                and matrices_stored_as_bf16(model_dir, cfg)
+                and matrices_stored_as_bf16(model_dir, cfg, int4_experts=int4)
                 and not _native.cuda_bf16_only_unsupported(cfg.to_native(), cuda_options.get("tile_tensor_cores", True),
                                                            cuda_options.get("expert_kernel", "auto"))):
             # a BF16 checkpoint: its matrices held as BF16 alone (2 bytes a weight, not FP32 + a BF16 copy: 6)
             cuda_options = dict(cuda_options, bf16_weights="only")
         # A CUDA model holding BF16 weights only takes them as bits too (its matrices go over as they are).
         bits = device == "cpu" or cuda_options.get("bf16_weights") == "only"
-        weights = iter_weights(model_dir, cfg, progress=progress, bf16_bits=bits, int4_packed=device == "cpu")
+        weights = iter_weights(model_dir, cfg, progress=progress, bf16_bits=bits, int4_packed=int4)
         eng = cls._build(cfg, weights, device, int(max_seq_len), cuda_options, cpu_options, bool(check_finite),
                          bf16_bits=bits)
         eng.model_dir = model_dir
@@ -240,7 +250,7 @@ class Engine:
                 yield from weights
 
         for name, arr in pairs():
-            if isinstance(arr, PackedInt4):  # (iter_weights(int4_packed=True), asked for on the CPU only)
+            if isinstance(arr, PackedInt4):  # (iter_weights(int4_packed=True): the CPU, or a GPU with INT4 experts)
                 model.set_weight_int4(name, arr.packed, arr.scales, arr.group)
             elif bf16_bits and arr.dtype == np.uint16:  # BF16 bits (iter_weights(bf16_bits=True))
                 model.set_weight_bf16(name, arr, check_finite)

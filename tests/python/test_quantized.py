@@ -888,3 +888,143 @@ def test_set_weight_int4_validation():
     Nk, Kk = expected_weight_shapes(cfg)[kvb]
     with pytest.raises(ValueError, match="not a weight matrix the CPU model takes packed"):
         m.set_weight_int4(kvb, np.full((Nk, Kk // 2), 0x88, np.uint8), np.ones((Nk, Kk // 8), np.float32), 8)
+
+
+# ---- the GPU model holds the INT4 experts as 4-bit integers -----------------------------------------
+
+def _bf16_stored(tensors):
+    """write_quantized's `extra`: the float tensors (BF16 values here) stored as BF16, as Kimi K2-Thinking
+    stores everything but its experts."""
+    for k, v in list(tensors.items()):
+        if v.dtype == np.float32:
+            tensors[k] = to_bf16_bits(v).reshape(v.shape)
+
+
+@pytest.fixture(scope="module")
+def int4_bf16_dir(tmp_path_factory):
+    """int4_dir's model with its non-expert tensors stored as BF16 (what makes a GPU model's
+    bf16_weights="only" the default beside INT4 experts)."""
+    d = config_dict(KIMI_LIKE)
+    weights = {k: to_bf16(v) for k, v in random_weights(config_from_dict(d), seed=8).items()}
+    path = tmp_path_factory.mktemp("int4bf16")
+    expect = write_quantized(path, d, KIMI_QC, weights, is_expert, "BF16", extra=_bf16_stored)
+    return path, config_from_dict(d), expect
+
+
+def test_int4_experts_plan_from_headers(int4_dir, int4_bf16_dir, tmp_path):
+    """checkpoint.int4_experts_group (what a GPU model's int4_experts_group comes from): the group for the
+    Kimi scheme's experts; None for a float checkpoint, another scheme, or an expert left in float.
+    matrices_stored_as_bf16(int4_experts=True) asks about the other matrices only."""
+    from kdtree_native.checkpoint import int4_experts_group, matrices_stored_as_bf16
+
+    path, _, _ = int4_bf16_dir
+    cfg = load_config(path)
+    assert int4_experts_group(path, cfg) == 32
+    assert matrices_stored_as_bf16(path, cfg, int4_experts=True)
+    assert not matrices_stored_as_bf16(path, cfg)  # (a quantized checkpoint, asked about every matrix)
+    fpath = int4_dir[0]   # the same with F32 non-expert tensors
+    assert int4_experts_group(fpath, load_config(fpath)) == 32
+    assert not matrices_stored_as_bf16(fpath, load_config(fpath), int4_experts=True)
+    d = config_dict(KIMI_LIKE)
+    weights = {k: to_bf16(v) for k, v in random_weights(config_from_dict(d), seed=8).items()}
+    write_quantized(tmp_path / "asym", d, qc_with(16, symmetric=False), weights, is_expert, "BF16")
+    assert int4_experts_group(tmp_path / "asym", load_config(tmp_path / "asym")) is None
+    write_quantized(tmp_path / "f16", d, KIMI_QC, weights, is_expert, "F16")  # F16 scales: dequantized
+    assert int4_experts_group(tmp_path / "f16", load_config(tmp_path / "f16")) is None
+    write_quantized(tmp_path / "mixed", d, KIMI_QC, weights,
+                    lambda n: is_expert(n) and ".experts.1.up_proj" not in n, "BF16")
+    assert int4_experts_group(tmp_path / "mixed", load_config(tmp_path / "mixed")) is None
+    os.makedirs(tmp_path / "f")
+    with open(tmp_path / "f" / "config.json", "w") as f:
+        json.dump(d, f)
+    write_safetensors(str(tmp_path / "f" / "model.safetensors"), weights)
+    assert int4_experts_group(tmp_path / "f", load_config(tmp_path / "f")) is None
+
+
+def test_cuda_int4_experts_unsupported_names_the_reason():
+    """The GPU model's INT4 experts need a power-of-two group >= 32 dividing both expert widths and not the
+    SGEMM expert tiles; the reason is named (no device needed)."""
+    from kdtree_native import _native
+
+    if not hasattr(_native, "cuda_int4_experts_unsupported"):
+        pytest.skip("built without the CUDA model")
+    cfg = config_from_dict(config_dict(KIMI_LIKE)).to_native()
+    assert _native.cuda_int4_experts_unsupported(cfg, 32) == ""
+    assert "power of two" in _native.cuda_int4_experts_unsupported(cfg, 16)
+    assert "power of two" in _native.cuda_int4_experts_unsupported(cfg, 48)
+    assert "multiples of the group" in _native.cuda_int4_experts_unsupported(cfg, 64)   # moe width 32
+    assert "tiled" in _native.cuda_int4_experts_unsupported(cfg, 32, "tiled")
+
+
+GPU_VARIANTS = [{}, {"expert_kernel": "skinny"}, {"expert_kernel": "mma", "expert_mma_rows": 8},
+                {"expert_kernel": "mma", "expert_mma_rows": 16}, {"expert_kernel": "mma", "expert_mma_rows": 64},
+                {"graphs": False, "side_stream": False}]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("variant", GPU_VARIANTS, ids=lambda v: ",".join(f"{k}={x}" for k, x in v.items()) or "auto")
+def test_cuda_holds_int4_experts_with_the_same_bits(int4_bf16_dir, variant):
+    """from_pretrained on the GPU holds the Kimi scheme's experts as 4-bit integers (int4_weight_bytes: half a
+    byte a weight plus a float a group, aligned per stack) beside BF16-only matrices, and its logits are the
+    bits of the GPU model on the dequantized weights held as BF16 (a prefill, tree verifies of 1..33 tokens
+    after commits, a 300-token prefill) with either expert kernel and every tile height; DDTree == AR."""
+    if not kn.cuda_available():
+        pytest.skip("no usable CUDA device")
+    from kdtree_native.drafters import NgramDrafter
+
+    path, cfg, _ = int4_bf16_dir
+    packed = kn.Engine.from_pretrained(path, device="cuda", max_seq_len=512, cuda_options=variant)
+    ref = kn.Engine.from_weights(cfg, load_weights(path, load_config(path)), device="cuda", max_seq_len=512,
+                                 cuda_options=dict(variant, bf16_weights="only"))
+    assert packed.model.int4_experts_group == 32 and packed.model.bf16_weights == "only"
+    assert ref.model.int4_experts_group == 0 and ref.model.int4_weight_bytes == 0
+    assert _int4_bytes(cfg) <= packed.model.int4_weight_bytes <= _int4_bytes(cfg) + 4 * 256 * cfg.num_hidden_layers
+    assert packed.model.memory_bytes < ref.model.memory_bytes
+    _assert_same(_outputs(packed, cfg, 300), _outputs(ref, cfg, 300), str(variant))
+    ids = np.array([3, 9, 27, 81, 100, 5, 7])
+    ar = packed.generate(ids, 24)
+    assert np.array_equal(ar.tokens, ref.generate(ids, 24).tokens)
+    assert np.array_equal(packed.generate(ids, 24, drafter=NgramDrafter(), tree_budget=16, depth=6).tokens, ar.tokens)
+
+
+@pytest.mark.cuda
+def test_cuda_int4_experts_refusals_leave_the_model_usable(int4_bf16_dir):
+    """A float value for an INT4 expert, pieces in another group size, scales that are not finite: ValueErrors
+    naming the tensor, and the model computes as before. int4_experts_group=0 dequantizes the experts instead
+    (the same logits); an INT4 piece for a matrix that is not a routed expert is taken dequantized."""
+    if not kn.cuda_available():
+        pytest.skip("no usable CUDA device")
+    path, cfg, _ = int4_bf16_dir
+    eng = kn.Engine.from_pretrained(path, device="cuda", max_seq_len=128)
+    want = _outputs(eng, cfg)
+    name = f"model.layers.{cfg.first_k_dense_replace}.mlp.experts.1.down_proj.weight"
+    Nr, K = expected_weight_shapes(cfg)[name]
+    with pytest.raises(ValueError, match="held as 4-bit integers"):
+        eng.model.set_weight(name, np.zeros((Nr, K), np.float32))
+    with pytest.raises(ValueError, match="held as 4-bit integers"):
+        eng.model.set_weight_bf16(name, np.zeros((Nr, K), np.uint16))
+    p = np.full((Nr, K // 2), 0x88, np.uint8)
+    with pytest.raises(ValueError, match="groups of 16.*groups of 32"):
+        eng.model.set_weight_int4(name, p, np.ones((Nr, K // 16), np.float32), 16)
+    bad = np.ones((Nr, K // 32), np.float32)
+    bad[1, 0] = np.inf
+    with pytest.raises(ValueError, match="scale 1 is not finite"):
+        eng.model.set_weight_int4(name, p, bad, 32)
+    _assert_same(_outputs(eng, cfg), want, "after the refusals")
+    off = kn.Engine.from_pretrained(path, device="cuda", max_seq_len=128, cuda_options={"int4_experts_group": 0})
+    assert off.model.int4_weight_bytes == 0
+    _assert_same(_outputs(off, cfg), want, "dequantized")
+    # an INT4 piece of a matrix that is not a routed expert: dequantized (bf16_round((q - 8) * scale))
+    so = f"model.layers.{cfg.first_k_dense_replace}.mlp.shared_experts.down_proj.weight"
+    Ns, Ks = expected_weight_shapes(cfg)[so]
+    rng = np.random.default_rng(4)
+    ps = rng.integers(0, 256, (Ns, Ks // 2), dtype=np.uint8)
+    ss = to_bf16(rng.standard_normal((Ns, Ks // 32)).astype(np.float32) * 0.02)
+    eng.model.set_weight_int4(so, ps, ss, 32)
+    eng.model.finalize()
+    q = np.empty((Ns, Ks), np.int32)
+    q[:, 0::2], q[:, 1::2] = ps & 15, ps >> 4
+    w = load_weights(path, load_config(path))
+    w[so] = to_bf16((q - 8).astype(np.float32) * np.repeat(ss, 32, axis=1))
+    ref = kn.Engine.from_weights(cfg, w, device="cuda", max_seq_len=128, cuda_options={"bf16_weights": "only"})
+    _assert_same(_outputs(eng, cfg), _outputs(ref, cfg), "a dequantized INT4 piece")
