@@ -390,21 +390,9 @@ void CpuModel::set_weight_int4(const std::string& name, const uint8_t* packed, c
     throw Error("set_weight_int4: '" + name + "': group size " + std::to_string(group) + " must be even and divide " +
                 "the input width " + std::to_string(K));
   if (n > 0 && (packed == nullptr || scales == nullptr)) throw Error("set_weight_int4: null data for '" + name + "'");
-  // the loader's checks: finite scales, and no weight overflowing BF16 (the largest integer of each group times its
-  // scale, rounded)
-  const int64_t groups = n / group;
-  for (int64_t i = 0; i < groups; ++i) {
-    if (!std::isfinite(scales[i]))
-      throw Error("set_weight_int4: '" + name + "': scale " + std::to_string(i) + " is not finite");
-    int most = 0;
-    for (int64_t k = i * group; k < (i + 1) * group; k += 2) {
-      const uint8_t b = packed[k / 2];
-      most = std::max({most, std::abs((int)(b & 15) - 8), std::abs((int)(b >> 4) - 8)});
-    }
-    if (!std::isfinite(bf16_round((float)most * std::fabs(scales[i]))))
-      throw Error("set_weight_int4: '" + name + "': the dequantized weight overflows BF16 (scale " + std::to_string(i) +
-                  " too large)");
-  }
+  // the loader's checks: finite scales, and no weight overflowing BF16
+  const std::string bad = int4_groups_problem(name, packed, scales, group, n);
+  if (!bad.empty()) throw Error(bad);
   store_int4(*s.w, s.off, packed, scales, group, n);
   s.set = true;
   finalized_ = false;

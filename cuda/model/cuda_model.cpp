@@ -404,6 +404,16 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
                       ". Lower max_seq_len or max_tokens.";
     throw RuntimeFailure(msg);
   };
+  // An arena's FP32 addresses in a reserved device range with nothing behind it (whole 2 MiB pages)
+  auto reserve = [](Arena& a, void** va, int64_t* bytes, const float** begin, const float** end, const char* what) {
+    std::string err;
+    *bytes = (a.bytes + (int64_t(2) << 20) - 1) / (int64_t(2) << 20) * (int64_t(2) << 20);
+    *va = reserve_address_range(*bytes, &err);
+    if (!*va) throw RuntimeFailure(std::string("CudaModel: ") + what + ": " + err);
+    a.commit(*va);
+    *begin = static_cast<const float*>(*va);
+    *end = *begin + a.bytes / (int64_t)sizeof(float);
+  };
   // From here on a throw must release what was taken: the destructor does not run.
   try {
     cudaError_t e;
@@ -411,13 +421,7 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     w.commit(weights_mem_);
     if (only) {
       // the matrices: FP32 addresses reserved, never backed; their values in one BF16 range
-      std::string err;
-      mat_va_bytes_ = (wm.bytes + (int64_t(2) << 20) - 1) / (int64_t(2) << 20) * (int64_t(2) << 20);
-      mat_va_ = reserve_address_range(mat_va_bytes_, &err);
-      if (!mat_va_) throw RuntimeFailure("CudaModel: bf16_weights_only: " + err);
-      wm.commit(mat_va_);
-      mat_begin_ = static_cast<const float*>(mat_va_);
-      mat_end_ = mat_begin_ + wm.bytes / (int64_t)sizeof(float);
+      reserve(wm, &mat_va_, &mat_va_bytes_, &mat_begin_, &mat_end_, "bf16_weights_only");
       bf16_bytes_ = cuda::arena_align_up(wm.bytes / 2);
       if ((e = cudaMalloc(&bf16_mem_, (size_t)bf16_bytes_)) != cudaSuccess) oom("BF16 weights", bf16_bytes_, e);
       check_cuda(cudaMemsetAsync(bf16_mem_, 0, (size_t)bf16_bytes_, stream), "cudaMemset(BF16 weights)");
@@ -426,13 +430,7 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     if (q4) {
       // the INT4 expert stacks: FP32 addresses reserved (never backed), per stack its nibbles (half a byte a
       // value) and its scales (a float a group) in one allocation
-      std::string err;
-      q_va_bytes_ = (wq.bytes + (int64_t(2) << 20) - 1) / (int64_t(2) << 20) * (int64_t(2) << 20);
-      q_va_ = reserve_address_range(q_va_bytes_, &err);
-      if (!q_va_) throw RuntimeFailure("CudaModel: int4_experts_group: " + err);
-      wq.commit(q_va_);
-      q_begin_ = static_cast<const float*>(q_va_);
-      q_end_ = q_begin_ + wq.bytes / (int64_t)sizeof(float);
+      reserve(wq, &q_va_, &q_va_bytes_, &q_begin_, &q_end_, "int4_experts_group");
       int64_t off = 0;
       for (const Layer& ly : layers_) {
         if (!ly.moe) continue;
@@ -728,18 +726,8 @@ void CudaModel::set_weight_int4(const std::string& name, const uint8_t* packed, 
                 " do not make whole bytes and groups");
   const int64_t N = shape[0], K = shape[1];
   if (!packed || !scales) throw Error("set_weight_int4: null data for '" + name + "'");
-  for (int64_t i = 0; i < N * K / group; ++i) {  // the CPU model's checks, the same messages
-    if (!std::isfinite(scales[i]))
-      throw Error("set_weight_int4: '" + name + "': scale " + std::to_string(i) + " is not finite");
-    int most = 0;
-    for (int64_t k = i * group; k < (i + 1) * group; k += 2) {
-      const uint8_t b = packed[k / 2];
-      most = std::max({most, std::abs((int)(b & 15) - 8), std::abs((int)(b >> 4) - 8)});
-    }
-    if (!std::isfinite(kdtree::bf16_round((float)most * std::fabs(scales[i]))))
-      throw Error("set_weight_int4: '" + name + "': the dequantized weight overflows BF16 (scale " + std::to_string(i) +
-                  " too large)");
-  }
+  const std::string bad = kdtree::int4_groups_problem(name, packed, scales, group, N * K);  // the CPU model's checks
+  if (!bad.empty()) throw Error(bad);
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = slots_.find(name);

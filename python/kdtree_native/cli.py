@@ -410,11 +410,14 @@ def _memory_summary(model) -> str:
     gb = 1e9
     parts = [f"device {model.device}"]
     bf16, fp32 = getattr(model, "bf16_weight_bytes", 0), getattr(model, "fp32_weight_bytes", None)
+    int4 = getattr(model, "int4_weight_bytes", 0) or 0
+    q = f", {int4 / gb:.2f} GB as INT4" if int4 else ""
     if fp32 is not None:
-        parts.append(f"{(bf16 + fp32) / gb:.2f} GB of weights ({bf16 / gb:.2f} GB as BF16)")
-    elif getattr(model, "weight_bytes", None) is not None:  # the GPU model: its FP32 arena and its BF16 one
+        parts.append(f"{(bf16 + fp32 + int4) / gb:.2f} GB of weights ({bf16 / gb:.2f} GB as BF16{q})")
+    elif getattr(model, "weight_bytes", None) is not None:  # the GPU model: its FP32 arena, its BF16 one, its INT4 experts
         mode = getattr(model, "bf16_weights", None)
         parts.append(f"weights {model.weight_bytes / gb:.2f} GB FP32 + {bf16 / gb:.2f} GB BF16"
+                     + (f" + {int4 / gb:.2f} GB INT4 experts" if int4 else "")
                      + (f" (bf16_weights {mode})" if mode else ""))
     parts.append(f"{model.memory_bytes / gb:.2f} GB held in all (cache and workspaces included)")
     return ", ".join(parts)

@@ -320,3 +320,21 @@ def test_memory_summary_of_a_gpu_model():
     line = _memory_summary(Fake())
     assert line == ("device cuda, weights 0.12 GB FP32 + 0.86 GB BF16 (bf16_weights only), 1.60 GB held in all "
                     "(cache and workspaces included)"), line
+
+
+def test_memory_summary_with_int4_experts():
+    """A GPU model holding INT4 experts (int4_weight_bytes) and a CPU one: the INT4 bytes are named."""
+    from kdtree_native.cli import _memory_summary
+
+    class Gpu:
+        device, weight_bytes, bf16_weight_bytes, bf16_weights, memory_bytes = "cuda", 125e6, 300e6, "only", 1.2e9
+        int4_weight_bytes = 158e6
+
+    assert _memory_summary(Gpu()) == ("device cuda, weights 0.12 GB FP32 + 0.30 GB BF16 + 0.16 GB INT4 experts "
+                                      "(bf16_weights only), 1.20 GB held in all (cache and workspaces included)")
+
+    class Cpu:
+        device, fp32_weight_bytes, bf16_weight_bytes, int4_weight_bytes, memory_bytes = "cpu", 10e6, 300e6, 158e6, 0.5e9
+
+    assert _memory_summary(Cpu()) == ("device cpu, 0.47 GB of weights (0.30 GB as BF16, 0.16 GB as INT4), 0.50 GB "
+                                      "held in all (cache and workspaces included)")
