@@ -92,6 +92,14 @@ void bind_cuda_model(py::module_& m) {
       "Why CudaModel(bf16_weights='only') cannot hold this config with these options ('' when it can).");
 
   m.def(
+      "cuda_matrix_block",
+      [](const py::dict& cfg, const std::string& name) { return Model::matrix_block(config_from_dict(cfg), name); },
+      py::arg("config"), py::arg("name"),
+      "The storage block of the GPU model an HF weight matrix lands in (what fp32_matrices holds as FP32 whole: "
+      "'<layer>.router' holds the router and the shared expert's gate/up rows, '<layer>.experts_down' a layer's "
+      "routed down projections, ...); '' for a name that is not a weight matrix of this config.");
+
+  m.def(
       "cuda_int4_experts_unsupported",
       [](const py::dict& cfg, int64_t group, const std::string& expert_kernel) {
         kdtree::CudaModelOptions o;
@@ -106,19 +114,21 @@ void bind_cuda_model(py::module_& m) {
                     "max_tokens=0, device=0, math='default', attention_naive=False, expert_kernel='auto', graphs=True, skinny_max_tokens=-1, "
                     "attention_kernel='auto', side_stream=True, skinny_big_max_tokens=-1, tile_max_tokens=-1, "
                     "tile_tensor_cores=True, expert_mma_rows=0, bf16_weight_copies=True, uv_combine_max_tokens=1, "
-                    "context_buckets=1, combine_norm=True, bf16_weights=None, bf16_widen_elements=0, int4_experts_group=0) with "
+                    "context_buckets=1, combine_norm=True, bf16_weights=None, bf16_widen_elements=0, int4_experts_group=0, fp32_matrices=()) with "
                     "config_dict = ModelConfig.to_native(); the same methods as CpuModel. bf16_weights: 'copies' "
                     "(exactly-BF16 matrices held as FP32 plus a BF16 copy the few-token kernels read), 'off' (FP32 "
                     "alone), 'only' (every matrix held as BF16 alone, 2 bytes a weight; each matrix given must be "
                     "exactly BF16); None: from bf16_weight_copies. The same logits in all three (docs/CUDA_MODEL.md). "
                     "int4_experts_group > 0: the routed experts held as 4-bit integers in groups of that many "
-                    "weights (set_weight_int4; docs/CUDA_MODEL.md \"INT4 experts\")."))
+                    "weights (set_weight_int4; docs/CUDA_MODEL.md \"INT4 experts\"). fp32_matrices (with 'only'): HF "
+                    "names of matrices held as FP32 all the same (a checkpoint storing a few in F32)."))
       .def(py::init([](const py::dict& cfg, int64_t max_seq_len, int64_t max_tokens, int device, const std::string& math,
                        bool attention_naive, const std::string& expert_kernel, bool graphs, int skinny_max_tokens,
                        const std::string& attention_kernel, bool side_stream, int skinny_big_max_tokens, int tile_max_tokens,
                        bool tile_tensor_cores, int expert_mma_rows, bool bf16_weight_copies, int uv_combine_max_tokens,
                        int context_buckets, bool combine_norm, const py::object& bf16_weights,
-                       int64_t bf16_widen_elements, int int4_experts_group) {
+                       int64_t bf16_widen_elements, int int4_experts_group,
+                       const std::vector<std::string>& fp32_matrices) {
              kdtree::ModelConfig c = config_from_dict(cfg);
              kdtree::CudaModelOptions o;
              o.max_tokens = max_tokens;
@@ -136,6 +146,9 @@ void bind_cuda_model(py::module_& m) {
              o.bf16_weight_copies = bf16_weight_copies;
              o.bf16_widen_elements = bf16_widen_elements;
              o.int4_experts_group = int4_experts_group;
+             o.fp32_matrices = fp32_matrices;
+             if (!fp32_matrices.empty() && !o.bf16_weights_only)
+               throw Error("fp32_matrices goes with bf16_weights='only' (the other modes hold every matrix as FP32)");
              if (!bf16_weights.is_none()) {
                if (!py::isinstance<py::str>(bf16_weights)) throw Error("bf16_weights must be 'only', 'copies', 'off' or None");
                const int mode = parse_choice(bf16_weights.cast<std::string>(), "bf16_weights", {"off", "copies", "only"});
@@ -162,7 +175,8 @@ void bind_cuda_model(py::module_& m) {
            py::arg("tile_max_tokens") = -1, py::arg("tile_tensor_cores") = true, py::arg("expert_mma_rows") = 0,
            py::arg("bf16_weight_copies") = true, py::arg("uv_combine_max_tokens") = 1, py::arg("context_buckets") = 1,
            py::arg("combine_norm") = true, py::arg("bf16_weights") = py::none(),
-           py::arg("bf16_widen_elements") = 0, py::arg("int4_experts_group") = 0)
+           py::arg("bf16_widen_elements") = 0, py::arg("int4_experts_group") = 0,
+           py::arg("fp32_matrices") = std::vector<std::string>())
       .def(
           "context_bucket",
           [](const Model& self, int64_t L, int64_t T) {

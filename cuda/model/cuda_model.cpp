@@ -24,6 +24,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <unordered_set>
 
 #include "common.h"
 #include "device_util.h"
@@ -169,6 +170,28 @@ std::string CudaModel::bf16_only_unsupported(const ModelConfig& c, const CudaMod
   return "";
 }
 
+std::string CudaModel::matrix_block(const ModelConfig& c, const std::string& name) {
+  bool known = false;
+  for (const WeightSpec& w : model_weight_specs(c))
+    if (w.name == name) known = w.shape.size() == 2 && name != "model.embed_tokens.weight";
+  if (!known) return "";
+  if (name == "lm_head.weight") return "lm_head";
+  const std::string pre = "model.layers.";
+  const size_t dot = name.find('.', pre.size());
+  const std::string layer = name.substr(pre.size(), dot - pre.size()), rest = name.substr(dot + 1);
+  auto has = [&](const char* s) { return rest.find(s) != std::string::npos; };
+  const char* block = has("q_a_proj") || has("kv_a_proj_with_mqa") ? "qkv_a"
+                      : has("q_b_proj") || has("q_proj")            ? "q_b"
+                      : has("kv_b_proj")                            ? "kv_b"
+                      : has("o_proj")                               ? "o_proj"
+                      : has("mlp.experts.")                         ? (has("down_proj") ? "experts_down" : "experts_gate_up")
+                      : has("mlp.gate.") || (has("shared_experts") && !has("down_proj")) ? "router"
+                      : has("shared_experts")                       ? "shared_down"
+                      : has("down_proj")                            ? "mlp_down"
+                                                                    : "mlp_gate_up";
+  return layer + "." + block;
+}
+
 std::string CudaModel::int4_experts_unsupported(const ModelConfig& c, const CudaModelOptions& opt, int64_t g) {
   if (g < 32 || (g & (g - 1)) != 0) return "needs a group of a power of two >= 32, got " + std::to_string(g);
   if (c.first_k_dense_replace >= c.num_hidden_layers || c.n_routed_experts <= 0) return "needs routed experts (a MoE layer)";
@@ -233,6 +256,16 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     const std::string why = int4_experts_unsupported(c, opt, opt.int4_experts_group);
     if (!why.empty()) throw Error("CudaModel: int4_experts_group " + why);
   }
+  std::unordered_set<std::string> fp32_blocks;  // fp32_matrices' storage blocks
+  for (const std::string& n : opt.fp32_matrices) {
+    const std::string b = matrix_block(c, n);
+    if (b.empty())
+      throw Error("CudaModel: fp32_matrices: '" + n + "' is not a weight matrix of this config (HF names of 2-D "
+                  "weights, the embedding aside)");
+    if (opt.int4_experts_group > 0 && b.find(".experts_") != std::string::npos)
+      throw Error("CudaModel: fp32_matrices: '" + n + "' is a routed expert, held as 4-bit integers (int4_experts_group)");
+    fp32_blocks.insert(b);
+  }
 
   // ---- device, stream, cuBLAS
   std::string why;
@@ -270,42 +303,49 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   // (their FP32 addresses, which bf16_of maps onto the BF16 arena); the vectors and the embedding in w.
   const bool only = opt.bf16_weights_only, q4 = opt.int4_experts_group > 0;
   Arena w, wm, wq;  // wq: the INT4 expert stacks' FP32 addresses (reserved, never backed)
-  Arena& mats = only ? wm : w;
-  auto mat = [&](float** where, int64_t count) { mats.add(where, count); };
-  auto xmat = [&](float** where, int64_t count) { (q4 ? wq : mats).add(where, count); };
+  // a matrix of block `key` (matrix_block): with "only", in the BF16 range unless fp32_matrices names it
+  std::string lp;  // the layer's prefix of the block keys
+  auto mat = [&](float** where, int64_t count, const char* key) {
+    (only && !fp32_blocks.count(lp + key) ? wm : w).add(where, count);
+  };
+  auto xmat = [&](float** where, int64_t count, const char* key) {
+    if (q4) wq.add(where, count);
+    else mat(where, count, key);
+  };
   w.add(&embed_, V * Dm);
   w.add(&final_ln_, Dm);
-  if (!c.tie_word_embeddings) mat(&lm_head_, V * Dm);
+  if (!c.tie_word_embeddings) mat(&lm_head_, V * Dm, "lm_head");
   w.add(&inv_freq_, R / 2);
   layers_.resize((size_t)nL);
   for (int64_t l = 0; l < nL; ++l) {
     Layer& ly = layers_[(size_t)l];
+    lp = std::to_string(l) + ".";
     w.add(&ly.input_ln, Dm);
     w.add(&ly.post_ln, Dm);
-    mat(&ly.qkv_a, (qr + CR) * Dm);
+    mat(&ly.qkv_a, (qr + CR) * Dm, "qkv_a");
     if (qr > 0) {
       w.add(&ly.q_a_ln, qr);
-      mat(&ly.q_b, H * Dqk * qr);
+      mat(&ly.q_b, H * Dqk * qr, "q_b");
     } else {
-      mat(&ly.q_b, H * Dqk * Dm);
+      mat(&ly.q_b, H * Dqk * Dm, "q_b");
     }
     w.add(&ly.kv_a_ln, C);
-    mat(&ly.w_ukT, H * Dn * C);
-    mat(&ly.w_uv, H * Dv * C);
-    mat(&ly.o_proj, Dm * H * Dv);
+    mat(&ly.w_ukT, H * Dn * C, "kv_b");
+    mat(&ly.w_uv, H * Dv * C, "kv_b");
+    mat(&ly.o_proj, Dm * H * Dv, "o_proj");
     ly.moe = c.is_moe_layer(l);
     if (!ly.moe) {
-      mat(&ly.mlp_gate_up, 2 * c.intermediate_size * Dm);
-      mat(&ly.mlp_down, Dm * c.intermediate_size);
+      mat(&ly.mlp_gate_up, 2 * c.intermediate_size * Dm, "mlp_gate_up");
+      mat(&ly.mlp_down, Dm * c.intermediate_size, "mlp_down");
     } else {
       ly.moe_index = (int)n_moe_layers_++;
       // router rows then (Is > 0) the shared expert's gate/up rows, contiguous: one projection
       // serves both for few tokens (moe_mlp)
-      mat(&ly.router, (E + 2 * Is) * Dm);
+      mat(&ly.router, (E + 2 * Is) * Dm, "router");
       w.add(&ly.router_bias, E);
-      xmat(&ly.experts_gate_up, E * 2 * Ie * Dm);
-      xmat(&ly.experts_down, E * Dm * Ie);
-      if (Is > 0) mat(&ly.shared_down, Dm * Is);
+      xmat(&ly.experts_gate_up, E * 2 * Ie * Dm, "experts_gate_up");
+      xmat(&ly.experts_down, E * Dm * Ie, "experts_down");
+      if (Is > 0) mat(&ly.shared_down, Dm * Is, "shared_down");
     }
   }
   weight_bytes_ = w.bytes;
@@ -662,7 +702,9 @@ void CudaModel::set_weight(const std::string& name, const float* data, const std
   finalized_ = false;
 }
 
-bool CudaModel::upload_bf16_ok(const Slot& s) const { return s.kind == kKvB ? opt_.bf16_weights_only : bf16_only(s.dst); }
+bool CudaModel::upload_bf16_ok(const Slot& s) const {
+  return bf16_only(s.kind == kKvB ? layers_[(size_t)s.layer].w_ukT : s.dst);
+}
 
 // bf16_weights_only: a matrix's BF16 bits into its place in the BF16 arena (kv_b_proj split into
 // W_UK^T and W_UV as set_weight does with the values)

@@ -81,6 +81,11 @@ struct CudaModelOptions {
                                    // (docs/CUDA_MODEL.md "BF16 weights")
   int64_t bf16_widen_elements = 0;  // bf16_weights_only: the most weight values a cuBLAS product widens at once
                                     // (0 = 16M, 64 MB of workspace); smaller runs it in more blocks of rows
+  std::vector<std::string> fp32_matrices;  // bf16_weights_only: these weight matrices (HF names) held as FP32 all the
+                                 // same, for a checkpoint that stores a few in F32 (the embedded default's routers):
+                                 // a router block or an expert stack is held FP32 whole when a piece of it is named
+                                 // (the router rows share one matrix with the shared expert's gate/up rows); an
+                                 // unknown or non-matrix name is an Error (docs/CUDA_MODEL.md "BF16 weights")
   int int4_experts_group = 0;    // > 0: the routed experts' matrices held as 4-bit integers in groups of this many
                                  // weights along k with one scale each (Kimi K2's INT4 W4A16 experts: 32), 0.5
                                  // bytes a weight + a float a group, given by set_weight_int4 only; both expert
@@ -135,6 +140,9 @@ class CudaModel : public TargetModel {
   // the dequantized values (bf16_round((q - 8) * scale)) through set_weight.
   void set_weight_int4(const std::string& name, const uint8_t* packed, const float* scales, int64_t group,
                        const std::vector<int64_t>& shape);
+  // The storage block an HF weight matrix lands in ("lm_head", "<layer>.router", "<layer>.experts_down", ...): what
+  // fp32_matrices holds FP32 whole; "" for a name that is not a weight matrix of this config (or the embedding)
+  static std::string matrix_block(const ModelConfig& cfg, const std::string& name);
   // Why int4_experts_group = group cannot hold this config with these options ("" when it can)
   static std::string int4_experts_unsupported(const ModelConfig& cfg, const CudaModelOptions& opt, int64_t group);
   std::vector<std::string> missing_weights() const override;

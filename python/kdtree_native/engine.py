@@ -24,7 +24,7 @@ from typing import Callable, Optional, Union
 import numpy as np
 
 from . import _native
-from .checkpoint import PackedInt4, int4_experts_group, iter_weights, matrices_stored_as_bf16
+from .checkpoint import PackedInt4, int4_experts_group, iter_weights, matrices_not_bf16
 from .config import ModelConfig, load_config
 
 __all__ = ["Engine"]
@@ -34,7 +34,8 @@ _DEVICES = ("auto", "cpu", "cuda")
 _CUDA_OPTIONS = ("max_tokens", "device", "math", "attention_naive", "expert_kernel", "graphs", "skinny_max_tokens",
                  "attention_kernel", "side_stream", "skinny_big_max_tokens", "tile_max_tokens",
                  "tile_tensor_cores", "expert_mma_rows", "bf16_weight_copies", "uv_combine_max_tokens",
-                 "context_buckets", "combine_norm", "bf16_weights", "bf16_widen_elements", "int4_experts_group")
+                 "context_buckets", "combine_norm", "bf16_weights", "bf16_widen_elements", "int4_experts_group",
+                 "fp32_matrices")
 
 
 # keyword arguments of _native.CpuModel that an Engine passes through (docs/MODEL.md)
@@ -186,12 +187,19 @@ class Engine:
                 cuda_options = dict(cuda_options, int4_experts_group=group)
         g = cuda_options.get("int4_experts_group", 0)
         int4 = device == "cpu" or (isinstance(g, (int, np.integer)) and not isinstance(g, bool) and g > 0)
-        if (device == "cuda" and "bf16_weights" not in cuda_options and "bf16_weight_copies" not in cuda_options
-                and matrices_stored_as_bf16(model_dir, cfg, int4_experts=int4)
-                and not _native.cuda_bf16_only_unsupported(cfg.to_native(), cuda_options.get("tile_tensor_cores", True),
-                                                           cuda_options.get("expert_kernel", "auto"))):
-            # a BF16 checkpoint: its matrices held as BF16 alone (2 bytes a weight, not FP32 + a BF16 copy: 6)
-            cuda_options = dict(cuda_options, bf16_weights="only")
+        if device == "cuda" and "bf16_weight_copies" not in cuda_options and cuda_options.get("bf16_weights") in (None, "only"):
+            # a BF16 checkpoint: its matrices held as BF16 alone (2 bytes a weight, not FP32 + a BF16 copy: 6), those it
+            # stores otherwise (a few F32 routers, say) as FP32 (fp32_matrices)
+            fp32 = matrices_not_bf16(model_dir, cfg, int4_experts=int4)
+            n_mat = sum(1 for n, s in _native.model_weight_specs(cfg.to_native())
+                        if len(s) == 2 and n != "model.embed_tokens.weight")
+            if cuda_options.get("bf16_weights") == "only" or (
+                    len(fp32) < n_mat and not _native.cuda_bf16_only_unsupported(
+                        cfg.to_native(), cuda_options.get("tile_tensor_cores", True),
+                        cuda_options.get("expert_kernel", "auto"))):
+                cuda_options = dict(cuda_options, bf16_weights="only")
+                if fp32 and "fp32_matrices" not in cuda_options:
+                    cuda_options["fp32_matrices"] = fp32
         # A CUDA model holding BF16 weights only takes them as bits too (its matrices go over as they are).
         bits = device == "cpu" or cuda_options.get("bf16_weights") == "only"
         weights = iter_weights(model_dir, cfg, progress=progress, bf16_bits=bits, int4_packed=int4)

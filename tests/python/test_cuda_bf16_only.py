@@ -211,3 +211,74 @@ def test_engine_from_pretrained_only(tmp_path):
     ar = copies.generate(ids, 24).tokens
     assert np.array_equal(only.generate(ids, 24).tokens, ar)
     assert np.array_equal(only.generate(ids, 24, drafter=NgramDrafter(), tree_budget=16).tokens, ar)
+
+
+def _fp32_pieces(cfg, w, seed=5):
+    """A router, one routed expert's down projection (its whole stack goes FP32) and a kv_b_proj given values that
+    are not BF16 (what a checkpoint storing them as F32 holds); returns their names."""
+    moe = cfg.first_k_dense_replace
+    names = [f"model.layers.{moe}.mlp.gate.weight", f"model.layers.{moe}.mlp.experts.3.down_proj.weight",
+             "model.layers.0.self_attn.kv_b_proj.weight"]
+    rng = np.random.default_rng(seed)
+    for n in names:
+        w[n] = (w[n] + rng.standard_normal(w[n].shape) * 1e-3).astype(np.float32)
+    return names
+
+
+@pytest.mark.parametrize("name", ["kimi_8", "no_q_lora_8"])
+def test_fp32_matrices_beside_bf16_only(name):
+    """bf16_weights="only" with fp32_matrices: the named matrices (their storage blocks) held as FP32, every other
+    matrix as BF16 alone; the logits are the bits of "copies" on the same weights (a 300-token prefill, steps of
+    2-65 tokens, graph replays); without fp32_matrices those values are refused; bad names refused."""
+    cfg = cfg_of(name)
+    w = bf16_weights(cfg)
+    names = _fp32_pieces(cfg, w)
+    copies = load(N.CudaModel(cfg.to_native(), 400), w)
+    only = load(N.CudaModel(cfg.to_native(), 400, bf16_weights="only", fp32_matrices=names), w)
+    plain = N.CudaModel(cfg.to_native(), 400, bf16_weights="only")
+    assert only.bf16_weights == "only"
+    blocks = {N.cuda_matrix_block(cfg.to_native(), n) for n in names}
+    held32 = sum(a.size for n, a in w.items() if N.cuda_matrix_block(cfg.to_native(), n) in blocks)
+    assert only.weight_bytes - plain.weight_bytes >= 4 * held32
+    assert only.bf16_weight_bytes <= plain.bf16_weight_bytes - 2 * held32 + 256
+    ids = prompt(cfg.vocab_size, 300, seed=3)
+    assert bits_equal(prefill(copies, ids), prefill(only, ids))
+    torch = maybe_torch()
+    x, y = run_steps([copies, only], cfg.vocab_size, torch)
+    for i, (u, v) in enumerate(zip(x, y)):
+        assert np.isfinite(u).all() and bits_equal(u, v), f"step {i}"
+    with pytest.raises(ValueError, match="not exactly BF16"):
+        load(plain, w)
+    with pytest.raises(ValueError, match="not a weight matrix of this config"):
+        N.CudaModel(cfg.to_native(), 64, bf16_weights="only", fp32_matrices=["model.layers.0.input_layernorm.weight"])
+    with pytest.raises(ValueError, match="not a weight matrix of this config"):
+        N.CudaModel(cfg.to_native(), 64, bf16_weights="only", fp32_matrices=["model.embed_tokens.weight"])
+    with pytest.raises(ValueError, match="goes with bf16_weights='only'"):
+        N.CudaModel(cfg.to_native(), 64, fp32_matrices=names[:1])
+
+
+def test_engine_from_pretrained_only_with_f32_routers(tmp_path):
+    """A checkpoint storing its matrices as BF16 but its routers (and one kv_b_proj) as F32, as the embedded
+    default model does: from_pretrained holds it "only" with those as FP32 (fp32_matrices from the headers), and
+    gives the tokens of "copies"; DDTree == AR."""
+    from hf_models import to_bf16_bits
+    from kdtree_native.drafters import NgramDrafter
+    from test_checkpoint import save_model
+
+    cfg = cfg_of("kimi_8")
+    w = bf16_weights(cfg, seed=2)
+    names = _fp32_pieces(cfg, w)
+    names.pop(1)  # (an expert stored F32 would make its stack FP32: fine, but keep the routers' case plain)
+    w[f"model.layers.{cfg.first_k_dense_replace}.mlp.experts.3.down_proj.weight"] = to_bf16(
+        w[f"model.layers.{cfg.first_k_dense_replace}.mlp.experts.3.down_proj.weight"])
+    stored = {n: (a if n in names or a.ndim < 2 else to_bf16_bits(a).reshape(a.shape)) for n, a in w.items()}
+    d = save_model(str(tmp_path / "m"), config_dict(CONFIGS["kimi_8"]), stored)
+    only = kn.Engine.from_pretrained(d, device="cuda", max_seq_len=128)
+    copies = kn.Engine.from_pretrained(d, device="cuda", max_seq_len=128, cuda_options={"bf16_weights": "copies"})
+    assert only.model.bf16_weights == "only" and copies.model.bf16_weights == "copies"
+    assert only.model.memory_bytes < copies.model.memory_bytes
+    ids = prompt(cfg.vocab_size, 20, seed=8)
+    assert bits_equal(only.prefill(ids), copies.prefill(ids))
+    ar = copies.generate(ids, 24).tokens
+    assert np.array_equal(only.generate(ids, 24).tokens, ar)
+    assert np.array_equal(only.generate(ids, 24, drafter=NgramDrafter(), tree_budget=16).tokens, ar)
