@@ -11,7 +11,7 @@
 
 #include <cuda_runtime.h>
 
-#include "model/vec_load.h"
+#include "vec_load.h"  // (same folder: the benchmarks include this header by its path)
 
 namespace kdtree {
 namespace cuda {
