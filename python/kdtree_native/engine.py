@@ -143,8 +143,9 @@ class Engine:
         cuda_options: keyword arguments for the GPU model when the engine runs on CUDA (ignored
         on the CPU), e.g. {"device": 1} for the second GPU, {"max_tokens": 257} for trees of up
         to 256 nodes, {"skinny_max_tokens": 0, "tile_max_tokens": 0} for cuBLAS only, {"bf16_weights": ...} how a BF16
-        checkpoint's matrices are held: "only" (the default when every matrix is stored as BF16 and the
-        shapes allow it: BF16 alone, 2 bytes a weight), "copies" (FP32 plus a BF16 copy, 6 bytes; the
+        checkpoint's matrices are held: "only" (the default when any matrix is stored as BF16 and the
+        shapes allow it: BF16 alone, 2 bytes a weight; those stored otherwise held as FP32, the
+        "fp32_matrices" the checkpoint's headers name), "copies" (FP32 plus a BF16 copy, 6 bytes; the
         default otherwise), "off" (FP32); the same logits (docs/CUDA_MODEL.md "BF16 weights");
         {"int4_experts_group": g} holds the routed experts as 4-bit integers in groups of g (the default, with
         g from the checkpoint, when every routed expert is stored in Kimi K2-Thinking's INT4 scheme; 0 turns it
