@@ -900,11 +900,16 @@ def _bf16_stored(tensors):
             tensors[k] = to_bf16_bits(v).reshape(v.shape)
 
 
-@pytest.fixture(scope="module")
-def int4_bf16_dir(tmp_path_factory):
-    """int4_dir's model with its non-expert tensors stored as BF16 (what makes a GPU model's
-    bf16_weights="only" the default beside INT4 experts)."""
-    d = config_dict(KIMI_LIKE)
+# KIMI_LIKE with head dims that are multiples of 8, which a GPU model's bf16_weights="only" needs (KIMI_LIKE's 12 /
+# 10 take "copies" there)
+KIMI_LIKE8 = dict(KIMI_LIKE, qk_nope_head_dim=16, v_head_dim=16)
+
+
+@pytest.fixture(scope="module", params=["kimi_like8", "kimi_like"])
+def int4_bf16_dir(request, tmp_path_factory):
+    """int4_dir's model (and one whose shapes a GPU model holds "only") with its non-expert tensors stored as BF16
+    (what makes a GPU model's bf16_weights="only" the default beside INT4 experts, where the shapes allow it)."""
+    d = config_dict(KIMI_LIKE8 if request.param == "kimi_like8" else KIMI_LIKE)
     weights = {k: to_bf16(v) for k, v in random_weights(config_from_dict(d), seed=8).items()}
     path = tmp_path_factory.mktemp("int4bf16")
     expect = write_quantized(path, d, KIMI_QC, weights, is_expert, "BF16", extra=_bf16_stored)
@@ -972,11 +977,14 @@ def test_cuda_holds_int4_experts_with_the_same_bits(int4_bf16_dir, variant):
         pytest.skip("no usable CUDA device")
     from kdtree_native.drafters import NgramDrafter
 
+    from kdtree_native import _native
+
     path, cfg, _ = int4_bf16_dir
     packed = kn.Engine.from_pretrained(path, device="cuda", max_seq_len=512, cuda_options=variant)
+    mode = "copies" if _native.cuda_bf16_only_unsupported(cfg.to_native()) else "only"
     ref = kn.Engine.from_weights(cfg, load_weights(path, load_config(path)), device="cuda", max_seq_len=512,
-                                 cuda_options=dict(variant, bf16_weights="only"))
-    assert packed.model.int4_experts_group == 32 and packed.model.bf16_weights == "only"
+                                 cuda_options=dict(variant, bf16_weights=mode))
+    assert packed.model.int4_experts_group == 32 and packed.model.bf16_weights == mode
     assert ref.model.int4_experts_group == 0 and ref.model.int4_weight_bytes == 0
     assert _int4_bytes(cfg) <= packed.model.int4_weight_bytes <= _int4_bytes(cfg) + 4 * 256 * cfg.num_hidden_layers
     assert packed.model.memory_bytes < ref.model.memory_bytes
@@ -1026,5 +1034,6 @@ def test_cuda_int4_experts_refusals_leave_the_model_usable(int4_bf16_dir):
     q[:, 0::2], q[:, 1::2] = ps & 15, ps >> 4
     w = load_weights(path, load_config(path))
     w[so] = to_bf16((q - 8).astype(np.float32) * np.repeat(ss, 32, axis=1))
-    ref = kn.Engine.from_weights(cfg, w, device="cuda", max_seq_len=128, cuda_options={"bf16_weights": "only"})
+    ref = kn.Engine.from_weights(cfg, w, device="cuda", max_seq_len=128,
+                                 cuda_options={"bf16_weights": eng.model.bf16_weights})
     _assert_same(_outputs(eng, cfg), _outputs(ref, cfg), "a dequantized INT4 piece")
