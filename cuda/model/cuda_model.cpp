@@ -173,9 +173,10 @@ std::string CudaModel::bf16_only_unsupported(const ModelConfig& c, const CudaMod
 std::string CudaModel::matrix_block(const ModelConfig& c, const std::string& name) {
   bool known = false;
   for (const WeightSpec& w : model_weight_specs(c))
-    if (w.name == name) known = w.shape.size() == 2 && name != "model.embed_tokens.weight";
+    if (w.name == name) known = w.shape.size() == 2;
   if (!known) return "";
   if (name == "lm_head.weight") return "lm_head";
+  if (name == "model.embed_tokens.weight") return "embed";
   const std::string pre = "model.layers.";
   const size_t dot = name.find('.', pre.size());
   const std::string layer = name.substr(pre.size(), dot - pre.size()), rest = name.substr(dot + 1);
@@ -261,7 +262,7 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     const std::string b = matrix_block(c, n);
     if (b.empty())
       throw Error("CudaModel: fp32_matrices: '" + n + "' is not a weight matrix of this config (HF names of 2-D "
-                  "weights, the embedding aside)");
+                  "weights)");
     if (opt.int4_experts_group > 0 && b.find(".experts_") != std::string::npos)
       throw Error("CudaModel: fp32_matrices: '" + n + "' is a routed expert, held as 4-bit integers (int4_experts_group)");
     fp32_blocks.insert(b);
@@ -300,7 +301,7 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
 
   // ---- weights (one arena), in the order of model_weight_specs. bf16_weights_only: the matrices
   // (mat) in an arena of their own, committed to a reserved address range with no memory behind it
-  // (their FP32 addresses, which bf16_of maps onto the BF16 arena); the vectors and the embedding in w.
+  // (their FP32 addresses, which bf16_of maps onto the BF16 arena; the embedding among them); the vectors in w.
   const bool only = opt.bf16_weights_only, q4 = opt.int4_experts_group > 0;
   Arena w, wm, wq;  // wq: the INT4 expert stacks' FP32 addresses (reserved, never backed)
   // a matrix of block `key` (matrix_block): with "only", in the BF16 range unless fp32_matrices names it
@@ -312,7 +313,7 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     if (q4) wq.add(where, count);
     else mat(where, count, key);
   };
-  w.add(&embed_, V * Dm);
+  mat(&embed_, V * Dm, "embed");  // ("only": BF16 alone too; the embedding kernel and a tied head read that)
   w.add(&final_ln_, Dm);
   if (!c.tie_word_embeddings) mat(&lm_head_, V * Dm, "lm_head");
   w.add(&inv_freq_, R / 2);
@@ -1092,6 +1093,7 @@ void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, co
   const int64_t Dm = c.hidden_size;
   cudaStream_t st = as_stream(stream_);
   cuda::EmbedParams ep{tokens_d, embed_, (int)T, (int)c.vocab_size, (int)Dm, x_};
+  ep.table_bf16 = bf16_only(embed_) ? bf16_of(embed_, c.vocab_size * Dm) : nullptr;
   ep.positions = positions_d;  // + the step's RoPE table, read by every layer's mla_prep
   ep.inv_freq = inv_freq_;
   ep.half = (int)(c.qk_rope_head_dim / 2);

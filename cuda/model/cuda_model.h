@@ -76,7 +76,7 @@ struct CudaModelOptions {
                                    // another value), the kernels of few-token steps read it as the copies above,
                                    // the cuBLAS products widen it into a workspace block by block first. The same
                                    // results as bf16_weight_copies where each cuBLAS product is one call (its
-                                   // matrix fits bf16_widen_elements); the embedding and the vectors stay FP32.
+                                   // matrix fits bf16_widen_elements); the vectors stay FP32, the embedding is a matrix here.
                                    // Needs every matrix's inner size a multiple of 8 and tile_tensor_cores
                                    // (docs/CUDA_MODEL.md "BF16 weights")
   int64_t bf16_widen_elements = 0;  // bf16_weights_only: the most weight values a cuBLAS product widens at once
@@ -141,7 +141,7 @@ class CudaModel : public TargetModel {
   void set_weight_int4(const std::string& name, const uint8_t* packed, const float* scales, int64_t group,
                        const std::vector<int64_t>& shape);
   // The storage block an HF weight matrix lands in ("lm_head", "<layer>.router", "<layer>.experts_down", ...): what
-  // fp32_matrices holds FP32 whole; "" for a name that is not a weight matrix of this config (or the embedding)
+  // fp32_matrices holds FP32 whole ("embed": the embedding); "" for a name that is not a weight matrix of this config
   static std::string matrix_block(const ModelConfig& cfg, const std::string& name);
   // Why int4_experts_group = group cannot hold this config with these options ("" when it can)
   static std::string int4_experts_unsupported(const ModelConfig& cfg, const CudaModelOptions& opt, int64_t group);

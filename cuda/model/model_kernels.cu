@@ -52,6 +52,11 @@ __global__ void embed_kernel(EmbedParams p) {
     for (int i = threadIdx.x; i < p.Dm; i += blockDim.x) o[i] = __int_as_float(0x7fc00000);
     return;
   }
+  if (p.table_bf16) {  // (a bf16_weights_only model's embedding: held as BF16 alone)
+    const uint16_t* src = p.table_bf16 + (size_t)tok * p.Dm;
+    for (int i = threadIdx.x; i < p.Dm; i += blockDim.x) o[i] = __uint_as_float((uint32_t)src[i] << 16);
+    return;
+  }
   const float* src = p.table + (size_t)tok * p.Dm;
   for (int i = threadIdx.x; i < p.Dm; i += blockDim.x) o[i] = src[i];
 }

@@ -131,6 +131,7 @@ struct EmbedParams {
   int half = 0;
   float attention_factor = 1.f;
   float* cs = nullptr;                 // [T, 2 half]
+  const uint16_t* table_bf16 = nullptr;  // the table as BF16 bits, read (widened exactly) instead of table when set
 };
 cudaError_t embed(const EmbedParams& p, cudaStream_t stream);
 

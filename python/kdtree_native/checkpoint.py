@@ -369,22 +369,21 @@ def _header_entries(model_dir) -> dict:
 
 
 def matrices_not_bf16(model_dir, cfg: ModelConfig, int4_experts: bool = False) -> list:
-    """The weight matrices the model takes (2-D, the embedding aside) that the checkpoint does not store as BF16
-    (F32, F16, quantized), in the model's order (headers only). What a CUDA model's bf16_weights="only" holds
-    as FP32 all the same (its fp32_matrices); every other matrix's values are exactly BF16. int4_experts: the
-    routed experts' matrices are held as 4-bit integers (int4_experts_group) and left out."""
+    """The weight matrices the model takes (2-D, the embedding included) that the checkpoint does not store as
+    BF16 (F32, F16, quantized), in the model's order (headers only). What a CUDA model's bf16_weights="only"
+    holds as FP32 all the same (its fp32_matrices); every other matrix's values are exactly BF16. int4_experts:
+    the routed experts' matrices are held as 4-bit integers (int4_experts_group) and left out."""
     dtypes = {full: e["dtype"] for full, e in _header_entries(model_dir).items()}
     prefix = cfg.weight_prefix or ""
     return [name for name, shape in expected_weight_shapes(cfg).items()
-            if len(shape) >= 2 and name != "model.embed_tokens.weight" and dtypes.get(prefix + name) != "BF16"
-            and not (int4_experts and _EXPERT_RE.match(name))]
+            if len(shape) >= 2 and dtypes.get(prefix + name) != "BF16" and not (int4_experts and _EXPERT_RE.match(name))]
 
 
 def matrices_stored_as_bf16(model_dir, cfg: ModelConfig, int4_experts: bool = False) -> bool:
     """Whether every weight matrix the model takes (2-D, the embedding aside) is stored as BF16 in the
-    checkpoint (headers only; matrices_not_bf16 is empty). int4_experts: the routed experts (held as 4-bit
-    integers) left out, so a quantized checkpoint whose other matrices are BF16 (Kimi K2-Thinking's) qualifies."""
-    return not matrices_not_bf16(model_dir, cfg, int4_experts)
+    checkpoint (headers only). int4_experts: the routed experts (held as 4-bit integers) left out, so a
+    quantized checkpoint whose other matrices are BF16 (Kimi K2-Thinking's) qualifies."""
+    return all(n == "model.embed_tokens.weight" for n in matrices_not_bf16(model_dir, cfg, int4_experts))
 
 
 def int4_experts_group(model_dir, cfg: ModelConfig) -> Optional[int]:

@@ -192,8 +192,7 @@ class Engine:
             # a BF16 checkpoint: its matrices held as BF16 alone (2 bytes a weight, not FP32 + a BF16 copy: 6), those it
             # stores otherwise (a few F32 routers, say) as FP32 (fp32_matrices)
             fp32 = matrices_not_bf16(model_dir, cfg, int4_experts=int4)
-            n_mat = sum(1 for n, s in _native.model_weight_specs(cfg.to_native())
-                        if len(s) == 2 and n != "model.embed_tokens.weight")
+            n_mat = sum(1 for _, s in _native.model_weight_specs(cfg.to_native()) if len(s) == 2)
             if cuda_options.get("bf16_weights") == "only" or (
                     len(fp32) < n_mat and not _native.cuda_bf16_only_unsupported(
                         cfg.to_native(), cuda_options.get("tile_tensor_cores", True),

@@ -303,26 +303,30 @@ def test_matrices_stored_as_bf16(tmp_path, cfg, weights, shards):
 
 def test_matrices_not_bf16_names_them(tmp_path, cfg, weights):
     """matrices_not_bf16 (a CUDA model's fp32_matrices under bf16_weights="only"): exactly the 2-D tensors the
-    model takes that are not stored as BF16, in the model's order; the embedding and the vectors never."""
+    model takes that are not stored as BF16 (the embedding among them), in the model's order; vectors never."""
     bf = {k: to_bf16_bits(v) if v.ndim >= 2 else v for k, v in weights.items()}
     bf["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"]
-    odd = ["model.layers.2.mlp.gate.weight", "model.layers.2.mlp.experts.0.down_proj.weight",
-           "model.layers.0.self_attn.kv_b_proj.weight"]
+    odd = ["model.embed_tokens.weight", "model.layers.2.mlp.gate.weight",
+           "model.layers.2.mlp.experts.0.down_proj.weight", "model.layers.0.self_attn.kv_b_proj.weight"]
     for name in odd:
         bf[name] = weights[name] if "kv_b" not in name else weights[name].astype(np.float16)
     d = save_model(str(tmp_path / "a"), config_dict(CFG_NAME), bf)
     order = list(ckpt.expected_weight_shapes(cfg))
     assert ckpt.matrices_not_bf16(d, cfg) == sorted(odd, key=order.index)
-    assert ckpt.matrices_not_bf16(d, cfg, int4_experts=True) == sorted(odd[::2], key=order.index)
+    assert ckpt.matrices_not_bf16(d, cfg, int4_experts=True) == sorted(odd[:2] + odd[3:], key=order.index)
+    assert not ckpt.matrices_stored_as_bf16(d, cfg)
+    bf = {k: to_bf16_bits(v) if v.ndim >= 2 else v for k, v in weights.items()}
+    bf["model.embed_tokens.weight"] = weights["model.embed_tokens.weight"]
+    d = save_model(str(tmp_path / "c"), config_dict(CFG_NAME), bf)
+    assert ckpt.matrices_not_bf16(d, cfg) == ["model.embed_tokens.weight"] and ckpt.matrices_stored_as_bf16(d, cfg)
     d = save_model(str(tmp_path / "b"), config_dict(CFG_NAME), weights)
-    assert len(ckpt.matrices_not_bf16(d, cfg)) == sum(
-        1 for n, s in ckpt.expected_weight_shapes(cfg).items() if len(s) == 2 and n != "model.embed_tokens.weight")
+    assert len(ckpt.matrices_not_bf16(d, cfg)) == sum(1 for s in ckpt.expected_weight_shapes(cfg).values() if len(s) == 2)
 
 
 def test_cuda_matrix_blocks(cfg):
     """The GPU model's storage blocks of HF matrix names (what fp32_matrices holds FP32 whole), host logic only:
     the router and the shared expert's gate / up share a block, each expert stack is one block per layer and
-    projection kind, kv_b_proj one block; vectors, the embedding and unknown names have none."""
+    projection kind, kv_b_proj one block, the embedding its own; vectors and unknown names have none."""
     from kdtree_native import _native
 
     if not hasattr(_native, "cuda_matrix_block"):
@@ -345,7 +349,8 @@ def test_cuda_matrix_blocks(cfg):
     if moe > 0:
         assert blocks["model.layers.0.mlp.gate_proj.weight"] == blocks["model.layers.0.mlp.up_proj.weight"] == "0.mlp_gate_up"
         assert blocks["model.layers.0.mlp.down_proj.weight"] == "0.mlp_down"
+    assert blocks["model.embed_tokens.weight"] == "embed"
     for n, s in ckpt.expected_weight_shapes(cfg).items():
-        assert (blocks[n] == "") == (len(s) != 2 or n == "model.embed_tokens.weight"), n
+        assert (blocks[n] == "") == (len(s) != 2), n
     assert _native.cuda_matrix_block(c, "model.layers.99.mlp.gate.weight") == ""
     assert _native.cuda_matrix_block(c, "lm_head.weight") == ("" if cfg.tie_word_embeddings else "lm_head")

@@ -5,7 +5,7 @@ few-token kernels read the BF16 form as they read the copies of bf16_weights="co
 products (prefill) widen it into a workspace first, block by block. The values are the same, so:
 * logits and caches equal "copies" bit for bit: decode, trees, 2-65-token steps, eager and graph
   replays, a 300-token prefill (cuBLAS, also with tiny widening blocks), on several configs;
-* the device holds 2 bytes a matrix weight (and the FP32 vectors and embedding);
+* the device holds 2 bytes a matrix weight, the embedding's included (and the FP32 vectors);
 * a matrix value that is not exactly BF16 is refused with a clear error, the model stays usable;
   set_weight_bf16 gives what set_weight gives; shapes the BF16 kernels cannot take are refused
   at construction, with the reason (and cuda_bf16_only_unsupported says the same);
@@ -63,9 +63,8 @@ def test_only_gives_the_bits_of_copies(name):
     copies = load(N.CudaModel(cfg.to_native(), 400), w)
     only = load(N.CudaModel(cfg.to_native(), 400, bf16_weights="only"), w)
     assert copies.bf16_weights == "copies" and only.bf16_weights == "only"
-    # the memory: the matrices as BF16 alone; FP32 for the vectors and the embedding only
-    embed = w["model.embed_tokens.weight"].size
-    mats = matrix_elements(w) - embed
+    # the memory: the matrices (the embedding's too) as BF16 alone; FP32 for the vectors only
+    mats = matrix_elements(w)
     assert copies.weight_bytes - only.weight_bytes >= 4 * mats
     assert mats <= only.bf16_weight_elements <= mats + 128 * len(w)
     assert only.bf16_weight_bytes <= (copies.weight_bytes - only.weight_bytes) // 2 + 256
@@ -128,19 +127,27 @@ def test_inexact_value_refused_and_model_usable():
     ids = prompt(cfg.vocab_size, 9, seed=4)
     want = prefill(ref, ids)
     for name in ("model.layers.1.self_attn.o_proj.weight", "model.layers.0.self_attn.kv_b_proj.weight",
-                 "model.layers.1.mlp.experts.3.down_proj.weight"):
+                 "model.layers.1.mlp.experts.3.down_proj.weight", "model.embed_tokens.weight"):
         bad = w[name].copy()
         bad.flat[7] = np.float32(1.0 + 2.0 ** -20)  # not a BF16
         with pytest.raises(ValueError, match="not exactly BF16.*flat index 7.*copies"):
             only.set_weight(name, bad)
     only.finalize()
     assert bits_equal(prefill(only, ids), want)  # the refused values never reached the model
-    # vectors and the embedding stay FP32: any value is taken
+    # the vectors stay FP32: any value is taken; so is the embedding's with fp32_matrices naming it
+    name = "model.layers.1.post_attention_layernorm.weight"
+    vec = w[name] + np.float32(1e-3)
     emb = w["model.embed_tokens.weight"] + np.float32(1e-3)
-    only.set_weight("model.embed_tokens.weight", emb)
-    ref.set_weight("model.embed_tokens.weight", emb)
-    for m in (only, ref):
+    emb32 = load(N.CudaModel(cfg.to_native(), 64, bf16_weights="only", fp32_matrices=["model.embed_tokens.weight"]), w)
+    for m in (only, ref, emb32):
+        m.set_weight(name, vec)
+        if m is not only:
+            m.set_weight("model.embed_tokens.weight", emb)
         m.finalize()
+    want = prefill(ref, ids)
+    assert bits_equal(prefill(emb32, ids), want)
+    ref.set_weight("model.embed_tokens.weight", w["model.embed_tokens.weight"])
+    ref.finalize()
     assert bits_equal(prefill(only, ids), prefill(ref, ids))
 
 
