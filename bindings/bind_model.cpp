@@ -119,15 +119,6 @@ void bind_model(py::module_& m) {
       .def("forward", &model_forward<Model>, py::arg("tokens"), py::arg("positions"), py::arg("visibility") = py::none(),
            "Logits float32 [T, V] of T new tokens at `positions` against the cache; visibility bool/uint8 "
            "[T, T] (None = causal). The new entries stay pending until commit().")
-      .def(
-          "forward_last",
-          [](Model& self, const py::object& tokens, const py::object& positions, int64_t rows, const py::object& vis) {
-            if (rows < 0) throw Error("forward_last: rows must be >= 0, got " + std::to_string(rows));
-            return kdtree_py::model_forward_rows(self, tokens, positions, vis, rows);
-          },
-          py::arg("tokens"), py::arg("positions"), py::arg("rows"), py::arg("visibility") = py::none(),
-          "forward() with the logits of the last `rows` tokens only: float32 [rows, V] (rows = 0: none; the "
-          "cache entries are forward()'s). What a prefill needs; the LM head runs over those rows alone.")
       .def_property_readonly("device", [](const Model& self) { return std::string(self.device()); })
       .def_property_readonly("memory_bytes", &Model::memory_bytes)
       .def(

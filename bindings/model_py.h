@@ -319,6 +319,16 @@ py::class_<Model> def_model_common(py::class_<Model> cls) {
           "docs/CUDA_MODEL.md. The same logits as the dequantized matrix either way.")
       .def_property_readonly("int4_weight_bytes", &Model::int4_weight_bytes,
                              "Bytes of weight matrices held packed as 4-bit integers plus their scales.")
+      .def(
+          "forward_last",
+          [](Model& self, const py::object& tokens, const py::object& positions, int64_t rows, const py::object& vis) {
+            if (rows < 0) throw Error("forward_last: rows must be >= 0, got " + std::to_string(rows));
+            return model_forward_rows(self, tokens, positions, vis, rows);
+          },
+          py::arg("tokens"), py::arg("positions"), py::arg("rows"), py::arg("visibility") = py::none(),
+          "forward() with the logits of the last `rows` tokens only: float32 [rows, V] (rows = 0: none; the cache "
+          "entries are forward()'s). What a prefill needs: the LM head runs over those rows alone (on the GPU when "
+          "they lie in the last max_tokens chunk).")
       .def("missing_weights", &Model::missing_weights)
       .def("finalize",
            [](Model& self) {

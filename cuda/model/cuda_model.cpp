@@ -685,22 +685,30 @@ void CudaModel::set_weight(const std::string& name, const float* data, const std
   if (s.kind == kCopy) {
     check_cuda(cudaMemcpy(s.dst, data, (size_t)n * sizeof(float), cudaMemcpyHostToDevice), "set_weight upload");
   } else {
-    // kv_b_proj [H*(Dn+Dv), C]: per head h, rows [0, Dn) are W_UK[h], rows [Dn, Dn+Dv) W_UV[h].
     const Layer& ly = layers_[(size_t)s.layer];
-    const int64_t H = cfg_.num_attention_heads, C = cfg_.kv_lora_rank;
-    const int64_t Dn = cfg_.qk_nope_head_dim, Dv = cfg_.v_head_dim;
-    std::vector<float> uk((size_t)(H * Dn * C)), uv((size_t)(H * Dv * C));
-    for (int64_t h = 0; h < H; ++h) {
-      const float* src = data + h * (Dn + Dv) * C;
-      for (int64_t d = 0; d < Dn; ++d)  // W_UK[h] [Dn, C] -> W_UK[h]^T [C, Dn]
-        for (int64_t c = 0; c < C; ++c) uk[(size_t)(h * C * Dn + c * Dn + d)] = src[d * C + c];
-      std::memcpy(uv.data() + h * Dv * C, src + Dn * C, (size_t)(Dv * C) * sizeof(float));
-    }
+    std::vector<float> uk, uv;
+    split_kv_b(data, &uk, &uv);
     if (!uk.empty()) check_cuda(cudaMemcpy(ly.w_ukT, uk.data(), uk.size() * sizeof(float), cudaMemcpyHostToDevice), "set_weight upload");
     check_cuda(cudaMemcpy(ly.w_uv, uv.data(), uv.size() * sizeof(float), cudaMemcpyHostToDevice), "set_weight upload");
   }
   s.set = true;
   finalized_ = false;
+}
+
+// kv_b_proj [H*(Dn+Dv), C] (FP32 values or BF16 bits): per head h, rows [0, Dn) are W_UK[h], stored transposed
+// ([C, Dn]) in uk, rows [Dn, Dn+Dv) W_UV[h] in uv
+template <class T>
+void CudaModel::split_kv_b(const T* data, std::vector<T>* uk, std::vector<T>* uv) const {
+  const int64_t H = cfg_.num_attention_heads, C = cfg_.kv_lora_rank;
+  const int64_t Dn = cfg_.qk_nope_head_dim, Dv = cfg_.v_head_dim;
+  uk->assign((size_t)(H * Dn * C), T());
+  uv->assign((size_t)(H * Dv * C), T());
+  for (int64_t h = 0; h < H; ++h) {
+    const T* src = data + h * (Dn + Dv) * C;
+    for (int64_t d = 0; d < Dn; ++d)  // W_UK[h] [Dn, C] -> W_UK[h]^T [C, Dn]
+      for (int64_t c = 0; c < C; ++c) (*uk)[(size_t)(h * C * Dn + c * Dn + d)] = src[d * C + c];
+    std::memcpy(uv->data() + h * Dv * C, src + Dn * C, (size_t)(Dv * C) * sizeof(T));
+  }
 }
 
 bool CudaModel::upload_bf16_ok(const Slot& s) const {
@@ -720,13 +728,8 @@ void CudaModel::upload_bf16(Slot& s, const uint16_t* bits) {
   const Layer& ly = layers_[(size_t)s.layer];
   const int64_t H = cfg_.num_attention_heads, C = cfg_.kv_lora_rank;
   const int64_t Dn = cfg_.qk_nope_head_dim, Dv = cfg_.v_head_dim;
-  std::vector<uint16_t> uk((size_t)(H * Dn * C)), uv((size_t)(H * Dv * C));
-  for (int64_t h = 0; h < H; ++h) {
-    const uint16_t* src = bits + h * (Dn + Dv) * C;
-    for (int64_t d = 0; d < Dn; ++d)
-      for (int64_t c = 0; c < C; ++c) uk[(size_t)(h * C * Dn + c * Dn + d)] = src[d * C + c];
-    std::memcpy(uv.data() + h * Dv * C, src + Dn * C, (size_t)(Dv * C) * 2);
-  }
+  std::vector<uint16_t> uk, uv;
+  split_kv_b(bits, &uk, &uv);
   if (!uk.empty())
     check_cuda(cudaMemcpy(const_cast<uint16_t*>(bf16_of(ly.w_ukT, H * Dn * C)), uk.data(), uk.size() * 2,
                           cudaMemcpyHostToDevice), "set_weight upload (BF16)");

@@ -340,6 +340,8 @@ class CudaModel : public TargetModel {
   Q4View int4_of(const float* w, int64_t n) const;
   bool upload_bf16_ok(const Slot& s) const;  // bf16_weights_only and s is a matrix: held as BF16 alone
   void upload_bf16(Slot& s, const uint16_t* bits);  // its bits into the BF16 arena
+  template <class T>
+  void split_kv_b(const T* data, std::vector<T>* uk, std::vector<T>* uv) const;  // kv_b_proj -> W_UK^T, W_UV
 
   ModelConfig cfg_;
   int64_t max_seq_len_ = 0, max_tokens_ = 0;

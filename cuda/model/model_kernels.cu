@@ -1447,20 +1447,25 @@ cudaError_t cache_compact(const CompactParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-cudaError_t f32_to_bf16_high(const float* src, uint16_t* dst, long long n, cudaStream_t stream) {
+namespace {
+// the two element-wise conversions: a grid-stride kernel over n elements, at most max_blocks blocks of 256
+template <class S, class D>
+cudaError_t launch_convert(void (*kernel)(const S*, D*, long long), const S* src, D* dst, long long n,
+                           long long max_blocks, cudaStream_t stream) {
   if (!src || !dst || n < 0) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
-  const long long blocks = std::min<long long>((n + 255) / 256, 4096);
-  launch_kernel(f32_to_bf16_high_kernel, (int)blocks, 256, 0, stream, src, dst, n);
+  const long long blocks = std::min<long long>((n + 255) / 256, max_blocks);
+  launch_kernel(kernel, (int)blocks, 256, 0, stream, src, dst, n);
   return cudaGetLastError();
+}
+}  // namespace
+
+cudaError_t f32_to_bf16_high(const float* src, uint16_t* dst, long long n, cudaStream_t stream) {
+  return launch_convert(f32_to_bf16_high_kernel, src, dst, n, 4096, stream);
 }
 
 cudaError_t bf16_to_f32(const uint16_t* src, float* dst, long long n, cudaStream_t stream) {
-  if (!src || !dst || n < 0) return cudaErrorInvalidValue;
-  if (n == 0) return cudaSuccess;
-  const long long blocks = std::min<long long>((n + 255) / 256, 8192);
-  launch_kernel(bf16_to_f32_kernel, (int)blocks, 256, 0, stream, src, dst, n);
-  return cudaGetLastError();
+  return launch_convert(bf16_to_f32_kernel, src, dst, n, 8192, stream);
 }
 
 cudaError_t causal_bits(uint64_t* bits, int T, int W, cudaStream_t stream) {
