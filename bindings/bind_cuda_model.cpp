@@ -147,8 +147,6 @@ void bind_cuda_model(py::module_& m) {
              o.bf16_widen_elements = bf16_widen_elements;
              o.int4_experts_group = int4_experts_group;
              o.fp32_matrices = fp32_matrices;
-             if (!fp32_matrices.empty() && !o.bf16_weights_only)
-               throw Error("fp32_matrices goes with bf16_weights='only' (the other modes hold every matrix as FP32)");
              if (!bf16_weights.is_none()) {
                if (!py::isinstance<py::str>(bf16_weights)) throw Error("bf16_weights must be 'only', 'copies', 'off' or None");
                const int mode = parse_choice(bf16_weights.cast<std::string>(), "bf16_weights", {"off", "copies", "only"});
@@ -158,6 +156,8 @@ void bind_cuda_model(py::module_& m) {
                o.bf16_weight_copies = mode >= 1;
                o.bf16_weights_only = mode == 2;
              }
+             if (!fp32_matrices.empty() && !o.bf16_weights_only)  // (after bf16_weights is read)
+               throw Error("fp32_matrices goes with bf16_weights='only' (the other modes hold every matrix as FP32)");
              o.uv_combine_max_tokens = uv_combine_max_tokens;
              o.context_buckets = context_buckets;
              o.combine_norm = combine_norm;

@@ -259,7 +259,7 @@ def test_fp32_matrices_beside_bf16_only(name):
     with pytest.raises(ValueError, match="not a weight matrix of this config"):
         N.CudaModel(cfg.to_native(), 64, bf16_weights="only", fp32_matrices=["model.layers.0.input_layernorm.weight"])
     with pytest.raises(ValueError, match="not a weight matrix of this config"):
-        N.CudaModel(cfg.to_native(), 64, bf16_weights="only", fp32_matrices=["model.embed_tokens.weight"])
+        N.CudaModel(cfg.to_native(), 64, bf16_weights="only", fp32_matrices=["model.layers.99.mlp.gate.weight"])
     with pytest.raises(ValueError, match="goes with bf16_weights='only'"):
         N.CudaModel(cfg.to_native(), 64, fp32_matrices=names[:1])
 
