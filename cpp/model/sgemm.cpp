@@ -520,13 +520,15 @@ bool sgemm_skinny(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, co
 namespace {
 // OpenBLAS has its own threads, which busy-wait between calls as the pool's helpers do: with both
 // at work on the same cores each waits out the other (measured on the 2-vCPU VM, the embedded
-// model's prefill: 512 tokens 170 ms with OpenBLAS's 2 threads, 142 ms with 1). So, unless the user
-// chose OPENBLAS_NUM_THREADS, OpenBLAS runs single-threaded and the pool shares a large call out
-// by column ranges (each a single-threaded BLAS call over its own rows of B and columns of C).
+// model's prefill: 512 tokens 170 ms with OpenBLAS's 2 threads, 142 ms with 1). So OpenBLAS runs
+// single-threaded and the pool shares a large call out by column ranges (each a single-threaded BLAS
+// call over its own rows of B and columns of C). Also when the user set OPENBLAS_NUM_THREADS (until the
+// fifty-fifth session that let OpenBLAS thread itself): OpenBLAS 0.3.21 on an Intel Xeon gives other
+// bits with 2 threads than with 1 (up to ~1e-5 on the embedded model's prefill logits), and the
+// logits must not depend on an environment variable; the pool's thread count (KDTREE_NUM_THREADS)
+// is the knob, and it does not change any element's sum.
 bool blas_split() {
   static const bool on = [] {
-    const char* user = std::getenv("OPENBLAS_NUM_THREADS");
-    if (user && *user) return false;  // the user's setting stands; BLAS threads itself
     using SetThreads = void (*)(int);
     auto set = reinterpret_cast<SetThreads>(dlsym(RTLD_DEFAULT, "openblas_set_num_threads"));
     if (!set) return false;  // another BLAS: left as it is
