@@ -171,10 +171,12 @@ std::string CudaModel::bf16_only_unsupported(const ModelConfig& c, const CudaMod
 }
 
 std::string CudaModel::matrix_block(const ModelConfig& c, const std::string& name) {
-  bool known = false;
   for (const WeightSpec& w : model_weight_specs(c))
-    if (w.name == name) known = w.shape.size() == 2;
-  if (!known) return "";
+    if (w.name == name) return w.shape.size() == 2 ? block_of(name) : "";
+  return "";
+}
+
+std::string CudaModel::block_of(const std::string& name) {
   if (name == "lm_head.weight") return "lm_head";
   if (name == "model.embed_tokens.weight") return "embed";
   const std::string pre = "model.layers.";
@@ -258,8 +260,12 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     if (!why.empty()) throw Error("CudaModel: int4_experts_group " + why);
   }
   std::unordered_set<std::string> fp32_blocks;  // fp32_matrices' storage blocks
+  std::unordered_set<std::string> matrices;      // the config's 2-D weights, listed once (fp32_matrices may name
+  if (!opt.fp32_matrices.empty())                // tens of thousands: every expert of an FP8 checkpoint)
+    for (const WeightSpec& w : model_weight_specs(c))
+      if (w.shape.size() == 2) matrices.insert(w.name);
   for (const std::string& n : opt.fp32_matrices) {
-    const std::string b = matrix_block(c, n);
+    const std::string b = matrices.count(n) ? block_of(n) : "";
     if (b.empty())
       throw Error("CudaModel: fp32_matrices: '" + n + "' is not a weight matrix of this config (HF names of 2-D "
                   "weights)");
@@ -590,7 +596,6 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     auto it = where.find(s.name);
     if (it != where.end()) {
       slot.dst = it->second;
-      slot.int4 = q4 && slot.dst >= q_begin_ && slot.dst < q_end_;
     } else if (s.name.find("self_attn.kv_b_proj.weight") != std::string::npos) {
       slot.kind = kKvB;
       slot.layer = std::stoll(s.name.substr(13));  // after "model.layers."
@@ -656,7 +661,7 @@ void CudaModel::set_weight(const std::string& name, const float* data, const std
   int64_t n = 1;
   for (int64_t d : shape) n *= d;
   if (n > 0 && data == nullptr) throw Error("set_weight: null data for '" + name + "'");
-  if (s.int4)
+  if (int4_held(s.dst))
     throw Error("set_weight: '" + name + "' is a routed expert's matrix, held as 4-bit integers (int4_experts_group = " +
                 std::to_string(opt_.int4_experts_group) + "): give its integers and scales with set_weight_int4");
   DeviceGuard guard(opt_.device);
@@ -777,7 +782,7 @@ void CudaModel::set_weight_int4(const std::string& name, const uint8_t* packed, 
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = slots_.find(name);
-    if (it != slots_.end() && it->second.int4) {
+    if (it != slots_.end() && int4_held(it->second.dst)) {
       Slot& s = it->second;
       if (shape != s.shape)
         throw Error("set_weight_int4: '" + name + "' has shape " + shape_str(shape) + ", the config needs " +
@@ -1301,13 +1306,13 @@ bool CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm, const float
     case CudaModelOptions::kExpertMma: kind = mma_ok ? kMma : kGemv; break;
     default: break;
   }
-  if ((opt_.bf16_weights_only || q_va_) && kind == kTiled) kind = kGemv;  // (the SGEMM tiles read FP32 weights)
+  if ((opt_.bf16_weights_only || opt_.int4_experts_group > 0) && kind == kTiled) kind = kGemv;  // (the SGEMM tiles read FP32 weights)
   const int tile_rows = kind == kMma ? mma_rows : kind == kTiled ? cuda::kExpertTileRows : cuda::kExpertSkinnyRows;
   const bool swiglu_fused = kind != kTiled;
   auto run_experts = [&](const cuda::ExpertGemmParams& xp, const char* what) {
     if (bf16_only(xp.w) && !(kind == kMma ? cuda::expert_gemm_mma_reads_bf16(xp) : cuda::expert_gemm_reads_bf16(xp)))
       throw RuntimeFailure(std::string("CudaModel: internal error, ") + what + " would read BF16-only weights as FP32");
-    if (q_va_ && !cuda::expert_gemm_int4_ok(xp))
+    if (int4_held(xp.w) && !cuda::expert_gemm_int4_ok(xp))
       throw RuntimeFailure(std::string("CudaModel: internal error, ") + what + " cannot read the INT4 experts");
     check_cuda(kind == kMma ? cuda::expert_gemm_mma(xp, st) : cuda::expert_gemm(xp, st), what);
   };

@@ -143,6 +143,7 @@ class CudaModel : public TargetModel {
   // The storage block an HF weight matrix lands in ("lm_head", "<layer>.router", "<layer>.experts_down", ...): what
   // fp32_matrices holds FP32 whole ("embed": the embedding); "" for a name that is not a weight matrix of this config
   static std::string matrix_block(const ModelConfig& cfg, const std::string& name);
+  static std::string block_of(const std::string& name);  // matrix_block of a name known to be a 2-D weight
   // Why int4_experts_group = group cannot hold this config with these options ("" when it can)
   static std::string int4_experts_unsupported(const ModelConfig& cfg, const CudaModelOptions& opt, int64_t group);
   std::vector<std::string> missing_weights() const override;
@@ -243,7 +244,6 @@ class CudaModel : public TargetModel {
     int64_t layer = -1;
     bool set = false;
     bool bf16_exact = false;  // every value set is exactly a BF16 (its low 16 bits zero)
-    bool int4 = false;        // a routed expert's matrix held as INT4 (int4_experts_group): set_weight_int4 only
   };
   static constexpr int kCopy = 0, kKvB = 1;
 
@@ -338,6 +338,8 @@ class CudaModel : public TargetModel {
     const float* scales = nullptr;
   };
   Q4View int4_of(const float* w, int64_t n) const;
+  // whether w lies in the INT4 expert stacks' reserved FP32 range (held as 4-bit integers: set_weight_int4 only)
+  bool int4_held(const float* w) const { return w && w >= q_begin_ && w < q_end_; }
   bool upload_bf16_ok(const Slot& s) const;  // bf16_weights_only and s is a matrix: held as BF16 alone
   void upload_bf16(Slot& s, const uint16_t* bits);  // its bits into the BF16 arena
   template <class T>
