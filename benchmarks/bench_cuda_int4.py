@@ -1,8 +1,10 @@
 """GPU model with INT4 routed experts (int4_experts_group=32, Kimi K2-Thinking's W4A16 scheme) against the same
 model with those experts dequantized and held as BF16 (bf16_weights="only" both), in one process: device
 memory, prefill time, the verify-sized steps (T new tokens after a 512-token context), AR decode tokens/s, and
-whether the logits and tokens are the same bits (they must be: the kernels dequantize to the BF16 values the
-other model holds; docs/CUDA_MODEL.md "INT4 experts").
+whether the logits and tokens are the same bits (the kernels dequantize to the BF16 values the other model
+holds: the same bits where the experts run on the tensor cores; the INT4 GEMV of the decode and small steps sums
+in its own lane order, within FP32 rounding, and the line says how far; docs/CUDA_MODEL.md "INT4 experts").
+KDTREE_EXP_Q4OLD=1 (temporary, fifty-sixth session's A/B) runs the previous INT4 GEMV path.
 
 Checkpoint: mini-kimi (bench_cuda_model.py's, made with HF transformers when missing) rounded to BF16, its
 routed experts quantized here as Kimi's release is (groups of 32 along k, scale = BF16(absmax / 7), integers
@@ -91,7 +93,9 @@ def main():
                 m.synchronize()
                 if rep:  # (the first: warm-up)
                     times[label].append(time.perf_counter() - t)
-        same = np.array_equal(last["int4"].view(np.uint32), last["bf16"].view(np.uint32))
+        a, b = np.asarray(last["int4"]), np.asarray(last["bf16"])
+        same = "yes" if np.array_equal(a.view(np.uint32), b.view(np.uint32)) else \
+            f"no, max |diff| / max |logit| {np.abs(a - b).max() / np.abs(b).max():.1e}"
         return {k: float(np.median(v)) * 1e3 for k, v in times.items()}, same
 
     for P in args.prompts:

@@ -1084,6 +1084,7 @@ py::tuple expert_gemm_np(const py::object& x_o, const py::object& w_o, const py:
     xp.w_int4 = dq.as<uint8_t>();
     xp.w_scale = dqs.as<float>();
     xp.int4_group = int4_group;
+    xp.int4_scales_bf16 = kdtree::bf16_exact(qs.data(), (int64_t)qs.size());
   }
   check_cuda(kernel == "mma" ? kc::expert_gemm_mma(xp, nullptr) : kc::expert_gemm(xp, nullptr), "expert_gemm");
   check_cuda(cudaDeviceSynchronize(), "expert_gemm");

@@ -799,6 +799,8 @@ void CudaModel::set_weight_int4(const std::string& name, const uint8_t* packed, 
                  "set_weight_int4 upload");
       check_cuda(cudaMemcpy(const_cast<float*>(v.scales), scales, (size_t)(N * K / group) * sizeof(float),
                             cudaMemcpyHostToDevice), "set_weight_int4 upload");
+      // one stack with scales that are not BF16 values sends every INT4 GEMV to the per-weight FP32 widening
+      if (!kdtree::bf16_exact(scales, N * K / group)) q4_scales_bf16_ = false;
       s.set = true;
       finalized_ = false;
       return;
@@ -1346,6 +1348,7 @@ bool CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm, const float
   xp.w_int4 = qgu.packed;
   xp.w_scale = qgu.scales;
   xp.int4_group = opt_.int4_experts_group;
+  xp.int4_scales_bf16 = q4_scales_bf16_;
   xp.Kd = (int)Dm;
   if (swiglu_fused) {
     xp.N = (int)Ie;

@@ -391,6 +391,7 @@ class CudaModel : public TargetModel {
   std::vector<Q4Range> q4_ranges_;
   void* q4_mem_ = nullptr;
   int64_t q4_bytes_ = 0;
+  bool q4_scales_bf16_ = true;  // every INT4 stack's scales given so far are BF16 values (ExpertGemmParams::int4_scales_bf16)
   float* widen_ = nullptr;        // [widen_elems_] workspace of the widened weights (bf16_weights_only)
   int64_t widen_elems_ = 0;
   void* cache_mem_ = nullptr;

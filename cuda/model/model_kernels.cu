@@ -7,6 +7,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <type_traits>
 #include "launch.h"
 #include "model/vec_load.h"
@@ -866,6 +867,147 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
   }
 }
 
+// ---------------------------------------------------------------- grouped expert GEMV, INT4 weights
+// The GEMV-style kernel for INT4 experts (ExpertGemmParams::w_int4), fifty-sixth session. The same grid,
+// warps and rows as expert_gemv_kernel, but lane l of a warp covers QW consecutive k per step, k = (32 s + l)
+// QW + j (j < QW): one 4-byte (QW = 8) or 8-byte (QW = 16) load of its nibbles a row and step (a warp reads
+// 128 / 256 contiguous bytes) and one scale load for QW weights, where expert_gemv_kernel's float4 mapping
+// (k = 4 (32 s + l) + j, fixed by its FP32 and BF16 paths) gave each lane two bytes a row and step and a
+// scale a load for four weights: four times the load instructions for the same bytes, and each weight
+// widened alone (int4_value, ~6 instructions; int4x8_values takes ~3 when the scales are BF16 values).
+// The weights are the same values; the sums run in this mapping's order (per output a lane adds its
+// float4 groups in ascending k, as wdot does, then the same butterfly), so the results are within FP32
+// rounding of expert_gemv_kernel's on the dequantized BF16 weights, not the same bits (the tensor-core
+// kernel's INT4 path does give those bits).
+template <int MS, int U, bool SWI, int QW>
+__global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_int4_kernel(ExpertGemmParams p) {
+  static_assert(QW == 8 || QW == 16, "a lane's nibbles: one 4- or 8-byte load");
+  pdl_prologue();
+  constexpr int CPW = SWI ? kSkinnyRW / 2 : kSkinnyRW;  // output columns per warp
+  constexpr int RW = kSkinnyRW;                         // weight rows per warp
+  constexpr int NWD = QW / 8;                           // nibble words per lane, row and step
+  const int tile = blockIdx.x;
+  const int nt = __ldg(p.num_tiles), e = __ldg(p.tile_expert + tile), r0 = __ldg(p.tile_row0 + tile);
+  if (tile >= nt || e < 0 || r0 < 0) return;
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int Kd = p.Kd, N = p.N;
+  const int nb = (blockIdx.y * kSkinnyWarps + warp) * CPW;
+  if (nb >= N) return;  // no block barrier below
+  const int ncol = min(CPW, N - nb);
+  const size_t wbase = (size_t)e * (SWI ? 2 : 1) * N * Kd;
+  size_t wrow[RW];
+#pragma unroll
+  for (int i = 0; i < RW; ++i) {
+    const int c = min(SWI ? i % CPW : i, ncol - 1);
+    wrow[i] = wbase + (size_t)((SWI && i >= CPW ? N : 0) + nb + c) * Kd;
+  }
+  const int nsteps = (Kd + 32 * QW - 1) / (32 * QW);
+  const int gshift = __ffs(p.int4_group) - 1;  // a power of two >= 32 >= QW: a lane's QW weights share a scale
+  const bool bs = p.int4_scales_bf16;
+  uint32_t wq[U][RW][NWD];
+  float ws[U][RW];
+  auto load_w = [&](int s0) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = ((s0 + u) * 32 + lane) * QW;
+#pragma unroll
+      for (int i = 0; i < RW; ++i) {
+        const int c = SWI ? i % CPW : i;
+        if (k < Kd && c < ncol) {  // (Kd % 32 == 0: a lane's QW weights are all in range or all out)
+          const size_t o = wrow[i] + k;
+          const uint8_t* q = p.w_int4 + o / 2;
+          if constexpr (QW == 16) {
+            asm("ld.global.nc.L1::no_allocate.v2.u32 {%0, %1}, [%2];" : "=r"(wq[u][i][0]), "=r"(wq[u][i][1]) : "l"(q));
+          } else {
+            asm("ld.global.nc.L1::no_allocate.u32 %0, [%1];" : "=r"(wq[u][i][0]) : "l"(q));
+          }
+          ws[u][i] = __ldg(p.w_scale + (o >> gshift));
+        } else {
+#pragma unroll
+          for (int j = 0; j < NWD; ++j) wq[u][i][j] = 0u;
+          ws[u][i] = 0.f;
+        }
+      }
+    }
+  };
+  load_w(0);
+
+  int src[MS];
+  src[0] = p.x_row ? __ldg(p.x_row + r0) : r0;
+#pragma unroll
+  for (int r = 1; r < MS; ++r) src[r] = src[0];
+  const int rows = min(MS, __ldg(p.offsets + e + 1) - r0);
+  float acc[RW][MS];
+#pragma unroll
+  for (int i = 0; i < RW; ++i)
+#pragma unroll
+    for (int r = 0; r < MS; ++r) acc[i][r] = 0.f;
+
+  for (int s0 = 0;;) {
+    if (s0 == 0 && rows > 1) {
+#pragma unroll
+      for (int r = 1; r < MS; ++r) {
+        const int s = r0 + min(r, rows - 1);
+        src[r] = p.x_row ? __ldg(p.x_row + s) : s;
+      }
+    }
+#pragma unroll
+    for (int r = 0; r < MS; ++r) {
+      if (r < rows) {
+        const float* xr = p.x + (size_t)src[r] * p.ldx;
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+          const int k = ((s0 + u) * 32 + lane) * QW;
+          if (k < Kd) {
+            float4 xv[QW / 4];
+#pragma unroll
+            for (int q4 = 0; q4 < QW / 4; ++q4) xv[q4] = ldg_vec<float4>(xr + k + 4 * q4);
+#pragma unroll
+            for (int i = 0; i < RW; ++i) {
+              float wv[QW];
+#pragma unroll
+              for (int j = 0; j < NWD; ++j) {
+                float v8[8];
+                if (bs) {
+                  int4x8_values(wq[u][i][j], ws[u][i], v8);
+                } else {
+#pragma unroll
+                  for (int t = 0; t < 8; ++t) v8[t] = int4_value((wq[u][i][j] >> (4 * t)) & 15u, ws[u][i]);
+                }
+#pragma unroll
+                for (int t = 0; t < 8; ++t) wv[8 * j + t] = v8[t];
+              }
+#pragma unroll
+              for (int q4 = 0; q4 < QW / 4; ++q4)
+                acc[i][r] = wdot(make_float4(wv[4 * q4], wv[4 * q4 + 1], wv[4 * q4 + 2], wv[4 * q4 + 3]), xv[q4],
+                                 acc[i][r]);
+            }
+          }
+        }
+      }
+    }
+    s0 += U;
+    if (s0 >= nsteps) break;
+    load_w(s0);
+  }
+#pragma unroll
+  for (int c = 0; c < CPW; ++c) {
+    if (c >= ncol) break;
+    const int n = nb + c;
+#pragma unroll
+    for (int r = 0; r < MS; ++r) {
+      if (r < rows) {
+        float a = acc[c][r], u = SWI ? acc[CPW + c][r] : 0.f;
+        for (int o = 16; o > 0; o >>= 1) {
+          a += __shfl_xor_sync(kFull, a, o);
+          if (SWI) u += __shfl_xor_sync(kFull, u, o);
+        }
+        if (lane == 0) p.y[(size_t)(r0 + r) * p.ldy + n] = SWI ? silu_mul(a, u) : a;
+      }
+    }
+  }
+}
+
 // ---------------------------------------------------------------- grouped expert GEMM, tiled
 // Block: 64 slots x 64 columns, k-steps of 16 through shared memory, 4x4 outputs per thread.
 // The global loads run kTilePf k-steps ahead of the step being computed (a ring of register
@@ -1212,6 +1354,14 @@ void launch_gemv(int U, dim3 grid, const ExpertGemmParams& p, cudaStream_t strea
   else launch_kernel(expert_gemv_kernel<MS, 1, SWI, VEC, BF, Q4>, grid, TH, 0, stream, p);
 }
 
+template <bool SWI, int QW>
+void launch_gemv_int4(int U, dim3 grid, const ExpertGemmParams& p, cudaStream_t stream) {
+  constexpr int MS = kExpertSkinnyRows, TH = kSkinnyWarps * 32;
+  if (U == 4) launch_kernel(expert_gemv_int4_kernel<MS, 4, SWI, QW>, grid, TH, 0, stream, p);
+  else if (U == 2) launch_kernel(expert_gemv_int4_kernel<MS, 2, SWI, QW>, grid, TH, 0, stream, p);
+  else launch_kernel(expert_gemv_int4_kernel<MS, 1, SWI, QW>, grid, TH, 0, stream, p);
+}
+
 int threads_for(int n) {
   int t = 32;
   while (t < n && t < 256) t *= 2;
@@ -1377,8 +1527,23 @@ cudaError_t expert_gemm(const ExpertGemmParams& p, cudaStream_t stream) {
     const int U = steps >= 4 ? 4 : steps >= 2 ? 2 : 1;
     const bool bf = expert_gemm_reads_bf16(p);
     if (p.w_int4) {
-      if (p.swiglu) launch_gemv<true, true, false, true>(U, grid, p, stream);
-      else launch_gemv<false, true, false, true>(U, grid, p, stream);
+      static const bool old_q4 = getenv("KDTREE_EXP_Q4OLD") && getenv("KDTREE_EXP_Q4OLD")[0] == '1';  // TEMP A/B
+      if (old_q4) {
+        if (p.swiglu) launch_gemv<true, true, false, true>(U, grid, p, stream);
+        else launch_gemv<false, true, false, true>(U, grid, p, stream);
+        return cudaGetLastError();
+      }
+      // lanes of 16 weights where every step fills the warp (Kd % 512 == 0), else of 8
+      const int QW = p.Kd % 512 == 0 ? 16 : 8;
+      const int qsteps = (p.Kd + 32 * QW - 1) / (32 * QW);
+      const int qU = qsteps >= 4 ? 4 : qsteps >= 2 ? 2 : 1;
+      if (QW == 16) {
+        if (p.swiglu) launch_gemv_int4<true, 16>(qU, grid, p, stream);
+        else launch_gemv_int4<false, 16>(qU, grid, p, stream);
+      } else {
+        if (p.swiglu) launch_gemv_int4<true, 8>(qU, grid, p, stream);
+        else launch_gemv_int4<false, 8>(qU, grid, p, stream);
+      }
       return cudaGetLastError();
     }
     if (p.swiglu) {

@@ -261,6 +261,9 @@ struct ExpertGemmParams {
   const uint8_t* w_int4 = nullptr;   // [elements of w / 2], 16-byte aligned
   const float* w_scale = nullptr;    // [elements of w / int4_group], the BF16 scales as float32
   int int4_group = 0;                // a multiple of 32 dividing Kd
+  // every w_scale value is a BF16 value (Kimi's scales are): the GEMV-style kernel then dequantizes in bf16x2
+  // arithmetic (int4x8_values), else one weight at a time in FP32 (int4_value); the same values either way
+  bool int4_scales_bf16 = false;
 };
 // Two kernels: a GEMV-style one for tiles of <= kExpertSkinnyRows slots (weights streamed once
 // per tile; decode and small verify steps) and a shared-memory tiled SGEMM for tiles of

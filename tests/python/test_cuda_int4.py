@@ -1,10 +1,14 @@
 """INT4 routed experts on the device (ExpertGemmParams::w_int4, Kimi K2-Thinking's W4A16 scheme): both expert
 kernels (GEMV-style tiles of 8 slots, tensor-core tiles of 8 / 16 / 32 / 64 slots) reading 4-bit integers
-and group scales must give the bits they give on the dequantized weights held as BF16 (the loader's values,
-bf16_round((q - 8) * scale), computed here in NumPy), with the FP32 weights poisoned with NaN so that a read
-of them shows; and the float64 reference within FP32 rounding. Shapes with partial column blocks, a k range
-of one or several groups, several tiles per expert, group sizes 32 / 64 / 128. Skipped without a usable
-CUDA device (the model-level tests are in test_quantized.py)."""
+and group scales. The tensor-core kernel must give the bits it gives on the dequantized weights held as BF16
+(the loader's values, bf16_round((q - 8) * scale), computed here in NumPy); the GEMV-style kernel sums in its
+own lane order (expert_gemv_int4_kernel) and must stay within FP32 rounding of that, and its dequantized
+values must be the loader's bit for bit (one-hot inputs give the weights themselves), with BF16 scales
+(bf16x2 arithmetic, subnormal products included) and with any float32 scales (the FP32 widening). The FP32
+weights are poisoned with NaN so that a read of them shows; every kernel within FP32 rounding of the float64
+reference. Shapes with partial column blocks, a k range of one or several groups, several tiles per expert,
+group sizes 32 / 64 / 128, rows of 16-weight and 8-weight lanes. Skipped without a usable CUDA device (the
+model-level tests are in test_quantized.py)."""
 import numpy as np
 import pytest
 
@@ -22,12 +26,16 @@ pytestmark = pytest.mark.cuda
 KERNELS = [("gemv", 8), ("mma", 8), ("mma", 16), ("mma", 32), ("mma", 64)]
 
 
-def quantized(rng, E, rows, Kd, group):
-    """(packed uint8 [E, rows, Kd / 2], scales float32 [E, rows, Kd / group] holding BF16 values, the
-    dequantized float32 weights [E, rows, Kd]) with every nibble value and scales of several magnitudes."""
+def quantized(rng, E, rows, Kd, group, scales="bf16"):
+    """(packed uint8 [E, rows, Kd / 2], scales float32 [E, rows, Kd / group], the dequantized float32 weights
+    [E, rows, Kd]) with every nibble value and scales of several magnitudes: BF16 values ("bf16"), BF16 values
+    whose products are subnormal ("subnormal"), or float32 values that are not BF16 ("float")."""
     packed = rng.integers(0, 256, (E, rows, Kd // 2), dtype=np.uint8)
-    scales = to_bf16((rng.standard_normal((E, rows, Kd // group)) * 0.02
-                      * np.exp2(rng.integers(-3, 4, (E, rows, Kd // group)))).astype(np.float32))
+    raw = (rng.standard_normal((E, rows, Kd // group)) * 0.02
+           * np.exp2(rng.integers(-3, 4, (E, rows, Kd // group)))).astype(np.float32)
+    if scales == "subnormal":
+        raw = (raw * np.float32(2.0 ** -125)).astype(np.float32)  # products of 2^-132 .. : below 2^-126
+    scales = raw if scales == "float" else to_bf16(raw)
     q = np.empty((E, rows, Kd), np.int32)
     q[..., 0::2] = packed & 15
     q[..., 1::2] = packed >> 4
@@ -61,10 +69,34 @@ def test_int4_experts_equal_their_bf16_values(kernel, tile_rows, swiglu, shape):
         got, slot_token = N.cuda_expert_gemm(x, poison, idx, E, swiglu, tile_rows, kernel, int4_packed=packed,
                                              int4_scales=scales, int4_group=group)
         assert not np.isnan(got).any()
-        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
         ref, bound, tok = reference(x, w, idx, swiglu)
+        if kernel == "mma":
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+        else:  # the INT4 GEMV's own lane order: FP32 rounding apart from the BF16 GEMV
+            assert (np.abs(got - want) <= 2e-6 * bound + 1e-30).all()
         assert np.array_equal(slot_token, tok)
         assert (np.abs(got - ref) <= 1e-5 * bound + 1e-30).all()
+
+
+@pytest.mark.parametrize("scales", ["bf16", "subnormal", "float"])
+@pytest.mark.parametrize("Kd,group", [(1024, 32), (512, 128), (256, 32), (96, 32), (1536, 64)])
+def test_int4_gemv_dequantizes_to_the_loaders_values(scales, Kd, group):
+    """The INT4 GEMV's weights are the loader's values bit for bit: with one-hot input rows each output is one
+    weight (w * 1 plus exact zeros), for every k of each row, 16-weight lanes (Kd % 512 == 0) and 8-weight lanes,
+    BF16 scales (bf16x2 arithmetic; subnormal products too) and float32 scales (the per-weight FP32 path)."""
+    rng = np.random.default_rng(Kd + group)
+    E, Nout = 3, 40
+    packed, sc, w = quantized(rng, E, Nout, Kd, group, scales)
+    T = Kd  # token t one-hot at k = t, routed to every expert (K = E)
+    x = np.eye(T, Kd, dtype=np.float32)
+    idx = np.tile(np.arange(E, dtype=np.int32), (T, 1))
+    got, slot_token = N.cuda_expert_gemm(x, np.full_like(w, np.nan), idx, E, False, 8, "gemv", int4_packed=packed,
+                                         int4_scales=sc, int4_group=group)
+    slot_expert = np.sort(idx.reshape(-1), kind="stable")
+    want = w[slot_expert, :, slot_token]  # [A, Nout]: expert e's weight column k = the slot's token
+    np.testing.assert_array_equal(got, want)
+    if scales == "subnormal":
+        assert (np.abs(want[want != 0]) < 2.0 ** -126).any()  # the case is there
 
 
 def test_int4_expert_refusals():
@@ -84,6 +116,8 @@ def test_int4_expert_refusals():
     with pytest.raises(ValueError, match="int4_packed"):
         N.cuda_expert_gemm(x, w, idx, E, False, 8, "gemv", int4_packed=packed[:, :-1], int4_scales=scales,
                            int4_group=32)
-    want, _ = N.cuda_expert_gemm(x, w, idx, E, False, 8, "gemv", bf16_weights=True)
-    got, _ = N.cuda_expert_gemm(x, w, idx, E, False, 8, "gemv", int4_packed=packed, int4_scales=scales, int4_group=32)
+    want, _ = N.cuda_expert_gemm(x, w, idx, E, False, 8, "mma", bf16_weights=True)
+    got, _ = N.cuda_expert_gemm(x, w, idx, E, False, 8, "mma", int4_packed=packed, int4_scales=scales, int4_group=32)
     np.testing.assert_array_equal(got, want)
+    got, _ = N.cuda_expert_gemm(x, w, idx, E, False, 8, "gemv", int4_packed=packed, int4_scales=scales, int4_group=32)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())

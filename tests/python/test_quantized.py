@@ -972,7 +972,9 @@ def test_cuda_holds_int4_experts_with_the_same_bits(int4_bf16_dir, variant):
     """from_pretrained on the GPU holds the Kimi scheme's experts as 4-bit integers (int4_weight_bytes: half a
     byte a weight plus a float a group, aligned per stack) beside BF16-only matrices, and its logits are the
     bits of the GPU model on the dequantized weights held as BF16 (a prefill, tree verifies of 1..33 tokens
-    after commits, a 300-token prefill) with either expert kernel and every tile height; DDTree == AR."""
+    after commits, a 300-token prefill) with the tensor-core expert kernel at every tile height; where the
+    GEMV-style kernel runs (auto's steps of few tokens, "skinny") within FP32 rounding of them, its INT4 sums
+    running in their own lane order (expert_gemv_int4_kernel); the same tokens; DDTree == AR."""
     if not kn.cuda_available():
         pytest.skip("no usable CUDA device")
     from kdtree_native.drafters import NgramDrafter
@@ -988,7 +990,16 @@ def test_cuda_holds_int4_experts_with_the_same_bits(int4_bf16_dir, variant):
     assert ref.model.int4_experts_group == 0 and ref.model.int4_weight_bytes == 0
     assert _int4_bytes(cfg) <= packed.model.int4_weight_bytes <= _int4_bytes(cfg) + 4 * 256 * cfg.num_hidden_layers
     assert packed.model.memory_bytes < ref.model.memory_bytes
-    _assert_same(_outputs(packed, cfg, 300), _outputs(ref, cfg, 300), str(variant))
+    got, want = _outputs(packed, cfg, 300), _outputs(ref, cfg, 300)
+    if variant.get("expert_kernel") == "mma":
+        _assert_same(got, want, str(variant))
+    else:
+        for i, (x, y) in enumerate(zip(got, want)):
+            np.testing.assert_allclose(x, y, rtol=0, atol=1e-5 * np.abs(y).max(), err_msg=f"{variant} output {i}")
+        if "expert_kernel" not in variant:  # auto: the prefills (from a fresh cache) on the tensor cores: same bits
+            for i, T in ((0, 30), (len(got) - 1, 300)):
+                if T * cfg.num_experts_per_tok >= cfg.n_routed_experts:
+                    _assert_same([got[i]], [want[i]], f"{variant} prefill {T}")
     ids = np.array([3, 9, 27, 81, 100, 5, 7])
     ar = packed.generate(ids, 24)
     assert np.array_equal(ar.tokens, ref.generate(ids, 24).tokens)
