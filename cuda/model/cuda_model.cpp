@@ -466,7 +466,7 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     cudaError_t e;
     if ((e = cudaMalloc(&weights_mem_, (size_t)weight_bytes_)) != cudaSuccess) oom("weights", weight_bytes_, e);
     w.commit(weights_mem_);
-    if (only) {
+    if (only && wm.bytes > 0) {  // (fp32_matrices may name every matrix: then nothing is held as BF16)
       // the matrices: FP32 addresses reserved, never backed; their values in one BF16 range
       reserve(wm, &mat_va_, &mat_va_bytes_, &mat_begin_, &mat_end_, "bf16_weights_only");
       bf16_bytes_ = cuda::arena_align_up(wm.bytes / 2);

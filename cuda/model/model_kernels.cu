@@ -879,12 +879,11 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
 // float4 groups in ascending k, as wdot does, then the same butterfly), so the results are within FP32
 // rounding of expert_gemv_kernel's on the dequantized BF16 weights, not the same bits (the tensor-core
 // kernel's INT4 path does give those bits).
-template <int MS, int U, bool SWI, int QW>
+template <int MS, int U, bool SWI, int QW, bool BS, int RW = kSkinnyRW>
 __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_int4_kernel(ExpertGemmParams p) {
   static_assert(QW == 8 || QW == 16, "a lane's nibbles: one 4- or 8-byte load");
   pdl_prologue();
-  constexpr int CPW = SWI ? kSkinnyRW / 2 : kSkinnyRW;  // output columns per warp
-  constexpr int RW = kSkinnyRW;                         // weight rows per warp
+  constexpr int CPW = SWI ? RW / 2 : RW;  // output columns per warp (RW weight rows per warp)
   constexpr int NWD = QW / 8;                           // nibble words per lane, row and step
   const int tile = blockIdx.x;
   const int nt = __ldg(p.num_tiles), e = __ldg(p.tile_expert + tile), r0 = __ldg(p.tile_row0 + tile);
@@ -903,7 +902,6 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_int4_kernel(
   }
   const int nsteps = (Kd + 32 * QW - 1) / (32 * QW);
   const int gshift = __ffs(p.int4_group) - 1;  // a power of two >= 32 >= QW: a lane's QW weights share a scale
-  const bool bs = p.int4_scales_bf16;
   uint32_t wq[U][RW][NWD];
   float ws[U][RW];
   auto load_w = [&](int s0) {
@@ -951,37 +949,39 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_int4_kernel(
         src[r] = p.x_row ? __ldg(p.x_row + s) : s;
       }
     }
+    // per step: the warp's rows dequantized once (64 floats at QW = 16), then every slot's products
 #pragma unroll
-    for (int r = 0; r < MS; ++r) {
-      if (r < rows) {
-        const float* xr = p.x + (size_t)src[r] * p.ldx;
+    for (int u = 0; u < U; ++u) {
+      const int k = ((s0 + u) * 32 + lane) * QW;
+      if (k < Kd) {
+        float wv[RW][QW];
 #pragma unroll
-        for (int u = 0; u < U; ++u) {
-          const int k = ((s0 + u) * 32 + lane) * QW;
-          if (k < Kd) {
+        for (int i = 0; i < RW; ++i)
+#pragma unroll
+          for (int j = 0; j < NWD; ++j) {
+            float v8[8];
+            if constexpr (BS) {
+              int4x8_values(wq[u][i][j], ws[u][i], v8);
+            } else {
+#pragma unroll
+              for (int t = 0; t < 8; ++t) v8[t] = int4_value((wq[u][i][j] >> (4 * t)) & 15u, ws[u][i]);
+            }
+#pragma unroll
+            for (int t = 0; t < 8; ++t) wv[i][8 * j + t] = v8[t];
+          }
+#pragma unroll
+        for (int r = 0; r < MS; ++r) {
+          if (r < rows) {
+            const float* xr = p.x + (size_t)src[r] * p.ldx + k;
             float4 xv[QW / 4];
 #pragma unroll
-            for (int q4 = 0; q4 < QW / 4; ++q4) xv[q4] = ldg_vec<float4>(xr + k + 4 * q4);
+            for (int q4 = 0; q4 < QW / 4; ++q4) xv[q4] = ldg_vec<float4>(xr + 4 * q4);
 #pragma unroll
-            for (int i = 0; i < RW; ++i) {
-              float wv[QW];
-#pragma unroll
-              for (int j = 0; j < NWD; ++j) {
-                float v8[8];
-                if (bs) {
-                  int4x8_values(wq[u][i][j], ws[u][i], v8);
-                } else {
-#pragma unroll
-                  for (int t = 0; t < 8; ++t) v8[t] = int4_value((wq[u][i][j] >> (4 * t)) & 15u, ws[u][i]);
-                }
-#pragma unroll
-                for (int t = 0; t < 8; ++t) wv[8 * j + t] = v8[t];
-              }
+            for (int i = 0; i < RW; ++i)
 #pragma unroll
               for (int q4 = 0; q4 < QW / 4; ++q4)
-                acc[i][r] = wdot(make_float4(wv[4 * q4], wv[4 * q4 + 1], wv[4 * q4 + 2], wv[4 * q4 + 3]), xv[q4],
-                                 acc[i][r]);
-            }
+                acc[i][r] = wdot(make_float4(wv[i][4 * q4], wv[i][4 * q4 + 1], wv[i][4 * q4 + 2], wv[i][4 * q4 + 3]),
+                                 xv[q4], acc[i][r]);
           }
         }
       }
@@ -1354,12 +1354,27 @@ void launch_gemv(int U, dim3 grid, const ExpertGemmParams& p, cudaStream_t strea
   else launch_kernel(expert_gemv_kernel<MS, 1, SWI, VEC, BF, Q4>, grid, TH, 0, stream, p);
 }
 
-template <bool SWI, int QW>
-void launch_gemv_int4(int U, dim3 grid, const ExpertGemmParams& p, cudaStream_t stream) {
+template <bool SWI, int QW, bool BS, int RW>
+void launch_gemv_int4_as(int U, const ExpertGemmParams& p, cudaStream_t stream) {
   constexpr int MS = kExpertSkinnyRows, TH = kSkinnyWarps * 32;
-  if (U == 4) launch_kernel(expert_gemv_int4_kernel<MS, 4, SWI, QW>, grid, TH, 0, stream, p);
-  else if (U == 2) launch_kernel(expert_gemv_int4_kernel<MS, 2, SWI, QW>, grid, TH, 0, stream, p);
-  else launch_kernel(expert_gemv_int4_kernel<MS, 1, SWI, QW>, grid, TH, 0, stream, p);
+  const int cols = kSkinnyWarps * (SWI ? RW / 2 : RW);  // output columns per block
+  const dim3 grid(p.max_tiles, (p.N + cols - 1) / cols);
+  if (U == 4) launch_kernel(expert_gemv_int4_kernel<MS, 4, SWI, QW, BS, RW>, grid, TH, 0, stream, p);
+  else if (U == 2) launch_kernel(expert_gemv_int4_kernel<MS, 2, SWI, QW, BS, RW>, grid, TH, 0, stream, p);
+  else launch_kernel(expert_gemv_int4_kernel<MS, 1, SWI, QW, BS, RW>, grid, TH, 0, stream, p);
+}
+template <bool SWI, int QW>
+void launch_gemv_int4(int U, const ExpertGemmParams& p, cudaStream_t stream) {
+  static const bool rw2 = getenv("KDTREE_EXP_Q4RW") && getenv("KDTREE_EXP_Q4RW")[0] == '2';  // TEMP A/B
+  // (the per-weight FP32 widening of 16-weight lanes spills at 4 steps: 2 steps an iteration there)
+  if (!p.int4_scales_bf16 && QW == 16 && U > 2) U = 2;
+  if (rw2) {
+    if (p.int4_scales_bf16) launch_gemv_int4_as<SWI, QW, true, 2>(U, p, stream);
+    else launch_gemv_int4_as<SWI, QW, false, 2>(U, p, stream);
+  } else {
+    if (p.int4_scales_bf16) launch_gemv_int4_as<SWI, QW, true, kSkinnyRW>(U, p, stream);
+    else launch_gemv_int4_as<SWI, QW, false, kSkinnyRW>(U, p, stream);
+  }
 }
 
 int threads_for(int n) {
@@ -1538,11 +1553,11 @@ cudaError_t expert_gemm(const ExpertGemmParams& p, cudaStream_t stream) {
       const int qsteps = (p.Kd + 32 * QW - 1) / (32 * QW);
       const int qU = qsteps >= 4 ? 4 : qsteps >= 2 ? 2 : 1;
       if (QW == 16) {
-        if (p.swiglu) launch_gemv_int4<true, 16>(qU, grid, p, stream);
-        else launch_gemv_int4<false, 16>(qU, grid, p, stream);
+        if (p.swiglu) launch_gemv_int4<true, 16>(qU, p, stream);
+        else launch_gemv_int4<false, 16>(qU, p, stream);
       } else {
-        if (p.swiglu) launch_gemv_int4<true, 8>(qU, grid, p, stream);
-        else launch_gemv_int4<false, 8>(qU, grid, p, stream);
+        if (p.swiglu) launch_gemv_int4<true, 8>(qU, p, stream);
+        else launch_gemv_int4<false, 8>(qU, p, stream);
       }
       return cudaGetLastError();
     }
