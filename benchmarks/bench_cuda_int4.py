@@ -4,7 +4,6 @@ memory, prefill time, the verify-sized steps (T new tokens after a 512-token con
 whether the logits and tokens are the same bits (the kernels dequantize to the BF16 values the other model
 holds: the same bits where the experts run on the tensor cores; the INT4 GEMV of the decode and small steps sums
 in its own lane order, within FP32 rounding, and the line says how far; docs/CUDA_MODEL.md "INT4 experts").
-KDTREE_EXP_Q4OLD=1 (temporary, fifty-sixth session's A/B) runs the previous INT4 GEMV path.
 
 Checkpoint: mini-kimi (bench_cuda_model.py's, made with HF transformers when missing) rounded to BF16, its
 routed experts quantized here as Kimi's release is (groups of 32 along k, scale = BF16(absmax / 7), integers

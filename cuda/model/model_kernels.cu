@@ -7,7 +7,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <cstdlib>
 #include <type_traits>
 #include "launch.h"
 #include "model/vec_load.h"
@@ -755,10 +754,10 @@ __global__ void __launch_bounds__(kUvThreads) uv_combine_kernel(UvCombineParams 
 constexpr int kSkinnyWarps = 4, kSkinnyRW = 4;
 
 // BF (with VEC): the weights from w_bf16 (exact BF16 copies), widened as loaded: the same results.
-// Q4 (with VEC): from w_int4 / w_scale (INT4 experts), dequantized as loaded to those same values.
-template <int MS, int U, bool SWI, bool VEC, bool BF = false, bool Q4 = false>
+// (INT4 weights: expert_gemv_int4_kernel below.)
+template <int MS, int U, bool SWI, bool VEC, bool BF = false>
 __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(ExpertGemmParams p) {
-  static_assert(!(BF || Q4) || VEC, "BF16 / INT4 weights on the vector path only");
+  static_assert(!BF || VEC, "BF16 weights on the vector path only");
   pdl_prologue();
   using WT = typename std::conditional<VEC, float4, float>::type;
   constexpr int CPW = SWI ? kSkinnyRW / 2 : kSkinnyRW;  // output columns per warp
@@ -782,7 +781,6 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
     wrow[i] = wbase + (size_t)((SWI && i >= CPW ? N : 0) + nb + c) * Kd;
   }
   const int nsteps = (Kd + 32 * VW - 1) / (32 * VW);
-  const int gshift = Q4 ? __ffs(p.int4_group) - 1 : 0;  // int4_group: a power of two (expert_gemm_int4_ok)
   WT wv[U][RW];
   auto load_w = [&](int s0) {
 #pragma unroll
@@ -792,8 +790,7 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
       for (int i = 0; i < RW; ++i) {
         const int c = SWI ? i % CPW : i;
         if (k < Kd && c < ncol) {
-          if constexpr (Q4) wv[u][i] = ldg_int4x4(p.w_int4, p.w_scale, wrow[i] + k, gshift);
-          else if constexpr (BF) wv[u][i] = ldg_bf16x4(p.w_bf16 + wrow[i] + k);
+          if constexpr (BF) wv[u][i] = ldg_bf16x4(p.w_bf16 + wrow[i] + k);
           else wv[u][i] = ldg_vec<WT>(p.w + wrow[i] + k);
         } else {
           vzero(wv[u][i]);
@@ -868,22 +865,26 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
 }
 
 // ---------------------------------------------------------------- grouped expert GEMV, INT4 weights
-// The GEMV-style kernel for INT4 experts (ExpertGemmParams::w_int4), fifty-sixth session. The same grid,
-// warps and rows as expert_gemv_kernel, but lane l of a warp covers QW consecutive k per step, k = (32 s + l)
-// QW + j (j < QW): one 4-byte (QW = 8) or 8-byte (QW = 16) load of its nibbles a row and step (a warp reads
-// 128 / 256 contiguous bytes) and one scale load for QW weights, where expert_gemv_kernel's float4 mapping
-// (k = 4 (32 s + l) + j, fixed by its FP32 and BF16 paths) gave each lane two bytes a row and step and a
-// scale a load for four weights: four times the load instructions for the same bytes, and each weight
-// widened alone (int4_value, ~6 instructions; int4x8_values takes ~3 when the scales are BF16 values).
-// The weights are the same values; the sums run in this mapping's order (per output a lane adds its
-// float4 groups in ascending k, as wdot does, then the same butterfly), so the results are within FP32
-// rounding of expert_gemv_kernel's on the dequantized BF16 weights, not the same bits (the tensor-core
-// kernel's INT4 path does give those bits).
-template <int MS, int U, bool SWI, int QW, bool BS, int RW = kSkinnyRW>
+// The GEMV-style kernel for INT4 experts (ExpertGemmParams::w_int4), fifty-sixth session. Lane l of a warp
+// covers QW consecutive k per step, k = (32 s + l) QW + j (j < QW): one 4-byte (QW = 8) or 8-byte (QW = 16)
+// load of its nibbles a row and step (a warp reads 128 / 256 contiguous bytes) and one scale for QW weights.
+// expert_gemv_kernel's float4 mapping (k = 4 (32 s + l) + j, which its FP32 and BF16 paths share so that
+// they give the same bits) gave each lane two bytes a row and step and a scale load for four weights: four
+// times the load instructions for the same bytes, each weight widened alone (int4_value, ~6 instructions;
+// int4x8_values takes ~3 when the scales are BF16 values, the BS instances), and that per slot. Here a
+// step's rows are dequantized once (wv) before the tile's slots use them, and a warp owns kInt4RW = 2 rows
+// (one SwiGLU column): twice the warps of the FP32 kernel's four rows, for a kernel that is more
+// instruction- than byte-bound. Measured (H100, bench_cuda_int4.py, mini-kimi AR): 0.80x -> 1.06x the
+// BF16 model's tokens/s (docs/BENCHMARKS.md "INT4 GEMV"). The weights are the same values; the sums run
+// in this mapping's order (per output a lane adds its float4 groups in ascending k, as wdot does, then the
+// same butterfly), so the results are within FP32 rounding of expert_gemv_kernel's on the dequantized BF16
+// weights, not the same bits (the tensor-core kernel's INT4 path does give those bits).
+constexpr int kInt4RW = 2;  // weight rows per warp (one SwiGLU column; four measured 2 % slower AR, H100)
+template <int MS, int U, bool SWI, int QW, bool BS>
 __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_int4_kernel(ExpertGemmParams p) {
   static_assert(QW == 8 || QW == 16, "a lane's nibbles: one 4- or 8-byte load");
   pdl_prologue();
-  constexpr int CPW = SWI ? RW / 2 : RW;  // output columns per warp (RW weight rows per warp)
+  constexpr int RW = kInt4RW, CPW = SWI ? RW / 2 : RW;  // weight rows, output columns per warp
   constexpr int NWD = QW / 8;                           // nibble words per lane, row and step
   const int tile = blockIdx.x;
   const int nt = __ldg(p.num_tiles), e = __ldg(p.tile_expert + tile), r0 = __ldg(p.tile_row0 + tile);
@@ -1346,35 +1347,25 @@ __global__ void causal_bits_kernel(uint64_t* bits, int T, int W) {
   }
 }
 
-template <bool SWI, bool VEC, bool BF = false, bool Q4 = false>
+template <bool SWI, bool VEC, bool BF = false>
 void launch_gemv(int U, dim3 grid, const ExpertGemmParams& p, cudaStream_t stream) {
   constexpr int MS = kExpertSkinnyRows, TH = kSkinnyWarps * 32;
-  if (U == 4) launch_kernel(expert_gemv_kernel<MS, 4, SWI, VEC, BF, Q4>, grid, TH, 0, stream, p);
-  else if (U == 2) launch_kernel(expert_gemv_kernel<MS, 2, SWI, VEC, BF, Q4>, grid, TH, 0, stream, p);
-  else launch_kernel(expert_gemv_kernel<MS, 1, SWI, VEC, BF, Q4>, grid, TH, 0, stream, p);
+  if (U == 4) launch_kernel(expert_gemv_kernel<MS, 4, SWI, VEC, BF>, grid, TH, 0, stream, p);
+  else if (U == 2) launch_kernel(expert_gemv_kernel<MS, 2, SWI, VEC, BF>, grid, TH, 0, stream, p);
+  else launch_kernel(expert_gemv_kernel<MS, 1, SWI, VEC, BF>, grid, TH, 0, stream, p);
 }
 
-template <bool SWI, int QW, bool BS, int RW>
-void launch_gemv_int4_as(int U, const ExpertGemmParams& p, cudaStream_t stream) {
+template <bool SWI, int QW, bool BS>
+void launch_gemv_int4_as(int U, dim3 grid, const ExpertGemmParams& p, cudaStream_t stream) {
   constexpr int MS = kExpertSkinnyRows, TH = kSkinnyWarps * 32;
-  const int cols = kSkinnyWarps * (SWI ? RW / 2 : RW);  // output columns per block
-  const dim3 grid(p.max_tiles, (p.N + cols - 1) / cols);
-  if (U == 4) launch_kernel(expert_gemv_int4_kernel<MS, 4, SWI, QW, BS, RW>, grid, TH, 0, stream, p);
-  else if (U == 2) launch_kernel(expert_gemv_int4_kernel<MS, 2, SWI, QW, BS, RW>, grid, TH, 0, stream, p);
-  else launch_kernel(expert_gemv_int4_kernel<MS, 1, SWI, QW, BS, RW>, grid, TH, 0, stream, p);
+  if (U == 4) launch_kernel(expert_gemv_int4_kernel<MS, 4, SWI, QW, BS>, grid, TH, 0, stream, p);
+  else if (U == 2) launch_kernel(expert_gemv_int4_kernel<MS, 2, SWI, QW, BS>, grid, TH, 0, stream, p);
+  else launch_kernel(expert_gemv_int4_kernel<MS, 1, SWI, QW, BS>, grid, TH, 0, stream, p);
 }
 template <bool SWI, int QW>
-void launch_gemv_int4(int U, const ExpertGemmParams& p, cudaStream_t stream) {
-  static const bool rw2 = getenv("KDTREE_EXP_Q4RW") && getenv("KDTREE_EXP_Q4RW")[0] == '2';  // TEMP A/B
-  // (the per-weight FP32 widening of 16-weight lanes spills at 4 steps: 2 steps an iteration there)
-  if (!p.int4_scales_bf16 && QW == 16 && U > 2) U = 2;
-  if (rw2) {
-    if (p.int4_scales_bf16) launch_gemv_int4_as<SWI, QW, true, 2>(U, p, stream);
-    else launch_gemv_int4_as<SWI, QW, false, 2>(U, p, stream);
-  } else {
-    if (p.int4_scales_bf16) launch_gemv_int4_as<SWI, QW, true, kSkinnyRW>(U, p, stream);
-    else launch_gemv_int4_as<SWI, QW, false, kSkinnyRW>(U, p, stream);
-  }
+void launch_gemv_int4(int U, dim3 grid, const ExpertGemmParams& p, cudaStream_t stream) {
+  if (p.int4_scales_bf16) launch_gemv_int4_as<SWI, QW, true>(U, grid, p, stream);
+  else launch_gemv_int4_as<SWI, QW, false>(U, grid, p, stream);
 }
 
 int threads_for(int n) {
@@ -1542,22 +1533,19 @@ cudaError_t expert_gemm(const ExpertGemmParams& p, cudaStream_t stream) {
     const int U = steps >= 4 ? 4 : steps >= 2 ? 2 : 1;
     const bool bf = expert_gemm_reads_bf16(p);
     if (p.w_int4) {
-      static const bool old_q4 = getenv("KDTREE_EXP_Q4OLD") && getenv("KDTREE_EXP_Q4OLD")[0] == '1';  // TEMP A/B
-      if (old_q4) {
-        if (p.swiglu) launch_gemv<true, true, false, true>(U, grid, p, stream);
-        else launch_gemv<false, true, false, true>(U, grid, p, stream);
-        return cudaGetLastError();
-      }
-      // lanes of 16 weights where every step fills the warp (Kd % 512 == 0), else of 8
+      // lanes of 16 weights where every step fills the warp (Kd % 512 == 0), else of 8; two rows a warp
       const int QW = p.Kd % 512 == 0 ? 16 : 8;
       const int qsteps = (p.Kd + 32 * QW - 1) / (32 * QW);
-      const int qU = qsteps >= 4 ? 4 : qsteps >= 2 ? 2 : 1;
+      const int qU = qsteps >= 4 ? 4 : qsteps >= 2 ? 2 : 1;  // (no instance spills: 72-155 registers)
+      const int qcols = kSkinnyWarps * (p.swiglu ? kInt4RW / 2 : kInt4RW);  // output columns per block
+      const dim3 qgrid(p.max_tiles, (p.N + qcols - 1) / qcols);
+      if (qgrid.y > 65535u) return cudaErrorInvalidValue;
       if (QW == 16) {
-        if (p.swiglu) launch_gemv_int4<true, 16>(qU, p, stream);
-        else launch_gemv_int4<false, 16>(qU, p, stream);
+        if (p.swiglu) launch_gemv_int4<true, 16>(qU, qgrid, p, stream);
+        else launch_gemv_int4<false, 16>(qU, qgrid, p, stream);
       } else {
-        if (p.swiglu) launch_gemv_int4<true, 8>(qU, p, stream);
-        else launch_gemv_int4<false, 8>(qU, p, stream);
+        if (p.swiglu) launch_gemv_int4<true, 8>(qU, qgrid, p, stream);
+        else launch_gemv_int4<false, 8>(qU, qgrid, p, stream);
       }
       return cudaGetLastError();
     }

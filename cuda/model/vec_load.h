@@ -33,17 +33,6 @@ __device__ __forceinline__ float int4_value(uint32_t q, float s) {
   const float v = __uint_as_float(0x4B000000u | q) - 8388616.f;
   return __bfloat162float(__float2bfloat16_rn(v * s));
 }
-// Four INT4 weights at flat element o (a multiple of 4, so two whole bytes; one group: 4 | group) of a
-// packed stack whose groups are 2^gshift elements, widened as int4_value does; streamed past L1 like
-// ldg_bf16x4 (the scale through L1: eight lanes share it).
-__device__ __forceinline__ float4 ldg_int4x4(const uint8_t* packed, const float* scale, size_t o, int gshift) {
-  unsigned short b;
-  asm("ld.global.nc.L1::no_allocate.u16 %0, [%1];" : "=h"(b) : "l"(packed + o / 2));
-  const float s = __ldg(scale + (o >> gshift));
-  const uint32_t w = b;
-  return make_float4(int4_value(w & 15u, s), int4_value((w >> 4) & 15u, s), int4_value((w >> 8) & 15u, s),
-                     int4_value(w >> 12, s));
-}
 // Eight INT4 weights in one word (element i in bits 4i .. 4i + 3, the packed stack's byte order) with their
 // group's scale s (a BF16 value held as a float) as the FP32 values int4_value gives, two at a time in bf16x2
 // arithmetic: (0x4300 | q) is the BF16 128 + q, fma(128 + q, 1, -136) = q - 8 exactly, and fma(q - 8, s, -0)

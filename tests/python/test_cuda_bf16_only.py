@@ -256,6 +256,11 @@ def test_fp32_matrices_beside_bf16_only(name):
         assert np.isfinite(u).all() and bits_equal(u, v), f"step {i}"
     with pytest.raises(ValueError, match="not exactly BF16"):
         load(plain, w)
+    # every matrix named: nothing left to hold as BF16 (no empty BF16 range to reserve), the bits of "copies"
+    every = [n for n, a in w.items() if a.ndim == 2]
+    none16 = load(N.CudaModel(cfg.to_native(), 400, bf16_weights="only", fp32_matrices=every), w)
+    assert none16.bf16_weight_bytes == 0 and none16.weight_bytes >= 4 * sum(w[n].size for n in every)
+    assert bits_equal(prefill(copies, ids), prefill(none16, ids))
     with pytest.raises(ValueError, match="not a weight matrix of this config"):
         N.CudaModel(cfg.to_native(), 64, bf16_weights="only", fp32_matrices=["model.layers.0.input_layernorm.weight"])
     with pytest.raises(ValueError, match="not a weight matrix of this config"):

@@ -1010,7 +1010,7 @@ def test_cuda_holds_int4_experts_with_the_same_bits(int4_bf16_dir, variant):
 def test_cuda_int4_experts_refusals_leave_the_model_usable(int4_bf16_dir):
     """A float value for an INT4 expert, pieces in another group size, scales that are not finite: ValueErrors
     naming the tensor, and the model computes as before. int4_experts_group=0 dequantizes the experts instead
-    (the same logits); an INT4 piece for a matrix that is not a routed expert is taken dequantized."""
+    (the same logits but for the INT4 GEMV's summation order); an INT4 piece for a matrix that is not a routed expert is taken dequantized."""
     if not kn.cuda_available():
         pytest.skip("no usable CUDA device")
     path, cfg, _ = int4_bf16_dir
@@ -1032,7 +1032,9 @@ def test_cuda_int4_experts_refusals_leave_the_model_usable(int4_bf16_dir):
     _assert_same(_outputs(eng, cfg), want, "after the refusals")
     off = kn.Engine.from_pretrained(path, device="cuda", max_seq_len=128, cuda_options={"int4_experts_group": 0})
     assert off.model.int4_weight_bytes == 0
-    _assert_same(_outputs(off, cfg), want, "dequantized")
+    # (the same values; the INT4 GEMV of the small steps sums in its own lane order: within FP32 rounding)
+    for i, (x, y) in enumerate(zip(_outputs(off, cfg), want)):
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-5 * np.abs(y).max(), err_msg=f"dequantized output {i}")
     # an INT4 piece of a matrix that is not a routed expert: dequantized (bf16_round((q - 8) * scale))
     so = f"model.layers.{cfg.first_k_dense_replace}.mlp.shared_experts.down_proj.weight"
     Ns, Ks = expected_weight_shapes(cfg)[so]
@@ -1047,4 +1049,5 @@ def test_cuda_int4_experts_refusals_leave_the_model_usable(int4_bf16_dir):
     w[so] = to_bf16((q - 8).astype(np.float32) * np.repeat(ss, 32, axis=1))
     ref = kn.Engine.from_weights(cfg, w, device="cuda", max_seq_len=128,
                                  cuda_options={"bf16_weights": eng.model.bf16_weights})
-    _assert_same(_outputs(eng, cfg), _outputs(ref, cfg), "a dequantized INT4 piece")
+    for i, (x, y) in enumerate(zip(_outputs(eng, cfg), _outputs(ref, cfg))):  # (as above: within FP32 rounding)
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-5 * np.abs(y).max(), err_msg=f"a dequantized INT4 piece {i}")
