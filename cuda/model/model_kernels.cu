@@ -753,6 +753,49 @@ __global__ void __launch_bounds__(kUvThreads) uv_combine_kernel(UvCombineParams 
 // of the previous (shared-staged) kernel, so the same results.
 constexpr int kSkinnyWarps = 4, kSkinnyRW = 4;
 
+// The GEMV kernels' shared pieces (expert_gemv_kernel, expert_gemv_int4_kernel). A warp's weight rows: gate
+// rows nb.., then (SwiGLU) up rows N + nb..; rows >= N clamped, unused (offsets into expert e's stack).
+template <int RW, int CPW, bool SWI>
+__device__ __forceinline__ void gemv_weight_rows(size_t (&wrow)[RW], int e, int N, int Kd, int nb, int ncol) {
+  const size_t wbase = (size_t)e * (SWI ? 2 : 1) * N * Kd;
+#pragma unroll
+  for (int i = 0; i < RW; ++i) {
+    const int c = min(SWI ? i % CPW : i, ncol - 1);
+    wrow[i] = wbase + (size_t)((SWI && i >= CPW ? N : 0) + nb + c) * Kd;
+  }
+}
+// The x row of each slot past the first (rows > 1; looked up after the weight loads are issued; clamped to
+// the tile's last slot, unused past rows).
+template <int MS>
+__device__ __forceinline__ void gemv_slot_rows(int (&src)[MS], const ExpertGemmParams& p, int r0, int rows) {
+#pragma unroll
+  for (int r = 1; r < MS; ++r) {
+    const int s = r0 + min(r, rows - 1);
+    src[r] = p.x_row ? __ldg(p.x_row + s) : s;
+  }
+}
+// Per output a butterfly over the warp, then lane 0 stores (SwiGLU: silu(gate) * up).
+template <int MS, int RW, int CPW, bool SWI>
+__device__ __forceinline__ void gemv_store(const float (&acc)[RW][MS], const ExpertGemmParams& p, int lane, int nb,
+                                           int ncol, int r0, int rows) {
+#pragma unroll
+  for (int c = 0; c < CPW; ++c) {
+    if (c >= ncol) break;
+    const int n = nb + c;
+#pragma unroll
+    for (int r = 0; r < MS; ++r) {
+      if (r < rows) {
+        float a = acc[c][r], u = SWI ? acc[CPW + c][r] : 0.f;
+        for (int o = 16; o > 0; o >>= 1) {
+          a += __shfl_xor_sync(kFull, a, o);
+          if (SWI) u += __shfl_xor_sync(kFull, u, o);
+        }
+        if (lane == 0) p.y[(size_t)(r0 + r) * p.ldy + n] = SWI ? silu_mul(a, u) : a;
+      }
+    }
+  }
+}
+
 // BF (with VEC): the weights from w_bf16 (exact BF16 copies), widened as loaded: the same results.
 // (INT4 weights: expert_gemv_int4_kernel below.)
 template <int MS, int U, bool SWI, bool VEC, bool BF = false>
@@ -773,13 +816,8 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
   const int nb = (blockIdx.y * kSkinnyWarps + warp) * CPW;
   if (nb >= N) return;  // no block barrier below
   const int ncol = min(CPW, N - nb);
-  const size_t wbase = (size_t)e * (SWI ? 2 : 1) * N * Kd;
-  size_t wrow[RW];  // gate rows nb.., then (SwiGLU) up rows N + nb..; rows >= N clamped, unused (offsets)
-#pragma unroll
-  for (int i = 0; i < RW; ++i) {
-    const int c = min(SWI ? i % CPW : i, ncol - 1);
-    wrow[i] = wbase + (size_t)((SWI && i >= CPW ? N : 0) + nb + c) * Kd;
-  }
+  size_t wrow[RW];
+  gemv_weight_rows<RW, CPW, SWI>(wrow, e, N, Kd, nb, ncol);
   const int nsteps = (Kd + 32 * VW - 1) / (32 * VW);
   WT wv[U][RW];
   auto load_w = [&](int s0) {
@@ -815,13 +853,7 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
     for (int r = 0; r < MS; ++r) acc[i][r] = 0.f;
 
   for (int s0 = 0;;) {
-    if (s0 == 0 && rows > 1) {
-#pragma unroll
-      for (int r = 1; r < MS; ++r) {
-        const int s = r0 + min(r, rows - 1);
-        src[r] = p.x_row ? __ldg(p.x_row + s) : s;
-      }
-    }
+    if (s0 == 0 && rows > 1) gemv_slot_rows<MS>(src, p, r0, rows);
 #pragma unroll
     for (int r = 0; r < MS; ++r) {
       if (r < rows) {  // slot by slot; the slot's U x loads issued together
@@ -846,22 +878,7 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
     if (s0 >= nsteps) break;
     load_w(s0);
   }
-#pragma unroll
-  for (int c = 0; c < CPW; ++c) {
-    if (c >= ncol) break;
-    const int n = nb + c;
-#pragma unroll
-    for (int r = 0; r < MS; ++r) {
-      if (r < rows) {
-        float a = acc[c][r], u = SWI ? acc[CPW + c][r] : 0.f;
-        for (int o = 16; o > 0; o >>= 1) {
-          a += __shfl_xor_sync(kFull, a, o);
-          if (SWI) u += __shfl_xor_sync(kFull, u, o);
-        }
-        if (lane == 0) p.y[(size_t)(r0 + r) * p.ldy + n] = SWI ? silu_mul(a, u) : a;
-      }
-    }
-  }
+  gemv_store<MS, RW, CPW, SWI>(acc, p, lane, nb, ncol, r0, rows);
 }
 
 // ---------------------------------------------------------------- grouped expert GEMV, INT4 weights
@@ -894,13 +911,8 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_int4_kernel(
   const int nb = (blockIdx.y * kSkinnyWarps + warp) * CPW;
   if (nb >= N) return;  // no block barrier below
   const int ncol = min(CPW, N - nb);
-  const size_t wbase = (size_t)e * (SWI ? 2 : 1) * N * Kd;
   size_t wrow[RW];
-#pragma unroll
-  for (int i = 0; i < RW; ++i) {
-    const int c = min(SWI ? i % CPW : i, ncol - 1);
-    wrow[i] = wbase + (size_t)((SWI && i >= CPW ? N : 0) + nb + c) * Kd;
-  }
+  gemv_weight_rows<RW, CPW, SWI>(wrow, e, N, Kd, nb, ncol);
   const int nsteps = (Kd + 32 * QW - 1) / (32 * QW);
   const int gshift = __ffs(p.int4_group) - 1;  // a power of two >= 32 >= QW: a lane's QW weights share a scale
   uint32_t wq[U][RW][NWD];
@@ -943,13 +955,7 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_int4_kernel(
     for (int r = 0; r < MS; ++r) acc[i][r] = 0.f;
 
   for (int s0 = 0;;) {
-    if (s0 == 0 && rows > 1) {
-#pragma unroll
-      for (int r = 1; r < MS; ++r) {
-        const int s = r0 + min(r, rows - 1);
-        src[r] = p.x_row ? __ldg(p.x_row + s) : s;
-      }
-    }
+    if (s0 == 0 && rows > 1) gemv_slot_rows<MS>(src, p, r0, rows);
     // per step: the warp's rows dequantized once (64 floats at QW = 16), then every slot's products
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -991,22 +997,7 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_int4_kernel(
     if (s0 >= nsteps) break;
     load_w(s0);
   }
-#pragma unroll
-  for (int c = 0; c < CPW; ++c) {
-    if (c >= ncol) break;
-    const int n = nb + c;
-#pragma unroll
-    for (int r = 0; r < MS; ++r) {
-      if (r < rows) {
-        float a = acc[c][r], u = SWI ? acc[CPW + c][r] : 0.f;
-        for (int o = 16; o > 0; o >>= 1) {
-          a += __shfl_xor_sync(kFull, a, o);
-          if (SWI) u += __shfl_xor_sync(kFull, u, o);
-        }
-        if (lane == 0) p.y[(size_t)(r0 + r) * p.ldy + n] = SWI ? silu_mul(a, u) : a;
-      }
-    }
-  }
+  gemv_store<MS, RW, CPW, SWI>(acc, p, lane, nb, ncol, r0, rows);
 }
 
 // ---------------------------------------------------------------- grouped expert GEMM, tiled

@@ -255,9 +255,11 @@ struct ExpertGemmParams {
                                      // (8-byte aligned) and the tensor-core one (Kd % 8 == 0, 16-byte aligned)
   // w as 4-bit integers (INT4 W4A16, Kimi K2's routed experts): the weight at flat element i of w (i = its
   // offset from w) is bf16_round((q - 8) * w_scale[i / int4_group]), q the low (i even) or high (i odd)
-  // nibble of w_int4[i / 2]: the value the loader dequantizes it to (python/kdtree_native/quantization.py),
-  // so the same sums as from those BF16 values. Read instead of w and w_bf16 when set (both kernels; no
-  // widening anywhere): needs expert_gemm_int4_ok. w may then be an address with nothing behind it.
+  // nibble of w_int4[i / 2]: the value the loader dequantizes it to (python/kdtree_native/quantization.py):
+  // the tensor-core kernel's sums are the ones it forms from those BF16 values, the GEMV-style kernel's INT4
+  // version sums them in its own lane order (expert_gemv_int4_kernel). Read instead of w and w_bf16 when set
+  // (both kernels; no widening anywhere): needs expert_gemm_int4_ok. w may then be an address with nothing
+  // behind it.
   const uint8_t* w_int4 = nullptr;   // [elements of w / 2], 16-byte aligned
   const float* w_scale = nullptr;    // [elements of w / int4_group], the BF16 scales as float32
   int int4_group = 0;                // a multiple of 32 dividing Kd
