@@ -764,6 +764,22 @@ __device__ __forceinline__ void gemv_weight_rows(size_t (&wrow)[RW], int e, int 
     wrow[i] = wbase + (size_t)((SWI && i >= CPW ? N : 0) + nb + c) * Kd;
   }
 }
+// The tile's slots: slot r0 always belongs to the tile, so its x row is looked up at once; the others (rows >
+// 1) in the first iteration, after the weight loads are issued (gemv_slot_rows). Returns the tile's slot
+// count; the sums start at zero.
+template <int MS, int RW>
+__device__ __forceinline__ int gemv_tile_slots(int (&src)[MS], float (&acc)[RW][MS], const ExpertGemmParams& p, int e,
+                                               int r0) {
+  src[0] = p.x_row ? __ldg(p.x_row + r0) : r0;
+#pragma unroll
+  for (int r = 1; r < MS; ++r) src[r] = src[0];
+  const int rows = min(MS, __ldg(p.offsets + e + 1) - r0);
+#pragma unroll
+  for (int i = 0; i < RW; ++i)
+#pragma unroll
+    for (int r = 0; r < MS; ++r) acc[i][r] = 0.f;
+  return rows;
+}
 // The x row of each slot past the first (rows > 1; looked up after the weight loads are issued; clamped to
 // the tile's last slot, unused past rows).
 template <int MS>
@@ -838,19 +854,9 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_kernel(Exper
   };
   load_w(0);  // in flight while the tile's rows are looked up
 
-  // x row of each slot. Slot r0 always belongs to the tile: its row is looked up at once; the
-  // others (rows > 1) after the wait on offsets, in the first iteration, so that the weight
-  // loads above are issued first (clamped to the tile's last slot; unused past rows).
   int src[MS];
-  src[0] = p.x_row ? __ldg(p.x_row + r0) : r0;
-#pragma unroll
-  for (int r = 1; r < MS; ++r) src[r] = src[0];
-  const int rows = min(MS, __ldg(p.offsets + e + 1) - r0);
   float acc[RW][MS];
-#pragma unroll
-  for (int i = 0; i < RW; ++i)
-#pragma unroll
-    for (int r = 0; r < MS; ++r) acc[i][r] = 0.f;
+  const int rows = gemv_tile_slots<MS, RW>(src, acc, p, e, r0);
 
   for (int s0 = 0;;) {
     if (s0 == 0 && rows > 1) gemv_slot_rows<MS>(src, p, r0, rows);
@@ -944,15 +950,8 @@ __global__ void __launch_bounds__(kSkinnyWarps * 32, 3) expert_gemv_int4_kernel(
   load_w(0);
 
   int src[MS];
-  src[0] = p.x_row ? __ldg(p.x_row + r0) : r0;
-#pragma unroll
-  for (int r = 1; r < MS; ++r) src[r] = src[0];
-  const int rows = min(MS, __ldg(p.offsets + e + 1) - r0);
   float acc[RW][MS];
-#pragma unroll
-  for (int i = 0; i < RW; ++i)
-#pragma unroll
-    for (int r = 0; r < MS; ++r) acc[i][r] = 0.f;
+  const int rows = gemv_tile_slots<MS, RW>(src, acc, p, e, r0);
 
   for (int s0 = 0;;) {
     if (s0 == 0 && rows > 1) gemv_slot_rows<MS>(src, p, r0, rows);
