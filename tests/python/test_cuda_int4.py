@@ -50,6 +50,9 @@ SHAPES = [  # T, K, E, N (outputs), Kd, group
     (37, 4, 6, 33, 32, 32),       # one group (half a chunk), odd N, several tiles per expert
     (40, 8, 16, 128, 1024, 128),  # mini-kimi gate/up row length, groups of 128
     (9, 2, 5, 24, 192, 64),       # groups of 64
+    (3, 8, 16, 40, 2048, 32),     # the INT4 GEMV's 16-weight lanes, four steps an iteration
+    (2, 4, 8, 24, 7168, 128),     # Kimi K2's hidden size: four iterations, the last one half out of range
+    (5, 8, 16, 40, 1280, 64),     # 8-weight lanes, four steps an iteration and a partial second one
 ]
 
 
@@ -79,7 +82,7 @@ def test_int4_experts_equal_their_bf16_values(kernel, tile_rows, swiglu, shape):
 
 
 @pytest.mark.parametrize("scales", ["bf16", "subnormal", "float"])
-@pytest.mark.parametrize("Kd,group", [(1024, 32), (512, 128), (256, 32), (96, 32), (1536, 64)])
+@pytest.mark.parametrize("Kd,group", [(1024, 32), (512, 128), (256, 32), (96, 32), (1536, 64), (1280, 32), (7168, 128)])
 def test_int4_gemv_dequantizes_to_the_loaders_values(scales, Kd, group):
     """The INT4 GEMV's weights are the loader's values bit for bit: with one-hot input rows each output is one
     weight (w * 1 plus exact zeros), for every k of each row, 16-weight lanes (Kd % 512 == 0) and 8-weight lanes,
@@ -87,13 +90,17 @@ def test_int4_gemv_dequantizes_to_the_loaders_values(scales, Kd, group):
     rng = np.random.default_rng(Kd + group)
     E, Nout = 3, 40
     packed, sc, w = quantized(rng, E, Nout, Kd, group, scales)
-    T = Kd  # token t one-hot at k = t, routed to every expert (K = E)
-    x = np.eye(T, Kd, dtype=np.float32)
+    # token t one-hot at k = ks[t], routed to every expert (K = E): every k up to 1536, else a sample with the ends
+    ks = np.arange(Kd) if Kd <= 1536 else np.unique(np.r_[np.arange(64), rng.choice(Kd, 640, replace=False),
+                                                          np.arange(Kd - 64, Kd)])
+    T = ks.size
+    x = np.zeros((T, Kd), np.float32)
+    x[np.arange(T), ks] = 1.0
     idx = np.tile(np.arange(E, dtype=np.int32), (T, 1))
     got, slot_token = N.cuda_expert_gemm(x, np.full_like(w, np.nan), idx, E, False, 8, "gemv", int4_packed=packed,
                                          int4_scales=sc, int4_group=group)
     slot_expert = np.sort(idx.reshape(-1), kind="stable")
-    want = w[slot_expert, :, slot_token]  # [A, Nout]: expert e's weight column k = the slot's token
+    want = w[slot_expert, :, ks[slot_token]]  # [A, Nout]: expert e's weight column k = the slot's token's one
     np.testing.assert_array_equal(got, want)
     if scales == "subnormal":
         assert (np.abs(want[want != 0]) < 2.0 ** -126).any()  # the case is there
