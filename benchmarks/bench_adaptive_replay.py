@@ -14,6 +14,16 @@ rounds). Beside it, the fixed budget (n = the ceiling every round) on the same d
     python benchmarks/bench_adaptive_replay.py [--seeds 16] [--vocab 32000 163840] [--tokens 96]
         [--depth 8] [--top-k 8] [--ceiling 32] [--boost 12] [--sd 2] [--noise 0] [--scale 1]
         [--t0-ms 0.13] [--node-us 2] [--draft-us 50]
+
+--embedded (fifty-sixth session): the same replay on real drafts instead, the embedded draft model's
+(ModelDrafter, --min-chain-prob) on the text the embedded target generates greedily after the demo's prompt,
+each round charged a cost table's round time (--cost "T:ms,...", interpolated, extrapolated past its last
+point; default: this session's isolated CPU forwards of the embedded target, 2-vCPU VM) plus --draft-ms-row a
+drafted row; AR and every fixed budget beside it on the same drafts. Deterministic: it separates what the
+policy chooses from the timing noise of live runs (docs/BENCHMARKS.md "Adaptive tree budget").
+
+    python benchmarks/bench_adaptive_replay.py --embedded [--tokens 256] [--depth 4] [--ceiling 16]
+        [--cost 1:0.70,2:0.79,5:0.985,9:1.5,17:3.0] [--draft-ms-row 0.09] [--min-chain-prob 0.1]
 """
 import argparse
 import statistics
@@ -77,8 +87,83 @@ def replay(a, V, seed, fixed, args):
     return rounds, plain, secs, sizes
 
 
+def replay_embedded(args):
+    """The policy on the embedded draft model's drafts (see the module docstring); prints a table."""
+    import argparse as _ap
+
+    from kdtree_native import cli
+    from kdtree_native.drafters import ModelDrafter
+    from kdtree_native.generation import generate
+
+    pts = sorted((int(t), float(ms)) for t, ms in (x.split(":") for x in args.cost.split(",")))
+    Ts, Cs = [float(t) for t, _ in pts], [c * 1e-3 for _, c in pts]
+
+    def cost(T):  # seconds for a round of T tokens
+        if len(Ts) > 1 and T > Ts[-1]:
+            return Cs[-1] + (T - Ts[-1]) * (Cs[-1] - Cs[-2]) / (Ts[-1] - Ts[-2])
+        return float(np.interp(T, Ts, Cs))
+
+    eng, deng, tok, what = cli._demo_models(_ap.Namespace(device="cpu", max_seq_len=4096))
+    if deng is None:
+        raise SystemExit(f"no embedded draft model here ({what})")
+    prompt = np.asarray(cli._demo_prompt_ids(tok), dtype=np.int32)
+    text = np.concatenate([prompt, generate(eng, prompt, args.tokens + args.depth + 8).tokens]).astype(np.int32)
+    P, drafter, drafts = len(prompt), ModelDrafter(deng, min_chain_prob=args.min_chain_prob), {}
+
+    def draft_at(L):  # the draft for the root text[L - 1] (cached: every mode replays the same drafts)
+        if L not in drafts:
+            rows = drafter.draft(text[:L], args.depth, args.ceiling)
+            lp, ids = rows if isinstance(rows, tuple) else R.topk_logsoftmax(np.asarray(rows, np.float32), args.ceiling)
+            drafts[L] = (np.ascontiguousarray(lp, np.float32), np.ascontiguousarray(ids, np.int32))
+        return drafts[L]
+
+    def run(mode):  # "ar", "adaptive" or a fixed budget: (seconds, rounds, plain steps, the sizes)
+        a = _native.AdaptiveBudget()
+        a.reset(args.ceiling)
+        L, secs, sizes, plain = P, 0.0, [], 0
+        while L - P < args.tokens:
+            if mode == "ar" or (mode == "adaptive" and a.skip_draft()):
+                if mode == "adaptive":
+                    a.observe(0, cost(1), -1.0)
+                secs, L, plain = secs + cost(1), L + 1, plain + 1
+                sizes.append(-1)
+                if mode == "adaptive":
+                    a.label(text[:L])
+                continue
+            lp, ids = draft_at(L)
+            td = args.draft_ms_row * 1e-3 * lp.shape[0]
+            if mode == "adaptive":
+                n = a.choose(lp, ids, args.ceiling, L - 1)
+                lp, ids = a.draft_rows()
+                a.observe(n, cost(n + 1), td)
+            else:
+                n = int(mode)
+            acc = accepted(lp, ids, n, text, L)
+            secs, L = secs + cost(n + 1) + td, L + acc + 1
+            sizes.append(n)
+            if mode == "adaptive":
+                a.label(text[:L])
+        return secs, len(sizes), plain, sizes
+
+    print(f"## Adaptive budget replay on the embedded draft model ({args.tokens} tokens after the demo prompt, depth "
+          f"{args.depth}, ceiling {args.ceiling}, min_chain_prob {args.min_chain_prob}; round costs {args.cost} ms, "
+          f"{args.draft_ms_row} ms a drafted row)\n")
+    print("| mode | x AR | rounds | plain steps | sizes (adaptive: . = a plain step) |")
+    print("|---|---:|---:|---:|---|")
+    ar = run("ar")[0]
+    budgets = sorted({b for b in (1, 2, 3, 4, 6, 8, 16, args.ceiling) if b <= args.ceiling})
+    for mode in ["adaptive"] + [str(b) for b in budgets]:
+        secs, rounds, plain, sizes = run(mode)
+        seq = "".join("." if x < 0 else str(min(x, 9)) for x in sizes)[:80] if mode == "adaptive" else ""
+        print(f"| {mode if mode == 'adaptive' else 'fixed ' + mode} | {ar / secs:.3f} | {rounds} | {plain} | {seq} |")
+
+
 def main():
     ap = argparse.ArgumentParser()
+    ap.add_argument("--embedded", action="store_true", help="replay on the embedded draft model's real drafts")
+    ap.add_argument("--cost", default="1:0.70,2:0.79,5:0.985,9:1.5,17:3.0", help="--embedded: T:ms,... round costs")
+    ap.add_argument("--draft-ms-row", type=float, default=0.09, help="--embedded: drafting cost a row")
+    ap.add_argument("--min-chain-prob", type=float, default=0.1, help="--embedded: the drafter's chain stop")
     ap.add_argument("--seeds", type=int, default=16)
     ap.add_argument("--vocab", type=int, nargs="+", default=[32000, 163840])
     ap.add_argument("--tokens", type=int, default=96)
@@ -93,6 +178,11 @@ def main():
     ap.add_argument("--node-us", type=float, default=2.0)
     ap.add_argument("--draft-us", type=float, default=50.0)
     args = ap.parse_args()
+    if args.embedded:
+        for name, default, embedded in (("tokens", 96, 256), ("depth", 8, 4), ("ceiling", 32, 16)):
+            if getattr(args, name) == default:  # (the synthetic replay's defaults -> the demo's)
+                setattr(args, name, embedded)
+        return replay_embedded(args)
     print(f"## Adaptive budget replay: {args.tokens} tokens, depth {args.depth}, top-k {args.top_k}, ceiling "
           f"{args.ceiling}, boost {args.boost} over N(0, {args.sd}^2), noise {args.noise}, scale {args.scale}; a round "
           f"{args.t0_ms} ms + {args.node_us} us a node, a draft {args.draft_us} us; {args.seeds} seeds\n")

@@ -18,6 +18,7 @@ constexpr int64_t kFirstNodes = 2;  // the first measured tree size (then the pl
 constexpr double kSkipMargin = 0.05;  // drafting must be expected to cost < 5 % more than it brings
 constexpr double kEvidence = 8.0;     // labelled edges a band needs before the skip test believes it
 constexpr int64_t kMaxSkip = 32;      // the longest run of rounds without drafting between two tries
+constexpr double kPayEma = 0.25;     // weight of a draft's worth in the drafter's average worth (the skip test)
 
 int band_of(double p) {
   if (!(p > 0)) return AdaptiveBudget::kBands - 1;
@@ -78,6 +79,8 @@ void AdaptiveBudget::reset(int64_t max_nodes) {
   phat_.assign(1, 1.0);
   head_ = count_ = 0;
   skip_len_ = skip_left_ = 0;
+  pay_ = 0;
+  pay_seen_ = false;
 }
 
 double AdaptiveBudget::round_cost(int64_t T) const {
@@ -257,14 +260,25 @@ int64_t AdaptiveBudget::choose(const float* lp, const int32_t* ids, int64_t d, i
   // Two sizes measured first: a small tree (up to kFirstNodes nodes), then a plain step; other
   // sizes are interpolated / extrapolated from what is measured until they are chosen.
   if (!ends_known) return larger_known ? 0 : std::min(n, kFirstNodes);
-  // Did drafting pay? The best expected rate (its hopeful twin: the draft's top picks in bands
-  // without evidence count as sure) against a plain step without a draft (1 / t_round(1)). If not by a margin, the next
-  // rounds skip the drafter: 1, then 2, 4, ... (up to kMaxSkip) after each further drafted round
-  // that does not pay; one that pays ends the skipping.
-  if (best_opt * curve_[1] < 1.0 - kSkipMargin) {
+  // Did drafting pay? Each draft's worth is its best expected rate (its hopeful twin: the draft's top picks in
+  // bands without evidence count as sure) over a plain step's (1 / t_round(1)), and the drafter's worth the
+  // average of its drafts' (an EMA, from the first draft whose drafting time is known). If that is short by
+  // more than the margin, the next rounds skip the drafter: 1, then 2, 4, ... (up to kMaxSkip) after each
+  // further drafted round (a try) whose own draft does not pay; a try that pays ends the skipping. One draft
+  // alone used to decide (before the fifty-sixth session): with a drafter whose confidence swings from draft to
+  // draft (the embedded draft model: top-1 chances 0.13-0.99) every unsure draft started a skip run, although
+  // the next draft was as likely sure; an unsure draft is verified small or not at all anyway (best_n).
+  const double worth = best_opt * curve_[1];
+  if (draft_seen_) {  // (before the drafter's time is known a draft's worth says nothing about it)
+    pay_ = pay_seen_ ? (1 - kPayEma) * pay_ + kPayEma * worth : worth;
+    pay_seen_ = true;
+  }
+  const double judged = skip_len_ > 0 || !pay_seen_ ? worth : pay_;
+  if (judged < 1.0 - kSkipMargin) {
     skip_len_ = skip_len_ > 0 ? std::min<int64_t>(2 * skip_len_, kMaxSkip) : 1;
     skip_left_ = skip_len_;
   } else {
+    if (skip_len_ > 0) pay_ = std::max(pay_, worth);  // (a try that pays: the average starts from it)
     skip_len_ = 0;
   }
   return best_n;

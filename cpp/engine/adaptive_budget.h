@@ -39,8 +39,9 @@
 // The costs are the target's, so they carry over to the next generate call on the same
 // generator; the calibration and the draft time start afresh each call.
 //
-// When even the best size does not repay the drafter's own time (its expected rate, drafting
-// included, is more than 5 % under a plain step's), the next rounds are plain steps without
+// When even the best sizes do not repay the drafter's own time (the average over its drafts, an EMA of
+// each draft's best expected rate, drafting included, against a plain step's, is more than 5 % under it;
+// one unsure draft among sure ones is only verified small), the next rounds are plain steps without
 // drafting: 1 round, then 2, 4, ... up to 32 after each further drafted round that does not pay,
 // until one does. So a drafter slower than it is worth costs little more than AR. That test is
 // hopeful where the calibration has no evidence yet: the draft's top pick at a depth whose band
@@ -122,6 +123,8 @@ class AdaptiveBudget {
   double cost_between(int64_t T, int64_t lo, int64_t hi, int64_t first) const;
   void fill_curve(int64_t Tmax);
   int64_t skip_len_ = 0, skip_left_ = 0;  // draft skipping: the current run length, rounds left
+  double pay_ = 0;                         // the drafts' average worth (EMA of best expected rate x t_round(1))
+  bool pay_seen_ = false;
   double band_mass_[kBands] = {}, band_hits_[kBands] = {}, band_count_[kBands] = {};
   double draft_s_ = 0;
   bool draft_seen_ = false;
