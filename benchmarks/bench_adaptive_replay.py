@@ -89,8 +89,6 @@ def replay(a, V, seed, fixed, args):
 
 def replay_embedded(args):
     """The policy on the embedded draft model's drafts (see the module docstring); prints a table."""
-    import argparse as _ap
-
     from kdtree_native import cli
     from kdtree_native.drafters import ModelDrafter
     from kdtree_native.generation import generate
@@ -103,7 +101,7 @@ def replay_embedded(args):
             return Cs[-1] + (T - Ts[-1]) * (Cs[-1] - Cs[-2]) / (Ts[-1] - Ts[-2])
         return float(np.interp(T, Ts, Cs))
 
-    eng, deng, tok, what = cli._demo_models(_ap.Namespace(device="cpu", max_seq_len=4096))
+    eng, deng, tok, what = cli._demo_models(argparse.Namespace(device="cpu", max_seq_len=4096))
     if deng is None:
         raise SystemExit(f"no embedded draft model here ({what})")
     prompt = np.asarray(cli._demo_prompt_ids(tok), dtype=np.int32)

@@ -780,6 +780,13 @@ def _assert_same(a, b, what=""):
         np.testing.assert_array_equal(x, y, err_msg=f"{what} output {i}")
 
 
+def _assert_close(a, b, what=""):
+    """Within 1e-5 of each output's largest logit: the INT4 GEMV of the GPU's small steps sums the same values
+    in its own lane order (FP32 rounding apart from the model holding the dequantized weights)."""
+    for i, (x, y) in enumerate(zip(a, b)):
+        np.testing.assert_allclose(x, y, rtol=0, atol=1e-5 * np.abs(y).max(), err_msg=f"{what} output {i}")
+
+
 @pytest.mark.parametrize("isa", ["avx2", "avx512"])
 def test_cpu_holds_int4_packed_with_the_same_bits(int4_dir, isa):
     """from_pretrained on the CPU holds the INT4 experts packed (half a byte a weight plus a float a
@@ -994,8 +1001,7 @@ def test_cuda_holds_int4_experts_with_the_same_bits(int4_bf16_dir, variant):
     if variant.get("expert_kernel") == "mma":
         _assert_same(got, want, str(variant))
     else:
-        for i, (x, y) in enumerate(zip(got, want)):
-            np.testing.assert_allclose(x, y, rtol=0, atol=1e-5 * np.abs(y).max(), err_msg=f"{variant} output {i}")
+        _assert_close(got, want, str(variant))
         if "expert_kernel" not in variant:  # auto: the prefills (from a fresh cache) on the tensor cores: same bits
             for i, T in ((0, 30), (len(got) - 1, 300)):
                 if T * cfg.num_experts_per_tok >= cfg.n_routed_experts:
@@ -1032,9 +1038,7 @@ def test_cuda_int4_experts_refusals_leave_the_model_usable(int4_bf16_dir):
     _assert_same(_outputs(eng, cfg), want, "after the refusals")
     off = kn.Engine.from_pretrained(path, device="cuda", max_seq_len=128, cuda_options={"int4_experts_group": 0})
     assert off.model.int4_weight_bytes == 0
-    # (the same values; the INT4 GEMV of the small steps sums in its own lane order: within FP32 rounding)
-    for i, (x, y) in enumerate(zip(_outputs(off, cfg), want)):
-        np.testing.assert_allclose(x, y, rtol=0, atol=1e-5 * np.abs(y).max(), err_msg=f"dequantized output {i}")
+    _assert_close(_outputs(off, cfg), want, "dequantized")
     # an INT4 piece of a matrix that is not a routed expert: dequantized (bf16_round((q - 8) * scale))
     so = f"model.layers.{cfg.first_k_dense_replace}.mlp.shared_experts.down_proj.weight"
     Ns, Ks = expected_weight_shapes(cfg)[so]
@@ -1049,5 +1053,4 @@ def test_cuda_int4_experts_refusals_leave_the_model_usable(int4_bf16_dir):
     w[so] = to_bf16((q - 8).astype(np.float32) * np.repeat(ss, 32, axis=1))
     ref = kn.Engine.from_weights(cfg, w, device="cuda", max_seq_len=128,
                                  cuda_options={"bf16_weights": eng.model.bf16_weights})
-    for i, (x, y) in enumerate(zip(_outputs(eng, cfg), _outputs(ref, cfg))):  # (as above: within FP32 rounding)
-        np.testing.assert_allclose(x, y, rtol=0, atol=1e-5 * np.abs(y).max(), err_msg=f"a dequantized INT4 piece {i}")
+    _assert_close(_outputs(eng, cfg), _outputs(ref, cfg), "a dequantized INT4 piece")
