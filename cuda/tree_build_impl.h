@@ -262,13 +262,6 @@ KD_HD inline void store_row(float* p, const float (&x)[W]) {
     for (int j = 0; j < W; ++j) p[j] = x[j];
   }
 }
-KD_HD inline int ctz32(uint32_t x) {  // x != 0
-#ifdef __CUDA_ARCH__
-  return __ffs((int)x) - 1;
-#else
-  return __builtin_ctz(x);
-#endif
-}
 KD_HD inline int clz32(uint32_t x) {  // x != 0
 #ifdef __CUDA_ARCH__
   return __clz((int)x);
@@ -276,7 +269,28 @@ KD_HD inline int clz32(uint32_t x) {  // x != 0
   return __builtin_clz(x);
 #endif
 }
-KD_HD inline bool is_nan_f(float x) { return x != x; }
+// floor(log2 x) of a positive finite float (subnormals included)
+KD_HD inline int float_exponent(float x) {
+  const uint32_t bits = bits_as<uint32_t>(x);
+  const int e = (int)(bits >> 23);
+  return e != 0 ? e - 127 : -149 + (31 - clz32(bits & 0x7FFFFFu));
+}
+// Phase 0's exponent bounds, one element v at a time, without a branch or a bit scan: amax = the
+// largest |v| and qmin = the smallest quantum (the value of v's lowest set significand bit, a power
+// of two: |v| minus |v| with that bit cleared, exact; |v| itself when the significand is the
+// implicit bit alone) over the nonzero finite elements (start: 0 and +inf); float_exponent of the
+// two gives the largest exponent and the smallest quantum exponent (the exactness test's maxe and
+// minq), once a thread. The per-element exponent arithmetic with a BREV + FLO bit scan in two
+// branches (normal, subnormal) was ~20 instructions: -0.26 us at peaked B = 256 in a same-lease
+// A/B on an H100 (fifty-seventh session, docs/BENCHMARKS.md).
+KD_HD inline void exponent_bounds(float v, float& amax, float& qmin) {
+  const uint32_t bits = bits_as<uint32_t>(v) & 0x7FFFFFFFu;
+  const bool fin = bits - 1u < 0x7F7FFFFFu;  // nonzero and finite
+  const float av = bits_as<float>(bits);
+  const float qv = (bits & 0x7FFFFFu) ? av - bits_as<float>(bits & (bits - 1u)) : av;
+  amax = fin && av > amax ? av : amax;
+  qmin = fin && qv < qmin ? qv : qmin;
+}
 KD_HD inline bool is_nan_d(double x) { return x != x; }
 KD_HD inline float neg_inf_f() { return -__builtin_huge_valf(); }
 KD_HD inline double neg_inf_d() { return -__builtin_huge_val(); }
@@ -576,31 +590,25 @@ struct TreeBlock {
     const int nitems = D * per_row;
     if (tid >= nitems) return;  // (small inputs: most threads have none)
     bool bad = false;
-    int me_max = -100000, qe_min = 100000;
+    float amax = 0.0f, qmin = -neg_inf_f();  // 0 / +inf: no nonzero finite element yet
+    // (Per element: one compare for NaN / +inf, the order against the left neighbour (r > 0 is
+    // known for j > 0), the -inf count and the exponent bounds; the rest once an item.)
     auto check = [&](int d, int r0, const float (&x)[W], float prev) {
-      int fbi = keff;  // this item's first -inf rank
+      int above = 0;  // elements above -inf
 #pragma unroll
       for (int j = 0; j < W; ++j) {
         const float v = x[j];
-        const int r = r0 + j;
-        bad |= is_nan_f(v) || v == -neg_inf_f();  // NaN, +inf
-        bad |= r > 0 && !(v <= prev);            // not sorted (or NaN before)
-        bad |= d > 0 && r == 0 && v > 0.0f;      // child would beat parent
-        if (v == neg_inf_f() && fbi == keff) fbi = r;
-        const uint32_t bits = bits_as<uint32_t>(v) & 0x7FFFFFFFu;
-        if (bits != 0 && bits < 0x7F800000u) {
-          const int e = (int)(bits >> 23);
-          const uint32_t m = bits & 0x7FFFFFu;
-          int qe, me;
-          if (e == 0) { qe = -149 + ctz32(m); me = -149 + (31 - clz32(m)); }
-          else { qe = (e - 150) + ctz32(m | 0x800000u); me = e - 127; }
-          me_max = me > me_max ? me : me_max;
-          qe_min = qe < qe_min ? qe : qe_min;
-        }
+        bad |= !(v < -neg_inf_f());                  // NaN, +inf
+        if (j > 0 || r0 > 0) bad |= !(v <= prev);   // not sorted (or NaN before)
+        above += v > neg_inf_f();
+        exponent_bounds(v, amax, qmin);
         prev = v;
       }
+      bad |= d > 0 && r0 == 0 && x[0] > 0.0f;  // child would beat parent
       store_row<W>(lpc + (size_t)d * keff + r0, x);
-      if (fbi < keff) ctx.atomic_min(&misc[M_FB + d], fbi);
+      // sorted rows (else `bad`, and the parallel path reads no M_FB) hold their -inf as a suffix:
+      // the item's first -inf rank is r0 + above
+      if (above < W) ctx.atomic_min(&misc[M_FB + d], r0 + above);
     };
     ctx.step(1);
     check(P.d[0], P.r0[0], P.x[0], P.prev[0]);
@@ -624,9 +632,9 @@ struct TreeBlock {
       }
     }
     if (bad) ctx.atomic_max(&misc[M_FAIL], 1);
-    if (me_max > -100000) {
-      ctx.atomic_max(&misc[M_MAXE], me_max);
-      ctx.atomic_min(&misc[M_MINQ], qe_min);
+    if (amax > 0.0f) {  // floor(log2) of the largest |v| and of the smallest quantum
+      ctx.atomic_max(&misc[M_MAXE], float_exponent(amax));
+      ctx.atomic_min(&misc[M_MINQ], float_exponent(qmin));
     }
   }
 

@@ -18,6 +18,7 @@
 // regimes); KDTREE_EMU_PROXY=1 prints the latency proxy (barriers, critical path) instead;
 // KDTREE_EMU_TRACE=1 prints each case and run (mode, path, how the estimate ended) to stderr
 // before and after it, which finds the case of a hang (a barrier some threads skip).
+#include <cstring>
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -526,6 +527,55 @@ int check_bucket_limit() {
   return bad;
 }
 
+// Phase 0's branch-free exponent bounds (exponent_bounds + float_exponent) against the exponent
+// arithmetic by their definition (bit scans, normal and subnormal apart): the largest floor(log2 |v|)
+// and the smallest exponent of a lowest set significand bit over the nonzero finite elements of
+// random groups of floats (normals, subnormals, zeros, powers of two, trailing zeros, infinities, NaN).
+int check_exponent_bounds() {
+  using namespace kdtree::treeimpl;
+  std::mt19937_64 rng(11);
+  int bad = 0;
+  long n = 0;
+  for (int it = 0; it < 400000; ++it) {
+    int me_max = -100000, qe_min = 100000;
+    float amax = 0.0f, qmin = __builtin_huge_valf();
+    const int cnt = 1 + (int)(rng() % 6);
+    for (int j = 0; j < cnt; ++j) {
+      uint32_t b = (uint32_t)rng();
+      switch (rng() % 8) {
+        case 0: b &= 0x807FFFFFu; break;                      // subnormal or zero
+        case 1: b &= 0xFF800000u; break;                      // a power of two, zero or infinity
+        case 2: b &= 0xFFFFF000u; break;                      // trailing zeros
+        case 3: b = (b & 0x80000000u) | 0x7F800000u | (uint32_t)(rng() % 3 == 0); break;  // inf or NaN
+        case 4: b = (b & 0x80000000u) | (uint32_t)(rng() % 5); break;                     // tiny subnormals, zero
+        default: break;
+      }
+      float v;
+      std::memcpy(&v, &b, 4);
+      exponent_bounds(v, amax, qmin);
+      const uint32_t bits = b & 0x7FFFFFFFu;
+      if (bits != 0 && bits < 0x7F800000u) {
+        const int e = (int)(bits >> 23);
+        const uint32_t m = bits & 0x7FFFFFu;
+        int qe, me;
+        if (e == 0) { qe = -149 + __builtin_ctz(m); me = -149 + (31 - __builtin_clz(m)); }
+        else { qe = (e - 150) + __builtin_ctz(m | 0x800000u); me = e - 127; }
+        me_max = std::max(me_max, me);
+        qe_min = std::min(qe_min, qe);
+      }
+    }
+    ++n;
+    const bool any = amax > 0.0f;
+    if (any != (me_max > -100000) ||
+        (any && (float_exponent(amax) != me_max || float_exponent(qmin) != qe_min))) {
+      if (++bad < 5) std::printf("exponent bounds mismatch: %d %d vs %d %d\n", any ? float_exponent(amax) : 0,
+                                 any ? float_exponent(qmin) : 0, me_max, qe_min);
+    }
+  }
+  std::printf("exponent bounds: %ld groups, %d mismatches\n", n, bad);
+  return bad;
+}
+
 // [D, K] rows -1 - 0.25 j (sorted, exact, every row alike) and ids 1000 d + j: the base that the
 // phase 0 cases below edit one element of.
 void plain_rows(int D, int K, std::vector<float>* lp, std::vector<int32_t>* ids) {
@@ -584,6 +634,7 @@ int main() {
   if (std::getenv("KDTREE_EMU_PROXY")) return proxy_table();
   if (check_bucket_limit()) return 1;
   if (check_child_floor()) return 1;
+  if (check_exponent_bounds()) return 1;
   const char* env = std::getenv("KDTREE_EMU_CASES");
   const int cases = env ? std::atoi(env) : 60;
   std::mt19937_64 rng(20261130);
