@@ -9,8 +9,10 @@ Needs a module built with the kernel's phase timers (never in a normal build):
 With KDTREE_TREE_PROFILE every tree-build launch prints one "TREEPROF" line from the device
 (cuda/tree_build_impl.h, KD_TREE_MARK): per category the cycles between thread 0's marks, each
 mark right after a block barrier, so an interval is the slowest thread's time for that part.
-Categories: phase0 (input checks), thr (the threshold estimate; the "threshold" column says
-whether its threshold gave the tree), level1, count (adaptive levels: children counts, per level;
+Categories: phase0 (input checks), thrhist (the threshold estimate's range and row histograms, to
+their barrier), thr (the rest of the estimate: the depth steps in warp 0 beside the rank tables, the
+hand-over barrier; the whole estimate when it stops before the histograms; the "threshold" column
+says whether its threshold gave the tree), level1, count (adaptive levels: children counts, per level;
 for levels of more than 32 parents thread 0's own counting), offs (adaptive levels: those levels'
 offsets, two warp scans and two barriers; estimate's levels: the offset scan of a level of more
 than 32 nodes), probe (the tighter-threshold recount), mat (materialise a level; on the estimate's
@@ -36,7 +38,7 @@ import kdtree_native as kn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_cuda_tree_build import PATH_NAMES, drafter_logits  # noqa: E402
 
-CATS = ("phase0", "thr", "level1", "count", "offs", "probe", "mat", "gscan", "rank", "out", "other")
+CATS = ("phase0", "thrhist", "thr", "level1", "count", "offs", "probe", "mat", "gscan", "rank", "out", "other")
 
 
 def shapes():

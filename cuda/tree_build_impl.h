@@ -80,10 +80,11 @@ namespace treeimpl {
 // longer marked (the parents are mapped in write_outputs); kept so the profile line keeps its fields.
 enum ProfCat {
   P_START = -1, P_PHASE0 = 0, P_LEVEL1, P_COUNT, P_PROBE, P_MAT, P_GSCAN, P_RANK_SORT, P_RANK_CMP, P_RANK_PAR,
-  P_OUT, P_OTHER, P_OFFS, P_THR, kProfTimed, P_LEVELS = kProfTimed, P_PROBES, kProfCats
+  P_OUT, P_OTHER, P_OFFS, P_THR, P_THR_HIST, kProfTimed, P_LEVELS = kProfTimed, P_PROBES, kProfCats
 };
 constexpr const char* kProfNames[kProfTimed] = {"phase0", "level1", "count", "probe", "mat", "gscan",
-                                                "rank-sort", "rank-cmp", "rank-par", "out", "other", "offs", "thr"};
+                                                "rank-sort", "rank-cmp", "rank-par", "out", "other", "offs", "thr",
+                                                "thrhist"};
 
 constexpr int kMaxDepth = 16;      // D limit of the CUDA tree build
 constexpr int kMaxBudget = 1024;   // B limit of the CUDA tree build (one block)
@@ -857,6 +858,7 @@ struct TreeBlock {
       }
     }
     ctx.sync();
+    KD_TREE_MARK(P_THR_HIST);  // (the profile's "thrhist": the estimate up to here; "thr": the depth steps on)
 #if defined(KDTREE_EMU_MARKS) && !defined(__CUDA_ARCH__)
     // block emulation (tests/cpp/test_tree_block_emulation.cpp): the crossing is checked against a
     // serial recount of every depth (the early stop may only loosen it)
@@ -1684,11 +1686,11 @@ struct TreeBlock {
 #if defined(KDTREE_TREE_PROFILE) && defined(__CUDA_ARCH__)
     if (tid == 0)
       printf("TREEPROF B=%d D=%d K=%d nt=%d path=%d n=%d levels=%lld probes=%lld fix=%d | phase0 %lld level1 %lld count %lld "
-             "probe %lld mat %lld gscan %lld rank %lld+%lld+%lld out %lld other %lld offs %lld thr %lld\n",
+             "probe %lld mat %lld gscan %lld rank %lld+%lld+%lld out %lld other %lld offs %lld thr %lld thrhist %lld\n",
              B, D, a.K, nt, path, n, prof_acc[P_LEVELS], prof_acc[P_PROBES], path == 0 || path == 3 ? misc[M_FIX] : -1,
              prof_acc[P_PHASE0], prof_acc[P_LEVEL1], prof_acc[P_COUNT], prof_acc[P_PROBE], prof_acc[P_MAT],
              prof_acc[P_GSCAN], prof_acc[P_RANK_SORT], prof_acc[P_RANK_CMP], prof_acc[P_RANK_PAR], prof_acc[P_OUT],
-             prof_acc[P_OTHER], prof_acc[P_OFFS], prof_acc[P_THR]);
+             prof_acc[P_OTHER], prof_acc[P_OFFS], prof_acc[P_THR], prof_acc[P_THR_HIST]);
 #endif
   }
 };

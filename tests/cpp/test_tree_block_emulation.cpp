@@ -18,7 +18,6 @@
 // regimes); KDTREE_EMU_PROXY=1 prints the latency proxy (barriers, critical path) instead;
 // KDTREE_EMU_TRACE=1 prints each case and run (mode, path, how the estimate ended) to stderr
 // before and after it, which finds the case of a hang (a barrier some threads skip).
-#include <cstring>
 #include <algorithm>
 #include <atomic>
 #include <cmath>
@@ -26,6 +25,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <random>
 #include <string>
