@@ -12,11 +12,15 @@ mark right after a block barrier, so an interval is the slowest thread's time fo
 Categories: phase0 (input checks), thrhist (the threshold estimate's range and row histograms, to
 their barrier), thr (the rest of the estimate: the depth steps in warp 0 beside the rank tables, the
 hand-over barrier; the whole estimate when it stops before the histograms; the "threshold" column
-says whether its threshold gave the tree), level1, count (adaptive levels: children counts, per level;
+says whether its threshold gave the tree), dpmac (of the depth steps, the products: loads, multiply-adds,
+the pair's shuffle; thr keeps the rest of each step), level1, count (adaptive levels: children counts, per level;
 for levels of more than 32 parents thread 0's own counting), offs (adaptive levels: those levels'
-offsets, two warp scans and two barriers; estimate's levels: the offset scan of a level of more
-than 32 nodes), probe (the tighter-threshold recount), mat (materialise a level; on the estimate's
-path with its children counts, and the warp-0 run of small levels), gscan (histogram
+offsets, two warp scans and two barriers; estimate's levels of more than 32 nodes: the parent
+positions' fill and the second barrier, after offsum: the warp totals' reduction), probe (the tighter-threshold recount), estimate's
+levels of more than 32 nodes: node (thread 0's own nodes, from the last barrier, with their children
+counts), mat (from there to the level's barrier), narrow (the warp-0 runs of levels of at most 32 nodes);
+nload / nstore (thread 0's nodes on either kind of level: the loads and the score, the bucket and the
+stores; taken out of node / narrow), gscan (histogram
 scan; on the estimate's path only the final one), rank (counting sort + comparisons inside a bucket;
 the parallel path also writes each node's token, depth and position there), out (outputs: parents,
 visibility walk and copy, warp by warp with no block barrier; the profile build adds one at its end,
@@ -38,7 +42,8 @@ import kdtree_native as kn
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_cuda_tree_build import PATH_NAMES, drafter_logits  # noqa: E402
 
-CATS = ("phase0", "thrhist", "thr", "level1", "count", "offs", "probe", "mat", "gscan", "rank", "out", "other")
+CATS = ("phase0", "thrhist", "thr", "dpmac", "level1", "count", "node", "mat", "narrow", "nload", "nstore", "offsum", "offs", "probe",
+        "gscan", "rank", "out", "other")
 
 
 def shapes():

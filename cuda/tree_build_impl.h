@@ -80,11 +80,12 @@ namespace treeimpl {
 // longer marked (the parents are mapped in write_outputs); kept so the profile line keeps its fields.
 enum ProfCat {
   P_START = -1, P_PHASE0 = 0, P_LEVEL1, P_COUNT, P_PROBE, P_MAT, P_GSCAN, P_RANK_SORT, P_RANK_CMP, P_RANK_PAR,
-  P_OUT, P_OTHER, P_OFFS, P_THR, P_THR_HIST, kProfTimed, P_LEVELS = kProfTimed, P_PROBES, kProfCats
+  P_OUT, P_OTHER, P_OFFS, P_THR, P_THR_HIST, P_DPMAC, P_NODE, P_NARROW, P_OFFSUM, P_NLOAD, P_NSTORE, kProfTimed,
+  P_LEVELS = kProfTimed, P_PROBES, kProfCats
 };
 constexpr const char* kProfNames[kProfTimed] = {"phase0", "level1", "count", "probe", "mat", "gscan",
                                                 "rank-sort", "rank-cmp", "rank-par", "out", "other", "offs", "thr",
-                                                "thrhist"};
+                                                "thrhist", "dpmac", "node", "narrow", "offsum", "nload", "nstore"};
 
 constexpr int kMaxDepth = 16;      // D limit of the CUDA tree build
 constexpr int kMaxBudget = 1024;   // B limit of the CUDA tree build (one block)
@@ -335,22 +336,26 @@ KD_HD inline double bucket_limit(int bt) {
 // instead of a conversion, two double additions and a double compare. Exact: tau = t + e by
 // TwoSum (t = fl(A - lim), e its rounding error); rounding t down to a float gives floor_float(tau)
 // except when t is a float itself and e < 0 (then the float below it); when t is not a float,
-// |e| is below the gap between t and the float below it.
+// |e| is below the gap between t and the float below it. On the device the same value comes from
+// directed rounding in two instructions (fifty-eighth session: -0.17 to -0.40 us a tree at peaked B = 16 ..
+// 1024 on an H100; the TwoSum's dependent double operations were on every parent's children count): t' = A - lim rounded
+// down is the largest double <= tau, and that rounded down to a float is the largest float <= t', which
+// is the largest float <= tau (every float <= tau is a double <= tau, so <= t'). The block emulation
+// checks the two formulas against each other (test_tree_block_emulation, check_child_floor).
 KD_HD inline float child_floor(double smax, double s, double lim) {
   if (lim == pos_inf_d()) return neg_inf_f();
+#ifdef __CUDA_ARCH__
+  return __double2float_rd(__dsub_rd(smax - s, lim));
+#else
   const double A = smax - s, b = -lim;
   const double t = A + b;
   const double bb = t - A;
   const double e = (A - (t - bb)) + (b - bb);
-#ifdef __CUDA_ARCH__
-  float f = __double2float_rd(t);
-  if ((double)f == t && e < 0.0) f = nextafterf(f, neg_inf_f());
-#else
   float f = (float)t;
   if ((double)f > t) f = std::nextafter(f, neg_inf_f());
   if ((double)f == t && e < 0.0) f = std::nextafter(f, neg_inf_f());
-#endif
   return f;
+#endif
 }
 
 // misc[] slots in shared memory
@@ -928,6 +933,7 @@ struct TreeBlock {
     const int g = lane >> 1, h = lane & 1, j0 = 4 * g, k0 = 32 * h;
     int N0 = 0, N1 = 0, N2 = 0, N3 = 0;
     int ab_prev = 0, below = kDpG;  // (no step: every total 0 < B)
+    int prev_below = kDpG;          // the crossing after the step before
     bool stop_next = false;
     float sp = 0.0f;
     for (int n = 0; n < D; ++n) {
@@ -936,6 +942,7 @@ struct TreeBlock {
       const int* Hn = H + n * kDpG;
       if (n > 0) sp -= lpc[(size_t)n * keff];
       int v[4] = {0, 0, 0, 0};
+      KD_TREE_MARK(P_THR);
       ctx.step(4);
 #pragma unroll
       for (int qq = 0; qq < 4; ++qq) {
@@ -958,6 +965,7 @@ struct TreeBlock {
         v[b] += ctx.warp_shfl(v[b], lane ^ 1);
         v[b] = v[b] < kDpCap ? v[b] : kDpCap;
       }
+      KD_TREE_MARK(P_DPMAC);
       if (h == 0) {
 #pragma unroll
         for (int b = 0; b < 4; ++b) Sout[j0 + b] = v[b];
@@ -985,9 +993,14 @@ struct TreeBlock {
           const int mine = e == 0 ? N0 : e == 1 ? N1 : e == 2 ? N2 : N3;
           const int gap = B - ctx.warp_shfl(mine, 2 * (m >> 2));
           stop_next = ab_prev > am && am * am < gap * (ab_prev - am);  // (<= 8192^2: no overflow)
+          // settled: this step moved the crossing by at most one bin, and the additions, shrinking,
+          // would fill at most four times the gap if they went on geometrically: the depths left
+          // could move the crossing by a bin or so, which costs the levels less than their steps
+          if (prev_below - below <= 1 && ab_prev > am && am * am < 4 * gap * (ab_prev - am)) break;  // (<= 2^26)
           ab_prev = am;
         }
       }
+      prev_below = below;
     }
     return below;
   }
@@ -1041,7 +1054,7 @@ struct TreeBlock {
         T = misc[M_WT];
         used = misc[M_WU];
         p0 = misc[M_WP];
-        KD_TREE_MARK(P_MAT);
+        KD_TREE_MARK(P_NARROW);
         continue;
       }
       // a wide level: thread tid materialises nodes [t0, t1) (contiguous: the offsets below keep
@@ -1056,6 +1069,7 @@ struct TreeBlock {
         c1 = c;
         sum += c;
       }
+      KD_TREE_MARK(P_NODE);
       // Only the warps that own nodes of the level scan its counts; the others just pass the two
       // barriers (their shuffles only queued up in front of the owners', thirty-fourth session:
       // peaked B = 512 / 1024 -0.5 us) and read the next level's size from misc[M_T]. Warp w owns
@@ -1085,6 +1099,7 @@ struct TreeBlock {
         const int before = ctx.warp_sum(warp == 0 || lane < warp ? wt : 0);
         if (warp == 0 && lane == 0) misc[M_T] = before;  // the next level's size
         int run = (warp == 0 ? 0 : before) + incl - sum;
+        KD_TREE_MARK(P_OFFSUM);
         for (int t = t0; t < t1; ++t) {
           ctx.step(1);
           const int c = per > 1 ? (int)ord[t] : c1;
@@ -1116,10 +1131,12 @@ struct TreeBlock {
       r = t - cnt[j];
       s = sc[p] + (double)lpc[(size_t)(d - 1) * keff + r];
     }
+    KD_TREE_MARK(P_NLOAD);
     const int x = used + t, b = bucket_of(smax, s);
     sc[x] = s; par[x] = (uint16_t)p; rk[x] = (uint16_t)r; dp[x] = (uint8_t)d; bk[x] = (uint16_t)b;
     ctx.atomic_add(&hist[b], 1);  // (one count: the fixed path reads no level halves)
     ctx.atomic_add(&gcnt[b >> 5], 1);
+    KD_TREE_MARK(P_NSTORE);
     return d < D ? count_fixed(s, d + 1, lim) : 0;
   }
 
@@ -1686,11 +1703,14 @@ struct TreeBlock {
 #if defined(KDTREE_TREE_PROFILE) && defined(__CUDA_ARCH__)
     if (tid == 0)
       printf("TREEPROF B=%d D=%d K=%d nt=%d path=%d n=%d levels=%lld probes=%lld fix=%d | phase0 %lld level1 %lld count %lld "
-             "probe %lld mat %lld gscan %lld rank %lld+%lld+%lld out %lld other %lld offs %lld thr %lld thrhist %lld\n",
+             "probe %lld mat %lld gscan %lld rank %lld+%lld+%lld out %lld other %lld offs %lld thr %lld thrhist %lld "
+             "dpmac %lld node %lld narrow %lld offsum %lld nload %lld nstore %lld\n",
              B, D, a.K, nt, path, n, prof_acc[P_LEVELS], prof_acc[P_PROBES], path == 0 || path == 3 ? misc[M_FIX] : -1,
              prof_acc[P_PHASE0], prof_acc[P_LEVEL1], prof_acc[P_COUNT], prof_acc[P_PROBE], prof_acc[P_MAT],
              prof_acc[P_GSCAN], prof_acc[P_RANK_SORT], prof_acc[P_RANK_CMP], prof_acc[P_RANK_PAR], prof_acc[P_OUT],
-             prof_acc[P_OTHER], prof_acc[P_OFFS], prof_acc[P_THR], prof_acc[P_THR_HIST]);
+             prof_acc[P_OTHER], prof_acc[P_OFFS], prof_acc[P_THR], prof_acc[P_THR_HIST],
+             prof_acc[P_DPMAC], prof_acc[P_NODE], prof_acc[P_NARROW], prof_acc[P_OFFSUM], prof_acc[P_NLOAD],
+             prof_acc[P_NSTORE]);
 #endif
   }
 };

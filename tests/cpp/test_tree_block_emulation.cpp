@@ -20,6 +20,7 @@
 // before and after it, which finds the case of a hang (a barrier some threads skip).
 #include <algorithm>
 #include <atomic>
+#include <cfenv>
 #include <cmath>
 #include <condition_variable>
 #include <cstdint>
@@ -602,8 +603,20 @@ int check_child_floor() {
     const double z = x + y, yy = z - x;
     return (x - (z - yy)) + (y - yy) == 0.0;
   };
-  long n = 0;
-  int bad = 0;
+  // the device's formula (cuda/tree_build_impl.h, child_floor under __CUDA_ARCH__): A - lim rounded
+  // down to a double, then down to a float; here by the FPU's rounding mode (volatile operands keep
+  // the operations after fesetround)
+  auto device_formula = [](double smax, double s, double lim) -> float {
+    if (lim == INFINITY) return -INFINITY;
+    volatile double va = smax - s, vl = lim;
+    std::fesetround(FE_DOWNWARD);
+    volatile double t = va - vl;
+    volatile float f = (float)t;
+    std::fesetround(FE_TONEAREST);
+    return f;
+  };
+  long n = 0, nd = 0;
+  int bad = 0, bad_dev = 0;
   for (int i = 0; i < 200000; ++i) {
     const double smax = std::ldexp((double)grid(rng), -20 - (int)(rng() % 8));
     double s = smax;
@@ -611,6 +624,13 @@ int check_child_floor() {
     for (int k = 0; k < terms; ++k) s += std::ldexp((double)grid(rng), -20);
     const int bt = (int)(rng() % (uint64_t)(kNB - 1));  // 0 .. kNB - 2 (kNB - 2: lim = +inf)
     const double lim = bucket_limit(bt);
+    {
+      const float host = child_floor(smax, s, lim), dev = device_formula(smax, s, lim);
+      ++nd;
+      if (std::memcmp(&host, &dev, sizeof(float)) != 0 && ++bad_dev <= 5)
+        std::printf("child_floor: TwoSum %.9g, directed rounding %.9g (smax %.17g s %.17g lim %.17g)\n", (double)host,
+                    (double)dev, smax, s, lim);
+    }
     const double t = (smax - s) - lim;
     const float ft = (float)t;
     float cands[8] = {ft, std::nextafter(ft, INFINITY), std::nextafter(ft, -INFINITY), 0.0f, -0.0f,
@@ -626,8 +646,9 @@ int check_child_floor() {
                     (double)v, want, got);
     }
   }
-  std::printf("child_floor: %ld checks, %d mismatches\n", n, bad);
-  return bad;
+  std::printf("child_floor: %ld checks, %d mismatches; the device's directed-rounding formula: %ld checks, %d "
+              "mismatches\n", n, bad, nd, bad_dev);
+  return bad + bad_dev;
 }
 
 int main() {
