@@ -806,7 +806,7 @@ struct TreeBlock {
   // within the bins even after rounding up (kDpG - 3 bins span U); without one, a generous guess.
   // Cost: one barrier for the histograms, then the depth steps in warp 0 (dp_warp: warp barriers
   // only) until a depth adds nothing below the crossing (N is cumulative, so that is a per-bin
-  // test, no scan) or the early stop judges that the depths left cannot move the crossing, and one
+  // test, no scan) or an early stop judges that the depths left cannot move the crossing much, and one
   // barrier to hand the crossing over. Scratch in phist and cur, which phase 0 initialised.
   KD_HD int fixed_threshold() {
     int* H = phist;                  // [D][kDpG] row histograms of ceil(e / w) (zeroed in phase 0)
@@ -927,7 +927,14 @@ struct TreeBlock {
   // the crossing. After step n, with am = what it added just below the crossing and the gap to B
   // there: when the additions shrink by a ratio r < 1 a depth and even r / (1 - r) times them
   // could not fill the gap, step n + 1 is the last (the block-wide version decided one step late,
-  // so it kept that one step; the same step count here).
+  // so it kept that one step; the same step count here). The settled stop (fifty-eighth session)
+  // ends the steps at once when step n moved the crossing by at most one bin and four times the
+  // gap would still take the geometric rest of the additions: peaked B = 256 stops after 5 of 8
+  // steps for a threshold one bin looser (-0.7 us on an H100); without the gap test it fired where
+  // later depths still add a lot, and the looser threshold overflowed the candidate store (a random
+  // case of the block emulation). Measured and dropped the same session: the next depth's product
+  // formed before this depth's tests (software-pipelined, one basic block; +0.6 us), the counts as
+  // floats (FFMA; no change: IMAD issues at the FFMA rate on sm_90).
   KD_HD int dp_warp(const int* H, float inv) {
     int* S = cur;  // two buffers of kSB ints, bin i at [kSZ + i] (phase 0 wrote S_0 = 1 and the zeros)
     const int g = lane >> 1, h = lane & 1, j0 = 4 * g, k0 = 32 * h;
