@@ -114,14 +114,18 @@ def ab_line(N, label, iters):
     """One line, `AB <label> {shape: graph-replay median us}`, for same-lease A/B runs: run it in
     alternating processes against two builds (e.g. PYTHONPATH=/tmp/mainmod for main's module,
     installed with `pip install --no-deps --no-build-isolation --target /tmp/mainmod <main's tree>`).
-    Shapes: peaked K = B at every budget, flat K = B at 256 / 1024, the engine's K = 8 at 64 / 256;
-    every tree is checked against the CPU twin."""
+    Shapes: peaked K = B at every budget, flat K = B at 256 / 1024, the engine's K = 8 at 64 / 256, the
+    OracleDrafter's rows ([-0.01, -4, -5, ...], K = 8: exact score ties, where a looser threshold estimate
+    can overflow the candidate store) at 16 / 64 / 256; every tree is checked against the CPU twin."""
     pk, fl = drafter_logits(0, "peaked"), drafter_logits(0, "flat")
     lp_p, ids_p = kn.reference.topk_logsoftmax(pk, 1024)
     lp_f, ids_f = kn.reference.topk_logsoftmax(fl, 1024)
     lp_8, ids_8 = kn.reference.topk_logsoftmax(drafter_logits(0, "peaked", V=32000), 8)
+    lp_o = np.tile(np.concatenate([[-0.01], -4.0 - np.arange(7)]).astype(np.float32), (15, 1))
+    ids_o = np.arange(15 * 8, dtype=np.int32).reshape(15, 8)
     shapes = [("pk", B, lp_p[:, :B], ids_p[:, :B]) for B in (16, 64, 256, 512, 1024)] + \
-             [("fl", B, lp_f[:, :B], ids_f[:, :B]) for B in (256, 1024)] + [("k8", B, lp_8, ids_8) for B in (64, 256)]
+             [("fl", B, lp_f[:, :B], ids_f[:, :B]) for B in (256, 1024)] + [("k8", B, lp_8, ids_8) for B in (64, 256)] + \
+             [("or", B, lp_o, ids_o) for B in (16, 64, 256)]
     out = {}
     for name, B, lp, ids in shapes:
         lp, ids = np.ascontiguousarray(lp), np.ascontiguousarray(ids)
