@@ -47,6 +47,13 @@ def drafter_logits(seed, kind="peaked", D=15, V=163840):
     return np.asarray(rows, dtype=np.float32)
 
 
+def oracle_rows(D=15, K=8):
+    """The OracleDrafter's rows (kdtree_native.drafters: [-0.01, -4, -5, ...] at every depth) with made-up ids:
+    chains with many exact score ties."""
+    lp = np.tile(np.concatenate([[-0.01], -4.0 - np.arange(K - 1)]).astype(np.float32), (D, 1))
+    return lp, np.arange(D * K, dtype=np.int32).reshape(D, K)
+
+
 def checked(r, ref, what):
     """r (a timing call's result) after checking that its tree is the CPU twin's (n and parents)."""
     assert int(r["n"]) == ref.n and np.array_equal(r["parents"][: ref.n + 1], ref.parents), what
@@ -121,8 +128,7 @@ def ab_line(N, label, iters):
     lp_p, ids_p = kn.reference.topk_logsoftmax(pk, 1024)
     lp_f, ids_f = kn.reference.topk_logsoftmax(fl, 1024)
     lp_8, ids_8 = kn.reference.topk_logsoftmax(drafter_logits(0, "peaked", V=32000), 8)
-    lp_o = np.tile(np.concatenate([[-0.01], -4.0 - np.arange(7)]).astype(np.float32), (15, 1))
-    ids_o = np.arange(15 * 8, dtype=np.int32).reshape(15, 8)
+    lp_o, ids_o = oracle_rows()
     shapes = [("pk", B, lp_p[:, :B], ids_p[:, :B]) for B in (16, 64, 256, 512, 1024)] + \
              [("fl", B, lp_f[:, :B], ids_f[:, :B]) for B in (256, 1024)] + [("k8", B, lp_8, ids_8) for B in (64, 256)] + \
              [("or", B, lp_o, ids_o) for B in (16, 64, 256)]

@@ -40,7 +40,7 @@ import numpy as np
 import kdtree_native as kn
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_cuda_tree_build import PATH_NAMES, drafter_logits  # noqa: E402
+from bench_cuda_tree_build import PATH_NAMES, drafter_logits, oracle_rows  # noqa: E402
 
 CATS = ("phase0", "thrhist", "thr", "dpmac", "level1", "count", "node", "mat", "narrow", "nload", "nstore", "offsum", "offs", "probe",
         "gscan", "rank", "out", "other")
@@ -54,8 +54,7 @@ def shapes():
     lp_all, ids_all = kn.reference.topk_logsoftmax(drafter_logits(0, "peaked", V=32000), 8)
     for B in (64, 256):
         yield "engine K=8", np.ascontiguousarray(lp_all), np.ascontiguousarray(ids_all), B
-    lp = np.tile(np.concatenate([[-0.01], -4.0 - np.arange(7)]).astype(np.float32), (15, 1))
-    ids = np.arange(15 * 8, dtype=np.int32).reshape(15, 8)
+    lp, ids = oracle_rows()
     for B in (16, 64, 256):
         yield "oracle K=8", lp, ids, B
 
