@@ -19,11 +19,13 @@ rounds). Beside it, the fixed budget (n = the ceiling every round) on the same d
 (ModelDrafter, --min-chain-prob) on the text the embedded target generates greedily after the demo's prompt,
 each round charged a cost table's round time (--cost "T:ms,...", interpolated, extrapolated past its last
 point; default: this session's isolated CPU forwards of the embedded target, 2-vCPU VM) plus --draft-ms-row a
-drafted row; AR and every fixed budget beside it on the same drafts. Deterministic: it separates what the
-policy chooses from the timing noise of live runs (docs/BENCHMARKS.md "Adaptive tree budget").
+drafted row; AR and every fixed budget beside it on the same drafts. The adaptive mode asks the policy how many
+rows to draft each round (draft_depth, fifty-ninth session: the rows are a prefix of the drafter's --depth draft,
+which it drafts row by row; --fixed-depth drafts --depth rows every round, as the policy did before). Deterministic:
+it separates what the policy chooses from the timing noise of live runs (docs/BENCHMARKS.md "Adaptive tree budget").
 
     python benchmarks/bench_adaptive_replay.py --embedded [--tokens 256] [--depth 4] [--ceiling 16]
-        [--cost 1:0.70,2:0.79,5:0.985,9:1.5,17:3.0] [--draft-ms-row 0.09] [--min-chain-prob 0.1]
+        [--cost 1:0.70,2:0.79,5:0.985,9:1.5,17:3.0] [--draft-ms-row 0.09] [--min-chain-prob 0.1] [--fixed-depth]
 """
 import argparse
 import statistics
@@ -115,6 +117,8 @@ def replay_embedded(args):
             drafts[L] = (np.ascontiguousarray(lp, np.float32), np.ascontiguousarray(ids, np.int32))
         return drafts[L]
 
+    asked = []
+
     def run(mode):  # "ar", "adaptive" or a fixed budget: (seconds, rounds, plain steps, the sizes)
         a = _native.AdaptiveBudget()
         a.reset(args.ceiling)
@@ -129,11 +133,15 @@ def replay_embedded(args):
                     a.label(text[:L])
                 continue
             lp, ids = draft_at(L)
+            if mode == "adaptive" and not args.fixed_depth:  # the rows the policy asks for (a prefix of the
+                rows = a.draft_depth(args.depth)             # drafter's deepest draft: it drafts row by row)
+                lp, ids = lp[:rows], ids[:rows]
+                asked.append(rows)
             td = args.draft_ms_row * 1e-3 * lp.shape[0]
             if mode == "adaptive":
                 n = a.choose(lp, ids, args.ceiling, L - 1)
                 lp, ids = a.draft_rows()
-                a.observe(n, cost(n + 1), td)
+                a.observe(n, cost(n + 1), td, len(lp))
             else:
                 n = int(mode)
             acc = accepted(lp, ids, n, text, L)
@@ -153,7 +161,9 @@ def replay_embedded(args):
     for mode in ["adaptive"] + [str(b) for b in budgets]:
         secs, rounds, plain, sizes = run(mode)
         seq = "".join("." if x < 0 else str(min(x, 9)) for x in sizes)[:80] if mode == "adaptive" else ""
-        print(f"| {mode if mode == 'adaptive' else 'fixed ' + mode} | {ar / secs:.3f} | {rounds} | {plain} | {seq} |")
+        if mode == "adaptive" and not args.fixed_depth:
+            mode = f"adaptive (rows asked: {np.mean(asked):.2f} a draft)"
+        print(f"| {mode if mode.startswith('adaptive') else 'fixed ' + mode} | {ar / secs:.3f} | {rounds} | {plain} | {seq} |")
 
 
 def main():
@@ -162,6 +172,9 @@ def main():
     ap.add_argument("--cost", default="1:0.70,2:0.79,5:0.985,9:1.5,17:3.0", help="--embedded: T:ms,... round costs")
     ap.add_argument("--draft-ms-row", type=float, default=0.09, help="--embedded: drafting cost a row")
     ap.add_argument("--min-chain-prob", type=float, default=0.1, help="--embedded: the drafter's chain stop")
+    ap.add_argument("--fixed-depth", action="store_true",
+                    help="--embedded: the adaptive mode drafts --depth rows every round (before the fifty-ninth "
+                         "session the policy did not choose the depth)")
     ap.add_argument("--seeds", type=int, default=16)
     ap.add_argument("--vocab", type=int, nargs="+", default=[32000, 163840])
     ap.add_argument("--tokens", type=int, default=96)

@@ -714,7 +714,14 @@ void bind_engine(py::module_& m) {
           },
           "(log-probs [d, k], ids [d, k]) the last choose() hands the round: the draft's rows in calibrated order "
           "(None when it chose without a tree)")
-      .def("observe", &AdaptiveBudget::observe, py::arg("n"), py::arg("round_seconds"), py::arg("draft_seconds"))
+      .def("observe", &AdaptiveBudget::observe, py::arg("n"), py::arg("round_seconds"), py::arg("draft_seconds"),
+           py::arg("draft_rows") = 0)
+      .def("draft_depth", &AdaptiveBudget::draft_depth, py::arg("max_depth"),
+           "The rows to ask the drafter for this round (1..max_depth): the depth recent drafts were worth")
+      .def("draft_cost", &AdaptiveBudget::draft_cost, py::arg("rows"),
+           "The seconds a draft of that many rows is counted at (measured, interpolated or extrapolated; 0: none yet)")
+      .def("depth_rate", &AdaptiveBudget::depth_rate, py::arg("rows"),
+           "The expected tokens a second of drafting that many rows (a moving average; 0: not measured yet)")
       .def("skip_draft", &AdaptiveBudget::skip_draft, "True: this round is a plain step without drafting")
       .def(
           "label",
@@ -724,7 +731,8 @@ void bind_engine(py::module_& m) {
           },
           py::arg("tokens"))
       .def("round_cost", &AdaptiveBudget::round_cost, py::arg("T"))
-      .def("calibration", &AdaptiveBudget::calibration, py::arg("edge_probability"))
+      .def("calibration", &AdaptiveBudget::calibration, py::arg("edge_probability"), py::arg("edge_class") = 0,
+           "The calibration factor of an edge probability in an edge class (0 chain, 1 sibling, 2 off the chain)")
       .def("draft_seconds", &AdaptiveBudget::draft_seconds, "The drafting seconds the choice counts (0: none yet)")
       .def_property_readonly("trees_pending", &AdaptiveBudget::trees_pending);
 

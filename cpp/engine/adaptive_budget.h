@@ -11,9 +11,18 @@
 //
 // p_i = the chance node i is on the accepted path = p_parent x min(1, q x f(q)), q = the draft's
 // probability of the node's own token at its depth (the edge from its parent), f = a calibration
-// factor learned from what the target did, per band of q ([2^-(b+1), 2^-b)) with exponential
-// forgetting (f = (hits + 0.25) / (mass + 0.25): a prior of a quarter of an edge at the draft's
-// word); 1 + sum p_i is the expected tokens emitted (the bonus token always). Calibrating
+// factor learned from what the target did, per class of edge and band of q ([2^-(b+1), 2^-b)) with
+// exponential forgetting (f = (hits + 0.25) / (mass + 0.25): a prior of a quarter of an edge at the
+// draft's word); 1 + sum p_i is the expected tokens emitted (the bonus token always). The classes
+// (fifty-ninth session): an edge from a parent on the draft's own chain (the root, or top picks all
+// the way) to its row's top pick (chain) or to a lower rank (sibling), and any edge from a parent off
+// the chain (off). A draft model's row at depth t is drafted after its own top picks, so the chain's
+// edges are what it says they are and the children of a sibling are guesses for another context: on
+// the embedded draft model's drafts the chain's top picks at q >= 0.5 were right 1.2 q of the time, the
+// top picks under a sibling 0.58 q, and one table for both put the trees' expected tokens ~11 % under
+// what they accepted (docs/BENCHMARKS.md "Adaptive tree budget: edge classes and the drafting depth").
+// The tree's order uses the chain class's factor for a row's top pick and the sibling class's for
+// the rest (a row entry serves every parent at its depth); an off-chain node's chance its own class's. Calibrating
 // edges, not whole paths, matters for drafters that are sure all the way down (an n-gram match
 // gives q = 1 at every depth: a path probability of 1 at depth 8 would say nothing about depth).
 // The tree is built in the calibrated order: the draft's rows rewritten to log q + log f(q) (capped
@@ -38,6 +47,13 @@
 // two sizes measured; every later round measures the size it chose.
 // The costs are the target's, so they carry over to the next generate call on the same
 // generator; the calibration and the draft time start afresh each call.
+//
+// The drafting depth (draft_depth, fifty-ninth session): a draft's time is measured by its rows (a model
+// drafter's grows ~0.07 ms a row on the 2-vCPU VM, a Python callback's is mostly per call), and from each
+// draft the best tree of its nodes down to each depth e is kept (moving averages of its expected tokens and
+// size), so the rate of drafting e rows is known at today's costs; the engine asks the drafter for the
+// deepest depth within 5 % of the best rate (the caller's depth is the ceiling; every 16th drafted round
+// and every try after a skip run ask for all of it, to keep the deeper depths' figures current).
 //
 // When even the best sizes do not repay the drafter's own time (the average over its drafts, an EMA of
 // each draft's best expected rate, drafting included, against a plain step's, is more than 5 % under it;
@@ -81,20 +97,31 @@ class AdaptiveBudget {
   // Whether this round should not ask the drafter at all (a plain step): after drafted rounds whose
   // best expected rate, drafting included, fell short of a plain step's (see the .cpp).
   bool skip_draft();
+  // The rows to ask the drafter for this round, 1..max_depth (the caller's depth): the depth the recent
+  // drafts were worth drafting to, each row at its measured cost (see the .cpp; max_depth until measured).
+  int64_t draft_depth(int64_t max_depth);
   // A round of T = n + 1 tokens took round_seconds (the executor's round) after draft_seconds of
-  // drafting (< 0: no draft this round).
-  void observe(int64_t n, double round_seconds, double draft_seconds);
+  // drafting (< 0: no draft this round) that gave draft_rows rows (0: not known).
+  void observe(int64_t n, double round_seconds, double draft_seconds, int64_t draft_rows = 0);
   // The token sequence so far, tokens[0, len): labels the depths of the kept trees it has reached
   // and learns from them; a tree it has passed leaves.
   void label(const int32_t* tokens, int64_t len);
 
+  // Edge classes of the calibration (each its own table of bands): an edge from a parent on the
+  // draft's own chain (the root, or a node whose every edge is its row's top pick) to that row's
+  // top pick (kChain) or to a lower rank (kSibling), and any edge from a parent off the chain (kOff).
+  enum EdgeClass { kChain = 0, kSibling = 1, kOff = 2, kClasses = 3 };
   // For tests: the expected cost of a round of T tokens (seconds; 0 when nothing is measured),
-  // and the calibration factor of a path probability.
+  // and the calibration factor of an edge probability in a class.
   double round_cost(int64_t T) const;
-  double calibration(double path_probability) const;
+  double calibration(double edge_probability, int edge_class = kChain) const;
   int64_t trees_pending() const { return count_; }
-  // The drafting seconds the choice counts (0: none measured yet).
+  // The drafting seconds the choice counts (0: none measured yet): a draft's average, and a draft of
+  // that many rows (see the .cpp; used where drafts were measured by their rows).
   double draft_seconds() const { return draft_seen_ ? draft_s_ : 0.0; }
+  double draft_cost(int64_t rows) const;
+  // The expected rate (tokens a second) of drafting e rows, from the drafts seen (0: none yet).
+  double depth_rate(int64_t e) const;
 
  private:
   struct Kept {                    // a tree waiting for the text to reach its depths
@@ -104,6 +131,7 @@ class AdaptiveBudget {
     std::vector<uint8_t> acc;                      // [n+1] node on the generated path (labelled depths)
     std::vector<int32_t> tokens, depths, parents;  // [n], [n], [n+1]
     std::vector<double> prob;                      // [n] probability of the node's edge under the draft
+    std::vector<uint8_t> cls;                      // [n] the edge's class (EdgeClass)
   };
   Tree tree_;
   TreeBuildWorkspace ws_;
@@ -125,9 +153,23 @@ class AdaptiveBudget {
   int64_t skip_len_ = 0, skip_left_ = 0;  // draft skipping: the current run length, rounds left
   double pay_ = 0;                         // the drafts' average worth (EMA of best expected rate x t_round(1))
   bool pay_seen_ = false;
-  double band_mass_[kBands] = {}, band_hits_[kBands] = {}, band_count_[kBands] = {};
+  double band_mass_[kClasses][kBands] = {}, band_hits_[kClasses][kBands] = {}, band_count_[kClasses][kBands] = {};
+  double logf_[kClasses][kBands] = {};  // log of each band's factor (calibrate_rows; 0 where the factor is 1)
+  bool shift_[kClasses][kBands] = {};   // the factor is not 1
+  std::vector<uint8_t> chain_;          // [n+1] node on the draft's own chain (root: yes)
   double draft_s_ = 0;
   bool draft_seen_ = false;
+  std::vector<double> dcost_;     // [kTreeMaxDepth + 1] a draft's seconds by its rows (moving averages; 0: unmeasured)
+  std::vector<double> dg_, dn_;   // [kTreeMaxDepth + 1] by depth limit e: the best trees' gain and size (averages)
+  std::vector<uint8_t> dseen_;    // ... seen at least once
+  std::vector<uint8_t> dprov_;    // [kTreeMaxDepth + 1] dcost_ from a draft after rounds without drafting
+  std::vector<double> dbest_gain_;  // scratch [d+1]: the best depth-limited tree's gain ...
+  std::vector<int64_t> dbest_n_;    // ... and size
+  int64_t depth_rounds_ = 0;      // draft_depth() calls (every kDepthProbe-th asks for the full depth)
+  int64_t asked_ = 0;             // the rows draft_depth() asked for this round (0: not asked)
+  std::vector<double> dgain_, dbest_;  // scratch [d+1]: a depth-limited tree's gain, its best rate
+  std::vector<int64_t> cnt_;           // ... and its nodes so far
+  void update_depth(int64_t d, int64_t asked);
   bool draft_provisional_ = false;  // draft_s_ is from a call after rounds without drafting
   bool last_drafted_ = false;       // the last observed round asked the drafter
   int64_t max_nodes_ = 0;

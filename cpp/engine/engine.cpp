@@ -297,16 +297,18 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
       draft.clear();
       draft.device_ok = exec_.draft_device();
       draft.host_topk = p.adaptive_budget ? k_r : 0;  // the policy reads [d, k_r] log-probs on the host
+      // with the adaptive budget, the rows the recent drafts were worth (each row at its measured cost)
+      const int64_t depth_ask = p.adaptive_budget ? adapt_.draft_depth(depth_r) : depth_r;
       auto t0 = Clock::now();
-      drafter(buf_.data(), n_, depth_r, k_r, draft);
+      drafter(buf_.data(), n_, depth_ask, k_r, draft);
       draft_s = since(t0);
       res.seconds.draft += draft_s;
       t0 = Clock::now();
       if (draft.device_values && !draft.device_checked) {
-        check_draft_shape(draft, depth_r, k_r, V);
+        check_draft_shape(draft, depth_ask, k_r, V);
         if (draft.d > 0) exec_.check_device_draft(draft, V);
       }
-      check_draft_output(draft, depth_r, k_r, V);
+      check_draft_output(draft, depth_ask, k_r, V);
       d_got = draft.d;
       if (draft.d > 0 && (draft.device_values || draft.device_topk)) ++res.device_drafts;
       if (draft.d > 0) {
@@ -337,7 +339,7 @@ GenerateResult Generator::generate(const int32_t* prompt, int64_t P, const Gener
     }
     const auto t_round = Clock::now();
     exec_.round(rq, rr);
-    if (p.adaptive_budget) adapt_.observe(rr.tree_nodes, since(t_round), draft_s);
+    if (p.adaptive_budget) adapt_.observe(rr.tree_nodes, since(t_round), draft_s, d_got);
     res.seconds.tree_build += rr.tree_build;
     res.seconds.verify += rr.verify;
     res.seconds.verify_forward_gpu += rr.verify_forward_gpu;

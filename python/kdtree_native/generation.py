@@ -210,7 +210,8 @@ def generate(engine, prompt_ids, max_new_tokens: int, drafter=None, tree_budget:
                     round verifies the n <= B best-first nodes that maximise the expected tokens
                     per second, from the draft's path probabilities (calibrated online against
                     what the target accepted; the tree is built in that calibrated order) and
-                    the measured cost of rounds of each size
+                    the measured cost of rounds of each size, and the drafter is asked for the
+                    rows recent drafts were worth at their measured cost (``depth`` the most)
                     (docs/ENGINE.md "Adaptive tree budget"). Output unchanged either way.
                     A draft in device memory is read on the host for this: its top-k
                     ([d, k]) copied back once a round.
