@@ -26,6 +26,7 @@ it separates what the policy chooses from the timing noise of live runs (docs/BE
 
     python benchmarks/bench_adaptive_replay.py --embedded [--tokens 256] [--depth 4] [--ceiling 16]
         [--cost 1:0.70,2:0.79,5:0.985,9:1.5,17:3.0] [--draft-ms-row 0.09] [--min-chain-prob 0.1] [--fixed-depth]
+        [--prompts N]
 """
 import argparse
 import statistics
@@ -106,20 +107,37 @@ def replay_embedded(args):
     eng, deng, tok, what = cli._demo_models(argparse.Namespace(device="cpu", max_seq_len=4096))
     if deng is None:
         raise SystemExit(f"no embedded draft model here ({what})")
-    prompt = np.asarray(cli._demo_prompt_ids(tok), dtype=np.int32)
-    text = np.concatenate([prompt, generate(eng, prompt, args.tokens + args.depth + 8).tokens]).astype(np.int32)
-    P, drafter, drafts = len(prompt), ModelDrafter(deng, min_chain_prob=args.min_chain_prob), {}
+    prompts = [("the demo's prompt", np.asarray(cli._demo_prompt_ids(tok), dtype=np.int32))]
+    if args.prompts > 0:  # held-out files' beginnings, as bench_cpu_engine.py cuts them
+        import pathlib
+        import sys
+        sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+        from bench_cpu_engine import heldout_prompts
+        prompts = [(name, np.asarray(ids, np.int32)) for name, ids in heldout_prompts(tok, args.prompts, 64)]
+    cases = []  # (prompt length, the prompt and the target's greedy continuation)
+    for _, prompt in prompts:
+        cont = generate(eng, prompt, args.tokens + args.depth + 8).tokens
+        cases.append((len(prompt), np.concatenate([prompt, cont]).astype(np.int32)))
+    drafter, drafts = ModelDrafter(deng, min_chain_prob=args.min_chain_prob), {}
 
-    def draft_at(L):  # the draft for the root text[L - 1] (cached: every mode replays the same drafts)
-        if L not in drafts:
-            rows = drafter.draft(text[:L], args.depth, args.ceiling)
+    def draft_at(c, L):  # the draft for the root text[L - 1] of case c (cached: every mode replays the same drafts)
+        if (c, L) not in drafts:
+            rows = drafter.draft(cases[c][1][:L], args.depth, args.ceiling)
             lp, ids = rows if isinstance(rows, tuple) else R.topk_logsoftmax(np.asarray(rows, np.float32), args.ceiling)
-            drafts[L] = (np.ascontiguousarray(lp, np.float32), np.ascontiguousarray(ids, np.int32))
-        return drafts[L]
+            drafts[c, L] = (np.ascontiguousarray(lp, np.float32), np.ascontiguousarray(ids, np.int32))
+        return drafts[c, L]
 
     asked = []
 
-    def run(mode):  # "ar", "adaptive" or a fixed budget: (seconds, rounds, plain steps, the sizes)
+    def run(mode):  # "ar", "adaptive" or a fixed budget over every case: (seconds, rounds, plain steps, the
+        secs, rounds, plain, first = 0.0, 0, 0, None  # first case's sizes)
+        for c, (P, text) in enumerate(cases):
+            s, n, p, sizes = run_case(mode, c, P, text)
+            secs, rounds, plain = secs + s, rounds + n, plain + p
+            first = sizes if first is None else first
+        return secs, rounds, plain, first
+
+    def run_case(mode, c, P, text):  # one prompt: a generate call's policy, fresh (as each call's calibration)
         a = _native.AdaptiveBudget()
         a.reset(args.ceiling)
         L, secs, sizes, plain = P, 0.0, [], 0
@@ -132,16 +150,17 @@ def replay_embedded(args):
                 if mode == "adaptive":
                     a.label(text[:L])
                 continue
-            lp, ids = draft_at(L)
-            if mode == "adaptive" and not args.fixed_depth:  # the rows the policy asks for (a prefix of the
-                rows = a.draft_depth(args.depth)             # drafter's deepest draft: it drafts row by row)
+            lp, ids = draft_at(c, L)
+            new_policy = hasattr(a, "draft_depth")  # (builds before the fifty-ninth session: the depth fixed)
+            if mode == "adaptive" and new_policy and not args.fixed_depth:  # the rows the policy asks for (a
+                rows = a.draft_depth(args.depth)             # prefix of the drafter's deepest draft: row by row)
                 lp, ids = lp[:rows], ids[:rows]
                 asked.append(rows)
             td = args.draft_ms_row * 1e-3 * lp.shape[0]
             if mode == "adaptive":
                 n = a.choose(lp, ids, args.ceiling, L - 1)
                 lp, ids = a.draft_rows()
-                a.observe(n, cost(n + 1), td, len(lp))
+                a.observe(n, cost(n + 1), td, len(lp)) if new_policy else a.observe(n, cost(n + 1), td)
             else:
                 n = int(mode)
             acc = accepted(lp, ids, n, text, L)
@@ -151,7 +170,8 @@ def replay_embedded(args):
                 a.label(text[:L])
         return secs, len(sizes), plain, sizes
 
-    print(f"## Adaptive budget replay on the embedded draft model ({args.tokens} tokens after the demo prompt, depth "
+    where = "the demo prompt" if args.prompts <= 0 else f"each of {len(cases)} held-out prompts"
+    print(f"## Adaptive budget replay on the embedded draft model ({args.tokens} tokens after {where}, depth "
           f"{args.depth}, ceiling {args.ceiling}, min_chain_prob {args.min_chain_prob}; round costs {args.cost} ms, "
           f"{args.draft_ms_row} ms a drafted row)\n")
     print("| mode | x AR | rounds | plain steps | sizes (adaptive: . = a plain step) |")
@@ -161,8 +181,9 @@ def replay_embedded(args):
     for mode in ["adaptive"] + [str(b) for b in budgets]:
         secs, rounds, plain, sizes = run(mode)
         seq = "".join("." if x < 0 else str(min(x, 9)) for x in sizes)[:80] if mode == "adaptive" else ""
-        if mode == "adaptive" and not args.fixed_depth:
-            mode = f"adaptive (rows asked: {np.mean(asked):.2f} a draft)"
+        asked_mean = float(np.mean(asked)) if asked else 0.0
+        if mode == "adaptive" and asked:
+            mode = f"adaptive (rows asked: {asked_mean:.2f} a draft)"
         print(f"| {mode if mode.startswith('adaptive') else 'fixed ' + mode} | {ar / secs:.3f} | {rounds} | {plain} | {seq} |")
 
 
@@ -172,6 +193,9 @@ def main():
     ap.add_argument("--cost", default="1:0.70,2:0.79,5:0.985,9:1.5,17:3.0", help="--embedded: T:ms,... round costs")
     ap.add_argument("--draft-ms-row", type=float, default=0.09, help="--embedded: drafting cost a row")
     ap.add_argument("--min-chain-prob", type=float, default=0.1, help="--embedded: the drafter's chain stop")
+    ap.add_argument("--prompts", type=int, default=0,
+                    help="--embedded: replay after N held-out prompts (64 tokens each, bench_cpu_engine.py's) instead of "
+                         "the demo's; x AR pooled over them (the sizes column: the first prompt's)")
     ap.add_argument("--fixed-depth", action="store_true",
                     help="--embedded: the adaptive mode drafts --depth rows every round (before the fifty-ninth "
                          "session the policy did not choose the depth)")

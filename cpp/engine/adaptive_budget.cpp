@@ -21,7 +21,7 @@ constexpr int64_t kMaxSkip = 32;      // the longest run of rounds without draft
 constexpr double kPayEma = 0.25;     // weight of a draft's worth in the drafter's average worth (the skip test)
 constexpr double kDepthEma = 0.25;    // weight of a draft's best depth-limited tree in that depth's averages
 constexpr int64_t kDepthProbe = 16;   // every 16th drafted round drafts the caller's full depth
-constexpr double kDepthMargin = 0.05;  // the deepest depth within 5 % of the best expected rate is asked for
+constexpr double kDepthMargin = 0.10;  // the deepest depth within 10 % of the best expected rate is asked for
 
 int band_of(double p) {
   if (!(p > 0)) return AdaptiveBudget::kBands - 1;

@@ -52,7 +52,7 @@
 // drafter's grows ~0.07 ms a row on the 2-vCPU VM, a Python callback's is mostly per call), and from each
 // draft the best tree of its nodes down to each depth e is kept (moving averages of its expected tokens and
 // size), so the rate of drafting e rows is known at today's costs; the engine asks the drafter for the
-// deepest depth within 5 % of the best rate (the caller's depth is the ceiling; every 16th drafted round
+// deepest depth within 10 % of the best rate (the caller's depth is the ceiling; every 16th drafted round
 // and every try after a skip run ask for all of it, to keep the deeper depths' figures current).
 //
 // When even the best sizes do not repay the drafter's own time (the average over its drafts, an EMA of

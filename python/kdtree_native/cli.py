@@ -284,7 +284,8 @@ def _cmd_generate(args):
         print(" ".join(str(t) for t in res.tokens))
     if args.json:
         print(json.dumps({"tokens": res.tokens.tolist(), "acceptance_lengths": res.acceptance_lengths.tolist(),
-                          "tree_sizes": res.tree_sizes.tolist(), "stats": res.stats}))
+                          "tree_sizes": res.tree_sizes.tolist(), "draft_depths": res.draft_depths.tolist(),
+                          "stats": res.stats}))
     print(_stats_line(res), file=sys.stderr)
     return 0
 

@@ -33,6 +33,9 @@ class GenerationResult:
     stats: dict = field(default_factory=dict)
     # int32 [rounds] tree nodes verified per round, root excluded (0: a plain step)
     tree_sizes: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
+    # int32 [rounds] rows the drafter gave per round (0: not asked, or it gave none); with adaptive_budget the
+    # policy chooses how many rows to ask for, up to `depth`
+    draft_depths: np.ndarray = field(default_factory=lambda: np.zeros(0, np.int32))
 
     @property
     def stopped(self) -> bool:
@@ -290,7 +293,8 @@ def _prepare(engine, prompt_ids, max_new_tokens, drafter=None, tree_budget=64, d
         stats["rounds_on"] = gen.rounds
         stats["prefill_reused"] = int(raw.get("prefill_reused", 0))
         return GenerationResult(tokens=raw["tokens"], acceptance_lengths=raw["acceptance_lengths"], stats=stats,
-                                tree_sizes=np.asarray(raw["tree_sizes"], dtype=np.int32))
+                                tree_sizes=np.asarray(raw["tree_sizes"], dtype=np.int32),
+                                draft_depths=np.asarray(raw["draft_depths"], dtype=np.int32))
 
     return run
 

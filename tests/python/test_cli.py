@@ -83,6 +83,7 @@ def test_adaptive_budget_flags(capsys, no_debug):
         runs.append(j["tokens"])
         assert len(j["tree_sizes"]) == len(j["acceptance_lengths"]) == j["stats"]["rounds"]
         assert sum(j["tree_sizes"]) == j["stats"]["num_draft_tokens"] and max(j["tree_sizes"]) <= 16
+        assert len(j["draft_depths"]) == len(j["tree_sizes"]) and max(j["draft_depths"]) <= 4
     assert runs[0] == runs[1]
 
 
