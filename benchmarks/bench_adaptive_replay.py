@@ -26,7 +26,7 @@ it separates what the policy chooses from the timing noise of live runs (docs/BE
 
     python benchmarks/bench_adaptive_replay.py --embedded [--tokens 256] [--depth 4] [--ceiling 16]
         [--cost 1:0.70,2:0.79,5:0.985,9:1.5,17:3.0] [--draft-ms-row 0.09] [--min-chain-prob 0.1] [--fixed-depth]
-        [--prompts N]
+        [--prompts N] [--drafter model|ngram]
 """
 import argparse
 import statistics
@@ -93,7 +93,7 @@ def replay(a, V, seed, fixed, args):
 def replay_embedded(args):
     """The policy on the embedded draft model's drafts (see the module docstring); prints a table."""
     from kdtree_native import cli
-    from kdtree_native.drafters import ModelDrafter
+    from kdtree_native.drafters import ModelDrafter, NgramDrafter
     from kdtree_native.generation import generate
 
     pts = sorted((int(t), float(ms)) for t, ms in (x.split(":") for x in args.cost.split(",")))
@@ -118,11 +118,14 @@ def replay_embedded(args):
     for _, prompt in prompts:
         cont = generate(eng, prompt, args.tokens + args.depth + 8).tokens
         cases.append((len(prompt), np.concatenate([prompt, cont]).astype(np.int32)))
-    drafter, drafts = ModelDrafter(deng, min_chain_prob=args.min_chain_prob), {}
+    drafter = NgramDrafter() if args.drafter == "ngram" else ModelDrafter(deng, min_chain_prob=args.min_chain_prob)
+    drafts = {}
 
     def draft_at(c, L):  # the draft for the root text[L - 1] of case c (cached: every mode replays the same drafts)
         if (c, L) not in drafts:
             rows = drafter.draft(cases[c][1][:L], args.depth, args.ceiling)
+            if rows is None:  # no draft (the n-gram drafter without a match): a plain step
+                rows = (np.zeros((0, 1), np.float32), np.zeros((0, 1), np.int32))
             lp, ids = rows if isinstance(rows, tuple) else R.topk_logsoftmax(np.asarray(rows, np.float32), args.ceiling)
             drafts[c, L] = (np.ascontiguousarray(lp, np.float32), np.ascontiguousarray(ids, np.int32))
         return drafts[c, L]
@@ -157,13 +160,17 @@ def replay_embedded(args):
                 lp, ids = lp[:rows], ids[:rows]
                 asked.append(rows)
             td = args.draft_ms_row * 1e-3 * lp.shape[0]
-            if mode == "adaptive":
+            if lp.shape[0] == 0:  # nothing drafted: a plain step after the drafter's call
+                n = 0
+                if mode == "adaptive":
+                    a.observe(0, cost(1), td, 0) if new_policy else a.observe(0, cost(1), td)
+            elif mode == "adaptive":
                 n = a.choose(lp, ids, args.ceiling, L - 1)
                 lp, ids = a.draft_rows()
                 a.observe(n, cost(n + 1), td, len(lp)) if new_policy else a.observe(n, cost(n + 1), td)
-            else:
-                n = int(mode)
-            acc = accepted(lp, ids, n, text, L)
+            else:  # a fixed budget verifies its tree's nodes: the budget, or fewer where the draft has fewer
+                n = len(R.tree_build(lp, ids, int(mode)).tokens)
+            acc = accepted(lp, ids, n, text, L) if lp.shape[0] else 0
             secs, L = secs + cost(n + 1) + td, L + acc + 1
             sizes.append(n)
             if mode == "adaptive":
@@ -172,7 +179,8 @@ def replay_embedded(args):
 
     where = "the demo prompt" if args.prompts <= 0 else f"each of {len(cases)} held-out prompts"
     print(f"## Adaptive budget replay on the embedded draft model ({args.tokens} tokens after {where}, depth "
-          f"{args.depth}, ceiling {args.ceiling}, min_chain_prob {args.min_chain_prob}; round costs {args.cost} ms, "
+          f"{args.depth}, ceiling {args.ceiling}, "
+          f"{'the n-gram drafter' if args.drafter == 'ngram' else f'min_chain_prob {args.min_chain_prob}'}; round costs {args.cost} ms, "
           f"{args.draft_ms_row} ms a drafted row)\n")
     print("| mode | x AR | rounds | plain steps | sizes (adaptive: . = a plain step) |")
     print("|---|---:|---:|---:|---|")
@@ -193,6 +201,9 @@ def main():
     ap.add_argument("--cost", default="1:0.70,2:0.79,5:0.985,9:1.5,17:3.0", help="--embedded: T:ms,... round costs")
     ap.add_argument("--draft-ms-row", type=float, default=0.09, help="--embedded: drafting cost a row")
     ap.add_argument("--min-chain-prob", type=float, default=0.1, help="--embedded: the drafter's chain stop")
+    ap.add_argument("--drafter", choices=("model", "ngram"), default="model",
+                    help="--embedded: the embedded draft model's drafts, or the n-gram drafter's (its time is tiny: set "
+                         "--draft-ms-row to match, e.g. 0.002)")
     ap.add_argument("--prompts", type=int, default=0,
                     help="--embedded: replay after N held-out prompts (64 tokens each, bench_cpu_engine.py's) instead of "
                          "the demo's; x AR pooled over them (the sizes column: the first prompt's)")

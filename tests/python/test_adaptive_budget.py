@@ -704,7 +704,7 @@ def test_the_replay_benchmark_runs_on_the_embedded_drafts(capsys, monkeypatch):
     except Exception as e:  # the embedded models are not in this build
         pytest.skip(f"no embedded draft model: {e}")
     script = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_adaptive_replay.py"
-    for extra in ([], ["--prompts", "2"]):   # the demo's prompt; two held-out prompts, pooled
+    for extra in ([], ["--prompts", "2"], ["--drafter", "ngram"]):   # the demo's prompt; two held-out prompts; n-gram
         monkeypatch.setattr(sys, "argv", [str(script), "--embedded", "--tokens", "24", "--ceiling", "4"] + extra)
         runpy.run_path(str(script), run_name="__main__")
         out = capsys.readouterr().out
@@ -713,4 +713,5 @@ def test_the_replay_benchmark_runs_on_the_embedded_drafts(capsys, monkeypatch):
         assert [r[1].strip().split(" (")[0] for r in rows] == ["adaptive", "fixed 1", "fixed 2", "fixed 3", "fixed 4"]
         assert rows[0][1].strip().startswith("adaptive (rows asked: ")   # the policy chose its drafts' depth
         assert all(float(r[2]) > 0 for r in rows)
-        assert ("each of 2 held-out prompts" in out) == bool(extra), out.splitlines()[0]
+        assert ("each of 2 held-out prompts" in out) == ("--prompts" in extra), out.splitlines()[0]
+        assert ("the n-gram drafter" in out) == ("ngram" in extra), out.splitlines()[0]
