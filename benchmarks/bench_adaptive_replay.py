@@ -25,7 +25,7 @@ which it drafts row by row; --fixed-depth drafts --depth rows every round, as th
 it separates what the policy chooses from the timing noise of live runs (docs/BENCHMARKS.md "Adaptive tree budget").
 
     python benchmarks/bench_adaptive_replay.py --embedded [--tokens 256] [--depth 4] [--ceiling 16]
-        [--cost 1:0.70,2:0.79,5:0.985,9:1.5,17:3.0] [--draft-ms-row 0.09] [--min-chain-prob 0.1] [--fixed-depth]
+        [--cost 1:0.70,2:0.79,5:0.985,9:1.5,17:3.0] [--draft-ms-row 0.09] [--min-chain-prob 0.2] [--fixed-depth]
         [--prompts N] [--drafter model|ngram]
 """
 import argparse
@@ -200,7 +200,8 @@ def main():
     ap.add_argument("--embedded", action="store_true", help="replay on the embedded draft model's real drafts")
     ap.add_argument("--cost", default="1:0.70,2:0.79,5:0.985,9:1.5,17:3.0", help="--embedded: T:ms,... round costs")
     ap.add_argument("--draft-ms-row", type=float, default=0.09, help="--embedded: drafting cost a row")
-    ap.add_argument("--min-chain-prob", type=float, default=0.1, help="--embedded: the drafter's chain stop")
+    ap.add_argument("--min-chain-prob", type=float, default=0.2,
+                    help="--embedded: the drafter's chain stop (the demo's; 0.1 before the fifty-ninth session)")
     ap.add_argument("--drafter", choices=("model", "ngram"), default="model",
                     help="--embedded: the embedded draft model's drafts, or the n-gram drafter's (its time is tiny: set "
                          "--draft-ms-row to match, e.g. 0.002)")
