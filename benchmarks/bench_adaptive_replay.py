@@ -159,7 +159,7 @@ def replay_embedded(args):
                 rows = a.draft_depth(args.depth)             # prefix of the drafter's deepest draft: row by row)
                 lp, ids = lp[:rows], ids[:rows]
                 asked.append(rows)
-            td = args.draft_ms_row * 1e-3 * lp.shape[0]
+            td = (args.draft_ms_call + args.draft_ms_row * lp.shape[0]) * 1e-3
             if lp.shape[0] == 0:  # nothing drafted: a plain step after the drafter's call
                 n = 0
                 if mode == "adaptive":
@@ -181,7 +181,7 @@ def replay_embedded(args):
     print(f"## Adaptive budget replay on the embedded draft model ({args.tokens} tokens after {where}, depth "
           f"{args.depth}, ceiling {args.ceiling}, "
           f"{'the n-gram drafter' if args.drafter == 'ngram' else f'min_chain_prob {args.min_chain_prob}'}; round costs {args.cost} ms, "
-          f"{args.draft_ms_row} ms a drafted row)\n")
+          f"{args.draft_ms_row} ms a drafted row, {args.draft_ms_call} ms a call)\n")
     print("| mode | x AR | rounds | plain steps | sizes (adaptive: . = a plain step) |")
     print("|---|---:|---:|---:|---|")
     ar = run("ar")[0]
@@ -200,6 +200,7 @@ def main():
     ap.add_argument("--embedded", action="store_true", help="replay on the embedded draft model's real drafts")
     ap.add_argument("--cost", default="1:0.70,2:0.79,5:0.985,9:1.5,17:3.0", help="--embedded: T:ms,... round costs")
     ap.add_argument("--draft-ms-row", type=float, default=0.09, help="--embedded: drafting cost a row")
+    ap.add_argument("--draft-ms-call", type=float, default=0.0, help="--embedded: drafting cost a call (beside the rows')")
     ap.add_argument("--min-chain-prob", type=float, default=0.2,
                     help="--embedded: the drafter's chain stop (the demo's; 0.1 before the fifty-ninth session)")
     ap.add_argument("--drafter", choices=("model", "ngram"), default="model",
