@@ -58,6 +58,7 @@ void ModelDrafter::draft(const int32_t* ctx, int64_t n, int64_t depth, int64_t /
   try {
     if (m < static_cast<int64_t>(held_.size())) model_.truncate(m);
     held_.resize(static_cast<size_t>(m));
+    chain_kept_.clear();
     feed_and_chain(ctx, m, n, std::min(depth, max_len - n + 1), out);
   } catch (...) {
     held_.clear();
@@ -69,6 +70,7 @@ void ModelDrafter::draft(const int32_t* ctx, int64_t n, int64_t depth, int64_t /
     throw;
   }
   held_.assign(ctx, ctx + n);
+  held_.insert(held_.end(), chain_kept_.begin(), chain_kept_.end());
 }
 
 void ModelDrafter::feed_and_chain(const int32_t* ctx, int64_t m, int64_t n, int64_t depth, DraftOutput& out) {
@@ -88,16 +90,16 @@ void ModelDrafter::feed_and_chain(const int32_t* ctx, int64_t m, int64_t n, int6
   }
   double cum = 0.0;
   int64_t d = 1;
-  for (int64_t i = 1; i < depth; ++i) {  // greedy chain: one token per step, committed, rolled back below
+  for (int64_t i = 1; i < depth; ++i) {  // greedy chain: one token per step, committed and kept (see the header)
     const float* row = out.values.data() + (i - 1) * V;
     const int64_t tok = greedy_.choose(row, V, 0);  // the first index of the largest logit
     if (p_.min_chain_prob > 0.0 && chain_stops(cum, logp_top1(row, V, tok))) break;
     const int32_t t32 = static_cast<int32_t>(tok), p32 = static_cast<int32_t>(n + i - 1), k0 = 0;
     model_.forward(&t32, &p32, nullptr, 1, out.values.data() + i * V);
     model_.commit(&k0, 1);
+    chain_kept_.push_back(t32);
     ++d;
   }
-  model_.truncate(n);
   out.values.resize(static_cast<size_t>(d * V));
   out.is_logits = true;
   out.d = d;

@@ -201,8 +201,10 @@ class ModelDrafter:
     Its cache follows the committed context: at each call it rolls back to the longest common
     prefix of what it holds and the new context (``truncate``), feeds only the tokens after it
     (the accepted ones and the new root, one forward), then decodes the chain one token at a time
-    (forward T = 1 + commit: linear in the depth) and truncates back to the context, so the
-    speculative tokens never stay. A new generation with the same prompt reuses the prompt's cache.
+    (forward T = 1 + commit: linear in the depth). The chain's tokens stay in the cache (fifty-ninth
+    session; on a CPU model: over a CUDA model the cache is truncated back to the context, as the GPU
+    drafter does): where the target accepts them, the next call finds them in the common prefix and
+    feeds only the tokens after them. A new generation with the same prompt reuses the prompt's cache.
 
     ``min_chain_prob`` > 0 stops the chain early: once the product of the chain's top-1
     probabilities falls below it, the deeper rows (which a best-first tree of a modest budget
@@ -231,6 +233,9 @@ class ModelDrafter:
         self._tokens = np.zeros(0, dtype=np.int32)  # what its committed cache holds
         self._one = np.zeros(1, dtype=np.int32)
         inner = _native_model_of(engine)
+        # the chain's tokens stay in the cache (the C++ drafter's host path); the GPU drafter truncates them
+        cuda_cls = getattr(_native, "CudaModel", None)
+        self._keep_chain = not (cuda_cls is not None and isinstance(inner, cuda_cls))
         if native and inner is None:
             raise ValueError(f"ModelDrafter(native=True) needs a native model (CpuModel or CudaModel), "
                              f"got {type(engine).__name__}")
@@ -296,8 +301,9 @@ class ModelDrafter:
         rows = [row]
         log_min = np.log(self.min_chain_prob) if self.min_chain_prob > 0 else None
         cum = 0.0
+        chain = []
         try:
-            for i in range(1, depth):  # greedy chain: one token per step, committed, rolled back below
+            for i in range(1, depth):  # greedy chain: one token per step, committed and kept (the class doc)
                 tok = int(np.argmax(row))
                 if log_min is not None:
                     mx = float(row[tok])
@@ -307,9 +313,15 @@ class ModelDrafter:
                 logits = self.model.forward(np.array([tok], dtype=np.int32), np.array([n + i - 1], dtype=np.int32),
                                             None)
                 self.model.commit(self._one)
+                chain.append(tok)
                 row = np.asarray(logits[0], dtype=np.float32)
                 rows.append(row)
-        finally:
+        except BaseException:
+            self.model.truncate(n)  # (the cache back to the context it holds for sure)
+            raise
+        if self._keep_chain:
+            self._tokens = np.concatenate([ctx, np.asarray(chain, dtype=np.int32)]).astype(np.int32)
+        else:
             self.model.truncate(n)
         return np.stack(rows)
 

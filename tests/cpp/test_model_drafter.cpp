@@ -98,9 +98,10 @@ int main() {
     DraftOutput out;
     d.draft(ctx.data(), (int64_t)ctx.size(), 5, 8, out);
     CHECK(out.is_logits && out.d == 5 && out.k == V && (int64_t)out.values.size() == 5 * V);
-    CHECK(m.cache_len() == (int64_t)ctx.size());
+    CHECK(m.cache_len() == (int64_t)ctx.size() + 4);        // the chain's 4 tokens stay
     CHECK(m.tokens_in_ == 9 + 4 && m.forwards_ == 3 + 4);  // chunks of 4: 4 + 4 + 1, then 4 steps
     std::vector<float> row(V);
+    std::vector<int32_t> chain;  // the chain's tokens (row r's argmax)
     int32_t tok = ctx.back();
     for (int64_t r = 0; r < 5; ++r) {
       m.logits_row(tok, (int32_t)(ctx.size() - 1 + r), row.data());
@@ -108,22 +109,32 @@ int main() {
       for (int64_t v = 0; v < V; ++v) same &= row[v] == out.values[r * V + v];
       CHECK(same);
       tok = (int32_t)argmax(row.data(), V);
+      chain.push_back(tok);
     }
-    // two accepted tokens + a root: 3 tokens fed, then the chain
-    ctx.push_back(7);
+    // the chain's first two tokens accepted + a root: only the root is fed (their entries are there), then
+    // the chain of 3 rows
+    std::vector<int32_t> acc = ctx;
+    acc.push_back(chain[0]);
+    acc.push_back(chain[1]);
+    acc.push_back((chain[2] + 1) % (int32_t)V);
+    int64_t before = m.tokens_in_;
+    d.draft(acc.data(), (int64_t)acc.size(), 3, 8, out);
+    CHECK(m.tokens_in_ - before == 1 + 2 && m.cache_len() == (int64_t)acc.size() + 2);
+    // two tokens the chain did not draft + a root: 3 tokens fed, then the chain
+    ctx.push_back((chain[0] + 1) % (int32_t)V);
     ctx.push_back(8);
     ctx.push_back(9);
-    const int64_t before = m.tokens_in_;
+    before = m.tokens_in_;
     d.draft(ctx.data(), (int64_t)ctx.size(), 3, 8, out);
-    CHECK(m.tokens_in_ - before == 3 + 2 && m.cache_len() == (int64_t)ctx.size());
+    CHECK(m.tokens_in_ - before == 3 + 2 && m.cache_len() == (int64_t)ctx.size() + 2);
     // a context that does not fit: no draft, the cache untouched
     std::vector<int32_t> big(max_len, 1);
     d.draft(big.data(), max_len, 3, 8, out);
-    CHECK(out.d == 0 && m.cache_len() == (int64_t)ctx.size());
+    CHECK(out.d == 0 && m.cache_len() == (int64_t)ctx.size() + 2);
     // depth capped by the cache: n + depth - 1 <= max_len
     std::vector<int32_t> edge(max_len - 2, 2);
     d.draft(edge.data(), (int64_t)edge.size(), 8, 8, out);
-    CHECK(out.d == 3 && m.cache_len() == (int64_t)edge.size());
+    CHECK(out.d == 3 && m.cache_len() == (int64_t)edge.size() + 2);  // n + depth - 1 == max_len
     // a context token outside the vocabulary
     std::vector<int32_t> badv = {1, (int32_t)V};
     CHECK_THROWS(d.draft(badv.data(), 2, 2, 8, out));

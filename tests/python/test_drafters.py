@@ -208,9 +208,10 @@ def _engine_pair(max_seq_len=128):
 
 
 def test_model_drafter_with_truncate_is_linear_and_rolls_back():
-    """On a model with truncate (kn.Engine): the chain is decoded one token at a time and rolled
-    back, the cache follows the committed context through the longest common prefix, and the rows
-    equal the greedy chain recomputed from scratch."""
+    """On a model with truncate (kn.Engine): the chain is decoded one token at a time and its tokens
+    stay in the cache (fifty-ninth session), the cache follows the committed context through the
+    longest common prefix (accepted chain tokens are not fed again), and the rows equal the greedy
+    chain recomputed from scratch."""
     (eng, ref_eng), cfg = _engine_pair()
     V = cfg.vocab_size
     d = ModelDrafter(eng, native=False)  # the Python definition (the Spy below sees its forwards)
@@ -233,22 +234,35 @@ def test_model_drafter_with_truncate_is_linear_and_rolls_back():
     ctx = (np.arange(9) * 7 % V).astype(np.int32)
     out = d.draft(ctx, 5, 8)
     assert out.shape == (5, V) and out.dtype == np.float32
-    assert calls == [9, 1, 1, 1, 1] and eng.cache_len == len(ctx)
+    assert calls == [9, 1, 1, 1, 1] and eng.cache_len == len(ctx) + 4   # the context, then the chain's 4 tokens
     seq = list(ctx)
     for j in range(5):
         lg = ref_eng.prefill(np.array(seq, np.int32))[-1]
         assert np.abs(out[j] - lg).max() < 1e-5 * np.abs(lg).max(), j
         seq.append(int(np.argmax(lg)))
-    # two accepted tokens + a new root: only those 3 are fed, then depth - 1 chain steps
+    chain = seq[len(ctx):]
+    # two tokens the chain did not draft + a new root: those 3 are fed (the chain's entries dropped), then
+    # depth - 1 chain steps
+    other = [(t + 1) % V for t in chain[:2]]
     calls.clear()
-    ctx2 = np.concatenate([ctx, [3, 4, 5]]).astype(np.int32)
+    ctx2 = np.concatenate([ctx, other, [5]]).astype(np.int32)
     d.draft(ctx2, 3, 8)
-    assert calls == [3, 1, 1] and eng.cache_len == len(ctx2)
+    assert calls == [3, 1, 1] and eng.cache_len == len(ctx2) + 2
+    # the chain's own two first tokens accepted + a new root: only the root is fed
+    calls.clear()
+    out_a = d.draft(ctx, 4, 8)                                   # back to ctx: its chain drafted again
+    chain_a = [int(np.argmax(r)) for r in out_a[:3]]
+    calls.clear()
+    ctx_acc = np.concatenate([ctx, chain_a[:2], [6]]).astype(np.int32)
+    out_acc = d.draft(ctx_acc, 3, 8)
+    assert calls == [1, 1, 1] and eng.cache_len == len(ctx_acc) + 2
+    lg = ref_eng.prefill(ctx_acc)[-1]
+    assert np.abs(out_acc[0] - lg).max() < 1e-5 * np.abs(lg).max()
     # a new generation sharing the first 4 tokens: rolled back to them, not reset
     calls.clear()
     ctx3 = np.concatenate([ctx[:4], [9, 9]]).astype(np.int32)
     out3 = d.draft(ctx3, 2, 8)
-    assert calls == [2, 1] and eng.cache_len == len(ctx3)
+    assert calls == [2, 1] and eng.cache_len == len(ctx3) + 1
     lg = ref_eng.prefill(ctx3)[-1]
     assert np.abs(out3[0] - lg).max() < 1e-5 * np.abs(lg).max()
     # the same context again: only the root is re-fed
@@ -273,7 +287,10 @@ def model_draft_walk(native, python, V, max_seq_len, seed, steps=40, depths=(1, 
             assert a.dtype == np.float32 and a.shape[1] == V and 1 <= a.shape[0] <= depth
             np.testing.assert_array_equal(a, b, err_msg=f"step {step}, n {len(ctx)}, depth {depth}")
             drafted += 1
-            assert native.model.cache_len == python.model.cache_len == len(ctx), step
+            # the context, then (CPU models) the chain's tokens, one a row after the first; the GPU drafter and
+            # the definition over a CUDA model truncate back to the context
+            kept = a.shape[0] - 1 if python._keep_chain else 0
+            assert native.model.cache_len == python.model.cache_len == len(ctx) + kept, step
         r = rng.random()
         if r < 0.1 and len(ctx) > 2:  # a rollback: keep a shorter prefix, then new tokens
             ctx = ctx[:int(rng.integers(1, len(ctx)))] + list(rng.integers(0, V, int(rng.integers(1, 4))))
