@@ -143,6 +143,7 @@ def replay_embedded(args):
     def run_case(mode, c, P, text):  # one prompt: a generate call's policy, fresh (as each call's calibration)
         a = _native.AdaptiveBudget()
         a.reset(args.ceiling)
+        new_policy = hasattr(a, "draft_depth")  # (builds before the fifty-ninth session: the depth fixed)
         L, secs, sizes, plain = P, 0.0, [], 0
         while L - P < args.tokens:
             if mode == "ar" or (mode == "adaptive" and a.skip_draft()):
@@ -154,7 +155,6 @@ def replay_embedded(args):
                     a.label(text[:L])
                 continue
             lp, ids = draft_at(c, L)
-            new_policy = hasattr(a, "draft_depth")  # (builds before the fifty-ninth session: the depth fixed)
             if mode == "adaptive" and new_policy and not args.fixed_depth:  # the rows the policy asks for (a
                 rows = a.draft_depth(args.depth)             # prefix of the drafter's deepest draft: row by row)
                 lp, ids = lp[:rows], ids[:rows]

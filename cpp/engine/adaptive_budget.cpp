@@ -232,7 +232,8 @@ int64_t AdaptiveBudget::choose(const float* lp, const int32_t* ids, int64_t d, i
   kept.max_depth = kept.done_depth = 0;
 
   // the drafting this round cost: by its rows where drafts are measured by their rows, else the average draft
-  const double draft = draft_cost(d) > 0 ? draft_cost(d) : draft_seen_ ? draft_s_ : 0.0;
+  const double by_rows = draft_cost(d);
+  const double draft = by_rows > 0 ? by_rows : draft_seen_ ? draft_s_ : 0.0;
   const bool larger_known = std::any_of(cost_.begin() + 2, cost_.end(), [](double c) { return c > 0; });
   const bool ends_known = cost_[1] > 0 && larger_known;
   if (ends_known) fill_curve(n + 1);
@@ -292,7 +293,7 @@ int64_t AdaptiveBudget::choose(const float* lp, const int32_t* ids, int64_t d, i
   const int64_t asked = asked_ > 0 ? asked_ : d;
   asked_ = 0;
   if (!ends_known) return larger_known ? 0 : std::min(n, kFirstNodes);
-  if (draft_cost(d) > 0) update_depth(d, asked);
+  if (by_rows > 0) update_depth(d, asked);
   // Did drafting pay? Each draft's worth is its best expected rate (its hopeful twin: the draft's top picks in
   // bands without evidence count as sure) over a plain step's (1 / t_round(1)), and the drafter's worth the
   // average of its drafts' (an EMA, from the first draft whose drafting time is known). If that is short by
@@ -407,13 +408,14 @@ int64_t AdaptiveBudget::draft_depth(int64_t max_depth) {
   asked_ = max_depth;
   // (a try after a skip run drafts the full depth too: it judges the drafter on all it can give)
   if (!dseen_.empty() && skip_len_ == 0 && ++depth_rounds_ % kDepthProbe != 0) {
+    rates_.resize(static_cast<size_t>(max_depth + 1));
     double best_rate = 0.0;
-    for (int64_t e = 1; e <= max_depth; ++e) best_rate = std::max(best_rate, depth_rate(e));
+    for (int64_t e = 1; e <= max_depth; ++e) best_rate = std::max(best_rate, rates_[e] = depth_rate(e));
     // the deepest depth within kDepthMargin of the best rate (a row more is cheap insurance where the
     // rates are that close: an n-gram drafter's rare long matches are what it is worth)
     int64_t best = 0;
     for (int64_t e = 1; e <= max_depth; ++e)
-      if (best_rate > 0 && depth_rate(e) >= (1 - kDepthMargin) * best_rate) best = e;
+      if (best_rate > 0 && rates_[e] >= (1 - kDepthMargin) * best_rate) best = e;
     if (best > 0) asked_ = best;
   }
   return asked_;

@@ -169,6 +169,7 @@ class AdaptiveBudget {
   int64_t asked_ = 0;             // the rows draft_depth() asked for this round (0: not asked)
   std::vector<double> dgain_, dbest_;  // scratch [d+1]: a depth-limited tree's gain, its best rate
   std::vector<int64_t> cnt_;           // ... and its nodes so far
+  std::vector<double> rates_;          // scratch [max_depth + 1]: depth_rate of each depth (draft_depth)
   void update_depth(int64_t d, int64_t asked);
   bool draft_provisional_ = false;  // draft_s_ is from a call after rounds without drafting
   bool last_drafted_ = false;       // the last observed round asked the drafter

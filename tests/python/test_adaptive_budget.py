@@ -691,12 +691,9 @@ def test_one_unsure_draft_among_sure_ones_starts_no_skip_run():
     assert sum(n >= 5 for n in sizes[8:]) >= 40, sizes
 
 
-def test_the_policy_keeps_drafting_the_embedded_draft_model_where_it_pays(capsys, monkeypatch):
-    """A deterministic replay (bench_adaptive_replay.py --embedded: the embedded draft model's real drafts on the
-    demo's text, fixed round costs of the 2-vCPU VM, 0.09 ms a drafted row): the policy is within 5 % of the best
-    fixed budget or above it, and almost never skips the drafter. Before the fifty-ninth session's edge classes it
-    under-rated the draft model's chain (expected tokens ~11 % under what its trees accepted) and skipped it in 141
-    of 188 rounds here (1.030x AR against the best fixed budget's 1.168x)."""
+def _embedded_replay(capsys, monkeypatch, args):
+    """bench_adaptive_replay.py --embedded with these arguments (skips without the embedded models): its output
+    and its table's rows (adaptive first, then the fixed budgets), each split at "|"."""
     import pathlib
     import runpy
     import sys
@@ -707,11 +704,21 @@ def test_the_policy_keeps_drafting_the_embedded_draft_model_where_it_pays(capsys
     except Exception as e:  # the embedded models are not in this build
         pytest.skip(f"no embedded draft model: {e}")
     script = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_adaptive_replay.py"
-    monkeypatch.setattr(sys, "argv", [str(script), "--embedded", "--tokens", "256", "--depth", "4", "--draft-ms-row",
-                                      "0.09", "--cost", "1:0.45,2:0.59,3:0.74,4:0.80,5:0.93,8:1.40,17:2.8"])
+    monkeypatch.setattr(sys, "argv", [str(script), "--embedded"] + args)
     runpy.run_path(str(script), run_name="__main__")
-    rows = [line.split("|") for line in capsys.readouterr().out.splitlines()
-            if line.startswith("| adaptive") or line.startswith("| fixed")]
+    out = capsys.readouterr().out
+    rows = [line.split("|") for line in out.splitlines() if line.startswith("| adaptive") or line.startswith("| fixed")]
+    return out, rows
+
+
+def test_the_policy_keeps_drafting_the_embedded_draft_model_where_it_pays(capsys, monkeypatch):
+    """A deterministic replay (bench_adaptive_replay.py --embedded: the embedded draft model's real drafts on the
+    demo's text, fixed round costs of the 2-vCPU VM, 0.09 ms a drafted row): the policy is within 5 % of the best
+    fixed budget or above it, and almost never skips the drafter. Before the fifty-ninth session's edge classes it
+    under-rated the draft model's chain (expected tokens ~11 % under what its trees accepted) and skipped it in 141
+    of 188 rounds here (1.030x AR against the best fixed budget's 1.168x)."""
+    _, rows = _embedded_replay(capsys, monkeypatch, ["--tokens", "256", "--depth", "4", "--draft-ms-row", "0.09",
+                                                     "--cost", "1:0.45,2:0.59,3:0.74,4:0.80,5:0.93,8:1.40,17:2.8"])
     adaptive, fixed = rows[0], rows[1:]
     x, rounds, plain = float(adaptive[2]), int(adaptive[3]), int(adaptive[4])
     best = max(float(r[2]) for r in fixed)
@@ -721,22 +728,8 @@ def test_the_policy_keeps_drafting_the_embedded_draft_model_where_it_pays(capsys
 def test_the_replay_benchmark_runs_on_the_embedded_drafts(capsys, monkeypatch):
     """bench_adaptive_replay.py --embedded (the policy on the embedded draft model's real drafts, fixed costs) on
     a short text: the adaptive row and every fixed budget up to the ceiling, each a positive rate against AR."""
-    import pathlib
-    import runpy
-    import sys
-    pytest.importorskip("tokenizers")
-    from kdtree_native import models
-    try:
-        models.default_draft_dir()
-    except Exception as e:  # the embedded models are not in this build
-        pytest.skip(f"no embedded draft model: {e}")
-    script = pathlib.Path(__file__).resolve().parents[2] / "benchmarks" / "bench_adaptive_replay.py"
     for extra in ([], ["--prompts", "2"], ["--drafter", "ngram"]):   # the demo's prompt; two held-out prompts; n-gram
-        monkeypatch.setattr(sys, "argv", [str(script), "--embedded", "--tokens", "24", "--ceiling", "4"] + extra)
-        runpy.run_path(str(script), run_name="__main__")
-        out = capsys.readouterr().out
-        rows = [line.split("|") for line in out.splitlines()
-                if line.startswith("| adaptive") or line.startswith("| fixed")]
+        out, rows = _embedded_replay(capsys, monkeypatch, ["--tokens", "24", "--ceiling", "4"] + extra)
         assert [r[1].strip().split(" (")[0] for r in rows] == ["adaptive", "fixed 1", "fixed 2", "fixed 3", "fixed 4"]
         assert rows[0][1].strip().startswith("adaptive (rows asked: ")   # the policy chose its drafts' depth
         assert all(float(r[2]) > 0 for r in rows)
