@@ -18,7 +18,8 @@ std::string s(int64_t v) { return std::to_string(v); }
 
 void check_draft_shape(const DraftOutput& out, int64_t depth, int64_t top_k, int64_t vocab) {
   KD_CHECK(out.d >= 0, "drafter output: negative number of rows");
-  KD_CHECK(out.d <= depth, "drafter output has d=" + s(out.d) + " rows but depth is " + s(depth) + " (need d <= depth)");
+  KD_CHECK(out.d <= depth, "drafter output has d=" + s(out.d) + " rows but this call asked for depth=" + s(depth) +
+                               " (need d <= depth: the depth argument, which the engine may set below generate's depth)");
   if (out.d == 0) return;
   if (out.is_logits) {
     KD_CHECK(out.k == vocab, "drafter logits must have vocab_size=" + s(vocab) + " columns, got " + s(out.k));
