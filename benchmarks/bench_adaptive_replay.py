@@ -189,9 +189,8 @@ def replay_embedded(args):
     for mode in ["adaptive"] + [str(b) for b in budgets]:
         secs, rounds, plain, sizes = run(mode)
         seq = "".join("." if x < 0 else str(min(x, 9)) for x in sizes)[:80] if mode == "adaptive" else ""
-        asked_mean = float(np.mean(asked)) if asked else 0.0
         if mode == "adaptive" and asked:
-            mode = f"adaptive (rows asked: {asked_mean:.2f} a draft)"
+            mode = f"adaptive (rows asked: {np.mean(asked):.2f} a draft)"
         print(f"| {mode if mode.startswith('adaptive') else 'fixed ' + mode} | {ar / secs:.3f} | {rounds} | {plain} | {seq} |")
 
 

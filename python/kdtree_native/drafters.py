@@ -320,7 +320,7 @@ class ModelDrafter:
             self.model.truncate(n)  # (the cache back to the context it holds for sure)
             raise
         if self._keep_chain:
-            self._tokens = np.concatenate([ctx, np.asarray(chain, dtype=np.int32)]).astype(np.int32)
+            self._tokens = np.concatenate([self._tokens, np.asarray(chain, dtype=np.int32)])
         else:
             self.model.truncate(n)
         return np.stack(rows)

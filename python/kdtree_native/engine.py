@@ -340,10 +340,9 @@ class Engine:
                  top_k=None, temperature: float = 0.0, seed=None, stop_token_ids=(), **kwargs):
         """Prefill ``prompt_ids`` and generate up to ``max_new_tokens`` tokens: plain AR when
         ``drafter`` is None, DDTree speculative decoding otherwise (lossless). Returns a
-        ``GenerationResult`` (``tokens``, ``acceptance_lengths``, ``tree_sizes``, ``draft_depths``, ``stats``). Other keyword
-        arguments (``top_p``, ``target_top_k``, ``progress``, ``prefill_chunk``, ``adaptive_budget``,
-        ``reuse_prefix``) are those of
-        ``kdtree_native.generation.generate``."""
+        ``GenerationResult`` (``tokens``, ``acceptance_lengths``, ``tree_sizes``, ``draft_depths``,
+        ``stats``). Other keyword arguments (``top_p``, ``target_top_k``, ``progress``, ``prefill_chunk``,
+        ``adaptive_budget``, ``reuse_prefix``) are those of ``kdtree_native.generation.generate``."""
         from .generation import generate
 
         with self._one_call("generate"):
