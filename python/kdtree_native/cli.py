@@ -52,6 +52,37 @@ def _load_tokenizer(model_dir, required=False):
         return None
 
 
+def _resolve_model_dir(path):
+    """MODEL_DIR as given, except ``default`` (when nothing of that name is in the working directory):
+    the embedded default target model (kdtree_native.default_model_dir())."""
+    if path == "default" and not os.path.exists(path):
+        from . import models
+
+        return models.default_model_dir()
+    return path
+
+
+def _is_embedded_target(path):
+    """True when ``path`` is the embedded default target model's directory."""
+    try:
+        from . import models
+
+        return os.path.realpath(path) == os.path.realpath(models.default_model_dir())
+    except Exception:  # (not shipped in this build)
+        return False
+
+
+def _draft_model_dir(args):
+    """--draft-model, or the embedded draft model when MODEL_DIR is the embedded target; else a usage error."""
+    if getattr(args, "draft_model", None):
+        return args.draft_model
+    if _is_embedded_target(args.model_dir):
+        from . import models
+
+        return models.default_draft_dir()
+    raise _UsageError("--drafter model needs --draft-model DIR (only the embedded default model has a default drafter)")
+
+
 def _check_model_dir(path, what="model directory"):
     """FileNotFoundError / NotADirectoryError naming ``path`` unless it is a directory."""
     if not os.path.isdir(path):
@@ -199,12 +230,12 @@ def _make_drafter(name, engine, args, prompt, n, max_seq_len):
     if name == "ngram":
         return drafters.NgramDrafter()
     if name == "model":
-        if not getattr(args, "draft_model", None):
-            raise _UsageError("--drafter model needs --draft-model DIR")
         from .engine import Engine
 
-        _check_model_dir(args.draft_model, "draft model directory")
-        draft_engine = Engine.from_pretrained(args.draft_model, device=args.device, max_seq_len=max_seq_len)
+        draft_dir = _draft_model_dir(args)
+        _check_model_dir(draft_dir, "draft model directory")
+        # (on the target's device: with --device auto the two resolve the same way, but say it once)
+        draft_engine = Engine.from_pretrained(draft_dir, device=engine.device, max_seq_len=max_seq_len)
         return drafters.ModelDrafter(draft_engine, min_chain_prob=DEMO_MODEL_MIN_CHAIN_PROB)
     if name == "oracle" or name.startswith("oracle:"):
         noise = _float_value(name.split(":", 1)[1]) if ":" in name else 0.0
@@ -240,8 +271,9 @@ def _cmd_generate(args):
             raise _UsageError("--interactive: the oracle drafter needs the answer in advance; use ngram, model or none")
     elif args.ids is None and args.prompt is None:
         raise _UsageError("give a prompt: --prompt TEXT (with tokenizer.json) or --ids 1,2,3")
-    if args.drafter == "model" and not args.draft_model:
-        raise _UsageError("--drafter model needs --draft-model DIR")
+    args.model_dir = _resolve_model_dir(args.model_dir)
+    if args.drafter == "model":
+        _draft_model_dir(args)  # the usage error before any loading
     _check_model_dir(args.model_dir)
     max_positions = load_config(args.model_dir).max_position_embeddings
     max_seq_len = args.max_seq_len
@@ -507,16 +539,20 @@ def main(argv=None):
     sub.add_parser("info", help="print what this build contains")
 
     g = sub.add_parser("generate", help="generate from an HF checkpoint directory")
-    g.add_argument("model_dir")
+    g.add_argument("model_dir", help="HF checkpoint directory, or `default`: the embedded default model")
     g.add_argument("--prompt", type=_text_arg, help="prompt text (needs MODEL_DIR/tokenizer.json)")
     g.add_argument("--ids", type=_ids_arg, help="prompt token ids, e.g. 1,2,3")
     g.add_argument("-n", "--max-new-tokens", type=_int_arg, default=64)
     g.add_argument("--drafter", type=_drafter_arg, default="ngram",
                    help="none | ngram | model | oracle[:noise] (default ngram)")
-    g.add_argument("--draft-model", help="checkpoint dir of the drafter model (--drafter model)")
-    g.add_argument("--budget", type=_int_arg, default=64, help="tree nodes per round (0 = AR); with --adaptive, the most")
-    g.add_argument("--adaptive", action="store_true",
-                   help="choose each round's tree size (<= --budget) from the draft and the measured round costs")
+    g.add_argument("--draft-model", help="checkpoint dir of the drafter model (--drafter model; default with the "
+                                         "embedded default model: its shipped draft model)")
+    g.add_argument("--budget", type=_int_arg, default=64,
+                   help="tree nodes per round (0 = AR); adaptive (the default), the most a round verifies")
+    g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="choose each round's tree size (<= --budget) and drafting depth (<= --depth) from the draft "
+                        "and the measured round costs; --no-adaptive: every round verifies --budget nodes "
+                        "(default: adaptive)")
     g.add_argument("--depth", type=_int_arg, default=15)
     g.add_argument("--top-k", type=_int_arg, default=None, help="drafter candidates per depth (default: budget)")
     g.add_argument("-t", "--temperature", type=_temperature_arg, default=0.0)
@@ -527,7 +563,8 @@ def main(argv=None):
     g.add_argument("--max-seq-len", type=_int_arg, default=None,
                    help=f"KV cache capacity in tokens (default: {DEFAULT_MAX_SEQ_LEN}, or the model's "
                         f"max_position_embeddings when smaller)")
-    g.add_argument("--device", default="cpu")
+    g.add_argument("--device", default="auto",
+                   help="auto (the GPU when one is usable, else the CPU; the default), cpu or cuda")
     g.add_argument("--no-stream", action="store_true", help="print the output at the end, with a progress line")
     g.add_argument("--interactive", action="store_true",
                    help="read lines from stdin: each is appended to the text so far and -n tokens are generated "

@@ -75,16 +75,54 @@ def test_adaptive_budget_flags(capsys, no_debug):
             line = next(l for l in out.splitlines() if l.startswith(label))
             assert line[len(label):].split()[0] == column and line.rstrip().endswith("yes"), (flags, line)
     runs = []
-    for extra in ([], ["--adaptive"]):
+    for extra in ([], ["--adaptive"], ["--no-adaptive"]):
         rc, out, err = _main(capsys, "generate", kn.default_model_dir(), "--ids", "1,5,9,5,9", "-n", "12",
                              "--device", "cpu", "--no-stream", "--budget", "16", "--depth", "4", "--json", *extra)
         assert rc == 0, err
         j = json.loads(out.strip().splitlines()[-1])
-        runs.append(j["tokens"])
+        runs.append(j)
         assert len(j["tree_sizes"]) == len(j["acceptance_lengths"]) == j["stats"]["rounds"]
         assert sum(j["tree_sizes"]) == j["stats"]["num_draft_tokens"] and max(j["tree_sizes"]) <= 16
         assert len(j["draft_depths"]) == len(j["tree_sizes"]) and max(j["draft_depths"]) <= 4
-    assert runs[0] == runs[1]
+    assert runs[0]["tokens"] == runs[1]["tokens"] == runs[2]["tokens"]
+
+
+def test_generate_defaults(capsys, monkeypatch, no_debug):
+    """generate's defaults are the demo's: the adaptive budget (--no-adaptive: fixed), device auto; MODEL_DIR
+    `default` is the embedded model and, with it, --drafter model needs no --draft-model (the shipped draft
+    model); the output is still AR's."""
+    from kdtree_native import generation
+    from kdtree_native.engine import Engine
+
+    calls, loads = [], []
+    real_generate, real_load = generation.generate, Engine.from_pretrained.__func__
+
+    def spy_generate(*a, **kw):
+        calls.append(kw)
+        return real_generate(*a, **kw)
+
+    def spy_load(cls, model_dir, *a, **kw):
+        loads.append((os.path.realpath(model_dir), kw.get("device")))
+        return real_load(cls, model_dir, *a, **kw)
+
+    monkeypatch.setattr(generation, "generate", spy_generate)
+    monkeypatch.setattr(Engine, "from_pretrained", classmethod(spy_load))
+    monkeypatch.chdir(os.path.dirname(kn.default_model_dir()))  # no `default` here: the name means the embedded model
+    outs = []
+    for extra in (["--drafter", "model"], ["--drafter", "model", "--no-adaptive"], ["--drafter", "none"]):
+        calls.clear()
+        rc, out, err = _main(capsys, "generate", "default", "--ids", "1,5,9,5,9", "-n", "10", "--budget", "8",
+                             "--depth", "3", "--no-stream", "--json", *extra)
+        assert rc == 0, err
+        outs.append(json.loads(out.strip().splitlines()[-1])["tokens"])
+        kw = calls[-1]  # (the oracle's AR call would come first; none here)
+        assert kw["adaptive_budget"] is ("--no-adaptive" not in extra), (extra, kw)
+        assert (kw["drafter"] is None) == ("none" in extra)
+    assert outs[0] == outs[1] == outs[2]
+    target, draft = os.path.realpath(kn.default_model_dir()), os.path.realpath(kn.default_draft_dir())
+    assert [path for path, _ in loads] == [target, draft, target, draft, target]
+    assert all(d == "auto" for path, d in loads if path == target)
+    assert all(d in ("cpu", "cuda") for path, d in loads if path == draft)  # the device the target resolved to
 
 
 def test_generate_interactive_keeps_the_conversation(capsys, no_debug):
@@ -270,9 +308,10 @@ def test_model_dir_that_is_a_file_or_a_fifo(tmp_path, capsys, no_debug):
 def test_usage_errors_are_argparse_style(capsys, no_debug):
     """Usage errors found after parsing used to exit 1 with a bare message; they now look like
     argparse's own: the usage line, "kdtree-native generate: error: ...", exit status 2."""
-    model = kn.default_model_dir()
-    for argv, message in [((), "give a prompt: --prompt TEXT"),
-                          (("--ids", "1", "--drafter", "model"), "--drafter model needs --draft-model DIR")]:
+    for model, argv, message in [(kn.default_model_dir(), (), "give a prompt: --prompt TEXT"),
+                                 ("/no/such/model", ("--ids", "1", "--drafter", "model"),
+                                  "--drafter model needs --draft-model DIR (only the embedded default model has a "
+                                  "default drafter)")]:
         rc, _, err = _main(capsys, "generate", model, *argv)
         assert rc == 2, err
         assert err.startswith("usage: kdtree-native generate") and f"kdtree-native generate: error: {message}" in err
