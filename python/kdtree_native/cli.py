@@ -87,7 +87,9 @@ def _check_model_dir(path, what="model directory"):
     """FileNotFoundError / NotADirectoryError naming ``path`` unless it is a directory."""
     if not os.path.isdir(path):
         if os.path.exists(path):
-            raise NotADirectoryError(f"{what} {path!r} is not a directory")
+            hint = (" (`default` names the embedded model only where nothing of that name is in the working "
+                    "directory)" if path == "default" else "")
+            raise NotADirectoryError(f"{what} {path!r} is not a directory{hint}")
         raise FileNotFoundError(f"{what} {path!r} does not exist")
 
 

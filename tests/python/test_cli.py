@@ -288,7 +288,7 @@ def test_ids_are_ascii_decimal(capsys, no_debug, ids):
     assert rc == 0, err
 
 
-def test_model_dir_that_is_a_file_or_a_fifo(tmp_path, capsys, no_debug):
+def test_model_dir_that_is_a_file_or_a_fifo(tmp_path, capsys, monkeypatch, no_debug):
     """A regular file or a FIFO given as MODEL_DIR was reported as "does not exist"."""
     f = tmp_path / "afile"
     f.write_text("x")
@@ -303,6 +303,10 @@ def test_model_dir_that_is_a_file_or_a_fifo(tmp_path, capsys, no_debug):
     assert rc == 2 and f"draft model directory {str(f)!r} is not a directory" in err, err
     rc, _, err = _main(capsys, "generate", str(tmp_path / "missing"), "--ids", "1", "-n", "2")
     assert rc == 2 and "does not exist" in err, err
+    (tmp_path / "default").write_text("x")  # a file named `default` here: the name is that path, with a hint
+    monkeypatch.chdir(tmp_path)
+    rc, _, err = _main(capsys, "generate", "default", "--ids", "1", "-n", "2")
+    assert rc == 2 and "model directory 'default' is not a directory (`default` names the embedded model" in err, err
 
 
 def test_usage_errors_are_argparse_style(capsys, no_debug):
