@@ -236,7 +236,7 @@ def _make_drafter(name, engine, args, prompt, n, max_seq_len):
 
         draft_dir = _draft_model_dir(args)
         _check_model_dir(draft_dir, "draft model directory")
-        # (on the target's device: with --device auto the two resolve the same way, but say it once)
+        # (on the device the target resolved to, whatever --device said)
         draft_engine = Engine.from_pretrained(draft_dir, device=engine.device, max_seq_len=max_seq_len)
         return drafters.ModelDrafter(draft_engine, min_chain_prob=DEMO_MODEL_MIN_CHAIN_PROB)
     if name == "oracle" or name.startswith("oracle:"):
