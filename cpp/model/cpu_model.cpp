@@ -632,18 +632,40 @@ void CpuModel::attention(Layer& ly, const int32_t* positions, const uint8_t* vis
       continue;
     }
     float* sc = scores_.data();
-    sgemm(true, tc * H, Sc, CR, scale, qf + t0 * H * CR, CR, cache, CR, 0.f, sc, Sc);
+    // (row-exact windows: the skinny kernels whatever tc * H and Sc, kRowExactWindow in cpu_model.h)
+    auto gemm = T <= kRowExactWindow ? sgemm_rows_exact : sgemm;
+    gemm(true, tc * H, Sc, CR, scale, qf + t0 * H * CR, CR, cache, CR, 0.f, sc, Sc);
     KD_PARALLEL_FOR_IF(tc * H * Sc >= kParallelWork)
     for (int64_t r = 0; r < tc * H; ++r) {
       const int64_t t = t0 + r / H;
       float* s = sc + r * Sc;
-      for (int64_t j = 0; j < Sc - L; ++j) {
-        const bool see = vis ? vis[t * T + j] != 0 : j <= t;
-        if (!see) s[L + j] = kNegInf;
+      float* win = s + L;  // the window's Sc - L entries
+      const int64_t nw = Sc - L;
+      if (!vis) {  // causal: the visible entries are a prefix; the masked ones after it change nothing
+        for (int64_t j = t + 1; j < nw; ++j) win[j] = kNegInf;
+        softmax_row(s, Sc);
+        continue;
       }
-      softmax_row(s, Sc);
+      // A tree: the visible window entries (the node's ancestors and itself) moved to the window's
+      // front, in order, for the softmax, then back to their places (zeros elsewhere). The softmax
+      // sums its lanes by index, so an entry must sit where it sits in the AR step's row (committed
+      // tokens, then the path one by one) for the row to come out the same bits
+      // (kRowExactWindow); P @ V then meets the same products in the same order, with exact zeros
+      // between them.
+      int64_t w = 0;
+      for (int64_t j = 0; j < nw; ++j)
+        if (vis[t * T + j]) win[w++] = win[j];  // (w <= j: a forward copy)
+      softmax_row(s, L + w);
+      for (int64_t k = w; k < nw; ++k) win[k] = 0.f;
+      for (int64_t j = nw - 1, k = w - 1; k >= 0; --j) {  // back to the places, the last first
+        if (!vis[t * T + j]) continue;                   // (j >= k: the destination is past every
+        const float p = win[k];                          // compacted entry still to move)
+        win[k] = 0.f;
+        win[j] = p;
+        --k;
+      }
     }
-    sgemm(false, tc * H, C, Sc, 1.f, sc, Sc, cache, CR, 0.f, olat, C);
+    gemm(false, tc * H, C, Sc, 1.f, sc, Sc, cache, CR, 0.f, olat, C);
   }
   // Values: o[:, h, :] = o_lat[:, h, :] @ W_UV[h]^T, then o_proj; x += out.
   for (int64_t h = 0; h < H; ++h)

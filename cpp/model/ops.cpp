@@ -55,6 +55,12 @@ KD_AVX2 void swiglu_row_avx2(const float* gu, int64_t I, float* out) {
   for (; i < I; ++i) out[i] = (g[i] / (1.f + std::exp(-g[i]))) * u[i];
 }
 
+// The softmax's double lane sums: lanes 0-3 of e into lo, 4-7 into hi.
+KD_AVX2_INLINE void add_lanes(__m256 e, __m256d& lo, __m256d& hi) {
+  lo = _mm256_add_pd(lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
+  hi = _mm256_add_pd(hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+}
+
 // Same steps as the scalar softmax_row: max, exp(s - max) with the sum in double, scale.
 KD_AVX2 bool softmax_row_avx2(float* s, int64_t n) {
   const float ninf = -std::numeric_limits<float>::infinity();
@@ -75,17 +81,24 @@ KD_AVX2 bool softmax_row_avx2(float* s, int64_t n) {
   for (i = 0; i + 8 <= n; i += 8) {
     const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + i), vmx));
     _mm256_storeu_ps(s + i, e);
-    sum_lo = _mm256_add_pd(sum_lo, _mm256_cvtps_pd(_mm256_castps256_ps128(e)));
-    sum_hi = _mm256_add_pd(sum_hi, _mm256_cvtps_pd(_mm256_extractf128_ps(e, 1)));
+    add_lanes(e, sum_lo, sum_hi);
+  }
+  // The last n % 8 elements as one more vector padded with -inf (exp8 gives exactly 0 there, and a
+  // lane sum plus 0.0 is itself): every element takes exp8 and lands in lane i % 8 whatever n is, so
+  // an attention row's probabilities do not depend on how many masked (-inf) entries follow it
+  // (the window's invisible tokens). Until the sixty-first session the tail took std::exp and
+  // was added after the lanes: a row's logits then depended on the window (docs/MODEL.md).
+  if (i < n) {
+    alignas(32) float t[8];
+    for (int j = 0; j < 8; ++j) t[j] = i + j < n ? s[i + j] : ninf;
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_load_ps(t), vmx));
+    _mm256_store_ps(t, e);
+    for (int64_t j = 0; i + j < n; ++j) s[i + j] = t[j];
+    add_lanes(e, sum_lo, sum_hi);
   }
   double parts[4];
   _mm256_storeu_pd(parts, _mm256_add_pd(sum_lo, sum_hi));
-  double sum = (parts[0] + parts[1]) + (parts[2] + parts[3]);
-  for (; i < n; ++i) {
-    const float e = std::exp(s[i] - mx);
-    s[i] = e;
-    sum += e;
-  }
+  const double sum = (parts[0] + parts[1]) + (parts[2] + parts[3]);
   const float inv = (float)(1.0 / sum);
   const __m256 vinv = _mm256_set1_ps(inv);
   for (i = 0; i + 8 <= n; i += 8) _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_loadu_ps(s + i), vinv));

@@ -258,17 +258,19 @@ KD_AVX2_INLINE void put(float* c, float v, float alpha, float beta) {
   *c = (beta == 0.f) ? v : beta * *c + v;
 }
 
-KD_AVX2_INLINE float hsum(__m256 a) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
-
-// [sum(a0), sum(a1), sum(a2), sum(a3)]
+// [sum(a0), sum(a1), sum(a2), sum(a3)], each as ((x0 + x1) + (x2 + x3)) + ((x4 + x5) + (x6 + x7))
 KD_AVX2_INLINE __m128 hsum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
   const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
   return _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
 }
+
+// sum(a) in hsum4's order. A column outside the 4- and 8-column tiles (the last N % 4 of a call)
+// must come out with the same bits as inside one: which case a column is depends on N, and N
+// depends on the window (the attention's scores run over the cache plus the window's visible
+// tokens), so another order here made a row's logits depend on how many tokens were forwarded
+// with it (until the sixty-first session: (x0 + x4) + (x2 + x6) + ..., the AR step and a tree
+// verify disagreeing in the last bits, and a sampled token flipping with them; docs/MODEL.md).
+KD_AVX2_INLINE float hsum(__m256 a) { return _mm_cvtss_f32(hsum4(a, a, a, a)); }
 
 // Weight elements: FP32, or BF16 (uint16, the high half of an FP32 value; widening is exact, so
 // a kernel on BF16 weights computes exactly what it computes on the widened FP32 copy).
@@ -482,10 +484,11 @@ bool skinny_takes(int64_t M, int64_t N, int64_t K) {
 
 // BT = uint16_t (BF16 weights): trans_b only, and the same tiles, chunks and threads as FP32 B of
 // the same shape, hence the same results as on the widened copy.
+// force: whatever the shape (sgemm_rows_exact), where the CPU has the kernels.
 template <class BT>
 bool sgemm_skinny(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
-                  const BT* B, int64_t ldb, float beta, float* C, int64_t ldc) {
-  if (!skinny_takes(M, N, K)) return false;
+                  const BT* B, int64_t ldb, float beta, float* C, int64_t ldc, bool force = false) {
+  if (force ? (K <= 0 || !cpu_has_avx2_fma()) : !skinny_takes(M, N, K)) return false;
   auto cols = [&](int64_t n0, int64_t n1) {
     if (!trans_b) {
       skinny_nn(M, n0, n1, K, alpha, A, lda, B, ldb, beta, C, ldc);
@@ -586,6 +589,16 @@ void sgemm(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const flo
 #else
   sgemm_portable(trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 #endif
+}
+
+void sgemm_rows_exact(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+                      const float* B, int64_t ldb, float beta, float* C, int64_t ldc) {
+#ifdef KD_SKINNY
+  if (!g_force_portable.load(std::memory_order_relaxed) && M > 0 && N > 0 && alpha != 0.f &&
+      sgemm_skinny(trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc, /*force=*/true))
+    return;
+#endif
+  sgemm(trans_b, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
 void sgemm_force_portable(bool on) { g_force_portable.store(on); }

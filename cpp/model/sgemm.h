@@ -32,6 +32,15 @@ void sgemm_portable(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, 
 bool sgemm_bf16_weights(int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda, const uint16_t* B,
                         int64_t ldb, float beta, float* C, int64_t ldc, bool trans_b = true);
 
+// sgemm() with the skinny kernels whatever the shape, where the CPU has them (AVX2+FMA; else, or with
+// the portable kernel forced, plain sgemm()). The skinny kernels compute every output element the same
+// way whatever M and N are (the same FMA sequence over k, the same lane sums; tests/cpp/test_cpu_model.cpp
+// and tests/python/test_cpu_model.py check it), so a row's result does not depend on the rows or columns
+// computed with it. The CPU model's attention uses it for windows of up to kRowExactWindow tokens
+// (cpu_model.h), where the column count (cache + visible window) and the row count (window x heads) vary.
+void sgemm_rows_exact(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
+                      const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
+
 // Whether sgemm() / sgemm_bf16_weights() would take the skinny kernels for a B^T GEMM of this shape now
 // (false with the portable kernel forced, or without AVX2).
 bool sgemm_skinny_takes(int64_t M, int64_t N, int64_t K);

@@ -180,6 +180,77 @@ def test_tree_nodes_equal_sequential_decode(name):
         np.testing.assert_allclose(cache_tree[l], eng.model.read_cache(l, 0, eng.cache_len), rtol=1e-5, atol=1e-5)
 
 
+def _tree_rows_against_ar_steps(eng, prefix, toks, parents, depths, vis):
+    """(nodes whose logits differ in any bit from the one-token AR steps along their path, nodes): the
+    tree forwarded once after ``prefix``, then each node's path decoded token by token from ``prefix``;
+    and, for the deepest node's path committed out of the tree, the cache rows against the AR steps'."""
+    eng.prefill(prefix)
+    L = eng.cache_len
+    tree = eng.forward(toks, L + depths, vis).copy()
+    differ = []
+    for i in range(len(toks)):
+        eng.truncate(L)
+        for t in toks[path_to(parents, i)]:
+            last = eng.decode(int(t))
+        if not np.array_equal(tree[i], last):
+            differ.append(i)
+    path = path_to(parents, int(np.argmax(depths)))
+    eng.truncate(L)
+    for t in toks[path]:
+        eng.decode(int(t))
+    cfg = eng.config
+    ar_rows = [eng.model.read_cache(l, L, len(path)) for l in range(cfg.num_hidden_layers)]
+    eng.truncate(L)
+    eng.forward(toks, L + depths, vis)
+    eng.commit(path)
+    same_cache = all(np.array_equal(eng.model.read_cache(l, L, len(path)), ar_rows[l])
+                     for l in range(cfg.num_hidden_layers))
+    return differ, same_cache
+
+
+def test_tree_rows_are_the_ar_steps_bits(skinny_isa):
+    """A tree node's logits and cache row are the same bits as the one-token AR steps along its path
+    (CpuModel::kRowExactWindow): what makes DDTree emit AR's tokens in a near tie and a seeded sample
+    land on the same token. Until the sixty-first session they agreed to ~4e-7 only (on the embedded
+    model 228 of 231 tree nodes differed from their AR steps; the fuzz found a sampled token flipping):
+    a skinny-kernel column outside the 4-column tiles summed its lanes in another order (the scores'
+    column count is the cache plus the window), the softmax's tail took std::exp and its lanes went
+    by position in the window (a tree's masked siblings moved them), and long contexts sent the
+    scores to BLAS. Random trees at several cache lengths (every residue of the lanes), on a random
+    parity model and the embedded one, with one case past the old BLAS border (Sc x (C + R) > 2^18
+    floats with more than 128 query rows)."""
+    cases = [(numpy_engine("kimi_like", max_seq_len=256)[0], L, n) for L, n in ((5, 9), (12, 14), (37, 21))]
+    try:
+        emb = kn.Engine.from_pretrained(kn.default_model_dir(), device="cpu", max_seq_len=2048)
+        cases += [(emb, L, n) for L, n in ((1, 6), (30, 12), (61, 17), (200, 24))] + [(emb, 1700, 20)]
+    except FileNotFoundError:
+        pass
+    for k, (eng, L, n) in enumerate(cases):
+        V = eng.vocab_size
+        parents, depths, vis = random_tree(n, seed=40 + k)
+        differ, same_cache = _tree_rows_against_ar_steps(eng, prompt(V, L, seed=50 + k), prompt(V, n, seed=60 + k),
+                                                         parents, depths, vis)
+        assert differ == [] and same_cache, (k, L, n, differ, same_cache)
+
+
+def test_sgemm_columns_do_not_depend_on_n(skinny_isa):
+    """Each output of the trans_b skinny kernels is the same bits whatever N is: the columns past the last
+    4-column tile (N % 4 of them) used to sum their lanes in another order than a tile's (columns
+    128-130 of N = 131 differed from the same columns of N = 132), and whatever M is (1 row: 8-column
+    tiles; 2-13 rows: every remainder of the row tiles)."""
+    rng = np.random.default_rng(3)
+    for K in (16, 40, 160):
+        b = rng.standard_normal((140, K)).astype(np.float32)
+        a = rng.standard_normal((13, K)).astype(np.float32)
+        ref = _native.sgemm(a[:1], b[:129], trans_b=True)
+        for N in range(120, 140):
+            for M in (1, 2, 3, 5, 7, 13):
+                got = _native.sgemm(a[:M], b[:N], trans_b=True)
+                n = min(N, 129)
+                assert np.array_equal(got[0, :n], ref[0, :n]), (K, N, M)
+                assert np.array_equal(got[:, :n], _native.sgemm(a[:M], b[:140], trans_b=True)[:, :n]), (K, N, M)
+
+
 def test_uncommitted_forward_is_overwritten_and_uint8_mask_equals_bool():
     eng, _, cfg = numpy_engine("ds3_base")
     ids = prompt(cfg.vocab_size, 8, seed=9)
