@@ -225,6 +225,41 @@ void sgemm_paths() {
   CHECK(C[N] == 0.f && Cp[N] == 0.f);  // the padding past N is untouched
 }
 
+// sgemm_rows_exact: each output the same bits whatever M and N (the CPU model's row-exact windows,
+// docs/MODEL.md): columns [0, 129) of every call against B[:N] (N = 120 .. 139, both layouts) and rows
+// 1 .. 13 and 150 (past sgemm's own skinny border of 128 rows) against the one-row call over 129 columns.
+// Where the CPU has no skinny kernels it is plain sgemm and promises nothing: skipped.
+void sgemm_rows_exact_bits() {
+  if (std::string(kdtree::sgemm_skinny_isa()) == "none") return;
+  std::mt19937 rng(11);
+  std::normal_distribution<float> nd;
+  const int64_t K = 160, Nmax = 140, Mmax = 150;
+  std::vector<float> A(Mmax * K), B(Nmax * K);
+  for (float& x : A) x = nd(rng);
+  for (float& x : B) x = nd(rng);
+  for (int tb = 0; tb < 2; ++tb) {
+    // tb: B [N, K] (the scores against the cache rows); else B [K, Nmax] used as [K, N] (P @ latent, ldb = Nmax)
+    std::vector<float> ref(129);
+    kdtree::sgemm_rows_exact(tb, 1, 129, K, 0.5f, A.data(), K, B.data(), tb ? K : Nmax, 0.f, ref.data(), 129);
+    for (int64_t N = 120; N < Nmax; ++N)
+      for (int64_t M : {1, 2, 3, 5, 7, 13, 150}) {
+        std::vector<float> C(M * N);
+        kdtree::sgemm_rows_exact(tb, M, N, K, 0.5f, A.data(), K, B.data(), tb ? K : Nmax, 0.f, C.data(), N);
+        std::vector<float> last(N);  // the last row alone
+        kdtree::sgemm_rows_exact(tb, 1, N, K, 0.5f, A.data() + (M - 1) * K, K, B.data(), tb ? K : Nmax, 0.f,
+                                 last.data(), N);
+        for (int64_t j = 0; j < N; ++j)
+          if ((j < 129 && C[j] != ref[j]) || C[(M - 1) * N + j] != last[j]) {
+            std::fprintf(stderr, "sgemm_rows_exact tb=%d M=%lld N=%lld: column %lld differs from a 1-row call\n", tb,
+                         (long long)M, (long long)N, (long long)j);
+            CHECK(false);
+            return;
+          }
+      }
+  }
+  CHECK(true);
+}
+
 // BF16 weights (sgemm_bf16_weights): bit for bit what sgemm(trans_b, ...) gives on the same weights
 // widened to FP32, wherever it takes the call (few rows, AVX2), both layouts (W [N, K] and W [K, N]),
 // with strides, k and column tails, alpha / beta, one to 130 rows (above 128 only when the weight is
@@ -329,6 +364,7 @@ int main() {
     std::printf("skinny ISA %s\n", isa);
     sgemm_paths();
     sgemm_bf16();
+    sgemm_rows_exact_bits();
   }
   if (isa0 != "none") CHECK(kdtree::sgemm_set_skinny_isa(isa0.c_str()));
   parallel_pool();
