@@ -467,7 +467,7 @@ namespace {
 // through the work-sharing pool of parallel.h, never an OpenMP team or OpenBLAS's threads (these
 // calls take 10-300 us; a barrier waiting for a descheduled thread costs more on a shared machine).
 // KDTREE_SKINNY_MAX_M overrides kSkinnyMaxM (0 = never skinny: the CBLAS / portable paths
-// alone, for A/B measurements); read once.
+// alone, for A/B measurements; sgemm_rows_exact does not ask it); read once.
 const int64_t kSkinnyMaxM = [] {
   const char* v = std::getenv("KDTREE_SKINNY_MAX_M");
   return (v && *v) ? (int64_t)std::atoll(v) : (int64_t)1024;
