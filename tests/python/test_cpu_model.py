@@ -181,9 +181,9 @@ def test_tree_nodes_equal_sequential_decode(name):
 
 
 def _tree_rows_against_ar_steps(eng, prefix, toks, parents, depths, vis):
-    """(nodes whose logits differ in any bit from the one-token AR steps along their path, nodes): the
-    tree forwarded once after ``prefix``, then each node's path decoded token by token from ``prefix``;
-    and, for the deepest node's path committed out of the tree, the cache rows against the AR steps'."""
+    """(the nodes whose logits differ in any bit from the one-token AR steps along their path, whether the
+    deepest node's path committed out of the tree leaves the AR steps' cache rows): the tree forwarded once
+    after ``prefix``, then each node's path decoded token by token from ``prefix``."""
     eng.prefill(prefix)
     L = eng.cache_len
     tree = eng.forward(toks, L + depths, vis).copy()
