@@ -617,6 +617,8 @@ void CpuModel::attention(Layer& ly, const int32_t* positions, const uint8_t* vis
   // Scores over [committed cache | visible new tokens], in query chunks bounded by kScoresBudget.
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(T, (int64_t)scores_.size() / (H * S)));
   const float scale = (float)c.softmax_scale;
+  // (row-exact windows: the skinny kernels whatever tc * H and Sc, kRowExactWindow in cpu_model.h)
+  const auto gemm = T <= kRowExactWindow ? sgemm_rows_exact : sgemm;
   for (int64_t t0 = 0; t0 < T; t0 += chunk) {
     const int64_t tc = std::min(chunk, T - t0);
     int64_t jmax = -1;  // last new token any query of the chunk sees
@@ -632,8 +634,6 @@ void CpuModel::attention(Layer& ly, const int32_t* positions, const uint8_t* vis
       continue;
     }
     float* sc = scores_.data();
-    // (row-exact windows: the skinny kernels whatever tc * H and Sc, kRowExactWindow in cpu_model.h)
-    auto gemm = T <= kRowExactWindow ? sgemm_rows_exact : sgemm;
     gemm(true, tc * H, Sc, CR, scale, qf + t0 * H * CR, CR, cache, CR, 0.f, sc, Sc);
     KD_PARALLEL_FOR_IF(tc * H * Sc >= kParallelWork)
     for (int64_t r = 0; r < tc * H; ++r) {

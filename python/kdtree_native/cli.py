@@ -275,7 +275,7 @@ def _cmd_generate(args):
         raise _UsageError("give a prompt: --prompt TEXT (with tokenizer.json) or --ids 1,2,3")
     args.model_dir = _resolve_model_dir(args.model_dir)
     if args.drafter == "model":
-        _draft_model_dir(args)  # the usage error before any loading
+        args.draft_model = _draft_model_dir(args)  # resolved once, the usage error before any loading
     _check_model_dir(args.model_dir)
     max_positions = load_config(args.model_dir).max_position_embeddings
     max_seq_len = args.max_seq_len
