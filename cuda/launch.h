@@ -18,6 +18,11 @@
 //   * pdl_trigger() (griddepcontrol.launch_dependents) at the start lets the next kernel launch
 //     once every block of this one has started; its blocks then only hold SM slots while they
 //     wait, after all of this kernel's blocks are resident.
+//   * One exception to "only immutable data before the wait": a kernel whose predecessor calls
+//     pdl_trigger() only after its own pdl_wait() may read, before its wait, what the kernel two
+//     launches back wrote (through L2: __ldcg): once every block of the predecessor has passed its
+//     wait, that kernel has completed. Used by the routed experts' down projection, which reads the
+//     MoE schedule and starts its weight copies while the gate/up grid drains (expert_mma.cu, PRE).
 //   * A wait that only some threads or launches execute (behind a run-time branch) does not
 //     order the loads after it in the source: ptxas may hoist an `ld.global.nc` (__ldg) above a
 //     griddepcontrol.wait that sits in a branch. Seen on sm_90 with CUDA 13.0 (seventeenth session:

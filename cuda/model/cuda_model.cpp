@@ -1379,6 +1379,7 @@ bool CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm, const float
   xp.swiglu = 0;
   xp.y = ye_;
   xp.ldy = (int)Dm;
+  xp.pdl_pre = swiglu_fused && kind == kMma ? 1 : 0;  // the gate/up launch just before, the schedule before it
   run_experts(xp, "expert_gemm(down)");
 
   if (shared_side) {

@@ -49,9 +49,16 @@ constexpr int kPadB = kTilePadB<kBK>;  // BF16 weight rows in shared memory (til
 // Q4: the weights from the INT4 stack (p.w_int4 / p.w_scale): a chunk's 32 bytes of nibbles a row and the
 // row's two group scales are copied (cp.async) and turned into BF16 values in the fragment reads
 // (tile_mma.h, mma_chunk_int4w): the BF16 path's products on the dequantized values, the same results.
-template <int BM, bool SWI, bool BF = false, bool Q4 = false, int KH = 1>
+// PRE (down projections, !SWI): the block reads the schedule and issues its first ST - 1 chunks' weight
+// copies before its PDL wait, the input rows after it. Allowed because the schedule comes from two
+// launches back and the launch just before is this kernel's SwiGLU form, which triggers its dependents
+// only after its own wait (below): when a block of this grid starts, moe_group has completed (the
+// caller's promise: ExpertGemmParams::pdl_pre). So the down projection's first weights stream while the
+// gate/up grid drains instead of after it.
+template <int BM, bool SWI, bool BF = false, bool Q4 = false, int KH = 1, bool PRE = false>
 __global__ void __launch_bounds__(kThreads * KH) expert_mma_kernel(ExpertGemmParams p) {
   static_assert(!(BF && Q4), "one weight form");
+  static_assert(!(PRE && (SWI || BF || Q4)), "the early weight copies: FP32 down projections only");
   static_assert(kBK == 64 && kThreads * KH >= 2 * kTileBN, "Q4: one 16-byte piece and one scale a thread at most");
   constexpr int TM = BM / 8, BK = kBK, ST = kStages, NTH = kThreads * KH;
   constexpr int PAD = BK + 4;                  // row stride: 16-byte rows, PAD = 4 mod 32 (conflict-free)
@@ -73,12 +80,29 @@ __global__ void __launch_bounds__(kThreads * KH) expert_mma_kernel(ExpertGemmPar
                          : smem + ST * kTileBN * PAD;  // [ST][BM][PAD]
   const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, q = lane & 3;
   const int warp = (tid >> 5) & 3, kh = (tid >> 5) >> 2;  // row group of 16; k part of the chunk (KH parts)
-  pdl_trigger();
-  pdl_wait();  // the schedule and the input rows come from earlier kernels
   const int tile = blockIdx.x;
-  const int nt = __ldg(p.num_tiles), e = __ldg(p.tile_expert + tile), r0 = __ldg(p.tile_row0 + tile);
-  if (tile >= nt || e < 0 || r0 < 0) return;  // block-uniform
-  const int rows = min(BM, __ldg(p.offsets + e + 1) - r0);
+  int nt, e, r0, rows;
+  if constexpr (PRE) {
+    pdl_trigger();
+    // the schedule (two launches back, see PRE above), through L2: coherent loads
+    nt = __ldcg(p.num_tiles), e = __ldcg(p.tile_expert + tile), r0 = __ldcg(p.tile_row0 + tile);  // pdl: pre-wait (schedule)
+    if (tile >= nt || e < 0 || r0 < 0) {  // block-uniform
+      pdl_wait();
+      return;
+    }
+    rows = min(BM, __ldcg(p.offsets + e + 1) - r0);  // pdl: pre-wait (schedule)
+  } else {
+    if constexpr (SWI) {
+      pdl_wait();     // the schedule and the input rows come from earlier kernels
+      pdl_trigger();  // only now: the down projection that follows reads the schedule before its wait (PRE)
+    } else {
+      pdl_trigger();
+      pdl_wait();  // the schedule and the input rows come from earlier kernels
+    }
+    nt = __ldg(p.num_tiles), e = __ldg(p.tile_expert + tile), r0 = __ldg(p.tile_row0 + tile);
+    if (tile >= nt || e < 0 || r0 < 0) return;  // block-uniform
+    rows = min(BM, __ldg(p.offsets + e + 1) - r0);
+  }
   const int N = p.N, Kd = p.Kd, n0 = (int)blockIdx.y * COLS;
   const float* const W = p.w + (size_t)e * (SWI ? 2 : 1) * N * Kd;
 
@@ -118,17 +142,8 @@ __global__ void __launch_bounds__(kThreads * KH) expert_mma_kernel(ExpertGemmPar
     wokq = qthr && n0 + c < N;
     wsrcq = wokq ? (size_t)e * (SWI ? 2 : 1) * N * Kd + (size_t)((SWI && rq >= COLS ? N : 0) + n0 + c) * Kd : 0;
   }
-  const float* xsrc[XPASS];
-  bool xok[XPASS];
-#pragma unroll
-  for (int j = 0; j < XPASS; ++j) {
-    const int r = rbase + RSTEP * j;
-    xok[j] = r < rows;
-    xsrc[j] = p.x;
-    if (xok[j]) xsrc[j] = p.x + (size_t)(p.x_row ? __ldg(p.x_row + r0 + r) : r0 + r) * p.ldx;
-  }
   const int nchunks = (Kd + BK - 1) / BK;
-  auto load = [&](int c, int slot) {
+  auto load_w = [&](int c, int slot) {
     const int k = c * BK + kq;
     const bool kin = k < Kd;
     if constexpr (Q4) {
@@ -152,9 +167,28 @@ __global__ void __launch_bounds__(kThreads * KH) expert_mma_kernel(ExpertGemmPar
 #pragma unroll
       for (int j = 0; j < WPASS; ++j) {
         const bool ok = wok[j] && kin;
-        cp_async16(Ws + ((size_t)slot * kTileBN + rbase + RSTEP * j) * PAD + kq, ok ? wsrc[j] + k : p.w, ok);
+        cp_async16(Ws + ((size_t)slot * kTileBN + rbase + RSTEP * j) * PAD + kq, ok ? wsrc[j] + k : p.w, ok);  // pdl: pre-wait (weights)
       }
     }
+  };
+  if constexpr (PRE) {
+#pragma unroll
+    for (int s = 0; s < ST - 1; ++s)
+      if (s < nchunks) load_w(s, s);
+    pdl_wait();  // the input rows come from the previous kernel
+  }
+  const float* xsrc[XPASS];
+  bool xok[XPASS];
+#pragma unroll
+  for (int j = 0; j < XPASS; ++j) {
+    const int r = rbase + RSTEP * j;
+    xok[j] = r < rows;
+    xsrc[j] = p.x;
+    if (xok[j]) xsrc[j] = p.x + (size_t)(p.x_row ? __ldg(p.x_row + r0 + r) : r0 + r) * p.ldx;
+  }
+  auto load_x = [&](int c, int slot) {
+    const int k = c * BK + kq;
+    const bool kin = k < Kd;
 #pragma unroll
     for (int j = 0; j < XPASS; ++j) {
       if (rbase + RSTEP * j < BM) {
@@ -163,9 +197,16 @@ __global__ void __launch_bounds__(kThreads * KH) expert_mma_kernel(ExpertGemmPar
       }
     }
   };
+  auto load = [&](int c, int slot) {
+    load_w(c, slot);
+    load_x(c, slot);
+  };
 #pragma unroll
   for (int s = 0; s < ST - 1; ++s) {
-    if (s < nchunks) load(s, s);
+    if (s < nchunks) {
+      if constexpr (PRE) load_x(s, s);  // (the weights went before the wait: in the first group)
+      else load(s, s);
+    }
     cp_async_commit();
   }
   float acc[TM][4], s1[TM][4], s2[TM][4];
@@ -226,12 +267,12 @@ __global__ void __launch_bounds__(kThreads * KH) expert_mma_kernel(ExpertGemmPar
 // cycles at 43 % of the DRAM peak. Twice the warps on the same chunks: in-step -0.2 to -3.6 % at
 // T = 9-129 (twenty-sixth session, docs/BENCHMARKS.md). Prefill's 32 / 64-slot tiles keep KH = 1
 // (not measured with two).
-template <int BM, bool SWI, bool BF, bool Q4 = false, int KH = (BM <= 16 ? 2 : 1)>
+template <int BM, bool SWI, bool BF, bool Q4 = false, int KH = (BM <= 16 ? 2 : 1), bool PRE = false>
 cudaError_t launch_mma_as(const ExpertGemmParams& p, cudaStream_t stream) {
   constexpr size_t q4_stages = (size_t)kStages * (kTileBN * (kTileRowQ4 + 2 * sizeof(float)) + (size_t)BM * (kBK + 4) * sizeof(float));
   constexpr size_t stages = Q4 ? q4_stages : tile_smem_bytes<BM, kBK, kStages, BF>();
   constexpr size_t smem = std::max(stages, (size_t)KH * BM * kTileBN * sizeof(float));
-  auto kern = expert_mma_kernel<BM, SWI, BF, Q4, KH>;
+  auto kern = expert_mma_kernel<BM, SWI, BF, Q4, KH, PRE>;
   static const cudaError_t attr_err =
       cudaFuncSetAttribute(kern, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (attr_err != cudaSuccess) return attr_err;
@@ -246,6 +287,10 @@ template <int BM, bool SWI>
 cudaError_t launch_mma(const ExpertGemmParams& p, cudaStream_t stream) {
   if (p.w_int4) return launch_mma_as<BM, SWI, false, true>(p, stream);  // (expert_gemm_int4_ok checked)
   if (expert_gemm_mma_reads_bf16(p)) return launch_mma_as<BM, SWI, true>(p, stream);
+  // the early weight copies (PRE) for the verify steps' tiles (<= 16 slots, where they were measured:
+  // docs/BENCHMARKS.md "Sixty-second session"); prefill's larger tiles keep the plain order
+  if constexpr (!SWI && BM <= 16)
+    if (p.pdl_pre) return launch_mma_as<BM, SWI, false, false, 2, true>(p, stream);
   return launch_mma_as<BM, SWI, false>(p, stream);
 }
 

@@ -266,6 +266,12 @@ struct ExpertGemmParams {
   // every w_scale value is a BF16 value (Kimi's scales are): the GEMV-style kernel then dequantizes in bf16x2
   // arithmetic (int4x8_values), else one weight at a time in FP32 (int4_value); the same values either way
   bool int4_scales_bf16 = false;
+  // expert_gemm_mma only, ignored elsewhere: 1 promises that the schedule (offsets, tile_*, num_tiles) was
+  // written two launches back or earlier and that the launch just before this one on the stream is
+  // expert_gemm_mma's SwiGLU form (gate/up), which triggers its dependents only after its PDL wait. A down
+  // projection (FP32 weights, tiles of <= 16 slots) may then read the schedule and start its weight copies
+  // before its own wait (expert_mma.cu, PRE).
+  int pdl_pre = 0;
 };
 // Two kernels: a GEMV-style one for tiles of <= kExpertSkinnyRows slots (weights streamed once
 // per tile; decode and small verify steps) and a shared-memory tiled SGEMM for tiles of
