@@ -1,7 +1,7 @@
 """Fuzz DDTree against AR on the embedded default model: random generate calls, each run twice with the same
 sampling seed (AR, then DDTree with a random drafter and random options), the tokens compared.
 
-    python scripts/fuzz_generate.py [--device cpu|cuda] [--seed 0] [--seconds 300] [--case N]
+    python scripts/fuzz_generate.py [--device cpu|cuda] [--seed 0] [--seconds 300] [--case N] [--budgets 128,256]
 
 Each case draws a prompt (held-out text or random ids, 1-149 tokens), 1-59 new tokens, a temperature (0,
 0.7, 1) and top-p (1, 0.9), 0-2 stop tokens, a budget (1-64), a depth (1-15), a top-k (all or 1..B), the
@@ -26,8 +26,9 @@ from kdtree_native.drafters import ModelDrafter, NgramDrafter, OracleDrafter
 from kdtree_native.generation import generate
 
 
-def draw_case(seed, index, V, held):
-    """The parameters of case `index` (a pure function of seed and index)."""
+def draw_case(seed, index, V, held, budgets=None):
+    """The parameters of case `index` (a pure function of seed, index and `budgets`: a list to draw the tree
+    budget from instead, without moving the other draws)."""
     rng = np.random.default_rng([seed, index])
     plen = int(rng.integers(1, 150))
     if rng.random() < 0.5:
@@ -36,13 +37,16 @@ def draw_case(seed, index, V, held):
     else:
         prompt = rng.integers(0, V, plen).astype(np.int32)
     budget = int(rng.choice([1, 2, 3, 4, 8, 16, 33, 64]))
-    return dict(prompt=prompt, n=int(rng.integers(1, 60)), temperature=float(rng.choice([0.0, 0.0, 0.7, 1.0])),
+    c = dict(prompt=prompt, n=int(rng.integers(1, 60)), temperature=float(rng.choice([0.0, 0.0, 0.7, 1.0])),
                 top_p=float(rng.choice([1.0, 0.9])), seed=int(rng.integers(0, 1000)),
                 stops=[int(x) for x in rng.integers(0, V, int(rng.integers(0, 3)))], budget=budget,
                 depth=int(rng.integers(1, 16)), top_k=None if rng.random() < 0.5 else int(rng.integers(1, budget + 1)),
                 adaptive=bool(rng.random() < 0.5), drafter=int(rng.integers(0, 7)),
                 ngram=(int(rng.integers(1, 6)), int(rng.integers(1, 40))), chain_prob=float(rng.choice([0.0, 0.1, 0.5])),
                 noise=float(rng.choice([0.0, 0.3, 0.9])))
+    if budgets:
+        c["budget"] = int(np.random.default_rng([seed, index, 1]).choice(budgets))
+    return c
 
 
 def make_drafter(c, ar_tokens, draft_eng, V):
@@ -78,9 +82,14 @@ def main():
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--seconds", type=float, default=300.0)
     ap.add_argument("--case", type=int, default=None, help="run this case alone and print its parameters")
+    ap.add_argument("--budgets", default=None,
+                    help="comma-separated tree budgets to draw from instead of 1-64 (e.g. 128,256: trees past the "
+                         "128-token windows); the other parameters of a case stay as they are")
     args = ap.parse_args()
-    eng = kn.Engine.from_pretrained(kn.default_model_dir(), device=args.device, max_seq_len=400)
-    draft_eng = kn.Engine.from_pretrained(kn.default_draft_dir(), device=eng.device, max_seq_len=400)
+    budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else None
+    room = 400 if not budgets else max(400, 210 + max(budgets) + 1)  # prompt (< 150) + new tokens (< 60) + a tree
+    eng = kn.Engine.from_pretrained(kn.default_model_dir(), device=args.device, max_seq_len=room)
+    draft_eng = kn.Engine.from_pretrained(kn.default_draft_dir(), device=eng.device, max_seq_len=room)
     V = eng.vocab_size
     held = [ord(ch) % V for ch in "".join(f["text"] for f in kn.models.heldout_sample())]
     indices = [args.case] if args.case is not None else range(10**9)
@@ -89,7 +98,7 @@ def main():
     for i in indices:
         if args.case is None and time.time() > t_end:
             break
-        c = draw_case(args.seed, i, V, held)
+        c = draw_case(args.seed, i, V, held, budgets)
         if args.case is not None:
             print({k: (v.tolist() if isinstance(v, np.ndarray) else v) for k, v in c.items()})
         opts = dict(temperature=c["temperature"], top_p=c["top_p"], seed=c["seed"], stop_token_ids=c["stops"])
@@ -102,7 +111,8 @@ def main():
             m = min(len(ar), len(res.tokens))
             diff = np.nonzero(res.tokens[:m] != ar[:m])[0]
             at = int(diff[0]) if len(diff) else m  # (or one stopped earlier)
-            print(f"MISMATCH case {i} (--seed {args.seed} --case {i}): T={c['temperature']} drafter {c['drafter']} "
+            again = f"--seed {args.seed} --case {i}" + (f" --budgets {args.budgets}" if budgets else "")
+            print(f"MISMATCH case {i} ({again}): T={c['temperature']} drafter {c['drafter']} "
                   f"B={c['budget']} depth={c['depth']} adaptive={c['adaptive']}: first differing token {at} "
                   f"(AR {ar[at] if at < len(ar) else 'end'}, DDTree {res.tokens[at] if at < len(res.tokens) else 'end'})",
                   flush=True)

@@ -536,6 +536,17 @@ void CpuModel::forward_last(const int32_t* tokens, const int32_t* positions, con
   run(tokens, positions, visibility, T, rows, logits_out);
 }
 
+namespace {
+// no visibility, or exactly the causal one (token i sees tokens 0..i of the window): a prefill chunk
+bool causal_window(const uint8_t* vis, int64_t T) {
+  if (!vis) return true;
+  for (int64_t i = 0; i < T; ++i)
+    for (int64_t j = 0; j < T; ++j)
+      if ((vis[i * T + j] != 0) != (j <= i)) return false;
+  return true;
+}
+}  // namespace
+
 void CpuModel::run(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T, int64_t rows,
                    float* logits_out) {
   std::lock_guard<std::mutex> lock(mu_);
@@ -545,6 +556,7 @@ void CpuModel::run(const int32_t* tokens, const int32_t* positions, const uint8_
   const ModelConfig& c = cfg_;
   const int64_t Dm = c.hidden_size;
   pending_ = 0;  // the previous uncommitted window is overwritten
+  exact_window_ = T <= kRowExactWindow || !causal_window(visibility, T);
 
   float* x = x_.data();
   for (int64_t t = 0; t < T; ++t) {
@@ -617,8 +629,8 @@ void CpuModel::attention(Layer& ly, const int32_t* positions, const uint8_t* vis
   // Scores over [committed cache | visible new tokens], in query chunks bounded by kScoresBudget.
   const int64_t chunk = std::max<int64_t>(1, std::min<int64_t>(T, (int64_t)scores_.size() / (H * S)));
   const float scale = (float)c.softmax_scale;
-  // (row-exact windows: the skinny kernels whatever tc * H and Sc, kRowExactWindow in cpu_model.h)
-  const auto gemm = T <= kRowExactWindow ? sgemm_rows_exact : sgemm;
+  // (row-exact windows, trees of any size among them: the skinny kernels whatever tc * H and Sc, cpu_model.h)
+  const auto gemm = exact_window_ ? sgemm_rows_exact : sgemm;
   for (int64_t t0 = 0; t0 < T; t0 += chunk) {
     const int64_t tc = std::min(chunk, T - t0);
     int64_t jmax = -1;  // last new token any query of the chunk sees
@@ -863,17 +875,19 @@ int64_t CpuModel::fp32_weight_bytes() const {
 void CpuModel::wgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const Weight& w, int64_t off,
                      int64_t ldw, float* C, int64_t ldc, bool trans_b) const {
   static thread_local std::vector<float> widen_;  // (kept: prefill calls come in series; not in memory_bytes)
+  // row-exact windows: the skinny kernels at any row count (kRowExactWindow; at <= 128 rows sgemm takes them anyway)
+  const auto gemm = exact_window_ ? sgemm_rows_exact : sgemm;
   const bool packed = !w.q.empty() && trans_b;
   if (!packed) {
     if (!w.h.empty() && sgemm_bf16_weights(M, N, K, 1.f, A, lda, w.h.data() + off, ldw, 0.f, C, ldc, trans_b)) return;
     if (!w.f.empty()) {
-      sgemm(trans_b, M, N, K, 1.f, A, lda, w.f.data() + off, ldw, 0.f, C, ldc);
+      gemm(trans_b, M, N, K, 1.f, A, lda, w.f.data() + off, ldw, 0.f, C, ldc);
       return;
     }
     if (!trans_b) {  // W [K, N] (a head's W_UK: small): widened whole
       if ((int64_t)widen_.size() < K * N) widen_.resize((size_t)(K * N));
       for (int64_t k = 0; k < K; ++k) copy_widened(widen_.data() + k * N, w.h.data() + off + k * ldw, N);
-      sgemm(false, M, N, K, 1.f, A, lda, widen_.data(), N, 0.f, C, ldc);
+      gemm(false, M, N, K, 1.f, A, lda, widen_.data(), N, 0.f, C, ldc);
       return;
     }
   }
@@ -896,7 +910,7 @@ void CpuModel::wgemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t ld
     } else {
       for (int64_t r = 0; r < nr; ++r) copy_widened(widen_.data() + r * K, w.h.data() + off + (n0 + r) * ldw, K);
     }
-    sgemm(true, M, nr, K, 1.f, A, lda, widen_.data(), K, 0.f, C + n0, ldc);
+    gemm(true, M, nr, K, 1.f, A, lda, widen_.data(), K, 0.f, C + n0, ldc);
   }
 }
 

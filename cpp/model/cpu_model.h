@@ -61,13 +61,15 @@ class CpuModel : public TargetModel {
   bool finalized() const override { return finalized_; }
 
   // A token's logits (and its cache row) are the same bits whatever else is in its window, for windows of
-  // up to kRowExactWindow tokens on a CPU with AVX2+FMA: a one-token AR step and the same position inside
-  // a tree verify agree exactly, so DDTree emits AR's tokens in a near tie too, and a seeded sample
-  // lands on the same token. Every GEMM of such a window takes the skinny kernels (the weights' at up to
-  // 128 rows by sgemm's own rule; the attention's through sgemm_rows_exact, whose rows (window x heads)
-  // and columns (cache + the visible window) vary), the softmax treats a row the same whatever masked
-  // entries follow it, and the rest is per row. Larger windows (prefill chunks, trees of 128+ nodes)
-  // take the fastest GEMMs instead: their rows agree with a one-token step to ~1e-6, not bit for bit.
+  // up to kRowExactWindow tokens and for tree windows of any size (a visibility that is not causal) on a
+  // CPU with AVX2+FMA: a one-token AR step and the same position inside a tree verify agree exactly, so
+  // DDTree emits AR's tokens in a near tie too, and a seeded sample lands on the same token. Every GEMM of
+  // such a window takes the skinny kernels (the weights' at up to 128 rows by sgemm's own rule, beyond
+  // through sgemm_rows_exact; the attention's through sgemm_rows_exact, whose rows (window x heads) and
+  // columns (cache + the visible window) vary), the softmax treats a row the same whatever masked entries
+  // follow it, and the rest is per row. Causal windows of more tokens (prefill chunks, shared by AR and
+  // DDTree; a drafted pure chain past 128 tokens) take the fastest GEMMs instead: their rows agree with a
+  // one-token step to ~1e-6, not bit for bit.
   static constexpr int64_t kRowExactWindow = 128;
   void forward(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
                float* logits_out) override;
@@ -221,6 +223,7 @@ class CpuModel : public TargetModel {
   std::vector<float> group_score_;     // [T, n_group]
   std::vector<uint8_t> group_sel_;     // [T, n_group]
   std::mutex mu_;                      // one forward/commit at a time per model
+  bool exact_window_ = false;          // this forward's window is row-exact (kRowExactWindow; set by run)
 };
 
 }  // namespace kdtree

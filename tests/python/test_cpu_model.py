@@ -218,11 +218,13 @@ def test_tree_rows_are_the_ar_steps_bits(skinny_isa):
     by position in the window (a tree's masked siblings moved them), and long contexts sent the
     scores to BLAS. Random trees at several cache lengths (every residue of the lanes), on a random
     parity model and the embedded one, with one case past the old BLAS border (Sc x (C + R) > 2^18
-    floats with more than 128 query rows)."""
+    floats with more than 128 query rows), and trees of more than 128 nodes (until the sixty-second
+    session every node of those differed: windows past 128 tokens took BLAS, tree or not)."""
     cases = [(numpy_engine("kimi_like", max_seq_len=256)[0], L, n) for L, n in ((5, 9), (12, 14), (37, 21))]
     try:
         emb = kn.Engine.from_pretrained(kn.default_model_dir(), device="cpu", max_seq_len=2048)
         cases += [(emb, L, n) for L, n in ((1, 6), (30, 12), (61, 17), (200, 24))] + [(emb, 1700, 20)]
+        cases += [(emb, 5, 150), (emb, 300, 260)]
     except FileNotFoundError:
         pass
     for k, (eng, L, n) in enumerate(cases):
