@@ -38,12 +38,12 @@ def draw_case(seed, index, V, held, budgets=None):
         prompt = rng.integers(0, V, plen).astype(np.int32)
     budget = int(rng.choice([1, 2, 3, 4, 8, 16, 33, 64]))
     c = dict(prompt=prompt, n=int(rng.integers(1, 60)), temperature=float(rng.choice([0.0, 0.0, 0.7, 1.0])),
-                top_p=float(rng.choice([1.0, 0.9])), seed=int(rng.integers(0, 1000)),
-                stops=[int(x) for x in rng.integers(0, V, int(rng.integers(0, 3)))], budget=budget,
-                depth=int(rng.integers(1, 16)), top_k=None if rng.random() < 0.5 else int(rng.integers(1, budget + 1)),
-                adaptive=bool(rng.random() < 0.5), drafter=int(rng.integers(0, 7)),
-                ngram=(int(rng.integers(1, 6)), int(rng.integers(1, 40))), chain_prob=float(rng.choice([0.0, 0.1, 0.5])),
-                noise=float(rng.choice([0.0, 0.3, 0.9])))
+             top_p=float(rng.choice([1.0, 0.9])), seed=int(rng.integers(0, 1000)),
+             stops=[int(x) for x in rng.integers(0, V, int(rng.integers(0, 3)))], budget=budget,
+             depth=int(rng.integers(1, 16)), top_k=None if rng.random() < 0.5 else int(rng.integers(1, budget + 1)),
+             adaptive=bool(rng.random() < 0.5), drafter=int(rng.integers(0, 7)),
+             ngram=(int(rng.integers(1, 6)), int(rng.integers(1, 40))), chain_prob=float(rng.choice([0.0, 0.1, 0.5])),
+             noise=float(rng.choice([0.0, 0.3, 0.9])))
     if budgets:
         c["budget"] = int(np.random.default_rng([seed, index, 1]).choice(budgets))
     return c
