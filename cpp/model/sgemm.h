@@ -36,8 +36,9 @@ bool sgemm_bf16_weights(int64_t M, int64_t N, int64_t K, float alpha, const floa
 // the portable kernel forced, plain sgemm()). The skinny kernels compute every output element the same
 // way whatever M and N are (the same FMA sequence over k, the same lane sums; tests/cpp/test_cpu_model.cpp
 // and tests/python/test_cpu_model.py check it), so a row's result does not depend on the rows or columns
-// computed with it. The CPU model's attention uses it for windows of up to kRowExactWindow tokens
-// (cpu_model.h), where the column count (cache + visible window) and the row count (window x heads) vary.
+// computed with it. The CPU model uses it for every GEMM of a row-exact window (kRowExactWindow, cpu_model.h:
+// up to 128 tokens, or a tree of any size), where the attention's column count (cache + visible window) and
+// row counts (window x heads; the window's tokens for the weights) vary.
 void sgemm_rows_exact(bool trans_b, int64_t M, int64_t N, int64_t K, float alpha, const float* A, int64_t lda,
                       const float* B, int64_t ldb, float beta, float* C, int64_t ldc);
 
