@@ -488,7 +488,7 @@ struct AttnDev {
   kc::VerifyAttentionParams p{};
   AttnDev(const py::object& ql_o, const py::object& qr_o, const py::object& kv_o, const py::object& vis_o,
           double scale, bool force_naive, int force_splits, int force_kernel = 0, int64_t l_bound = -1,
-          int force_rows = 0) {
+          int force_rows = 0, bool exact = false, int exact_split = 0) {
     auto a = as_c<float>(ql_o, "q_latent", 3);
     auto b = as_c<float>(qr_o, "q_rope", 3);
     auto c = as_c<float>(kv_o, "kv", 2);
@@ -534,6 +534,9 @@ struct AttnDev {
     p.force_splits = force_splits;
     p.force_kernel = force_kernel;
     p.force_splitkv_rows = force_rows;
+    if (exact_split < 0 || exact_split % 32 != 0) throw kdtree::Error("exact_split must be 0 (default) or a multiple of 32");
+    p.exact = exact ? 1 : 0;
+    p.exact_split = exact_split;
     if (l_bound >= 0) {
       const int32_t L = (int32_t)(N - T);
       ldev = DevBuf(sizeof(int32_t));
@@ -567,10 +570,11 @@ kc::VerifyAttentionParams attn_shape_params(int T, int H, int C, int R, int L, i
 
 py::array_t<float> verify_attention_np(const py::object& ql, const py::object& qr, const py::object& kv,
                                        const py::object& vis, double scale, bool force_naive, int force_splits,
-                                       int force_kernel, const py::object& l_bound, int force_rows) {
+                                       int force_kernel, const py::object& l_bound, int force_rows, bool exact,
+                                       int exact_split) {
   require_device();
   AttnDev d(ql, qr, kv, vis, scale, force_naive, force_splits, force_kernel,
-            l_bound.is_none() ? -1 : l_bound.cast<int64_t>(), force_rows);
+            l_bound.is_none() ? -1 : l_bound.cast<int64_t>(), force_rows, exact, exact_split);
   {
     py::gil_scoped_release nogil;
     check_cuda(kc::verify_attention(d.p, 0), "verify_attention");
@@ -648,9 +652,9 @@ py::dict time_tree_from_logits(const py::object& x_o, int64_t budget, int64_t to
 
 py::dict time_verify_attention(const py::object& ql, const py::object& qr, const py::object& kv,
                                const py::object& vis, double scale, int iters, int warmup, bool force_naive,
-                               int force_kernel, int force_splits, int force_rows) {
+                               int force_kernel, int force_splits, int force_rows, bool exact) {
   require_device();
-  AttnDev d(ql, qr, kv, vis, scale, force_naive, force_splits, force_kernel, -1, force_rows);
+  AttnDev d(ql, qr, kv, vis, scale, force_naive, force_splits, force_kernel, -1, force_rows, exact);
   Timing t = time_op([&](cudaStream_t s) { return kc::verify_attention(d.p, s); }, iters, warmup);
   py::dict r;
   put_timing(r, "", t);
@@ -1258,9 +1262,11 @@ void bind_cuda(py::module_& m) {
   m.def("cuda_verify_attention", &verify_attention_np, py::arg("q_latent"), py::arg("q_rope"), py::arg("kv"),
         py::arg("visibility"), py::arg("scale"), py::arg("force_naive") = false, py::arg("force_splits") = 0,
         py::arg("force_kernel") = 0, py::arg("l_bound") = py::none(), py::arg("force_rows") = 0,
+        py::arg("exact") = false, py::arg("exact_split") = 0,
         "GPU MLA verify attention (FP32): out_latent float32 [T,H,C]. force_kernel: 0 auto, 1 tiled, "
         "2 split-KV, 3 decode (two passes); l_bound (int >= L): pass L through a device int, with p.L = l_bound (graph mode); "
-        "force_rows: 4, 8 or 16 query rows per split-KV block (0 auto).");
+        "force_rows: 4, 8 or 16 query rows per split-KV block (0 auto); exact: the row-exact kernel (each row "
+        "a function of its own query and visible keys alone; the force options ignored); exact_split: its keys per split (0 = the default).");
   m.def("cuda_device_props", &device_props, "Device name, SMs, peak SM clock and FP32 CUDA-core peak FLOP/s.");
   m.def("cuda_copy_bandwidth", &copy_bandwidth, py::arg("nbytes") = (int64_t)1 << 31, py::arg("iters") = 20,
         "Measured device-to-device copy bandwidth, bytes/s (read + write counted).");
@@ -1271,7 +1277,7 @@ void bind_cuda(py::module_& m) {
   m.def("cuda_time_verify_attention", &time_verify_attention, py::arg("q_latent"), py::arg("q_rope"), py::arg("kv"),
         py::arg("visibility"), py::arg("scale"), py::arg("iters") = 20, py::arg("warmup") = 3,
         py::arg("force_naive") = false, py::arg("force_kernel") = 0, py::arg("force_splits") = 0,
-        py::arg("force_rows") = 0);
+        py::arg("force_rows") = 0, py::arg("exact") = false);
   m.def("cuda_time_accept_compact", &time_accept_compact, py::arg("tokens"), py::arg("parents"), py::arg("choice"),
         py::arg("layers"), py::arg("slots"), py::arg("row"), py::arg("cache_len"), py::arg("iters") = 200,
         py::arg("warmup") = 20);

@@ -165,7 +165,14 @@ struct VerifyAttentionParams {
                                 //   in the workspace as [S][T*H][C] unnormalised O, then [S][T*H][2]
                                 //   (max in the log2 domain, sum), and *defer_splits = S; else 0
   int defer_max_splits;
+  int exact;                    // 1: row-exact (CudaModel row_exact): each query row's output is a function of its own
+                                //   query and its visible keys in index order alone (the committed rows, then its
+                                //   ancestors and itself), the same bits whatever the other rows, the tree's layout, T
+                                //   or L (verify_attention_exact.cu); any shape; force_* and defer_splits ignored
+  int exact_split;              // exact: keys of a row's sequence per block (a multiple of 32; 0 = the default,
+                                //   kVerifyExactSplitDefault); part of the bits, so one value for every step of a model
 };
+constexpr int kVerifyExactSplitDefault = 128;
 // Bytes of workspace for these params: the most splits either kernel can use at any L' <= L
 // (deterministic, non-decreasing in L, at most 64 MiB); 0 when no split is possible.
 size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p);
@@ -173,7 +180,8 @@ size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p);
 // force_naive); the tiled one also needs T <= 2048.
 bool verify_attention_fast_path(const VerifyAttentionParams& p);
 // The pick for these params: kernel 0 = plain, 1 = tiled, 2 = split-KV, 3 = decode (two passes,
-// no splits), 4 = tensor cores; key splits; query rows per block (split-KV: 4, 8 or 16; tensor cores: 32).
+// no splits), 4 = tensor cores, 5 = the row-exact kernels (p.exact; splits not reported); key splits; query rows
+// per block (split-KV: 4, 8 or 16; tensor cores: 32).
 void verify_attention_choice(const VerifyAttentionParams& p, int* kernel, int* splits, int* rows = nullptr,
                              int* splits_full = nullptr, int* splits_last = nullptr);
 cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream);

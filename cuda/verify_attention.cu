@@ -35,6 +35,7 @@
 #include "kernels.h"
 #include "launch.h"
 #include "verify_attention_common.h"
+#include "verify_attention_exact.h"
 #include "verify_attention_mma.h"
 #include "warp_reduce.h"
 
@@ -1018,6 +1019,13 @@ __device__ __forceinline__ float rows_score(const VerifyAttentionParams& p, cons
 // weight sum in the workspace ([S][M][C], then [S][M][2]); mla_rows_combine_kernel merges them. A
 // NaN score in a split whose other keys are all masked is kept as a NaN weight, so that it reaches
 // the output exactly when it would without splits (there: whenever the row's max is finite).
+//
+// EXACT (VerifyAttentionParams::exact; launched unsplit): every key group is one (G = 1: each thread sums its
+// columns over all the row's keys in index order) and the weight sum runs in the same order, repeated by every
+// thread, instead of per thread and then across the warps. Masked keys carry weight 0 and are skipped, so a row's
+// output depends only on its visible keys in index order: a tree node's row gives the bits of the one-token step
+// at its position (whose keys are the same rows: the committed ones, the node's ancestors in depth order, itself).
+template <bool EXACT>
 __global__ void __launch_bounds__(kRowsThreads) mla_verify_rows_kernel(VerifyAttentionParams p) {
   pdl_prologue();
   __shared__ float sc[kRowsCache];
@@ -1047,13 +1055,14 @@ __global__ void __launch_bounds__(kRowsThreads) mla_verify_rows_kernel(VerifyAtt
   for (int w = 1; w < kRowsThreads / 32; ++w) mx = fmaxf(mx, red[w]);
   __syncthreads();
   const int c32 = (p.C + 31) & ~31;
-  const int G = c32 <= kRowsThreads / 2 ? kRowsThreads / c32 : 1;  // key groups (C <= 256: >= 2)
+  const int G = !EXACT && c32 <= kRowsThreads / 2 ? kRowsThreads / c32 : 1;  // key groups (C <= 256: >= 2)
   const int grp = G > 1 ? tid / c32 : 0, col = G > 1 ? tid - grp * c32 : tid;
   const bool pv_lane = G > 1 ? (grp < G && col < p.C) : true;
   float acc[kRowsCols];
 #pragma unroll
   for (int q = 0; q < kRowsCols; ++q) acc[q] = 0.f;
   float lsum = 0.f;
+  float lseq = 0.f;  // EXACT: the weight sum in key order (the same value in every thread)
   for (int base = 0; base < N; base += kRowsCache) {
     const int kmax = N - base < kRowsCache ? N - base : kRowsCache;
     for (int i = tid; i < kmax; i += kRowsThreads) {  // weights of this chunk (in place: same thread, same slot)
@@ -1090,6 +1099,7 @@ __global__ void __launch_bounds__(kRowsThreads) mla_verify_rows_kernel(VerifyAtt
       for (; kk + 4 <= kmax; kk += 4) {
         const float w0 = sc[kk], w1 = sc[kk + 1], w2 = sc[kk + 2], w3 = sc[kk + 3];
         const float* r0 = vb + (size_t)kk * p.kv_stride;
+        if (EXACT) lseq = ((lseq + w0) + w1 + w2) + w3;  // (in order, one rounding each)
 #pragma unroll
         for (int q = 0; q < kRowsCols; ++q) {
           const int c = tid + q * kRowsThreads;
@@ -1108,6 +1118,7 @@ __global__ void __launch_bounds__(kRowsThreads) mla_verify_rows_kernel(VerifyAtt
       for (; kk < kmax; ++kk) {
         const float w = sc[kk];
         if (w == 0.f) continue;
+        if (EXACT) lseq += w;
         const float* vr = vb + (size_t)kk * p.kv_stride;
 #pragma unroll
         for (int q = 0; q < kRowsCols; ++q) {
@@ -1123,6 +1134,7 @@ __global__ void __launch_bounds__(kRowsThreads) mla_verify_rows_kernel(VerifyAtt
   __syncthreads();
   float l = 0.f;
   for (int w = 0; w < kRowsThreads / 32; ++w) l += red[w];
+  if (EXACT) l = lseq;
   // one split: normalised into out; several: unnormalised partials (and max, sum) in the workspace
   float* dst = p.out + (size_t)g * p.C;
   float inv = l > 0.f ? 1.f / l : 0.f;
@@ -1575,7 +1587,7 @@ bool verify_attention_fast_path(const VerifyAttentionParams& p) { return splitkv
 
 void verify_attention_choice(const VerifyAttentionParams& p, int* kernel, int* splits, int* rows, int* splits_full,
                              int* splits_last) {
-  const Choice c = choose(p);
+  const Choice c = p.exact ? Choice{5, 1, 16} : choose(p);
   if (kernel) *kernel = c.kernel;
   if (splits) *splits = c.splits;
   if (rows) *rows = c.rows;
@@ -1584,6 +1596,7 @@ void verify_attention_choice(const VerifyAttentionParams& p, int* kernel, int* s
 }
 
 size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p) {
+  if (p.exact) return verify_exact_workspace_bytes(p);  // (0 for the rows kernel, unsplit)
   // the rows kernel's splits (other shapes; the fallback of a GPU with less shared memory for the
   // fast kernels' shapes runs it unsplit)
   if (!splitkv_ok(p)) return rows_ws_bytes(p, rows_max_splits(p));
@@ -1603,8 +1616,13 @@ size_t verify_attention_workspace_bytes(const VerifyAttentionParams& p) {
 cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream) {
   if (!basic_ok(p)) return cudaErrorInvalidValue;
   const int M = p.T * p.H;
-  const Choice c = choose(p);
   if (p.defer_splits) *p.defer_splits = 0;
+  if (p.exact) {  // row-exact (verify_attention_exact.cu); shapes it does not take: the rows kernel, unsplit
+    if (verify_exact_fast_ok(p)) return launch_verify_exact(p, stream);
+    launch_kernel(mla_verify_rows_kernel<true>, dim3(M, 1), kRowsThreads, 0, stream, p);
+    return cudaGetLastError();
+  }
+  const Choice c = choose(p);
   // the caller merges the splits (p.defer_splits): leave the partials, launch no combine
   auto combine = [&](int splits) {
     if (p.defer_splits && splits <= p.defer_max_splits) {
@@ -1649,7 +1667,7 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
     }
     const int S = splitkv_ok(p) ? 1 : rows_splits(p);  // (the workspace holds no rows splits for fast shapes)
     if (S > 1 && !p.workspace) return cudaErrorInvalidValue;
-    launch_kernel(mla_verify_rows_kernel, dim3(M, S), kRowsThreads, 0, stream, p);
+    launch_kernel(mla_verify_rows_kernel<false>, dim3(M, S), kRowsThreads, 0, stream, p);
     if (S > 1) launch_kernel(mla_rows_combine_kernel, M, kRowsCombineThreads, 0, stream, p, S);
     return cudaGetLastError();
   }

@@ -2,6 +2,7 @@
 sampling seed (AR, then DDTree with a random drafter and random options), the tokens compared.
 
     python scripts/fuzz_generate.py [--device cpu|cuda] [--seed 0] [--seconds 300] [--case N] [--budgets 128,256]
+                                    [--row-exact]
 
 Each case draws a prompt (held-out text or random ids, 1-149 tokens), 1-59 new tokens, a temperature (0,
 0.7, 1) and top-p (1, 0.9), 0-2 stop tokens, a budget (1-64), a depth (1-15), a top-k (all or 1..B), the
@@ -13,7 +14,9 @@ On the CPU, DDTree must give AR's tokens in every case (the rows are exact: docs
 windows"); there a mismatch makes the exit status 1. On the GPU a node's logits agree with the AR step's to
 ~1e-6, so a sampled token may differ where its uniform falls that close to a boundary of the CDF (3 of 3324
 cases on the H200 in the sixty-first session: docs/CUDA_MODEL.md "Precision"); the count is reported.
-Greedy cases are expected to match everywhere (a near tie within ~1e-6 aside). Exceptions are errors.
+Greedy cases are expected to match everywhere (a near tie within ~1e-6 aside). With --row-exact the GPU target
+model runs its row-exact steps (docs/CUDA_MODEL.md "Row-exact steps"): every case must match there too, and a
+mismatch makes the exit status 1 as on the CPU. Exceptions are errors.
 """
 import argparse
 import sys
@@ -85,10 +88,15 @@ def main():
     ap.add_argument("--budgets", default=None,
                     help="comma-separated tree budgets to draw from instead of 1-64 (e.g. 128,256: trees past the "
                          "128-token windows); the other parameters of a case stay as they are")
+    ap.add_argument("--row-exact", action="store_true",
+                    help="device cuda: the target model's row-exact steps (cuda_options row_exact=True)")
     args = ap.parse_args()
+    if args.row_exact and args.device != "cuda":
+        ap.error("--row-exact goes with --device cuda (the CPU model's rows are exact already)")
     budgets = [int(b) for b in args.budgets.split(",")] if args.budgets else None
     room = 400 if not budgets else max(400, 210 + max(budgets) + 1)  # prompt (< 150) + new tokens (< 60) + a tree
-    eng = kn.Engine.from_pretrained(kn.default_model_dir(), device=args.device, max_seq_len=room)
+    eng = kn.Engine.from_pretrained(kn.default_model_dir(), device=args.device, max_seq_len=room,
+                                    cuda_options={"row_exact": True} if args.row_exact else None)
     draft_eng = kn.Engine.from_pretrained(kn.default_draft_dir(), device=eng.device, max_seq_len=room)
     V = eng.vocab_size
     held = [ord(ch) % V for ch in "".join(f["text"] for f in kn.models.heldout_sample())]
@@ -111,13 +119,14 @@ def main():
             m = min(len(ar), len(res.tokens))
             diff = np.nonzero(res.tokens[:m] != ar[:m])[0]
             at = int(diff[0]) if len(diff) else m  # (or one stopped earlier)
-            again = f"--seed {args.seed} --case {i}" + (f" --budgets {args.budgets}" if budgets else "")
+            again = (f"--seed {args.seed} --case {i}" + (f" --budgets {args.budgets}" if budgets else "") +
+                     (" --row-exact" if args.row_exact else ""))
             print(f"MISMATCH case {i} ({again}): T={c['temperature']} drafter {c['drafter']} "
                   f"B={c['budget']} depth={c['depth']} adaptive={c['adaptive']}: first differing token {at} "
                   f"(AR {ar[at] if at < len(ar) else 'end'}, DDTree {res.tokens[at] if at < len(res.tokens) else 'end'})",
                   flush=True)
     print(f"{done} cases on {eng.device}, {bad} with DDTree's tokens other than AR's")
-    return 1 if bad and eng.device == "cpu" else 0
+    return 1 if bad and (eng.device == "cpu" or args.row_exact) else 0
 
 
 if __name__ == "__main__":

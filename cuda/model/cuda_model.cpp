@@ -82,6 +82,11 @@ constexpr int64_t kTileFirstBigMinT = 5;
 // -> 5.4, o_proj 11.5 -> 9.6, router + shared gate/up (2.4 MB) 6.1 -> 5.1, dense gate/up 24.2 ->
 // 15.0, down 15.8 -> 13.3; the shared expert's down projection (1 MB) 2.4 vs 5.5 stays on skinny.
 constexpr int64_t kTileFirstLateMinBytes = int64_t(2) << 20;
+// Row-exact steps (CudaModelOptions::row_exact): the routed experts' tensor-core tiles, of one height at any T
+constexpr int kExactExpertRows = 16;
+// ... and the attention's partials: at most this many bytes, or the longest key splits (docs/CUDA_MODEL.md)
+constexpr int64_t kExactWorkspaceBytes = int64_t(256) << 20;
+constexpr int kExactSplitMax = 4096;
 
 std::string mib(int64_t bytes) {
   char b[64];
@@ -249,6 +254,23 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   if (any_moe && E > 1024) throw Error("CudaModel: at most 1024 routed experts are supported, got " + std::to_string(E));
   if (any_moe && K > 64) throw Error("CudaModel: at most 64 experts per token are supported, got " + std::to_string(K));
   if (C > 2048) throw Error("CudaModel: kv_lora_rank > 2048 is not supported by verify_attention");
+  if (opt.row_exact) {  // every product of a row-exact step runs on linear_tile, whose rows are read in float4s
+    std::string bad;
+    auto need4 = [&](const char* what, int64_t v, bool used) {
+      if (used && v % 4 != 0) bad += std::string(bad.empty() ? "" : ", ") + what + " = " + std::to_string(v);
+    };
+    need4("hidden_size", Dm, true);
+    need4("q_lora_rank", qr, qr > 0);
+    need4("kv_lora_rank", C, true);
+    need4("qk_rope_head_dim", R, true);
+    need4("qk_nope_head_dim", Dn, true);
+    need4("num_attention_heads x v_head_dim", H * Dv, true);
+    need4("intermediate_size", c.intermediate_size, any_dense);
+    need4("moe_intermediate_size", Ie, any_moe);
+    if (!bad.empty())
+      throw Error("CudaModel: row_exact needs these sizes to be multiples of 4 (its products run on linear_tile): " +
+                  bad);
+  }
   for (int64_t v : {Dm, V, H * Dqk, qr + CR, H * C, Tm * K, Tm * std::max<int64_t>(E, 1)})
     if (v >= (1ll << 31)) throw Error("CudaModel: a dimension exceeds the 32-bit range of the kernels");
   if (opt.bf16_weights_only) {
@@ -418,6 +440,22 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
       vp.vis_stride = (int)vis_words_;
       vp.L = (int)(max_seq_len - T);
       mx = std::max(mx, cuda::verify_attention_workspace_bytes(vp));
+    }
+    if (opt.row_exact) {  // the row-exact kernel's partials: keys per split doubled from the default while they
+      vp.exact = 1;       // would need more than kExactWorkspaceBytes (a constant of the model: part of the bits)
+      for (exact_split_ = cuda::kVerifyExactSplitDefault;; exact_split_ *= 2) {
+        vp.exact_split = exact_split_;
+        size_t ex = 0;
+        for (int64_t T = 1; T <= std::min(Tm, CudaModelOptions::kRowExactMaxT); ++T) {
+          vp.T = (int)T;
+          vp.L = (int)(max_seq_len - T);
+          ex = std::max(ex, cuda::verify_attention_workspace_bytes(vp));
+        }
+        if (ex <= (size_t)kExactWorkspaceBytes || exact_split_ >= kExactSplitMax) {
+          mx = std::max(mx, ex);
+          break;
+        }
+      }
     }
     attn_ws_bytes_ = (int64_t)mx;
   }
@@ -944,7 +982,7 @@ void CudaModel::reset() {
 }
 
 // ---------------------------------------------------------------- building blocks
-bool CudaModel::fuse_norm(int64_t T) const { return T <= skinny_max_t_ && T <= cuda::kLinearNormMaxT; }
+bool CudaModel::fuse_norm(int64_t T) const { return !exact_step_ && T <= skinny_max_t_ && T <= cuda::kLinearNormMaxT; }
 
 int64_t CudaModel::tile_max_for(int64_t wbytes) const {
   if (opt_.tile_max_tokens >= 0 || wbytes > cuda::kLinearTileSmallBytes) return tile_max_t_;
@@ -962,11 +1000,17 @@ cuda::LinearParams CudaModel::gemm_params(int64_t T, int64_t N, int64_t Kd, cons
   cuda::LinearParams lp{in, ldi, 0, w, 0, out, ldo, 0, (int)T, (int)N, (int)Kd, 1, beta};
   lp.tile_math = opt_.tile_tensor_cores ? 0 : 1;
   lp.w_bf16 = bf16_of(w, N * Kd);  // read by linear_skinny / linear_tile, not by cuBLAS
+  lp.row_exact = exact_step_ ? 1 : 0;
   return lp;
 }
 
 CudaModel::GemmKind CudaModel::gemm_kind(const cuda::LinearParams& lp) const {
   const int64_t T = lp.T, wbytes = cuda::linear_weight_bytes(lp);
+  if (exact_step_) {  // row-exact: linear_tile alone (the constructor checked the shapes)
+    if (!cuda::linear_tile_supported(lp))
+      throw RuntimeFailure("CudaModel: internal error, a row-exact product linear_tile cannot take");
+    return GemmKind::kTile;
+  }
   const bool big = wbytes > kSkinnyBigBytes;
   const bool tile = T <= tile_max_for(wbytes) && cuda::linear_tile_supported(lp);  // (false with norm_w)
   const bool skinny = T <= skinny_max_t_ && (lp.norm_w || !big || T <= skinny_big_max_t_);
@@ -1040,11 +1084,13 @@ cuda::LinearParams CudaModel::heads_params(int64_t T, int64_t N, int64_t Kd, con
   cuda::LinearParams lp{in, ldi, in_head, w, N * Kd, out, ldo, out_head, (int)T, (int)N, (int)Kd, (int)heads, 0.f};
   lp.tile_math = opt_.tile_tensor_cores ? 0 : 1;
   lp.w_bf16 = bf16_of(w, heads * N * Kd);  // read by linear_skinny / linear_tile, not by cuBLAS
+  lp.row_exact = exact_step_ ? 1 : 0;
   return lp;
 }
 
 bool CudaModel::heads_on_skinny(const cuda::LinearParams& lp) const {
   const int64_t T = lp.T;
+  if (exact_step_) return false;
   const bool tile = T <= tile_max_for(cuda::linear_weight_bytes(lp)) && cuda::linear_tile_supported(lp);
   return T <= skinny_max_t_ && !(tile && tile_first(T, 0));  // 17-20 tokens: the W_UK / W_UV heads stay on skinny
 }
@@ -1058,7 +1104,10 @@ void CudaModel::run_heads(const cuda::LinearParams& lp_in) {
   cuda::LinearParams lp = lp_in;
   const int64_t T = lp.T, N = lp.N, Kd = lp.Kd;
   const bool skinny = heads_on_skinny(lp);
-  const bool tile = !skinny && T <= tile_max_for(cuda::linear_weight_bytes(lp)) && cuda::linear_tile_supported(lp);
+  const bool tile = !skinny && (exact_step_ || T <= tile_max_for(cuda::linear_weight_bytes(lp))) &&
+                    cuda::linear_tile_supported(lp);
+  if (exact_step_ && !tile)
+    throw RuntimeFailure("CudaModel: internal error, a row-exact head product linear_tile cannot take");
   // bf16_weights_only: widened whole (one batched product) where the kernel would not read the BF16 form
   if (bf16_only(lp.w) &&
       !(skinny ? cuda::linear_skinny_reads_bf16(lp) : tile ? cuda::linear_tile_reads_bf16(lp) : false))
@@ -1078,7 +1127,9 @@ void CudaModel::run_heads(const cuda::LinearParams& lp_in) {
                "sgemm_strided_batched");
 }
 
-bool CudaModel::swiglu_in_skinny(int64_t T) const { return T <= skinny_max_t_ && T <= cuda::kLinearSwigluFuseMaxT; }
+bool CudaModel::swiglu_in_skinny(int64_t T) const {
+  return !exact_step_ && T <= skinny_max_t_ && T <= cuda::kLinearSwigluFuseMaxT;
+}
 
 void CudaModel::swiglu_gemm_nt(int64_t T, int64_t N, int64_t I, const float* gu, int64_t ldg, const float* w,
                                float* out, int64_t ldo, float beta, float* act, void* stream) {
@@ -1110,6 +1161,7 @@ void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, co
   ep.attention_factor = (float)c.rope_attention_factor;
   ep.cs = rope_cs_;
   check_cuda(cuda::embed(ep, st), "embed");
+  exact_step_ = opt_.row_exact && T <= CudaModelOptions::kRowExactMaxT;  // read by every product and kernel choice below
   const bool fuse = fuse_norm(T);  // few tokens: the norms before q_a/kv_a, q_b and lm_head run in those kernels
   bool normed = false;             // hn_ already holds the norm of x_ that comes next (a MoE combine wrote it)
   for (size_t l = 0; l < layers_.size(); ++l) {
@@ -1239,11 +1291,13 @@ void CudaModel::attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, 
   vp.force_kernel = opt_.attention_kernel;
   vp.force_splitkv_rows = opt_.attention_rows;
   vp.committed_ready = 1;  // the step's first kernel is ordered and no kernel of it writes rows < L
+  vp.exact = exact_step_ ? 1 : 0;
+  vp.exact_split = exact_split_;
   if ((int64_t)cuda::verify_attention_workspace_bytes(vp) > attn_ws_bytes_)
     throw RuntimeFailure("CudaModel: internal error, verify_attention needs more workspace than was sized");
   // Few tokens: the merge of the attention's key splits moves into the W_UV product (uv_combine).
   int deferred = 0;
-  if (T <= opt_.uv_combine_max_tokens && cuda::uv_combine_ok((int)T, 2, (int)C, (int)Dv)) {
+  if (!exact_step_ && T <= opt_.uv_combine_max_tokens && cuda::uv_combine_ok((int)T, 2, (int)C, (int)Dv)) {
     vp.defer_splits = &deferred;
     vp.defer_max_splits = cuda::kUvMaxS;
   }
@@ -1277,7 +1331,7 @@ bool CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm, const float
   // with the RMSNorm itself fused in (fused_norm: it also writes hn_ for the routed experts).
   // Otherwise the router alone here and the shared gate/up after the routed experts.
   const int64_t merged_bytes = (E + 2 * Is) * Dm * (int64_t)sizeof(float);
-  const bool merged = Is > 0 && (T <= skinny_max_t_ || T <= tile_max_for(merged_bytes));  // not on cuBLAS
+  const bool merged = Is > 0 && (exact_step_ || T <= skinny_max_t_ || T <= tile_max_for(merged_bytes));  // not on cuBLAS
   const int64_t ldr = merged ? E + 2 * Is : E;  // rows projected = the row stride of router_logits_
   if (fused_norm) gemm_nt(T, ldr, Dm, x_, Dm, ly.router, router_logits_, ldr, 0.f, ly.post_ln, c.rms_norm_eps, hn_);
   else gemm_nt(T, ldr, Dm, hn_, Dm, ly.router, router_logits_, ldr);
@@ -1309,7 +1363,10 @@ bool CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm, const float
     default: break;
   }
   if ((opt_.bf16_weights_only || opt_.int4_experts_group > 0) && kind == kTiled) kind = kGemv;  // (the SGEMM tiles read FP32 weights)
-  const int tile_rows = kind == kMma ? mma_rows : kind == kTiled ? cuda::kExpertTileRows : cuda::kExpertSkinnyRows;
+  if (exact_step_) kind = mma_ok ? kMma : kGemv;  // row-exact: one kernel and one tile height at any T
+  const int tile_rows = kind == kMma ? (exact_step_ ? kExactExpertRows : mma_rows)
+                        : kind == kTiled ? cuda::kExpertTileRows
+                                         : cuda::kExpertSkinnyRows;
   const bool swiglu_fused = kind != kTiled;
   auto run_experts = [&](const cuda::ExpertGemmParams& xp, const char* what) {
     if (bf16_only(xp.w) && !(kind == kMma ? cuda::expert_gemm_mma_reads_bf16(xp) : cuda::expert_gemm_reads_bf16(xp)))

@@ -107,6 +107,15 @@ struct CudaModelOptions {
                                  // attention of a step at context L is sized for the bucket's top (grid, key
                                  // splits, kernel), so more buckets fit L more tightly at the price of more
                                  // graphs (docs/CUDA_MODEL.md "CUDA graphs")
+  bool row_exact = false;        // steps of at most kRowExactMaxT tokens (decode, the verify of trees up to that
+                                 // size) run kernels whose every output row is a function of its own token alone:
+                                 // a tree node's logits are the bits of the one-token step at its position (DDTree
+                                 // == AR bit for bit on the GPU, as on the CPU). Every projection on linear_tile in
+                                 // fixed tiles, the attention's rows kernel, the routed experts on fixed tiles; the
+                                 // skinny kernels, fused norms, uv_combine and cuBLAS stay out of those steps.
+                                 // Slower; needs the model's inner sizes multiples of 4 (docs/CUDA_MODEL.md
+                                 // "Row-exact steps")
+  static constexpr int64_t kRowExactMaxT = 264;
   static constexpr int kMathDefault = 0, kMathPedantic = 1, kMathTf32 = 2;
   static constexpr int kExpertAuto = 0, kExpertSkinny = 1, kExpertTiled = 2, kExpertMma = 3;
 };
@@ -350,6 +359,8 @@ class CudaModel : public TargetModel {
   int64_t skinny_max_t_ = 0;  // resolved opt_.skinny_max_tokens
   int64_t skinny_big_max_t_ = 0;  // resolved opt_.skinny_big_max_tokens
   int64_t tile_max_t_ = 0;  // resolved opt_.tile_max_tokens
+  bool exact_step_ = false;  // the step being built is row-exact (opt_.row_exact, T <= kRowExactMaxT; run_step)
+  int exact_split_ = 0;      // row_exact: the exact attention's keys per split (fixed at construction)
   CudaModelOptions opt_;
   std::string device_name_;
   void* stream_ = nullptr;          // cudaStream_t

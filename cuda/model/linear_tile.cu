@@ -298,7 +298,9 @@ cudaError_t launch_tile(const LinearParams& p, cudaStream_t stream) {
       cudaFuncSetAttribute(linear_tile_kernel<BM, TC, BF, KH>, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)smem);
   if (attr_err != cudaSuccess) return attr_err;
   const long long mtiles = (p.T + BM - 1) / BM, ntiles = (p.N + kBN - 1) / kBN;
-  const long long base = ntiles * mtiles * p.batch;
+  // (row_exact: the split rule sees one token tile, so the split count, hence every output's order of
+  // summation, does not depend on T)
+  const long long base = ntiles * (p.row_exact ? 1 : mtiles) * p.batch;
   const int nchunks = (p.Kd + kBK - 1) / kBK;
   int splits = p.tile_splits;
   if (splits <= 0) {  // about two blocks per SM, each split at least two chunks
@@ -398,7 +400,9 @@ bool tile_height_ok(int rows) {
 // slower each. The k parts are added in order after the loop: other bits than KH = 1, as deterministic.
 template <bool TC, bool BF = false>
 cudaError_t launch_rows(const LinearParams& p, cudaStream_t stream) {
-  const int rows = p.tile_rows ? p.tile_rows : linear_tile_rows(p.T, linear_weight_bytes(p));
+  const int rows = p.row_exact ? kLinearTileExactRows
+                   : p.tile_rows ? p.tile_rows
+                                 : linear_tile_rows(p.T, linear_weight_bytes(p));
   if constexpr (TC) {
     if (linear_weight_bytes(p) > kLinearTileSmallBytes) {
       switch (rows) {

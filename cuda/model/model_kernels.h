@@ -50,6 +50,10 @@ struct LinearParams {
   int tile_math = 0;              // linear_tile: 0 = tensor cores, 3xTF32 (FP32-accurate), 1 = FP32 CUDA cores
   int tile_rows = 0;              // linear_tile: token rows per tile (8, 16, 24, 32, 48, 64 or 72), 0 = auto
                                   // (linear_tile_rows(T, weight bytes)); tests / benchmarks
+  int row_exact = 0;              // linear_tile: each output the same bits whatever T and the other token rows
+                                  // (GPU row-exact steps): tiles of kLinearTileExactRows rows and the split count
+                                  // the automatic rule gives one such tile (a function of the matrix alone);
+                                  // overrides tile_rows
   const uint16_t* w_bf16 = nullptr;  // the same weights as BF16 (same layout; every value of w exactly a
                                      // BF16), read instead of w and widened: the same results from half the
                                      // bytes. linear_skinny: with 16-byte aligned rows and an 8-byte aligned
@@ -89,6 +93,7 @@ bool linear_skinny_rope_ok(const LinearParams& p);
 // aligned x / w and Kd, ldx, x_batch, w_batch multiples of 4 (linear_tile_supported); sm_90+.
 // FP32, deterministic (the split count is a function of the shape and the device's SM count).
 constexpr int kLinearTileMaxSplits = 8;
+constexpr int kLinearTileExactRows = 16;  // token rows per tile of a row-exact product (LinearParams::row_exact)
 bool linear_tile_supported(const LinearParams& p);
 // a product's weights as FP32 bytes, all batches (the tile-height and split rules' measure, also
 // for a BF16 copy)

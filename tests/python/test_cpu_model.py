@@ -23,7 +23,7 @@ from kdtree_native.config import config_from_dict
 from kdtree_native.reference import ReferenceModel
 
 from hf_models import PARITY_CONFIGS, cached_checkpoint, config_dict, hf_greedy, hf_logits, random_weights, to_bf16
-from tree_cases import path_to, random_tree
+from tree_cases import path_to, random_tree, tree_rows_against_ar_steps
 
 NAMES = list(PARITY_CONFIGS)
 
@@ -180,34 +180,6 @@ def test_tree_nodes_equal_sequential_decode(name):
         np.testing.assert_allclose(cache_tree[l], eng.model.read_cache(l, 0, eng.cache_len), rtol=1e-5, atol=1e-5)
 
 
-def _tree_rows_against_ar_steps(eng, prefix, toks, parents, depths, vis):
-    """(the nodes whose logits differ in any bit from the one-token AR steps along their path, whether the
-    deepest node's path committed out of the tree leaves the AR steps' cache rows): the tree forwarded once
-    after ``prefix``, then each node's path decoded token by token from ``prefix``."""
-    eng.prefill(prefix)
-    L = eng.cache_len
-    tree = eng.forward(toks, L + depths, vis).copy()
-    differ = []
-    for i in range(len(toks)):
-        eng.truncate(L)
-        for t in toks[path_to(parents, i)]:
-            last = eng.decode(int(t))
-        if not np.array_equal(tree[i], last):
-            differ.append(i)
-    path = path_to(parents, int(np.argmax(depths)))
-    eng.truncate(L)
-    for t in toks[path]:
-        eng.decode(int(t))
-    cfg = eng.config
-    ar_rows = [eng.model.read_cache(l, L, len(path)) for l in range(cfg.num_hidden_layers)]
-    eng.truncate(L)
-    eng.forward(toks, L + depths, vis)
-    eng.commit(path)
-    same_cache = all(np.array_equal(eng.model.read_cache(l, L, len(path)), ar_rows[l])
-                     for l in range(cfg.num_hidden_layers))
-    return differ, same_cache
-
-
 def test_tree_rows_are_the_ar_steps_bits(skinny_isa):
     """A tree node's logits and cache row are the same bits as the one-token AR steps along its path
     (CpuModel::kRowExactWindow): what makes DDTree emit AR's tokens in a near tie and a seeded sample
@@ -230,7 +202,7 @@ def test_tree_rows_are_the_ar_steps_bits(skinny_isa):
     for k, (eng, L, n) in enumerate(cases):
         V = eng.vocab_size
         parents, depths, vis = random_tree(n, seed=40 + k)
-        differ, same_cache = _tree_rows_against_ar_steps(eng, prompt(V, L, seed=50 + k), prompt(V, n, seed=60 + k),
+        differ, same_cache = tree_rows_against_ar_steps(eng, prompt(V, L, seed=50 + k), prompt(V, n, seed=60 + k),
                                                          parents, depths, vis)
         assert differ == [] and same_cache, (k, L, n, differ, same_cache)
 

@@ -16,7 +16,8 @@ Kinds cover the awkward corners of the contract (docs/tree_contract.md):
 
 Use `case(seed, budget, depth, k, kind)` for one case (a fixed seed per case) and
 `case_grid(...)` for the sweep the tests run. `random_tree(n, seed)` and `path_to` give the CPU and
-CUDA model tests their verify trees (parents, depths, ancestor-only visibility).
+CUDA model tests their verify trees (parents, depths, ancestor-only visibility), and
+`tree_rows_against_ar_steps` compares an engine's tree rows with its one-token steps bit for bit.
 """
 import numpy as np
 
@@ -152,3 +153,31 @@ def path_to(parents, i):
         path.append(i)
         i = parents[i]
     return path[::-1]
+
+
+def tree_rows_against_ar_steps(eng, prefix, toks, parents, depths, vis):
+    """(the nodes whose logits differ in any bit from the one-token AR steps along their path, whether the
+    deepest node's path committed out of the tree leaves the AR steps' cache rows): the tree forwarded once
+    after ``prefix``, then each node's path decoded token by token from ``prefix``."""
+    eng.prefill(prefix)
+    L = eng.cache_len
+    tree = eng.forward(toks, L + depths, vis).copy()
+    differ = []
+    for i in range(len(toks)):
+        eng.truncate(L)
+        for t in toks[path_to(parents, i)]:
+            last = eng.decode(int(t))
+        if not np.array_equal(tree[i], last):
+            differ.append(i)
+    path = path_to(parents, int(np.argmax(depths)))
+    eng.truncate(L)
+    for t in toks[path]:
+        eng.decode(int(t))
+    cfg = eng.config
+    ar_rows = [eng.model.read_cache(l, L, len(path)) for l in range(cfg.num_hidden_layers)]
+    eng.truncate(L)
+    eng.forward(toks, L + depths, vis)
+    eng.commit(path)
+    same_cache = all(np.array_equal(eng.model.read_cache(l, L, len(path)), ar_rows[l])
+                     for l in range(cfg.num_hidden_layers))
+    return differ, same_cache
