@@ -4,6 +4,9 @@ the kernels sorted by total time. The steps run through forward_ptr, so from the
 they are CUDA graph replays (docs/CUDA_MODEL.md). Needs torch with CUDA and the GPU model.
 
     python3 benchmarks/profile_cuda_model.py [--budget 64] [--context 512] [--rows 18] [--sequence]
+                                             [--option NAME=VALUE ...]
+
+--option passes a CudaModel keyword argument (an int, true / false, or a string), e.g. row_exact=true.
 """
 import argparse
 import os, sys, time
@@ -19,7 +22,18 @@ ap.add_argument("--rows", type=int, default=18)
 ap.add_argument("--ckpt", default="/tmp/kn_mini_kimi")
 ap.add_argument("--sequence", action="store_true",
                 help="also list one step's kernels in launch order: duration, start / end from the step's start, and how far each moved the latest end (the timeline; with KDTREE_CUDA_PDL=0 the durations are the kernels' own)")
+ap.add_argument("--option", action="append", default=[], help="NAME=VALUE: a CudaModel keyword argument")
 args = ap.parse_args()
+
+
+def _option(text):
+    name, _, value = text.partition("=")
+    if value.lower() in ("true", "false"):
+        return name, value.lower() == "true"
+    return name, int(value) if value.lstrip("-").isdigit() else value
+
+
+opts = dict(_option(o) for o in args.option)
 import kdtree_native as kn
 from kdtree_native import _native
 from kdtree_native.checkpoint import load_weights
@@ -30,7 +44,7 @@ ck = args.ckpt
 if not os.path.isfile(ck + "/config.json"):
     make_checkpoint(ck, MINI_KIMI, seed=0)
 cfg = load_config(ck)
-model = upload(_native.CudaModel(cfg.to_native(), args.context + 1100), load_weights(ck, cfg))
+model = upload(_native.CudaModel(cfg.to_native(), args.context + 1100, **opts), load_weights(ck, cfg))
 V = cfg.vocab_size
 dev = torch.device("cuda")
 L = args.context

@@ -12,8 +12,8 @@
 // How: a block takes one node's heads (up to RB = 16 rows, which see the same keys) and one split of its key
 // *sequence*: keys [s * split_len, (s + 1) * split_len) of it, gathered by index (j < L: row j; else the
 // (j - L)-th visible tree row), split_len a constant of the model (not of the step). Chunks of KC = 32 keys of
-// the sequence (the last one padded with zero rows and -inf scores) go through shared memory (cp.async, two
-// buffers); per chunk the 16 x 32 scores (FP32 dot products, four partial sums in a fixed order), the chunk's
+// the sequence (the last one padded with zero rows and -inf scores) go through shared memory (cp.async; one
+// buffer, two blocks an SM); per chunk the 16 x 32 scores (FP32 dot products, four partial sums in a fixed order), the chunk's
 // max and weight sum across the row's 16 threads (shuffle butterflies, the same tree in every lane), the
 // online-softmax update, and O += P V on the CUDA cores, each output summing the chunk's keys in order. The
 // partials (unnormalised O, max, sum) of every split go to the workspace and one merge kernel adds them in
@@ -39,6 +39,7 @@ namespace ve {
 constexpr int RB = 16;   // query rows (one node's heads) per block
 constexpr int KC = 32;   // keys per chunk
 constexpr int NT = 256;  // threads: 16 per row in the scores; two output columns each in P V
+constexpr int NB = 1;    // key chunk buffers (one: ~112 KB of shared memory a block, two blocks an SM)
 constexpr int kMaxC = 2 * NT, kMaxCR = 576;
 }  // namespace ve
 
@@ -46,18 +47,18 @@ __host__ __device__ inline int ve_stride(int C, int R) { return (C + R + 31) / 3
 
 size_t ve_smem_bytes(const VerifyAttentionParams& p) {
   using namespace ve;
-  return sizeof(float) * ((size_t)(RB + 2 * KC) * ve_stride(p.C, p.R) + RB * KC + RB) + sizeof(int) * (size_t)p.T;
+  return sizeof(float) * ((size_t)(RB + NB * KC) * ve_stride(p.C, p.R) + RB * KC + RB) + sizeof(int) * (size_t)p.T;
 }
 
-__global__ void __launch_bounds__(ve::NT) mla_verify_exact_kernel(VerifyAttentionParams p, int split_len) {
+__global__ void __launch_bounds__(ve::NT, 2) mla_verify_exact_kernel(VerifyAttentionParams p, int split_len) {
   pdl_prologue();
   using namespace ve;
   extern __shared__ __align__(16) float ve_sm[];
   __shared__ int s_nvis;
   const int st = ve_stride(p.C, p.R);
   float* sq = ve_sm;              // [RB][st]: the rows' [q_latent | q_rope]
-  float* sk = sq + RB * st;       // [2][KC][st]: key chunks
-  float* sp = sk + 2 * KC * st;   // [RB][KC]: the chunk's weights
+  float* sk = sq + RB * st;       // [NB][KC][st]: key chunks
+  float* sp = sk + NB * KC * st;  // [RB][KC]: the chunk's weights
   float* salpha = sp + RB * KC;   // [RB]: the chunk's rescale of O
   int* tslot = reinterpret_cast<int*>(salpha + RB);  // [T]: the node's visible tree rows, in index order
   const int tid = threadIdx.x, lane = tid & 31;
@@ -119,8 +120,14 @@ __global__ void __launch_bounds__(ve::NT) mla_verify_exact_kernel(VerifyAttentio
 #pragma unroll
   for (int i = 0; i < RB; ++i) o[i][0] = o[i][1] = 0.f;
   for (int ci = 0; ci < nch; ++ci) {
-    const int buf = ci & 1;
-    if (ci + 1 < nch) {
+    const int buf = NB == 1 ? 0 : ci & 1;
+    if (NB == 1) {
+      if (ci > 0) {  // (the previous chunk's P V is done: the last barrier of the loop)
+        load_chunk(ci, 0);
+        cp_async_commit();
+      }
+      cp_async_wait<0>();
+    } else if (ci + 1 < nch) {
       load_chunk(ci + 1, buf ^ 1);
       cp_async_commit();
       cp_async_wait<1>();
@@ -135,10 +142,7 @@ __global__ void __launch_bounds__(ve::NT) mla_verify_exact_kernel(VerifyAttentio
       const float* qr = sq + r * st;
       const float* ka = kc + kk * st;
       const float* kb = kc + (kk + 16) * st;
-      for (int d = 0; d < CR; d += 4) {
-        const float4 q = *reinterpret_cast<const float4*>(qr + d);
-        const float4 x = *reinterpret_cast<const float4*>(ka + d);
-        const float4 y = *reinterpret_cast<const float4*>(kb + d);
+      auto step = [&](const float4& q, const float4& x, const float4& y) {
         a.x = fmaf(q.x, x.x, a.x);
         a.y = fmaf(q.y, x.y, a.y);
         a.z = fmaf(q.z, x.z, a.z);
@@ -147,7 +151,22 @@ __global__ void __launch_bounds__(ve::NT) mla_verify_exact_kernel(VerifyAttentio
         b.y = fmaf(q.y, y.y, b.y);
         b.z = fmaf(q.z, y.z, b.z);
         b.w = fmaf(q.w, y.w, b.w);
+      };
+      int d = 0;
+      for (; d + 16 <= CR; d += 16) {  // four steps' loads first (latency), then their products in order
+        float4 q[4], x[4], y[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+          q[u] = *reinterpret_cast<const float4*>(qr + d + 4 * u);
+          x[u] = *reinterpret_cast<const float4*>(ka + d + 4 * u);
+          y[u] = *reinterpret_cast<const float4*>(kb + d + 4 * u);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) step(q[u], x[u], y[u]);
       }
+      for (; d < CR; d += 4)
+        step(*reinterpret_cast<const float4*>(qr + d), *reinterpret_cast<const float4*>(ka + d),
+             *reinterpret_cast<const float4*>(kb + d));
       const int j = k0 + ci * KC + kk;
       s0 = j < k1 ? ((a.x + a.y) + (a.z + a.w)) * p.scale : ninf;
       s1 = j + 16 < k1 ? ((b.x + b.y) + (b.z + b.w)) * p.scale : ninf;
@@ -194,7 +213,7 @@ __global__ void __launch_bounds__(ve::NT) mla_verify_exact_kernel(VerifyAttentio
         }
       }
     }
-    __syncthreads();  // both buffers and P are free for the next chunk's copies
+    __syncthreads();  // the key buffer(s) and P are free for the next chunk's copies
   }
   // partials: unnormalised O, then (max, sum) per row
   if (pv) {
@@ -266,12 +285,16 @@ cudaError_t launch_verify_exact(const VerifyAttentionParams& p, cudaStream_t str
   static int state = 0;  // the dynamic shared memory limit, raised once
   const size_t smem = ve_smem_bytes(p);
   if (state == 0) {
-    const int most = (int)(sizeof(float) * ((size_t)(ve::RB + 2 * ve::KC) * ve_stride(512, 64) + ve::RB * ve::KC + ve::RB) +
+    const int most = (int)(sizeof(float) * ((size_t)(ve::RB + ve::NB * ve::KC) * ve_stride(512, 64) + ve::RB * ve::KC +
+                                            ve::RB) +
                            sizeof(int) * 2048);
     state = cudaFuncSetAttribute(mla_verify_exact_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, most) == cudaSuccess
                 ? 1
                 : -1;
     if (state < 0) cudaGetLastError();
+    else if (cudaFuncSetAttribute(mla_verify_exact_kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100) !=
+             cudaSuccess)
+      cudaGetLastError();  // only a hint (two blocks an SM need the whole 228 KB)
   }
   if (state < 0 || p.T > 2048 || !p.workspace) return cudaErrorInvalidValue;
   const int sl = exact_split_len(p);
