@@ -17,8 +17,8 @@
 // max and weight sum across the row's 16 threads (shuffle butterflies, the same tree in every lane), the
 // online-softmax update, and O += P V on the CUDA cores, each output summing the chunk's keys in order. The
 // partials (unnormalised O, max, sum) of every split go to the workspace and one merge kernel adds them in
-// split order, skipping a row's empty splits (max -inf), so the grid's split count (which does depend on the
-// step) does not reach the bits. FP32 throughout; needs C <= 512, C and R multiples of 4, C + R <= 576,
+// split order, over the row's own splits only (the empty ones past its sequence are marked), so the grid's
+// split count (which does depend on the step) does not reach the bits. FP32 throughout; needs C <= 512, C and R multiples of 4, C + R <= 576,
 // 16-byte aligned rows (verify_exact_fast_ok); other shapes run the rows kernel in its exact form
 // (verify_attention.cu), unsplit and much slower.
 #include <cuda_runtime.h>
@@ -87,7 +87,7 @@ __global__ void __launch_bounds__(ve::NT, 2) mla_verify_exact_kernel(VerifyAtten
     if (tid < rows) {
       const size_t g = (size_t)split * M + (size_t)node * p.H + h0 + tid;
       wsml[2 * g] = ninf;
-      wsml[2 * g + 1] = 0.f;
+      wsml[2 * g + 1] = -1.f;  // (absent: a real sum is >= 0)
     }
     return;
   }
@@ -231,37 +231,82 @@ __global__ void __launch_bounds__(ve::NT, 2) mla_verify_exact_kernel(VerifyAtten
   }
 }
 
-// One block per query row: the row's max over its splits, then each non-empty split's sum and output scaled by
-// exp(its max - that), added in split order; out = that / the sum (0 when every split is empty).
-constexpr int kMergeThreads = 128;
+// One block per query row. A row's non-empty splits are its first S_row ones (the later ones, past its key
+// sequence, wrote l = -1): the row's max gm over them, each one's factor exp(its max - gm), the sum of the
+// factors times the splits' sums in split order, then every output column's sum of factor x partial in split
+// order (float4 columns, loads of four splits in flight), divided by that sum. 0 where no key scored above
+// -inf. Every step of the arithmetic is a function of the row's own splits.
+constexpr int kMergeThreads = 128;  // C <= 512: one float4 of columns a thread
 __global__ void __launch_bounds__(kMergeThreads) mla_verify_exact_merge_kernel(VerifyAttentionParams p, int S) {
   pdl_prologue();
-  const int g = blockIdx.x;
+  extern __shared__ float mg_sm[];  // [S] max, [S] sum, [S] factor
+  __shared__ float s_gm, s_inv;
+  __shared__ int s_rows;
+  float* sm = mg_sm;
+  float* sl = sm + S;
+  float* sw = sl + S;
+  const int g = blockIdx.x, tid = threadIdx.x;
   const size_t M = (size_t)p.T * p.H;
   const float* wso = static_cast<const float*>(p.workspace);
   const float* ml = wso + (size_t)S * M * p.C;
   const float ninf = attn_neg_inf();
-  float gm = ninf;
-  for (int s = 0; s < S; ++s) gm = fmaxf(gm, ml[((size_t)s * M + g) * 2]);
+  for (int s = tid; s < S; s += kMergeThreads) {
+    sm[s] = ml[((size_t)s * M + g) * 2];
+    sl[s] = ml[((size_t)s * M + g) * 2 + 1];
+  }
+  __syncthreads();
+  if (tid == 0) {
+    int n = 0;
+    float gm = ninf;
+    while (n < S && sl[n] >= 0.f) gm = fmaxf(gm, sm[n++]);
+    s_rows = n;
+    s_gm = gm;
+  }
+  __syncthreads();
+  const int n = s_rows;
+  const float gm = s_gm;
   float* out = p.out + (size_t)g * p.C;
   if (gm == ninf) {
-    for (int c = threadIdx.x; c < p.C; c += blockDim.x) out[c] = 0.f;
+    for (int c = tid; c < p.C; c += kMergeThreads) out[c] = 0.f;
     return;
   }
-  float l = 0.f;
-  for (int s = 0; s < S; ++s) {
-    const float m = ml[((size_t)s * M + g) * 2];
-    if (m != ninf) l = fmaf(expf(m - gm), ml[((size_t)s * M + g) * 2 + 1], l);
+  for (int s = tid; s < n; s += kMergeThreads) sw[s] = expf(sm[s] - gm);
+  __syncthreads();
+  if (tid == 0) {
+    float l = 0.f;
+    for (int s = 0; s < n; ++s) l = fmaf(sw[s], sl[s], l);
+    s_inv = 1.f / l;
   }
-  const float inv = 1.f / l;
-  for (int c = threadIdx.x; c < p.C; c += blockDim.x) {
-    float o = 0.f;
-    for (int s = 0; s < S; ++s) {
-      const float m = ml[((size_t)s * M + g) * 2];
-      if (m != ninf) o = fmaf(expf(m - gm), wso[((size_t)s * M + g) * p.C + c], o);
+  __syncthreads();
+  const int c0 = 4 * tid;
+  if (c0 >= p.C) return;
+  const float* src = wso + (size_t)g * p.C + c0;
+  const size_t sstride = M * p.C;
+  float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+  int s = 0;
+  for (; s + 4 <= n; s += 4) {
+    float4 x[4];
+#pragma unroll
+    for (int u = 0; u < 4; ++u) x[u] = *reinterpret_cast<const float4*>(src + (size_t)(s + u) * sstride);
+#pragma unroll
+    for (int u = 0; u < 4; ++u) {
+      const float w = sw[s + u];
+      o.x = fmaf(w, x[u].x, o.x);
+      o.y = fmaf(w, x[u].y, o.y);
+      o.z = fmaf(w, x[u].z, o.z);
+      o.w = fmaf(w, x[u].w, o.w);
     }
-    out[c] = o * inv;
   }
+  for (; s < n; ++s) {
+    const float4 x = *reinterpret_cast<const float4*>(src + (size_t)s * sstride);
+    const float w = sw[s];
+    o.x = fmaf(w, x.x, o.x);
+    o.y = fmaf(w, x.y, o.y);
+    o.z = fmaf(w, x.z, o.z);
+    o.w = fmaf(w, x.w, o.w);
+  }
+  const float inv = s_inv;
+  *reinterpret_cast<float4*>(out + c0) = make_float4(o.x * inv, o.y * inv, o.z * inv, o.w * inv);
 }
 
 int exact_split_len(const VerifyAttentionParams& p) {
@@ -302,7 +347,12 @@ cudaError_t launch_verify_exact(const VerifyAttentionParams& p, cudaStream_t str
   cudaError_t e = launch_kernel(mla_verify_exact_kernel, dim3(S, p.T, (p.H + ve::RB - 1) / ve::RB), ve::NT, smem, stream,
                                 p, sl);
   if (e != cudaSuccess) return e;
-  return launch_kernel(mla_verify_exact_merge_kernel, p.T * p.H, kMergeThreads, 0, stream, p, S);
+  const size_t msm = 3 * sizeof(float) * (size_t)S;  // (> 48 KB only past ~4000 splits: very long contexts)
+  if (msm > (48u << 10) &&
+      cudaFuncSetAttribute(mla_verify_exact_merge_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)msm) !=
+          cudaSuccess)
+    return cudaGetLastError();
+  return launch_kernel(mla_verify_exact_merge_kernel, p.T * p.H, kMergeThreads, msm, stream, p, S);
 }
 
 }  // namespace cuda
