@@ -111,8 +111,8 @@ struct CudaModelOptions {
                                  // size) run kernels whose every output row is a function of its own token alone:
                                  // a tree node's logits are the bits of the one-token step at its position (DDTree
                                  // == AR bit for bit on the GPU, as on the CPU). Every projection on linear_tile in
-                                 // fixed tiles, the attention's rows kernel, the routed experts on fixed tiles; the
-                                 // skinny kernels, fused norms, uv_combine and cuBLAS stay out of those steps.
+                                 // fixed tiles, verify_attention's exact kernels, the routed experts on fixed tiles;
+                                 // the skinny kernels, fused norms, uv_combine and cuBLAS stay out of those steps.
                                  // Slower; needs the model's inner sizes multiples of 4 (docs/CUDA_MODEL.md
                                  // "Row-exact steps")
   static constexpr int64_t kRowExactMaxT = 264;
