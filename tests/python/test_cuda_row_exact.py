@@ -23,7 +23,8 @@ from kdtree_native import _native
 from kdtree_native.config import config_from_dict
 
 from hf_models import config_dict, random_weights
-from tree_cases import path_to, random_tree, tree_rows_against_ar_steps
+from test_cuda_model import vis_bits
+from tree_cases import ddtree_vs_ar_mismatches, path_to, random_tree, tree_rows_against_ar_steps
 
 HAS_MODEL = hasattr(_native, "CudaModel")
 DEVICE_OK = HAS_MODEL and bool(_native.cuda_available()[0])
@@ -36,14 +37,6 @@ def on_device(f):
 # the fast attention kernels' shapes (C = 512, R = 64) with mini-kimi's 16 heads; experts the tensor-core kernel takes
 MLA512 = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, num_attention_heads=16,
               num_key_value_heads=16, hidden_size=64, q_lora_rank=48, vocab_size=300, max_position_embeddings=2048)
-
-
-def vis_bits(vis):
-    T = vis.shape[0]
-    W = (T + 63) // 64
-    padded = np.zeros((T, W * 64), dtype=bool)
-    padded[:, :T] = vis
-    return np.packbits(padded, axis=1, bitorder="little").view("<u8").reshape(T, W)
 
 
 def attention_f64(ql, qr, kv, vis, L, scale):
@@ -143,21 +136,11 @@ def test_row_exact_embedded_tree_rows():
 def test_row_exact_ddtree_equals_ar_on_the_embedded_model():
     """DDTree emits AR's tokens with row_exact, greedy and seeded sampling, every built-in drafter kind,
     fixed and adaptive budgets, on the device round."""
-    from kdtree_native.drafters import ModelDrafter, NgramDrafter, OracleDrafter
-    from kdtree_native.generation import generate
-
     eng = _embedded(row_exact=True)
     draft = kn.Engine.from_pretrained(kn.default_draft_dir(), device="cuda", max_seq_len=2048)
     text = kn.models.heldout_sample()[3]["text"]
     ids = np.array([ord(c) % eng.vocab_size for c in text[:300]], dtype=np.int32)
-    for seed, temp, top_p in ((0, 0.0, 1.0), (1, 1.0, 1.0), (2, 0.7, 0.9)):
-        ar = generate(eng, ids, 40, temperature=temp, top_p=top_p, seed=seed).tokens
-        for drafter, budget, adaptive in ((NgramDrafter(), 16, False), (ModelDrafter(draft), 8, False),
-                                          (OracleDrafter(ar, noise=0.3, seed=seed, vocab_size=eng.vocab_size), 64, False),
-                                          (ModelDrafter(draft), 64, True)):
-            got = generate(eng, ids, 40, drafter=drafter, tree_budget=budget, depth=6, temperature=temp, top_p=top_p,
-                           seed=seed, adaptive_budget=adaptive).tokens
-            assert np.array_equal(got, ar), (seed, temp, top_p, type(drafter).__name__, budget, adaptive)
+    assert ddtree_vs_ar_mismatches(eng, draft, ids, ((0, 0.0, 1.0), (1, 1.0, 1.0), (2, 0.7, 0.9))) == []
 
 
 @pytest.mark.skipif(not HAS_MODEL, reason="the GPU model is not built")

@@ -181,3 +181,23 @@ def tree_rows_against_ar_steps(eng, prefix, toks, parents, depths, vis):
     same_cache = all(np.array_equal(eng.model.read_cache(l, L, len(path)), ar_rows[l])
                      for l in range(cfg.num_hidden_layers))
     return differ, same_cache
+
+
+def ddtree_vs_ar_mismatches(eng, draft, ids, settings, n=40):
+    """[(seed, temperature, top_p, drafter, budget, adaptive)] for which DDTree's tokens differ from AR's on
+    `eng` (same seed): every built-in drafter kind (n-gram, the model `draft`, the oracle with noise, the
+    adaptive budget), for each (seed, temperature, top_p) of `settings`, from prompt `ids`."""
+    from kdtree_native.drafters import ModelDrafter, NgramDrafter, OracleDrafter
+    from kdtree_native.generation import generate
+
+    bad = []
+    for seed, temp, top_p in settings:
+        ar = generate(eng, ids, n, temperature=temp, top_p=top_p, seed=seed).tokens
+        for drafter, budget, adaptive in ((NgramDrafter(), 16, False), (ModelDrafter(draft), 8, False),
+                                          (OracleDrafter(ar, noise=0.3, seed=seed, vocab_size=eng.vocab_size), 64, False),
+                                          (ModelDrafter(draft), 64, True)):
+            got = generate(eng, ids, n, drafter=drafter, tree_budget=budget, depth=6, temperature=temp, top_p=top_p,
+                           seed=seed, adaptive_budget=adaptive).tokens
+            if not np.array_equal(got, ar):
+                bad.append((seed, temp, top_p, type(drafter).__name__, budget, adaptive))
+    return bad
