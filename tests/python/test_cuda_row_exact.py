@@ -34,6 +34,7 @@ needs_device = pytest.mark.skipif(not DEVICE_OK, reason="no CUDA device (or the 
 def on_device(f):
     return pytest.mark.cuda(needs_device(f))
 
+
 # the fast attention kernels' shapes (C = 512, R = 64) with mini-kimi's 16 heads; experts the tensor-core kernel takes
 MLA512 = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32, num_attention_heads=16,
               num_key_value_heads=16, hidden_size=64, q_lora_rank=48, vocab_size=300, max_position_embeddings=2048)
