@@ -28,15 +28,14 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "..", "tests", "python"))
 
 
-def parse_variant(text):
-    label, _, spec = text.partition(":")
-    if not label or not spec:
-        raise SystemExit(f"--variant {text!r}: expected LABEL:NAME=VALUE[,NAME=VALUE...]")
+def parse_options(items, what):
+    """CudaModel keyword arguments from NAME=VALUE strings (VALUE: an int, true / false, or a string);
+    `what` names the argument in the error (profile_cuda_model.py uses this too)."""
     kwargs = {}
-    for item in spec.split(","):
+    for item in items:
         name, eq, value = item.partition("=")
         if not eq:
-            raise SystemExit(f"--variant {text!r}: {item!r} is not NAME=VALUE")
+            raise SystemExit(f"{what}: {item!r} is not NAME=VALUE")
         low = value.lower()
         if low in ("true", "false"):
             kwargs[name] = low == "true"
@@ -45,7 +44,14 @@ def parse_variant(text):
                 kwargs[name] = int(value)
             except ValueError:
                 kwargs[name] = value
-    return label, kwargs
+    return kwargs
+
+
+def parse_variant(text):
+    label, _, spec = text.partition(":")
+    if not label or not spec:
+        raise SystemExit(f"--variant {text!r}: expected LABEL:NAME=VALUE[,NAME=VALUE...]")
+    return label, parse_options(spec.split(","), f"--variant {text!r}")
 
 
 def main():

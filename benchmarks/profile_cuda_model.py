@@ -24,16 +24,8 @@ ap.add_argument("--sequence", action="store_true",
                 help="also list one step's kernels in launch order: duration, start / end from the step's start, and how far each moved the latest end (the timeline; with KDTREE_CUDA_PDL=0 the durations are the kernels' own)")
 ap.add_argument("--option", action="append", default=[], help="NAME=VALUE: a CudaModel keyword argument")
 args = ap.parse_args()
-
-
-def _option(text):
-    name, _, value = text.partition("=")
-    if value.lower() in ("true", "false"):
-        return name, value.lower() == "true"
-    return name, int(value) if value.lstrip("-").isdigit() else value
-
-
-opts = dict(_option(o) for o in args.option)
+from bench_cuda_step_options import parse_options
+opts = parse_options(args.option, "--option")
 import kdtree_native as kn
 from kdtree_native import _native
 from kdtree_native.checkpoint import load_weights

@@ -68,8 +68,8 @@ class CpuModel : public TargetModel {
   // through sgemm_rows_exact; the attention's through sgemm_rows_exact, whose rows (window x heads) and
   // columns (cache + the visible window) vary), the softmax treats a row the same whatever masked entries
   // follow it, and the rest is per row. Causal windows of more tokens (prefill chunks, shared by AR and
-  // DDTree; a drafted pure chain past 128 tokens) take the fastest GEMMs instead: their rows agree with a
-  // one-token step to ~1e-6, not bit for bit.
+  // DDTree; the engine's trees, at most kTreeMaxDepth deep, are never such a chain) take the fastest GEMMs
+  // instead: their rows agree with a one-token step to ~1e-6, not bit for bit.
   static constexpr int64_t kRowExactWindow = 128;
   void forward(const int32_t* tokens, const int32_t* positions, const uint8_t* visibility, int64_t T,
                float* logits_out) override;
