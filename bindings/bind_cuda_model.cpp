@@ -85,7 +85,7 @@ void bind_cuda_model(py::module_& m) {
       [](const py::dict& cfg, bool tile_tensor_cores, const std::string& expert_kernel) {
         kdtree::CudaModelOptions o;
         o.tile_tensor_cores = tile_tensor_cores;
-        o.expert_kernel = parse_choice(expert_kernel, "expert_kernel", {"auto", "skinny", "tiled", "mma", "fused"});
+        o.expert_kernel = parse_choice(expert_kernel, "expert_kernel", {"auto", "skinny", "tiled", "mma"});
         return Model::bf16_only_unsupported(config_from_dict(cfg), o);
       },
       py::arg("config"), py::arg("tile_tensor_cores") = true, py::arg("expert_kernel") = "auto",
@@ -103,7 +103,7 @@ void bind_cuda_model(py::module_& m) {
       "cuda_int4_experts_unsupported",
       [](const py::dict& cfg, int64_t group, const std::string& expert_kernel) {
         kdtree::CudaModelOptions o;
-        o.expert_kernel = parse_choice(expert_kernel, "expert_kernel", {"auto", "skinny", "tiled", "mma", "fused"});
+        o.expert_kernel = parse_choice(expert_kernel, "expert_kernel", {"auto", "skinny", "tiled", "mma"});
         return Model::int4_experts_unsupported(config_from_dict(cfg), o, group);
       },
       py::arg("config"), py::arg("group"), py::arg("expert_kernel") = "auto",
@@ -137,7 +137,7 @@ void bind_cuda_model(py::module_& m) {
              o.device = device;
              o.math = parse_choice(math, "math", {"default", "pedantic", "tf32"});
              o.attention_naive = attention_naive;
-             o.expert_kernel = parse_choice(expert_kernel, "expert_kernel", {"auto", "skinny", "tiled", "mma", "fused"});
+             o.expert_kernel = parse_choice(expert_kernel, "expert_kernel", {"auto", "skinny", "tiled", "mma"});
              o.graphs = graphs;
              o.skinny_max_tokens = skinny_max_tokens;
              o.side_stream = side_stream;
@@ -206,10 +206,6 @@ void bind_cuda_model(py::module_& m) {
       .def_property_readonly("weight_bytes", &Model::weight_bytes)
       .def_property_readonly("cache_bytes", &Model::cache_bytes)
       .def_property_readonly("workspace_bytes", &Model::workspace_bytes)
-      .def_property_readonly("fused_expert_assignments", &Model::fused_expert_assignments,
-                             "The most (token, expert) assignments of a step that the fused expert kernel (gate/up, "
-                             "SwiGLU and down in one launch) may run; 0 when it never runs (BF16-only or INT4 "
-                             "experts, shapes it does not take). Steps with BF16 copies of the experts never take it")
       .def_property_readonly("bf16_weight_bytes", &Model::bf16_weight_bytes,
                              "Device bytes of the BF16 weight copies (0 without a BF16-exact weight or with "
                              "bf16_weight_copies=False); made at finalize()")

@@ -86,10 +86,6 @@ constexpr int64_t kTileFirstLateMinBytes = int64_t(2) << 20;
 constexpr int kExactExpertRows = 16;
 // ... and the attention's partials: at most this many bytes, or the longest key splits (docs/CUDA_MODEL.md)
 constexpr int64_t kExactWorkspaceBytes = int64_t(256) << 20;
-// the fused expert kernel's reach: steps of at most this many (token, expert) assignments, and its slice
-// parts at most this many bytes (mini-kimi: 8 slices x 1024 rows x 4 KB = 32 MB)
-constexpr int64_t kFusedMaxAssign = 1024;
-constexpr int64_t kFusedPartsBytes = int64_t(64) << 20;
 constexpr int kExactSplitMax = 4096;
 
 std::string mib(int64_t bytes) {
@@ -226,8 +222,8 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   if (opt.math < 0 || opt.math > 2) throw Error("CudaModel: math must be 0 (default), 1 (pedantic) or 2 (tf32)");
   if (opt.attention_kernel < 0 || opt.attention_kernel > 4)
     throw Error("CudaModel: attention_kernel must be 0 (auto), 1 (tiled), 2 (split-KV), 3 (decode) or 4 (tensor cores)");
-  if (opt.expert_kernel < 0 || opt.expert_kernel > 4)
-    throw Error("CudaModel: expert_kernel must be 0 (auto), 1 (skinny), 2 (tiled), 3 (mma) or 4 (fused)");
+  if (opt.expert_kernel < 0 || opt.expert_kernel > 3)
+    throw Error("CudaModel: expert_kernel must be 0 (auto), 1 (skinny), 2 (tiled) or 3 (mma)");
   if (opt.expert_mma_rows != 0 && opt.expert_mma_rows != 8 && opt.expert_mma_rows != 16 && opt.expert_mma_rows != 32 &&
       opt.expert_mma_rows != 64)
     throw Error("CudaModel: expert_mma_rows must be 0 (auto), 8, 16, 32 or 64, got " + std::to_string(opt.expert_mma_rows));
@@ -417,22 +413,6 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     ws.add(&tile_expert_, max_tiles_);
     ws.add(&tile_row0_, max_tiles_);
     ws.add(&num_tiles_, 1);
-    // the fused expert kernel (FP32 experts, few slots per expert): steps of up to kFusedMaxAssign assignments,
-    // fewer where the parts would pass kFusedPartsBytes
-    cuda::ExpertFusedParams fp{};
-    fp.Dm = (int)Dm;
-    fp.Ie = (int)Ie;
-    fp.ldx = fp.ldy = (int)Dm;
-    fp.x = fp.w_gu = fp.w_down = reinterpret_cast<const float*>(kAlignBytes);
-    fp.partials = fp.y = reinterpret_cast<float*>(kAlignBytes);
-    if (!opt.bf16_weights_only && opt.int4_experts_group == 0 && cuda::expert_fused_supported(fp)) {
-      const int64_t per_row = cuda::expert_fused_slices((int)Ie) * Dm * (int64_t)sizeof(float);
-      fused_rows_ = std::min({A, kFusedMaxAssign, kFusedPartsBytes / per_row});
-      if (fused_rows_ > 0) {
-        ws.add(&fused_parts_, cuda::expert_fused_slices((int)Ie) * fused_rows_ * Dm);
-        ws.add(&fused_counters_, max_tiles_);
-      }
-    }
   }
   ws.add(&logits_, Tm * V);
   ws.add(&d_tokens_, Tm);
@@ -1374,29 +1354,18 @@ bool CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm, const float
     return cuda::expert_mma_supported(q);
   };
   const bool mma_ok = mma_takes(hn_, Dm, ly.experts_gate_up) && mma_takes(act_, Ie, ly.experts_down);
-  // The fused kernel (gate/up, SwiGLU and down in one launch, FP32 on the CUDA cores): FP32 expert weights
-  // (no BF16 copy, which the other kernels read at half the bytes; not INT4), at most fused_rows_ assignments;
-  // chosen by default while experts average fewer than 8 slots (docs/CUDA_MODEL.md "Fused experts").
-  const bool fused_ok = fused_rows_ > 0 && A <= fused_rows_ && !exact_step_ &&
-                        !bf16_of(ly.experts_gate_up, E * 2 * Ie * Dm) && !bf16_of(ly.experts_down, E * Dm * Ie) &&
-                        !int4_held(ly.experts_gate_up) && !bf16_only(ly.experts_gate_up);
-  enum { kGemv, kTiled, kMma, kFused } kind = A < E ? kGemv : mma_ok ? kMma : A <= 12 * E ? kGemv : kTiled;
-  if (fused_ok && A < 8 * E) kind = kFused;
+  enum { kGemv, kTiled, kMma } kind = A < E ? kGemv : mma_ok ? kMma : A <= 12 * E ? kGemv : kTiled;
   const int mma_rows = opt_.expert_mma_rows > 0 ? opt_.expert_mma_rows : A < 8 * E ? 8 : A < 32 * E ? 16 : 32;
   switch (opt_.expert_kernel) {
     case CudaModelOptions::kExpertSkinny: kind = kGemv; break;
     case CudaModelOptions::kExpertTiled: kind = kTiled; break;
     case CudaModelOptions::kExpertMma: kind = mma_ok ? kMma : kGemv; break;
-    case CudaModelOptions::kExpertFused:
-      if (fused_ok) kind = kFused;
-      break;
     default: break;
   }
   if ((opt_.bf16_weights_only || opt_.int4_experts_group > 0) && kind == kTiled) kind = kGemv;  // (the SGEMM tiles read FP32 weights)
   if (exact_step_) kind = mma_ok ? kMma : kGemv;  // row-exact: one kernel and one tile height at any T
-  const int tile_rows = kind == kMma     ? (exact_step_ ? kExactExpertRows : mma_rows)
+  const int tile_rows = kind == kMma ? (exact_step_ ? kExactExpertRows : mma_rows)
                         : kind == kTiled ? cuda::kExpertTileRows
-                        : kind == kFused ? cuda::kExpertFusedRows
                                          : cuda::kExpertSkinnyRows;
   const bool swiglu_fused = kind != kTiled;
   auto run_experts = [&](const cuda::ExpertGemmParams& xp, const char* what) {
@@ -1419,79 +1388,56 @@ bool CudaModel::moe_mlp(const Layer& ly, int64_t T, bool fused_norm, const float
   if (shared_side) swiglu_gemm_nt(T, Dm, Is, router_logits_ + E, ldr, ly.shared_down, ys_, Dm, 0.f, acts_, fork());
   check_cuda(cuda::moe_route_group(rp, gp, st), "moe_route + moe_group");  // one launch for few tokens
 
-  if (kind == kFused) {
-    cuda::ExpertFusedParams fp{};
-    fp.x = hn_;
-    fp.ldx = (int)Dm;
-    fp.x_row = slot_token_;
-    fp.w_gu = ly.experts_gate_up;
-    fp.w_down = ly.experts_down;
-    fp.Dm = (int)Dm;
-    fp.Ie = (int)Ie;
-    fp.offsets = offsets_;
-    fp.tile_expert = tile_expert_;
-    fp.tile_row0 = tile_row0_;
-    fp.num_tiles = num_tiles_;
-    fp.tile_rows = tile_rows;
-    fp.max_tiles = cuda::moe_max_tiles((int)A, (int)E, tile_rows);
-    fp.partials = fused_parts_;
-    fp.part_rows = (int)fused_rows_;
-    fp.y = ye_;
-    fp.ldy = (int)Dm;
-    fp.counters = fused_counters_;
-    check_cuda(cuda::expert_ffn_fused(fp, st), "expert_ffn_fused");
+  cuda::ExpertGemmParams xp{};
+  xp.offsets = offsets_;
+  xp.tile_expert = tile_expert_;
+  xp.tile_row0 = tile_row0_;
+  xp.num_tiles = num_tiles_;
+  xp.tile_rows = tile_rows;
+  xp.max_tiles = cuda::moe_max_tiles((int)A, (int)E, tile_rows);
+  // gate/up: act[slot] = silu(hn[tok] @ Wg_e^T) * (hn[tok] @ Wu_e^T)
+  xp.x = hn_;
+  xp.ldx = (int)Dm;
+  xp.x_row = slot_token_;
+  xp.w = ly.experts_gate_up;
+  xp.w_bf16 = kind != kTiled ? bf16_of(ly.experts_gate_up, E * 2 * Ie * Dm) : nullptr;
+  const Q4View qgu = int4_of(ly.experts_gate_up, E * 2 * Ie * Dm);
+  xp.w_int4 = qgu.packed;
+  xp.w_scale = qgu.scales;
+  xp.int4_group = opt_.int4_experts_group;
+  xp.int4_scales_bf16 = q4_scales_bf16_;
+  xp.Kd = (int)Dm;
+  if (swiglu_fused) {
+    xp.N = (int)Ie;
+    xp.swiglu = 1;
+    xp.y = act_;
+    xp.ldy = (int)Ie;
+    run_experts(xp, "expert_gemm(gate_up)");
   } else {
-    cuda::ExpertGemmParams xp{};
-    xp.offsets = offsets_;
-    xp.tile_expert = tile_expert_;
-    xp.tile_row0 = tile_row0_;
-    xp.num_tiles = num_tiles_;
-    xp.tile_rows = tile_rows;
-    xp.max_tiles = cuda::moe_max_tiles((int)A, (int)E, tile_rows);
-    // gate/up: act[slot] = silu(hn[tok] @ Wg_e^T) * (hn[tok] @ Wu_e^T)
-    xp.x = hn_;
-    xp.ldx = (int)Dm;
-    xp.x_row = slot_token_;
-    xp.w = ly.experts_gate_up;
-    xp.w_bf16 = kind != kTiled ? bf16_of(ly.experts_gate_up, E * 2 * Ie * Dm) : nullptr;
-    const Q4View qgu = int4_of(ly.experts_gate_up, E * 2 * Ie * Dm);
-    xp.w_int4 = qgu.packed;
-    xp.w_scale = qgu.scales;
-    xp.int4_group = opt_.int4_experts_group;
-    xp.int4_scales_bf16 = q4_scales_bf16_;
-    xp.Kd = (int)Dm;
-    if (swiglu_fused) {
-      xp.N = (int)Ie;
-      xp.swiglu = 1;
-      xp.y = act_;
-      xp.ldy = (int)Ie;
-      run_experts(xp, "expert_gemm(gate_up)");
-    } else {
-      xp.N = (int)(2 * Ie);
-      xp.swiglu = 0;
-      xp.y = gu_;
-      xp.ldy = (int)(2 * Ie);
-      run_experts(xp, "expert_gemm(gate_up)");
-      cuda::SwigluParams sp{gu_, (int)A, (int)Ie, nullptr, act_};
-      check_cuda(cuda::swiglu(sp, st), "swiglu(experts)");
-    }
-    // down: ye[slot] = act[slot] @ Wd_e^T
-    xp.x = act_;
-    xp.ldx = (int)Ie;
-    xp.x_row = nullptr;
-    xp.w = ly.experts_down;
-    xp.w_bf16 = kind != kTiled ? bf16_of(ly.experts_down, E * Dm * Ie) : nullptr;
-    const Q4View qd = int4_of(ly.experts_down, E * Dm * Ie);
-    xp.w_int4 = qd.packed;
-    xp.w_scale = qd.scales;
-    xp.N = (int)Dm;
-    xp.Kd = (int)Ie;
+    xp.N = (int)(2 * Ie);
     xp.swiglu = 0;
-    xp.y = ye_;
-    xp.ldy = (int)Dm;
-    xp.pdl_pre = swiglu_fused && kind == kMma ? 1 : 0;  // the gate/up launch just before, the schedule before it
-    run_experts(xp, "expert_gemm(down)");
+    xp.y = gu_;
+    xp.ldy = (int)(2 * Ie);
+    run_experts(xp, "expert_gemm(gate_up)");
+    cuda::SwigluParams sp{gu_, (int)A, (int)Ie, nullptr, act_};
+    check_cuda(cuda::swiglu(sp, st), "swiglu(experts)");
   }
+  // down: ye[slot] = act[slot] @ Wd_e^T
+  xp.x = act_;
+  xp.ldx = (int)Ie;
+  xp.x_row = nullptr;
+  xp.w = ly.experts_down;
+  xp.w_bf16 = kind != kTiled ? bf16_of(ly.experts_down, E * Dm * Ie) : nullptr;
+  const Q4View qd = int4_of(ly.experts_down, E * Dm * Ie);
+  xp.w_int4 = qd.packed;
+  xp.w_scale = qd.scales;
+  xp.N = (int)Dm;
+  xp.Kd = (int)Ie;
+  xp.swiglu = 0;
+  xp.y = ye_;
+  xp.ldy = (int)Dm;
+  xp.pdl_pre = swiglu_fused && kind == kMma ? 1 : 0;  // the gate/up launch just before, the schedule before it
+  run_experts(xp, "expert_gemm(down)");
 
   if (shared_side) {
     join();

@@ -45,9 +45,7 @@ struct CudaModelOptions {
   int attention_rows = 0;        // verify_attention's force_splitkv_rows: 0 auto, 4, 8 or 16 (benchmarks)
   int expert_kernel = 0;         // kExpertAuto, kExpertSkinny (GEMV-style, tiles of 8 slots), kExpertTiled (SGEMM
                                  // tiles of 64 slots), kExpertMma (tensor cores, 3xTF32; where the shapes do not
-                                 // allow it, expert_mma_supported: the GEMV-style kernel), kExpertFused (gate/up,
-                                 // SwiGLU and down in one FP32 kernel, expert_fused.cu; steps of at most
-                                 // fused_rows_ assignments with FP32 expert weights, else the automatic choice)
+                                 // allow it, expert_mma_supported: the GEMV-style kernel)
   int expert_mma_rows = 0;       // slots per tile of the tensor-core expert kernel: 0 = auto (by assignments
                                  // per expert), 8, 16, 32 or 64
   int skinny_max_tokens = -1;    // steps of <= this many tokens run the dense projections through
@@ -119,7 +117,7 @@ struct CudaModelOptions {
                                  // "Row-exact steps")
   static constexpr int64_t kRowExactMaxT = 264;
   static constexpr int kMathDefault = 0, kMathPedantic = 1, kMathTf32 = 2;
-  static constexpr int kExpertAuto = 0, kExpertSkinny = 1, kExpertTiled = 2, kExpertMma = 3, kExpertFused = 4;
+  static constexpr int kExpertAuto = 0, kExpertSkinny = 1, kExpertTiled = 2, kExpertMma = 3;
 };
 
 class CudaModel : public TargetModel {
@@ -225,9 +223,6 @@ class CudaModel : public TargetModel {
   int64_t bf16_weight_elements() const;
   int64_t cache_bytes() const { return cache_bytes_; }
   int64_t workspace_bytes() const { return workspace_bytes_; }
-  // the most (token, expert) assignments of a step the fused expert kernel may run (0: never; FP32 experts of
-  // shapes it takes, expert_fused_supported)
-  int64_t fused_expert_assignments() const { return fused_rows_; }
   std::string device_name() const { return device_name_; }
   std::string cublas_path() const;
   int64_t graph_replays() const { return graph_replays_; }
@@ -443,11 +438,6 @@ class CudaModel : public TargetModel {
   int32_t* offsets_ = nullptr;             // [E + 1]
   int32_t *slot_token_ = nullptr, *slot_of_ = nullptr;  // [Tm*K]
   int32_t *tile_expert_ = nullptr, *tile_row0_ = nullptr, *num_tiles_ = nullptr;
-  // the fused expert kernel's slice parts [slices, fused_rows_, Dm] and per-tile counters (zeroed once);
-  // fused_rows_ = the most assignments of a step it runs (0: never)
-  float* fused_parts_ = nullptr;
-  uint32_t* fused_counters_ = nullptr;
-  int64_t fused_rows_ = 0;
   int64_t max_tiles_ = 0;
   float* logits_ = nullptr;                // [Tm, V] (host path)
   int32_t *d_tokens_ = nullptr, *d_positions_ = nullptr, *d_keep_ = nullptr, *d_count_ = nullptr;

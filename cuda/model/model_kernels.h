@@ -291,38 +291,6 @@ cudaError_t expert_gemm(const ExpertGemmParams& p, cudaStream_t stream);
 bool expert_mma_supported(const ExpertGemmParams& p);
 cudaError_t expert_gemm_mma(const ExpertGemmParams& p, cudaStream_t stream);
 
-// A MoE layer's routed experts in one launch (expert_fused.cu): y[slot] = (silu(x Wg_e^T) * (x Wu_e^T))
-// Wd_e^T for every slot of the schedule (tiles of kExpertFusedRows slots from moe_group), FP32 weights on
-// the CUDA cores (plain FP32 sums, no tensor cores). Grid (max_tiles, expert_fused_slices(Ie)): a block
-// takes one tile and kExpertFusedSlice intermediate columns, writes its part of the tile's outputs to
-// partials; the tile's last block (counters) adds the parts in slice order into y. Deterministic. For
-// steps with few slots per expert (CudaModel: fewer assignments than 8 per expert). Needs Dm, Ie, ldx, ldy
-// multiples of 4, 16-byte aligned x / weights / partials / y and expert_fused_smem_bytes(Dm) <=
-// kExpertFusedMaxSmem (expert_fused_supported); else cudaErrorInvalidValue.
-constexpr int kExpertFusedRows = 16, kExpertFusedSlice = 32;
-constexpr size_t kExpertFusedMaxSmem = 160 * 1024;
-struct ExpertFusedParams {
-  const float* x;          // [*, ldx] input rows (the normalised hidden states)
-  int ldx;
-  const int32_t* x_row;    // [A] row of x per slot
-  const float* w_gu;       // [E, 2 Ie, Dm]: gate rows [0, Ie), up rows [Ie, 2 Ie) of each expert
-  const float* w_down;     // [E, Dm, Ie]
-  int Dm, Ie;
-  const int32_t* offsets;  // [E + 1]
-  const int32_t* tile_expert, *tile_row0, *num_tiles;  // from moe_group
-  int tile_rows;           // must be kExpertFusedRows (= MoeGroupParams::tile_rows)
-  int max_tiles;           // grid bound (moe_max_tiles)
-  float* partials;         // [slices, part_rows, Dm] workspace, part_rows >= A
-  int part_rows;
-  float* y;                // [A, ldy] outputs by slot
-  int ldy;
-  uint32_t* counters;      // [max_tiles], all zero before a launch (and left zero by it)
-};
-bool expert_fused_supported(const ExpertFusedParams& p);
-size_t expert_fused_smem_bytes(int Dm);
-int expert_fused_slices(int Ie);
-cudaError_t expert_ffn_fused(const ExpertFusedParams& p, cudaStream_t stream);
-
 // out[t] (+)= sum over the token's experts, in ascending expert index, of w * y[slot] (then
 // + shared[t] when given); accumulate = 1 adds into out (the residual stream).
 struct MoeCombineParams {
