@@ -484,7 +484,7 @@ py::tuple tree_accept_compact_np(const py::object& tok, const py::object& par, c
 // l_bound >= 0: the committed length goes to the kernels through a device int (p.L_dev) and
 // p.L = l_bound is only the host's upper bound (the CUDA-graph mode); -1 = plain p.L.
 struct AttnDev {
-  DevBuf ql, qr, kv, vis, out, ws, ldev;
+  DevBuf ql, qr, kv, vis, out, ws, ldev, qs;
   kc::VerifyAttentionParams p{};
   AttnDev(const py::object& ql_o, const py::object& qr_o, const py::object& kv_o, const py::object& vis_o,
           double scale, bool force_naive, int force_splits, int force_kernel = 0, int64_t l_bound = -1,
@@ -571,10 +571,17 @@ kc::VerifyAttentionParams attn_shape_params(int T, int H, int C, int R, int L, i
 py::array_t<float> verify_attention_np(const py::object& ql, const py::object& qr, const py::object& kv,
                                        const py::object& vis, double scale, bool force_naive, int force_splits,
                                        int force_kernel, const py::object& l_bound, int force_rows, bool exact,
-                                       int exact_split) {
+                                       int exact_split, const py::object& q_scale) {
   require_device();
   AttnDev d(ql, qr, kv, vis, scale, force_naive, force_splits, force_kernel,
             l_bound.is_none() ? -1 : l_bound.cast<int64_t>(), force_rows, exact, exact_split);
+  if (!q_scale.is_none()) {  // per-token factors of the scores (CudaModel's folded query norm)
+    auto f = as_c<float>(q_scale, "q_scale", 1);
+    if (f.shape(0) != d.p.T) throw kdtree::Error("q_scale must be float32 [T]");
+    d.qs = DevBuf(sizeof(float) * f.size());
+    d.qs.upload(f.data(), d.qs.bytes);
+    d.p.q_scale = d.qs.as<float>();
+  }
   {
     py::gil_scoped_release nogil;
     check_cuda(kc::verify_attention(d.p, 0), "verify_attention");
@@ -1262,11 +1269,12 @@ void bind_cuda(py::module_& m) {
   m.def("cuda_verify_attention", &verify_attention_np, py::arg("q_latent"), py::arg("q_rope"), py::arg("kv"),
         py::arg("visibility"), py::arg("scale"), py::arg("force_naive") = false, py::arg("force_splits") = 0,
         py::arg("force_kernel") = 0, py::arg("l_bound") = py::none(), py::arg("force_rows") = 0,
-        py::arg("exact") = false, py::arg("exact_split") = 0,
+        py::arg("exact") = false, py::arg("exact_split") = 0, py::arg("q_scale") = py::none(),
         "GPU MLA verify attention (FP32): out_latent float32 [T,H,C]. force_kernel: 0 auto, 1 tiled, "
         "2 split-KV, 3 decode (two passes); l_bound (int >= L): pass L through a device int, with p.L = l_bound (graph mode); "
         "force_rows: 4, 8 or 16 query rows per split-KV block (0 auto); exact: the row-exact kernel (each row "
-        "a function of its own query and visible keys alone; the force options ignored); exact_split: its keys per split (0 = the default).");
+        "a function of its own query and visible keys alone; the force options ignored); exact_split: its keys per split (0 = the default); "
+        "q_scale: float32 [T], token t's scores scaled by q_scale[t] as well (not with exact).");
   m.def("cuda_device_props", &device_props, "Device name, SMs, peak SM clock and FP32 CUDA-core peak FLOP/s.");
   m.def("cuda_copy_bandwidth", &copy_bandwidth, py::arg("nbytes") = (int64_t)1 << 31, py::arg("iters") = 20,
         "Measured device-to-device copy bandwidth, bytes/s (read + write counted).");

@@ -114,7 +114,7 @@ void bind_cuda_model(py::module_& m) {
                     "max_tokens=0, device=0, math='default', attention_naive=False, expert_kernel='auto', graphs=True, skinny_max_tokens=-1, "
                     "attention_kernel='auto', side_stream=True, skinny_big_max_tokens=-1, tile_max_tokens=-1, "
                     "tile_tensor_cores=True, expert_mma_rows=0, bf16_weight_copies=True, uv_combine_max_tokens=1, "
-                    "context_buckets=1, combine_norm=True, bf16_weights=None, bf16_widen_elements=0, int4_experts_group=0, fp32_matrices=(), row_exact=False) with "
+                    "context_buckets=1, combine_norm=True, bf16_weights=None, bf16_widen_elements=0, int4_experts_group=0, fp32_matrices=(), row_exact=False, q_fold_max_tokens=-1) with "
                     "config_dict = ModelConfig.to_native(); the same methods as CpuModel. bf16_weights: 'copies' "
                     "(exactly-BF16 matrices held as FP32 plus a BF16 copy the few-token kernels read), 'off' (FP32 "
                     "alone), 'only' (every matrix held as BF16 alone, 2 bytes a weight; each matrix given must be "
@@ -123,14 +123,16 @@ void bind_cuda_model(py::module_& m) {
                     "weights (set_weight_int4; docs/CUDA_MODEL.md \"INT4 experts\"). fp32_matrices (with 'only'): HF "
                     "names of matrices held as FP32 all the same (a checkpoint storing a few in F32). row_exact: steps of up "
                     "to 264 tokens on kernels whose rows do not depend on the other rows (a tree node's logits are the "
-                    "one-token step's bits; slower; docs/CUDA_MODEL.md \"Row-exact steps\")."))
+                    "one-token step's bits; slower; docs/CUDA_MODEL.md \"Row-exact steps\"). q_fold_max_tokens: steps of up to "
+                    "that many tokens project the queries through one folded matrix (-1 auto = 64, 0 never; FP32 q-LoRA "
+                    "models; docs/CUDA_MODEL.md \"Folded query projection\")."))
       .def(py::init([](const py::dict& cfg, int64_t max_seq_len, int64_t max_tokens, int device, const std::string& math,
                        bool attention_naive, const std::string& expert_kernel, bool graphs, int skinny_max_tokens,
                        const std::string& attention_kernel, bool side_stream, int skinny_big_max_tokens, int tile_max_tokens,
                        bool tile_tensor_cores, int expert_mma_rows, bool bf16_weight_copies, int uv_combine_max_tokens,
                        int context_buckets, bool combine_norm, const py::object& bf16_weights,
                        int64_t bf16_widen_elements, int int4_experts_group,
-                       const std::vector<std::string>& fp32_matrices, bool row_exact) {
+                       const std::vector<std::string>& fp32_matrices, bool row_exact, int q_fold_max_tokens) {
              kdtree::ModelConfig c = config_from_dict(cfg);
              kdtree::CudaModelOptions o;
              o.max_tokens = max_tokens;
@@ -164,6 +166,7 @@ void bind_cuda_model(py::module_& m) {
              o.context_buckets = context_buckets;
              o.combine_norm = combine_norm;
              o.row_exact = row_exact;
+             o.q_fold_max_tokens = q_fold_max_tokens;
              const int ak = parse_choice(attention_kernel, "attention_kernel",
                                          {"auto", "tiled", "splitkv", "decode", "splitkv16", "splitkv8", "splitkv4", "mma"});
              o.attention_kernel = ak == 7 ? 4 : ak >= 4 ? 2 : ak;  // splitkv16 / 8 / 4: split-KV with
@@ -179,7 +182,8 @@ void bind_cuda_model(py::module_& m) {
            py::arg("bf16_weight_copies") = true, py::arg("uv_combine_max_tokens") = 1, py::arg("context_buckets") = 1,
            py::arg("combine_norm") = true, py::arg("bf16_weights") = py::none(),
            py::arg("bf16_widen_elements") = 0, py::arg("int4_experts_group") = 0,
-           py::arg("fp32_matrices") = std::vector<std::string>(), py::arg("row_exact") = false)
+           py::arg("fp32_matrices") = std::vector<std::string>(), py::arg("row_exact") = false,
+           py::arg("q_fold_max_tokens") = -1)
       .def(
           "context_bucket",
           [](const Model& self, int64_t L, int64_t T) {

@@ -171,6 +171,9 @@ struct VerifyAttentionParams {
                                 //   or L (verify_attention_exact.cu); any shape; force_* and defer_splits ignored
   int exact_split;              // exact: keys of a row's sequence per block (a multiple of 32; 0 = the default,
                                 //   kVerifyExactSplitDefault); part of the bits, so one value for every step of a model
+  const float* q_scale = nullptr;  // optional [T]: token t's scores are scale * q_scale[t] * (q . k) (CudaModel's folded
+                                   //   query norm, q_fold: the queries come unnormalised, their RMS factor here);
+                                   //   not with exact (cudaErrorInvalidValue)
 };
 constexpr int kVerifyExactSplitDefault = 128;
 // Bytes of workspace for these params: the most splits either kernel can use at any L' <= L

@@ -259,7 +259,7 @@ __global__ void __launch_bounds__(NT, 1) mla_verify_fast_kernel(VerifyAttentionP
           const int t = row - s.L;
           ok = node >= 0 && ((p.visibility[(size_t)node * p.vis_stride + (t >> 6)] >> (t & 63)) & 1ull);
         }
-        acc[i][j] = ok ? acc[i][j] * sl2 : attn_neg_inf();
+        acc[i][j] = ok ? acc[i][j] * (p.q_scale && node >= 0 ? attn_row_scale(p, g) * kLog2e : sl2) : attn_neg_inf();
         mx = fmaxf(mx, acc[i][j]);
       }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));
@@ -578,7 +578,6 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
   // phase-1 mapping: rows rt + 4i, keys 8*warp + kt + 2j (i, j = 0..3), d-part h of each slice
   const int h = lane & 3, kt = (lane >> 2) & 1, rt = lane >> 3;
   const int key0 = 8 * warp + kt;
-  const float sl2 = p.scale * kLog2e;
 
   // The first chunk's keys before the PDL wait when they are committed rows that were complete
   // before the step began (committed_ready): their loads then overlap the previous kernels
@@ -589,6 +588,7 @@ __global__ void __launch_bounds__(sk::NT, 2) mla_verify_splitkv_kernel(VerifyAtt
     cp_async_commit();
   }
   pdl_wait();
+  const float sl2 = (node2 >= 0 ? attn_row_scale(p, m0 + pr) : p.scale) * kLog2e;  // (q_scale: after the wait)
 
   if (tid < RG) {
     s.m[tid] = attn_neg_inf();
@@ -825,7 +825,7 @@ __global__ void __launch_bounds__(dk::NT) mla_decode_scores_kernel(VerifyAttenti
       const int t = j - L, node = g / p.H;
       vis = (p.visibility[(size_t)node * p.vis_stride + (t >> 6)] >> (t & 63)) & 1ull;
     }
-    if (vis) sc = v * (p.scale * kLog2e);
+    if (vis) sc = v * (attn_row_scale(p, g) * kLog2e);
     S[(size_t)g * ldS + j] = sc;
   }
   bmax[warp][lane] = sc;
@@ -912,12 +912,12 @@ __device__ __forceinline__ bool naive_visible(const VerifyAttentionParams& p, in
   return (p.visibility[(size_t)t * p.vis_stride + (tj >> 6)] >> (tj & 63)) & 1ull;
 }
 __device__ __forceinline__ float naive_score(const VerifyAttentionParams& p, const float* ql,
-                                             const float* qr, int j) {
+                                             const float* qr, int j, float scale) {
   const float* kr = p.kv + (size_t)j * p.kv_stride;
   float s = 0.f;
   for (int c = 0; c < p.C; ++c) s = fmaf(ql[c], kr[c], s);
   for (int r = 0; r < p.R; ++r) s = fmaf(qr[r], kr[p.C + r], s);
-  return s * p.scale;
+  return s * scale;
 }
 
 __global__ void __launch_bounds__(kNaiveThreads) mla_verify_naive_kernel(VerifyAttentionParams p) {
@@ -929,9 +929,10 @@ __global__ void __launch_bounds__(kNaiveThreads) mla_verify_naive_kernel(VerifyA
   const float* qr = p.q_rope + (size_t)g * p.R;
   const int L = attn_committed_len(p);
   const int N = L + p.T;
+  const float scale = attn_row_scale(p, g);
   float mx = attn_neg_inf();
   for (int j = threadIdx.x; j < N; j += kNaiveThreads)
-    if (naive_visible(p, L, t, j)) mx = fmaxf(mx, naive_score(p, ql, qr, j));
+    if (naive_visible(p, L, t, j)) mx = fmaxf(mx, naive_score(p, ql, qr, j, scale));
   for (int off = 16; off > 0; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
   if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = mx;
   __syncthreads();
@@ -944,7 +945,7 @@ __global__ void __launch_bounds__(kNaiveThreads) mla_verify_naive_kernel(VerifyA
   for (int base = 0; base < N; base += kNaiveThreads) {
     const int j = base + threadIdx.x;
     float pv = 0.f;
-    if (j < N && mx != attn_neg_inf() && naive_visible(p, L, t, j)) pv = expf(naive_score(p, ql, qr, j) - mx);
+    if (j < N && mx != attn_neg_inf() && naive_visible(p, L, t, j)) pv = expf(naive_score(p, ql, qr, j, scale) - mx);
     pbuf[threadIdx.x] = pv;
     lsum += pv;
     __syncthreads();
@@ -1006,12 +1007,13 @@ __device__ __forceinline__ void rows_dot(const float* __restrict__ q, const floa
   }
   for (; c < n; ++c) s[0] = fmaf(__ldg(q + c), k[c], s[0]);
 }
-__device__ __forceinline__ float rows_score(const VerifyAttentionParams& p, const float* ql, const float* qr, int j) {
+__device__ __forceinline__ float rows_score(const VerifyAttentionParams& p, const float* ql, const float* qr, int j,
+                                            float scale) {
   const float* kr = p.kv + (size_t)j * p.kv_stride;
   float s[4] = {0.f, 0.f, 0.f, 0.f};
   rows_dot(ql, kr, p.C, s);
   rows_dot(qr, kr + p.C, p.R, s);
-  return ((s[0] + s[1]) + (s[2] + s[3])) * p.scale;
+  return ((s[0] + s[1]) + (s[2] + s[3])) * scale;
 }
 
 // Key splits (gridDim.y = S > 1, short rows where M blocks would leave most SMs idle): block
@@ -1040,11 +1042,11 @@ __global__ void __launch_bounds__(kRowsThreads) mla_verify_rows_kernel(VerifyAtt
   const int chunk = (Nall + S - 1) / S;
   const int j0 = min(Nall, split * chunk);
   const int N = min(Nall, j0 + chunk) - j0;  // this block's keys: j0 + [0, N)
-  const float ninf = attn_neg_inf();
+  const float ninf = attn_neg_inf(), scale = attn_row_scale(p, g);
   float mx = ninf;
   for (int i = tid; i < N; i += kRowsThreads) {
     const int j = j0 + i;
-    const float s = naive_visible(p, L, t, j) ? rows_score(p, ql, qr, j) : ninf;
+    const float s = naive_visible(p, L, t, j) ? rows_score(p, ql, qr, j, scale) : ninf;
     if (i < kRowsCache) sc[i] = s;
     mx = fmaxf(mx, s);
   }
@@ -1067,7 +1069,7 @@ __global__ void __launch_bounds__(kRowsThreads) mla_verify_rows_kernel(VerifyAtt
     const int kmax = N - base < kRowsCache ? N - base : kRowsCache;
     for (int i = tid; i < kmax; i += kRowsThreads) {  // weights of this chunk (in place: same thread, same slot)
       const int j = base + i;  // (local)
-      const float s = j < kRowsCache ? sc[i] : (naive_visible(p, L, t, j0 + j) ? rows_score(p, ql, qr, j0 + j) : ninf);
+      const float s = j < kRowsCache ? sc[i] : (naive_visible(p, L, t, j0 + j) ? rows_score(p, ql, qr, j0 + j, scale) : ninf);
       const float w = s == ninf ? 0.f : mx != ninf ? expf(s - mx) : (S > 1 && s != s) ? s : 0.f;
       sc[i] = w;
       lsum += w;
@@ -1617,6 +1619,7 @@ cudaError_t verify_attention(const VerifyAttentionParams& p, cudaStream_t stream
   if (!basic_ok(p)) return cudaErrorInvalidValue;
   const int M = p.T * p.H;
   if (p.defer_splits) *p.defer_splits = 0;
+  if (p.exact && p.q_scale) return cudaErrorInvalidValue;  // (the exact kernels take no per-token scale)
   if (p.exact) {  // row-exact (verify_attention_exact.cu); shapes it does not take: the rows kernel, unsplit
     if (verify_exact_fast_ok(p)) return launch_verify_exact(p, stream);
     launch_kernel(mla_verify_rows_kernel<true>, dim3(M, 1), kRowsThreads, 0, stream, p);

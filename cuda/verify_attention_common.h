@@ -61,6 +61,11 @@ __device__ __forceinline__ bool attn_sees_any(const VerifyAttentionParams& p, in
 //     keeps maximum -inf and gets P = 0.
 //   attn_softmax_commit: the row sum over the TPR lanes; lane `leader` updates the row's running
 //     (m, l) and alpha = 2^(m_old - m_new), the factor the row's O must be scaled by.
+// The softmax scale of query row g (token g / H): p.scale, times the token's q_scale factor when given.
+__device__ __forceinline__ float attn_row_scale(const VerifyAttentionParams& p, int g) {
+  return p.q_scale ? p.scale * p.q_scale[g / p.H] : p.scale;
+}
+
 template <int KPT, int TPR>
 __device__ __forceinline__ float attn_softmax_exp(const VerifyAttentionParams& p, int L, int N, int node, int kbase,
                                                  int kofs, float sl2, float (&v)[KPT], const float& m, float& mo, float& sum) {

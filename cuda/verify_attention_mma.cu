@@ -141,7 +141,6 @@ __device__ __forceinline__ void mv_block(const VerifyAttentionParams& p, MvSmem&
   const int pr = tid / TPR, pq = tid % TPR;
   const bool prow = MT2 == 2 || pr < 16;
   const int node2 = m0 + pr < M ? (m0 + pr) / p.H : -1;
-  const float sl2 = p.scale * kLog2e;
   const int ra = g;  // the fragment rows of m-tile mt: ra + 16 mt and ra + 16 mt + 8 (block-local)
 
   // The first chunk's keys before the PDL wait when they are committed rows complete before the
@@ -153,6 +152,7 @@ __device__ __forceinline__ void mv_block(const VerifyAttentionParams& p, MvSmem&
     cp_async_commit();
   }
   pdl_wait();
+  const float sl2 = (node2 >= 0 ? attn_row_scale(p, m0 + pr) : p.scale) * kLog2e;  // (q_scale: after the wait)
 
   if (tid < RM) {
     s.m[tid] = attn_neg_inf();

@@ -227,6 +227,9 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   if (opt.expert_mma_rows != 0 && opt.expert_mma_rows != 8 && opt.expert_mma_rows != 16 && opt.expert_mma_rows != 32 &&
       opt.expert_mma_rows != 64)
     throw Error("CudaModel: expert_mma_rows must be 0 (auto), 8, 16, 32 or 64, got " + std::to_string(opt.expert_mma_rows));
+  if (opt.q_fold_max_tokens < -1)
+    throw Error("CudaModel: q_fold_max_tokens must be -1 (auto), 0 (never) or a token count, got " +
+                std::to_string(opt.q_fold_max_tokens));
   if (opt.context_buckets != 1 && opt.context_buckets != 2 && opt.context_buckets != 4 && opt.context_buckets != 8)
     throw Error("CudaModel: context_buckets must be 1, 2, 4 or 8, got " + std::to_string(opt.context_buckets));
   if (opt.bf16_widen_elements < 0)
@@ -331,6 +334,8 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   // (mat) in an arena of their own, committed to a reserved address range with no memory behind it
   // (their FP32 addresses, which bf16_of maps onto the BF16 arena; the embedding among them); the vectors in w.
   const bool only = opt.bf16_weights_only, q4 = opt.int4_experts_group > 0;
+  q_fold_max_t_ = opt.q_fold_max_tokens < 0 ? CudaModelOptions::kQFoldAutoMaxT : opt.q_fold_max_tokens;
+  fold_rows_ = q_fold_max_t_ > 0 && qr > 0 && !only ? H * Dqk : 0;
   Arena w, wm, wq;  // wq: the INT4 expert stacks' FP32 addresses (reserved, never backed)
   // a matrix of block `key` (matrix_block): with "only", in the BF16 range unless fp32_matrices names it
   std::string lp;  // the layer's prefix of the block keys
@@ -351,7 +356,7 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
     lp = std::to_string(l) + ".";
     w.add(&ly.input_ln, Dm);
     w.add(&ly.post_ln, Dm);
-    mat(&ly.qkv_a, (qr + CR) * Dm, "qkv_a");
+    mat(&ly.qkv_a, (qr + CR + fold_rows_) * Dm, "qkv_a");  // (+ the folded query rows, finalize())
     if (qr > 0) {
       w.add(&ly.q_a_ln, qr);
       mat(&ly.q_b, H * Dqk * qr, "q_b");
@@ -389,7 +394,8 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   if (any_moe) gu_rows_cols = std::max({gu_rows_cols, Tm * 2 * Is, A * 2 * Ie});
   ws.add(&x_, Tm * Dm);
   ws.add(&hn_, Tm * Dm);
-  ws.add(&qkv_a_out_, Tm * (qr + CR));
+  ws.add(&qkv_a_out_, Tm * (qr + CR + fold_rows_));
+  if (fold_rows_) ws.add(&q_scale_, Tm);
   ws.add(&q_, Tm * H * Dqk);
   ws.add(&q_lat_, Tm * H * C);
   ws.add(&q_rope_, Tm * H * R);
@@ -883,6 +889,15 @@ void CudaModel::finalize() {
   DeviceGuard guard(opt_.device);
   check_cuda(cudaStreamSynchronize(as_stream(stream_)), "finalize");
   make_bf16_copies();
+  if (fold_rows_) {  // the folded query projections: W_qb diag(q_a norm) W_qa, after q_a / kv_a in each qkv_a block
+    const ModelConfig& c = cfg_;
+    const int64_t qr = c.q_lora_rank, CR = c.kv_lora_rank + c.qk_rope_head_dim, Dm = c.hidden_size;
+    for (Layer& ly : layers_)
+      check_cuda(cuda::fold_q_projection(ly.q_b, ly.q_a_ln, ly.qkv_a, (int)fold_rows_, (int)qr, (int)Dm,
+                                         ly.qkv_a + (qr + CR) * Dm, as_stream(stream_)),
+                 "fold_q_projection");
+    check_cuda(cudaStreamSynchronize(as_stream(stream_)), "finalize (q fold)");
+  }
   finalized_ = true;
   cache_len_ = 0;
   pending_ = 0;
@@ -1209,18 +1224,33 @@ void CudaModel::attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, 
   const int64_t qr = c.q_lora_rank, lda = qr + CR;
   cudaStream_t st = as_stream(stream_);
 
-  // [qa | kv] in one GEMM, then q.
-  gemm_nt(T, lda, Dm, in, Dm, ly.qkv_a, qkv_a_out_, lda, 0.f, in_norm, c.rms_norm_eps);
+  // The folded query projection (q_fold_max_tokens): [qa | kv | q'] in one product, q' = x (W_qb diag(g) W_qa)^T
+  // the queries without q_a's norm, whose factor 1 / rms(qa) mla_prep computes and the attention applies to
+  // the scores (every consumer of q is linear in it: W_UK, RoPE, the dot products). FP32 weights only: a BF16
+  // copy of q_a / kv_a would make the folded rows (FP32 only) the slower read.
+  const bool fold = fold_rows_ > 0 && !exact_step_ && T <= q_fold_max_t_ && !bf16_of(ly.qkv_a, lda * Dm);
+  const int64_t ldo = fold ? lda + fold_rows_ : lda;  // row stride of qkv_a_out_
+  float* const qsrc = fold ? qkv_a_out_ + lda : q_;   // the queries [T, H, Dqk] (row stride ldq)
+  const int64_t ldq = fold ? ldo : H * Dqk;
+  // [qa | kv] (and q') in one GEMM, then q.
+  gemm_nt(T, ldo, Dm, in, Dm, ly.qkv_a, qkv_a_out_, ldo, 0.f, in_norm, c.rms_norm_eps);
   // Cache rows (normed latent | roped key) and roped queries: mla_prep, on the side stream with
   // opt_.side_stream (joined before the attention). When the W_UK product runs on linear_skinny,
   // its rope block ropes the queries (LinearParams::rope_out, the same bits) and mla_prep writes
   // only the cache rows: it needs only the q_a / kv projection and starts here, beside q_b and
   // W_UK, instead of after q_b (it ended ~3 us after W_UK on the decode step's critical path).
   cuda::MlaPrepParams mp{};
-  mp.q = q_;
-  mp.ldq = (int)(H * Dqk);
+  mp.q = qsrc;
+  mp.ldq = (int)ldq;
   mp.kv = qkv_a_out_ + qr;
-  mp.ldkv = (int)lda;
+  mp.ldkv = (int)ldo;
+  if (fold) {
+    mp.qa = qkv_a_out_;
+    mp.ldqa = (int)ldo;
+    mp.qa_n = (int)qr;
+    mp.qa_eps = c.latent_norm_eps;
+    mp.q_scale_out = q_scale_;
+  }
   mp.kv_norm_w = ly.kv_a_ln;
   mp.cs = rope_cs_;
   mp.T = (int)T;
@@ -1236,7 +1266,7 @@ void CudaModel::attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, 
   mp.row0_dev = len_d;
   mp.q_rope = q_rope_;
   // Absorption: q_lat[t, h, :] = W_UK[h]^T q_nope[t, h, :], with W_UK[h]^T stored row-major [C, Dn] (w_ukT).
-  cuda::LinearParams uk = heads_params(T, C, Dn, q_, H * Dqk, Dqk, ly.w_ukT, q_lat_, H * C, C, H);
+  cuda::LinearParams uk = heads_params(T, C, Dn, qsrc, ldq, Dqk, ly.w_ukT, q_lat_, H * C, C, H);
   uk.rope_cs = rope_cs_;
   uk.rope_out = q_rope_;
   uk.rope_ld = H * R;
@@ -1250,7 +1280,9 @@ void CudaModel::attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, 
   } else {
     uk.rope_out = nullptr;  // mla_prep ropes the queries
   }
-  if (qr > 0) {
+  if (fold) {
+    // (q' came with q_a / kv_a)
+  } else if (qr > 0) {
     if (in_norm) {  // fused: q_a's latent norm inside the q_b projection
       gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk, 0.f, ly.q_a_ln, c.latent_norm_eps);
     } else {
@@ -1293,6 +1325,7 @@ void CudaModel::attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, 
   vp.committed_ready = 1;  // the step's first kernel is ordered and no kernel of it writes rows < L
   vp.exact = exact_step_ ? 1 : 0;
   vp.exact_split = exact_split_;
+  vp.q_scale = fold ? q_scale_ : nullptr;
   if ((int64_t)cuda::verify_attention_workspace_bytes(vp) > attn_ws_bytes_)
     throw RuntimeFailure("CudaModel: internal error, verify_attention needs more workspace than was sized");
   // Few tokens: the merge of the attention's key splits moves into the W_UV product (uv_combine).

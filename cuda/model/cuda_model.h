@@ -115,7 +115,15 @@ struct CudaModelOptions {
                                  // the skinny kernels, fused norms, uv_combine and cuBLAS stay out of those steps.
                                  // Slower; needs the model's inner sizes multiples of 4 (docs/CUDA_MODEL.md
                                  // "Row-exact steps")
+  int q_fold_max_tokens = -1;    // q-LoRA models with FP32 weights: steps of at most this many tokens project the
+                                 // queries straight from the layer's input through one folded matrix W_qb diag(g)
+                                 // W_qa (made at finalize(), rows after q_a / kv_a in one product with them) and
+                                 // apply q_a's RMS factor to the attention scores: the q_a norm and the q_b product
+                                 // leave the step's chain (H * (Dn + R) x hidden more FP32 weights a layer);
+                                 // -1 = auto (kQFoldAutoMaxT), 0 = never. Not in row-exact steps, not with BF16
+                                 // copies or BF16-only weights (docs/CUDA_MODEL.md "Folded query projection")
   static constexpr int64_t kRowExactMaxT = 264;
+  static constexpr int64_t kQFoldAutoMaxT = 64;
   static constexpr int kMathDefault = 0, kMathPedantic = 1, kMathTf32 = 2;
   static constexpr int kExpertAuto = 0, kExpertSkinny = 1, kExpertTiled = 2, kExpertMma = 3;
 };
@@ -438,6 +446,10 @@ class CudaModel : public TargetModel {
   int32_t* offsets_ = nullptr;             // [E + 1]
   int32_t *slot_token_ = nullptr, *slot_of_ = nullptr;  // [Tm*K]
   int32_t *tile_expert_ = nullptr, *tile_row0_ = nullptr, *num_tiles_ = nullptr;
+  // the folded query projection (q_fold_max_tokens): fold_rows_ extra rows of every qkv_a block (0: none),
+  // q_scale_ [Tm] the per-token score factors, steps of at most q_fold_max_t_ tokens
+  int64_t fold_rows_ = 0, q_fold_max_t_ = 0;
+  float* q_scale_ = nullptr;
   int64_t max_tiles_ = 0;
   float* logits_ = nullptr;                // [Tm, V] (host path)
   int32_t *d_tokens_ = nullptr, *d_positions_ = nullptr, *d_keep_ = nullptr, *d_count_ = nullptr;

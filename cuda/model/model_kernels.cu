@@ -176,7 +176,27 @@ __global__ void __launch_bounds__(256) mla_prep_kernel(MlaPrepParams p) {
     rope_load(pair_src(u), half, u % half, interleaved, a, b);
     rope_store(a, b, cs[u % half], cs[half + u % half], half, u % half, dst(u));
   }
+  if (p.q_scale_out) {  // block-uniform: the folded query norm's factor
+    __shared__ double red2[32];
+    const float* qa = p.qa + (size_t)t * p.ldqa;
+    double sq = 0.0;
+    for (int i = tid; i < p.qa_n; i += bd) sq += (double)qa[i] * (double)qa[i];
+    sq = block_sum_once(sq, red2);
+    if (tid == 0) p.q_scale_out[t] = rms_inv(sq, p.qa_n, p.qa_eps);
+  }
 }
+
+// one thread per output; consecutive threads consecutive k (coalesced w_qa reads, w_qb broadcast)
+__global__ void fold_q_kernel(const float* w_qb, const float* g, const float* w_qa, int N, int J, int Kd, float* out) {
+  pdl_prologue();
+  const long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
+  if (i >= (long long)N * Kd) return;
+  const int n = (int)(i / Kd), k = (int)(i - (long long)n * Kd);
+  double acc = 0.0;
+  for (int j = 0; j < J; ++j) acc += (double)w_qb[(size_t)n * J + j] * (double)g[j] * (double)w_qa[(size_t)j * Kd + k];
+  out[i] = (float)acc;
+}
+
 
 // ---------------------------------------------------------------- SwiGLU (ops.cpp swiglu_row)
 
@@ -1396,8 +1416,17 @@ cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream) {
   if (p.T < 0 || p.H <= 0 || p.C <= 0 || p.R <= 0 || p.R % 2 || p.Dn < 0 || p.ldc < p.C + p.R ||
       p.ldkv < p.C + p.R || (!p.skip_q && p.ldq < p.H * (p.Dn + p.R)) || p.row0 < 0)
     return cudaErrorInvalidValue;
+  if (p.q_scale_out && (!p.qa || p.qa_n <= 0 || p.ldqa < p.qa_n)) return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
   launch_kernel(mla_prep_kernel, p.T, threads_for(p.C), 0, stream, p);
+  return cudaGetLastError();
+}
+
+cudaError_t fold_q_projection(const float* w_qb, const float* g, const float* w_qa, int N, int J, int Kd, float* out,
+                              cudaStream_t stream) {
+  if (!w_qb || !g || !w_qa || !out || N <= 0 || J <= 0 || Kd <= 0) return cudaErrorInvalidValue;
+  const long long n = (long long)N * Kd;
+  launch_kernel(fold_q_kernel, (unsigned)((n + 255) / 256), 256, 0, stream, w_qb, g, w_qa, N, J, Kd, out);
   return cudaGetLastError();
 }
 

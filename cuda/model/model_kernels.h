@@ -175,7 +175,18 @@ struct MlaPrepParams {
   const int32_t* row0_dev; // [1] device base row (committed length), or nullptr (default)
   int skip_q = 0;          // 1: the cache rows only (the W_UK product ropes the queries,
                            // LinearParams::rope_out): q is not read (may be null), q_rope not written
+  // optional (CudaModel's folded query norm, q_fold): q_scale_out[t] = 1 / rms of the qa_n floats at
+  // qa + t * ldqa (with qa_eps, as the rmsnorm kernel computes it): the factor the attention applies to
+  // token t's scores, whose queries were projected without that norm
+  const float* qa = nullptr;
+  int ldqa = 0, qa_n = 0;
+  double qa_eps = 0.0;
+  float* q_scale_out = nullptr;
 };
+// The folded query projection of a q-LoRA model (q_fold): out[n, k] = sum_j w_qb[n, j] g[j] w_qa[j, k]
+// (accumulated in double, rounded once), n < N, j < J, k < Kd; all row-major.
+cudaError_t fold_q_projection(const float* w_qb, const float* g, const float* w_qa, int N, int J, int Kd, float* out,
+                              cudaStream_t stream);
 cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------- SwiGLU

@@ -166,7 +166,7 @@ def accept_compact(tree, target_choice, cache, cache_len, round_outputs=False):
 
 
 def verify_attention(q_latent, q_rope, kv_latent, k_rope, visibility, scale, force_naive=False,
-                     force_splits=0, force_kernel=0, l_bound=None, force_rows=0):
+                     force_splits=0, force_kernel=0, l_bound=None, force_rows=0, q_scale=None):
     """MLA tree-verify attention (FP32) on the GPU, the signature of reference.verify_attention.
 
     q_latent [T,H,C], q_rope [T,H,R], kv_latent [L+T,C], k_rope [L+T,R], visibility bool [T,T]
@@ -174,7 +174,8 @@ def verify_attention(q_latent, q_rope, kv_latent, k_rope, visibility, scale, for
     Testing knobs: force_naive (the plain kernel), force_splits (> 0: key splits), force_kernel
     (0 = auto, 1 = tiled, 2 = split-KV, 3 = decode, 4 = tensor cores), l_bound (int >= L: L reaches the kernels through a
     device int and l_bound is the host's upper bound, as under CUDA-graph capture), force_rows (4, 8 or
-    16 query rows per split-KV block; 0 = the cost model's pick).
+    16 query rows per split-KV block; 0 = the cost model's pick), q_scale (float32 [T]: token t's scores
+    also scaled by q_scale[t], as the GPU model's folded query norm uses it).
     """
     _require()
     ql = np.ascontiguousarray(q_latent, dtype=np.float32)
@@ -186,7 +187,8 @@ def verify_attention(q_latent, q_rope, kv_latent, k_rope, visibility, scale, for
         vis = pack_visibility(vis)
     return _native.cuda_verify_attention(ql, qr, kv, np.ascontiguousarray(vis), float(scale),
                                          bool(force_naive), int(force_splits), int(force_kernel),
-                                         None if l_bound is None else int(l_bound), int(force_rows))
+                                         None if l_bound is None else int(l_bound), int(force_rows),
+                                         q_scale=None if q_scale is None else np.ascontiguousarray(q_scale, np.float32))
 
 
 def verify_attention_choice(T, H, L, force_kernel=0, force_splits=0, force_rows=0, rows=False, detail=False):

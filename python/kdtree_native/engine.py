@@ -35,7 +35,7 @@ _CUDA_OPTIONS = ("max_tokens", "device", "math", "attention_naive", "expert_kern
                  "attention_kernel", "side_stream", "skinny_big_max_tokens", "tile_max_tokens",
                  "tile_tensor_cores", "expert_mma_rows", "bf16_weight_copies", "uv_combine_max_tokens",
                  "context_buckets", "combine_norm", "bf16_weights", "bf16_widen_elements", "int4_experts_group",
-                 "fp32_matrices", "row_exact")
+                 "fp32_matrices", "row_exact", "q_fold_max_tokens")
 
 
 # keyword arguments of _native.CpuModel that an Engine passes through (docs/MODEL.md)

@@ -321,6 +321,37 @@ def test_expert_kernels_match_cpu(name, expert_kernel, mma_rows):
 
 @pytest.mark.cuda
 @needs_device
+@pytest.mark.parametrize("name", ["ds3_base", "kimi_like", "mla512"])
+def test_folded_query_projection_matches_cpu(name):
+    """q_fold_max_tokens: steps of up to that many tokens project the queries through the folded matrix and
+    scale the attention scores by q_a's RMS factor. Against the CPU model (prefill past the fold's reach, then
+    decode and tree steps inside it; mla512 runs the tensor-core / split-KV attention kernels with the factors),
+    and against the same GPU model without the fold: close, and not the same bits (the folded path ran)."""
+    cpu, gpu, cfg = pair(spec(name), max_seq_len=400, q_fold_max_tokens=40)
+    _, plain, _ = pair(spec(name), max_seq_len=400, q_fold_max_tokens=0)
+    ids = prompt(cfg.vocab_size, 60, seed=41)  # 60 tokens: the prefill itself is past the fold (40)
+    for m in (cpu, gpu, plain):
+        prefill(m, ids)
+    assert rel_to_scale(gpu.forward(ids[:5], 60 + np.arange(5), None), cpu.forward(ids[:5], 60 + np.arange(5), None)) < TOL
+    differs = False
+    for T, seed in ((1, 42), (17, 43), (40, 44)):
+        parents, depths, vis = random_tree(T, seed=seed)
+        toks = prompt(cfg.vocab_size, T, seed=seed + 10)
+        pos = 60 + depths
+        a, b, c = cpu.forward(toks, pos, vis), gpu.forward(toks, pos, vis), plain.forward(toks, pos, vis)
+        assert rel_to_scale(b, a) < TOL, f"T={T}"
+        assert rel_to_scale(c, a) < TOL, f"T={T} (no fold)"
+        differs |= not np.array_equal(b, c)
+    assert differs, "the folded steps gave the unfolded bits: the fold did not run"
+    # decode (commit) inside the fold, then the caches agree
+    for t in prompt(cfg.vocab_size, 3, seed=45):
+        la, lb = decode(cpu, int(t)), decode(gpu, int(t))
+        assert rel_to_scale(lb, la) < TOL
+    assert_same_cache(cpu, gpu, cfg)
+
+
+@pytest.mark.cuda
+@needs_device
 @pytest.mark.parametrize("context_buckets", [1, 4])
 @pytest.mark.parametrize("name", ["mla512", "kimi_like"])
 def test_eager_graph_and_host_steps_are_bit_identical(name, context_buckets):

@@ -356,6 +356,35 @@ def test_verify_attention_awkward_sizes(L, H, B):
         assert rel_err(out, ref2) < 1e-5
 
 
+# every kernel: (force_kernel, force_naive, C, R): tiled, split-KV, decode, tensor cores, the plain kernel, and the rows
+# kernel (shapes other than C = 512 / R = 64)
+Q_SCALE_KERNELS = [(1, False, 512, 64), (2, False, 512, 64), (3, False, 512, 64), (4, False, 512, 64),
+                   (0, True, 512, 64), (0, False, 96, 32)]
+
+
+@pytest.mark.parametrize("fk,naive,C,R_", Q_SCALE_KERNELS)
+@pytest.mark.parametrize("L,B", [(0, 16), (300, 16), (700, 0), (40, 64)])
+def test_verify_attention_q_scale_equals_scaled_queries(fk, naive, C, R_, L, B):
+    """q_scale[t] multiplies token t's scores: the same output as queries scaled by it beforehand (float64
+    oracle on the scaled queries), in every kernel. Factors far from 1 (0.05 .. 4), so a kernel that ignored
+    them, or applied one row's to another, fails."""
+    ql, qr, kvl, kr, vis, scale = attn_case(7 * L + B + C, L, 4, B, C=C, R_=R_)
+    f = np.random.default_rng(L + B).uniform(0.05, 4.0, B + 1).astype(np.float32)
+    out = cu.verify_attention(ql, qr, kvl, kr, vis, scale, force_naive=naive, force_kernel=fk, q_scale=f)
+    ref = ref64(ql * f[:, None, None], qr * f[:, None, None], kvl, kr, vis, scale)
+    assert rel_err(out, ref) < 1e-5, rel_err(out, ref)
+    plain = ref64(ql, qr, kvl, kr, vis, scale)
+    assert rel_err(plain, ref) > 1e-2  # the factors change the result
+
+
+def test_verify_attention_q_scale_refused_with_exact():
+    ql, qr, kvl, kr, vis, scale = attn_case(3, 20, 2, 4)
+    kv = np.ascontiguousarray(np.concatenate([kvl, kr], axis=1))
+    with pytest.raises((RuntimeError, ValueError)):
+        N.cuda_verify_attention(ql, qr, kv, cu.pack_visibility(vis), scale, exact=True,
+                                q_scale=np.ones(5, np.float32))
+
+
 @pytest.mark.parametrize("splits", [1, 2, 3, 7])
 def test_verify_attention_splits_and_naive(splits):
     ql, qr, kvl, kr, vis, scale = attn_case(9, 1000, 3, 40, tree=False)
