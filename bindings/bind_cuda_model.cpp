@@ -123,9 +123,9 @@ void bind_cuda_model(py::module_& m) {
                     "weights (set_weight_int4; docs/CUDA_MODEL.md \"INT4 experts\"). fp32_matrices (with 'only'): HF "
                     "names of matrices held as FP32 all the same (a checkpoint storing a few in F32). row_exact: steps of up "
                     "to 264 tokens on kernels whose rows do not depend on the other rows (a tree node's logits are the "
-                    "one-token step's bits; slower; docs/CUDA_MODEL.md \"Row-exact steps\"). q_fold_max_tokens: steps of up to "
-                    "that many tokens project the queries through one folded matrix (-1 auto = 64, 0 never; FP32 q-LoRA "
-                    "models; docs/CUDA_MODEL.md \"Folded query projection\")."))
+                    "one-token step's bits; slower; docs/CUDA_MODEL.md \"Row-exact steps\"). q_fold_max_tokens: steps of 5 up to "
+                    "that many tokens project the queries through one folded matrix (-1 auto: 24 where the folded rows "
+                    "are small, else never; 0 never; FP32 q-LoRA models; docs/CUDA_MODEL.md \"Folded query projection\")."))
       .def(py::init([](const py::dict& cfg, int64_t max_seq_len, int64_t max_tokens, int device, const std::string& math,
                        bool attention_naive, const std::string& expert_kernel, bool graphs, int skinny_max_tokens,
                        const std::string& attention_kernel, bool side_stream, int skinny_big_max_tokens, int tile_max_tokens,

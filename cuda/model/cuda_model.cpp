@@ -334,8 +334,14 @@ CudaModel::CudaModel(const ModelConfig& cfg, int64_t max_seq_len, const CudaMode
   // (mat) in an arena of their own, committed to a reserved address range with no memory behind it
   // (their FP32 addresses, which bf16_of maps onto the BF16 arena; the embedding among them); the vectors in w.
   const bool only = opt.bf16_weights_only, q4 = opt.int4_experts_group > 0;
-  q_fold_max_t_ = opt.q_fold_max_tokens < 0 ? CudaModelOptions::kQFoldAutoMaxT : opt.q_fold_max_tokens;
-  fold_rows_ = q_fold_max_t_ > 0 && qr > 0 && !only ? H * Dqk : 0;
+  // the folded query rows: by default only where their extra bytes a layer over q_b's (read in the steps the fold
+  // takes) stay under kQFoldAutoMaxExtraBytes, ~4 us at the H200's bandwidth, less than the two dependent
+  // kernels the fold removes (mini-kimi: 7.9 MB; Kimi K2's shapes: 277 MB, never by default)
+  const int64_t fold_extra = H * Dqk * (c.hidden_size - qr) * (int64_t)sizeof(float);
+  q_fold_max_t_ = opt.q_fold_max_tokens >= 0                       ? opt.q_fold_max_tokens
+                  : fold_extra <= CudaModelOptions::kQFoldAutoMaxExtraBytes ? CudaModelOptions::kQFoldAutoMaxT
+                                                                   : 0;
+  fold_rows_ = q_fold_max_t_ >= CudaModelOptions::kQFoldMinT && qr > 0 && !only ? H * Dqk : 0;
   Arena w, wm, wq;  // wq: the INT4 expert stacks' FP32 addresses (reserved, never backed)
   // a matrix of block `key` (matrix_block): with "only", in the BF16 range unless fp32_matrices names it
   std::string lp;  // the layer's prefix of the block keys
@@ -1228,12 +1234,27 @@ void CudaModel::attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, 
   // the queries without q_a's norm, whose factor 1 / rms(qa) mla_prep computes and the attention applies to
   // the scores (every consumer of q is linear in it: W_UK, RoPE, the dot products). FP32 weights only: a BF16
   // copy of q_a / kv_a would make the folded rows (FP32 only) the slower read.
-  const bool fold = fold_rows_ > 0 && !exact_step_ && T <= q_fold_max_t_ && !bf16_of(ly.qkv_a, lda * Dm);
+  const bool fold = fold_rows_ > 0 && !exact_step_ && T >= CudaModelOptions::kQFoldMinT && T <= q_fold_max_t_ &&
+                    !bf16_of(ly.qkv_a, lda * Dm);
   const int64_t ldo = fold ? lda + fold_rows_ : lda;  // row stride of qkv_a_out_
   float* const qsrc = fold ? qkv_a_out_ + lda : q_;   // the queries [T, H, Dqk] (row stride ldq)
   const int64_t ldq = fold ? ldo : H * Dqk;
   // [qa | kv] (and q') in one GEMM, then q.
-  gemm_nt(T, ldo, Dm, in, Dm, ly.qkv_a, qkv_a_out_, ldo, 0.f, in_norm, c.rms_norm_eps);
+  {
+    if (in_norm && !fuse_norm(T)) throw RuntimeFailure("CudaModel: internal error, a fused RMSNorm outside fuse_norm");
+    cuda::LinearParams lp = gemm_params(T, ldo, Dm, in, Dm, ly.qkv_a, qkv_a_out_, ldo, 0.f);
+    lp.norm_w = in_norm;
+    lp.norm_eps = c.rms_norm_eps;
+    // the folded product in one token tile (linear_tile; the automatic height would give T = 17 two 16-row
+    // tiles, each streaming the 16.5 MB of mini-kimi's block: 15.6 us against 11-12; docs/BENCHMARKS.md)
+    if (fold)
+      for (int r : {8, 16, 24, 32, 48, 64, 72})
+        if (r >= T) {
+          lp.tile_rows = r;
+          break;
+        }
+    gemm_run(lp, nullptr, nullptr);
+  }
   // Cache rows (normed latent | roped key) and roped queries: mla_prep, on the side stream with
   // opt_.side_stream (joined before the attention). When the W_UK product runs on linear_skinny,
   // its rope block ropes the queries (LinearParams::rope_out, the same bits) and mla_prep writes

@@ -115,15 +115,18 @@ struct CudaModelOptions {
                                  // the skinny kernels, fused norms, uv_combine and cuBLAS stay out of those steps.
                                  // Slower; needs the model's inner sizes multiples of 4 (docs/CUDA_MODEL.md
                                  // "Row-exact steps")
-  int q_fold_max_tokens = -1;    // q-LoRA models with FP32 weights: steps of at most this many tokens project the
-                                 // queries straight from the layer's input through one folded matrix W_qb diag(g)
-                                 // W_qa (made at finalize(), rows after q_a / kv_a in one product with them) and
-                                 // apply q_a's RMS factor to the attention scores: the q_a norm and the q_b product
-                                 // leave the step's chain (H * (Dn + R) x hidden more FP32 weights a layer);
-                                 // -1 = auto (kQFoldAutoMaxT), 0 = never. Not in row-exact steps, not with BF16
-                                 // copies or BF16-only weights (docs/CUDA_MODEL.md "Folded query projection")
+  int q_fold_max_tokens = -1;    // q-LoRA models with FP32 weights: steps of kQFoldMinT up to this many tokens project
+                                 // the queries straight from the layer's input through one folded matrix
+                                 // W_qb diag(g) W_qa (made at finalize(); rows after q_a / kv_a, one product with
+                                 // them) and apply q_a's RMS factor to the attention scores: the q_a norm and the
+                                 // q_b product leave the step's chain, for H * (Dn + R) x hidden more FP32 weights a
+                                 // layer. -1 = auto: kQFoldAutoMaxT where those rows add at most
+                                 // kQFoldAutoMaxExtraBytes a layer over q_b (mini-kimi, not Kimi K2's shapes), else
+                                 // never; 0 = never. Not in row-exact steps, not with BF16 copies of q_a / kv_a,
+                                 // not with BF16-only weights (docs/CUDA_MODEL.md "Folded query projection")
   static constexpr int64_t kRowExactMaxT = 264;
-  static constexpr int64_t kQFoldAutoMaxT = 64;
+  static constexpr int64_t kQFoldMinT = 5, kQFoldAutoMaxT = 24;
+  static constexpr int64_t kQFoldAutoMaxExtraBytes = int64_t(16) << 20;
   static constexpr int kMathDefault = 0, kMathPedantic = 1, kMathTf32 = 2;
   static constexpr int kExpertAuto = 0, kExpertSkinny = 1, kExpertTiled = 2, kExpertMma = 3;
 };

@@ -161,6 +161,8 @@ def test_bad_config_is_value_error_before_any_device_work():
             _native.CudaModel(cfg, 16, skinny_big_max_tokens=smt)
     with pytest.raises(ValueError, match="tile_max_tokens"):
         _native.CudaModel(cfg, 16, tile_max_tokens=-2)
+    with pytest.raises(ValueError, match="q_fold_max_tokens"):
+        _native.CudaModel(cfg, 16, q_fold_max_tokens=-2)
 
 
 @pytest.mark.skipif(not HAS_MODEL or DEVICE_OK, reason="needs a build with the GPU model and no usable device")
