@@ -736,7 +736,8 @@ void CudaModel::set_weight(const std::string& name, const float* data, const std
     return;
   }
   // exactly BF16 (a BF16 checkpoint widened to float32)? Its copy comes at finalize (with the option on).
-  s.bf16_exact = opt_.bf16_weight_copies && kdtree::bf16_exact(data, n);
+  s.values_bf16 = kdtree::bf16_exact(data, n);
+  s.bf16_exact = opt_.bf16_weight_copies && s.values_bf16;
   if (s.kind == kCopy) {
     check_cuda(cudaMemcpy(s.dst, data, (size_t)n * sizeof(float), cudaMemcpyHostToDevice), "set_weight upload");
   } else {
@@ -898,10 +899,19 @@ void CudaModel::finalize() {
   if (fold_rows_) {  // the folded query projections: W_qb diag(q_a norm) W_qa, after q_a / kv_a in each qkv_a block
     const ModelConfig& c = cfg_;
     const int64_t qr = c.q_lora_rank, CR = c.kv_lora_rank + c.qk_rope_head_dim, Dm = c.hidden_size;
-    for (Layer& ly : layers_)
-      check_cuda(cuda::fold_q_projection(ly.q_b, ly.q_a_ln, ly.qkv_a, (int)fold_rows_, (int)qr, (int)Dm,
-                                         ly.qkv_a + (qr + CR) * Dm, as_stream(stream_)),
-                 "fold_q_projection");
+    for (size_t l = 0; l < layers_.size(); ++l) {
+      // not for a BF16 checkpoint's layer (q_a and kv_a exactly BF16): its unfolded product reads their BF16 copies
+      // (bf16_weight_copies), which the FP32-only folded rows would forgo, and a model without the copies must give
+      // the same bits as one with them; so such a layer never folds, copies or not
+      Layer& ly = layers_[l];
+      const std::string pre = "model.layers." + std::to_string(l) + ".self_attn.";
+      const auto qa = slots_.find(pre + "q_a_proj.weight"), kva = slots_.find(pre + "kv_a_proj_with_mqa.weight");
+      ly.q_fold = !(qa != slots_.end() && kva != slots_.end() && qa->second.values_bf16 && kva->second.values_bf16);
+      if (ly.q_fold)
+        check_cuda(cuda::fold_q_projection(ly.q_b, ly.q_a_ln, ly.qkv_a, (int)fold_rows_, (int)qr, (int)Dm,
+                                           ly.qkv_a + (qr + CR) * Dm, as_stream(stream_)),
+                   "fold_q_projection");
+    }
     check_cuda(cudaStreamSynchronize(as_stream(stream_)), "finalize (q fold)");
   }
   finalized_ = true;
@@ -1232,10 +1242,10 @@ void CudaModel::attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, 
 
   // The folded query projection (q_fold_max_tokens): [qa | kv | q'] in one product, q' = x (W_qb diag(g) W_qa)^T
   // the queries without q_a's norm, whose factor 1 / rms(qa) mla_prep computes and the attention applies to
-  // the scores (every consumer of q is linear in it: W_UK, RoPE, the dot products). FP32 weights only: a BF16
-  // copy of q_a / kv_a would make the folded rows (FP32 only) the slower read.
-  const bool fold = fold_rows_ > 0 && !exact_step_ && T >= CudaModelOptions::kQFoldMinT && T <= q_fold_max_t_ &&
-                    !bf16_of(ly.qkv_a, lda * Dm);
+  // the scores (every consumer of q is linear in it: W_UK, RoPE, the dot products). Layers whose q_a / kv_a
+  // are exactly BF16 never fold (finalize(): ly.q_fold).
+  const bool fold = fold_rows_ > 0 && ly.q_fold && !exact_step_ && T >= CudaModelOptions::kQFoldMinT &&
+                    T <= q_fold_max_t_;
   const int64_t ldo = fold ? lda + fold_rows_ : lda;  // row stride of qkv_a_out_
   float* const qsrc = fold ? qkv_a_out_ + lda : q_;   // the queries [T, H, Dqk] (row stride ldq)
   const int64_t ldq = fold ? ldo : H * Dqk;

@@ -249,6 +249,7 @@ class CudaModel : public TargetModel {
     float *w_ukT = nullptr, *w_uv = nullptr;             // [H, C, Dn] (W_UK transposed), [H, Dv, C] (from kv_b_proj)
     float* o_proj = nullptr;   // [Dm, H*Dv]
     bool moe = false;
+    bool q_fold = false;       // the folded query rows are made and used (finalize(): not for BF16-exact q_a / kv_a)
     float *mlp_gate_up = nullptr, *mlp_down = nullptr;   // dense: [2I, Dm], [Dm, I]
     float *router = nullptr, *router_bias = nullptr;     // [E (+ 2Is, the shared gate/up rows), Dm], [E]
     float *experts_gate_up = nullptr, *experts_down = nullptr;  // [E, 2Ie, Dm], [E, Dm, Ie]
@@ -264,6 +265,7 @@ class CudaModel : public TargetModel {
     int64_t layer = -1;
     bool set = false;
     bool bf16_exact = false;  // every value set is exactly a BF16 (its low 16 bits zero)
+    bool values_bf16 = false;  // the same, whatever bf16_weight_copies says (the q fold's choice, finalize())
   };
   static constexpr int kCopy = 0, kKvB = 1;
 
