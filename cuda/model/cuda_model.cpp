@@ -736,7 +736,10 @@ void CudaModel::set_weight(const std::string& name, const float* data, const std
     return;
   }
   // exactly BF16 (a BF16 checkpoint widened to float32)? Its copy comes at finalize (with the option on).
-  s.values_bf16 = kdtree::bf16_exact(data, n);
+  // (values_bf16: read for q_a / kv_a alone, by finalize()'s q fold; the full scan only where it is needed)
+  const bool qkv_a = name.find("q_a_proj.weight") != std::string::npos ||
+                     name.find("kv_a_proj_with_mqa.weight") != std::string::npos;
+  s.values_bf16 = (opt_.bf16_weight_copies || qkv_a) && kdtree::bf16_exact(data, n);
   s.bf16_exact = opt_.bf16_weight_copies && s.values_bf16;
   if (s.kind == kCopy) {
     check_cuda(cudaMemcpy(s.dst, data, (size_t)n * sizeof(float), cudaMemcpyHostToDevice), "set_weight upload");

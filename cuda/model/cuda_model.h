@@ -122,8 +122,9 @@ struct CudaModelOptions {
                                  // q_b product leave the step's chain, for H * (Dn + R) x hidden more FP32 weights a
                                  // layer. -1 = auto: kQFoldAutoMaxT where those rows add at most
                                  // kQFoldAutoMaxExtraBytes a layer over q_b (mini-kimi, not Kimi K2's shapes), else
-                                 // never; 0 = never. Not in row-exact steps, not with BF16 copies of q_a / kv_a,
-                                 // not with BF16-only weights (docs/CUDA_MODEL.md "Folded query projection")
+                                 // never; 0 = never. Not in row-exact steps, not for layers whose q_a and kv_a
+                                 // are exactly BF16, not with BF16-only weights (docs/CUDA_MODEL.md "Folded query
+                                 // projection")
   static constexpr int64_t kRowExactMaxT = 264;
   static constexpr int64_t kQFoldMinT = 5, kQFoldAutoMaxT = 24;
   static constexpr int64_t kQFoldAutoMaxExtraBytes = int64_t(16) << 20;
@@ -265,7 +266,7 @@ class CudaModel : public TargetModel {
     int64_t layer = -1;
     bool set = false;
     bool bf16_exact = false;  // every value set is exactly a BF16 (its low 16 bits zero)
-    bool values_bf16 = false;  // the same, whatever bf16_weight_copies says (the q fold's choice, finalize())
+    bool values_bf16 = false;  // the same, whatever bf16_weight_copies says, for q_a / kv_a (the q fold's choice)
   };
   static constexpr int kCopy = 0, kKvB = 1;
 

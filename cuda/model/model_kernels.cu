@@ -197,7 +197,6 @@ __global__ void fold_q_kernel(const float* w_qb, const float* g, const float* w_
   out[i] = (float)acc;
 }
 
-
 // ---------------------------------------------------------------- SwiGLU (ops.cpp swiglu_row)
 
 __global__ void swiglu_kernel(SwigluParams p) {
