@@ -13,6 +13,8 @@ import os
 import sys
 import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "benchmarks"))
+from bench_cuda_step_options import parse_options  # the NAME=VALUE parser the benchmarks use
 from kdtree_native import _native
 from kdtree_native.config import config_from_dict
 from kdtree_native.drafters import ModelDrafter, NgramDrafter, OracleDrafter
@@ -20,14 +22,7 @@ from kdtree_native.generation import generate
 from hf_models import config_dict, random_weights
 from test_cuda_model import MLA512, load
 
-def option(text):
-    name, _, value = text.partition("=")
-    if value.lower() in ("true", "false"):
-        return name, value.lower() == "true"
-    return name, int(value) if value.lstrip("-").isdigit() else value  # e.g. attention_kernel=mma
-
-
-opts = dict(option(a) for a in sys.argv[1:])
+opts = parse_options(sys.argv[1:], "gpu_generate_check.py")
 for name in ["kimi_like", MLA512]:
     cfg = config_from_dict(config_dict(name))
     w = {k: v.astype(np.float32) for k, v in random_weights(cfg, 0).items()}
