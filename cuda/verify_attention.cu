@@ -249,6 +249,7 @@ __global__ void __launch_bounds__(NT, 1) mla_verify_fast_kernel(VerifyAttentionP
       const int r = 16 * wr + lr + 4 * i;
       const int g = m0 + r;
       const int node = g < M ? g / p.H : -1;
+      const float rsl2 = node >= 0 ? attn_row_scale(p, g) * kLog2e : sl2;  // (q_scale: the row's token's factor)
       float mx = attn_neg_inf();
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
@@ -259,7 +260,7 @@ __global__ void __launch_bounds__(NT, 1) mla_verify_fast_kernel(VerifyAttentionP
           const int t = row - s.L;
           ok = node >= 0 && ((p.visibility[(size_t)node * p.vis_stride + (t >> 6)] >> (t & 63)) & 1ull);
         }
-        acc[i][j] = ok ? acc[i][j] * (p.q_scale && node >= 0 ? attn_row_scale(p, g) * kLog2e : sl2) : attn_neg_inf();
+        acc[i][j] = ok ? acc[i][j] * rsl2 : attn_neg_inf();
         mx = fmaxf(mx, acc[i][j]);
       }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 4));

@@ -1104,11 +1104,12 @@ void CudaModel::gemm_run(cuda::LinearParams lp, float* norm_out, void* stream) {
 }
 
 void CudaModel::gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, const float* w, float* out,
-                        int64_t ldo, float beta, const float* norm_w, double norm_eps, float* norm_out) {
+                        int64_t ldo, float beta, const float* norm_w, double norm_eps, float* norm_out, int tile_rows) {
   if (norm_w && !fuse_norm(T)) throw RuntimeFailure("CudaModel: internal error, a fused RMSNorm outside fuse_norm");
   cuda::LinearParams lp = gemm_params(T, N, Kd, in, ldi, w, out, ldo, beta);
   lp.norm_w = norm_w;
   lp.norm_eps = norm_eps;
+  lp.tile_rows = tile_rows;
   gemm_run(lp, norm_out, nullptr);
 }
 
@@ -1252,22 +1253,11 @@ void CudaModel::attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, 
   const int64_t ldo = fold ? lda + fold_rows_ : lda;  // row stride of qkv_a_out_
   float* const qsrc = fold ? qkv_a_out_ + lda : q_;   // the queries [T, H, Dqk] (row stride ldq)
   const int64_t ldq = fold ? ldo : H * Dqk;
-  // [qa | kv] (and q') in one GEMM, then q.
-  {
-    if (in_norm && !fuse_norm(T)) throw RuntimeFailure("CudaModel: internal error, a fused RMSNorm outside fuse_norm");
-    cuda::LinearParams lp = gemm_params(T, ldo, Dm, in, Dm, ly.qkv_a, qkv_a_out_, ldo, 0.f);
-    lp.norm_w = in_norm;
-    lp.norm_eps = c.rms_norm_eps;
-    // the folded product in one token tile (linear_tile; the automatic height would give T = 17 two 16-row
-    // tiles, each streaming the 16.5 MB of mini-kimi's block: 15.6 us against 11-12; docs/BENCHMARKS.md)
-    if (fold)
-      for (int r : {8, 16, 24, 32, 48, 64, 72})
-        if (r >= T) {
-          lp.tile_rows = r;
-          break;
-        }
-    gemm_run(lp, nullptr, nullptr);
-  }
+  // [qa | kv] (and q') in one GEMM, then q. The folded product in one token tile (on linear_tile: the automatic
+  // height gave T = 17 two 16-row tiles, each streaming mini-kimi's 16.5 MB block, 15.6 us against 11-12;
+  // docs/BENCHMARKS.md "Sixty-fourth session")
+  gemm_nt(T, ldo, Dm, in, Dm, ly.qkv_a, qkv_a_out_, ldo, 0.f, in_norm, c.rms_norm_eps, nullptr,
+          fold ? cuda::linear_tile_one_tile_rows((int)T) : 0);
   // Cache rows (normed latent | roped key) and roped queries: mla_prep, on the side stream with
   // opt_.side_stream (joined before the attention). When the W_UK product runs on linear_skinny,
   // its rope block ropes the queries (LinearParams::rope_out, the same bits) and mla_prep writes

@@ -275,9 +275,10 @@ class CudaModel : public TargetModel {
   // out[T, N] (ldo) = alpha * in[T, Kd] (ldi) @ w[N, Kd]^T + beta * out. norm_w (only when
   // fuse_norm(T)): the in rows are RMSNorm-ed with norm_w / norm_eps first, inside the kernel;
   // norm_out (with norm_w): the normalised rows are also written there [T, Kd], for other consumers.
+  // tile_rows: linear_tile's token rows per tile (LinearParams::tile_rows; 0 = its automatic height).
   void gemm_nt(int64_t T, int64_t N, int64_t Kd, const float* in, int64_t ldi, const float* w, float* out,
                int64_t ldo, float beta = 0.f, const float* norm_w = nullptr, double norm_eps = 0.0,
-               float* norm_out = nullptr);
+               float* norm_out = nullptr, int tile_rows = 0);
   // gemm_nt's parameters, and which kernel it runs them on; gemm_run launches that on `stream`
   // (nullptr: stream_; cuBLAS only on stream_, its handle's stream)
   enum class GemmKind { kSkinny, kTile, kCublas };

@@ -380,7 +380,12 @@ bool linear_tile_supported(const LinearParams& p) {
 // token count (CudaModel runs them here up to 264 tokens).
 int linear_tile_rows(int T, long long wbytes) {
   if (wbytes <= kLinearTileSmallBytes && T > 8) return T <= 32 ? 16 : 24;
-  return T <= 8 ? 8 : T <= 16 ? 16 : T <= 24 ? 24 : T <= 32 ? 32 : T <= 48 ? 48 : T <= 64 ? 64 : T <= 72 ? 72 : 64;
+  const int one = linear_tile_one_tile_rows(T);
+  return one > 0 ? one : 64;
+}
+
+int linear_tile_one_tile_rows(int T) {
+  return T <= 8 ? 8 : T <= 16 ? 16 : T <= 24 ? 24 : T <= 32 ? 32 : T <= 48 ? 48 : T <= 64 ? 64 : T <= 72 ? 72 : 0;
 }
 
 namespace {

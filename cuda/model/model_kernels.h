@@ -104,6 +104,9 @@ long long linear_weight_bytes(const LinearParams& p);
 constexpr long long kLinearTileSmallBytes = 32LL << 20;
 // token rows per tile for a T-token step over weight_bytes of weights (8, 16, 24, 32, 48, 64 or 72)
 int linear_tile_rows(int T, long long weight_bytes);
+// the smallest tile height that holds T token rows in one tile (what linear_tile_rows gives large matrices),
+// 0 past 72 tokens (no one tile holds them)
+int linear_tile_one_tile_rows(int T);
 cudaError_t linear_tile(const LinearParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------- attention combine + W_UV
