@@ -948,6 +948,90 @@ py::object linear_skinny_np(const py::object& x_o, const py::object& w_o, const 
   return py::make_tuple(yo, to_numpy<float>(dno, {(int64_t)std::max(T, 1), (int64_t)Kd}));
 }
 
+// mla_prep's cache rows (skip_q: the queries are the rope block's) on host arrays (tests): kv [T, ldkv] rows
+// [latent (C = len(norm_w)) | k_rope (R = cs.shape[1])], cs [T, R]; by the mla_prep kernel (via="kernel") or by
+// the rope blocks of a W_UK-like linear_skinny launch of H heads (via="uk", LinearParams::prep_on). Returns
+// (cache rows [T, C + R] written at rows row0.. of a NaN-poisoned cache, q_scale [T] or None).
+py::object mla_prep_rows_np(const py::object& kv_o, const py::object& norm_o, const py::object& cs_o, double eps,
+                            int interleaved, const py::object& qa_o, double qa_eps, int H, const std::string& via,
+                            int row0) {
+  if (via != "kernel" && via != "uk") throw kdtree::Error("cuda_mla_prep_rows: via must be 'kernel' or 'uk'");
+  auto kv = as_c<float>(kv_o, "kv", 2);
+  auto g = as_c<float>(norm_o, "norm_w", 1);
+  auto cs = as_c<float>(cs_o, "cs", 2);
+  const int T = (int)kv.shape(0), C = (int)g.shape(0), R = (int)cs.shape(1);
+  if (T < 1 || T > kc::kLinearSkinnyMaxT || H < 1 || row0 < 0 || cs.shape(0) < T || kv.shape(1) < C + R)
+    throw kdtree::Error("cuda_mla_prep_rows: bad sizes");
+  require_device();
+  DevBuf dkv(sizeof(float) * kv.size()), dg(sizeof(float) * C), dcs(sizeof(float) * cs.size());
+  dkv.upload(kv.data(), sizeof(float) * kv.size());
+  dg.upload(g.data(), sizeof(float) * C);
+  dcs.upload(cs.data(), sizeof(float) * cs.size());
+  DevBuf dcache(sizeof(float) * (size_t)(row0 + T) * (C + R)), dqr(sizeof(float) * (size_t)T * H * R);
+  dcache.poison();
+  kc::MlaPrepParams mp{};
+  mp.kv = dkv.as<float>();
+  mp.ldkv = (int)kv.shape(1);
+  mp.kv_norm_w = dg.as<float>();
+  mp.cs = dcs.as<float>();
+  mp.T = T;
+  mp.H = H;
+  mp.Dn = 64;
+  mp.C = C;
+  mp.R = R;
+  mp.eps = eps;
+  mp.interleaved = interleaved;
+  mp.cache = dcache.as<float>();
+  mp.ldc = C + R;
+  mp.row0 = row0;
+  mp.q_rope = dqr.as<float>();
+  mp.skip_q = 1;
+  DevBuf dqa, dsc;
+  if (!qa_o.is_none()) {
+    auto qa = as_c<float>(qa_o, "qa", 2);
+    if (qa.shape(0) < T) throw kdtree::Error("cuda_mla_prep_rows: qa must have a row per token");
+    dqa = DevBuf(sizeof(float) * qa.size());
+    dqa.upload(qa.data(), sizeof(float) * qa.size());
+    dsc = DevBuf(sizeof(float) * T);
+    dsc.poison();
+    mp.qa = dqa.as<float>();
+    mp.ldqa = (int)qa.shape(1);
+    mp.qa_n = (int)qa.shape(1);
+    mp.qa_eps = qa_eps;
+    mp.q_scale_out = dsc.as<float>();
+  }
+  DevBuf dx, dw, dy, dro;
+  if (via == "kernel") {
+    check_cuda(kc::mla_prep(mp, nullptr), "mla_prep");
+  } else {  // the product itself (zeros, 48 rows of 64 per head) is not looked at
+    const int Dn = 64, N = 48;
+    dx = DevBuf(sizeof(float) * (size_t)T * H * (Dn + R) + 16);
+    dw = DevBuf(sizeof(float) * (size_t)H * N * Dn + 16);
+    dy = DevBuf(sizeof(float) * (size_t)T * H * N);
+    dro = DevBuf(sizeof(float) * (size_t)T * H * R);
+    check_cuda(cudaMemset(dx.as<float>(), 0, sizeof(float) * (size_t)T * H * (Dn + R)), "cudaMemset");
+    check_cuda(cudaMemset(dw.as<float>(), 0, sizeof(float) * (size_t)H * N * Dn), "cudaMemset");
+    kc::LinearParams lp{dx.as<float>(), (long long)H * (Dn + R), Dn + R, dw.as<float>(), (long long)N * Dn,
+                        dy.as<float>(), (long long)H * N, N, T, N, Dn, H, 0.f};
+    lp.rope_cs = dcs.as<float>();
+    lp.rope_out = dro.as<float>();
+    lp.rope_ld = (long long)H * R;
+    lp.rope_off = Dn;
+    lp.rope_R = R;
+    lp.rope_interleaved = interleaved;
+    lp.prep_on = 1;
+    lp.prep = mp;
+    check_cuda(kc::linear_skinny(lp, nullptr), "linear_skinny(prep)");
+  }
+  check_cuda(cudaDeviceSynchronize(), "mla_prep");
+  std::vector<float> all((size_t)(row0 + T) * (C + R));
+  dcache.download(all.data(), sizeof(float) * all.size());
+  py::array_t<float> rows({(py::ssize_t)T, (py::ssize_t)(C + R)});
+  std::memcpy(rows.mutable_data(), all.data() + (size_t)row0 * (C + R), sizeof(float) * (size_t)T * (C + R));
+  if (qa_o.is_none()) return py::make_tuple(rows, py::none());
+  return py::make_tuple(rows, to_numpy<float>(dsc, {(int64_t)T}));
+}
+
 // linear_skinny on device-only data (every float 0.0115: the speed does not depend on the
 // values): median kernel time of one call, stream-launched and in graphs of `graph_ops` calls (PDL chain, as inside the model
 // step). The weights rotate over copies (up to max(graph_ops, 8) of them, or about 192 MiB in
@@ -1218,6 +1302,12 @@ void bind_cuda(py::module_& m) {
         "a BF16; the vector path only, else w); rope_cs [T, R] (cos | sin): the rope block also ropes x[b][t, "
         "rope_off .. rope_off + R) (pairs (2j, 2j+1) with rope_interleaved, else (j, j + R/2)) into a second "
         "returned array [T, batch * R] (the W_UK product's queries, LinearParams::rope_out).");
+  m.def("cuda_mla_prep_rows", &mla_prep_rows_np, py::arg("kv"), py::arg("norm_w"), py::arg("cs"), py::arg("eps") = 1e-6,
+        py::arg("interleaved") = 1, py::arg("qa") = py::none(), py::arg("qa_eps") = 1e-6, py::arg("H") = 16,
+        py::arg("via") = "kernel", py::arg("row0") = 0,
+        "mla_prep's cache rows on host arrays (tests): kv [T, >= C + R] = [latent | k_rope], norm_w [C], cs [T, R] "
+        "(cos | sin); via='kernel' the mla_prep kernel, via='uk' the rope blocks of a W_UK-like linear_skinny "
+        "launch of H heads (LinearParams::prep_on). Returns (rows [T, C + R], 1 / rms of each qa row or None).");
   m.def("cuda_linear_skinny_configs", []() {
         py::list l;
         for (int i = 0; i < kc::linear_skinny_num_configs(); ++i) {

@@ -683,13 +683,15 @@ CudaModel::~CudaModel() {
 
 void* CudaModel::fork() {
   if (!side_) return stream_;
+  forked_ = true;
   check_cuda(cudaEventRecord(static_cast<cudaEvent_t>(ev_fork_), as_stream(stream_)), "cudaEventRecord(fork)");
   check_cuda(cudaStreamWaitEvent(as_stream(side_), static_cast<cudaEvent_t>(ev_fork_), 0), "cudaStreamWaitEvent(fork)");
   return side_;
 }
 
 void CudaModel::join() {
-  if (!side_) return;
+  if (!side_ || !forked_) return;  // nothing on the side stream since the last join (a capture forbids the wait)
+  forked_ = false;
   check_cuda(cudaEventRecord(static_cast<cudaEvent_t>(ev_join_), as_stream(side_)), "cudaEventRecord(join)");
   check_cuda(cudaStreamWaitEvent(as_stream(stream_), static_cast<cudaEvent_t>(ev_join_), 0), "cudaStreamWaitEvent(join)");
 }
@@ -1195,6 +1197,7 @@ void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, co
   ep.half = (int)(c.qk_rope_head_dim / 2);
   ep.attention_factor = (float)c.rope_attention_factor;
   ep.cs = rope_cs_;
+  forked_ = false;  // (a step that threw between a fork and its join left it set)
   check_cuda(cuda::embed(ep, st), "embed");
   exact_step_ = opt_.row_exact && T <= CudaModelOptions::kRowExactMaxT;  // read by every product and kernel choice below
   const bool fuse = fuse_norm(T);  // few tokens: the norms before q_a/kv_a, q_b and lm_head run in those kernels
@@ -1235,6 +1238,9 @@ void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, co
     gemm_nt(R, c.vocab_size, Dm, hn_ + t0 * Dm, Dm, head, logits_d, c.vocab_size);
   }
 }
+
+// folded steps of more tokens than this write the cache rows in the W_UK launch (attention() says why)
+constexpr int64_t kPrepInUkMinT = 8;
 
 void CudaModel::attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, int64_t T,
                           int64_t row0, const int32_t* len_d, const float* in, const float* in_norm) {
@@ -1300,7 +1306,18 @@ void CudaModel::attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, 
   const bool rope_uk = Dn > 0 && heads_on_skinny(uk) && cuda::linear_skinny_rope_ok(uk);
   if (rope_uk) {
     mp.skip_q = 1;
-    check_cuda(cuda::mla_prep(mp, as_stream(fork())), "mla_prep(cache rows)");
+    // Folded steps of more than 8 tokens: no q_b between the q_a / kv_a projection and W_UK to hide mla_prep
+    // behind, and its side-stream launch started ~4 us after that projection and ended ~3 us after W_UK (H100
+    // timeline, T = 17): the W_UK launch's rope blocks write the cache rows instead (LinearParams::prep_on, the
+    // same bits), no fork or join. In-step on an H100 (docs/BENCHMARKS.md "Sixty-fifth session"): T = 17 / 20
+    // 1.4 / 1.6 % faster; T = 5 (folded, on skinny) 1.1 % slower and unfolded steps (q_b in between) no
+    // better, so those keep mla_prep beside the chain.
+    if (fold && T > kPrepInUkMinT) {
+      uk.prep = mp;
+      uk.prep_on = 1;
+    } else {
+      check_cuda(cuda::mla_prep(mp, as_stream(fork())), "mla_prep(cache rows)");
+    }
   } else {
     uk.rope_out = nullptr;  // mla_prep ropes the queries
   }

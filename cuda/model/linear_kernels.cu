@@ -28,6 +28,7 @@
 #include "warp_reduce.h"
 #include "model/vec_load.h"
 #include "model/device_math.h"
+#include "model/mla_prep_device.h"
 
 namespace kdtree {
 namespace cuda {
@@ -123,20 +124,22 @@ __device__ __forceinline__ void rope_rows(const LinearParams& p, const float* X,
 }
 
 // PRO: the x prologue: 0 none, 1 RMSNorm (norm_w), 2 SwiGLU of [gate | up] rows (x_swiglu), 3 none
-// plus the rope block (the last block of each batch entry and slice; rope_out).
+// plus the rope block (the first block of each batch entry and slice; rope_out), 4 the rope block that also
+// does mla_prep's cache rows (prep_on; its own instantiation: the prep's registers stay out of the others).
 // BF (with VEC): the weights come from w_bf16 (exact BF16 copies), widened as they are loaded; the
 // arithmetic is the FP32 path's, on the same values, so the results are the same bits.
 template <int RW, int TT, int U, int KS, bool VEC, int PRO, bool BF = false>
 __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearParams p) {
   static_assert(!BF || VEC, "BF16 weights on the vector path only");
-  constexpr bool NORM = PRO == 1, SWI = PRO == 2, ROPE = PRO == 3;
+  constexpr bool NORM = PRO == 1, SWI = PRO == 2, ROPE = PRO == 3 || PRO == 4, PREP = PRO == 4;
   using WT = typename std::conditional<VEC, float4, float>::type;
   constexpr int VW = VEC ? 4 : 1;
   constexpr int NV = RW * TT;            // outputs per row group: value i * TT + t
   constexpr int GROUPS = kLinWarps / KS; // row groups per block
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int grp = warp / KS, kw = warp % KS;
-  const int n0 = (blockIdx.x * GROUPS + grp) * RW;
+  // (ROPE: block x = 0 of each head and slice is the rope block, launched first; the product's blocks follow)
+  const int n0 = (((int)blockIdx.x - (ROPE ? 1 : 0)) * GROUPS + grp) * RW;
   // token slice blockIdx.z: tokens [t0, t0 + T) of the step; more than TT tokens go in gridDim.z
   // slices of ts <= TT tokens, balanced (17 = 9 + 8), each streaming the weights again (mostly
   // from L2)
@@ -149,8 +152,18 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
   const bool live = n0 < N;  // (KS > 1: every warp reaches the block barrier below)
   pdl_trigger();
   if constexpr (ROPE) {
-    if (blockIdx.x == gridDim.x - 1) {  // the whole block: no barrier below is reached
+    if (blockIdx.x == 0) {  // the whole block: no barrier below is reached
       rope_rows(p, X, t0, T);
+      if constexpr (PREP) {  // mla_prep's work for the step's tokens f, f + rope blocks, ... (block-uniform), where
+                        // f = z H + y counts the rope blocks in launch order: one token each, in the first wave
+        static_assert(2 * kLinWarps * 32 >= 256, "mla_prep_token<2, .> covers mla_prep's block of <= 256 threads");
+        __shared__ double red[32], red2[32];
+        const int nrope = (int)(gridDim.y * gridDim.z);
+        for (int t = (int)(blockIdx.z * gridDim.y + blockIdx.y); t < p.T; t += nrope) {
+          mla_prep_token<2, kPrepRegs / 2>(p.prep, t, red, red2);
+          __syncthreads();  // red / red2 read by every thread before the next token writes them
+        }
+      }
       return;
     }
   }
@@ -309,8 +322,14 @@ cudaError_t launch(const LinearParams& p, bool vec, cudaStream_t stream) {
   if constexpr (kRopeConfig<RW, TT, U>) {
     if (p.rope_out) {  // (vec: checked by linear_skinny)
       grid.x += 1;
-      if (bf) launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, 3, true>, grid, kLinWarps * 32, 0, stream, p);
-      else launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, 3>, grid, kLinWarps * 32, 0, stream, p);
+      if (p.prep_on) {
+        if (bf) launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, 4, true>, grid, kLinWarps * 32, 0, stream, p);
+        else launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, 4>, grid, kLinWarps * 32, 0, stream, p);
+      } else if (bf) {
+        launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, 3, true>, grid, kLinWarps * 32, 0, stream, p);
+      } else {
+        launch_kernel(linear_skinny_kernel<RW, TT, U, KS, true, 3>, grid, kLinWarps * 32, 0, stream, p);
+      }
       return cudaGetLastError();
     }
   }
@@ -439,6 +458,10 @@ cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream) {
   if (p.rope_out && (!p.rope_cs || p.rope_R <= 0 || p.rope_R % 2 || p.rope_off < 0 ||
                      p.rope_off + p.rope_R > p.ldx || p.rope_ld < (long long)p.batch * p.rope_R ||
                      !linear_skinny_rope_ok(p)))
+    return cudaErrorInvalidValue;
+  // the prep blocks: mla_prep's cache rows only (the rope block ropes the queries), for this product's tokens,
+  // at most 2 x 128 threads' worth of mla_prep's block (prep_block_threads: <= 256)
+  if (p.prep_on && (!p.rope_out || !p.prep.skip_q || p.prep.T != p.T || !mla_prep_params_ok(p.prep)))
     return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
   const bool vec = vec_path(p);

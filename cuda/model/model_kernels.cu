@@ -11,6 +11,7 @@
 #include "launch.h"
 #include "model/vec_load.h"
 #include "model/device_math.h"
+#include "model/mla_prep_device.h"
 
 namespace kdtree {
 namespace cuda {
@@ -121,69 +122,16 @@ __global__ void rmsnorm_kernel(RmsNormParams p) {
 }
 
 // ---------------------------------------------------------------- MLA preparation
-// One block per token, threads_for(C) threads. Latent element i and rope pair u (u < half: the
-// key's pair u; else head h = u / half - 1, pair u % half) belong to thread i % blockDim, u %
-// blockDim. Every global input is loaded up front (the first kPrepRegs of each kind per thread,
-// with the pairs' cos / sin from the step's RoPE table, into registers; longer rows re-read the
-// rest), so the loads overlap each other. One barrier (the latent's sum of squares); the same
-// arithmetic and reduction order as when the kernel computed cos / sin itself.
-constexpr int kPrepRegs = 4;
-
+// One block per token, threads_for(C) threads: mla_prep_token (mla_prep_device.h, also run by
+// linear_skinny's prep blocks). Latent element i and rope pair u (u < half: the key's pair u; else head
+// h = u / half - 1, pair u % half) belong to thread i % blockDim, u % blockDim. Every global input is
+// loaded up front (the first kPrepRegs of each kind per thread, with the pairs' cos / sin from the
+// step's RoPE table, into registers; longer rows re-read the rest), so the loads overlap each other.
+// One barrier for the latent's sum of squares (and one for q_scale_out's).
 __global__ void __launch_bounds__(256) mla_prep_kernel(MlaPrepParams p) {
   pdl_prologue();
-  __shared__ double red[32];
-  const int t = blockIdx.x, half = p.R / 2, C = p.C, H = p.H, Dn = p.Dn, Dqk = p.Dn + p.R;
-  const int tid = threadIdx.x, bd = blockDim.x, P = (p.skip_q ? 1 : H + 1) * half;
-  const float* kv = p.kv + (size_t)t * p.ldkv;
-  const float* q = p.q + (p.skip_q ? 0 : (size_t)t * p.ldq);  // (skip_q: q unused, maybe null)
-  const float* cs = p.cs + (size_t)t * p.R;
-  const int interleaved = p.interleaved;
-  const long long row0 = p.row0_dev ? (long long)*p.row0_dev + p.row0 : p.row0;
-  auto pair_src = [&](int u) { return u < half ? kv + C : q + (size_t)(u / half - 1) * Dqk + Dn; };
-  float lv[kPrepRegs], lw[kPrepRegs], ra[kPrepRegs], rb[kPrepRegs], rc[kPrepRegs], rs[kPrepRegs];
-#pragma unroll
-  for (int m = 0; m < kPrepRegs; ++m) {
-    const int i = tid + m * bd, u = i;
-    lv[m] = i < C ? kv[i] : 0.f;
-    lw[m] = i < C ? __ldg(p.kv_norm_w + i) : 0.f;
-    ra[m] = rb[m] = rc[m] = rs[m] = 0.f;
-    if (u < P) {
-      rope_load(pair_src(u), half, u % half, interleaved, ra[m], rb[m]);
-      rc[m] = cs[u % half];
-      rs[m] = cs[half + u % half];
-    }
-  }
-  double ss = 0.0;
-#pragma unroll
-  for (int m = 0; m < kPrepRegs; ++m)
-    if (tid + m * bd < C) ss += (double)lv[m] * (double)lv[m];
-  for (int i = tid + kPrepRegs * bd; i < C; i += bd) ss += (double)kv[i] * (double)kv[i];
-  ss = block_sum_once(ss, red);
-  const float inv = rms_inv(ss, C, p.eps);
-  float* row = p.cache + (size_t)(row0 + t) * p.ldc;
-  float* qr = p.q_rope + (size_t)t * H * p.R;
-  const int R = p.R;
-  auto dst = [&](int u) { return u < half ? row + C : qr + (size_t)(u / half - 1) * R; };
-#pragma unroll
-  for (int m = 0; m < kPrepRegs; ++m) {
-    const int i = tid + m * bd, u = i;
-    if (i < C) row[i] = __fmul_rn(lw[m], __fmul_rn(lv[m], inv));
-    if (u < P) rope_store(ra[m], rb[m], rc[m], rs[m], half, u % half, dst(u));
-  }
-  for (int i = tid + kPrepRegs * bd; i < C; i += bd) row[i] = __fmul_rn(p.kv_norm_w[i], __fmul_rn(kv[i], inv));
-  for (int u = tid + kPrepRegs * bd; u < P; u += bd) {
-    float a, b;
-    rope_load(pair_src(u), half, u % half, interleaved, a, b);
-    rope_store(a, b, cs[u % half], cs[half + u % half], half, u % half, dst(u));
-  }
-  if (p.q_scale_out) {  // block-uniform: the folded query norm's factor
-    __shared__ double red2[32];
-    const float* qa = p.qa + (size_t)t * p.ldqa;
-    double sq = 0.0;
-    for (int i = tid; i < p.qa_n; i += bd) sq += (double)qa[i] * (double)qa[i];
-    sq = block_sum_once(sq, red2);
-    if (tid == 0) p.q_scale_out[t] = rms_inv(sq, p.qa_n, p.qa_eps);
-  }
+  __shared__ double red[32], red2[32];
+  mla_prep_token<1>(p, blockIdx.x, red, red2);
 }
 
 // one thread per output; consecutive threads consecutive k (coalesced w_qa reads, w_qb broadcast)
@@ -1410,12 +1358,16 @@ cudaError_t rmsnorm(const RmsNormParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream) {
-  if ((!p.skip_q && !p.q) || !p.q_rope || !p.kv || !p.kv_norm_w || !p.cs || !p.cache) return cudaErrorInvalidValue;
+bool mla_prep_params_ok(const MlaPrepParams& p) {
+  if ((!p.skip_q && !p.q) || !p.q_rope || !p.kv || !p.kv_norm_w || !p.cs || !p.cache) return false;
   if (p.T < 0 || p.H <= 0 || p.C <= 0 || p.R <= 0 || p.R % 2 || p.Dn < 0 || p.ldc < p.C + p.R ||
       p.ldkv < p.C + p.R || (!p.skip_q && p.ldq < p.H * (p.Dn + p.R)) || p.row0 < 0)
-    return cudaErrorInvalidValue;
-  if (p.q_scale_out && (!p.qa || p.qa_n <= 0 || p.ldqa < p.qa_n)) return cudaErrorInvalidValue;
+    return false;
+  return !(p.q_scale_out && (!p.qa || p.qa_n <= 0 || p.ldqa < p.qa_n));
+}
+
+cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream) {
+  if (!mla_prep_params_ok(p)) return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;
   launch_kernel(mla_prep_kernel, p.T, threads_for(p.C), 0, stream, p);
   return cudaGetLastError();

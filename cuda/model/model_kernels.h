@@ -20,6 +20,41 @@
 namespace kdtree {
 namespace cuda {
 
+// ---------------------------------------------------------------- MLA preparation
+// Per token t: cache[r0 + t] = [kv_norm_w * rmsnorm(kv[t, :C]) | rope(kv[t, C:C+R])] with r0 =
+// row0, or r0 = *row0_dev + row0 when row0_dev is given (the committed length read on the device
+// at run time, so that the launch can be captured in a CUDA graph); q_rope[t, h] = rope(q[t, h,
+// Dn:Dn+R]). The rotations' cos / sin come from the step's RoPE table cs (EmbedParams::cs). RoPE
+// input layout: interleaved pairs or NeoX halves; output layout: halves (HF's for both).
+struct MlaPrepParams {
+  const float* q;          // [T, ldq] per head h: [nope (Dn) | rope (R)] at h * Dqk
+  int ldq;
+  const float* kv;         // [T, ldkv] [latent (C) | k_rope (R)]
+  int ldkv;
+  const float* kv_norm_w;  // [C]
+  const float* cs;         // [T, R] per token: cos (R/2) | sin (R/2), times the attention factor
+  int T, H, Dn, C, R;
+  double eps;              // latent norm eps
+  int interleaved;         // 1 = rope_interleave (pairs), 0 = NeoX halves
+  float* cache;            // [>= row0 + T, ldc] this layer's latent cache
+  int ldc;
+  long long row0;          // first cache row written (committed length + chunk offset); with
+                           // row0_dev: the offset added to *row0_dev (>= 0 either way)
+  float* q_rope;           // [T, H, R]
+  const int32_t* row0_dev; // [1] device base row (committed length), or nullptr (default)
+  int skip_q = 0;          // 1: the cache rows only (the W_UK product ropes the queries,
+                           // LinearParams::rope_out): q is not read (may be null), q_rope not written
+  // optional (CudaModel's folded query norm, q_fold): q_scale_out[t] = 1 / rms of the qa_n floats at
+  // qa + t * ldqa (with qa_eps, as the rmsnorm kernel computes it): the factor the attention applies to
+  // token t's scores, whose queries were projected without that norm
+  const float* qa = nullptr;
+  int ldqa = 0, qa_n = 0;
+  double qa_eps = 0.0;
+  float* q_scale_out = nullptr;
+};
+// whether mla_prep (and linear_skinny's prep blocks, LinearParams::prep_on) accept these parameters
+bool mla_prep_params_ok(const MlaPrepParams& p);
+
 // ---------------------------------------------------------------- skinny linear layer
 // y[b][t, n] = beta * y[b][t, n] + sum_k x[b][t, k] * w[b][n, k] for b < batch, t < T, n < N, k < Kd:
 // w row-major [N, Kd] (PyTorch's nn.Linear layout), T <= kLinearSkinnyMaxT token rows. For the
@@ -60,7 +95,7 @@ struct LinearParams {
                                      // w_bf16; linear_tile: tensor-core math, Kd and w_batch multiples of 8,
                                      // w_bf16 16-byte aligned; else w
   // linear_skinny, optional (the W_UK product of MLA): one extra block per batch entry (head) and
-  // token slice applies RoPE to that head's query rope part, rope_R floats at x + rope_off of each
+  // token slice (the first of its row of blocks) applies RoPE to that head's query rope part, rope_R floats at x + rope_off of each
   // token row (the floats after the Kd that the product reads), with the step's table rope_cs
   // ([T, R]: cos | sin, times the attention factor) and writes them to rope_out[t, head, :]
   // (row stride rope_ld): what mla_prep writes to q_rope, the same bits. Vector path only.
@@ -68,6 +103,13 @@ struct LinearParams {
   float* rope_out = nullptr;
   long long rope_ld = 0;
   int rope_off = 0, rope_R = 0, rope_interleaved = 0;
+  // linear_skinny with rope_out, optional (the W_UK product of MLA): the rope blocks also do mla_prep's
+  // work (prep.skip_q must be 1 and prep.T == T): the rope block of head y and token slice z (the f = z batch + y-th
+  // in launch order) writes the cache rows (and q_scale_out) of tokens f, f + batch slices, ..., with mla_prep's arithmetic and
+  // reduction order (the same bits). One launch instead of two, and no stream fork / join between the
+  // q_a / kv_a projection and the attention.
+  int prep_on = 0;
+  MlaPrepParams prep{};
 };
 // One kernel configuration: RW weight rows per warp, TT token rows per slice (more tokens run in
 // balanced slices along grid.z), U k-steps of loads in flight per lane.
@@ -154,38 +196,6 @@ struct RmsNormParams {
 };
 cudaError_t rmsnorm(const RmsNormParams& p, cudaStream_t stream);
 
-// ---------------------------------------------------------------- MLA preparation
-// Per token t: cache[r0 + t] = [kv_norm_w * rmsnorm(kv[t, :C]) | rope(kv[t, C:C+R])] with r0 =
-// row0, or r0 = *row0_dev + row0 when row0_dev is given (the committed length read on the device
-// at run time, so that the launch can be captured in a CUDA graph); q_rope[t, h] = rope(q[t, h,
-// Dn:Dn+R]). The rotations' cos / sin come from the step's RoPE table cs (EmbedParams::cs). RoPE
-// input layout: interleaved pairs or NeoX halves; output layout: halves (HF's for both).
-struct MlaPrepParams {
-  const float* q;          // [T, ldq] per head h: [nope (Dn) | rope (R)] at h * Dqk
-  int ldq;
-  const float* kv;         // [T, ldkv] [latent (C) | k_rope (R)]
-  int ldkv;
-  const float* kv_norm_w;  // [C]
-  const float* cs;         // [T, R] per token: cos (R/2) | sin (R/2), times the attention factor
-  int T, H, Dn, C, R;
-  double eps;              // latent norm eps
-  int interleaved;         // 1 = rope_interleave (pairs), 0 = NeoX halves
-  float* cache;            // [>= row0 + T, ldc] this layer's latent cache
-  int ldc;
-  long long row0;          // first cache row written (committed length + chunk offset); with
-                           // row0_dev: the offset added to *row0_dev (>= 0 either way)
-  float* q_rope;           // [T, H, R]
-  const int32_t* row0_dev; // [1] device base row (committed length), or nullptr (default)
-  int skip_q = 0;          // 1: the cache rows only (the W_UK product ropes the queries,
-                           // LinearParams::rope_out): q is not read (may be null), q_rope not written
-  // optional (CudaModel's folded query norm, q_fold): q_scale_out[t] = 1 / rms of the qa_n floats at
-  // qa + t * ldqa (with qa_eps, as the rmsnorm kernel computes it): the factor the attention applies to
-  // token t's scores, whose queries were projected without that norm
-  const float* qa = nullptr;
-  int ldqa = 0, qa_n = 0;
-  double qa_eps = 0.0;
-  float* q_scale_out = nullptr;
-};
 // The folded query projection of a q-LoRA model (q_fold): out[n, k] = sum_j w_qb[n, j] g[j] w_qa[j, k]
 // (accumulated in double, rounded once), n < N, j < J, k < Kd; all row-major.
 cudaError_t fold_q_projection(const float* w_qb, const float* g, const float* w_qa, int N, int J, int Kd, float* out,

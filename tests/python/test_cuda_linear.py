@@ -268,6 +268,49 @@ def test_rope_block(T, Dn, R, H, interleaved):
     assert np.array_equal(q.view(np.int32), ref.view(np.int32))
 
 
+def prep_reference(kv, g, cs, eps, interleaved, qa, qa_eps):
+    """mla_prep's cache rows in NumPy: [g * (x * inv) | rope(k_rope)] with inv = 1 / sqrt(float32(mean of the
+    squares, summed in float64) + eps) rounded to float32, each product rounded once; 1 / rms of the qa rows."""
+    C, R = g.shape[0], cs.shape[1]
+    lat = kv[:, :C]
+    var = ((lat.astype(np.float64) ** 2).sum(axis=1) / C).astype(np.float32)
+    inv = (1.0 / np.sqrt(var.astype(np.float64) + eps)).astype(np.float32)
+    rows = np.empty((kv.shape[0], C + R), np.float32)
+    rows[:, :C] = g * (lat * inv[:, None])
+    rows[:, C:] = rope_reference(kv[:, C:C + R], cs, kv.shape[0], 1, R, 0, R, interleaved)
+    scale = None
+    if qa is not None:
+        qv = ((qa.astype(np.float64) ** 2).sum(axis=1) / qa.shape[1]).astype(np.float32)
+        scale = (1.0 / np.sqrt(qv.astype(np.float64) + qa_eps)).astype(np.float32)
+    return rows, scale
+
+
+@pytest.mark.parametrize("T,H", [(1, 16), (2, 16), (5, 16), (17, 16), (20, 16), (40, 16), (9, 3), (17, 1)])
+@pytest.mark.parametrize("C,R,folded", [(512, 64, True), (512, 64, False), (96, 8, True), (1100, 16, True)])
+def test_prep_blocks_equal_mla_prep(T, H, C, R, folded):
+    """The W_UK launch's prep blocks (LinearParams::prep_on: mla_prep's cache rows and the folded query norm's
+    factor inside the rope blocks, block y of each token slice taking tokens y, y + H, ...) write the same bits
+    as the mla_prep kernel, every row and factor written (the cache is NaN-poisoned), both as the NumPy
+    reference; C = 96 (a 128-thread mla_prep block), 1100 (elements past the ones loaded up front)."""
+    rng = np.random.default_rng(1000 * T + C + H)
+    kv = (rng.standard_normal((T, C + R + 3)) * rng.uniform(0.1, 4.0, (T, 1))).astype(np.float32)
+    g = rng.uniform(0.5, 1.5, C).astype(np.float32)
+    cs = rng.standard_normal((T, R)).astype(np.float32)
+    qa = (rng.standard_normal((T, 384)) * 3).astype(np.float32) if folded else None
+    for il in (0, 1):
+        k_rows, k_sc = N.cuda_mla_prep_rows(kv, g, cs, 1e-6, il, qa, 1e-6, H=H, via="kernel", row0=5)
+        u_rows, u_sc = N.cuda_mla_prep_rows(kv, g, cs, 1e-6, il, qa, 1e-6, H=H, via="uk", row0=5)
+        assert np.array_equal(k_rows.view(np.int32), u_rows.view(np.int32))
+        ref_rows, ref_sc = prep_reference(kv, g, cs, 1e-6, il, qa, 1e-6)
+        assert not np.isnan(u_rows).any()
+        assert (np.abs(u_rows - ref_rows) <= 2e-7 * np.abs(ref_rows) + 1e-30).all()
+        if folded:
+            assert np.array_equal(k_sc.view(np.int32), u_sc.view(np.int32))
+            assert (np.abs(u_sc - ref_sc) <= 2e-7 * ref_sc).all()
+        else:
+            assert k_sc is None and u_sc is None
+
+
 def test_rope_block_refusals():
     """The rope block exists for the W_UK product's configurations only: others, an odd rope width,
     a rope part past the row and the prologues are refused (ValueError), not ignored."""
