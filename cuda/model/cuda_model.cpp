@@ -1310,8 +1310,8 @@ void CudaModel::attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, 
     // behind, and its side-stream launch started ~4 us after that projection and ended ~3 us after W_UK (H100
     // timeline, T = 17): the W_UK launch's rope blocks write the cache rows instead (LinearParams::prep_on, the
     // same bits), no fork or join. In-step on an H100 (docs/BENCHMARKS.md "Sixty-fifth session"): T = 17 / 20
-    // 1.4 / 1.6 % faster; T = 5 (folded, on skinny) 1.1 % slower and unfolded steps (q_b in between) no
-    // better, so those keep mla_prep beside the chain.
+    // 1.4-1.8 / 1.6 % faster at context 512, T = 17 4.9 % at 4096; T = 5 (folded, on skinny) 1.1 % slower and the
+    // unfolded decode step (q_b in between) 2-3 % slower, so those keep mla_prep beside the chain.
     if (fold && T > kPrepInUkMinT) {
       uk.prep = mp;
       uk.prep_on = 1;

@@ -154,8 +154,8 @@ __global__ void __launch_bounds__(kLinWarps * 32) linear_skinny_kernel(LinearPar
   if constexpr (ROPE) {
     if (blockIdx.x == 0) {  // the whole block: no barrier below is reached
       rope_rows(p, X, t0, T);
-      if constexpr (PREP) {  // mla_prep's work for the step's tokens f, f + rope blocks, ... (block-uniform), where
-                        // f = z H + y counts the rope blocks in launch order: one token each, in the first wave
+      if constexpr (PREP) {  // mla_prep's work for the step's tokens f, f + rope blocks, ... (block-uniform),
+                             // f = z H + y counting the rope blocks in launch order: one token each, first wave
         static_assert(2 * kLinWarps * 32 >= 256, "mla_prep_token<2, .> covers mla_prep's block of <= 256 threads");
         __shared__ double red[32], red2[32];
         const int nrope = (int)(gridDim.y * gridDim.z);

@@ -95,19 +95,19 @@ struct LinearParams {
                                      // w_bf16; linear_tile: tensor-core math, Kd and w_batch multiples of 8,
                                      // w_bf16 16-byte aligned; else w
   // linear_skinny, optional (the W_UK product of MLA): one extra block per batch entry (head) and
-  // token slice (the first of its row of blocks) applies RoPE to that head's query rope part, rope_R floats at x + rope_off of each
-  // token row (the floats after the Kd that the product reads), with the step's table rope_cs
-  // ([T, R]: cos | sin, times the attention factor) and writes them to rope_out[t, head, :]
+  // token slice (the first of its row of blocks) applies RoPE to that head's query rope part, rope_R
+  // floats at x + rope_off of each token row (the floats after the Kd that the product reads), with the
+  // step's table rope_cs ([T, R]: cos | sin, times the attention factor) and writes them to rope_out[t, head, :]
   // (row stride rope_ld): what mla_prep writes to q_rope, the same bits. Vector path only.
   const float* rope_cs = nullptr;
   float* rope_out = nullptr;
   long long rope_ld = 0;
   int rope_off = 0, rope_R = 0, rope_interleaved = 0;
   // linear_skinny with rope_out, optional (the W_UK product of MLA): the rope blocks also do mla_prep's
-  // work (prep.skip_q must be 1 and prep.T == T): the rope block of head y and token slice z (the f = z batch + y-th
-  // in launch order) writes the cache rows (and q_scale_out) of tokens f, f + batch slices, ..., with mla_prep's arithmetic and
-  // reduction order (the same bits). One launch instead of two, and no stream fork / join between the
-  // q_a / kv_a projection and the attention.
+  // work (prep.skip_q must be 1 and prep.T == T): the rope block of head y and token slice z (the f-th in
+  // launch order, f = z batch + y) writes the cache rows (and q_scale_out) of tokens f, f + batch * slices,
+  // ..., with mla_prep's arithmetic and reduction order (the same bits). One launch instead of two, and no
+  // stream fork / join between the q_a / kv_a projection and the attention.
   int prep_on = 0;
   MlaPrepParams prep{};
 };
