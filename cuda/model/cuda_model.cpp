@@ -683,15 +683,13 @@ CudaModel::~CudaModel() {
 
 void* CudaModel::fork() {
   if (!side_) return stream_;
-  forked_ = true;
   check_cuda(cudaEventRecord(static_cast<cudaEvent_t>(ev_fork_), as_stream(stream_)), "cudaEventRecord(fork)");
   check_cuda(cudaStreamWaitEvent(as_stream(side_), static_cast<cudaEvent_t>(ev_fork_), 0), "cudaStreamWaitEvent(fork)");
   return side_;
 }
 
 void CudaModel::join() {
-  if (!side_ || !forked_) return;  // nothing on the side stream since the last join (a capture forbids the wait)
-  forked_ = false;
+  if (!side_) return;
   check_cuda(cudaEventRecord(static_cast<cudaEvent_t>(ev_join_), as_stream(side_)), "cudaEventRecord(join)");
   check_cuda(cudaStreamWaitEvent(as_stream(stream_), static_cast<cudaEvent_t>(ev_join_), 0), "cudaStreamWaitEvent(join)");
 }
@@ -1197,7 +1195,6 @@ void CudaModel::run_step(const int32_t* tokens_d, const int32_t* positions_d, co
   ep.half = (int)(c.qk_rope_head_dim / 2);
   ep.attention_factor = (float)c.rope_attention_factor;
   ep.cs = rope_cs_;
-  forked_ = false;  // (a step that threw between a fork and its join left it set)
   check_cuda(cuda::embed(ep, st), "embed");
   exact_step_ = opt_.row_exact && T <= CudaModelOptions::kRowExactMaxT;  // read by every product and kernel choice below
   const bool fuse = fuse_norm(T);  // few tokens: the norms before q_a/kv_a, q_b and lm_head run in those kernels
@@ -1342,7 +1339,8 @@ void CudaModel::attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, 
   } else {
     check_cuda(cudaMemsetAsync(q_lat_, 0, (size_t)(T * H * C) * sizeof(float), st), "cudaMemset(q_lat)");
   }
-  join();
+  if (!uk.prep_on) join();  // (mla_prep went to the side stream; with prep_on nothing did, and a capture forbids
+                            // waiting on a stream it never forked to)
   // Attention over the latent cache rows [0, row0) (all visible) and the T new rows (mask).
   cuda::VerifyAttentionParams vp{};
   vp.q_latent = q_lat_;

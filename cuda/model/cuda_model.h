@@ -382,7 +382,6 @@ class CudaModel : public TargetModel {
   void* side_ = nullptr;            // cudaStream_t: the second stream (opt_.side_stream), else nullptr
   void* ev_fork_ = nullptr;         // cudaEvent_t: main -> side
   void* ev_join_ = nullptr;         // cudaEvent_t: side -> main
-  bool forked_ = false;             // work went to the side stream since the last join (fork / join)
   // Side work: fork() makes the side stream wait for the main stream's work so far and returns the
   // stream to launch on (the main one without opt_.side_stream); join() makes the main stream wait
   // for the side's work. Inside a capture these become graph branches.

@@ -460,7 +460,7 @@ cudaError_t linear_skinny(const LinearParams& p, cudaStream_t stream) {
                      !linear_skinny_rope_ok(p)))
     return cudaErrorInvalidValue;
   // the prep blocks: mla_prep's cache rows only (the rope block ropes the queries), for this product's tokens,
-  // at most 2 x 128 threads' worth of mla_prep's block (prep_block_threads: <= 256)
+  // at most 2 x 128 threads' worth of mla_prep's block (threads_for: <= 256)
   if (p.prep_on && (!p.rope_out || !p.prep.skip_q || p.prep.T != p.T || !mla_prep_params_ok(p.prep)))
     return cudaErrorInvalidValue;
   if (p.T == 0) return cudaSuccess;

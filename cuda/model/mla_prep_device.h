@@ -12,41 +12,15 @@ namespace cuda {
 
 constexpr int kPrepRegs = 4;  // latent elements / rope pairs per (virtual) thread loaded up front
 
-// threads_for(C) of model_kernels.cu: the block size the mla_prep kernel runs with (its reduction order)
-__device__ __forceinline__ int prep_block_threads(int n) {
-  int t = 32;
-  while (t < n && t < 256) t *= 2;
-  return t;
-}
-
-// The sum that block_sum_once computes over a block of vbd threads, here over vbd "virtual" threads, thread
-// tid + blockDim.x * j holding v[j] (j < NV; vbd <= NV * blockDim.x, a multiple of 32): each virtual warp's
-// values by the same xor tree, then the virtual warps in order. One barrier; red is [32] shared doubles,
-// reused only after another barrier.
-template <int NV>
-__device__ __forceinline__ double vblock_sum(const double (&v)[NV], double* red, int vbd) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-#pragma unroll
-  for (int j = 0; j < NV; ++j) {
-    double x = v[j];
-    for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
-    if (lane == 0 && warp + nw * j < vbd / 32) red[warp + nw * j] = x;
-  }
-  __syncthreads();
-  double t = 0.0;
-  for (int w = 0; w < vbd / 32; ++w) t += red[w];
-  return t;
-}
-
 // Token t of p: cache row [kv_norm_w * rmsnorm(latent) | rope(k_rope)], the query rope parts unless skip_q,
-// and q_scale_out[t]. Virtual thread vt (< vbd = prep_block_threads(C)) does what thread vt of the mla_prep
+// and q_scale_out[t]. Virtual thread vt (< vbd = threads_for(C)) does what thread vt of the mla_prep
 // kernel does (elements and pairs vt + m vbd; the first MR of each kind loaded up front, the rest re-read: the
 // same sums in the same order whatever MR); the activations are read with coherent loads (this may run
 // behind a PDL wait inside a branch, cuda/launch.h). Two barriers; red / red2: [32] shared doubles each.
 template <int NV, int MR = kPrepRegs>
 __device__ __forceinline__ void mla_prep_token(const MlaPrepParams& p, int t, double* red, double* red2) {
   const int half = p.R / 2, C = p.C, H = p.H, Dn = p.Dn, Dqk = p.Dn + p.R, R = p.R;
-  const int vbd = prep_block_threads(C), bd = blockDim.x, P = (p.skip_q ? 1 : H + 1) * half;
+  const int vbd = threads_for(C), bd = blockDim.x, P = (p.skip_q ? 1 : H + 1) * half;
   const float* kv = p.kv + (size_t)t * p.ldkv;
   const float* q = p.q + (p.skip_q ? 0 : (size_t)t * p.ldq);  // (skip_q: q unused, maybe null)
   const float* cs = p.cs + (size_t)t * p.R;
@@ -93,7 +67,7 @@ __device__ __forceinline__ void mla_prep_token(const MlaPrepParams& p, int t, do
       }
     }
   }
-  const float inv = rms_inv(vblock_sum<NV>(ss, red, vbd), C, p.eps);
+  const float inv = rms_inv(block_sum_virtual<NV>(ss, red, vbd), C, p.eps);
   float* row = p.cache + (size_t)(row0 + t) * p.ldc;
   float* qr = p.q_rope + (size_t)t * H * R;
   auto dst = [&](int u) { return u < half ? row + C : qr + (size_t)(u / half - 1) * R; };
@@ -128,7 +102,7 @@ __device__ __forceinline__ void mla_prep_token(const MlaPrepParams& p, int t, do
           sq[j] += (double)x * (double)x;
         }
     }
-    const double s = vblock_sum<NV>(sq, red2, vbd);
+    const double s = block_sum_virtual<NV>(sq, red2, vbd);
     if (threadIdx.x == 0) p.q_scale_out[t] = rms_inv(s, p.qa_n, p.qa_eps);
   }
 }

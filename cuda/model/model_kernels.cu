@@ -24,14 +24,8 @@ __device__ __forceinline__ float neg_inf() { return -__int_as_float(0x7f800000);
 // Sum over the block (blockDim.x a multiple of 32, <= 1024); every thread gets the total.
 template <class V>
 __device__ V block_sum(V v, V* red /* [32] shared */) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
   __syncthreads();  // red may still be read by a previous call
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  V t = V(0);
-  for (int w = 0; w < nw; ++w) t += red[w];
-  return t;
+  return block_sum_once(v, red);
 }
 
 // ---------------------------------------------------------------- embedding
@@ -63,18 +57,7 @@ __global__ void embed_kernel(EmbedParams p) {
 }
 
 // ---------------------------------------------------------------- RMSNorm (ops.cpp rmsnorm_row)
-// (rms_inv: device_math.h)
-// block_sum for a block that reduces once (no barrier needed before the shared writes).
-template <class V>
-__device__ __forceinline__ V block_sum_once(V v, V* red /* [32] shared */) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFull, v, o);
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-  if (lane == 0) red[warp] = v;
-  __syncthreads();
-  V t = V(0);
-  for (int w = 0; w < nw; ++w) t += red[w];
-  return t;
-}
+// (rms_inv, block_sum_once, threads_for: device_math.h)
 
 // One block per row, threads_for(D) threads; thread i owns elements i + j * blockDim (j < NPT),
 // x and w both loaded into registers up front (the weight fetch overlaps the reduction; one pass
@@ -1323,12 +1306,6 @@ template <bool SWI, int QW>
 void launch_gemv_int4(int U, dim3 grid, const ExpertGemmParams& p, cudaStream_t stream) {
   if (p.int4_scales_bf16) launch_gemv_int4_as<SWI, QW, true>(U, grid, p, stream);
   else launch_gemv_int4_as<SWI, QW, false>(U, grid, p, stream);
-}
-
-int threads_for(int n) {
-  int t = 32;
-  while (t < n && t < 256) t *= 2;
-  return t;
 }
 
 }  // namespace
