@@ -52,6 +52,11 @@ __device__ __forceinline__ bool attn_sees_any(const VerifyAttentionParams& p, in
   return any;
 }
 
+// The softmax scale of query row g (token g / H): p.scale, times the token's q_scale factor when given.
+__device__ __forceinline__ float attn_row_scale(const VerifyAttentionParams& p, int g) {
+  return p.q_scale ? p.scale * p.q_scale[g / p.H] : p.scale;
+}
+
 // One chunk's online-softmax step for one query row, TPR consecutive lanes per row, KPT keys each,
 // in two parts around the caller's store of P (each kernel lays P out its own way):
 //   attn_softmax_exp: v = the raw scores of keys kbase + kofs + (0 .. KPT - 1) of tree node `node` (-1:
@@ -61,11 +66,6 @@ __device__ __forceinline__ bool attn_sees_any(const VerifyAttentionParams& p, in
 //     keeps maximum -inf and gets P = 0.
 //   attn_softmax_commit: the row sum over the TPR lanes; lane `leader` updates the row's running
 //     (m, l) and alpha = 2^(m_old - m_new), the factor the row's O must be scaled by.
-// The softmax scale of query row g (token g / H): p.scale, times the token's q_scale factor when given.
-__device__ __forceinline__ float attn_row_scale(const VerifyAttentionParams& p, int g) {
-  return p.q_scale ? p.scale * p.q_scale[g / p.H] : p.scale;
-}
-
 template <int KPT, int TPR>
 __device__ __forceinline__ float attn_softmax_exp(const VerifyAttentionParams& p, int L, int N, int node, int kbase,
                                                  int kofs, float sl2, float (&v)[KPT], const float& m, float& mo, float& sum) {

@@ -1318,9 +1318,8 @@ void CudaModel::attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, 
   } else {
     uk.rope_out = nullptr;  // mla_prep ropes the queries
   }
-  if (fold) {
-    // (q' came with q_a / kv_a)
-  } else if (qr > 0) {
+  // The query projection (with q_fold, q' came with q_a / kv_a: nothing to do).
+  if (!fold && qr > 0) {
     if (in_norm) {  // fused: q_a's latent norm inside the q_b projection
       gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk, 0.f, ly.q_a_ln, c.latent_norm_eps);
     } else {
@@ -1328,7 +1327,7 @@ void CudaModel::attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, 
       check_cuda(cuda::rmsnorm(np, st), "rmsnorm(q_a)");
       gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk);
     }
-  } else {
+  } else if (!fold) {
     gemm_nt(T, H * Dqk, Dm, in, Dm, ly.q_b, q_, H * Dqk, 0.f, in_norm, c.rms_norm_eps);
   }
   // Otherwise mla_prep (cache rows, roped queries) and the W_UK product both only read q_ /

@@ -31,8 +31,9 @@ __host__ __device__ constexpr int threads_for(int n) {
 
 // The sum of a block of vbd threads (a multiple of 32) as one barrier's reduction forms it: each warp's
 // values by an xor tree, then the warps in order. The block may run fewer threads than vbd: thread
-// tid + blockDim.x * j stands for v[j] (j < NV, vbd <= NV * blockDim.x, vbd = blockDim.x when NV = 1; linear_skinny's prep blocks play
-// mla_prep's 256 threads with 128). red: [32] shared, reused only after another barrier.
+// tid + blockDim.x * j stands for v[j] (j < NV, vbd <= NV * blockDim.x, vbd = blockDim.x when NV = 1;
+// linear_skinny's prep blocks play mla_prep's 256 threads with 128). red: [32] shared, reused only
+// after another barrier.
 template <int NV, class V>
 __device__ __forceinline__ V block_sum_virtual(const V (&v)[NV], V* red, int vbd) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5, vw = vbd >> 5;

@@ -33,8 +33,7 @@ __device__ __forceinline__ void mla_prep_token(const MlaPrepParams& p, int t, do
     a = __ldcg(x + (il ? 2 * j : j));
     b = __ldcg(x + (il ? 2 * j + 1 : j + half));
   };
-  float lv[NV][MR], lw[NV][MR], ra[NV][MR], rb[NV][MR], rc[NV][MR],
-      rs[NV][MR];
+  float lv[NV][MR], lw[NV][MR], ra[NV][MR], rb[NV][MR], rc[NV][MR], rs[NV][MR];
 #pragma unroll
   for (int j = 0; j < NV; ++j) {
     const int vt = threadIdx.x + bd * j;

@@ -196,11 +196,13 @@ struct RmsNormParams {
 };
 cudaError_t rmsnorm(const RmsNormParams& p, cudaStream_t stream);
 
+// The MLA preparation of the step's tokens (MlaPrepParams above).
+cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream);
+
 // The folded query projection of a q-LoRA model (q_fold): out[n, k] = sum_j w_qb[n, j] g[j] w_qa[j, k]
 // (accumulated in double, rounded once), n < N, j < J, k < Kd; all row-major.
 cudaError_t fold_q_projection(const float* w_qb, const float* g, const float* w_qa, int N, int J, int Kd, float* out,
                               cudaStream_t stream);
-cudaError_t mla_prep(const MlaPrepParams& p, cudaStream_t stream);
 
 // ---------------------------------------------------------------- SwiGLU
 // out[r, i] = silu(gu[r, i]) * gu[r, I + i]; rows r < *n_rows when n_rows (device) is given,
