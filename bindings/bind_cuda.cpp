@@ -253,33 +253,49 @@ void check_budget_depth(int64_t budget, int64_t D) {
     throw kdtree::Error("depth D=" + std::to_string(D) + " exceeds the GPU limit " + std::to_string(kc::kTreeMaxDepth));
 }
 
+// A tree build's drafter input on the device: [D, K] log-probabilities and token ids, checked (equal
+// shapes, K >= 1, budget and depth within the GPU's limits) and uploaded.
+struct TreeBuildInput {
+  int64_t D = 0, K = 0;
+  DevBuf lp, ids;
+  TreeBuildInput(const py::object& lp_o, const py::object& ids_o, int64_t budget) {
+    auto lp_h = as_c<float>(lp_o, "logprobs", 2);
+    auto ids_h = as_c<int32_t>(ids_o, "token_ids", 2);
+    D = lp_h.shape(0);
+    K = lp_h.shape(1);
+    if (ids_h.shape(0) != D || ids_h.shape(1) != K) throw kdtree::Error("token_ids shape must equal logprobs shape");
+    check_budget_depth(budget, D);
+    if (K < 1) throw kdtree::Error("K must be >= 1");
+    lp = DevBuf(sizeof(float) * D * K);
+    ids = DevBuf(sizeof(int32_t) * D * K);
+    lp.upload(lp_h.data(), lp.bytes);
+    ids.upload(ids_h.data(), ids.bytes);
+  }
+  kc::TreeBuildParams params(int64_t budget, int force_fallback) const {
+    kc::TreeBuildParams p{};
+    p.logprobs = lp.as<float>();
+    p.token_ids = ids.as<int32_t>();
+    p.D = (int)D;
+    p.K = (int)K;
+    p.ld = (int)K;
+    p.budget = (int)budget;
+    p.force_fallback = force_fallback;
+    return p;
+  }
+};
+
 py::dict tree_build_np(const py::object& lp_o, const py::object& ids_o, int64_t budget, int64_t cache_len,
                        int force_fallback) {
   if (force_fallback < 0 || force_fallback > 4)
     throw kdtree::Error("force_fallback must be 0 (auto), 1 (fallback), 2 (one warp), 3 (parallel) or 4 (parallel, "
                         "adaptive threshold only)");
   require_device();
-  auto lp = as_c<float>(lp_o, "logprobs", 2);
-  auto ids = as_c<int32_t>(ids_o, "token_ids", 2);
-  const int64_t D = lp.shape(0), K = lp.shape(1);
-  if (ids.shape(0) != D || ids.shape(1) != K) throw kdtree::Error("token_ids shape must equal logprobs shape");
-  check_budget_depth(budget, D);
-  if (K < 1) throw kdtree::Error("K must be >= 1");
   if (cache_len < 0 || cache_len > INT32_MAX - 64) throw kdtree::Error("cache_len out of range");
-  DevBuf dlp(sizeof(float) * D * K), dids(sizeof(int32_t) * D * K);
-  dlp.upload(lp.data(), sizeof(float) * D * K);
-  dids.upload(ids.data(), sizeof(int32_t) * D * K);
+  TreeBuildInput in(lp_o, ids_o, budget);
   TreeDev out((int)budget);
   out.poison();
-  kc::TreeBuildParams p{};
-  p.logprobs = dlp.as<float>();
-  p.token_ids = dids.as<int32_t>();
-  p.D = (int)D;
-  p.K = (int)K;
-  p.ld = (int)K;
-  p.budget = (int)budget;
+  kc::TreeBuildParams p = in.params(budget, force_fallback);
   p.cache_len = (int)cache_len;
-  p.force_fallback = force_fallback;
   out.fill(p);
   {
     py::gil_scoped_release nogil;
@@ -596,22 +612,9 @@ py::dict time_tree_build(const py::object& lp_o, const py::object& ids_o, int64_
   require_device();
   if (force_path != 0 && force_path != 2 && force_path != 3 && force_path != 4)
     throw kdtree::Error("force_path must be 0 (auto), 2 (one warp), 3 (parallel) or 4 (parallel, adaptive threshold)");
-  auto lp = as_c<float>(lp_o, "logprobs", 2);
-  auto ids = as_c<int32_t>(ids_o, "token_ids", 2);
-  const int64_t D = lp.shape(0), K = lp.shape(1);
-  check_budget_depth(budget, D);
-  DevBuf dlp(sizeof(float) * D * K), dids(sizeof(int32_t) * D * K);
-  dlp.upload(lp.data(), dlp.bytes);
-  dids.upload(ids.data(), dids.bytes);
+  TreeBuildInput in(lp_o, ids_o, budget);
   TreeDev out((int)budget);
-  kc::TreeBuildParams p{};
-  p.logprobs = dlp.as<float>();
-  p.token_ids = dids.as<int32_t>();
-  p.D = (int)D;
-  p.K = (int)K;
-  p.ld = (int)K;
-  p.budget = (int)budget;
-  p.force_fallback = force_path;
+  kc::TreeBuildParams p = in.params(budget, force_path);
   out.fill(p);
   Timing t = time_op([&](cudaStream_t s) { return kc::tree_build(p, s); }, iters, warmup);
   py::dict d = out.result();

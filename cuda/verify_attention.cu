@@ -1227,7 +1227,10 @@ constexpr double kMmaChunkUs = 7.8;         // tensor-core kernel: one 32-row x 
                                             //   (measured on the H200: T = 65, H = 16, L = 4096)
 constexpr double kMmaWaveUs = 3.0;          // ... per wave of blocks (Q load, first chunk's latency, epilogue)
 constexpr int kMmaTargetWaves = 4;          // ... at most ~4 waves of (SMs x 1) blocks
-constexpr double kMmaHalfFrac = 0.6;        // ... a chunk of a 16-row (one m-tile) block, relative
+constexpr double kMmaHalfFrac = 0.6;        // ... a chunk of a 16-row (one m-tile) block, relative (sizes only
+                                            //   the last row block's splits; in-step, 16-row blocks of 2-3
+                                            //   chunks took ~85-90 % of a 32-row chunk each, H100, docs/BENCHMARKS.md
+                                            //   "Sixty-ninth session": optimistic, the L = 4096 pick stands)
 constexpr int kTiledMaxSplits = 64;
 constexpr size_t kMaxWorkspaceBytes = size_t(64) << 20;  // splits * M * (C + 2) * 4 bytes at most
 }  // namespace cost

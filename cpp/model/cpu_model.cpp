@@ -454,12 +454,7 @@ void CpuModel::set_weight_bf16(const std::string& name, const uint16_t* bits, co
   set_any(name, bits, shape);
 }
 
-std::vector<std::string> CpuModel::missing_weights() const {
-  std::vector<std::string> m;
-  for (const std::string& n : slot_order_)
-    if (!slots_.at(n).set) m.push_back(n);
-  return m;
-}
+std::vector<std::string> CpuModel::missing_weights() const { return unset_slots(slot_order_, slots_); }
 
 void CpuModel::finalize() {
   std::vector<std::string> missing = missing_weights();

@@ -72,6 +72,15 @@ void check_forward_args(const TargetModel& m, const int32_t* tokens, const int32
 
 // Throws Error("finalize: N weight tensor(s) missing: a, b, ...") when `missing` is not empty.
 void check_no_missing_weights(const std::vector<std::string>& missing);
+// The names in `order` whose slot (a map name -> struct with a bool `set`) was never set, in that order:
+// the backends' missing_weights().
+template <class SlotMap>
+std::vector<std::string> unset_slots(const std::vector<std::string>& order, const SlotMap& slots) {
+  std::vector<std::string> m;
+  for (const std::string& n : order)
+    if (!slots.at(n).set) m.push_back(n);
+  return m;
+}
 void check_commit_args(const TargetModel& m, const int32_t* keep, int64_t n);
 void check_truncate_args(const TargetModel& m, int64_t n);
 

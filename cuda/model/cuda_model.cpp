@@ -884,12 +884,7 @@ CudaModel::Q4View CudaModel::int4_of(const float* w, int64_t n) const {
   return v;
 }
 
-std::vector<std::string> CudaModel::missing_weights() const {
-  std::vector<std::string> m;
-  for (const std::string& n : slot_order_)
-    if (!slots_.at(n).set) m.push_back(n);
-  return m;
-}
+std::vector<std::string> CudaModel::missing_weights() const { return unset_slots(slot_order_, slots_); }
 
 void CudaModel::finalize() {
   std::vector<std::string> missing = missing_weights();
@@ -1319,16 +1314,16 @@ void CudaModel::attention(Layer& ly, const uint64_t* vis_d, int64_t vis_stride, 
     uk.rope_out = nullptr;  // mla_prep ropes the queries
   }
   // The query projection (with q_fold, q' came with q_a / kv_a: nothing to do).
-  if (!fold && qr > 0) {
-    if (in_norm) {  // fused: q_a's latent norm inside the q_b projection
+  if (!fold) {
+    if (qr == 0) {  // no q LoRA: q_proj (held as q_b) straight from the layer's input
+      gemm_nt(T, H * Dqk, Dm, in, Dm, ly.q_b, q_, H * Dqk, 0.f, in_norm, c.rms_norm_eps);
+    } else if (in_norm) {  // fused: q_a's latent norm inside the q_b projection
       gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk, 0.f, ly.q_a_ln, c.latent_norm_eps);
     } else {
       cuda::RmsNormParams np{qkv_a_out_, ly.q_a_ln, (int)T, (int)qr, (int)lda, (int)lda, c.latent_norm_eps, qkv_a_out_};
       check_cuda(cuda::rmsnorm(np, st), "rmsnorm(q_a)");
       gemm_nt(T, H * Dqk, qr, qkv_a_out_, lda, ly.q_b, q_, H * Dqk);
     }
-  } else if (!fold) {
-    gemm_nt(T, H * Dqk, Dm, in, Dm, ly.q_b, q_, H * Dqk, 0.f, in_norm, c.rms_norm_eps);
   }
   // Otherwise mla_prep (cache rows, roped queries) and the W_UK product both only read q_ /
   // qkv_a_out_: the prep runs beside the product.

@@ -187,6 +187,23 @@ def test_tree_build_limits():
         cu.tree_build(lp[:2], ids[:2], 1025)
 
 
+def test_tree_build_native_entries_check_shapes():
+    """The native tree builds (the plain one and the benchmarks' timed one share their input checks) refuse
+    token ids of another shape than the log-probabilities, K = 0 and a depth past the GPU's limit."""
+    lp = np.zeros((2, 3), np.float32)
+    ids = np.zeros((2, 3), np.int32)
+    calls = {"plain": lambda a, b: N.cuda_tree_build(a, b, 4),
+             "timed": lambda a, b: N.cuda_time_tree_build(a, b, 4, iters=1, warmup=0)}
+    for name, call in calls.items():
+        assert call(lp, ids)["n"] == 4, name
+        with pytest.raises(ValueError, match="shape"):
+            call(lp, ids[:, :2])
+        with pytest.raises(ValueError, match="K"):
+            call(lp[:, :0], ids[:, :0])
+        with pytest.raises(ValueError, match="depth"):
+            call(np.zeros((17, 2), np.float32), np.zeros((17, 2), np.int32))
+
+
 # ----------------------------------------------------------------------------- top-k + from logits
 def logits_cases():
     rng = np.random.default_rng(5)
