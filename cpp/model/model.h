@@ -72,6 +72,9 @@ void check_forward_args(const TargetModel& m, const int32_t* tokens, const int32
 
 // Throws Error("finalize: N weight tensor(s) missing: a, b, ...") when `missing` is not empty.
 void check_no_missing_weights(const std::vector<std::string>& missing);
+void check_commit_args(const TargetModel& m, const int32_t* keep, int64_t n);
+void check_truncate_args(const TargetModel& m, int64_t n);
+
 // The names in `order` whose slot (a map name -> struct with a bool `set`) was never set, in that order:
 // the backends' missing_weights().
 template <class SlotMap>
@@ -81,7 +84,5 @@ std::vector<std::string> unset_slots(const std::vector<std::string>& order, cons
     if (!slots.at(n).set) m.push_back(n);
   return m;
 }
-void check_commit_args(const TargetModel& m, const int32_t* keep, int64_t n);
-void check_truncate_args(const TargetModel& m, int64_t n);
 
 }  // namespace kdtree
